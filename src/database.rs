@@ -1,0 +1,66 @@
+//! Opening the database: `DATABASE_URL` when given, else the embedded default cluster.
+
+use std::path::PathBuf;
+use std::str::FromStr;
+
+use anyhow::Context;
+use sqlx::PgPool;
+use sqlx::postgres::PgConnectOptions;
+
+use crate::config::DatabaseArgs;
+use crate::embedded::{self, EmbeddedCluster};
+use crate::store;
+
+/// An open connection pool, and the embedded cluster behind it if credpool started one.
+#[derive(Debug)]
+pub struct Database {
+    /// The connection pool.
+    pub pool: PgPool,
+    /// The embedded cluster, when no `DATABASE_URL` was given.
+    pub embedded: Option<EmbeddedCluster>,
+    /// The embedded default's data directory, when in use.
+    pub data_dir: Option<PathBuf>,
+}
+
+impl Database {
+    /// Connects (starting the embedded cluster when no URL is configured) and applies pending
+    /// migrations.
+    pub async fn open(args: &DatabaseArgs) -> anyhow::Result<Self> {
+        let (options, embedded, data_dir) = match &args.database_url {
+            Some(url) => {
+                let options = PgConnectOptions::from_str(url)
+                    .context("DATABASE_URL is not a valid PostgreSQL URL")?;
+                (options, None, None)
+            }
+            None => {
+                let data_dir = args
+                    .data_dir
+                    .clone()
+                    .unwrap_or_else(embedded::default_data_dir);
+                let cluster = EmbeddedCluster::start(&data_dir, args.pg_bin_dir.as_deref())
+                    .await
+                    .context("starting the embedded default database")?;
+                (cluster.connect_options(), Some(cluster), Some(data_dir))
+            }
+        };
+        let pool = store::connect_lazy(options, &args.pool_settings());
+        let database = Database {
+            pool,
+            embedded,
+            data_dir,
+        };
+        if let Err(error) = store::migrate(&database.pool).await {
+            database.close().await;
+            return Err(error).context("applying database migrations");
+        }
+        Ok(database)
+    }
+
+    /// Closes the pool, then stops the embedded cluster if this process started it.
+    pub async fn close(self) {
+        self.pool.close().await;
+        if let Some(cluster) = self.embedded {
+            cluster.stop().await;
+        }
+    }
+}

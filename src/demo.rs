@@ -1,0 +1,314 @@
+//! `credpool demo`: the service in-process on a free port, a demo pool of 20 credentials, and a
+//! fleet of simulated executors driving it over real HTTP — allocating, holding for a random
+//! time (some calls outlive the lease and renew; a few executors "crash" and never release),
+//! reporting outcomes and releasing. The summary's per-credential peak is computed in SQL from the
+//! audit trail; the command exits non-zero if any peak exceeds its credential's limit.
+//!
+//! The demo credentials live under the provider `demo` with key ids `demo-*`, so running the demo
+//! against a real database never mixes with real credentials.
+
+use std::collections::BTreeMap;
+use std::process::ExitCode;
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use rand::rngs::StdRng;
+use rand::{RngExt, SeedableRng};
+use reqwest::StatusCode;
+use serde_json::{Value, json};
+
+use crate::config::DemoArgs;
+use crate::database::Database;
+use crate::http::ApiKeys;
+use crate::startup::Application;
+use crate::store::audit;
+
+const PROVIDER: &str = "demo";
+const MODELS: [&str; 3] = ["gpt-4o", "gpt-4o-mini", "o3-mini"];
+
+/// The demo pool: 14 `default` and 6 `vip` credentials, limits 1 to 4, serving overlapping models.
+fn demo_credentials() -> Vec<(String, &'static str, u32, Vec<&'static str>)> {
+    (0..20)
+        .map(|i| {
+            let pool = if i < 14 { "default" } else { "vip" };
+            let limit = (i % 4) + 1;
+            let models = match i % 3 {
+                0 => vec![MODELS[0], MODELS[1]],
+                1 => vec![MODELS[0], MODELS[2]],
+                _ => MODELS.to_vec(),
+            };
+            (format!("demo-{pool}-{i:02}"), pool, limit, models)
+        })
+        .collect()
+}
+
+#[derive(Debug, Default)]
+struct Stats {
+    granted: u64,
+    served_by_pool: BTreeMap<String, u64>,
+    exhausted: u64,
+    other_status: BTreeMap<u16, u64>,
+    released: BTreeMap<String, u64>,
+    renewed: u64,
+    renew_lost: u64,
+    crashed: u64,
+}
+
+struct Fleet {
+    client: reqwest::Client,
+    base: String,
+    internal_key: String,
+    lease_seconds: u32,
+    deadline: Instant,
+    stats: Mutex<Stats>,
+}
+
+impl Fleet {
+    fn stats(&self) -> std::sync::MutexGuard<'_, Stats> {
+        self.stats
+            .lock()
+            .unwrap_or_else(|poisoned| poisoned.into_inner())
+    }
+
+    async fn post(&self, path: &str, body: &Value) -> reqwest::Result<reqwest::Response> {
+        self.client
+            .post(format!("{}{path}", self.base))
+            .header("x-internal-key", &self.internal_key)
+            .json(body)
+            .send()
+            .await
+    }
+
+    /// One executor: lease, "call upstream", report, repeat until the deadline.
+    async fn executor(self: Arc<Self>, index: usize) {
+        let mut rng = StdRng::seed_from_u64(rand::random());
+        let holder = format!("demo-executor-{index:02}");
+        while Instant::now() < self.deadline {
+            let pool = if rng.random_bool(0.25) {
+                "vip"
+            } else {
+                "default"
+            };
+            let model = MODELS[rng.random_range(0..MODELS.len())];
+            let body = json!({"provider": PROVIDER, "model": model, "pool": pool,
+                              "lease_seconds": self.lease_seconds, "holder": holder});
+            let response = match self.post("/api/internal/allocate-key", &body).await {
+                Ok(response) => response,
+                Err(_) => {
+                    *self.stats().other_status.entry(0).or_default() += 1;
+                    tokio::time::sleep(Duration::from_millis(100)).await;
+                    continue;
+                }
+            };
+            match response.status() {
+                StatusCode::OK => {
+                    let Ok(lease) = response.json::<Value>().await else {
+                        continue;
+                    };
+                    {
+                        let mut stats = self.stats();
+                        stats.granted += 1;
+                        *stats
+                            .served_by_pool
+                            .entry(lease["pool"].as_str().unwrap_or("?").to_owned())
+                            .or_default() += 1;
+                    }
+                    self.use_lease(&lease, &mut rng).await;
+                }
+                StatusCode::TOO_MANY_REQUESTS => {
+                    self.stats().exhausted += 1;
+                    // back off, but not for the whole Retry-After: the demo wants traffic
+                    tokio::time::sleep(Duration::from_millis(rng.random_range(20..120))).await;
+                }
+                other => {
+                    *self.stats().other_status.entry(other.as_u16()).or_default() += 1;
+                    tokio::time::sleep(Duration::from_millis(100)).await;
+                }
+            }
+        }
+    }
+
+    async fn use_lease(&self, lease: &Value, rng: &mut StdRng) {
+        let lease_ref = json!({"provider": lease["provider"], "pool": lease["pool"],
+                               "key_id": lease["key_id"], "lease_id": lease["lease_id"]});
+        let roll: f64 = rng.random();
+        if roll < 0.03 {
+            // crashed: never releases; the slot frees at lease_until
+            self.stats().crashed += 1;
+            tokio::time::sleep(Duration::from_millis(rng.random_range(50..500))).await;
+            return;
+        }
+        let lease_ms = u64::from(self.lease_seconds) * 1000;
+        let call_ms = if roll < 0.13 {
+            rng.random_range(lease_ms * 3 / 2..lease_ms * 5 / 2)
+        } else {
+            rng.random_range(20..400)
+        };
+        // long calls heartbeat at a third of the lease
+        let started = Instant::now();
+        let heartbeat = Duration::from_millis(lease_ms / 3);
+        while started.elapsed() < Duration::from_millis(call_ms) {
+            let left = Duration::from_millis(call_ms).saturating_sub(started.elapsed());
+            tokio::time::sleep(left.min(heartbeat)).await;
+            if started.elapsed() >= Duration::from_millis(call_ms) {
+                break;
+            }
+            let mut renew = lease_ref.clone();
+            renew["lease_seconds"] = json!(self.lease_seconds);
+            match self.post("/api/internal/renew-lease", &renew).await {
+                Ok(r) if r.status() == StatusCode::OK => self.stats().renewed += 1,
+                _ => {
+                    // lease lost: stop using the credential at once
+                    self.stats().renew_lost += 1;
+                    break;
+                }
+            }
+        }
+        let outcome = match rng.random_range(0..100) {
+            0..85 => "success",
+            85..93 => "failure",
+            _ => "rate_limited",
+        };
+        let mut release = lease_ref;
+        release["outcome"] = json!(outcome);
+        let result = match self.post("/api/internal/release-key", &release).await {
+            Ok(r) => match r.json::<Value>().await {
+                Ok(body) if body["released"] == json!(true) => "released".to_owned(),
+                Ok(body) => format!("not released: {}", body["reason"].as_str().unwrap_or("?")),
+                Err(_) => "error".to_owned(),
+            },
+            Err(_) => "error".to_owned(),
+        };
+        *self.stats().released.entry(result).or_default() += 1;
+    }
+}
+
+/// Runs the demo; the exit code is non-zero when any credential's peak exceeded its limit.
+pub async fn run(args: DemoArgs) -> anyhow::Result<ExitCode> {
+    let database = Database::open(&args.db).await?;
+    let result = run_on(&args, &database).await;
+    database.close().await;
+    result
+}
+
+async fn run_on(args: &DemoArgs, database: &Database) -> anyhow::Result<ExitCode> {
+    let internal_key = hex::encode(rand::random::<[u8; 16]>());
+    let admin_key = hex::encode(rand::random::<[u8; 16]>());
+    let keys = ApiKeys::new(internal_key.clone(), admin_key.clone()).map_err(anyhow::Error::msg)?;
+    let app = Application::bind(
+        "127.0.0.1:0".parse()?,
+        database.pool.clone(),
+        keys,
+        &args.service,
+    )
+    .await?;
+    let base = format!("http://{}", app.local_addr()?);
+    let (stop_tx, stop_rx) = tokio::sync::oneshot::channel::<()>();
+    let server = tokio::spawn(app.run_until(async {
+        let _ = stop_rx.await;
+    }));
+
+    let client = reqwest::Client::builder()
+        .pool_max_idle_per_host(args.executors.max(1))
+        .timeout(Duration::from_secs(30))
+        .build()?;
+    let credentials = demo_credentials();
+    for (key_id, pool, limit, models) in &credentials {
+        let response = client
+            .put(format!("{base}/api/admin/keys/{key_id}"))
+            .header("x-admin-key", &admin_key)
+            .json(&json!({"provider": PROVIDER, "pool": pool, "models": models, "max_concurrent_uses": limit,
+                          "status": "available", "secret": {"api_key": format!("sk-demo-{}", hex::encode(rand::random::<[u8; 8]>()))}}))
+            .send()
+            .await?;
+        anyhow::ensure!(
+            response.status().is_success(),
+            "loading {key_id}: HTTP {}",
+            response.status()
+        );
+    }
+    println!(
+        "credpool demo: {} executors for {} s on {} credentials (limits 1-4, pools default and vip), lease {} s, service at {base}",
+        args.executors,
+        args.duration_seconds,
+        credentials.len(),
+        args.lease_seconds
+    );
+
+    let since = audit::database_now(&database.pool).await?;
+    let fleet = Arc::new(Fleet {
+        client,
+        base,
+        internal_key,
+        lease_seconds: args.lease_seconds.max(1),
+        deadline: Instant::now() + Duration::from_secs(args.duration_seconds),
+        stats: Mutex::new(Stats::default()),
+    });
+    let tasks: Vec<_> = (0..args.executors)
+        .map(|i| tokio::spawn(fleet.clone().executor(i)))
+        .collect();
+    for task in tasks {
+        task.await?;
+    }
+    let _ = stop_tx.send(());
+    server.await??;
+
+    // let crashed executors' leases run out, so that the trail's view of them is final
+    tokio::time::sleep(Duration::from_millis(
+        u64::from(args.lease_seconds) * 1000 + 200,
+    ))
+    .await;
+    let until = audit::database_now(&database.pool).await?;
+    let key_ids: Vec<String> = credentials.iter().map(|c| c.0.clone()).collect();
+    let peaks = audit::peak_concurrency(&database.pool, since, until, &key_ids).await?;
+    let expired = audit::expired_without_release(&database.pool, since, until, &key_ids).await?;
+
+    let stats = fleet.stats();
+    println!();
+    println!("leases granted        {:>8}", stats.granted);
+    for (pool, n) in &stats.served_by_pool {
+        println!("  served by {pool:<10} {n:>8}");
+    }
+    println!("429 pool_exhausted    {:>8}", stats.exhausted);
+    for (status, n) in &stats.other_status {
+        println!("other answers ({status})  {n:>8}");
+    }
+    for (result, n) in &stats.released {
+        println!("release: {result:<20} {n:>8}", result = result);
+    }
+    println!("renewals              {:>8}", stats.renewed);
+    println!("renewals lost         {:>8}", stats.renew_lost);
+    println!("executor crashes      {:>8}", stats.crashed);
+    println!(
+        "expired leases        {:>8}  (from the audit trail: ended without release)",
+        expired
+    );
+    println!();
+    println!(
+        "{:<20} {:<8} {:>6} {:>8} {:>5}",
+        "credential", "pool", "limit", "leases", "peak"
+    );
+    let mut exceeded = Vec::new();
+    for row in &peaks {
+        let flag = if row.peak > i64::from(row.max_concurrent_uses) {
+            exceeded.push(row.key_id.clone());
+            "  LIMIT EXCEEDED"
+        } else {
+            ""
+        };
+        println!(
+            "{:<20} {:<8} {:>6} {:>8} {:>5}{flag}",
+            row.key_id, row.pool, row.max_concurrent_uses, row.leases, row.peak
+        );
+    }
+    println!();
+    if exceeded.is_empty() {
+        println!(
+            "every credential's peak concurrent leases (from the audit trail) stayed within its limit"
+        );
+        Ok(ExitCode::SUCCESS)
+    } else {
+        println!("LIMIT EXCEEDED on {}", exceeded.join(", "));
+        Ok(ExitCode::FAILURE)
+    }
+}

@@ -1,0 +1,272 @@
+//! The HTTP surface: [`app`] builds the router from one module per audience (executors,
+//! operators); [`ApiError`] is the one error type of every route, rendered as
+//! `{"error":{"code","message"}}` with a stable snake_case code.
+
+mod admin;
+mod executor;
+
+use std::fmt;
+use std::sync::Arc;
+
+use axum::extract::rejection::JsonRejection;
+use axum::extract::{FromRequest, FromRequestParts, Request};
+use axum::http::request::Parts;
+use axum::http::{HeaderMap, HeaderValue, StatusCode, header};
+use axum::response::{IntoResponse, Response};
+use axum::{Json, Router};
+use serde::de::DeserializeOwned;
+use sqlx::PgPool;
+use subtle::ConstantTimeEq;
+
+use crate::allocation::{AllocateError, Allocator};
+use crate::domain::InvalidValue;
+
+/// Largest request body accepted, in bytes; larger bodies get 413 `payload_too_large`.
+pub const MAX_BODY_BYTES: usize = 256 * 1024;
+
+/// The service's own API keys: executors present the internal key in `X-Internal-Key`, operators
+/// the admin key in `X-Admin-Key`. `Debug` never shows them.
+#[derive(Clone)]
+pub struct ApiKeys {
+    internal: Arc<str>,
+    admin: Arc<str>,
+}
+
+impl ApiKeys {
+    /// The two keys must differ, so that one can never stand in for the other.
+    pub fn new(internal: String, admin: String) -> Result<Self, &'static str> {
+        if internal.is_empty() || admin.is_empty() {
+            return Err("the internal and admin keys must not be empty");
+        }
+        if internal == admin {
+            return Err("the internal and admin keys must differ");
+        }
+        Ok(Self {
+            internal: internal.into(),
+            admin: admin.into(),
+        })
+    }
+}
+
+impl fmt::Debug for ApiKeys {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str("ApiKeys(<redacted>)")
+    }
+}
+
+/// Everything a handler needs. Cheap to clone.
+#[derive(Debug, Clone)]
+pub struct AppState {
+    /// Grants leases.
+    pub allocator: Allocator,
+    /// The connection pool, for release, renew and the operator routes.
+    pub db: PgPool,
+    /// The service's API keys.
+    pub keys: ApiKeys,
+    /// Longest lease (and renewal) an executor may ask for, in seconds.
+    pub max_lease_seconds: u32,
+}
+
+/// The whole router: executor routes under `/api/internal`, operator routes under `/api/admin`,
+/// JSON errors for unknown routes and methods.
+pub fn app(state: AppState) -> Router {
+    Router::new()
+        .merge(executor::routes())
+        .merge(admin::routes())
+        .fallback(|| async { ApiError::RouteNotFound })
+        .method_not_allowed_fallback(|| async { ApiError::MethodNotAllowed })
+        .layer(axum::extract::DefaultBodyLimit::max(MAX_BODY_BYTES))
+        .layer(tower_http::trace::TraceLayer::new_for_http())
+        .with_state(state)
+}
+
+/// Every error an API route can answer with. The doc of each variant gives its status and code.
+#[derive(Debug, thiserror::Error)]
+pub enum ApiError {
+    /// 400 `invalid_request`: malformed body, wrong types, unknown or missing fields, values out
+    /// of range. Changes nothing.
+    #[error("{0}")]
+    InvalidRequest(String),
+    /// 401 `unauthorized`: the key header is missing or wrong.
+    #[error("missing or wrong API key")]
+    Unauthorized,
+    /// 403 `forbidden`: a valid key, but not the one this route needs (the executor key on an
+    /// operator route).
+    #[error("this key may not use this route")]
+    Forbidden,
+    /// 404 `pool_not_found`: no credentials at all for the provider and pool.
+    #[error("no credentials for this provider and pool")]
+    PoolNotFound,
+    /// 404 `route_not_found`.
+    #[error("no such route")]
+    RouteNotFound,
+    /// 405 `method_not_allowed`.
+    #[error("method not allowed on this route")]
+    MethodNotAllowed,
+    /// 409 `model_not_supported`: the pool has credentials but none serves the model.
+    #[error("no credential in this pool serves the model")]
+    ModelNotSupported,
+    /// 409 `no_usable_credentials`: every credential that serves the model is disabled,
+    /// exhausted or pending.
+    #[error("every credential that serves the model is disabled, exhausted or pending")]
+    NoUsableCredentials,
+    /// 410 `lease_lost`: renewal of a lease that is expired, unknown, released or mismatched.
+    /// Stop using the credential.
+    #[error("the lease is expired, unknown, released or does not match; stop using the credential")]
+    LeaseLost,
+    /// 413 `payload_too_large`: body over [`MAX_BODY_BYTES`].
+    #[error("request body too large")]
+    PayloadTooLarge,
+    /// 415 `unsupported_media_type`: the body is not `Content-Type: application/json`.
+    #[error("expected Content-Type: application/json")]
+    UnsupportedMediaType,
+    /// 429 `pool_exhausted` with `Retry-After`: candidates exist but none is free now.
+    #[error(
+        "every candidate credential is busy or cooling down; retry after {retry_after_seconds} s"
+    )]
+    PoolExhausted {
+        /// Whole seconds, at least 1.
+        retry_after_seconds: u64,
+    },
+    /// 503 `store_unavailable`: PostgreSQL failed or did not answer in time. Logged once here;
+    /// the client never sees SQL or driver text.
+    #[error("the store is unavailable; retry")]
+    StoreUnavailable(#[source] sqlx::Error),
+}
+
+impl ApiError {
+    /// The HTTP status and the stable error code.
+    pub fn status_and_code(&self) -> (StatusCode, &'static str) {
+        match self {
+            ApiError::InvalidRequest(_) => (StatusCode::BAD_REQUEST, "invalid_request"),
+            ApiError::Unauthorized => (StatusCode::UNAUTHORIZED, "unauthorized"),
+            ApiError::Forbidden => (StatusCode::FORBIDDEN, "forbidden"),
+            ApiError::PoolNotFound => (StatusCode::NOT_FOUND, "pool_not_found"),
+            ApiError::RouteNotFound => (StatusCode::NOT_FOUND, "route_not_found"),
+            ApiError::MethodNotAllowed => (StatusCode::METHOD_NOT_ALLOWED, "method_not_allowed"),
+            ApiError::ModelNotSupported => (StatusCode::CONFLICT, "model_not_supported"),
+            ApiError::NoUsableCredentials => (StatusCode::CONFLICT, "no_usable_credentials"),
+            ApiError::LeaseLost => (StatusCode::GONE, "lease_lost"),
+            ApiError::PayloadTooLarge => (StatusCode::PAYLOAD_TOO_LARGE, "payload_too_large"),
+            ApiError::UnsupportedMediaType => {
+                (StatusCode::UNSUPPORTED_MEDIA_TYPE, "unsupported_media_type")
+            }
+            ApiError::PoolExhausted { .. } => (StatusCode::TOO_MANY_REQUESTS, "pool_exhausted"),
+            ApiError::StoreUnavailable(_) => (StatusCode::SERVICE_UNAVAILABLE, "store_unavailable"),
+        }
+    }
+}
+
+impl IntoResponse for ApiError {
+    fn into_response(self) -> Response {
+        let (status, code) = self.status_and_code();
+        match &self {
+            ApiError::StoreUnavailable(source) => {
+                tracing::error!(error = %source, "store unavailable");
+            }
+            ApiError::PoolExhausted { .. } => tracing::debug!(code, "no capacity"),
+            _ => tracing::debug!(code, message = %self, "request refused"),
+        }
+        let body = serde_json::json!({"error": {"code": code, "message": self.to_string()}});
+        let mut response = (status, Json(body)).into_response();
+        if let ApiError::PoolExhausted {
+            retry_after_seconds,
+        } = self
+        {
+            response
+                .headers_mut()
+                .insert(header::RETRY_AFTER, HeaderValue::from(retry_after_seconds));
+        }
+        response
+    }
+}
+
+impl From<sqlx::Error> for ApiError {
+    fn from(error: sqlx::Error) -> Self {
+        ApiError::StoreUnavailable(error)
+    }
+}
+
+impl From<InvalidValue> for ApiError {
+    fn from(error: InvalidValue) -> Self {
+        ApiError::InvalidRequest(error.to_string())
+    }
+}
+
+impl From<AllocateError> for ApiError {
+    fn from(error: AllocateError) -> Self {
+        match error {
+            AllocateError::PoolNotFound => ApiError::PoolNotFound,
+            AllocateError::ModelNotSupported => ApiError::ModelNotSupported,
+            AllocateError::NoUsableCredentials => ApiError::NoUsableCredentials,
+            AllocateError::PoolExhausted {
+                retry_after_seconds,
+            } => ApiError::PoolExhausted {
+                retry_after_seconds,
+            },
+            AllocateError::Store(e) => ApiError::StoreUnavailable(e),
+        }
+    }
+}
+
+/// `axum::Json`, with rejections in the API's error shape.
+pub struct ApiJson<T>(pub T);
+
+impl<S: Send + Sync, T: DeserializeOwned> FromRequest<S> for ApiJson<T> {
+    type Rejection = ApiError;
+
+    async fn from_request(req: Request, state: &S) -> Result<Self, Self::Rejection> {
+        match Json::<T>::from_request(req, state).await {
+            Ok(Json(value)) => Ok(ApiJson(value)),
+            Err(JsonRejection::MissingJsonContentType(_)) => Err(ApiError::UnsupportedMediaType),
+            Err(JsonRejection::BytesRejection(r))
+                if r.status() == StatusCode::PAYLOAD_TOO_LARGE =>
+            {
+                Err(ApiError::PayloadTooLarge)
+            }
+            Err(rejection) => Err(ApiError::InvalidRequest(rejection.body_text())),
+        }
+    }
+}
+
+fn key_matches(headers: &HeaderMap, name: &str, expected: &str) -> bool {
+    headers
+        .get(name)
+        .is_some_and(|given| given.as_bytes().ct_eq(expected.as_bytes()).into())
+}
+
+/// Proof that the request carries the executor key (`X-Internal-Key`); otherwise 401.
+pub struct ExecutorKey;
+
+impl FromRequestParts<AppState> for ExecutorKey {
+    type Rejection = ApiError;
+
+    async fn from_request_parts(parts: &mut Parts, state: &AppState) -> Result<Self, ApiError> {
+        if key_matches(&parts.headers, "x-internal-key", &state.keys.internal) {
+            Ok(ExecutorKey)
+        } else {
+            Err(ApiError::Unauthorized)
+        }
+    }
+}
+
+/// Proof that the request carries the operator key (`X-Admin-Key`). The executor key, in either
+/// header, gets 403; a missing or wrong key 401.
+pub struct AdminKey;
+
+impl FromRequestParts<AppState> for AdminKey {
+    type Rejection = ApiError;
+
+    async fn from_request_parts(parts: &mut Parts, state: &AppState) -> Result<Self, ApiError> {
+        let headers = &parts.headers;
+        if key_matches(headers, "x-admin-key", &state.keys.admin) {
+            Ok(AdminKey)
+        } else if key_matches(headers, "x-admin-key", &state.keys.internal)
+            || key_matches(headers, "x-internal-key", &state.keys.internal)
+        {
+            Err(ApiError::Forbidden)
+        } else {
+            Err(ApiError::Unauthorized)
+        }
+    }
+}

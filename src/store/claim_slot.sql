@@ -1,0 +1,93 @@
+-- Claim one concurrency slot for a new lease, in ONE statement (DESIGN.md "The protocol", step 1).
+--
+-- $1 text[]  ranked candidate key_ids, best first (the Rust ranking)
+-- $2 text    provider            $3 text  pool            $4 text  requested model
+-- $5 uuid    the new lease_id    $6 text  holder or NULL  $7 int4  lease length in seconds
+--
+-- Takes the first candidate, in array order, that belongs to the provider and pool, serves the
+-- model, is usable (credential_usable, database clock) and is not over its limit, and locks ONE
+-- of its free slot rows: a slot whose lease_id is NULL or whose lease has expired.
+--
+-- Why this cannot oversell: capacity is not counted, it is the set of slot rows (exactly
+-- max_concurrent_uses rows per credential while slots_over_limit is false), and a lease exists
+-- only inside the slot row that holds it. The row this statement locks is the row whose own state
+-- decides whether it is free. Under READ COMMITTED, when `FOR UPDATE` meets a row that another
+-- transaction changed after this statement's snapshot, PostgreSQL waits for it, then re-evaluates
+-- the WHERE clause against the newest version of that row (EvalPlanQual): a slot that a concurrent
+-- claim has just filled no longer passes `lease_id IS NULL OR lease_until <= now()` and is passed
+-- over. SKIP LOCKED passes over slots that another claim is taking right now, so concurrent
+-- claims spread over the free slots instead of queueing behind one. Two transactions can never both
+-- hold the same slot row's lock, so each slot carries at most one unexpired lease, and a
+-- credential at most max_concurrent_uses. (The trap in DESIGN.md — lock the credential row, count
+-- its leases in a subquery — fails because the count reads the statement's snapshot, which
+-- EvalPlanQual does not refresh for rows other than the locked one.)
+--
+-- Expired leases are reused here, in the same statement: the slot's old lease is ended in the trail
+-- (`expired`, at its own lease_until) before the new lease replaces it. No cleanup job is needed
+-- for an expired lease to stop counting.
+--
+-- granted_at is clock_timestamp(), read after the slot lock is taken: the slot was freed by a
+-- transaction that committed before this one could see it free, so granted_at is later than that
+-- release's time and the trail never shows two leases of one slot overlapping.
+--
+-- Lock order: the slot row, then the credential row (last_used_at), as everywhere else.
+-- Returns no row when no candidate has a free slot now.
+WITH ranked AS (
+    SELECT r.key_id, r.rank
+    FROM unnest($1::text[]) WITH ORDINALITY AS r (key_id, rank)
+),
+claimed AS (
+    SELECT s.key_id, s.slot,
+           s.lease_id AS old_lease_id, s.provider AS old_provider, s.pool AS old_pool,
+           s.holder AS old_holder, s.lease_until AS old_lease_until
+    FROM ranked r
+    JOIN credentials c ON c.key_id = r.key_id
+    JOIN lease_slots s ON s.key_id = c.key_id
+    WHERE c.provider = $2
+      AND c.pool = $3
+      AND $4 = ANY (c.models)
+      AND credential_usable(c.status, c.cooldown_until, now())
+      AND NOT c.slots_over_limit
+      AND (s.lease_id IS NULL OR s.lease_until <= now())
+    ORDER BY r.rank, s.slot
+    LIMIT 1
+    FOR UPDATE OF s SKIP LOCKED
+),
+granted AS (
+    UPDATE lease_slots s
+    SET lease_id = $5,
+        provider = $2,
+        pool = $3,
+        holder = $6,
+        granted_at = clock_timestamp(),
+        lease_until = clock_timestamp() + make_interval(secs => $7::int4)
+    FROM claimed
+    WHERE s.key_id = claimed.key_id AND s.slot = claimed.slot
+    RETURNING s.key_id, s.slot, s.lease_id, s.granted_at, s.lease_until
+),
+expired_trail AS (
+    INSERT INTO lease_events (event, lease_id, key_id, provider, pool, slot, holder, lease_until, at)
+    SELECT 'expired', old_lease_id, key_id, old_provider, old_pool, slot, old_holder,
+           old_lease_until, old_lease_until
+    FROM claimed
+    WHERE old_lease_id IS NOT NULL
+),
+granted_trail AS (
+    INSERT INTO lease_events (event, lease_id, key_id, provider, pool, slot, holder, lease_until, at)
+    SELECT 'granted', lease_id, key_id, $2, $3, slot, $6, lease_until, granted_at
+    FROM granted
+),
+touched AS (
+    UPDATE credentials c
+    SET last_used_at = granted.granted_at
+    FROM granted
+    WHERE c.key_id = granted.key_id
+    RETURNING c.key_id, c.secret
+)
+SELECT granted.key_id AS "key_id!",
+       granted.lease_id AS "lease_id!",
+       granted.lease_until AS "lease_until!",
+       touched.secret AS "secret!",
+       (SELECT count(*) FROM claimed WHERE old_lease_id IS NOT NULL) AS "pruned_expired!"
+FROM granted
+JOIN touched ON touched.key_id = granted.key_id

@@ -1,0 +1,45 @@
+//! The storage layer: every SQL statement of credpool lives here. Functions take
+//! `impl PgExecutor<'_>` so they compose inside one transaction; each state change is one
+//! statement or one transaction, never half-written.
+//!
+//! Errors are [`sqlx::Error`]; the HTTP layer maps them to 503 `store_unavailable` and logs them
+//! once, without SQL text reaching a client.
+
+pub mod audit;
+pub mod credentials;
+pub mod leases;
+
+use std::time::Duration;
+
+use sqlx::PgPool;
+use sqlx::postgres::{PgConnectOptions, PgPoolOptions};
+
+/// The migrations in `migrations/`, embedded in the binary. Applied at start-up and by
+/// `credpool migrate`.
+pub static MIGRATOR: sqlx::migrate::Migrator = sqlx::migrate!("./migrations");
+
+/// How the service's connection pool behaves.
+#[derive(Debug, Clone)]
+pub struct PoolSettings {
+    /// Most connections open at once.
+    pub max_connections: u32,
+    /// How long a request waits for a connection (or for a new one to be established) before it
+    /// gives up with 503 `store_unavailable`.
+    pub acquire_timeout: Duration,
+}
+
+/// Opens a connection pool. Connections are made lazily, so a database that is down at start-up
+/// makes requests fail with 503 rather than the process fail to start; callers that need the
+/// database now (migrations) find out on first use.
+pub fn connect_lazy(options: PgConnectOptions, settings: &PoolSettings) -> PgPool {
+    PgPoolOptions::new()
+        .max_connections(settings.max_connections)
+        .acquire_timeout(settings.acquire_timeout)
+        .connect_lazy_with(options)
+}
+
+/// Applies every pending migration (forward only). Safe to run from several processes at once:
+/// sqlx serialises migrators with an advisory lock.
+pub async fn migrate(pool: &PgPool) -> Result<(), sqlx::migrate::MigrateError> {
+    MIGRATOR.run(pool).await
+}

@@ -1,0 +1,536 @@
+//! Allocation over HTTP: every status code of the executor API, the pool sequence, the model
+//! filter, expiry without cleanup, and "every 4xx leaves the database unchanged".
+
+use std::time::Duration;
+
+use reqwest::StatusCode;
+use serde_json::json;
+
+use crate::helpers::*;
+
+fn gpt4o(pool: &str) -> serde_json::Value {
+    json!({"provider": "openai", "model": "gpt-4o", "pool": pool})
+}
+
+#[tokio::test]
+async fn allocate_returns_a_lease_with_the_credential_and_database_clock_expiry() {
+    let app = TestApp::spawn().await;
+    app.put_key("key-a", "openai", "default", &["gpt-4o", "gpt-4o-mini"], 2)
+        .await;
+
+    let response = app
+        .allocate(json!({"provider": "openai", "model": "gpt-4o-mini", "lease_seconds": 40, "holder": "worker-7"}))
+        .await;
+    let lease = json_body(response, StatusCode::OK).await;
+
+    assert_eq!(lease["key_id"], "key-a");
+    assert_eq!(lease["provider"], "openai");
+    assert_eq!(lease["pool"], "default");
+    assert_eq!(lease["provider_model"], "gpt-4o-mini");
+    assert_eq!(lease["credential"], json!({"api_key": "sk-test-key-a"}));
+    let lease_id = lease["lease_id"].as_str().unwrap();
+    assert_eq!(lease_id.len(), 32);
+    assert!(
+        lease_id
+            .bytes()
+            .all(|b| b.is_ascii_digit() || (b'a'..=b'f').contains(&b))
+    );
+
+    // lease_until is now() + 40 s on the database clock
+    let seconds_left: f64 =
+        sqlx::query_scalar("SELECT extract(epoch FROM $1::text::timestamptz - now())::float8")
+            .bind(lease["lease_until"].as_str().unwrap())
+            .fetch_one(&app.db)
+            .await
+            .unwrap();
+    assert!((38.0..=40.0).contains(&seconds_left), "{seconds_left}");
+
+    let holder: String =
+        sqlx::query_scalar("SELECT holder FROM lease_slots WHERE lease_id = $1::text::uuid")
+            .bind(lease_id)
+            .fetch_one(&app.db)
+            .await
+            .unwrap();
+    assert_eq!(holder, "worker-7");
+    assert_eq!(app.events(lease_id).await, ["granted"]);
+}
+
+#[tokio::test]
+async fn allocate_defaults_to_the_default_pool_and_a_35_second_lease() {
+    let app = TestApp::spawn().await;
+    app.put_key("key-a", "openai", "default", &["gpt-4o"], 1)
+        .await;
+    let lease = json_body(
+        app.allocate(json!({"provider": "openai", "model": "gpt-4o"}))
+            .await,
+        StatusCode::OK,
+    )
+    .await;
+    assert_eq!(lease["pool"], "default");
+    let seconds: f64 = sqlx::query_scalar(
+        "SELECT extract(epoch FROM lease_until - granted_at)::float8 FROM lease_slots WHERE key_id = 'key-a' AND lease_id IS NOT NULL",
+    )
+    .fetch_one(&app.db)
+    .await
+    .unwrap();
+    assert!((34.9..=35.1).contains(&seconds), "{seconds}");
+}
+
+#[tokio::test]
+async fn unknown_provider_or_pool_is_pool_not_found() {
+    let app = TestApp::spawn().await;
+    app.put_key("key-a", "openai", "default", &["gpt-4o"], 1)
+        .await;
+    assert_error(
+        app.allocate(json!({"provider": "anthropic", "model": "gpt-4o"}))
+            .await,
+        StatusCode::NOT_FOUND,
+        "pool_not_found",
+    )
+    .await;
+    assert_error(
+        app.allocate(gpt4o("batch")).await,
+        StatusCode::NOT_FOUND,
+        "pool_not_found",
+    )
+    .await;
+}
+
+#[tokio::test]
+async fn pool_without_the_model_is_model_not_supported() {
+    let app = TestApp::spawn().await;
+    app.put_key("key-a", "openai", "default", &["gpt-4o-mini"], 1)
+        .await;
+    assert_error(
+        app.allocate(gpt4o("default")).await,
+        StatusCode::CONFLICT,
+        "model_not_supported",
+    )
+    .await;
+}
+
+#[tokio::test]
+async fn only_disabled_exhausted_or_pending_credentials_is_no_usable_credentials() {
+    let app = TestApp::spawn().await;
+    for (key, status) in [
+        ("key-d", "disabled"),
+        ("key-e", "exhausted"),
+        ("key-p", "pending"),
+    ] {
+        app.put_key(key, "openai", "default", &["gpt-4o"], 1).await;
+        app.set_status(key, status, None).await;
+    }
+    // a credential that does not serve the model does not change the answer
+    app.put_key("key-other", "openai", "default", &["o3"], 1)
+        .await;
+    assert_error(
+        app.allocate(gpt4o("default")).await,
+        StatusCode::CONFLICT,
+        "no_usable_credentials",
+    )
+    .await;
+}
+
+#[tokio::test]
+async fn busy_pool_is_pool_exhausted_with_retry_after_until_the_earliest_lease_ends() {
+    let app = TestApp::spawn().await;
+    app.put_key("key-a", "openai", "default", &["gpt-4o"], 1)
+        .await;
+    app.put_key("key-b", "openai", "default", &["gpt-4o"], 1)
+        .await;
+    let body = json!({"provider": "openai", "model": "gpt-4o", "lease_seconds": 30});
+    json_body(app.allocate(body.clone()).await, StatusCode::OK).await;
+    let body_long = json!({"provider": "openai", "model": "gpt-4o", "lease_seconds": 120});
+    json_body(app.allocate(body_long.clone()).await, StatusCode::OK).await;
+
+    let response = app.allocate(body).await;
+    let retry_after: u64 = response.headers()["retry-after"]
+        .to_str()
+        .unwrap()
+        .parse()
+        .unwrap();
+    assert!(
+        (29..=30).contains(&retry_after),
+        "Retry-After {retry_after}"
+    );
+    assert_error(response, StatusCode::TOO_MANY_REQUESTS, "pool_exhausted").await;
+}
+
+#[tokio::test]
+async fn cooling_credentials_are_pool_exhausted_until_the_cooldown_ends_then_usable_again() {
+    let app = TestApp::spawn().await;
+    app.put_key("key-a", "openai", "default", &["gpt-4o"], 1)
+        .await;
+    app.set_status("key-a", "rate_limited", Some(1.5)).await;
+
+    let response = app.allocate(gpt4o("default")).await;
+    assert_eq!(response.headers()["retry-after"], "2");
+    assert_error(response, StatusCode::TOO_MANY_REQUESTS, "pool_exhausted").await;
+
+    // opportunistic recovery: once cooldown_until passes the credential is usable, no job needed
+    tokio::time::sleep(Duration::from_millis(1_700)).await;
+    json_body(app.allocate(gpt4o("default")).await, StatusCode::OK).await;
+}
+
+#[tokio::test]
+async fn rate_limited_with_unknown_cooldown_end_is_not_usable() {
+    let app = TestApp::spawn().await;
+    app.put_key("key-a", "openai", "default", &["gpt-4o"], 1)
+        .await;
+    app.set_status("key-a", "cooldown", None).await;
+    assert_error(
+        app.allocate(gpt4o("default")).await,
+        StatusCode::CONFLICT,
+        "no_usable_credentials",
+    )
+    .await;
+}
+
+#[tokio::test]
+async fn vip_falls_back_to_default_and_says_which_pool_served() {
+    let app = TestApp::spawn().await;
+    app.put_key("vip-1", "openai", "vip", &["gpt-4o"], 1).await;
+    app.put_key("def-1", "openai", "default", &["gpt-4o"], 1)
+        .await;
+
+    let first = json_body(app.allocate(gpt4o("vip")).await, StatusCode::OK).await;
+    assert_eq!(
+        (first["key_id"].as_str(), first["pool"].as_str()),
+        (Some("vip-1"), Some("vip"))
+    );
+    let second = json_body(app.allocate(gpt4o("vip")).await, StatusCode::OK).await;
+    assert_eq!(
+        (second["key_id"].as_str(), second["pool"].as_str()),
+        (Some("def-1"), Some("default"))
+    );
+    assert_error(
+        app.allocate(gpt4o("vip")).await,
+        StatusCode::TOO_MANY_REQUESTS,
+        "pool_exhausted",
+    )
+    .await;
+
+    // the lease served from default is released as a default-pool lease
+    let released = json_body(
+        app.release(release_body(&second, "success")).await,
+        StatusCode::OK,
+    )
+    .await;
+    assert_eq!(released, json!({"released": true}));
+}
+
+#[tokio::test]
+async fn vip_request_is_served_by_default_when_vip_has_no_credentials() {
+    let app = TestApp::spawn().await;
+    app.put_key("def-1", "openai", "default", &["gpt-4o"], 1)
+        .await;
+    let lease = json_body(app.allocate(gpt4o("vip")).await, StatusCode::OK).await;
+    assert_eq!(lease["pool"], "default");
+}
+
+#[tokio::test]
+async fn default_never_takes_a_vip_credential() {
+    let app = TestApp::spawn().await;
+    app.put_key("vip-1", "openai", "vip", &["gpt-4o"], 5).await;
+    assert_error(
+        app.allocate(gpt4o("default")).await,
+        StatusCode::NOT_FOUND,
+        "pool_not_found",
+    )
+    .await;
+
+    app.put_key("def-1", "openai", "default", &["gpt-4o"], 1)
+        .await;
+    json_body(app.allocate(gpt4o("default")).await, StatusCode::OK).await;
+    // default is full; vip has four free slots, and default must still not take them
+    assert_error(
+        app.allocate(gpt4o("default")).await,
+        StatusCode::TOO_MANY_REQUESTS,
+        "pool_exhausted",
+    )
+    .await;
+    assert_eq!(app.in_flight("vip-1").await, 0);
+}
+
+#[tokio::test]
+async fn expired_lease_frees_its_slot_without_any_cleanup_job() {
+    let app = TestApp::spawn().await;
+    app.put_key("key-a", "openai", "default", &["gpt-4o"], 1)
+        .await;
+    let body = json!({"provider": "openai", "model": "gpt-4o", "lease_seconds": 1});
+    let first = json_body(app.allocate(body.clone()).await, StatusCode::OK).await;
+    assert_error(
+        app.allocate(body.clone()).await,
+        StatusCode::TOO_MANY_REQUESTS,
+        "pool_exhausted",
+    )
+    .await;
+
+    tokio::time::sleep(Duration::from_millis(1_200)).await;
+    let second = json_body(app.allocate(body).await, StatusCode::OK).await;
+    assert_ne!(first["lease_id"], second["lease_id"]);
+    // the expired lease was ended in the trail by the claim that reused its slot
+    assert_eq!(
+        app.events(first["lease_id"].as_str().unwrap()).await,
+        ["granted", "expired"]
+    );
+    assert_eq!(app.in_flight("key-a").await, 1);
+}
+
+#[tokio::test]
+async fn least_recently_used_credential_is_leased_first() {
+    let app = TestApp::spawn_with(AppOptions {
+        jitter_seconds: 0.0,
+        ..AppOptions::default()
+    })
+    .await;
+    for key in ["key-a", "key-b", "key-c"] {
+        app.put_key(key, "openai", "default", &["gpt-4o"], 5).await;
+    }
+    // never-used credentials come first (ties broken by key id with zero jitter)
+    let mut order = Vec::new();
+    for _ in 0..6 {
+        let lease = json_body(app.allocate(gpt4o("default")).await, StatusCode::OK).await;
+        order.push(lease["key_id"].as_str().unwrap().to_owned());
+        app.release(release_body(&lease, "success")).await;
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    assert_eq!(
+        order,
+        ["key-a", "key-b", "key-c", "key-a", "key-b", "key-c"]
+    );
+}
+
+#[tokio::test]
+async fn missing_or_wrong_internal_key_is_unauthorized() {
+    let app = TestApp::spawn().await;
+    app.put_key("key-a", "openai", "default", &["gpt-4o"], 1)
+        .await;
+    let url = app.url("/api/internal/allocate-key");
+    let no_key = app
+        .client
+        .post(&url)
+        .json(&gpt4o("default"))
+        .send()
+        .await
+        .unwrap();
+    assert_error(no_key, StatusCode::UNAUTHORIZED, "unauthorized").await;
+    let wrong = post_json(
+        &app.client,
+        &url,
+        ("x-internal-key", "nope"),
+        gpt4o("default"),
+    )
+    .await;
+    assert_error(wrong, StatusCode::UNAUTHORIZED, "unauthorized").await;
+    let admin_key = post_json(
+        &app.client,
+        &url,
+        ("x-internal-key", ADMIN_KEY),
+        gpt4o("default"),
+    )
+    .await;
+    assert_error(admin_key, StatusCode::UNAUTHORIZED, "unauthorized").await;
+    assert_eq!(app.in_flight("key-a").await, 0);
+}
+
+#[tokio::test]
+async fn malformed_allocate_requests_are_invalid_request() {
+    let app = TestApp::spawn_with(AppOptions {
+        max_lease_seconds: 600,
+        ..AppOptions::default()
+    })
+    .await;
+    app.put_key("key-a", "openai", "default", &["gpt-4o"], 1)
+        .await;
+    let bad = [
+        json!({"provider": "openai", "model": "gpt-4o", "lease_seconds": 0}),
+        json!({"provider": "openai", "model": "gpt-4o", "lease_seconds": -1}),
+        json!({"provider": "openai", "model": "gpt-4o", "lease_seconds": 1.5}),
+        json!({"provider": "openai", "model": "gpt-4o", "lease_seconds": "60"}),
+        json!({"provider": "openai", "model": "gpt-4o", "lease_seconds": 601}),
+        json!({"provider": "openai", "model": "gpt-4o", "lease_seconds": 9_223_372_036_854_775_807_u64}),
+        json!({"provider": "openai", "model": "gpt-4o", "lease_seconds": 1e308}),
+        json!({"provider": "openai", "model": "gpt-4o", "surprise": true}),
+        json!({"provider": "openai"}),
+        json!({"provider": "Open AI", "model": "gpt-4o"}),
+        json!({"provider": "openai", "model": "gpt-4o", "pool": "x'; DROP TABLE credentials; --"}),
+        json!({"provider": "openai", "model": "gpt 4o"}),
+        json!({"provider": "openai", "model": "gpt-4o", "holder": "bad\u{0007}holder"}),
+        json!({"provider": "openai", "model": "x".repeat(201)}),
+        json!(["not", "an", "object"]),
+    ];
+    let before = app.snapshot().await;
+    for body in bad {
+        let response = app.allocate(body.clone()).await;
+        assert_eq!(response.status(), StatusCode::BAD_REQUEST, "{body}");
+        assert_error(response, StatusCode::BAD_REQUEST, "invalid_request").await;
+    }
+    // a body that is not JSON at all, and one that is cut short
+    for raw in ["not json", r#"{"provider": "openai", "model": "#] {
+        let response = app
+            .client
+            .post(app.url("/api/internal/allocate-key"))
+            .header("x-internal-key", INTERNAL_KEY)
+            .header("content-type", "application/json")
+            .body(raw)
+            .send()
+            .await
+            .unwrap();
+        assert_error(response, StatusCode::BAD_REQUEST, "invalid_request").await;
+    }
+    let wrong_type = app
+        .client
+        .post(app.url("/api/internal/allocate-key"))
+        .header("x-internal-key", INTERNAL_KEY)
+        .header("content-type", "text/plain")
+        .body(gpt4o("default").to_string())
+        .send()
+        .await
+        .unwrap();
+    assert_error(
+        wrong_type,
+        StatusCode::UNSUPPORTED_MEDIA_TYPE,
+        "unsupported_media_type",
+    )
+    .await;
+    let huge = app
+        .client
+        .post(app.url("/api/internal/allocate-key"))
+        .header("x-internal-key", INTERNAL_KEY)
+        .json(&json!({"provider": "openai", "model": "x".repeat(1 << 20)}))
+        .send()
+        .await
+        .unwrap();
+    assert_error(huge, StatusCode::PAYLOAD_TOO_LARGE, "payload_too_large").await;
+    assert_eq!(app.snapshot().await, before);
+}
+
+#[tokio::test]
+async fn every_4xx_leaves_the_database_unchanged() {
+    let app = TestApp::spawn().await;
+    app.put_key("busy", "openai", "default", &["gpt-4o"], 1)
+        .await;
+    app.put_key("off", "openai", "batch", &["gpt-4o"], 1).await;
+    app.set_status("off", "disabled", None).await;
+    let lease = json_body(app.allocate(gpt4o("default")).await, StatusCode::OK).await;
+    let before = app.snapshot().await;
+
+    // 429, 409 x2, 404, 400, 401, 410: none may touch a lease, a counter or a cooldown
+    assert_error(
+        app.allocate(gpt4o("default")).await,
+        StatusCode::TOO_MANY_REQUESTS,
+        "pool_exhausted",
+    )
+    .await;
+    assert_error(
+        app.allocate(gpt4o("batch")).await,
+        StatusCode::CONFLICT,
+        "no_usable_credentials",
+    )
+    .await;
+    assert_error(
+        app.allocate(json!({"provider": "openai", "model": "o3", "pool": "default"}))
+            .await,
+        StatusCode::CONFLICT,
+        "model_not_supported",
+    )
+    .await;
+    assert_error(
+        app.allocate(gpt4o("nowhere")).await,
+        StatusCode::NOT_FOUND,
+        "pool_not_found",
+    )
+    .await;
+    assert_error(
+        app.allocate(json!({"provider": "openai", "model": "gpt-4o", "lease_seconds": 0}))
+            .await,
+        StatusCode::BAD_REQUEST,
+        "invalid_request",
+    )
+    .await;
+    let mut wrong = release_body(&lease, "failure");
+    wrong["key_id"] = json!("off");
+    assert_error(
+        app.renew(json!({"provider": "openai", "pool": "default", "key_id": "off", "lease_id": lease["lease_id"]}))
+            .await,
+        StatusCode::GONE,
+        "lease_lost",
+    )
+    .await;
+    let unauthorized = post_json(
+        &app.client,
+        &app.url("/api/internal/release-key"),
+        ("x-internal-key", "x"),
+        wrong.clone(),
+    )
+    .await;
+    assert_error(unauthorized, StatusCode::UNAUTHORIZED, "unauthorized").await;
+    // a mismatched release is a 200 that releases nothing: also no change
+    let refused = json_body(app.release(wrong).await, StatusCode::OK).await;
+    assert_eq!(refused, json!({"released": false, "reason": "mismatch"}));
+
+    assert_eq!(app.snapshot().await, before);
+}
+
+#[tokio::test]
+async fn unknown_routes_and_methods_answer_in_the_error_shape() {
+    let app = TestApp::spawn().await;
+    let response = app
+        .client
+        .get(app.url("/api/internal/nope"))
+        .send()
+        .await
+        .unwrap();
+    assert_error(response, StatusCode::NOT_FOUND, "route_not_found").await;
+    let response = app
+        .client
+        .get(app.url("/api/internal/allocate-key"))
+        .send()
+        .await
+        .unwrap();
+    assert_error(
+        response,
+        StatusCode::METHOD_NOT_ALLOWED,
+        "method_not_allowed",
+    )
+    .await;
+}
+
+#[tokio::test]
+async fn unreachable_database_is_store_unavailable_not_pool_exhausted() {
+    // A pool pointed at a port where nothing listens, with a short acquire timeout.
+    let options: sqlx::postgres::PgConnectOptions =
+        "postgres://postgres@127.0.0.1:1/none".parse().unwrap();
+    let pool = credpool::store::connect_lazy(
+        options,
+        &credpool::store::PoolSettings {
+            max_connections: 2,
+            acquire_timeout: Duration::from_millis(500),
+        },
+    );
+    let (addr, _shutdown) = serve(pool, &AppOptions::default()).await;
+    let client = client();
+    let url = |path: &str| format!("http://{addr}{path}");
+    let lease_ref =
+        json!({"provider": "openai", "pool": "default", "key_id": "k", "lease_id": "0".repeat(32)});
+    for (path, body) in [
+        ("/api/internal/allocate-key", gpt4o("default")),
+        ("/api/internal/release-key", lease_ref.clone()),
+        ("/api/internal/renew-lease", lease_ref),
+    ] {
+        let response = post_json(&client, &url(path), ("x-internal-key", INTERNAL_KEY), body).await;
+        assert!(response.headers().get("retry-after").is_none());
+        let body = assert_error(
+            response,
+            StatusCode::SERVICE_UNAVAILABLE,
+            "store_unavailable",
+        )
+        .await;
+        // the client sees no driver or SQL text
+        assert_eq!(
+            body["error"]["message"], "the store is unavailable; retry",
+            "{path}"
+        );
+    }
+}

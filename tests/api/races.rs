@@ -1,0 +1,210 @@
+//! Race tests (DESIGN.md "Invariants the tests must prove"): 64 concurrent allocations of one
+//! credential give exactly `limit` winners, every round, for limits 1, 2 and 5 — through HTTP, and
+//! straight through the claim statement on 64 separate connections; 80 concurrent allocations over
+//! 100 free credentials give 80 winners on 80 distinct credentials.
+
+use std::collections::HashSet;
+use std::sync::Arc;
+
+use credpool::domain::{KeyId, LeaseId, LeaseSeconds, ModelName, PoolName, ProviderName};
+use credpool::store::leases::{self, ClaimRequest};
+use reqwest::StatusCode;
+use serde_json::json;
+use tokio::sync::Barrier;
+
+use crate::helpers::*;
+
+const RACERS: usize = 64;
+
+async fn race_app() -> TestApp {
+    TestApp::spawn_with(AppOptions {
+        db_max_connections: RACERS as u32,
+        ..AppOptions::default()
+    })
+    .await
+}
+
+/// One round: a fresh credential with `limit` slots in its own pool, 64 allocations released at
+/// once by a barrier. Returns (200s, 429s).
+async fn http_round(app: &Arc<TestApp>, limit: u32, round: usize) -> (usize, usize) {
+    let pool = format!("race-{limit}-{round}");
+    let key = format!("race-{limit}-{round}");
+    app.put_key(&key, "openai", &pool, &["gpt-4o"], limit).await;
+    let barrier = Arc::new(Barrier::new(RACERS));
+    let tasks: Vec<_> = (0..RACERS)
+        .map(|i| {
+            let app = app.clone();
+            let barrier = barrier.clone();
+            let pool = pool.clone();
+            tokio::spawn(async move {
+                barrier.wait().await;
+                app.allocate(json!({
+                    "provider": "openai", "model": "gpt-4o", "pool": pool,
+                    "lease_seconds": 600, "holder": format!("racer-{i}"),
+                }))
+                .await
+                .status()
+            })
+        })
+        .collect();
+    let (mut won, mut busy) = (0, 0);
+    for task in tasks {
+        match task.await.unwrap() {
+            StatusCode::OK => won += 1,
+            StatusCode::TOO_MANY_REQUESTS => busy += 1,
+            other => panic!("round {round}: unexpected status {other}"),
+        }
+    }
+    assert_eq!(
+        app.in_flight(&key).await,
+        won as i64,
+        "round {round}: database disagrees with the responses"
+    );
+    (won, busy)
+}
+
+async fn http_race(limit: u32) {
+    let _turn = race_turn().await;
+    let app = Arc::new(race_app().await);
+    for round in 0..race_rounds() {
+        let (won, busy) = http_round(&app, limit, round).await;
+        assert_eq!(
+            won, limit as usize,
+            "round {round}: {won} winners on a limit-{limit} credential"
+        );
+        assert_eq!(busy, RACERS - limit as usize, "round {round}");
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn http_race_limit_1_has_exactly_one_winner_every_round() {
+    http_race(1).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn http_race_limit_2_has_exactly_two_winners_every_round() {
+    http_race(2).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn http_race_limit_5_has_exactly_five_winners_every_round() {
+    http_race(5).await;
+}
+
+/// The claim statement alone, on 64 separate connections that all start it at once.
+async fn statement_race(limit: u32) {
+    let _turn = race_turn().await;
+    let app = race_app().await;
+    let pool = app.database.pool(RACERS as u32).await;
+    // open every connection before the race so that the barrier releases statements, not logins
+    let mut conns = Vec::new();
+    for _ in 0..RACERS {
+        conns.push(pool.acquire().await.unwrap());
+    }
+    let provider = ProviderName::parse("openai").unwrap();
+    let model = ModelName::parse("gpt-4o").unwrap();
+    for round in 0..race_rounds() {
+        let key = format!("stmt-{limit}-{round}");
+        app.put_key(&key, "openai", "default", &["gpt-4o"], limit)
+            .await;
+        let ranked = Arc::new(vec![KeyId::parse(key.clone()).unwrap()]);
+        let barrier = Arc::new(Barrier::new(RACERS));
+        let tasks: Vec<_> = conns
+            .drain(..)
+            .map(|mut conn| {
+                let (ranked, barrier, provider, model) = (
+                    ranked.clone(),
+                    barrier.clone(),
+                    provider.clone(),
+                    model.clone(),
+                );
+                tokio::spawn(async move {
+                    let pool_name = PoolName::default_pool();
+                    let request = ClaimRequest {
+                        ranked: &ranked,
+                        provider: &provider,
+                        pool: &pool_name,
+                        model: &model,
+                        lease_id: LeaseId::generate(),
+                        holder: None,
+                        lease_seconds: LeaseSeconds::parse(600, 3600).unwrap(),
+                    };
+                    barrier.wait().await;
+                    let granted = leases::claim_slot(&mut *conn, &request).await.unwrap();
+                    (conn, granted.is_some())
+                })
+            })
+            .collect();
+        let mut won = 0;
+        for task in tasks {
+            let (conn, granted) = task.await.unwrap();
+            conns.push(conn);
+            won += usize::from(granted);
+        }
+        assert_eq!(
+            won, limit as usize,
+            "round {round}: {won} claims won on a limit-{limit} credential"
+        );
+        assert_eq!(app.in_flight(&key).await, i64::from(limit), "round {round}");
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn statement_race_limit_1_never_oversells() {
+    statement_race(1).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn statement_race_limit_2_never_oversells_or_underfills() {
+    statement_race(2).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn statement_race_limit_5_never_oversells_or_underfills() {
+    statement_race(5).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn eighty_racers_over_a_hundred_free_credentials_get_eighty_distinct_credentials() {
+    let _turn = race_turn().await;
+    let app = Arc::new(race_app().await);
+    for i in 0..100 {
+        app.put_key(&format!("wide-{i:03}"), "openai", "default", &["gpt-4o"], 1)
+            .await;
+    }
+    for round in 0..race_rounds().min(20) {
+        let barrier = Arc::new(Barrier::new(80));
+        let tasks: Vec<_> = (0..80)
+            .map(|_| {
+                let (app, barrier) = (app.clone(), barrier.clone());
+                tokio::spawn(async move {
+                    barrier.wait().await;
+                    let response = app
+                        .allocate(
+                            json!({"provider": "openai", "model": "gpt-4o", "lease_seconds": 600}),
+                        )
+                        .await;
+                    json_body(response, StatusCode::OK).await
+                })
+            })
+            .collect();
+        let mut leases = Vec::new();
+        for task in tasks {
+            leases.push(task.await.unwrap());
+        }
+        let distinct: HashSet<_> = leases
+            .iter()
+            .map(|l| l["key_id"].as_str().unwrap().to_owned())
+            .collect();
+        assert_eq!(distinct.len(), 80, "round {round}");
+        // release everything for the next round
+        for lease in &leases {
+            let body = json_body(
+                app.release(release_body(lease, "success")).await,
+                StatusCode::OK,
+            )
+            .await;
+            assert_eq!(body["released"], true);
+        }
+    }
+}

@@ -1,0 +1,286 @@
+//! Release verification and renewal (DESIGN.md "The protocol", steps 3 and 4).
+
+use std::time::Duration;
+
+use reqwest::StatusCode;
+use serde_json::{Value, json};
+
+use crate::helpers::*;
+
+async fn lease_on(app: &TestApp, lease_seconds: u32) -> Value {
+    let body = json!({"provider": "openai", "model": "gpt-4o", "lease_seconds": lease_seconds});
+    json_body(app.allocate(body).await, StatusCode::OK).await
+}
+
+async fn single_slot_app() -> TestApp {
+    let app = TestApp::spawn().await;
+    app.put_key("key-a", "openai", "default", &["gpt-4o"], 1)
+        .await;
+    app
+}
+
+#[tokio::test]
+async fn release_frees_the_slot_at_once_and_records_the_outcome() {
+    let app = single_slot_app().await;
+    let lease = lease_on(&app, 600).await;
+    let released = json_body(
+        app.release(release_body(&lease, "rate_limited")).await,
+        StatusCode::OK,
+    )
+    .await;
+    assert_eq!(released, json!({"released": true}));
+    assert_eq!(app.in_flight("key-a").await, 0);
+
+    let outcome: Option<String> = sqlx::query_scalar(
+        "SELECT outcome FROM lease_events WHERE lease_id = $1::text::uuid AND event = 'released'",
+    )
+    .bind(lease["lease_id"].as_str())
+    .fetch_one(&app.db)
+    .await
+    .unwrap();
+    assert_eq!(outcome.as_deref(), Some("rate_limited"));
+    // the slot is free for the next executor immediately
+    lease_on(&app, 600).await;
+}
+
+#[tokio::test]
+async fn release_without_outcome_is_accepted() {
+    let app = single_slot_app().await;
+    let lease = lease_on(&app, 600).await;
+    let mut body = release_body(&lease, "success");
+    body.as_object_mut().unwrap().remove("outcome");
+    assert_eq!(
+        json_body(app.release(body).await, StatusCode::OK).await,
+        json!({"released": true})
+    );
+}
+
+#[tokio::test]
+async fn release_with_wrong_key_id_provider_or_pool_keeps_the_lease() {
+    let app = single_slot_app().await;
+    app.put_key("key-b", "openai", "default", &["o3"], 1).await;
+    let lease = lease_on(&app, 600).await;
+    for (field, value) in [
+        ("key_id", "key-b"),
+        ("provider", "anthropic"),
+        ("pool", "vip"),
+    ] {
+        let mut body = release_body(&lease, "success");
+        body[field] = json!(value);
+        let refused = json_body(app.release(body).await, StatusCode::OK).await;
+        assert_eq!(
+            refused,
+            json!({"released": false, "reason": "mismatch"}),
+            "wrong {field}"
+        );
+        assert_eq!(
+            app.in_flight("key-a").await,
+            1,
+            "wrong {field} released the lease"
+        );
+    }
+    // still held: nobody else can lease the credential
+    let body = json!({"provider": "openai", "model": "gpt-4o"});
+    assert_error(
+        app.allocate(body).await,
+        StatusCode::TOO_MANY_REQUESTS,
+        "pool_exhausted",
+    )
+    .await;
+    // and the real holder can still release it
+    let released = json_body(
+        app.release(release_body(&lease, "success")).await,
+        StatusCode::OK,
+    )
+    .await;
+    assert_eq!(released, json!({"released": true}));
+}
+
+#[tokio::test]
+async fn releasing_twice_reports_not_released_the_second_time() {
+    let app = single_slot_app().await;
+    let lease = lease_on(&app, 600).await;
+    let first = json_body(
+        app.release(release_body(&lease, "success")).await,
+        StatusCode::OK,
+    )
+    .await;
+    let second = json_body(
+        app.release(release_body(&lease, "success")).await,
+        StatusCode::OK,
+    )
+    .await;
+    assert_eq!(first, json!({"released": true}));
+    assert_eq!(second, json!({"released": false, "reason": "not_found"}));
+    assert_eq!(
+        app.events(lease["lease_id"].as_str().unwrap()).await,
+        ["granted", "released"]
+    );
+}
+
+#[tokio::test]
+async fn releasing_an_unknown_lease_is_not_found() {
+    let app = single_slot_app().await;
+    let body = json!({"provider": "openai", "pool": "default", "key_id": "key-a", "lease_id": "ab".repeat(16)});
+    let refused = json_body(app.release(body).await, StatusCode::OK).await;
+    assert_eq!(refused, json!({"released": false, "reason": "not_found"}));
+}
+
+#[tokio::test]
+async fn releasing_an_expired_lease_releases_nothing_and_leaves_others_intact() {
+    let app = TestApp::spawn().await;
+    app.put_key("key-a", "openai", "default", &["gpt-4o"], 2)
+        .await;
+    let short = lease_on(&app, 1).await;
+    let long = lease_on(&app, 600).await;
+    tokio::time::sleep(Duration::from_millis(1_200)).await;
+
+    let refused = json_body(
+        app.release(release_body(&short, "success")).await,
+        StatusCode::OK,
+    )
+    .await;
+    assert_eq!(refused, json!({"released": false, "reason": "expired"}));
+    assert_eq!(
+        app.events(short["lease_id"].as_str().unwrap()).await,
+        ["granted"]
+    );
+    assert_eq!(app.in_flight("key-a").await, 1);
+    let still: i64 =
+        sqlx::query_scalar("SELECT count(*) FROM lease_slots WHERE lease_id = $1::text::uuid")
+            .bind(long["lease_id"].as_str())
+            .fetch_one(&app.db)
+            .await
+            .unwrap();
+    assert_eq!(still, 1);
+}
+
+#[tokio::test]
+async fn release_with_a_malformed_lease_id_is_invalid_request() {
+    let app = single_slot_app().await;
+    for lease_id in ["abc", "zz".repeat(16).as_str(), "ab".repeat(17).as_str()] {
+        let body = json!({"provider": "openai", "pool": "default", "key_id": "key-a", "lease_id": lease_id});
+        assert_error(
+            app.release(body).await,
+            StatusCode::BAD_REQUEST,
+            "invalid_request",
+        )
+        .await;
+    }
+    let body = json!({"provider": "openai", "pool": "default", "key_id": "key-a", "lease_id": "ab".repeat(16), "outcome": "great"});
+    assert_error(
+        app.release(body).await,
+        StatusCode::BAD_REQUEST,
+        "invalid_request",
+    )
+    .await;
+}
+
+#[tokio::test]
+async fn renew_extends_the_lease_on_the_database_clock() {
+    let app = single_slot_app().await;
+    let lease = lease_on(&app, 2).await;
+    let mut body = release_body(&lease, "success");
+    body.as_object_mut().unwrap().remove("outcome");
+    body["lease_seconds"] = json!(120);
+    let renewed = json_body(app.renew(body).await, StatusCode::OK).await;
+    let seconds_left: f64 =
+        sqlx::query_scalar("SELECT extract(epoch FROM $1::text::timestamptz - now())::float8")
+            .bind(renewed["lease_until"].as_str().unwrap())
+            .fetch_one(&app.db)
+            .await
+            .unwrap();
+    assert!((118.0..=120.0).contains(&seconds_left), "{seconds_left}");
+
+    // past the original 2 s the lease still holds its slot
+    tokio::time::sleep(Duration::from_millis(2_200)).await;
+    assert_eq!(app.in_flight("key-a").await, 1);
+    assert_error(
+        app.allocate(json!({"provider": "openai", "model": "gpt-4o"}))
+            .await,
+        StatusCode::TOO_MANY_REQUESTS,
+        "pool_exhausted",
+    )
+    .await;
+    assert_eq!(
+        app.events(lease["lease_id"].as_str().unwrap()).await,
+        ["granted", "renewed"]
+    );
+}
+
+#[tokio::test]
+async fn renewing_an_expired_lease_fails_and_never_resurrects_it() {
+    let app = single_slot_app().await;
+    let lease = lease_on(&app, 1).await;
+    tokio::time::sleep(Duration::from_millis(1_200)).await;
+
+    // the slot is still physically holding the expired lease (nothing reused it yet)
+    let mut body = release_body(&lease, "success");
+    body.as_object_mut().unwrap().remove("outcome");
+    body["lease_seconds"] = json!(600);
+    assert_error(
+        app.renew(body.clone()).await,
+        StatusCode::GONE,
+        "lease_lost",
+    )
+    .await;
+    assert_eq!(app.in_flight("key-a").await, 0);
+    assert_eq!(
+        app.events(lease["lease_id"].as_str().unwrap()).await,
+        ["granted"]
+    );
+
+    // the slot is free for someone else, and renewing after that fails too
+    let next = lease_on(&app, 600).await;
+    assert_error(app.renew(body).await, StatusCode::GONE, "lease_lost").await;
+    let holder_lease: String = sqlx::query_scalar(
+        "SELECT replace(lease_id::text, '-', '') FROM lease_slots WHERE key_id = 'key-a'",
+    )
+    .fetch_one(&app.db)
+    .await
+    .unwrap();
+    assert_eq!(holder_lease, next["lease_id"].as_str().unwrap());
+}
+
+#[tokio::test]
+async fn renewing_a_released_or_mismatched_lease_is_lease_lost() {
+    let app = single_slot_app().await;
+    let lease = lease_on(&app, 600).await;
+    let mut body = release_body(&lease, "success");
+    body.as_object_mut().unwrap().remove("outcome");
+
+    let mut mismatched = body.clone();
+    mismatched["pool"] = json!("vip");
+    assert_error(app.renew(mismatched).await, StatusCode::GONE, "lease_lost").await;
+
+    json_body(
+        app.release(release_body(&lease, "success")).await,
+        StatusCode::OK,
+    )
+    .await;
+    assert_error(app.renew(body).await, StatusCode::GONE, "lease_lost").await;
+    assert_eq!(app.in_flight("key-a").await, 0);
+}
+
+#[tokio::test]
+async fn parallel_releases_of_one_lease_release_it_exactly_once() {
+    let app = single_slot_app().await;
+    for _ in 0..10 {
+        let lease = lease_on(&app, 600).await;
+        let results = futures::future::join_all(
+            (0..16).map(|_| app.release(release_body(&lease, "success"))),
+        )
+        .await;
+        let mut released = 0;
+        for response in results {
+            let body = json_body(response, StatusCode::OK).await;
+            if body["released"] == json!(true) {
+                released += 1;
+            } else {
+                assert_eq!(body["reason"], "not_found", "{body}");
+            }
+        }
+        assert_eq!(released, 1);
+        assert_eq!(app.in_flight("key-a").await, 0);
+    }
+}
