@@ -1,21 +1,27 @@
-//! Allocation: the pool sequence, the candidate read, the ranking and the one-statement claim,
+//! Allocation: the pool sequence, the candidate view, the scoring and the one-statement claim,
 //! and the classification of an allocation that found nothing (DESIGN.md "Error semantics").
 
+use std::collections::HashSet;
+use std::sync::Arc;
+
+use rand::rngs::SmallRng;
+use rand::{RngExt, SeedableRng};
 use sqlx::PgPool;
 use time::OffsetDateTime;
 
+use crate::candidates::{CandidateViews, PoolView, unix_seconds};
 use crate::domain::{
     Holder, KeyId, LeaseId, LeaseSeconds, ModelName, PoolName, ProviderName, Secret,
 };
-use crate::ranking::{self, Candidate};
-use crate::store::leases::{self, Candidates, ClaimRequest};
+use crate::scoring::{self, ScoringPolicy};
+use crate::store::leases::{self, ClaimRequest};
 
 /// An executor's request for a lease.
 #[derive(Debug, Clone)]
 pub struct AllocateRequest {
     /// The provider wanted.
     pub provider: ProviderName,
-    /// The model wanted.
+    /// The model wanted (a provider model name or an alias).
     pub model: ModelName,
     /// The pool asked for; the pool sequence may serve it from another (`vip` -> `default`).
     pub pool: PoolName,
@@ -36,10 +42,12 @@ pub struct Allocation {
     pub provider: ProviderName,
     /// The pool that served (differs from the pool asked for after a `vip` -> `default` fallback).
     pub pool: PoolName,
-    /// The model name as the credential serves it.
-    pub provider_model: ModelName,
+    /// The model name as the credential serves it (after alias mapping).
+    pub provider_model: String,
     /// When the lease stops counting unless renewed (database clock).
     pub lease_until: OffsetDateTime,
+    /// Whether this is the single probe lease of a credential back from a cooldown.
+    pub probe: bool,
     /// The credential material (redacted in `Debug`).
     pub credential: Secret,
 }
@@ -53,8 +61,9 @@ pub enum AllocateError {
     /// 409: the pool has credentials but none serves the model.
     #[error("no credential in this pool serves the model")]
     ModelNotSupported,
-    /// 409: credentials serve the model but every one is disabled, exhausted or pending.
-    #[error("every credential that serves the model is disabled, exhausted or pending")]
+    /// 409: credentials serve the model but every one waits for an operator (disabled, pending,
+    /// exhausted without a retry_after, or cooling down with no known end).
+    #[error("every credential that serves the model waits for an operator")]
     NoUsableCredentials,
     /// 429: candidates exist but none is free now; one may free in `retry_after_seconds`
     /// (whole seconds, at least 1: the earliest lease end or cooldown end among the candidates).
@@ -68,19 +77,22 @@ pub enum AllocateError {
     Store(#[from] sqlx::Error),
 }
 
-/// What one pool of the sequence can offer, judged from its candidate read. Pure.
+/// What one pool of the sequence can offer, judged from its candidate view. Pure.
 #[derive(Debug)]
 enum PoolVerdict {
     NotFound,
     ModelNotSupported,
     NoUsableCredentials,
-    /// Try the claim over `candidates` (may be empty: everything is busy or cooling).
+    /// Try the claim over `batch` (may be empty: everything is busy or cooling, or tried).
     Try {
-        candidates: Vec<Candidate>,
+        batch: Vec<KeyId>,
+        /// Whether the view shows an untried candidate with a free slot (the batch starts with it).
+        free_seen: bool,
         /// Over-limit credentials that look back under their limit: fit their slots first.
         refit: Vec<KeyId>,
-        /// The earliest moment a lease or cooldown among the candidates ends.
-        frees_at: Option<OffsetDateTime>,
+        /// The earliest moment a lease or cooldown among the candidates ends, and the view's
+        /// clock when judged.
+        frees_at: Option<(OffsetDateTime, OffsetDateTime)>,
     },
 }
 
@@ -95,50 +107,104 @@ impl PoolVerdict {
             PoolVerdict::NotFound => 0,
         }
     }
+
+    fn conclusive_without_claim(&self) -> bool {
+        !matches!(self, PoolVerdict::Try { .. })
+    }
 }
 
-fn judge(read: &Candidates) -> PoolVerdict {
-    if read.rows.is_empty() {
+/// Judges a pool from its view: classification, and the best `take` candidates not in `tried`
+/// among (at most) `window` free ones.
+fn judge<R: rand::Rng + ?Sized>(
+    view: &PoolView,
+    model: &ModelName,
+    tried: &HashSet<KeyId>,
+    take: usize,
+    window: usize,
+    scoring_policy: &ScoringPolicy,
+    rng: &mut R,
+) -> PoolVerdict {
+    if view.entries.is_empty() {
         return PoolVerdict::NotFound;
     }
-    let serving: Vec<_> = read.rows.iter().filter(|r| r.serves_model).collect();
+    let now = view.now();
+    let serving = view.serving(model.as_str());
     if serving.is_empty() {
         return PoolVerdict::ModelNotSupported;
     }
-    let mut candidates = Vec::new();
-    let mut refit = Vec::new();
-    let mut frees_at: Option<OffsetDateTime> = None;
-    let mut earliest = |t: Option<OffsetDateTime>| {
-        if let Some(t) = t {
-            frees_at = Some(frees_at.map_or(t, |f| f.min(t)));
-        }
+    let now_unix = unix_seconds(now);
+    let mut any_usable = false;
+    let mut best = scoring::TopK::new(take, scoring_policy);
+    let (capacity_weight, idle_weight) =
+        (scoring_policy.capacity_weight, scoring_policy.idle_weight);
+    let inv_idle_cap = if scoring_policy.idle_cap_seconds > 0.0 {
+        1.0 / scoring_policy.idle_cap_seconds
+    } else {
+        f64::INFINITY
     };
-    for row in serving {
-        if row.usable {
-            earliest(row.next_lease_end);
-            let free_slots = i64::from(row.max_concurrent_uses) - row.in_flight;
-            if row.slots_over_limit {
-                if free_slots <= 0 {
-                    continue;
-                }
-                refit.push(row.key_id.clone());
-            }
-            candidates.push(Candidate {
-                key_id: row.key_id.clone(),
-                last_used_at: row.last_used_at,
-                free_slots: free_slots.max(0),
-            });
-        } else if row.recovers_at.is_some() {
-            earliest(row.recovers_at);
+    let mut free_seen = false;
+    let mut refit = Vec::new();
+    // the earliest moment a lease or a cooldown among the candidates ends, Unix seconds
+    let mut frees_at = f64::INFINITY;
+    // Start at a random place and stop after `window` free candidates: ranking costs O(window),
+    // not O(pool), and a pool with fewer free candidates than that is ranked exactly.
+    // (without jitter, always from the first: the order is then fully deterministic)
+    let start = if serving.is_empty() || scoring_policy.jitter_amplitude() == 0.0 {
+        0
+    } else {
+        rng.random_range(0..serving.len())
+    };
+    let mut free_found = 0;
+    for &index in serving[start..].iter().chain(&serving[..start]) {
+        if free_found >= window {
+            break;
         }
+        let row = &view.rows[index];
+        if !row.usable(now_unix) {
+            // cooling down: usable again, on its own, at the end of its cooldown (+inf: never)
+            frees_at = frees_at.min(row.usable_from);
+            continue;
+        }
+        any_usable = true;
+        frees_at = frees_at.min(row.next_lease_end);
+        if row.over_limit && row.in_flight < i64::from(row.limit) {
+            refit.push(view.entries[index].facts.key_id.clone());
+        }
+        if !tried.is_empty() && tried.contains(&view.entries[index].facts.key_id) {
+            continue;
+        }
+        // the score of `Scored::score`, from parts precomputed for this loop
+        let free_slots = row.free_slots(now_unix);
+        let capacity = (free_slots as f64 * row.inv_limit).min(1.0);
+        let idle = if row.last_used.is_nan() {
+            1.0
+        } else {
+            ((now_unix - row.last_used) * inv_idle_cap).clamp(0.0, 1.0)
+        };
+        let score = row.health_score + capacity_weight * capacity + idle_weight * idle;
+        if free_slots > 0 {
+            free_seen = true;
+            free_found += 1;
+        }
+        best.offer_scored(index, free_slots > 0, score, index, rng);
     }
-    if candidates.is_empty() && frees_at.is_none() {
+    if !any_usable && frees_at.is_infinite() {
         return PoolVerdict::NoUsableCredentials;
     }
+    let frees_at = frees_at
+        .is_finite()
+        .then(|| OffsetDateTime::from_unix_timestamp_nanos((frees_at * 1e9) as i128).ok())
+        .flatten();
+    let batch = best
+        .into_keys()
+        .into_iter()
+        .map(|i| view.entries[i].facts.key_id.clone())
+        .collect();
     PoolVerdict::Try {
-        candidates,
+        batch,
+        free_seen,
         refit,
-        frees_at,
+        frees_at: frees_at.map(|at| (at, now)),
     }
 }
 
@@ -158,84 +224,80 @@ fn retry_after_seconds(soonest: Option<(OffsetDateTime, OffsetDateTime)>) -> u64
     }
 }
 
-/// Grants leases. Cheap to clone; holds the connection pool and the ranking settings.
+/// How many candidates a claim statement gets, and how hard one request tries a pool.
+///
+/// A request keeps claiming while its view shows an untried candidate with a free slot (each
+/// miss marks the tried candidates full and doubles the batch, so even heavy contention ends in
+/// O(log pool) statements); when the view shows none, it still makes `attempts` claims on the
+/// best candidates it believes full, in case the view is stale, before answering 429.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct ClaimSettings {
+    /// Candidates in the first claim statement (the top of the ranking).
+    pub batch: usize,
+    /// Claims made on candidates the view believes full.
+    pub attempts: usize,
+    /// Free candidates one ranking considers: a pool with more is ranked over a window of this
+    /// many, starting at a random place, so allocation cost does not grow with the pool.
+    pub rank_window: usize,
+}
+
+impl Default for ClaimSettings {
+    /// 8 candidates in the first claim; 1 claim on candidates believed full; a window of 256.
+    fn default() -> Self {
+        Self {
+            batch: 8,
+            attempts: 1,
+            rank_window: 256,
+        }
+    }
+}
+
+/// Largest batch a retried claim grows to.
+const MAX_BATCH: usize = 1024;
+
+/// Grants leases. Cheap to clone.
 #[derive(Debug, Clone)]
 pub struct Allocator {
     db: PgPool,
-    jitter_seconds: f64,
+    views: Arc<CandidateViews>,
+    claims: ClaimSettings,
 }
 
 impl Allocator {
-    /// `jitter_seconds`: amplitude of the uniform noise added to idle time when ranking.
-    pub fn new(db: PgPool, jitter_seconds: f64) -> Self {
-        Self { db, jitter_seconds }
+    /// An allocator over `db`, ranking from `views`.
+    pub fn new(db: PgPool, views: Arc<CandidateViews>, claims: ClaimSettings) -> Self {
+        Self { db, views, claims }
     }
 
-    /// Tries each pool of the request's pool sequence in turn: reads its candidates, ranks them,
-    /// and runs the one-statement claim. The first grant wins. When nothing is granted, answers
-    /// with the most actionable failure of the sequence.
+    /// The candidate views this allocator ranks from.
+    pub fn views(&self) -> &Arc<CandidateViews> {
+        &self.views
+    }
+
+    /// Tries each pool of the request's pool sequence in turn: ranks its candidate view and runs
+    /// the one-statement claim over the best few, trying further candidates (up to the configured
+    /// attempts) before giving up on the pool. The first grant wins. When nothing is granted,
+    /// answers with the most actionable failure of the sequence; a 404 or 409 is only given after
+    /// re-reading the pool from the database, so a stale view never causes one.
     ///
     /// Every failure leaves the database unchanged (the claim writes only when it grants).
     pub async fn allocate(&self, request: &AllocateRequest) -> Result<Allocation, AllocateError> {
         let mut failure: Option<PoolVerdict> = None;
-        // The earliest moment something frees up, with the database clock it was judged at.
         let mut soonest: Option<(OffsetDateTime, OffsetDateTime)> = None;
 
         for pool in request.pool.sequence() {
-            let read =
-                leases::read_candidates(&self.db, &request.provider, &pool, &request.model).await?;
-            let verdict = judge(&read);
+            let verdict = self.allocate_in(request, &pool).await?;
+            let verdict = match verdict {
+                Ok(allocation) => return Ok(allocation),
+                Err(verdict) => verdict,
+            };
             if let PoolVerdict::Try {
-                candidates,
-                refit,
-                frees_at,
+                frees_at: Some((at, now)),
+                ..
             } = &verdict
+                && soonest.is_none_or(|(s, _)| *at < s)
             {
-                for key_id in refit {
-                    let mut tx = self.db.begin().await?;
-                    leases::fit_slots(&mut *tx, key_id).await?;
-                    tx.commit().await?;
-                }
-                if !candidates.is_empty() {
-                    let ranked = ranking::rank_least_recently_used(
-                        candidates.clone(),
-                        read.db_now.unwrap_or_else(OffsetDateTime::now_utc),
-                        self.jitter_seconds,
-                        &mut rand::rng(),
-                    );
-                    let claim = ClaimRequest {
-                        ranked: &ranked,
-                        provider: &request.provider,
-                        pool: &pool,
-                        model: &request.model,
-                        lease_id: LeaseId::generate(),
-                        holder: request.holder.as_ref(),
-                        lease_seconds: request.lease_seconds,
-                    };
-                    if let Some(granted) = leases::claim_slot(&self.db, &claim).await? {
-                        tracing::info!(
-                            key_id = %granted.key_id,
-                            lease_id = %granted.lease_id,
-                            served_pool = %pool,
-                            pruned_expired = granted.pruned_expired,
-                            "lease granted"
-                        );
-                        return Ok(Allocation {
-                            key_id: granted.key_id,
-                            lease_id: granted.lease_id,
-                            provider: request.provider.clone(),
-                            pool,
-                            provider_model: request.model.clone(),
-                            lease_until: granted.lease_until,
-                            credential: granted.secret,
-                        });
-                    }
-                }
-                if let (Some(at), Some(now)) = (*frees_at, read.db_now)
-                    && soonest.is_none_or(|(s, _)| at < s)
-                {
-                    soonest = Some((at, now));
-                }
+                soonest = Some((*at, *now));
             }
             if failure
                 .as_ref()
@@ -254,74 +316,236 @@ impl Allocator {
             Some(PoolVerdict::NotFound) | None => AllocateError::PoolNotFound,
         })
     }
+
+    /// One pool of the sequence: a lease, or the verdict to report if no pool serves.
+    async fn allocate_in(
+        &self,
+        request: &AllocateRequest,
+        pool: &PoolName,
+    ) -> Result<Result<Allocation, PoolVerdict>, sqlx::Error> {
+        let provider = &request.provider;
+        let scoring = self.views.scoring().clone();
+        let mut tried: HashSet<KeyId> = HashSet::new();
+        let mut fresh = false;
+        let mut refitted = false;
+        let mut attempts = 0;
+        let mut batch_size = self.claims.batch.max(1);
+        loop {
+            let (verdict, loaded) = self
+                .views
+                .with_view(provider, pool, |view| {
+                    judge(
+                        view,
+                        &request.model,
+                        &tried,
+                        batch_size,
+                        self.claims.rank_window,
+                        &scoring,
+                        // a fast generator per ranking: jitter needs spread, not secrecy
+                        &mut SmallRng::from_rng(&mut rand::rng()),
+                    )
+                })
+                .await?;
+            fresh |= loaded;
+            if verdict.conclusive_without_claim() {
+                if fresh {
+                    return Ok(Err(verdict));
+                }
+                // never answer 404/409 from a stale view
+                self.views.reload(provider, pool, None).await?;
+                fresh = true;
+                continue;
+            }
+            let PoolVerdict::Try {
+                batch,
+                refit,
+                free_seen,
+                ..
+            } = &verdict
+            else {
+                unreachable!("conclusive verdicts returned above")
+            };
+            if !refit.is_empty() && !refitted {
+                refitted = true;
+                for key_id in refit {
+                    let mut tx = self.db.begin().await?;
+                    leases::fit_slots(&mut *tx, key_id).await?;
+                    tx.commit().await?;
+                }
+                self.views.reload(provider, pool, None).await?;
+                fresh = true;
+                continue;
+            }
+            if batch.is_empty() || (!free_seen && attempts >= self.claims.attempts) {
+                return Ok(Err(verdict));
+            }
+            if !free_seen {
+                attempts += 1;
+            }
+            let claim = ClaimRequest {
+                ranked: batch,
+                provider,
+                pool,
+                model: &request.model,
+                lease_id: LeaseId::generate(),
+                holder: request.holder.as_ref(),
+                lease_seconds: request.lease_seconds,
+            };
+            let result = leases::claim_slot(&self.db, &claim).await?;
+            let view_version = self.views.with_view(provider, pool, |v| v.version).await?.0;
+            let stale = result.pool_version != view_version;
+            if let Some(granted) = result.granted {
+                tracing::info!(
+                    key_id = %granted.key_id,
+                    lease_id = %granted.lease_id,
+                    served_pool = %pool,
+                    probe = granted.probe,
+                    pruned_expired = granted.pruned_expired,
+                    "lease granted"
+                );
+                self.views.note_grant(provider, pool, &granted);
+                if stale {
+                    let (views, provider, pool, version) = (
+                        self.views.clone(),
+                        provider.clone(),
+                        pool.clone(),
+                        result.pool_version,
+                    );
+                    tokio::spawn(async move {
+                        if let Err(error) = views.reload(&provider, &pool, version).await {
+                            tracing::warn!(error = %error, "candidate view reload failed");
+                        }
+                    });
+                }
+                return Ok(Ok(Allocation {
+                    key_id: granted.key_id,
+                    lease_id: granted.lease_id,
+                    provider: provider.clone(),
+                    pool: pool.clone(),
+                    provider_model: granted.provider_model,
+                    lease_until: granted.lease_until,
+                    probe: granted.probe,
+                    credential: granted.secret,
+                }));
+            }
+            self.views.note_full(provider, pool, batch);
+            tried.extend(batch.iter().cloned());
+            batch_size = (batch_size * 2).min(MAX_BATCH);
+            if stale {
+                self.views
+                    .reload(provider, pool, result.pool_version)
+                    .await?;
+                fresh = true;
+            }
+        }
+    }
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::store::leases::CandidateRow;
+    use crate::domain::Status;
+    use crate::health::{Health, HealthPolicy};
+    use crate::store::candidates::{CredentialFacts, PoolSnapshot};
+    use rand::SeedableRng;
+    use rand::rngs::StdRng;
     use time::Duration;
 
-    fn row(id: &str) -> CandidateRow {
-        CandidateRow {
+    fn now() -> OffsetDateTime {
+        OffsetDateTime::from_unix_timestamp(1_800_000_000).unwrap()
+    }
+
+    fn facts(id: &str, models: &[&str]) -> CredentialFacts {
+        CredentialFacts {
             key_id: KeyId::parse(id).unwrap(),
+            models: models.iter().map(|m| m.to_string()).collect(),
+            aliases: Default::default(),
             max_concurrent_uses: 2,
-            serves_model: true,
-            usable: true,
-            recovers_at: None,
-            last_used_at: None,
+            health: Health::new(Status::Available),
             slots_over_limit: false,
             in_flight: 0,
+            slot0_free: true,
             next_lease_end: None,
+            last_used_at: None,
         }
     }
 
-    fn read(rows: Vec<CandidateRow>) -> Candidates {
-        Candidates {
-            rows,
-            db_now: Some(OffsetDateTime::now_utc()),
-        }
+    fn view(credentials: Vec<CredentialFacts>) -> PoolView {
+        PoolView::from_snapshot(
+            PoolSnapshot {
+                version: Some(1),
+                db_now: now(),
+                credentials,
+            },
+            &ScoringPolicy::default(),
+            &HealthPolicy::default(),
+        )
+    }
+
+    fn judged(credentials: Vec<CredentialFacts>, model: &str) -> PoolVerdict {
+        judge(
+            &view(credentials),
+            &ModelName::parse(model).unwrap(),
+            &HashSet::new(),
+            8,
+            256,
+            &ScoringPolicy::default(),
+            &mut StdRng::seed_from_u64(1),
+        )
     }
 
     #[test]
     fn empty_pool_is_not_found() {
-        assert!(matches!(judge(&read(vec![])), PoolVerdict::NotFound));
+        assert!(matches!(judged(vec![], "gpt-4o"), PoolVerdict::NotFound));
     }
 
     #[test]
-    fn pool_without_the_model_is_model_not_supported() {
-        let mut r = row("a");
-        r.serves_model = false;
+    fn pool_without_the_model_or_an_alias_for_it_is_model_not_supported() {
         assert!(matches!(
-            judge(&read(vec![r])),
+            judged(vec![facts("a", &["o3"])], "gpt-4o"),
             PoolVerdict::ModelNotSupported
+        ));
+        let mut aliased = facts("a", &["gpt-4o-2024-08-06"]);
+        aliased
+            .aliases
+            .insert("gpt-4o".into(), "gpt-4o-2024-08-06".into());
+        assert!(matches!(
+            judged(vec![aliased], "gpt-4o"),
+            PoolVerdict::Try { .. }
         ));
     }
 
     #[test]
-    fn only_disabled_credentials_are_no_usable_credentials() {
-        let mut r = row("a");
-        r.usable = false;
+    fn only_disabled_exhausted_or_pending_credentials_is_no_usable_credentials() {
+        let mut rows = Vec::new();
+        for (id, status) in [
+            ("d", Status::Disabled),
+            ("e", Status::Exhausted),
+            ("p", Status::Pending),
+        ] {
+            let mut row = facts(id, &["gpt-4o"]);
+            row.health.status = status;
+            rows.push(row);
+        }
         assert!(matches!(
-            judge(&read(vec![r])),
+            judged(rows, "gpt-4o"),
             PoolVerdict::NoUsableCredentials
         ));
     }
 
     #[test]
     fn cooling_credentials_are_busy_until_their_cooldown_ends() {
-        let now = OffsetDateTime::now_utc();
-        let mut r = row("a");
-        r.usable = false;
-        r.recovers_at = Some(now + Duration::seconds(30));
-        match judge(&read(vec![r])) {
+        let mut row = facts("a", &["gpt-4o"]);
+        row.health.status = Status::RateLimited;
+        row.health.cooldown_until = Some(now() + Duration::seconds(30));
+        match judged(vec![row], "gpt-4o") {
             PoolVerdict::Try {
-                candidates,
-                frees_at,
+                batch,
+                frees_at: Some((at, _)),
                 ..
             } => {
-                assert!(candidates.is_empty());
-                assert_eq!(frees_at, Some(now + Duration::seconds(30)));
+                assert!(batch.is_empty());
+                assert_eq!(at, now() + Duration::seconds(30));
             }
             other => panic!("{other:?}"),
         }
@@ -329,19 +553,85 @@ mod tests {
 
     #[test]
     fn over_limit_credential_is_refit_only_when_back_under_its_limit() {
-        let mut full = row("full");
+        let mut full = facts("full", &["gpt-4o"]);
         full.slots_over_limit = true;
         full.in_flight = 3;
-        let mut under = row("under");
+        let mut under = facts("under", &["gpt-4o"]);
         under.slots_over_limit = true;
         under.in_flight = 1;
-        match judge(&read(vec![full, under])) {
-            PoolVerdict::Try {
-                candidates, refit, ..
-            } => {
-                assert_eq!(refit, vec![KeyId::parse("under").unwrap()]);
-                assert_eq!(candidates.len(), 1);
+        match judged(vec![full, under], "gpt-4o") {
+            PoolVerdict::Try { refit, .. } => {
+                assert_eq!(refit, vec![KeyId::parse("under").unwrap()])
             }
+            other => panic!("{other:?}"),
+        }
+    }
+
+    #[test]
+    fn a_large_pool_is_ranked_over_a_window_of_free_candidates_and_a_small_one_exactly() {
+        let rows: Vec<_> = (0..100)
+            .map(|i| facts(&format!("k{i:03}"), &["gpt-4o"]))
+            .collect();
+        let mut exact = view(rows);
+        // one clearly best credential: an exact ranking finds it every time
+        exact.entries[57].health_score += 5.0;
+        exact.rows[57].health_score += 5.0;
+        let model = ModelName::parse("gpt-4o").unwrap();
+        let mut rng = StdRng::seed_from_u64(5);
+        let mut found = 0;
+        for _ in 0..50 {
+            let PoolVerdict::Try { batch, .. } = judge(
+                &exact,
+                &model,
+                &HashSet::new(),
+                1,
+                256,
+                &ScoringPolicy::default(),
+                &mut rng,
+            ) else {
+                panic!()
+            };
+            found += usize::from(batch[0].as_str() == "k057");
+        }
+        assert_eq!(found, 50);
+        // with a window of 10 the best is found only when the window covers it (about 1 in 10)
+        let mut found = 0;
+        for _ in 0..1000 {
+            let PoolVerdict::Try {
+                batch, free_seen, ..
+            } = judge(
+                &exact,
+                &model,
+                &HashSet::new(),
+                1,
+                10,
+                &ScoringPolicy::default(),
+                &mut rng,
+            )
+            else {
+                panic!()
+            };
+            assert!(free_seen);
+            found += usize::from(batch[0].as_str() == "k057");
+        }
+        assert!((50..200).contains(&found), "{found}");
+    }
+
+    #[test]
+    fn tried_candidates_are_not_offered_again() {
+        let rows = vec![facts("a", &["gpt-4o"]), facts("b", &["gpt-4o"])];
+        let tried: HashSet<KeyId> = [KeyId::parse("a").unwrap()].into();
+        let verdict = judge(
+            &view(rows),
+            &ModelName::parse("gpt-4o").unwrap(),
+            &tried,
+            8,
+            256,
+            &ScoringPolicy::default(),
+            &mut StdRng::seed_from_u64(1),
+        );
+        match verdict {
+            PoolVerdict::Try { batch, .. } => assert_eq!(batch, vec![KeyId::parse("b").unwrap()]),
             other => panic!("{other:?}"),
         }
     }
@@ -349,7 +639,7 @@ mod tests {
     #[test]
     fn retry_after_rounds_up_and_is_at_least_one_second() {
         let now = OffsetDateTime::now_utc();
-        let after = |ms| retry_after_seconds(Some((now + Duration::milliseconds(ms), now)));
+        let after = |ms| retry_after_seconds(Some((now + time::Duration::milliseconds(ms), now)));
         assert_eq!(after(1_200), 2);
         assert_eq!(after(10), 1);
         assert_eq!(after(-5_000), 1);

@@ -1,12 +1,14 @@
 //! Command line and configuration: every setting is a flag and an environment variable (clap
 //! with `env`); `credpool --help` and README list them with defaults and units.
 
-use std::net::SocketAddr;
 use std::path::PathBuf;
 use std::time::Duration;
 
 use clap::{Args, Parser, Subcommand};
 
+use crate::allocation::ClaimSettings;
+use crate::health::HealthPolicy;
+use crate::scoring::ScoringPolicy;
 use crate::store::PoolSettings;
 
 /// credpool: leases upstream credentials to executors under per-credential concurrency limits.
@@ -77,9 +79,10 @@ pub struct ServeArgs {
     #[command(flatten)]
     pub db: DatabaseArgs,
 
-    /// Address to listen on (`host:port`; port 0 picks a free port, printed at start-up).
+    /// Address to listen on, `host:port` (`localhost:8080`, `0.0.0.0:8080`, `[::1]:8080`); port
+    /// 0 picks a free port, printed at start-up.
     #[arg(long, env = "CREDPOOL_LISTEN", default_value = "127.0.0.1:8080")]
-    pub listen: SocketAddr,
+    pub listen: String,
 
     /// The key executors send in `X-Internal-Key`. Required with DATABASE_URL; generated and
     /// stored in the data directory with the embedded default.
@@ -100,14 +103,200 @@ pub struct ServeArgs {
 #[derive(Debug, Clone, Args)]
 pub struct ServiceArgs {
     /// Longest lease (and renewal) an executor may ask for, in seconds.
-    #[arg(long, env = "CREDPOOL_MAX_LEASE_SECONDS", default_value_t = 3600,
+    #[arg(long, env = "CREDPOOL_MAX_LEASE_SECONDS", default_value_t = ServiceSettings::default().max_lease_seconds,
           value_parser = clap::value_parser!(u32).range(1..=86_400))]
     pub max_lease_seconds: u32,
 
-    /// Amplitude of the random jitter added to a candidate's idle time when ranking, in seconds
-    /// (0 = deterministic order).
-    #[arg(long, env = "CREDPOOL_RANKING_JITTER_SECONDS", default_value_t = 1.0)]
-    pub ranking_jitter_seconds: f64,
+    /// Candidates handed to the first claim statement (the top of the ranking); a request that
+    /// misses retries while its view shows untried free candidates, doubling the batch.
+    #[arg(long, env = "CREDPOOL_CLAIM_BATCH", default_value_t = ServiceSettings::default().claims.batch as u32,
+          value_parser = clap::value_parser!(u32).range(1..=1000))]
+    pub claim_batch: u32,
+
+    /// Claims a request makes on candidates its view believes full (in case the view is stale)
+    /// before answering 429.
+    #[arg(long, env = "CREDPOOL_CLAIM_ATTEMPTS", default_value_t = ServiceSettings::default().claims.attempts as u32,
+          value_parser = clap::value_parser!(u32).range(0..=100))]
+    pub claim_attempts: u32,
+
+    /// Free candidates one ranking considers: a pool with more free credentials is ranked over a
+    /// window of this many, starting at a random place, so allocation cost stays flat with pool
+    /// size.
+    #[arg(long, env = "CREDPOOL_RANK_WINDOW", default_value_t = ServiceSettings::default().claims.rank_window as u32,
+          value_parser = clap::value_parser!(u32).range(1..=1_000_000))]
+    pub rank_window: u32,
+
+    /// How often each candidate view is re-read from the database, in milliseconds (it is also
+    /// re-read whenever a claim reports that its pool changed).
+    #[arg(long, env = "CREDPOOL_VIEW_REFRESH_MS", default_value_t = ServiceSettings::default().view_refresh.as_millis() as u64,
+          value_parser = clap::value_parser!(u64).range(100..=3_600_000))]
+    pub view_refresh_ms: u64,
+
+    /// Scoring weights.
+    #[command(flatten)]
+    pub scoring: ScoringArgs,
+
+    /// How outcome reports change health.
+    #[command(flatten)]
+    pub health: HealthArgs,
+}
+
+impl ServiceArgs {
+    /// The settings these flags describe.
+    pub fn settings(&self) -> ServiceSettings {
+        ServiceSettings {
+            max_lease_seconds: self.max_lease_seconds,
+            claims: ClaimSettings {
+                batch: self.claim_batch as usize,
+                attempts: self.claim_attempts as usize,
+                rank_window: self.rank_window as usize,
+            },
+            view_refresh: Duration::from_millis(self.view_refresh_ms),
+            scoring: self.scoring.policy(),
+            health: self.health.policy(),
+        }
+    }
+}
+
+/// How the lease API behaves: the parsed form of [`ServiceArgs`]. The defaults of every flag come
+/// from here and from the policies' defaults.
+#[derive(Debug, Clone)]
+pub struct ServiceSettings {
+    /// Longest lease (and renewal) an executor may ask for, in seconds.
+    pub max_lease_seconds: u32,
+    /// Candidates per claim statement, and claims per pool and request.
+    pub claims: ClaimSettings,
+    /// How often candidate views are re-read.
+    pub view_refresh: Duration,
+    /// Scoring weights.
+    pub scoring: ScoringPolicy,
+    /// How outcome reports change health.
+    pub health: HealthPolicy,
+}
+
+impl Default for ServiceSettings {
+    /// Leases up to 3600 s; 8 candidates per claim, 3 claims per pool; views re-read every 5 s;
+    /// the policies' defaults.
+    fn default() -> Self {
+        Self {
+            max_lease_seconds: 3600,
+            claims: ClaimSettings::default(),
+            view_refresh: Duration::from_secs(5),
+            scoring: ScoringPolicy::default(),
+            health: HealthPolicy::default(),
+        }
+    }
+}
+
+fn non_negative(value: &str) -> Result<f64, String> {
+    match value.parse::<f64>() {
+        Ok(v) if v.is_finite() && v >= 0.0 => Ok(v),
+        _ => Err(format!("`{value}` is not a finite number >= 0")),
+    }
+}
+
+fn positive(value: &str) -> Result<f64, String> {
+    match value.parse::<f64>() {
+        Ok(v) if v.is_finite() && v > 0.0 => Ok(v),
+        _ => Err(format!("`{value}` is not a finite number > 0")),
+    }
+}
+
+/// The weights of the score (see `docs/selection.md`). Defaults: [`ScoringPolicy::default`].
+#[derive(Debug, Clone, Args)]
+pub struct ScoringArgs {
+    /// Weight of the free share of a credential's slots.
+    #[arg(long, env = "CREDPOOL_SCORE_CAPACITY_WEIGHT", default_value_t = ScoringPolicy::default().capacity_weight, value_parser = non_negative)]
+    pub score_capacity_weight: f64,
+    /// Weight of idle time (since the last lease, capped).
+    #[arg(long, env = "CREDPOOL_SCORE_IDLE_WEIGHT", default_value_t = ScoringPolicy::default().idle_weight, value_parser = non_negative)]
+    pub score_idle_weight: f64,
+    /// Weight of the decayed success rate.
+    #[arg(long, env = "CREDPOOL_SCORE_SUCCESS_WEIGHT", default_value_t = ScoringPolicy::default().success_weight, value_parser = non_negative)]
+    pub score_success_weight: f64,
+    /// Weight of recent failures.
+    #[arg(long, env = "CREDPOOL_SCORE_ERROR_WEIGHT", default_value_t = ScoringPolicy::default().error_weight, value_parser = non_negative)]
+    pub score_error_weight: f64,
+    /// Weight of recent rate limits.
+    #[arg(long, env = "CREDPOOL_SCORE_RATE_LIMIT_WEIGHT", default_value_t = ScoringPolicy::default().rate_limit_weight, value_parser = non_negative)]
+    pub score_rate_limit_weight: f64,
+    /// Weight of a recent recovery from cooldown.
+    #[arg(long, env = "CREDPOOL_SCORE_COOLDOWN_WEIGHT", default_value_t = ScoringPolicy::default().cooldown_weight, value_parser = non_negative)]
+    pub score_cooldown_weight: f64,
+    /// Flat penalty when a credential's last success is missing or older than the freshness age.
+    #[arg(long, env = "CREDPOOL_SCORE_FRESHNESS_PENALTY", default_value_t = ScoringPolicy::default().freshness_penalty, value_parser = non_negative)]
+    pub score_freshness_penalty: f64,
+    /// Jitter amplitude, relative to the score range (0 = deterministic order).
+    #[arg(long, env = "CREDPOOL_SCORE_JITTER", default_value_t = ScoringPolicy::default().jitter, value_parser = non_negative)]
+    pub score_jitter: f64,
+    /// Idle time at which idle counts in full, in seconds.
+    #[arg(long, env = "CREDPOOL_SCORE_IDLE_CAP_SECONDS", default_value_t = ScoringPolicy::default().idle_cap_seconds, value_parser = positive)]
+    pub score_idle_cap_seconds: f64,
+    /// Age beyond which a last success is no longer fresh, in seconds.
+    #[arg(long, env = "CREDPOOL_SCORE_FRESHNESS_MAX_AGE_SECONDS", default_value_t = ScoringPolicy::default().freshness_max_age_seconds, value_parser = positive)]
+    pub score_freshness_max_age_seconds: f64,
+    /// Seconds over which the penalty of a recent recovery fades.
+    #[arg(long, env = "CREDPOOL_SCORE_COOLDOWN_PENALTY_SECONDS", default_value_t = ScoringPolicy::default().cooldown_penalty_seconds, value_parser = positive)]
+    pub score_cooldown_penalty_seconds: f64,
+}
+
+impl ScoringArgs {
+    /// The policy these flags describe.
+    pub fn policy(&self) -> ScoringPolicy {
+        ScoringPolicy {
+            capacity_weight: self.score_capacity_weight,
+            idle_weight: self.score_idle_weight,
+            success_weight: self.score_success_weight,
+            error_weight: self.score_error_weight,
+            rate_limit_weight: self.score_rate_limit_weight,
+            cooldown_weight: self.score_cooldown_weight,
+            freshness_penalty: self.score_freshness_penalty,
+            jitter: self.score_jitter,
+            idle_cap_seconds: self.score_idle_cap_seconds,
+            freshness_max_age_seconds: self.score_freshness_max_age_seconds,
+            cooldown_penalty_seconds: self.score_cooldown_penalty_seconds,
+            ..ScoringPolicy::default()
+        }
+    }
+}
+
+/// How outcome reports change health (see `docs/selection.md`). Defaults:
+/// [`HealthPolicy::default`].
+#[derive(Debug, Clone, Args)]
+pub struct HealthArgs {
+    /// Half-life of the outcome counters, in seconds.
+    #[arg(long, env = "CREDPOOL_HEALTH_HALF_LIFE_SECONDS", default_value_t = HealthPolicy::default().half_life_seconds, value_parser = positive)]
+    pub health_half_life_seconds: f64,
+    /// Failures within the failure window that put a credential in cooldown.
+    #[arg(long, env = "CREDPOOL_HEALTH_FAILURE_THRESHOLD", default_value_t = HealthPolicy::default().failure_threshold,
+          value_parser = clap::value_parser!(u32).range(1..=1000))]
+    pub health_failure_threshold: u32,
+    /// The failure window, in seconds.
+    #[arg(long, env = "CREDPOOL_HEALTH_FAILURE_WINDOW_SECONDS", default_value_t = HealthPolicy::default().failure_window_seconds, value_parser = positive)]
+    pub health_failure_window_seconds: f64,
+    /// The first cooldown, in seconds; doubles with each cooldown before a recovery.
+    #[arg(long, env = "CREDPOOL_HEALTH_COOLDOWN_SECONDS", default_value_t = HealthPolicy::default().cooldown_seconds, value_parser = positive)]
+    pub health_cooldown_seconds: f64,
+    /// The longest cooldown, in seconds.
+    #[arg(long, env = "CREDPOOL_HEALTH_MAX_COOLDOWN_SECONDS", default_value_t = HealthPolicy::default().max_cooldown_seconds, value_parser = positive)]
+    pub health_max_cooldown_seconds: f64,
+    /// Rest after a `rate_limited` report without retry_after_seconds, in seconds.
+    #[arg(long, env = "CREDPOOL_HEALTH_RATE_LIMIT_SECONDS", default_value_t = HealthPolicy::default().rate_limit_seconds, value_parser = positive)]
+    pub health_rate_limit_seconds: f64,
+}
+
+impl HealthArgs {
+    /// The policy these flags describe.
+    pub fn policy(&self) -> HealthPolicy {
+        HealthPolicy {
+            half_life_seconds: self.health_half_life_seconds,
+            failure_threshold: self.health_failure_threshold,
+            failure_window_seconds: self.health_failure_window_seconds,
+            cooldown_seconds: self.health_cooldown_seconds,
+            max_cooldown_seconds: self.health_max_cooldown_seconds,
+            rate_limit_seconds: self.health_rate_limit_seconds,
+        }
+    }
 }
 
 /// `credpool demo`.
@@ -121,15 +310,18 @@ pub struct DemoArgs {
     #[command(flatten)]
     pub service: ServiceArgs,
 
-    /// How long the fleet runs, in seconds.
-    #[arg(long, default_value_t = 20)]
+    /// How long executors start new calls, in seconds (calls in flight then finish, and the
+    /// summary waits one lease length for crashed executors' leases to expire).
+    #[arg(long, env = "CREDPOOL_DEMO_DURATION_SECONDS", default_value_t = 20)]
     pub duration_seconds: u64,
 
     /// Concurrent simulated executors.
-    #[arg(long, default_value_t = 64)]
-    pub executors: usize,
+    #[arg(long, env = "CREDPOOL_DEMO_EXECUTORS", default_value_t = 64,
+          value_parser = clap::value_parser!(u32).range(1..=10_000))]
+    pub executors: u32,
 
     /// Lease length the executors ask for, in seconds (some calls run longer and renew).
-    #[arg(long, default_value_t = 3)]
+    #[arg(long, env = "CREDPOOL_DEMO_LEASE_SECONDS", default_value_t = 3,
+          value_parser = clap::value_parser!(u32).range(1..=3600))]
     pub lease_seconds: u32,
 }

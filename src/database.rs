@@ -4,8 +4,8 @@ use std::path::PathBuf;
 use std::str::FromStr;
 
 use anyhow::Context;
-use sqlx::PgPool;
 use sqlx::postgres::PgConnectOptions;
+use sqlx::{ConnectOptions, Connection, PgPool};
 
 use crate::config::DatabaseArgs;
 use crate::embedded::{self, EmbeddedCluster};
@@ -43,7 +43,31 @@ impl Database {
                 (cluster.connect_options(), Some(cluster), Some(data_dir))
             }
         };
-        let pool = store::connect_lazy(options, &args.pool_settings());
+        // One direct connection first: if the database is unreachable, say why (the pool would
+        // only report that it timed out).
+        let settings = args.pool_settings();
+        let first = tokio::time::timeout(settings.acquire_timeout, options.connect()).await;
+        match first {
+            Ok(Ok(conn)) => {
+                let _ = conn.close().await;
+            }
+            Ok(Err(error)) => {
+                if let Some(cluster) = embedded {
+                    cluster.stop().await;
+                }
+                return Err(error).context("connecting to PostgreSQL");
+            }
+            Err(_) => {
+                if let Some(cluster) = embedded {
+                    cluster.stop().await;
+                }
+                anyhow::bail!(
+                    "connecting to PostgreSQL: no connection within {} ms (--db-acquire-timeout-ms)",
+                    settings.acquire_timeout.as_millis()
+                );
+            }
+        }
+        let pool = store::connect_lazy(options, &settings);
         let database = Database {
             pool,
             embedded,

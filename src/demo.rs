@@ -48,7 +48,8 @@ struct Stats {
     served_by_pool: BTreeMap<String, u64>,
     exhausted: u64,
     other_status: BTreeMap<u16, u64>,
-    released: BTreeMap<String, u64>,
+    /// (outcome reported, what release answered) -> count
+    released: BTreeMap<(&'static str, String), u64>,
     renewed: u64,
     renew_lost: u64,
     crashed: u64,
@@ -174,12 +175,12 @@ impl Fleet {
         let result = match self.post("/api/internal/release-key", &release).await {
             Ok(r) => match r.json::<Value>().await {
                 Ok(body) if body["released"] == json!(true) => "released".to_owned(),
-                Ok(body) => format!("not released: {}", body["reason"].as_str().unwrap_or("?")),
+                Ok(body) => format!("not released ({})", body["reason"].as_str().unwrap_or("?")),
                 Err(_) => "error".to_owned(),
             },
             Err(_) => "error".to_owned(),
         };
-        *self.stats().released.entry(result).or_default() += 1;
+        *self.stats().released.entry((outcome, result)).or_default() += 1;
     }
 }
 
@@ -196,10 +197,10 @@ async fn run_on(args: &DemoArgs, database: &Database) -> anyhow::Result<ExitCode
     let admin_key = hex::encode(rand::random::<[u8; 16]>());
     let keys = ApiKeys::new(internal_key.clone(), admin_key.clone()).map_err(anyhow::Error::msg)?;
     let app = Application::bind(
-        "127.0.0.1:0".parse()?,
+        "127.0.0.1:0",
         database.pool.clone(),
         keys,
-        &args.service,
+        &args.service.settings(),
     )
     .await?;
     let base = format!("http://{}", app.local_addr()?);
@@ -209,7 +210,7 @@ async fn run_on(args: &DemoArgs, database: &Database) -> anyhow::Result<ExitCode
     }));
 
     let client = reqwest::Client::builder()
-        .pool_max_idle_per_host(args.executors.max(1))
+        .pool_max_idle_per_host(args.executors as usize)
         .timeout(Duration::from_secs(30))
         .build()?;
     let credentials = demo_credentials();
@@ -245,7 +246,7 @@ async fn run_on(args: &DemoArgs, database: &Database) -> anyhow::Result<ExitCode
         stats: Mutex::new(Stats::default()),
     });
     let tasks: Vec<_> = (0..args.executors)
-        .map(|i| tokio::spawn(fleet.clone().executor(i)))
+        .map(|i| tokio::spawn(fleet.clone().executor(i as usize)))
         .collect();
     for task in tasks {
         task.await?;
@@ -264,25 +265,29 @@ async fn run_on(args: &DemoArgs, database: &Database) -> anyhow::Result<ExitCode
     let expired = audit::expired_without_release(&database.pool, since, until, &key_ids).await?;
 
     let stats = fleet.stats();
+    let line = |label: &str, n: u64| println!("{label:<42} {n:>8}");
     println!();
-    println!("leases granted        {:>8}", stats.granted);
+    line("leases granted", stats.granted);
     for (pool, n) in &stats.served_by_pool {
-        println!("  served by {pool:<10} {n:>8}");
+        line(&format!("  served by pool {pool}"), *n);
     }
-    println!("429 pool_exhausted    {:>8}", stats.exhausted);
+    line("429 pool_exhausted", stats.exhausted);
     for (status, n) in &stats.other_status {
-        println!("other answers ({status})  {n:>8}");
+        line(
+            &format!("other answers (HTTP {status}; 0 = transport error)"),
+            *n,
+        );
     }
-    for (result, n) in &stats.released {
-        println!("release: {result:<20} {n:>8}", result = result);
+    for ((outcome, result), n) in &stats.released {
+        line(&format!("release with outcome {outcome}: {result}"), *n);
     }
-    println!("renewals              {:>8}", stats.renewed);
-    println!("renewals lost         {:>8}", stats.renew_lost);
-    println!("executor crashes      {:>8}", stats.crashed);
-    println!(
-        "expired leases        {:>8}  (from the audit trail: ended without release)",
-        expired
+    line("renewals", stats.renewed);
+    line(
+        "renewals lost (410; the executor stopped)",
+        stats.renew_lost,
     );
+    line("executor crashes (never released)", stats.crashed);
+    line("expired leases (from the audit trail)", expired as u64);
     println!();
     println!(
         "{:<20} {:<8} {:>6} {:>8} {:>5}",

@@ -266,6 +266,24 @@ pub enum Status {
 }
 
 impl Status {
+    /// Every status, in the order of DESIGN.md.
+    pub const ALL: [Status; 6] = [
+        Status::Available,
+        Status::RateLimited,
+        Status::Cooldown,
+        Status::Pending,
+        Status::Disabled,
+        Status::Exhausted,
+    ];
+
+    /// Parses the stored spelling.
+    pub fn parse(value: &str) -> Result<Self, InvalidValue> {
+        Status::ALL
+            .into_iter()
+            .find(|s| s.as_str() == value)
+            .ok_or_else(|| InvalidValue::new("status", "must be one of available, rate_limited, cooldown, pending, disabled, exhausted"))
+    }
+
     /// The spelling stored in `credentials.status`.
     pub fn as_str(self) -> &'static str {
         match self {

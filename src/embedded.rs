@@ -72,7 +72,7 @@ pub enum EmbeddedError {
         reason: String,
     },
     /// `initdb` failed.
-    #[error("initdb failed (exit status {status}); its output:\n{output}")]
+    #[error("initdb failed ({status}); its output:\n{output}")]
     Initdb {
         /// Its exit status.
         status: String,
@@ -219,7 +219,11 @@ impl EmbeddedCluster {
     /// Initialises the cluster on first use, starts it (or finds it running), and makes sure the
     /// `credpool` database exists. `bin_dir` overrides the binary search.
     pub async fn start(data_dir: &Path, bin_dir: Option<&Path>) -> Result<Self, EmbeddedError> {
-        let data_dir = data_dir.to_path_buf();
+        // the cluster's processes run from "/", so a relative path would point elsewhere
+        let data_dir = std::path::absolute(data_dir).map_err(io(format!(
+            "resolving the data directory {}",
+            data_dir.display()
+        )))?;
         let bin = find_binaries(bin_dir)?;
         let user = cluster_user()?;
         let pgdata = data_dir.join("pgdata");

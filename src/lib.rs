@@ -5,7 +5,9 @@
 //!
 //! # Layout
 //! - [`domain`]: validated newtypes (`KeyId`, `LeaseId`, `PoolName`, ...), status and outcome.
-//! - [`ranking`]: the pure ranking of candidates (no I/O; clock and randomness passed in).
+//! - [`scoring`]: the pure score of a candidate and the ranking (no I/O; clock and randomness
+//!   passed in); [`health`]: the pure outcome -> health state machine.
+//! - [`candidates`]: each process's per-pool candidate views, so ranking reads no pool per request.
 //! - [`allocation`]: the pool sequence, ranking and one-statement claim, and the 404/409/429
 //!   classification of an allocation that found nothing.
 //! - [`store`]: every SQL statement; `store/claim_slot.sql` is the claim and explains why it
@@ -17,15 +19,34 @@
 //! - [`config`]: flags and environment variables.
 
 pub mod allocation;
+pub mod candidates;
 pub mod config;
 pub mod database;
 pub mod demo;
 pub mod domain;
 pub mod embedded;
+pub mod health;
 pub mod http;
-pub mod ranking;
+pub mod scoring;
 pub mod startup;
 pub mod store;
+
+/// An error and its causes on one line, each cause once: libraries often repeat their source's
+/// text in their own message, which `{:#}` would print twice.
+pub fn error_report(error: &anyhow::Error) -> String {
+    let mut report = String::new();
+    for cause in error.chain() {
+        let text = cause.to_string();
+        if text.is_empty() || report.contains(&text) {
+            continue;
+        }
+        if !report.is_empty() {
+            report.push_str(": ");
+        }
+        report.push_str(&text);
+    }
+    report
+}
 
 /// Runs one subcommand of the `credpool` binary.
 pub async fn run(cli: config::Cli) -> anyhow::Result<std::process::ExitCode> {
@@ -36,4 +57,19 @@ pub async fn run(cli: config::Cli) -> anyhow::Result<std::process::ExitCode> {
         Command::Demo(args) => return demo::run(args).await,
     }
     Ok(std::process::ExitCode::SUCCESS)
+}
+
+#[cfg(test)]
+mod tests {
+    #[test]
+    fn error_report_names_each_cause_once() {
+        let inner = std::io::Error::other("connection refused");
+        let error = anyhow::Error::new(inner)
+            .context("pool timed out: connection refused")
+            .context("applying migrations");
+        assert_eq!(
+            crate::error_report(&error),
+            "applying migrations: pool timed out: connection refused"
+        );
+    }
 }

@@ -1,24 +1,31 @@
 //! The `credpool` binary: parses the command line, sets up logging, and hands over to the library.
 
+use std::io::IsTerminal;
 use std::process::ExitCode;
 
 use clap::Parser;
+use credpool::config::{Cli, Command};
 use tracing_subscriber::EnvFilter;
 
 #[tokio::main]
 async fn main() -> ExitCode {
-    let cli = credpool::config::Cli::parse();
+    let cli = Cli::parse();
+    // the demo prints its own summary; its per-lease log lines would bury it
+    let default_filter = match cli.command {
+        Command::Demo(_) => "warn",
+        _ => "credpool=info,warn",
+    };
     tracing_subscriber::fmt()
         .with_env_filter(
-            EnvFilter::try_from_default_env()
-                .unwrap_or_else(|_| EnvFilter::new("credpool=info,warn")),
+            EnvFilter::try_from_default_env().unwrap_or_else(|_| EnvFilter::new(default_filter)),
         )
+        .with_ansi(std::io::stderr().is_terminal())
         .with_writer(std::io::stderr)
         .init();
     match credpool::run(cli).await {
         Ok(code) => code,
         Err(error) => {
-            eprintln!("credpool: {error:#}");
+            eprintln!("credpool: {}", credpool::error_report(&error));
             ExitCode::FAILURE
         }
     }

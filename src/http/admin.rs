@@ -1,5 +1,7 @@
 //! Operator routes (`X-Admin-Key`).
 
+use std::collections::BTreeMap;
+
 use axum::extract::{Path, State};
 use axum::http::StatusCode;
 use axum::routing::put;
@@ -25,6 +27,9 @@ struct PutKeyBody {
     #[serde(default)]
     pool: PoolName,
     models: Vec<ModelName>,
+    /// Request model name -> one of `models` (`{"gpt-4o": "gpt-4o-2024-08-06"}`).
+    #[serde(default)]
+    aliases: BTreeMap<ModelName, ModelName>,
     max_concurrent_uses: u64,
     status: Option<Status>,
     secret: Secret,
@@ -45,6 +50,22 @@ async fn put_key(
             InvalidValue::new("models", format!("must list 1 to {MAX_MODELS} models")).into(),
         );
     }
+    if body.aliases.len() > MAX_MODELS {
+        return Err(
+            InvalidValue::new("aliases", format!("may map at most {MAX_MODELS} names")).into(),
+        );
+    }
+    if let Some((alias, _)) = body
+        .aliases
+        .iter()
+        .find(|(_, target)| !body.models.contains(target))
+    {
+        return Err(InvalidValue::new(
+            "aliases",
+            format!("`{alias}` must map to one of the credential's models"),
+        )
+        .into());
+    }
     let max_concurrent_uses = match i32::try_from(body.max_concurrent_uses) {
         Ok(n) if (1..=10_000).contains(&n) => n,
         _ => {
@@ -55,11 +76,19 @@ async fn put_key(
             .into());
         }
     };
+    if matches!(body.status, Some(Status::RateLimited | Status::Cooldown)) {
+        return Err(InvalidValue::new(
+            "status",
+            "rate_limited and cooldown come from outcome reports (they need a cooldown end); set available, pending, disabled or exhausted",
+        )
+        .into());
+    }
     let spec = CredentialSpec {
         key_id,
         provider: body.provider,
         pool: body.pool,
         models: body.models,
+        aliases: body.aliases,
         max_concurrent_uses,
         status: body.status,
         secret: body.secret,

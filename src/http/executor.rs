@@ -11,7 +11,7 @@ use crate::allocation::AllocateRequest;
 use crate::domain::{
     Holder, KeyId, LeaseId, LeaseSeconds, ModelName, Outcome, PoolName, ProviderName, Secret,
 };
-use crate::store::leases::{self, LeaseRef, NotReleased};
+use crate::store::leases::{self, LeaseRef, NotReleased, ReleaseRequest};
 
 pub(super) fn routes() -> Router<AppState> {
     Router::new()
@@ -41,9 +41,12 @@ struct AllocateResponse {
     provider: ProviderName,
     /// The pool that served.
     pool: PoolName,
-    provider_model: ModelName,
+    /// The model name as this credential serves it (an alias resolved).
+    provider_model: String,
     #[serde(with = "time::serde::rfc3339")]
     lease_until: OffsetDateTime,
+    /// True for the single probe lease of a credential back from a cooldown: report its outcome.
+    probe: bool,
     credential: Secret,
 }
 
@@ -75,6 +78,7 @@ async fn allocate(
         pool: lease.pool,
         provider_model: lease.provider_model,
         lease_until: lease.lease_until,
+        probe: lease.probe,
         credential: lease.credential,
     }))
 }
@@ -88,6 +92,9 @@ struct ReleaseBody {
     key_id: KeyId,
     lease_id: LeaseId,
     outcome: Option<Outcome>,
+    /// The provider's Retry-After in whole seconds, passed on with `rate_limited` or
+    /// `quota_exhausted`; 0 means "use the default".
+    retry_after_seconds: Option<u32>,
 }
 
 /// `{"released":true}` or `{"released":false,"reason":...}`.
@@ -104,17 +111,29 @@ async fn release(
     _key: ExecutorKey,
     ApiJson(body): ApiJson<ReleaseBody>,
 ) -> Result<Json<ReleaseResponse>, ApiError> {
-    let lease = LeaseRef {
-        key_id: body.key_id,
-        provider: body.provider,
-        pool: body.pool,
-        lease_id: body.lease_id,
+    let request = ReleaseRequest {
+        lease: LeaseRef {
+            key_id: body.key_id,
+            provider: body.provider,
+            pool: body.pool,
+            lease_id: body.lease_id,
+        },
+        outcome: body.outcome,
+        retry_after_seconds: body.retry_after_seconds,
     };
-    let result = leases::release(&state.db, &lease, body.outcome).await?;
-    tracing::info!(released = result.is_ok(), reason = ?result.err(), "release");
+    let result = leases::release(&state.db, &request, &state.health).await?;
+    let lease = &request.lease;
+    state.allocator.views().note_release(
+        &lease.provider,
+        &lease.pool,
+        &lease.key_id,
+        result.released.is_ok(),
+        result.health.map(|(_, health)| health),
+    );
+    tracing::info!(released = result.released.is_ok(), reason = ?result.released.err(), outcome = ?request.outcome, "release");
     Ok(Json(ReleaseResponse {
-        released: result.is_ok(),
-        reason: result.err(),
+        released: result.released.is_ok(),
+        reason: result.released.err(),
     }))
 }
 

@@ -65,6 +65,8 @@ pub struct AppState {
     pub keys: ApiKeys,
     /// Longest lease (and renewal) an executor may ask for, in seconds.
     pub max_lease_seconds: u32,
+    /// How outcome reports change health.
+    pub health: crate::health::HealthPolicy,
 }
 
 /// The whole router: executor routes under `/api/internal`, operator routes under `/api/admin`,
@@ -76,6 +78,9 @@ pub fn app(state: AppState) -> Router {
         .fallback(|| async { ApiError::RouteNotFound })
         .method_not_allowed_fallback(|| async { ApiError::MethodNotAllowed })
         .layer(axum::extract::DefaultBodyLimit::max(MAX_BODY_BYTES))
+        .layer(tower_http::catch_panic::CatchPanicLayer::custom(|_panic| {
+            ApiError::Internal.into_response()
+        }))
         .layer(tower_http::trace::TraceLayer::new_for_http())
         .with_state(state)
 }
@@ -106,9 +111,11 @@ pub enum ApiError {
     /// 409 `model_not_supported`: the pool has credentials but none serves the model.
     #[error("no credential in this pool serves the model")]
     ModelNotSupported,
-    /// 409 `no_usable_credentials`: every credential that serves the model is disabled,
-    /// exhausted or pending.
-    #[error("every credential that serves the model is disabled, exhausted or pending")]
+    /// 409 `no_usable_credentials`: every credential that serves the model waits for an operator
+    /// (disabled, pending, exhausted without a retry_after, or cooling down with no known end).
+    #[error(
+        "every credential that serves the model waits for an operator (disabled, pending, exhausted, or cooling down with no known end)"
+    )]
     NoUsableCredentials,
     /// 410 `lease_lost`: renewal of a lease that is expired, unknown, released or mismatched.
     /// Stop using the credential.
@@ -128,6 +135,10 @@ pub enum ApiError {
         /// Whole seconds, at least 1.
         retry_after_seconds: u64,
     },
+    /// 500 `internal_error`: a bug (a handler panicked). Logged; changes nothing the request had
+    /// not committed.
+    #[error("internal error")]
+    Internal,
     /// 503 `store_unavailable`: PostgreSQL failed or did not answer in time. Logged once here;
     /// the client never sees SQL or driver text.
     #[error("the store is unavailable; retry")]
@@ -152,6 +163,7 @@ impl ApiError {
                 (StatusCode::UNSUPPORTED_MEDIA_TYPE, "unsupported_media_type")
             }
             ApiError::PoolExhausted { .. } => (StatusCode::TOO_MANY_REQUESTS, "pool_exhausted"),
+            ApiError::Internal => (StatusCode::INTERNAL_SERVER_ERROR, "internal_error"),
             ApiError::StoreUnavailable(_) => (StatusCode::SERVICE_UNAVAILABLE, "store_unavailable"),
         }
     }
@@ -165,6 +177,7 @@ impl IntoResponse for ApiError {
                 tracing::error!(error = %source, "store unavailable");
             }
             ApiError::PoolExhausted { .. } => tracing::debug!(code, "no capacity"),
+            ApiError::Internal => tracing::error!("request handler panicked"),
             _ => tracing::debug!(code, message = %self, "request refused"),
         }
         let body = serde_json::json!({"error": {"code": code, "message": self.to_string()}});

@@ -1,12 +1,15 @@
 -- Claim one concurrency slot for a new lease, in ONE statement (DESIGN.md "The protocol", step 1).
 --
--- $1 text[]  ranked candidate key_ids, best first (the Rust ranking)
--- $2 text    provider            $3 text  pool            $4 text  requested model
+-- $1 text[]  ranked candidate key_ids, best first (the Rust scoring)
+-- $2 text    provider            $3 text  pool            $4 text  requested model (or alias)
 -- $5 uuid    the new lease_id    $6 text  holder or NULL  $7 int4  lease length in seconds
 --
 -- Takes the first candidate, in array order, that belongs to the provider and pool, serves the
--- model, is usable (credential_usable, database clock) and is not over its limit, and locks ONE
--- of its free slot rows: a slot whose lease_id is NULL or whose lease has expired.
+-- model (directly or through an alias), is usable (credential_usable, database clock) and is not
+-- over its limit, and locks ONE of its free slot rows: a slot whose lease_id is NULL or whose
+-- lease has expired. A credential back from a cooldown (usable, status not yet `available`) is
+-- half-open: only its slot 0 can be claimed, so it serves a single probe lease at a time, and the
+-- grant is written to credential_events as `probe_granted`.
 --
 -- Why this cannot oversell: capacity is not counted, it is the set of slot rows (exactly
 -- max_concurrent_uses rows per credential while slots_over_limit is false), and a lease exists
@@ -31,7 +34,10 @@
 -- release's time and the trail never shows two leases of one slot overlapping.
 --
 -- Lock order: the slot row, then the credential row (last_used_at), as everywhere else.
--- Returns no row when no candidate has a free slot now.
+--
+-- Always returns one row: the pool's version (pool_versions; NULL when the pool never had a
+-- credential), so the caller learns whether its candidate view is stale, and the lease columns,
+-- NULL when no candidate had a free slot.
 WITH ranked AS (
     SELECT r.key_id, r.rank
     FROM unnest($1::text[]) WITH ORDINALITY AS r (key_id, rank)
@@ -39,14 +45,18 @@ WITH ranked AS (
 claimed AS (
     SELECT s.key_id, s.slot,
            s.lease_id AS old_lease_id, s.provider AS old_provider, s.pool AS old_pool,
-           s.holder AS old_holder, s.lease_until AS old_lease_until
+           s.holder AS old_holder, s.lease_until AS old_lease_until,
+           c.status <> 'available' AS probe,
+           c.status AS credential_status, c.cooldown_until,
+           coalesce(c.model_aliases ->> $4, $4) AS provider_model
     FROM ranked r
     JOIN credentials c ON c.key_id = r.key_id
     JOIN lease_slots s ON s.key_id = c.key_id
     WHERE c.provider = $2
       AND c.pool = $3
-      AND $4 = ANY (c.models)
+      AND ($4 = ANY (c.models) OR c.model_aliases ? $4)
       AND credential_usable(c.status, c.cooldown_until, now())
+      AND (c.status = 'available' OR s.slot = 0)
       AND NOT c.slots_over_limit
       AND (s.lease_id IS NULL OR s.lease_until <= now())
     ORDER BY r.rank, s.slot
@@ -60,10 +70,19 @@ granted AS (
         pool = $3,
         holder = $6,
         granted_at = clock_timestamp(),
-        lease_until = clock_timestamp() + make_interval(secs => $7::int4)
+        lease_until = clock_timestamp() + make_interval(secs => $7::int4),
+        probe = claimed.probe
     FROM claimed
     WHERE s.key_id = claimed.key_id AND s.slot = claimed.slot
-    RETURNING s.key_id, s.slot, s.lease_id, s.granted_at, s.lease_until
+    RETURNING s.key_id, s.slot, s.lease_id, s.granted_at, s.lease_until, s.probe
+),
+probe_trail AS (
+    INSERT INTO credential_events (key_id, event, old_status, new_status, reason, cooldown_until, lease_id, at)
+    SELECT claimed.key_id, 'probe_granted', claimed.credential_status, claimed.credential_status,
+           'cooldown ended; single probe lease granted', claimed.cooldown_until, granted.lease_id,
+           granted.granted_at
+    FROM claimed JOIN granted ON granted.key_id = claimed.key_id
+    WHERE claimed.probe
 ),
 expired_trail AS (
     INSERT INTO lease_events (event, lease_id, key_id, provider, pool, slot, holder, lease_until, at)
@@ -84,10 +103,16 @@ touched AS (
     WHERE c.key_id = granted.key_id
     RETURNING c.key_id, c.secret
 )
-SELECT granted.key_id AS "key_id!",
-       granted.lease_id AS "lease_id!",
-       granted.lease_until AS "lease_until!",
-       touched.secret AS "secret!",
-       (SELECT count(*) FROM claimed WHERE old_lease_id IS NOT NULL) AS "pruned_expired!"
-FROM granted
-JOIN touched ON touched.key_id = granted.key_id
+SELECT (SELECT v.version FROM pool_versions v WHERE v.provider = $2 AND v.pool = $3) AS pool_version,
+       granted.key_id AS "key_id?",
+       granted.lease_id AS "lease_id?",
+       granted.granted_at AS "granted_at?",
+       granted.lease_until AS "lease_until?",
+       granted.probe AS "probe?",
+       claimed.provider_model AS "provider_model?",
+       touched.secret AS "secret?",
+       claimed.old_lease_id IS NOT NULL AS "pruned_expired?"
+FROM (SELECT 1) AS always_one_row
+LEFT JOIN granted ON true
+LEFT JOIN claimed ON claimed.key_id = granted.key_id
+LEFT JOIN touched ON touched.key_id = granted.key_id

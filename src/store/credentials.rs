@@ -1,5 +1,7 @@
 //! Credentials: create or update, in one transaction with the slot rows that carry their capacity.
 
+use std::collections::BTreeMap;
+
 use sqlx::{PgConnection, PgPool};
 use time::OffsetDateTime;
 
@@ -16,6 +18,8 @@ pub struct CredentialSpec {
     pub pool: PoolName,
     /// The models it serves, as the provider spells them.
     pub models: Vec<ModelName>,
+    /// Request model name -> one of `models`.
+    pub aliases: BTreeMap<ModelName, ModelName>,
     /// How many leases it may carry at once (1..=10,000).
     pub max_concurrent_uses: i32,
     /// Its status; `None` keeps the stored one (`available` for a new credential). Setting a
@@ -36,6 +40,8 @@ pub struct CredentialView {
     pub pool: String,
     /// The models it serves.
     pub models: Vec<String>,
+    /// Request model name -> one of `models`.
+    pub aliases: serde_json::Value,
     /// Its concurrency limit.
     pub max_concurrent_uses: i32,
     /// Its health status.
@@ -82,20 +88,23 @@ async fn upsert_in(
     .await?;
 
     let models: Vec<String> = spec.models.iter().map(|m| m.as_str().to_owned()).collect();
+    let aliases =
+        serde_json::to_value(&spec.aliases).map_err(|e| sqlx::Error::Encode(Box::new(e)))?;
     let row = sqlx::query!(
         r#"
-        INSERT INTO credentials (key_id, provider, pool, models, max_concurrent_uses, status, secret)
-        VALUES ($1, $2, $3, $4, $5, COALESCE($6, 'available'), $7)
+        INSERT INTO credentials (key_id, provider, pool, models, model_aliases, max_concurrent_uses, status, secret)
+        VALUES ($1, $2, $3, $4, $8, $5, COALESCE($6, 'available'), $7)
         ON CONFLICT ON CONSTRAINT credentials_pkey DO UPDATE
         SET provider = EXCLUDED.provider,
             pool = EXCLUDED.pool,
             models = EXCLUDED.models,
+            model_aliases = EXCLUDED.model_aliases,
             max_concurrent_uses = EXCLUDED.max_concurrent_uses,
             status = COALESCE($6, credentials.status),
             cooldown_until = CASE WHEN $6::text IS NULL THEN credentials.cooldown_until END,
             secret = EXCLUDED.secret,
             updated_at = now()
-        RETURNING key_id, provider, pool, models, max_concurrent_uses, status, cooldown_until,
+        RETURNING key_id, provider, pool, models, model_aliases, max_concurrent_uses, status, cooldown_until,
                   last_used_at, created_at, updated_at, (xmax = 0) AS "created!"
         "#,
         spec.key_id.as_str(),
@@ -105,6 +114,7 @@ async fn upsert_in(
         spec.max_concurrent_uses,
         spec.status.map(Status::as_str),
         spec.secret.expose(),
+        aliases,
     )
     .fetch_one(&mut *conn)
     .await?;
@@ -117,6 +127,7 @@ async fn upsert_in(
             provider: row.provider,
             pool: row.pool,
             models: row.models,
+            aliases: row.model_aliases,
             max_concurrent_uses: row.max_concurrent_uses,
             status: row.status,
             cooldown_until: row.cooldown_until,

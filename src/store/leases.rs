@@ -1,99 +1,13 @@
-//! Lease state: the candidate read, the one-statement claim, release and renewal.
+//! Lease state: the one-statement claim, release with the outcome's effect on health, renewal.
 
-use sqlx::PgExecutor;
+use sqlx::{PgConnection, PgExecutor, PgPool};
 use time::OffsetDateTime;
 
 use crate::domain::{
     Holder, KeyId, LeaseId, LeaseSeconds, ModelName, Outcome, PoolName, ProviderName, Secret,
+    Status,
 };
-
-/// One credential of a (provider, pool) as the candidate read saw it. Feeds both the ranking and
-/// the classification of a failed allocation (404 / 409 / 429).
-#[derive(Debug, Clone)]
-pub struct CandidateRow {
-    /// The credential.
-    pub key_id: KeyId,
-    /// Its concurrency limit.
-    pub max_concurrent_uses: i32,
-    /// Whether it lists the requested model.
-    pub serves_model: bool,
-    /// Whether it may be leased now (`credential_usable`, database clock).
-    pub usable: bool,
-    /// When a credential that is cooling down becomes usable on its own (`credential_recovers_at`).
-    pub recovers_at: Option<OffsetDateTime>,
-    /// When its latest lease was granted.
-    pub last_used_at: Option<OffsetDateTime>,
-    /// Whether more leases are in flight than its limit allows (the limit was lowered under load).
-    pub slots_over_limit: bool,
-    /// Unexpired leases on it.
-    pub in_flight: i64,
-    /// The earliest lease_until among its unexpired leases.
-    pub next_lease_end: Option<OffsetDateTime>,
-}
-
-/// The credentials of one (provider, pool), and the database clock they were read at.
-#[derive(Debug, Clone)]
-pub struct Candidates {
-    /// Every credential of the pool, whatever its state.
-    pub rows: Vec<CandidateRow>,
-    /// `now()` of the read; `None` when the pool has no credentials.
-    pub db_now: Option<OffsetDateTime>,
-}
-
-/// Reads every credential of `provider`/`pool` with its occupancy, in one statement.
-///
-/// Cost: one index range scan of `credentials_provider_pool_idx` plus the slot rows of those
-/// credentials.
-#[tracing::instrument(skip(executor), err(level = "debug"))]
-pub async fn read_candidates(
-    executor: impl PgExecutor<'_>,
-    provider: &ProviderName,
-    pool: &PoolName,
-    model: &ModelName,
-) -> Result<Candidates, sqlx::Error> {
-    let rows = sqlx::query!(
-        r#"
-        SELECT c.key_id,
-               c.max_concurrent_uses,
-               $3 = ANY (c.models) AS "serves_model!",
-               credential_usable(c.status, c.cooldown_until, now()) AS "usable!",
-               credential_recovers_at(c.status, c.cooldown_until, now()) AS recovers_at,
-               c.last_used_at,
-               c.slots_over_limit,
-               count(s.lease_id) FILTER (WHERE s.lease_until > now()) AS "in_flight!",
-               min(s.lease_until) FILTER (WHERE s.lease_until > now()) AS next_lease_end,
-               now() AS "db_now!"
-        FROM credentials c
-        LEFT JOIN lease_slots s ON s.key_id = c.key_id
-        WHERE c.provider = $1 AND c.pool = $2
-        GROUP BY c.key_id
-        "#,
-        provider.as_str(),
-        pool.as_str(),
-        model.as_str(),
-    )
-    .fetch_all(executor)
-    .await?;
-
-    let db_now = rows.first().map(|r| r.db_now);
-    let rows = rows
-        .into_iter()
-        .map(|r| {
-            Ok(CandidateRow {
-                key_id: decoded(KeyId::parse(r.key_id))?,
-                max_concurrent_uses: r.max_concurrent_uses,
-                serves_model: r.serves_model,
-                usable: r.usable,
-                recovers_at: r.recovers_at,
-                last_used_at: r.last_used_at,
-                slots_over_limit: r.slots_over_limit,
-                in_flight: r.in_flight,
-                next_lease_end: r.next_lease_end,
-            })
-        })
-        .collect::<Result<_, sqlx::Error>>()?;
-    Ok(Candidates { rows, db_now })
-}
+use crate::health::{self, Health, HealthPolicy, Report};
 
 /// Values read back from the database passed the same validation on the way in (and the
 /// table's CHECK constraints); a failure here is a decode error, not bad input.
@@ -127,21 +41,36 @@ pub struct GrantedLease {
     pub key_id: KeyId,
     /// The lease's id.
     pub lease_id: LeaseId,
+    /// When it was granted (database clock).
+    pub granted_at: OffsetDateTime,
     /// When the lease stops counting (database clock).
     pub lease_until: OffsetDateTime,
+    /// Whether it is the single probe lease of a credential back from a cooldown.
+    pub probe: bool,
+    /// The model name as this credential serves it (after alias mapping).
+    pub provider_model: String,
     /// The credential material (redacted in `Debug`).
     pub secret: Secret,
-    /// Expired leases the claim ended in the trail while reusing their slot (0 or 1).
-    pub pruned_expired: i64,
+    /// Whether the claim reused the slot of an expired lease (ending it in the trail).
+    pub pruned_expired: bool,
+}
+
+/// What one run of the claim statement found.
+#[derive(Debug, Clone)]
+pub struct ClaimResult {
+    /// The pool's version when the statement ran; compare with the candidate view's.
+    pub pool_version: Option<i64>,
+    /// The lease, if a slot was free.
+    pub granted: Option<GrantedLease>,
 }
 
 /// Runs the one-statement claim in `src/store/claim_slot.sql` (read its comment for why it cannot
-/// oversell). Returns `None` when no candidate has a free slot at the moment of the claim.
+/// oversell).
 #[tracing::instrument(skip_all, fields(provider = %request.provider, pool = %request.pool, candidates = request.ranked.len()), err(level = "debug"))]
 pub async fn claim_slot(
     executor: impl PgExecutor<'_>,
     request: &ClaimRequest<'_>,
-) -> Result<Option<GrantedLease>, sqlx::Error> {
+) -> Result<ClaimResult, sqlx::Error> {
     let ranked: Vec<String> = request
         .ranked
         .iter()
@@ -158,18 +87,35 @@ pub async fn claim_slot(
         request.holder.map(Holder::as_str),
         lease_seconds,
     )
-    .fetch_optional(executor)
+    .fetch_one(executor)
     .await?;
-    row.map(|r| {
-        Ok(GrantedLease {
-            key_id: decoded(KeyId::parse(r.key_id))?,
-            lease_id: LeaseId::from(r.lease_id),
-            lease_until: r.lease_until,
-            secret: decoded(Secret::parse(r.secret))?,
-            pruned_expired: r.pruned_expired,
-        })
+    let granted = match (
+        row.key_id,
+        row.lease_id,
+        row.granted_at,
+        row.lease_until,
+        row.secret,
+    ) {
+        (Some(key_id), Some(lease_id), Some(granted_at), Some(lease_until), Some(secret)) => {
+            Some(GrantedLease {
+                key_id: decoded(KeyId::parse(key_id))?,
+                lease_id: LeaseId::from(lease_id),
+                granted_at,
+                lease_until,
+                probe: row.probe.unwrap_or(false),
+                provider_model: row
+                    .provider_model
+                    .unwrap_or_else(|| request.model.as_str().to_owned()),
+                secret: decoded(Secret::parse(secret))?,
+                pruned_expired: row.pruned_expired.unwrap_or(false),
+            })
+        }
+        _ => None,
+    };
+    Ok(ClaimResult {
+        pool_version: row.pool_version,
+        granted,
     })
-    .transpose()
 }
 
 /// Brings a credential's slot rows in line with its limit (SQL function `credpool_fit_slots`;
@@ -207,22 +153,49 @@ pub enum NotReleased {
     NotFound,
 }
 
-/// Releases a lease if all four of its values match and it has not expired: frees its slot and
-/// writes a `released` trail row with the outcome, in one statement. Otherwise changes nothing and
-/// says why.
-#[tracing::instrument(skip(executor), err(level = "debug"))]
+/// An executor's release: which lease, and what happened upstream.
+#[derive(Debug, Clone)]
+pub struct ReleaseRequest {
+    /// The lease, by its four values.
+    pub lease: LeaseRef,
+    /// What happened upstream, if the executor says.
+    pub outcome: Option<Outcome>,
+    /// The provider's `Retry-After`, in whole seconds, if the executor passed it on.
+    pub retry_after_seconds: Option<u32>,
+}
+
+/// What a release did.
+#[derive(Debug, Clone)]
+pub struct ReleaseResult {
+    /// `Ok` when the lease was released; otherwise why nothing was.
+    pub released: Result<(), NotReleased>,
+    /// The credential's health after the outcome was applied (also when the lease had expired:
+    /// the call happened), for the caller's candidate view.
+    pub health: Option<(KeyId, Health)>,
+}
+
+/// Releases a lease if all four of its values match and it has not expired: frees its slot,
+/// writes a `released` trail row with the outcome, and applies the outcome to the credential's
+/// health ([`crate::health::apply`]), all in one transaction. A lease that has already expired
+/// releases nothing, but its outcome still counts for health, once (`outcome_after_expiry`).
+/// A mismatch or an unknown lease changes nothing.
+#[tracing::instrument(skip(db, policy), err(level = "debug"))]
 pub async fn release(
-    executor: impl PgExecutor<'_> + Copy,
-    lease: &LeaseRef,
-    outcome: Option<Outcome>,
-) -> Result<Result<(), NotReleased>, sqlx::Error> {
+    db: &PgPool,
+    request: &ReleaseRequest,
+    policy: &HealthPolicy,
+) -> Result<ReleaseResult, sqlx::Error> {
+    let lease = &request.lease;
+    let mut tx = db.begin().await?;
     // A lease moved to another slot by credpool_fit_slots while this release waited for its row
     // lock is still live under its id: try again (moves are rare and bounded, so a few attempts do).
+    let mut verdict = Err(NotReleased::NotFound);
+    let mut reported: Option<(KeyId, bool)> = None;
     for _ in 0..3 {
-        let released = sqlx::query_scalar!(
+        let freed = sqlx::query!(
             r#"
             WITH target AS (
-                SELECT key_id, slot, lease_id, provider, pool, holder, lease_until
+                SELECT key_id, slot, lease_id, provider, pool, holder, lease_until, probe
                 FROM lease_slots
                 WHERE lease_id = $1 AND key_id = $2 AND provider = $3 AND pool = $4
                   AND lease_until > now()
@@ -231,7 +204,7 @@ pub async fn release(
             freed AS (
                 UPDATE lease_slots s
                 SET lease_id = NULL, provider = NULL, pool = NULL, holder = NULL,
-                    granted_at = NULL, lease_until = NULL
+                    granted_at = NULL, lease_until = NULL, probe = false
                 FROM target
                 WHERE s.key_id = target.key_id AND s.slot = target.slot
                 RETURNING target.*
@@ -242,25 +215,190 @@ pub async fn release(
                 SELECT 'released', lease_id, key_id, provider, pool, slot, holder, $5, lease_until, now()
                 FROM freed
             )
-            SELECT count(*) AS "released!" FROM freed
+            SELECT key_id AS "key_id!", probe AS "probe!" FROM freed
             "#,
             lease.lease_id.as_uuid(),
             lease.key_id.as_str(),
             lease.provider.as_str(),
             lease.pool.as_str(),
-            outcome.map(Outcome::as_str),
+            request.outcome.map(Outcome::as_str),
         )
-        .fetch_one(executor)
+        .fetch_optional(&mut *tx)
         .await?;
-        if released > 0 {
-            return Ok(Ok(()));
+        if let Some(freed) = freed {
+            verdict = Ok(());
+            reported = Some((decoded(KeyId::parse(freed.key_id))?, freed.probe));
+            break;
         }
-        match diagnose(executor, lease).await? {
+        match diagnose(&mut *tx, lease).await? {
             Diagnosis::Live => continue,
-            Diagnosis::Gone(reason) => return Ok(Err(reason)),
+            Diagnosis::Gone(reason) => {
+                verdict = Err(reason);
+                if matches!(reason, NotReleased::Expired | NotReleased::NotFound)
+                    && request.outcome.is_some()
+                {
+                    reported = report_after_expiry(&mut tx, request)
+                        .await?
+                        .map(|key_id| (key_id, false));
+                }
+                break;
+            }
         }
     }
-    Ok(Err(NotReleased::NotFound))
+
+    let mut health = None;
+    if let (Some((key_id, probe)), Some(outcome)) = (reported, request.outcome) {
+        let report = Report {
+            outcome,
+            retry_after_seconds: request.retry_after_seconds,
+            probe,
+        };
+        if let Some(next) = apply_report(&mut tx, &key_id, lease.lease_id, report, policy).await? {
+            health = Some((key_id, next));
+        }
+    }
+    tx.commit().await?;
+    Ok(ReleaseResult {
+        released: verdict,
+        health,
+    })
+}
+
+/// Records the outcome of a lease that expired before its release, once: ends it in the trail if
+/// it still sits in its slot, then writes `outcome_after_expiry` unless the lease was released or
+/// reported before (a unique index decides, so concurrent retries count once). Returns the
+/// credential when the outcome is to be counted.
+async fn report_after_expiry(
+    conn: &mut PgConnection,
+    request: &ReleaseRequest,
+) -> Result<Option<KeyId>, sqlx::Error> {
+    let lease = &request.lease;
+    let key_id = sqlx::query_scalar!(
+        r#"
+        WITH stale AS (
+            SELECT key_id, slot, lease_id, provider, pool, holder, lease_until
+            FROM lease_slots
+            WHERE lease_id = $1 AND key_id = $2 AND provider = $3 AND pool = $4
+              AND lease_until <= now()
+            FOR UPDATE
+        ),
+        freed AS (
+            UPDATE lease_slots s
+            SET lease_id = NULL, provider = NULL, pool = NULL, holder = NULL,
+                granted_at = NULL, lease_until = NULL, probe = false
+            FROM stale
+            WHERE s.key_id = stale.key_id AND s.slot = stale.slot
+            RETURNING stale.*
+        ),
+        expired_trail AS (
+            INSERT INTO lease_events (event, lease_id, key_id, provider, pool, slot, holder, lease_until, at)
+            SELECT 'expired', lease_id, key_id, provider, pool, slot, holder, lease_until, lease_until
+            FROM freed
+        ),
+        granted AS (
+            SELECT key_id, provider, pool, slot, holder,
+                   (SELECT max(e.lease_until) FROM lease_events e WHERE e.lease_id = $1) AS lease_until
+            FROM lease_events
+            WHERE lease_id = $1 AND event = 'granted'
+              AND key_id = $2 AND provider = $3 AND pool = $4
+        )
+        INSERT INTO lease_events
+            (event, lease_id, key_id, provider, pool, slot, holder, outcome, lease_until, at)
+        SELECT 'outcome_after_expiry', $1, key_id, provider, pool, slot, holder, $5, lease_until, now()
+        FROM granted
+        ON CONFLICT (lease_id) WHERE event IN ('released', 'outcome_after_expiry') DO NOTHING
+        RETURNING key_id
+        "#,
+        lease.lease_id.as_uuid(),
+        lease.key_id.as_str(),
+        lease.provider.as_str(),
+        lease.pool.as_str(),
+        request.outcome.map(Outcome::as_str),
+    )
+    .fetch_optional(&mut *conn)
+    .await?;
+    key_id.map(|k| decoded(KeyId::parse(k))).transpose()
+}
+
+/// Applies one report to a credential's health under its row lock, in the caller's transaction,
+/// and writes the transition (if any) to `credential_events`. Returns the new health, or `None`
+/// if the credential no longer exists.
+async fn apply_report(
+    conn: &mut PgConnection,
+    key_id: &KeyId,
+    lease_id: LeaseId,
+    report: Report,
+    policy: &HealthPolicy,
+) -> Result<Option<Health>, sqlx::Error> {
+    let Some(row) = sqlx::query!(
+        r#"
+        SELECT status, status_reason, cooldown_until, health_successes, health_failures,
+               health_rate_limits, health_decayed_at, recent_failures, cooldowns_in_a_row,
+               last_success_at, recovered_at, now() AS "db_now!"
+        FROM credentials
+        WHERE key_id = $1
+        FOR UPDATE
+        "#,
+        key_id.as_str(),
+    )
+    .fetch_optional(&mut *conn)
+    .await?
+    else {
+        return Ok(None);
+    };
+    let current = Health {
+        status: decoded(Status::parse(&row.status))?,
+        status_reason: row.status_reason,
+        cooldown_until: row.cooldown_until,
+        successes: row.health_successes,
+        failures: row.health_failures,
+        rate_limits: row.health_rate_limits,
+        decayed_at: row.health_decayed_at,
+        recent_failures: row.recent_failures,
+        cooldowns_in_a_row: row.cooldowns_in_a_row,
+        last_success_at: row.last_success_at,
+        recovered_at: row.recovered_at,
+    };
+    let (next, transition) = health::apply(&current, report, row.db_now, policy);
+    sqlx::query!(
+        r#"
+        WITH updated AS (
+            UPDATE credentials
+            SET status = $2, status_reason = $3, cooldown_until = $4,
+                health_successes = $5, health_failures = $6, health_rate_limits = $7,
+                health_decayed_at = $8, recent_failures = $9, cooldowns_in_a_row = $10,
+                last_success_at = $11, recovered_at = $12
+            WHERE key_id = $1
+            RETURNING key_id
+        )
+        INSERT INTO credential_events (key_id, event, old_status, new_status, reason, cooldown_until, lease_id, at)
+        SELECT key_id, 'status_changed', $13, $14, $15, $4, $16, $8
+        FROM updated
+        WHERE $13::text IS NOT NULL
+        "#,
+        key_id.as_str(),
+        next.status.as_str(),
+        next.status_reason,
+        next.cooldown_until,
+        next.successes,
+        next.failures,
+        next.rate_limits,
+        next.decayed_at,
+        &next.recent_failures,
+        next.cooldowns_in_a_row,
+        next.last_success_at,
+        next.recovered_at,
+        transition.as_ref().map(|t| t.old_status.as_str()),
+        transition.as_ref().map(|t| t.new_status.as_str()),
+        transition.as_ref().map(|t| t.reason.as_str()),
+        lease_id.as_uuid(),
+    )
+    .execute(&mut *conn)
+    .await?;
+    if let Some(t) = &transition {
+        tracing::info!(key_id = %key_id, old = t.old_status.as_str(), new = t.new_status.as_str(), reason = %t.reason, "credential health changed");
+    }
+    Ok(Some(next))
 }
 
 enum Diagnosis {

@@ -6,6 +6,7 @@
 //! once, without SQL text reaching a client.
 
 pub mod audit;
+pub mod candidates;
 pub mod credentials;
 pub mod leases;
 

@@ -121,6 +121,7 @@ async fn invalid_credentials_are_rejected_without_echoing_the_secret_and_change_
     cases.push(("key-a", with("models", json!([]))));
     cases.push(("key-a", with("models", json!(["bad model"]))));
     cases.push(("key-a", with("status", json!("sleepy"))));
+    cases.push(("key-a", with("status", json!("cooldown"))));
     cases.push(("key-a", with("provider", json!("OpenAI"))));
     cases.push(("key-a", with("secret", json!("sk-admin-test-secret"))));
     cases.push(("key-a", with("secret", json!(["sk-admin-test-secret"]))));

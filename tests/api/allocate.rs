@@ -279,11 +279,7 @@ async fn expired_lease_frees_its_slot_without_any_cleanup_job() {
 
 #[tokio::test]
 async fn least_recently_used_credential_is_leased_first() {
-    let app = TestApp::spawn_with(AppOptions {
-        jitter_seconds: 0.0,
-        ..AppOptions::default()
-    })
-    .await;
+    let app = TestApp::spawn_with(AppOptions::deterministic()).await;
     for key in ["key-a", "key-b", "key-c"] {
         app.put_key(key, "openai", "default", &["gpt-4o"], 5).await;
     }
@@ -336,11 +332,9 @@ async fn missing_or_wrong_internal_key_is_unauthorized() {
 
 #[tokio::test]
 async fn malformed_allocate_requests_are_invalid_request() {
-    let app = TestApp::spawn_with(AppOptions {
-        max_lease_seconds: 600,
-        ..AppOptions::default()
-    })
-    .await;
+    let mut options = AppOptions::default();
+    options.settings.max_lease_seconds = 600;
+    let app = TestApp::spawn_with(options).await;
     app.put_key("key-a", "openai", "default", &["gpt-4o"], 1)
         .await;
     let bad = [

@@ -10,7 +10,7 @@ use std::net::SocketAddr;
 use std::str::FromStr;
 use std::time::Duration;
 
-use credpool::config::ServiceArgs;
+use credpool::config::ServiceSettings;
 use credpool::embedded::EmbeddedCluster;
 use credpool::http::ApiKeys;
 use credpool::startup::Application;
@@ -202,17 +202,24 @@ pub fn race_rounds() -> usize {
 
 pub struct AppOptions {
     pub db_max_connections: u32,
-    pub max_lease_seconds: u32,
-    pub jitter_seconds: f64,
+    pub settings: ServiceSettings,
 }
 
 impl Default for AppOptions {
     fn default() -> Self {
         Self {
             db_max_connections: 8,
-            max_lease_seconds: 3600,
-            jitter_seconds: 1.0,
+            settings: ServiceSettings::default(),
         }
+    }
+}
+
+impl AppOptions {
+    /// Scoring without jitter: a deterministic order.
+    pub fn deterministic() -> Self {
+        let mut options = Self::default();
+        options.settings.scoring.jitter = 0.0;
+        options
     }
 }
 
@@ -381,11 +388,7 @@ pub async fn serve(
     options: &AppOptions,
 ) -> (SocketAddr, tokio::sync::oneshot::Sender<()>) {
     let keys = ApiKeys::new(INTERNAL_KEY.into(), ADMIN_KEY.into()).unwrap();
-    let service = ServiceArgs {
-        max_lease_seconds: options.max_lease_seconds,
-        ranking_jitter_seconds: options.jitter_seconds,
-    };
-    let app = Application::bind("127.0.0.1:0".parse().unwrap(), pool, keys, &service)
+    let app = Application::bind("127.0.0.1:0", pool, keys, &options.settings)
         .await
         .expect("bind");
     let addr = app.local_addr().unwrap();

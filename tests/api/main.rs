@@ -8,3 +8,4 @@ mod allocate;
 mod processes;
 mod races;
 mod release_renew;
+mod selection;

@@ -26,10 +26,18 @@ struct ServeProcess {
 }
 
 impl ServeProcess {
-    async fn start(envs: &[(&str, String)], args: &[&str]) -> Self {
+    /// `credpool serve ARGS` (with `--listen 127.0.0.1:0` unless ARGS name a listen address),
+    /// run in `cwd` if given.
+    async fn start_in(cwd: Option<&Path>, envs: &[(&str, String)], args: &[&str]) -> Self {
         let mut command = Command::new(BIN);
+        command.arg("serve");
+        if !args.contains(&"--listen") {
+            command.args(["--listen", "127.0.0.1:0"]);
+        }
+        if let Some(dir) = cwd {
+            command.current_dir(dir);
+        }
         command
-            .args(["serve", "--listen", "127.0.0.1:0"])
             .args(args)
             .env_remove("DATABASE_URL")
             .env_remove("CREDPOOL_INTERNAL_KEY")
@@ -64,6 +72,10 @@ impl ServeProcess {
             banner,
             _stdout: stdout,
         }
+    }
+
+    async fn start(envs: &[(&str, String)], args: &[&str]) -> Self {
+        Self::start_in(None, envs, args).await
     }
 
     /// SIGTERM, then wait for a clean exit.
@@ -157,7 +169,10 @@ async fn serve_without_database_url_runs_on_the_embedded_default_and_stops_it_on
         .unwrap();
     let data_dir = dir.path().to_str().unwrap();
 
-    let first = ServeProcess::start(&[], &["--data-dir", data_dir]).await;
+    // a relative --data-dir, resolved against the working directory
+    let relative = dir.path().file_name().unwrap().to_str().unwrap();
+    let first =
+        ServeProcess::start_in(Some(Path::new("/tmp")), &[], &["--data-dir", relative]).await;
     let internal = key_from(&first.banner, "CREDPOOL_INTERNAL_KEY");
     let admin = key_from(&first.banner, "CREDPOOL_ADMIN_KEY");
     assert_ne!(internal, admin);
@@ -203,7 +218,8 @@ async fn serve_without_database_url_runs_on_the_embedded_default_and_stops_it_on
     );
 
     // a second start reuses the cluster, its data and the stored keys
-    let second = ServeProcess::start(&[], &["--data-dir", data_dir]).await;
+    let second =
+        ServeProcess::start(&[], &["--data-dir", data_dir, "--listen", "localhost:0"]).await;
     assert!(
         second.banner.iter().any(|l| l.contains("API keys from")),
         "{:?}",

@@ -130,8 +130,8 @@ async fn statement_race(limit: u32) {
                         lease_seconds: LeaseSeconds::parse(600, 3600).unwrap(),
                     };
                     barrier.wait().await;
-                    let granted = leases::claim_slot(&mut *conn, &request).await.unwrap();
-                    (conn, granted.is_some())
+                    let claimed = leases::claim_slot(&mut *conn, &request).await.unwrap();
+                    (conn, claimed.granted.is_some())
                 })
             })
             .collect();

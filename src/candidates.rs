@@ -1,0 +1,398 @@
+//! Candidate views: each service process keeps, per (provider, pool), the credentials of the pool
+//! with their health and occupancy as last seen, so that ranking does not read the whole pool
+//! from PostgreSQL on every allocation.
+//!
+//! A view is loaded on first use, reloaded when the claim statement reports a newer pool version
+//! (any change to membership, models, limits, status or cooldowns bumps it, in the same
+//! transaction as the change), updated locally by this process's own grants and releases, and
+//! refreshed periodically as a safety net (occupancy and health figures changed by other
+//! replicas). A stale view can only cost a retry: every decision that matters is re-made by the
+//! claim statement against the database.
+
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex, RwLock, Weak};
+use std::time::{Duration, Instant};
+
+use sqlx::PgPool;
+use time::OffsetDateTime;
+
+use crate::domain::{KeyId, PoolName, ProviderName};
+use crate::health::{Health, HealthPolicy, UsableFrom};
+use crate::scoring::{self, ScoringPolicy};
+use crate::store::candidates::{self, CredentialFacts, PoolSnapshot};
+use crate::store::leases::GrantedLease;
+
+/// One credential in a view, with the health part of its score precomputed.
+#[derive(Debug, Clone)]
+pub struct Entry {
+    /// What the candidate read saw, adjusted by this process's own grants and releases.
+    pub facts: CredentialFacts,
+    /// The weighted health terms of its score ([`scoring::health_score`]), as of the last
+    /// (re)load or report.
+    pub health_score: f64,
+}
+
+/// `at` as Unix seconds.
+pub fn unix_seconds(at: OffsetDateTime) -> f64 {
+    at.unix_timestamp_nanos() as f64 / 1e9
+}
+
+/// What ranking reads of one entry, packed small and contiguous: ranking a pool of thousands
+/// touches these rows only, not the entries (whose strings and maps would cost a cache miss each).
+#[derive(Debug, Clone, Copy)]
+pub struct RankRow {
+    /// [`Entry::health_score`].
+    pub health_score: f64,
+    /// Unix seconds of the latest grant; NaN if never.
+    pub last_used: f64,
+    /// Unix seconds from which the credential is usable: -inf for `available`, the cooldown end
+    /// for a cooling credential, +inf when it waits for an operator ([`Health::usable_from`]).
+    pub usable_from: f64,
+    /// Unix seconds of the earliest end among its leases; +inf if none.
+    pub next_lease_end: f64,
+    /// Unexpired leases as last seen.
+    pub in_flight: i64,
+    /// Its limit.
+    pub limit: i32,
+    /// 1 / limit.
+    pub inv_limit: f64,
+    /// Status is `available` (usable and not in the probe stage).
+    pub available: bool,
+    /// Slot 0 (the probe slot) is free.
+    pub slot0_free: bool,
+    /// More leases than its limit.
+    pub over_limit: bool,
+}
+
+impl RankRow {
+    fn of(entry: &Entry) -> Self {
+        let facts = &entry.facts;
+        Self {
+            health_score: entry.health_score,
+            last_used: facts.last_used_at.map_or(f64::NAN, unix_seconds),
+            usable_from: match facts.health.usable_from() {
+                UsableFrom::Always => f64::NEG_INFINITY,
+                UsableFrom::At(at) => unix_seconds(at),
+                UsableFrom::Never => f64::INFINITY,
+            },
+            next_lease_end: facts.next_lease_end.map_or(f64::INFINITY, unix_seconds),
+            in_flight: facts.in_flight,
+            limit: facts.max_concurrent_uses,
+            inv_limit: 1.0 / f64::from(facts.max_concurrent_uses.max(1)),
+            available: facts.health.status == crate::domain::Status::Available,
+            slot0_free: facts.slot0_free,
+            over_limit: facts.slots_over_limit,
+        }
+    }
+
+    /// Usable at `now` (Unix seconds).
+    pub fn usable(&self, now: f64) -> bool {
+        now >= self.usable_from
+    }
+
+    /// Slots this view believes free at `now`: one (slot 0) at most while the credential is
+    /// recovering, none while it is over its limit.
+    pub fn free_slots(&self, now: f64) -> i64 {
+        if self.over_limit {
+            0
+        } else if !self.available && self.usable(now) {
+            i64::from(self.slot0_free)
+        } else {
+            (i64::from(self.limit) - self.in_flight).max(0)
+        }
+    }
+}
+
+/// The credentials of one (provider, pool) as last seen.
+#[derive(Debug, Clone)]
+pub struct PoolView {
+    /// The pool version this view reflects.
+    pub version: Option<i64>,
+    /// Every credential of the pool.
+    pub entries: Vec<Entry>,
+    /// `rows[i]` is what ranking reads of `entries[i]`.
+    pub rows: Vec<RankRow>,
+    index: HashMap<KeyId, usize>,
+    /// Request model name (a model or an alias) -> the entries that serve it, so that ranking
+    /// compares no strings per candidate.
+    by_model: HashMap<String, Vec<usize>>,
+    db_now: OffsetDateTime,
+    loaded: Instant,
+}
+
+impl PoolView {
+    pub(crate) fn from_snapshot(
+        snapshot: PoolSnapshot,
+        scoring: &ScoringPolicy,
+        health: &HealthPolicy,
+    ) -> Self {
+        let entries: Vec<Entry> = snapshot
+            .credentials
+            .into_iter()
+            .map(|facts| Entry {
+                health_score: health_score(&facts.health, snapshot.db_now, scoring, health),
+                facts,
+            })
+            .collect();
+        let index = entries
+            .iter()
+            .enumerate()
+            .map(|(i, e)| (e.facts.key_id.clone(), i))
+            .collect();
+        let mut by_model: HashMap<String, Vec<usize>> = HashMap::new();
+        for (i, entry) in entries.iter().enumerate() {
+            let names = entry.facts.models.iter().chain(entry.facts.aliases.keys());
+            for name in names {
+                let served = by_model.entry(name.clone()).or_default();
+                if served.last() != Some(&i) {
+                    served.push(i);
+                }
+            }
+        }
+        let rows = entries.iter().map(RankRow::of).collect();
+        Self {
+            version: snapshot.version,
+            entries,
+            rows,
+            index,
+            by_model,
+            db_now: snapshot.db_now,
+            loaded: Instant::now(),
+        }
+    }
+
+    /// An estimate of the database clock: its reading at load plus the time elapsed here since.
+    /// Good enough for ranking; every decision that counts uses the database's own clock.
+    pub fn now(&self) -> OffsetDateTime {
+        self.db_now + self.loaded.elapsed()
+    }
+
+    /// The entries that serve `model` (directly or through an alias), in key order.
+    pub fn serving(&self, model: &str) -> &[usize] {
+        self.by_model.get(model).map_or(&[], Vec::as_slice)
+    }
+
+    /// Changes one entry and its rank row.
+    fn change(&mut self, key_id: &KeyId, f: impl FnOnce(&mut Entry, OffsetDateTime)) {
+        let now = self.now();
+        if let Some(&i) = self.index.get(key_id) {
+            f(&mut self.entries[i], now);
+            self.rows[i] = RankRow::of(&self.entries[i]);
+        }
+    }
+}
+
+fn health_score(
+    health: &Health,
+    now: OffsetDateTime,
+    scoring: &ScoringPolicy,
+    decay: &HealthPolicy,
+) -> f64 {
+    scoring::health_score(&scoring::health_terms(health, now, scoring, decay), scoring)
+}
+
+#[derive(Debug, Default)]
+struct PoolSlot {
+    view: RwLock<Option<PoolView>>,
+    reloading: tokio::sync::Mutex<()>,
+    last_used: Mutex<Option<Instant>>,
+}
+
+type PoolKey = (ProviderName, PoolName);
+
+/// The candidate views of one service process. Cheap to share (`Arc`).
+#[derive(Debug)]
+pub struct CandidateViews {
+    db: PgPool,
+    scoring: ScoringPolicy,
+    health: HealthPolicy,
+    pools: Mutex<HashMap<PoolKey, Arc<PoolSlot>>>,
+}
+
+impl CandidateViews {
+    /// Views over `db`, scoring with `scoring` and decaying health with `health`.
+    pub fn new(db: PgPool, scoring: ScoringPolicy, health: HealthPolicy) -> Arc<Self> {
+        Arc::new(Self {
+            db,
+            scoring,
+            health,
+            pools: Mutex::new(HashMap::new()),
+        })
+    }
+
+    /// The scoring policy the views rank with.
+    pub fn scoring(&self) -> &ScoringPolicy {
+        &self.scoring
+    }
+
+    /// Reloads every view used within the last `forget_after` every `interval`, and forgets the
+    /// others. Stops when the views are dropped.
+    pub fn spawn_refresher(
+        self: &Arc<Self>,
+        interval: Duration,
+        forget_after: Duration,
+    ) -> tokio::task::JoinHandle<()> {
+        let weak: Weak<Self> = Arc::downgrade(self);
+        tokio::spawn(async move {
+            let mut ticker = tokio::time::interval(interval);
+            ticker.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+            ticker.tick().await;
+            loop {
+                ticker.tick().await;
+                let Some(views) = weak.upgrade() else { return };
+                for key in views.live_pools(forget_after) {
+                    if let Err(error) = views.reload(&key.0, &key.1, None).await {
+                        tracing::warn!(provider = %key.0, pool = %key.1, error = %error, "candidate view refresh failed");
+                    }
+                }
+            }
+        })
+    }
+
+    fn live_pools(&self, forget_after: Duration) -> Vec<PoolKey> {
+        let mut pools = self.pools.lock().unwrap_or_else(|p| p.into_inner());
+        pools.retain(|_, slot| {
+            let last = *slot.last_used.lock().unwrap_or_else(|p| p.into_inner());
+            last.is_some_and(|t| t.elapsed() < forget_after)
+        });
+        pools.keys().cloned().collect()
+    }
+
+    fn slot(&self, provider: &ProviderName, pool: &PoolName) -> Arc<PoolSlot> {
+        let mut pools = self.pools.lock().unwrap_or_else(|p| p.into_inner());
+        pools
+            .entry((provider.clone(), pool.clone()))
+            .or_default()
+            .clone()
+    }
+
+    fn existing(&self, provider: &ProviderName, pool: &PoolName) -> Option<Arc<PoolSlot>> {
+        let pools = self.pools.lock().unwrap_or_else(|p| p.into_inner());
+        pools.get(&(provider.clone(), pool.clone())).cloned()
+    }
+
+    /// Runs `f` on the view of `provider`/`pool`, loading it first if this process has none.
+    /// Returns `f`'s result and whether the view was loaded by this call.
+    pub async fn with_view<R>(
+        &self,
+        provider: &ProviderName,
+        pool: &PoolName,
+        f: impl FnOnce(&PoolView) -> R,
+    ) -> Result<(R, bool), sqlx::Error> {
+        let slot = self.slot(provider, pool);
+        *slot.last_used.lock().unwrap_or_else(|p| p.into_inner()) = Some(Instant::now());
+        let mut loaded = false;
+        if slot
+            .view
+            .read()
+            .unwrap_or_else(|p| p.into_inner())
+            .is_none()
+        {
+            self.reload(provider, pool, None).await?;
+            loaded = true;
+        }
+        let guard = slot.view.read().unwrap_or_else(|p| p.into_inner());
+        match guard.as_ref() {
+            Some(view) => Ok((f(view), loaded)),
+            // only if the view was dropped between the load and now: treat as an empty pool read
+            None => Err(sqlx::Error::PoolClosed),
+        }
+    }
+
+    /// Reads the pool from the database and replaces the view, unless the view already reflects
+    /// `at_least` (a version the caller saw). Concurrent reloads of one pool coalesce.
+    pub async fn reload(
+        &self,
+        provider: &ProviderName,
+        pool: &PoolName,
+        at_least: Option<i64>,
+    ) -> Result<(), sqlx::Error> {
+        let slot = self.slot(provider, pool);
+        let _one_at_a_time = slot.reloading.lock().await;
+        if let Some(wanted) = at_least {
+            let current = slot
+                .view
+                .read()
+                .unwrap_or_else(|p| p.into_inner())
+                .as_ref()
+                .and_then(|v| v.version);
+            if current.is_some_and(|v| v >= wanted) {
+                return Ok(());
+            }
+        }
+        let mut conn = self.db.acquire().await?;
+        let snapshot = candidates::load_pool(&mut conn, provider, pool).await?;
+        drop(conn);
+        let view = PoolView::from_snapshot(snapshot, &self.scoring, &self.health);
+        *slot.view.write().unwrap_or_else(|p| p.into_inner()) = Some(view);
+        Ok(())
+    }
+
+    fn update(
+        &self,
+        provider: &ProviderName,
+        pool: &PoolName,
+        key_id: &KeyId,
+        f: impl FnOnce(&mut Entry, OffsetDateTime),
+    ) {
+        if let Some(slot) = self.existing(provider, pool) {
+            let mut guard = slot.view.write().unwrap_or_else(|p| p.into_inner());
+            if let Some(view) = guard.as_mut() {
+                view.change(key_id, f);
+            }
+        }
+    }
+
+    /// This process granted a lease on `key_id`.
+    pub fn note_grant(&self, provider: &ProviderName, pool: &PoolName, lease: &GrantedLease) {
+        self.update(provider, pool, &lease.key_id, |entry, _| {
+            let facts = &mut entry.facts;
+            facts.in_flight += 1;
+            facts.last_used_at = Some(lease.granted_at);
+            facts.next_lease_end = Some(
+                facts
+                    .next_lease_end
+                    .map_or(lease.lease_until, |t| t.min(lease.lease_until)),
+            );
+            if lease.probe {
+                facts.slot0_free = false;
+            }
+        });
+    }
+
+    /// The claim statement found no free slot on these credentials: treat them as full until the
+    /// next load.
+    pub fn note_full(&self, provider: &ProviderName, pool: &PoolName, key_ids: &[KeyId]) {
+        for key_id in key_ids {
+            self.update(provider, pool, key_id, |entry, _| {
+                entry.facts.in_flight = entry
+                    .facts
+                    .in_flight
+                    .max(i64::from(entry.facts.max_concurrent_uses));
+                entry.facts.slot0_free = false;
+            });
+        }
+    }
+
+    /// This process released a lease on `key_id` (if `freed`) and/or applied an outcome to its
+    /// health.
+    pub fn note_release(
+        &self,
+        provider: &ProviderName,
+        pool: &PoolName,
+        key_id: &KeyId,
+        freed: bool,
+        health: Option<Health>,
+    ) {
+        let (scoring, decay) = (&self.scoring, &self.health);
+        self.update(provider, pool, key_id, |entry, now| {
+            if freed {
+                entry.facts.in_flight = (entry.facts.in_flight - 1).max(0);
+            }
+            if let Some(health) = health {
+                entry.health_score = health_score(&health, now, scoring, decay);
+                entry.facts.health = health;
+            }
+        });
+    }
+}

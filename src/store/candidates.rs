@@ -1,0 +1,133 @@
+//! The candidate read: every credential of one (provider, pool) with its health and occupancy,
+//! for a service's candidate view. Runs on a cache miss, when the claim statement reports that the
+//! pool changed, and on the periodic refresh — never once per allocation.
+
+use std::collections::HashMap;
+
+use sqlx::PgConnection;
+use time::OffsetDateTime;
+
+use super::leases::decoded;
+use crate::domain::{KeyId, PoolName, ProviderName, Status};
+use crate::health::Health;
+
+/// One credential as the candidate read saw it.
+#[derive(Debug, Clone)]
+pub struct CredentialFacts {
+    /// The credential.
+    pub key_id: KeyId,
+    /// Provider model names it serves.
+    pub models: Vec<String>,
+    /// Request name -> provider model name.
+    pub aliases: HashMap<String, String>,
+    /// Its limit.
+    pub max_concurrent_uses: i32,
+    /// Its health.
+    pub health: Health,
+    /// More leases in flight than its limit (claims skip it until refit).
+    pub slots_over_limit: bool,
+    /// Unexpired leases.
+    pub in_flight: i64,
+    /// Whether slot 0 is free (the probe slot of a recovering credential).
+    pub slot0_free: bool,
+    /// The earliest end among its unexpired leases.
+    pub next_lease_end: Option<OffsetDateTime>,
+    /// When its latest lease was granted.
+    pub last_used_at: Option<OffsetDateTime>,
+}
+
+/// A pool as read at one moment.
+#[derive(Debug, Clone)]
+pub struct PoolSnapshot {
+    /// The pool's version, read before the rows (so a change racing the read shows up as a newer
+    /// version at the next claim); `None` if the pool never had a credential.
+    pub version: Option<i64>,
+    /// The database clock at the read.
+    pub db_now: OffsetDateTime,
+    /// Every credential of the pool.
+    pub credentials: Vec<CredentialFacts>,
+}
+
+/// Reads one pool: its version and clock first, then its credentials. Cost: O(credentials and
+/// slots of the pool).
+#[tracing::instrument(skip(conn), err(level = "debug"))]
+pub async fn load_pool(
+    conn: &mut PgConnection,
+    provider: &ProviderName,
+    pool: &PoolName,
+) -> Result<PoolSnapshot, sqlx::Error> {
+    let head = sqlx::query!(
+        r#"
+        SELECT now() AS "db_now!",
+               (SELECT version FROM pool_versions WHERE provider = $1 AND pool = $2) AS version
+        "#,
+        provider.as_str(),
+        pool.as_str(),
+    )
+    .fetch_one(&mut *conn)
+    .await?;
+
+    let rows = sqlx::query!(
+        r#"
+        SELECT c.key_id, c.models, c.model_aliases, c.max_concurrent_uses, c.status, c.status_reason,
+               c.cooldown_until, c.last_used_at, c.slots_over_limit,
+               c.health_successes, c.health_failures, c.health_rate_limits, c.health_decayed_at,
+               c.recent_failures, c.cooldowns_in_a_row, c.last_success_at, c.recovered_at,
+               count(s.lease_id) FILTER (WHERE s.lease_until > now()) AS "in_flight!",
+               coalesce(bool_or(s.slot = 0 AND (s.lease_id IS NULL OR s.lease_until <= now())), false)
+                   AS "slot0_free!",
+               min(s.lease_until) FILTER (WHERE s.lease_until > now()) AS next_lease_end
+        FROM credentials c
+        LEFT JOIN lease_slots s ON s.key_id = c.key_id
+        WHERE c.provider = $1 AND c.pool = $2
+        GROUP BY c.key_id
+        ORDER BY c.key_id
+        "#,
+        provider.as_str(),
+        pool.as_str(),
+    )
+    .fetch_all(&mut *conn)
+    .await?;
+
+    let credentials = rows
+        .into_iter()
+        .map(|r| {
+            let aliases = match r.model_aliases {
+                serde_json::Value::Object(map) => map
+                    .into_iter()
+                    .filter_map(|(k, v)| v.as_str().map(|v| (k, v.to_owned())))
+                    .collect(),
+                _ => HashMap::new(),
+            };
+            Ok(CredentialFacts {
+                key_id: decoded(KeyId::parse(r.key_id))?,
+                models: r.models,
+                aliases,
+                max_concurrent_uses: r.max_concurrent_uses,
+                health: Health {
+                    status: decoded(Status::parse(&r.status))?,
+                    status_reason: r.status_reason,
+                    cooldown_until: r.cooldown_until,
+                    successes: r.health_successes,
+                    failures: r.health_failures,
+                    rate_limits: r.health_rate_limits,
+                    decayed_at: r.health_decayed_at,
+                    recent_failures: r.recent_failures,
+                    cooldowns_in_a_row: r.cooldowns_in_a_row,
+                    last_success_at: r.last_success_at,
+                    recovered_at: r.recovered_at,
+                },
+                slots_over_limit: r.slots_over_limit,
+                in_flight: r.in_flight,
+                slot0_free: r.slot0_free,
+                next_lease_end: r.next_lease_end,
+                last_used_at: r.last_used_at,
+            })
+        })
+        .collect::<Result<_, sqlx::Error>>()?;
+    Ok(PoolSnapshot {
+        version: head.version,
+        db_now: head.db_now,
+        credentials,
+    })
+}

@@ -1,0 +1,431 @@
+//! The selection layer against a real PostgreSQL: outcome reports drive health (cooldown
+//! max-merge, the N-in-window rule, auth errors, quota), half-open probes, recovery without any
+//! job, model aliases, late reports, and traffic shares under the scoring.
+
+use std::collections::HashMap;
+use std::time::Duration;
+
+use reqwest::StatusCode;
+use serde_json::{Value, json};
+
+use crate::helpers::*;
+
+fn gpt4o() -> Value {
+    json!({"provider": "openai", "model": "gpt-4o", "lease_seconds": 600})
+}
+
+async fn lease(app: &TestApp) -> Value {
+    json_body(app.allocate(gpt4o()).await, StatusCode::OK).await
+}
+
+async fn report(app: &TestApp, lease: &Value, outcome: &str, retry_after: Option<u32>) -> Value {
+    let mut body = release_body(lease, outcome);
+    if let Some(seconds) = retry_after {
+        body["retry_after_seconds"] = json!(seconds);
+    }
+    json_body(app.release(body).await, StatusCode::OK).await
+}
+
+/// (status, seconds until cooldown_until on the database clock)
+async fn health(app: &TestApp, key_id: &str) -> (String, Option<f64>) {
+    sqlx::query_as(
+        "SELECT status, extract(epoch FROM cooldown_until - now())::float8 FROM credentials WHERE key_id = $1",
+    )
+    .bind(key_id)
+    .fetch_one(&app.db)
+    .await
+    .unwrap()
+}
+
+async fn transitions(app: &TestApp, key_id: &str) -> Vec<(String, Option<String>, Option<String>)> {
+    sqlx::query_as(
+        "SELECT event, old_status, new_status FROM credential_events WHERE key_id = $1 ORDER BY event_id",
+    )
+    .bind(key_id)
+    .fetch_all(&app.db)
+    .await
+    .unwrap()
+}
+
+fn retry_after(response: &reqwest::Response) -> u64 {
+    response.headers()["retry-after"]
+        .to_str()
+        .unwrap()
+        .parse()
+        .unwrap()
+}
+
+#[tokio::test]
+async fn rate_limited_report_rests_the_credential_and_a_shorter_report_never_shortens_it() {
+    let app = TestApp::spawn().await;
+    app.put_key("key-a", "openai", "default", &["gpt-4o"], 3)
+        .await;
+    let (first, second, third) = (lease(&app).await, lease(&app).await, lease(&app).await);
+
+    report(&app, &first, "rate_limited", Some(120)).await;
+    let (status, left) = health(&app, "key-a").await;
+    assert_eq!(status, "rate_limited");
+    assert!((118.0..=120.0).contains(&left.unwrap()), "{left:?}");
+
+    // a 10 s report and a "use the default" (0) report do not shorten the 120 s rest
+    report(&app, &second, "rate_limited", Some(10)).await;
+    report(&app, &third, "rate_limited", Some(0)).await;
+    let (_, left) = health(&app, "key-a").await;
+    assert!((117.0..=120.0).contains(&left.unwrap()), "{left:?}");
+
+    let response = app.allocate(gpt4o()).await;
+    assert!(
+        (118..=120).contains(&retry_after(&response)),
+        "{:?}",
+        response.headers()
+    );
+    assert_error(response, StatusCode::TOO_MANY_REQUESTS, "pool_exhausted").await;
+    let events = transitions(&app, "key-a").await;
+    assert_eq!(
+        events[0],
+        (
+            "status_changed".into(),
+            Some("available".into()),
+            Some("rate_limited".into())
+        )
+    );
+}
+
+#[tokio::test]
+async fn rate_limited_without_retry_after_rests_for_the_configured_default() {
+    let app = TestApp::spawn().await;
+    app.put_key("key-a", "openai", "default", &["gpt-4o"], 1)
+        .await;
+    let first = lease(&app).await;
+    report(&app, &first, "rate_limited", None).await;
+    let (_, left) = health(&app, "key-a").await;
+    assert!((28.0..=30.0).contains(&left.unwrap()), "{left:?}");
+}
+
+#[tokio::test]
+async fn five_failures_within_a_minute_start_a_cooldown_and_fewer_do_not() {
+    let app = TestApp::spawn().await;
+    app.put_key("key-a", "openai", "default", &["gpt-4o"], 5)
+        .await;
+    let mut leases = Vec::new();
+    for _ in 0..5 {
+        leases.push(lease(&app).await);
+    }
+    for (i, l) in leases.iter().enumerate().take(4) {
+        report(&app, l, "failure", None).await;
+        assert_eq!(
+            health(&app, "key-a").await.0,
+            "available",
+            "after failure {}",
+            i + 1
+        );
+    }
+    report(&app, &leases[4], "failure", None).await;
+    let (status, left) = health(&app, "key-a").await;
+    assert_eq!(status, "cooldown");
+    assert!((58.0..=60.0).contains(&left.unwrap()), "{left:?}");
+
+    let response = app.allocate(gpt4o()).await;
+    assert!((58..=60).contains(&retry_after(&response)));
+    assert_error(response, StatusCode::TOO_MANY_REQUESTS, "pool_exhausted").await;
+    let failures: f64 =
+        sqlx::query_scalar("SELECT health_failures FROM credentials WHERE key_id = 'key-a'")
+            .fetch_one(&app.db)
+            .await
+            .unwrap();
+    assert!((4.99..=5.0).contains(&failures), "{failures}");
+}
+
+#[tokio::test]
+async fn recovery_needs_no_job_and_starts_with_a_single_probe_lease() {
+    let app = TestApp::spawn().await;
+    app.put_key("key-a", "openai", "default", &["gpt-4o"], 3)
+        .await;
+    app.set_status("key-a", "cooldown", Some(1.0)).await;
+    assert_error(
+        app.allocate(gpt4o()).await,
+        StatusCode::TOO_MANY_REQUESTS,
+        "pool_exhausted",
+    )
+    .await;
+
+    tokio::time::sleep(Duration::from_millis(1_200)).await;
+    let probe = lease(&app).await;
+    assert_eq!(probe["probe"], true);
+    // half-open: one probe at a time, although two more slots are free
+    assert_error(
+        app.allocate(gpt4o()).await,
+        StatusCode::TOO_MANY_REQUESTS,
+        "pool_exhausted",
+    )
+    .await;
+    assert_eq!(health(&app, "key-a").await.0, "cooldown");
+
+    report(&app, &probe, "success", None).await;
+    assert_eq!(health(&app, "key-a").await, ("available".into(), None));
+    for _ in 0..3 {
+        let l = lease(&app).await;
+        assert_eq!(l["probe"], false);
+    }
+    let events = transitions(&app, "key-a").await;
+    assert_eq!(
+        events,
+        [
+            (
+                "probe_granted".into(),
+                Some("cooldown".into()),
+                Some("cooldown".into())
+            ),
+            (
+                "status_changed".into(),
+                Some("cooldown".into()),
+                Some("available".into())
+            ),
+        ]
+    );
+}
+
+#[tokio::test]
+async fn a_failed_probe_starts_a_longer_cooldown() {
+    let app = TestApp::spawn().await;
+    app.put_key("key-a", "openai", "default", &["gpt-4o"], 2)
+        .await;
+    app.set_status("key-a", "cooldown", Some(1.0)).await;
+    sqlx::query("UPDATE credentials SET cooldowns_in_a_row = 1 WHERE key_id = 'key-a'")
+        .execute(&app.db)
+        .await
+        .unwrap();
+    tokio::time::sleep(Duration::from_millis(1_200)).await;
+    let probe = lease(&app).await;
+    assert_eq!(probe["probe"], true);
+    report(&app, &probe, "failure", None).await;
+    let (status, left) = health(&app, "key-a").await;
+    assert_eq!(status, "cooldown");
+    // the second cooldown in a row: 60 s doubled
+    assert!((118.0..=120.0).contains(&left.unwrap()), "{left:?}");
+}
+
+#[tokio::test]
+async fn auth_error_disables_the_credential() {
+    let app = TestApp::spawn().await;
+    app.put_key("key-a", "openai", "default", &["gpt-4o"], 2)
+        .await;
+    let l = lease(&app).await;
+    report(&app, &l, "auth_error", None).await;
+    let (status, reason): (String, Option<String>) =
+        sqlx::query_as("SELECT status, status_reason FROM credentials WHERE key_id = 'key-a'")
+            .fetch_one(&app.db)
+            .await
+            .unwrap();
+    assert_eq!(status, "disabled");
+    assert!(reason.unwrap().contains("auth_error"));
+    assert_error(
+        app.allocate(gpt4o()).await,
+        StatusCode::CONFLICT,
+        "no_usable_credentials",
+    )
+    .await;
+}
+
+#[tokio::test]
+async fn quota_exhausted_waits_for_retry_after_or_for_an_operator() {
+    let app = TestApp::spawn().await;
+    app.put_key("timed", "openai", "default", &["gpt-4o"], 1)
+        .await;
+    let l = lease(&app).await;
+    report(&app, &l, "quota_exhausted", Some(3600)).await;
+    let response = app.allocate(gpt4o()).await;
+    assert!((3599..=3600).contains(&retry_after(&response)));
+    assert_error(response, StatusCode::TOO_MANY_REQUESTS, "pool_exhausted").await;
+
+    let app = TestApp::spawn().await;
+    app.put_key("forever", "openai", "default", &["gpt-4o"], 1)
+        .await;
+    let l = lease(&app).await;
+    report(&app, &l, "quota_exhausted", None).await;
+    assert_eq!(health(&app, "forever").await, ("exhausted".into(), None));
+    assert_error(
+        app.allocate(gpt4o()).await,
+        StatusCode::CONFLICT,
+        "no_usable_credentials",
+    )
+    .await;
+}
+
+#[tokio::test]
+async fn an_outcome_after_expiry_counts_for_health_once_and_releases_nothing() {
+    let app = TestApp::spawn().await;
+    app.put_key("key-a", "openai", "default", &["gpt-4o"], 1)
+        .await;
+    let body = json!({"provider": "openai", "model": "gpt-4o", "lease_seconds": 1});
+    let late = json_body(app.allocate(body).await, StatusCode::OK).await;
+    tokio::time::sleep(Duration::from_millis(1_200)).await;
+
+    for _ in 0..2 {
+        let answer = report(&app, &late, "failure", None).await;
+        assert_eq!(answer["released"], false);
+    }
+    let failures: f64 =
+        sqlx::query_scalar("SELECT health_failures FROM credentials WHERE key_id = 'key-a'")
+            .fetch_one(&app.db)
+            .await
+            .unwrap();
+    assert!((0.99..=1.0).contains(&failures), "counted {failures} times");
+    let mut events = app.events(late["lease_id"].as_str().unwrap()).await;
+    events.sort();
+    assert_eq!(events, ["expired", "granted", "outcome_after_expiry"]);
+    // the slot is free for the next executor
+    lease(&app).await;
+}
+
+#[tokio::test]
+async fn aliases_map_a_request_model_to_each_credentials_own_name() {
+    let app = TestApp::spawn_with(AppOptions::deterministic()).await;
+    let put = app
+        .put_key_raw(
+            "dated",
+            json!({"provider": "openai", "models": ["gpt-4o-2024-08-06"], "aliases": {"gpt-4o": "gpt-4o-2024-08-06"},
+                   "max_concurrent_uses": 1, "secret": {"api_key": "sk-dated"}}),
+        )
+        .await;
+    assert_eq!(put.status(), StatusCode::CREATED);
+    app.put_key("plain", "openai", "default", &["gpt-4o"], 1)
+        .await;
+
+    let mut served = HashMap::new();
+    for _ in 0..2 {
+        let l = lease(&app).await;
+        served.insert(
+            l["key_id"].as_str().unwrap().to_owned(),
+            l["provider_model"].as_str().unwrap().to_owned(),
+        );
+    }
+    assert_eq!(served["dated"], "gpt-4o-2024-08-06");
+    assert_eq!(served["plain"], "gpt-4o");
+    // the alias is not a model of its own elsewhere
+    assert_error(
+        app.allocate(json!({"provider": "openai", "model": "claude-3"}))
+            .await,
+        StatusCode::CONFLICT,
+        "model_not_supported",
+    )
+    .await;
+}
+
+#[tokio::test]
+async fn an_alias_must_point_at_one_of_the_credentials_models() {
+    let app = TestApp::spawn().await;
+    let response = app
+        .put_key_raw(
+            "dated",
+            json!({"provider": "openai", "models": ["gpt-4o-2024-08-06"], "aliases": {"gpt-4o": "gpt-4o-mini"},
+                   "max_concurrent_uses": 1, "secret": {"api_key": "sk"}}),
+        )
+        .await;
+    assert_error(response, StatusCode::BAD_REQUEST, "invalid_request").await;
+}
+
+#[tokio::test]
+async fn a_status_change_made_elsewhere_is_seen_at_once() {
+    let app = TestApp::spawn().await;
+    app.put_key("key-a", "openai", "default", &["gpt-4o"], 1)
+        .await;
+    let l = lease(&app).await;
+    report(&app, &l, "success", None).await;
+    // another replica (here: plain SQL) disables the credential; this service's view is stale
+    app.set_status("key-a", "disabled", None).await;
+    assert_error(
+        app.allocate(gpt4o()).await,
+        StatusCode::CONFLICT,
+        "no_usable_credentials",
+    )
+    .await;
+    app.set_status("key-a", "available", None).await;
+    lease(&app).await;
+}
+
+#[tokio::test]
+async fn the_rust_usability_rule_matches_the_sql_function() {
+    let app = TestApp::spawn().await;
+    for status in credpool::domain::Status::ALL {
+        for offset in [None, Some(-5.0), Some(5.0)] {
+            let (usable, recovers): (bool, bool) = sqlx::query_as(
+                "SELECT credential_usable($1, now() + make_interval(secs => $2), now()),
+                        credential_recovers_at($1, now() + make_interval(secs => $2), now()) IS NOT NULL",
+            )
+            .bind(status.as_str())
+            .bind(offset)
+            .fetch_one(&app.db)
+            .await
+            .unwrap();
+            let now = time::OffsetDateTime::now_utc();
+            let mut health = credpool::health::Health::new(status);
+            health.cooldown_until = offset.map(|s| now + time::Duration::seconds_f64(s));
+            assert_eq!(health.usable(now), usable, "{status:?} {offset:?}");
+            assert_eq!(
+                health.recovers_at(now).is_some(),
+                recovers,
+                "{status:?} {offset:?}"
+            );
+        }
+    }
+}
+
+async fn traffic_shares(
+    app: &TestApp,
+    cycles: usize,
+    flaky: Option<&str>,
+) -> HashMap<String, usize> {
+    let mut counts: HashMap<String, usize> = HashMap::new();
+    for i in 0..cycles {
+        let l = lease(app).await;
+        let key = l["key_id"].as_str().unwrap().to_owned();
+        let outcome = if flaky == Some(key.as_str()) && i % 2 == 0 {
+            "failure"
+        } else {
+            "success"
+        };
+        report(app, &l, outcome, None).await;
+        *counts.entry(key).or_default() += 1;
+    }
+    counts
+}
+
+#[tokio::test]
+async fn equal_credentials_share_sequential_traffic_evenly() {
+    let app = TestApp::spawn().await;
+    for i in 0..8 {
+        app.put_key(&format!("eq-{i}"), "openai", "default", &["gpt-4o"], 1)
+            .await;
+    }
+    let cycles = 2_000;
+    let counts = traffic_shares(&app, cycles, None).await;
+    for i in 0..8 {
+        let share =
+            counts.get(&format!("eq-{i}")).copied().unwrap_or(0) as f64 * 100.0 / cycles as f64;
+        assert!(
+            (share - 12.5).abs() <= 3.0,
+            "eq-{i} got {share}% ({counts:?})"
+        );
+    }
+}
+
+#[tokio::test]
+async fn a_credential_failing_half_its_calls_gets_clearly_less_traffic() {
+    let app = TestApp::spawn().await;
+    for i in 0..8 {
+        app.put_key(&format!("c-{i}"), "openai", "default", &["gpt-4o"], 1)
+            .await;
+    }
+    let cycles = 800;
+    let counts = traffic_shares(&app, cycles, Some("c-0")).await;
+    let flaky = counts.get("c-0").copied().unwrap_or(0) as f64;
+    let healthy_mean = (1..8)
+        .map(|i| counts.get(&format!("c-{i}")).copied().unwrap_or(0))
+        .sum::<usize>() as f64
+        / 7.0;
+    assert!(
+        flaky < healthy_mean / 2.0,
+        "flaky {flaky}, healthy mean {healthy_mean} ({counts:?})"
+    );
+}
