@@ -16,11 +16,14 @@ use std::time::{Duration, Instant};
 
 use credpool::config::ServiceSettings;
 use credpool::http::ApiKeys;
+use credpool::secrets::{Keyring, MasterKey};
 use credpool::startup::Application;
+use credpool::store::credentials::{self, Actor};
 use credpool::store::{self, PoolSettings};
 use serde_json::json;
 use sqlx::postgres::PgConnectOptions;
 use sqlx::{ConnectOptions, Connection};
+use std::sync::Arc;
 
 const ROUNDS: usize = 5;
 const CYCLES_PER_ROUND: usize = 400;
@@ -64,9 +67,14 @@ async fn prepare(admin: &PgConnectOptions, size: usize) -> anyhow::Result<Target
     )))
     .execute(&pool)
     .await?;
+    // the rows above hold plaintext secrets: seal them, as `credpool serve` does at start-up
+    let keyring = Arc::new(Keyring::new(MasterKey::generate(), vec![]));
+    let actor = Actor::parse("bench").map_err(anyhow::Error::msg)?;
+    credentials::reseal(&pool, &keyring, true, &actor).await?;
     let keys =
         ApiKeys::new("bench-internal".into(), "bench-admin".into()).map_err(anyhow::Error::msg)?;
-    let app = Application::bind("127.0.0.1:0", pool, keys, &ServiceSettings::default()).await?;
+    let settings = ServiceSettings::default();
+    let app = Application::bind("127.0.0.1:0", pool, keys, keyring, &settings).await?;
     let base = format!("http://{}", app.local_addr()?);
     let (tx, rx) = tokio::sync::oneshot::channel::<()>();
     tokio::spawn(app.run_until(async {

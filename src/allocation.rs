@@ -13,8 +13,10 @@ use crate::candidates::{CandidateViews, PoolView, unix_seconds};
 use crate::domain::{
     Holder, KeyId, LeaseId, LeaseSeconds, ModelName, PoolName, ProviderName, Secret,
 };
+use crate::health::HealthPolicy;
 use crate::scoring::{self, ScoringPolicy};
-use crate::store::leases::{self, ClaimRequest};
+use crate::secrets::{Keyring, SecretsError};
+use crate::store::leases::{self, ClaimRequest, LeaseRef, ReleaseRequest};
 
 /// An executor's request for a lease.
 #[derive(Debug, Clone)]
@@ -71,6 +73,15 @@ pub enum AllocateError {
     PoolExhausted {
         /// Seconds until the earliest lease or cooldown among the candidates ends (>= 1).
         retry_after_seconds: u64,
+    },
+    /// 500: the credential's secret cannot be opened with the configured master keys (its lease
+    /// was given back at once).
+    #[error("the secret of credential {key_id} cannot be opened: {error}")]
+    SecretUnreadable {
+        /// The credential.
+        key_id: KeyId,
+        /// Why (never the material).
+        error: SecretsError,
     },
     /// 503: PostgreSQL failed or could not be reached in time.
     #[error("store unavailable")]
@@ -261,12 +272,23 @@ pub struct Allocator {
     db: PgPool,
     views: Arc<CandidateViews>,
     claims: ClaimSettings,
+    keyring: Arc<Keyring>,
 }
 
 impl Allocator {
-    /// An allocator over `db`, ranking from `views`.
-    pub fn new(db: PgPool, views: Arc<CandidateViews>, claims: ClaimSettings) -> Self {
-        Self { db, views, claims }
+    /// An allocator over `db`, ranking from `views`, opening secrets with `keyring`.
+    pub fn new(
+        db: PgPool,
+        views: Arc<CandidateViews>,
+        claims: ClaimSettings,
+        keyring: Arc<Keyring>,
+    ) -> Self {
+        Self {
+            db,
+            views,
+            claims,
+            keyring,
+        }
     }
 
     /// The candidate views this allocator ranks from.
@@ -322,7 +344,7 @@ impl Allocator {
         &self,
         request: &AllocateRequest,
         pool: &PoolName,
-    ) -> Result<Result<Allocation, PoolVerdict>, sqlx::Error> {
+    ) -> Result<Result<Allocation, PoolVerdict>, AllocateError> {
         let provider = &request.provider;
         let scoring = self.views.scoring().clone();
         let mut tried: HashSet<KeyId> = HashSet::new();
@@ -417,6 +439,28 @@ impl Allocator {
                         }
                     });
                 }
+                let credential = match self.keyring.open(&granted.key_id, &granted.sealed_secret) {
+                    Ok(credential) => credential,
+                    Err(error) => {
+                        // give the slot back at once rather than strand it until lease_until
+                        let lease = LeaseRef {
+                            key_id: granted.key_id.clone(),
+                            provider: provider.clone(),
+                            pool: pool.clone(),
+                            lease_id: granted.lease_id,
+                        };
+                        let release = ReleaseRequest {
+                            lease,
+                            outcome: None,
+                            retry_after_seconds: None,
+                        };
+                        leases::release(&self.db, &release, &HealthPolicy::default()).await?;
+                        return Err(AllocateError::SecretUnreadable {
+                            key_id: granted.key_id,
+                            error,
+                        });
+                    }
+                };
                 return Ok(Ok(Allocation {
                     key_id: granted.key_id,
                     lease_id: granted.lease_id,
@@ -425,7 +469,7 @@ impl Allocator {
                     provider_model: granted.provider_model,
                     lease_until: granted.lease_until,
                     probe: granted.probe,
-                    credential: granted.secret,
+                    credential,
                 }));
             }
             self.views.note_full(provider, pool, batch);
@@ -463,6 +507,7 @@ mod tests {
             max_concurrent_uses: 2,
             health: Health::new(Status::Available),
             slots_over_limit: false,
+            draining: false,
             in_flight: 0,
             slot0_free: true,
             next_lease_end: None,

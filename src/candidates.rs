@@ -70,7 +70,9 @@ impl RankRow {
         Self {
             health_score: entry.health_score,
             last_used: facts.last_used_at.map_or(f64::NAN, unix_seconds),
+            // a drained credential waits for an operator, like a disabled one
             usable_from: match facts.health.usable_from() {
+                _ if facts.draining => f64::INFINITY,
                 UsableFrom::Always => f64::NEG_INFINITY,
                 UsableFrom::At(at) => unix_seconds(at),
                 UsableFrom::Never => f64::INFINITY,

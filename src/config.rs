@@ -30,6 +30,122 @@ pub enum Command {
     /// Run the service in-process and drive a simulated executor fleet against it, then print a
     /// summary (exits non-zero if any credential was ever leased beyond its limit).
     Demo(DemoArgs),
+    /// Manage credentials, straight in the database (DATABASE_URL or the embedded default).
+    Keys(KeysArgs),
+    /// Force-release leases, straight in the database.
+    Leases(LeasesArgs),
+    /// Show every (provider, pool): credentials by status, slots, in-flight leases.
+    Pools(CliArgs),
+}
+
+/// What every operator command takes.
+#[derive(Debug, Clone, Args)]
+pub struct CliArgs {
+    /// Database settings.
+    #[command(flatten)]
+    pub db: DatabaseArgs,
+
+    /// Master keys (for commands that seal or open secrets).
+    #[command(flatten)]
+    pub secrets: SecretArgs,
+
+    /// Print JSON instead of a table.
+    #[arg(long, global = true)]
+    pub json: bool,
+
+    /// Who you are, for the audit trail (default `cli:<login name>`).
+    #[arg(long, env = "CREDPOOL_OPERATOR", global = true)]
+    pub operator: Option<String>,
+}
+
+/// `credpool keys ...`.
+#[derive(Debug, Clone, Args)]
+pub struct KeysArgs {
+    /// Shared settings.
+    #[command(flatten)]
+    pub cli: CliArgs,
+
+    /// What to do.
+    #[command(subcommand)]
+    pub command: KeysCommand,
+}
+
+/// The `credpool keys` subcommands.
+#[derive(Debug, Clone, Subcommand)]
+pub enum KeysCommand {
+    /// Create or update credentials from FILE (a JSON array or JSON lines; `-` for stdin), each
+    /// like the PUT body plus its `key_id`. Validated as a whole first; written in one
+    /// transaction, or not at all.
+    Import {
+        /// The file, or `-`.
+        file: PathBuf,
+    },
+    /// List credentials.
+    List {
+        /// Only this provider.
+        #[arg(long)]
+        provider: Option<String>,
+        /// Only this pool.
+        #[arg(long)]
+        pool: Option<String>,
+        /// Only this status.
+        #[arg(long)]
+        status: Option<String>,
+    },
+    /// Take a credential out of traffic (status `disabled`).
+    Disable {
+        /// The credential.
+        key_id: String,
+        /// Why.
+        #[arg(long)]
+        reason: Option<String>,
+    },
+    /// Put a credential back into traffic (status `available`; clears cooldown and draining).
+    Enable {
+        /// The credential.
+        key_id: String,
+    },
+    /// No new leases on a credential while its current ones finish.
+    Drain {
+        /// The credential.
+        key_id: String,
+        /// Why.
+        #[arg(long)]
+        reason: Option<String>,
+    },
+    /// Delete a credential (its in-flight leases are force-released; history stays).
+    Rm {
+        /// The credential.
+        key_id: String,
+    },
+    /// Reseal every secret under the current master key (after adding a new key and listing the
+    /// old one in CREDPOOL_PREVIOUS_MASTER_KEYS).
+    Reencrypt,
+}
+
+/// `credpool leases ...`.
+#[derive(Debug, Clone, Args)]
+pub struct LeasesArgs {
+    /// Shared settings.
+    #[command(flatten)]
+    pub cli: CliArgs,
+
+    /// What to do.
+    #[command(subcommand)]
+    pub command: LeasesCommand,
+}
+
+/// The `credpool leases` subcommands.
+#[derive(Debug, Clone, Subcommand)]
+pub enum LeasesCommand {
+    /// Force-release every in-flight lease of a credential.
+    ReleaseAll {
+        /// The credential.
+        key_id: String,
+        /// Why (recorded with each released lease).
+        #[arg(long)]
+        reason: String,
+    },
 }
 
 /// Where the database is.
@@ -72,12 +188,43 @@ impl DatabaseArgs {
     }
 }
 
+/// Where the master keys that seal credential secrets come from.
+#[derive(Debug, Clone, Args)]
+pub struct SecretArgs {
+    /// The master key that seals credential secrets: 32 bytes as 64 hexadecimal digits or base64.
+    /// Required with DATABASE_URL (or --master-key-file); the embedded default generates one in
+    /// its data directory (`master.key`, mode 0600).
+    #[arg(long, env = "CREDPOOL_MASTER_KEY", hide_env_values = true)]
+    pub master_key: Option<String>,
+
+    /// A file with the master key on its first line and older keys, still accepted for opening
+    /// (key rotation), on the lines after it.
+    #[arg(long, env = "CREDPOOL_MASTER_KEY_FILE", conflicts_with = "master_key")]
+    pub master_key_file: Option<PathBuf>,
+
+    /// Older master keys, comma-separated: secrets sealed under them still open until
+    /// `credpool keys reencrypt` reseals them under the current key.
+    #[arg(long, env = "CREDPOOL_PREVIOUS_MASTER_KEYS", hide_env_values = true)]
+    pub previous_master_keys: Option<String>,
+}
+
+impl SecretArgs {
+    /// Whether a master key is configured (by value or file).
+    pub fn configured(&self) -> bool {
+        self.master_key.is_some() || self.master_key_file.is_some()
+    }
+}
+
 /// `credpool serve`.
 #[derive(Debug, Clone, Args)]
 pub struct ServeArgs {
     /// Database settings.
     #[command(flatten)]
     pub db: DatabaseArgs,
+
+    /// Master keys.
+    #[command(flatten)]
+    pub secrets: SecretArgs,
 
     /// Address to listen on, `host:port` (`localhost:8080`, `0.0.0.0:8080`, `[::1]:8080`); port
     /// 0 picks a free port, printed at start-up.
@@ -305,6 +452,10 @@ pub struct DemoArgs {
     /// Database settings.
     #[command(flatten)]
     pub db: DatabaseArgs,
+
+    /// Master keys.
+    #[command(flatten)]
+    pub secrets: SecretArgs,
 
     /// Service behaviour.
     #[command(flatten)]

@@ -172,6 +172,11 @@ impl Fleet {
         };
         let mut release = lease_ref;
         release["outcome"] = json!(outcome);
+        if outcome == "rate_limited" {
+            // the provider's Retry-After, passed on: the credential rests, then recovers through
+            // a probe lease within the run
+            release["retry_after_seconds"] = json!(rng.random_range(1..=4));
+        }
         let result = match self.post("/api/internal/release-key", &release).await {
             Ok(r) => match r.json::<Value>().await {
                 Ok(body) if body["released"] == json!(true) => "released".to_owned(),
@@ -186,6 +191,7 @@ impl Fleet {
 
 /// Runs the demo; the exit code is non-zero when any credential's peak exceeded its limit.
 pub async fn run(args: DemoArgs) -> anyhow::Result<ExitCode> {
+    crate::startup::check_secret_config(&args.secrets, &args.db)?;
     let database = Database::open(&args.db).await?;
     let result = run_on(&args, &database).await;
     database.close().await;
@@ -196,10 +202,12 @@ async fn run_on(args: &DemoArgs, database: &Database) -> anyhow::Result<ExitCode
     let internal_key = hex::encode(rand::random::<[u8; 16]>());
     let admin_key = hex::encode(rand::random::<[u8; 16]>());
     let keys = ApiKeys::new(internal_key.clone(), admin_key.clone()).map_err(anyhow::Error::msg)?;
+    let keyring = crate::startup::prepare_keyring(&args.secrets, database).await?;
     let app = Application::bind(
         "127.0.0.1:0",
         database.pool.clone(),
         keys,
+        keyring,
         &args.service.settings(),
     )
     .await?;

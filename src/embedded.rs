@@ -549,8 +549,3 @@ fn log_tail(path: &Path) -> String {
     let lines: Vec<&str> = text.lines().collect();
     lines[lines.len().saturating_sub(20)..].join("\n")
 }
-
-/// Hands `path` (a file the service writes in the data directory) to no one else: mode 0600.
-pub fn restrict_to_owner(path: &Path) -> std::io::Result<()> {
-    fs::set_permissions(path, fs::Permissions::from_mode(0o600))
-}

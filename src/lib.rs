@@ -20,6 +20,7 @@
 
 pub mod allocation;
 pub mod candidates;
+pub mod cli;
 pub mod config;
 pub mod database;
 pub mod demo;
@@ -28,6 +29,7 @@ pub mod embedded;
 pub mod health;
 pub mod http;
 pub mod scoring;
+pub mod secrets;
 pub mod startup;
 pub mod store;
 
@@ -55,6 +57,9 @@ pub async fn run(cli: config::Cli) -> anyhow::Result<std::process::ExitCode> {
         Command::Serve(args) => startup::serve(args).await?,
         Command::Migrate(args) => startup::migrate(args).await?,
         Command::Demo(args) => return demo::run(args).await,
+        Command::Keys(args) => cli::keys(args).await?,
+        Command::Leases(args) => cli::leases(args).await?,
+        Command::Pools(args) => cli::pools(args).await?,
     }
     Ok(std::process::ExitCode::SUCCESS)
 }

@@ -4,6 +4,7 @@
 use std::future::Future;
 use std::net::SocketAddr;
 use std::path::Path;
+use std::sync::Arc;
 
 use anyhow::{Context, bail};
 use serde::{Deserialize, Serialize};
@@ -12,10 +13,11 @@ use tokio::net::TcpListener;
 
 use crate::allocation::Allocator;
 use crate::candidates::CandidateViews;
-use crate::config::{ServeArgs, ServiceSettings};
+use crate::config::{DatabaseArgs, SecretArgs, ServeArgs, ServiceSettings};
 use crate::database::Database;
-use crate::embedded;
 use crate::http::{self, ApiKeys, AppState};
+use crate::secrets::{Keyring, MasterKey};
+use crate::store::{self, credentials::Actor};
 
 /// A pool nobody allocated from for this long drops out of the periodic view refresh.
 const VIEW_FORGET_AFTER: std::time::Duration = std::time::Duration::from_secs(600);
@@ -35,6 +37,7 @@ impl Application {
         listen: &str,
         db: PgPool,
         keys: ApiKeys,
+        keyring: Arc<Keyring>,
         settings: &ServiceSettings,
     ) -> std::io::Result<Self> {
         let listener = TcpListener::bind(listen).await?;
@@ -45,11 +48,12 @@ impl Application {
         );
         views.spawn_refresher(settings.view_refresh, VIEW_FORGET_AFTER);
         let state = AppState {
-            allocator: Allocator::new(db.clone(), views, settings.claims),
+            allocator: Allocator::new(db.clone(), views, settings.claims, keyring.clone()),
             db,
             keys,
             max_lease_seconds: settings.max_lease_seconds,
             health: settings.health.clone(),
+            keyring,
         };
         Ok(Self { listener, state })
     }
@@ -136,11 +140,7 @@ fn load_or_generate_keys(dir: &Path, args: &ServeArgs) -> anyhow::Result<StoredK
         internal_key: random_key(),
         admin_key: random_key(),
     };
-    let tmp = dir.join(format!("{KEYS_FILE}.tmp"));
-    std::fs::write(&tmp, serde_json::to_vec_pretty(&keys)?)
-        .with_context(|| format!("writing {}", tmp.display()))?;
-    embedded::restrict_to_owner(&tmp)?;
-    std::fs::rename(&tmp, &path)?;
+    write_private(&path, &serde_json::to_vec_pretty(&keys)?)?;
     println!(
         "credpool: generated API keys, stored in {} (mode 0600):\n  CREDPOOL_INTERNAL_KEY={}\n  CREDPOOL_ADMIN_KEY={}",
         path.display(),
@@ -148,6 +148,105 @@ fn load_or_generate_keys(dir: &Path, args: &ServeArgs) -> anyhow::Result<StoredK
         keys.admin_key
     );
     Ok(keys)
+}
+
+const MASTER_KEY_FILE: &str = "master.key";
+
+/// Checked before anything else happens: with an explicit `DATABASE_URL`, a master key must be
+/// configured (keys are generated only for the embedded default).
+pub fn check_secret_config(secrets: &SecretArgs, db: &DatabaseArgs) -> anyhow::Result<()> {
+    if db.database_url.is_some() && !secrets.configured() {
+        bail!(
+            "CREDPOOL_MASTER_KEY (or CREDPOOL_MASTER_KEY_FILE) must be set when DATABASE_URL is: it seals credential secrets at rest (generate one with `openssl rand -hex 32`)"
+        );
+    }
+    Ok(())
+}
+
+/// The keyring from configuration, or with the embedded default from (or generated into)
+/// `<data dir>/master.key` (mode 0600). Then checks that every stored secret opens with it, and
+/// seals any secret still stored as plaintext.
+pub async fn prepare_keyring(
+    secrets: &SecretArgs,
+    database: &Database,
+) -> anyhow::Result<Arc<Keyring>> {
+    let mut previous = Vec::new();
+    if let Some(list) = &secrets.previous_master_keys {
+        for key in list.split(',').filter(|k| !k.trim().is_empty()) {
+            previous.push(MasterKey::parse(key).context("CREDPOOL_PREVIOUS_MASTER_KEYS")?);
+        }
+    }
+    let current = if let Some(key) = &secrets.master_key {
+        MasterKey::parse(key).context("CREDPOOL_MASTER_KEY")?
+    } else {
+        let path = match (&secrets.master_key_file, &database.data_dir) {
+            (Some(path), _) => path.clone(),
+            (None, Some(dir)) => dir.join(MASTER_KEY_FILE),
+            (None, None) => bail!("no master key configured"),
+        };
+        if secrets.master_key_file.is_none() && !path.exists() {
+            let key = MasterKey::generate();
+            write_private(&path, format!("{}\n", key.to_hex().as_str()).as_bytes())?;
+            println!(
+                "credpool: generated a master key for credential secrets in {} (mode 0600)",
+                path.display()
+            );
+        }
+        let text = zeroize::Zeroizing::new(
+            std::fs::read_to_string(&path)
+                .with_context(|| format!("reading the master key file {}", path.display()))?,
+        );
+        let mut lines = text.lines().map(str::trim).filter(|l| !l.is_empty());
+        let current = MasterKey::parse(lines.next().unwrap_or_default())
+            .with_context(|| format!("the first line of {}", path.display()))?;
+        for line in lines {
+            previous.push(
+                MasterKey::parse(line)
+                    .with_context(|| format!("a later line of {}", path.display()))?,
+            );
+        }
+        current
+    };
+    let keyring = Keyring::new(current, previous);
+
+    let known: Vec<String> = keyring.keys().map(MasterKey::fingerprint).collect();
+    let missing: Vec<String> = store::credentials::sealing_keys(&database.pool)
+        .await?
+        .into_iter()
+        .filter(|(fingerprint, _)| !known.contains(fingerprint))
+        .map(|(fingerprint, count)| format!("{count} under master key {fingerprint}"))
+        .collect();
+    if !missing.is_empty() {
+        bail!(
+            "stored credential secrets are sealed under master keys that are not configured ({}); configure the key as CREDPOOL_MASTER_KEY or in CREDPOOL_PREVIOUS_MASTER_KEYS",
+            missing.join(", ")
+        );
+    }
+    let actor = Actor::parse("credpool start-up").map_err(anyhow::Error::msg)?;
+    let sealed = store::credentials::reseal(&database.pool, &keyring, true, &actor).await?;
+    if sealed > 0 {
+        tracing::info!(sealed, "sealed credential secrets stored as plaintext");
+    }
+    tracing::info!(master_key = %keyring.current().fingerprint(), previous = keyring.keys().count() - 1, "master keys loaded");
+    Ok(Arc::new(keyring))
+}
+
+/// Writes a file only its owner can read (created with mode 0600, then moved into place).
+fn write_private(path: &Path, contents: &[u8]) -> anyhow::Result<()> {
+    use std::io::Write;
+    use std::os::unix::fs::OpenOptionsExt;
+    let tmp = path.with_extension("tmp");
+    let mut file = std::fs::OpenOptions::new()
+        .write(true)
+        .create(true)
+        .truncate(true)
+        .mode(0o600)
+        .open(&tmp)
+        .with_context(|| format!("writing {}", tmp.display()))?;
+    file.write_all(contents)?;
+    file.sync_all()?;
+    std::fs::rename(&tmp, path).with_context(|| format!("writing {}", path.display()))?;
+    Ok(())
 }
 
 /// Resolves on SIGINT or SIGTERM.
@@ -175,6 +274,7 @@ pub async fn shutdown_signal() {
 /// until SIGINT/SIGTERM, then closes the pool and stops the embedded cluster.
 pub async fn serve(args: ServeArgs) -> anyhow::Result<()> {
     let keys = configured_keys(&args)?;
+    check_secret_config(&args.secrets, &args.db)?;
     let database = Database::open(&args.db).await?;
     let result = serve_on(&args, keys, &database).await;
     database.close().await;
@@ -191,10 +291,12 @@ async fn serve_on(
         (None, Some(dir)) => embedded_keys(args, dir)?,
         (None, None) => unreachable!("configured_keys requires both keys with DATABASE_URL"),
     };
+    let keyring = prepare_keyring(&args.secrets, database).await?;
     let app = Application::bind(
         &args.listen,
         database.pool.clone(),
         keys,
+        keyring,
         &args.service.settings(),
     )
     .await

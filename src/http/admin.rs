@@ -1,104 +1,308 @@
-//! Operator routes (`X-Admin-Key`).
+//! Operator routes (`X-Admin-Key`; the executor key gets 403). Every mutation is audited with the
+//! operator's name from `X-Operator` (default `admin-key`). No route returns a secret.
 
 use std::collections::BTreeMap;
 
 use axum::extract::{Path, State};
 use axum::http::StatusCode;
-use axum::routing::put;
+use axum::routing::{get, post, put};
 use axum::{Json, Router};
-use serde::Deserialize;
+use serde::{Deserialize, Serialize};
 
-use super::{AdminKey, ApiError, ApiJson, AppState};
-use crate::domain::{InvalidValue, KeyId, ModelName, PoolName, ProviderName, Secret, Status};
-use crate::store::credentials::{self, CredentialSpec, CredentialView};
-
-/// Most models one credential may list.
-pub const MAX_MODELS: usize = 256;
+use super::{AdminKey, ApiError, ApiJson, ApiQuery, AppState};
+use crate::domain::{InvalidValue, KeyId, LeaseId, ModelName, PoolName, ProviderName, Status};
+use crate::store::credentials::{
+    self, Actor, CredentialDetail, CredentialInput, ForceReleaseOutcome, ForcedRelease, ListFilter,
+    Patch, PatchOutcome, PoolSummary, StateChange,
+};
 
 pub(super) fn routes() -> Router<AppState> {
-    Router::new().route("/api/admin/keys/{key_id}", put(put_key))
+    Router::new()
+        .route("/api/admin/keys", get(list_keys))
+        .route(
+            "/api/admin/keys/{key_id}",
+            put(put_key)
+                .get(get_key)
+                .patch(patch_key)
+                .delete(delete_key),
+        )
+        .route("/api/admin/keys/{key_id}/release-all", post(release_all))
+        .route("/api/admin/leases/{lease_id}/release", post(release_lease))
+        .route("/api/admin/pools", get(pools))
 }
 
-/// `PUT /api/admin/keys/{key_id}` body.
-#[derive(Debug, Deserialize)]
-#[serde(deny_unknown_fields)]
-struct PutKeyBody {
-    provider: ProviderName,
-    #[serde(default)]
-    pool: PoolName,
-    models: Vec<ModelName>,
-    /// Request model name -> one of `models` (`{"gpt-4o": "gpt-4o-2024-08-06"}`).
-    #[serde(default)]
-    aliases: BTreeMap<ModelName, ModelName>,
-    max_concurrent_uses: u64,
-    status: Option<Status>,
-    secret: Secret,
+/// The admin key, and who is using it (`X-Operator`, else `admin-key`).
+pub struct Operator(pub Actor);
+
+impl axum::extract::FromRequestParts<AppState> for Operator {
+    type Rejection = ApiError;
+
+    async fn from_request_parts(
+        parts: &mut axum::http::request::Parts,
+        state: &AppState,
+    ) -> Result<Self, ApiError> {
+        AdminKey::from_request_parts(parts, state).await?;
+        let name = match parts.headers.get("x-operator") {
+            None => "admin-key".to_owned(),
+            Some(value) => value
+                .to_str()
+                .map_err(|_| InvalidValue::new("X-Operator", "must be printable ASCII"))?
+                .to_owned(),
+        };
+        Ok(Operator(Actor::parse(name)?))
+    }
+}
+
+fn key_id(raw: String) -> Result<KeyId, ApiError> {
+    Ok(KeyId::parse(raw)?)
+}
+
+/// An operator's reason: 1..=500 printable characters.
+fn reason(raw: &str) -> Result<String, ApiError> {
+    let len = raw.chars().count();
+    if len == 0 || len > 500 || raw.chars().any(char::is_control) {
+        return Err(InvalidValue::new("reason", "must be 1 to 500 printable characters").into());
+    }
+    Ok(raw.to_owned())
 }
 
 /// Creates (201) or updates (200) a credential. The response is the stored credential without its
 /// secret; no route ever returns a secret except to the executor that holds a lease.
-#[tracing::instrument(skip_all, fields(key_id = %key_id))]
+#[tracing::instrument(skip_all, fields(key_id = %raw_key_id))]
 async fn put_key(
     State(state): State<AppState>,
-    _key: AdminKey,
-    Path(key_id): Path<String>,
-    ApiJson(body): ApiJson<PutKeyBody>,
-) -> Result<(StatusCode, Json<CredentialView>), ApiError> {
-    let key_id = KeyId::parse(key_id)?;
-    if body.models.is_empty() || body.models.len() > MAX_MODELS {
-        return Err(
-            InvalidValue::new("models", format!("must list 1 to {MAX_MODELS} models")).into(),
-        );
-    }
-    if body.aliases.len() > MAX_MODELS {
-        return Err(
-            InvalidValue::new("aliases", format!("may map at most {MAX_MODELS} names")).into(),
-        );
-    }
-    if let Some((alias, _)) = body
-        .aliases
-        .iter()
-        .find(|(_, target)| !body.models.contains(target))
-    {
-        return Err(InvalidValue::new(
-            "aliases",
-            format!("`{alias}` must map to one of the credential's models"),
-        )
-        .into());
-    }
-    let max_concurrent_uses = match i32::try_from(body.max_concurrent_uses) {
-        Ok(n) if (1..=10_000).contains(&n) => n,
-        _ => {
-            return Err(InvalidValue::new(
-                "max_concurrent_uses",
-                "must be an integer from 1 to 10000",
-            )
-            .into());
-        }
-    };
-    if matches!(body.status, Some(Status::RateLimited | Status::Cooldown)) {
-        return Err(InvalidValue::new(
-            "status",
-            "rate_limited and cooldown come from outcome reports (they need a cooldown end); set available, pending, disabled or exhausted",
-        )
-        .into());
-    }
-    let spec = CredentialSpec {
-        key_id,
-        provider: body.provider,
-        pool: body.pool,
-        models: body.models,
-        aliases: body.aliases,
-        max_concurrent_uses,
-        status: body.status,
-        secret: body.secret,
-    };
-    let (view, created) = credentials::upsert(&state.db, &spec).await?;
-    tracing::info!(created, "credential stored");
+    Operator(actor): Operator,
+    Path(raw_key_id): Path<String>,
+    ApiJson(body): ApiJson<CredentialInput>,
+) -> Result<(StatusCode, Json<CredentialDetail>), ApiError> {
+    let key_id = key_id(raw_key_id)?;
+    let spec = body.into_spec(key_id, &state.keyring)?;
+    let (detail, created) = credentials::upsert(&state.db, &spec, &actor, &state.health).await?;
+    tracing::info!(created, actor = actor.as_str(), "credential stored");
     let status = if created {
         StatusCode::CREATED
     } else {
         StatusCode::OK
     };
-    Ok((status, Json(view)))
+    Ok((status, Json(detail)))
+}
+
+/// `GET /api/admin/keys` query.
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct ListQuery {
+    provider: Option<ProviderName>,
+    pool: Option<PoolName>,
+    status: Option<Status>,
+    /// The `next_after` of the previous page.
+    after: Option<KeyId>,
+    /// 1..=1000, default 100.
+    limit: Option<u32>,
+}
+
+#[derive(Debug, Serialize)]
+struct KeyPage {
+    keys: Vec<CredentialDetail>,
+    /// Pass as `after` for the next page; `null` on the last page.
+    next_after: Option<String>,
+}
+
+/// Lists credentials (filters: provider, pool, status), in key_id order, a page at a time.
+async fn list_keys(
+    State(state): State<AppState>,
+    _operator: Operator,
+    ApiQuery(query): ApiQuery<ListQuery>,
+) -> Result<Json<KeyPage>, ApiError> {
+    let limit = query.limit.unwrap_or(100);
+    if !(1..=1000).contains(&limit) {
+        return Err(InvalidValue::new("limit", "must be an integer from 1 to 1000").into());
+    }
+    let filter = ListFilter {
+        provider: query.provider,
+        pool: query.pool,
+        status: query.status,
+        after: query.after,
+        limit,
+    };
+    let keys = credentials::list(&state.db, &filter, &state.health).await?;
+    let next_after = (keys.len() == limit as usize)
+        .then(|| keys.last().map(|k| k.key_id.clone()))
+        .flatten();
+    Ok(Json(KeyPage { keys, next_after }))
+}
+
+/// One credential: configuration, status, cooldown, health figures and in-flight leases.
+async fn get_key(
+    State(state): State<AppState>,
+    _operator: Operator,
+    Path(raw_key_id): Path<String>,
+) -> Result<Json<CredentialDetail>, ApiError> {
+    let key_id = key_id(raw_key_id)?;
+    credentials::get(&state.db, &key_id, &state.health)
+        .await?
+        .map(Json)
+        .ok_or(ApiError::CredentialNotFound)
+}
+
+/// `PATCH /api/admin/keys/{key_id}` body: any of the fields.
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct PatchBody {
+    /// `disable`, `enable` or `drain`.
+    state: Option<StateChange>,
+    /// Why (kept as the status reason and in the audit trail).
+    reason: Option<String>,
+    max_concurrent_uses: Option<u64>,
+    models: Option<Vec<ModelName>>,
+    aliases: Option<BTreeMap<ModelName, ModelName>>,
+    pool: Option<PoolName>,
+}
+
+/// Changes a credential while traffic flows: state (disable, enable, drain), limit, models,
+/// aliases, pool.
+#[tracing::instrument(skip_all, fields(key_id = %raw_key_id))]
+async fn patch_key(
+    State(state): State<AppState>,
+    Operator(actor): Operator,
+    Path(raw_key_id): Path<String>,
+    ApiJson(body): ApiJson<PatchBody>,
+) -> Result<Json<CredentialDetail>, ApiError> {
+    let key_id = key_id(raw_key_id)?;
+    if body.state.is_none()
+        && body.max_concurrent_uses.is_none()
+        && body.models.is_none()
+        && body.aliases.is_none()
+        && body.pool.is_none()
+    {
+        return Err(ApiError::InvalidRequest(
+            "nothing to change: give state, max_concurrent_uses, models, aliases or pool".into(),
+        ));
+    }
+    let patch = Patch {
+        state: body.state,
+        reason: body.reason.as_deref().map(reason).transpose()?,
+        max_concurrent_uses: body
+            .max_concurrent_uses
+            .map(credentials::check_limit)
+            .transpose()?,
+        models: body.models,
+        aliases: body.aliases,
+        pool: body.pool,
+    };
+    match credentials::patch(&state.db, &key_id, &patch, &actor, &state.health).await? {
+        PatchOutcome::Changed(detail) => {
+            tracing::info!(actor = actor.as_str(), "credential changed");
+            Ok(Json(*detail))
+        }
+        PatchOutcome::Invalid(invalid) => Err(invalid.into()),
+        PatchOutcome::NotFound => Err(ApiError::CredentialNotFound),
+    }
+}
+
+#[derive(Debug, Serialize)]
+struct Deleted {
+    deleted: bool,
+    /// Leases that were in flight, ended as `force_released` in the trail.
+    force_released: Vec<ForcedRelease>,
+}
+
+/// Deletes a credential and its lease state in one transaction; history stays in the trail.
+#[tracing::instrument(skip_all, fields(key_id = %raw_key_id))]
+async fn delete_key(
+    State(state): State<AppState>,
+    Operator(actor): Operator,
+    Path(raw_key_id): Path<String>,
+) -> Result<Json<Deleted>, ApiError> {
+    let key_id = key_id(raw_key_id)?;
+    let force_released = credentials::delete(&state.db, &key_id, &actor)
+        .await?
+        .ok_or(ApiError::CredentialNotFound)?;
+    tracing::info!(
+        actor = actor.as_str(),
+        force_released = force_released.len(),
+        "credential deleted"
+    );
+    Ok(Json(Deleted {
+        deleted: true,
+        force_released,
+    }))
+}
+
+/// Body of the forced-release routes.
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct ForceReleaseBody {
+    /// Why; recorded with each `force_released` trail row.
+    reason: String,
+}
+
+#[derive(Debug, Serialize)]
+struct ReleasedAll {
+    released: usize,
+    leases: Vec<ForcedRelease>,
+}
+
+/// Force-releases every in-flight lease of one credential.
+#[tracing::instrument(skip_all, fields(key_id = %raw_key_id))]
+async fn release_all(
+    State(state): State<AppState>,
+    Operator(actor): Operator,
+    Path(raw_key_id): Path<String>,
+    ApiJson(body): ApiJson<ForceReleaseBody>,
+) -> Result<Json<ReleasedAll>, ApiError> {
+    let key_id = key_id(raw_key_id)?;
+    let reason = reason(&body.reason)?;
+    let leases = credentials::release_all(&state.db, &key_id, &reason, &actor)
+        .await?
+        .ok_or(ApiError::CredentialNotFound)?;
+    tracing::info!(
+        actor = actor.as_str(),
+        released = leases.len(),
+        "leases force-released"
+    );
+    Ok(Json(ReleasedAll {
+        released: leases.len(),
+        leases,
+    }))
+}
+
+#[derive(Debug, Serialize)]
+struct LeaseReleased {
+    released: bool,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    reason: Option<ForceReleaseOutcome>,
+}
+
+/// Force-releases one lease by id. (There is no route without a lease id: "all" is always the
+/// explicit `release-all` of one credential.)
+#[tracing::instrument(skip_all, fields(lease_id = %raw_lease_id))]
+async fn release_lease(
+    State(state): State<AppState>,
+    Operator(actor): Operator,
+    Path(raw_lease_id): Path<String>,
+    ApiJson(body): ApiJson<ForceReleaseBody>,
+) -> Result<Json<LeaseReleased>, ApiError> {
+    let lease_id = LeaseId::parse(&raw_lease_id)?;
+    let reason = reason(&body.reason)?;
+    let outcome = credentials::force_release_lease(&state.db, lease_id, &reason, &actor).await?;
+    tracing::info!(actor = actor.as_str(), outcome = ?outcome, "forced release");
+    Ok(Json(LeaseReleased {
+        released: outcome == ForceReleaseOutcome::Released,
+        reason: (outcome != ForceReleaseOutcome::Released).then_some(outcome),
+    }))
+}
+
+#[derive(Debug, Serialize)]
+struct Pools {
+    pools: Vec<PoolSummary>,
+}
+
+/// Every (provider, pool): credentials by status, slots, in-flight leases, cooling down.
+async fn pools(
+    State(state): State<AppState>,
+    _operator: Operator,
+) -> Result<Json<Pools>, ApiError> {
+    Ok(Json(Pools {
+        pools: credentials::pools(&state.db).await?,
+    }))
 }

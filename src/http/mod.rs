@@ -67,6 +67,8 @@ pub struct AppState {
     pub max_lease_seconds: u32,
     /// How outcome reports change health.
     pub health: crate::health::HealthPolicy,
+    /// Seals and opens credential secrets.
+    pub keyring: Arc<crate::secrets::Keyring>,
 }
 
 /// The whole router: executor routes under `/api/internal`, operator routes under `/api/admin`,
@@ -102,6 +104,9 @@ pub enum ApiError {
     /// 404 `pool_not_found`: no credentials at all for the provider and pool.
     #[error("no credentials for this provider and pool")]
     PoolNotFound,
+    /// 404 `credential_not_found`: no credential with this key_id (operator routes).
+    #[error("no credential with this key_id")]
+    CredentialNotFound,
     /// 404 `route_not_found`.
     #[error("no such route")]
     RouteNotFound,
@@ -154,6 +159,7 @@ impl ApiError {
             ApiError::Forbidden => (StatusCode::FORBIDDEN, "forbidden"),
             ApiError::PoolNotFound => (StatusCode::NOT_FOUND, "pool_not_found"),
             ApiError::RouteNotFound => (StatusCode::NOT_FOUND, "route_not_found"),
+            ApiError::CredentialNotFound => (StatusCode::NOT_FOUND, "credential_not_found"),
             ApiError::MethodNotAllowed => (StatusCode::METHOD_NOT_ALLOWED, "method_not_allowed"),
             ApiError::ModelNotSupported => (StatusCode::CONFLICT, "model_not_supported"),
             ApiError::NoUsableCredentials => (StatusCode::CONFLICT, "no_usable_credentials"),
@@ -218,6 +224,10 @@ impl From<AllocateError> for ApiError {
                 retry_after_seconds,
             },
             AllocateError::Store(e) => ApiError::StoreUnavailable(e),
+            AllocateError::SecretUnreadable { key_id, error } => {
+                tracing::error!(key_id = %key_id, error = %error, "a credential's secret cannot be opened; check the master keys");
+                ApiError::Internal
+            }
         }
     }
 }
@@ -237,6 +247,20 @@ impl<S: Send + Sync, T: DeserializeOwned> FromRequest<S> for ApiJson<T> {
             {
                 Err(ApiError::PayloadTooLarge)
             }
+            Err(rejection) => Err(ApiError::InvalidRequest(rejection.body_text())),
+        }
+    }
+}
+
+/// `axum::extract::Query`, with rejections in the API's error shape.
+pub struct ApiQuery<T>(pub T);
+
+impl<S: Send + Sync, T: DeserializeOwned> FromRequestParts<S> for ApiQuery<T> {
+    type Rejection = ApiError;
+
+    async fn from_request_parts(parts: &mut Parts, state: &S) -> Result<Self, Self::Rejection> {
+        match axum::extract::Query::<T>::from_request_parts(parts, state).await {
+            Ok(axum::extract::Query(value)) => Ok(ApiQuery(value)),
             Err(rejection) => Err(ApiError::InvalidRequest(rejection.body_text())),
         }
     }

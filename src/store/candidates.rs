@@ -26,6 +26,8 @@ pub struct CredentialFacts {
     pub health: Health,
     /// More leases in flight than its limit (claims skip it until refit).
     pub slots_over_limit: bool,
+    /// Drained by an operator: no new leases.
+    pub draining: bool,
     /// Unexpired leases.
     pub in_flight: i64,
     /// Whether slot 0 is free (the probe slot of a recovering credential).
@@ -70,7 +72,7 @@ pub async fn load_pool(
     let rows = sqlx::query!(
         r#"
         SELECT c.key_id, c.models, c.model_aliases, c.max_concurrent_uses, c.status, c.status_reason,
-               c.cooldown_until, c.last_used_at, c.slots_over_limit,
+               c.cooldown_until, c.last_used_at, c.slots_over_limit, c.draining,
                c.health_successes, c.health_failures, c.health_rate_limits, c.health_decayed_at,
                c.recent_failures, c.cooldowns_in_a_row, c.last_success_at, c.recovered_at,
                count(s.lease_id) FILTER (WHERE s.lease_until > now()) AS "in_flight!",
@@ -118,6 +120,7 @@ pub async fn load_pool(
                     recovered_at: r.recovered_at,
                 },
                 slots_over_limit: r.slots_over_limit,
+                draining: r.draining,
                 in_flight: r.in_flight,
                 slot0_free: r.slot0_free,
                 next_lease_end: r.next_lease_end,

@@ -6,7 +6,7 @@
 --
 -- Takes the first candidate, in array order, that belongs to the provider and pool, serves the
 -- model (directly or through an alias), is usable (credential_usable, database clock) and is not
--- over its limit, and locks ONE of its free slot rows: a slot whose lease_id is NULL or whose
+-- over its limit or drained, and locks ONE of its free slot rows: a slot whose lease_id is NULL or whose
 -- lease has expired. A credential back from a cooldown (usable, status not yet `available`) is
 -- half-open: only its slot 0 can be claimed, so it serves a single probe lease at a time, and the
 -- grant is written to credential_events as `probe_granted`.
@@ -58,6 +58,7 @@ claimed AS (
       AND credential_usable(c.status, c.cooldown_until, now())
       AND (c.status = 'available' OR s.slot = 0)
       AND NOT c.slots_over_limit
+      AND NOT c.draining
       AND (s.lease_id IS NULL OR s.lease_until <= now())
     ORDER BY r.rank, s.slot
     LIMIT 1
@@ -101,7 +102,7 @@ touched AS (
     SET last_used_at = granted.granted_at
     FROM granted
     WHERE c.key_id = granted.key_id
-    RETURNING c.key_id, c.secret
+    RETURNING c.key_id, c.secret_ciphertext
 )
 SELECT (SELECT v.version FROM pool_versions v WHERE v.provider = $2 AND v.pool = $3) AS pool_version,
        granted.key_id AS "key_id?",
@@ -110,7 +111,7 @@ SELECT (SELECT v.version FROM pool_versions v WHERE v.provider = $2 AND v.pool =
        granted.lease_until AS "lease_until?",
        granted.probe AS "probe?",
        claimed.provider_model AS "provider_model?",
-       touched.secret AS "secret?",
+       touched.secret_ciphertext AS "sealed_secret?",
        claimed.old_lease_id IS NOT NULL AS "pruned_expired?"
 FROM (SELECT 1) AS always_one_row
 LEFT JOIN granted ON true

@@ -4,8 +4,7 @@ use sqlx::{PgConnection, PgExecutor, PgPool};
 use time::OffsetDateTime;
 
 use crate::domain::{
-    Holder, KeyId, LeaseId, LeaseSeconds, ModelName, Outcome, PoolName, ProviderName, Secret,
-    Status,
+    Holder, KeyId, LeaseId, LeaseSeconds, ModelName, Outcome, PoolName, ProviderName, Status,
 };
 use crate::health::{self, Health, HealthPolicy, Report};
 
@@ -49,8 +48,8 @@ pub struct GrantedLease {
     pub probe: bool,
     /// The model name as this credential serves it (after alias mapping).
     pub provider_model: String,
-    /// The credential material (redacted in `Debug`).
-    pub secret: Secret,
+    /// The credential material, sealed ([`crate::secrets::Keyring::open`] opens it).
+    pub sealed_secret: Vec<u8>,
     /// Whether the claim reused the slot of an expired lease (ending it in the trail).
     pub pruned_expired: bool,
 }
@@ -94,22 +93,26 @@ pub async fn claim_slot(
         row.lease_id,
         row.granted_at,
         row.lease_until,
-        row.secret,
+        row.sealed_secret,
     ) {
-        (Some(key_id), Some(lease_id), Some(granted_at), Some(lease_until), Some(secret)) => {
-            Some(GrantedLease {
-                key_id: decoded(KeyId::parse(key_id))?,
-                lease_id: LeaseId::from(lease_id),
-                granted_at,
-                lease_until,
-                probe: row.probe.unwrap_or(false),
-                provider_model: row
-                    .provider_model
-                    .unwrap_or_else(|| request.model.as_str().to_owned()),
-                secret: decoded(Secret::parse(secret))?,
-                pruned_expired: row.pruned_expired.unwrap_or(false),
-            })
-        }
+        (
+            Some(key_id),
+            Some(lease_id),
+            Some(granted_at),
+            Some(lease_until),
+            Some(sealed_secret),
+        ) => Some(GrantedLease {
+            key_id: decoded(KeyId::parse(key_id))?,
+            lease_id: LeaseId::from(lease_id),
+            granted_at,
+            lease_until,
+            probe: row.probe.unwrap_or(false),
+            provider_model: row
+                .provider_model
+                .unwrap_or_else(|| request.model.as_str().to_owned()),
+            sealed_secret,
+            pruned_expired: row.pruned_expired.unwrap_or(false),
+        }),
         _ => None,
     };
     Ok(ClaimResult {

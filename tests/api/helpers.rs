@@ -22,6 +22,13 @@ use sqlx::{ConnectOptions, Connection, PgPool};
 use tokio::sync::{Mutex, MutexGuard, OnceCell};
 
 pub const INTERNAL_KEY: &str = "test-internal-key";
+/// The master key the tests seal secrets with.
+pub const MASTER_KEY: &str = "00112233445566778899aabbccddeeff00112233445566778899aabbccddeeff";
+
+pub fn keyring() -> std::sync::Arc<credpool::secrets::Keyring> {
+    let key = credpool::secrets::MasterKey::parse(MASTER_KEY).unwrap();
+    std::sync::Arc::new(credpool::secrets::Keyring::new(key, vec![]))
+}
 pub const ADMIN_KEY: &str = "test-admin-key";
 
 /// What keeps the shared server alive for the whole process.
@@ -388,7 +395,7 @@ pub async fn serve(
     options: &AppOptions,
 ) -> (SocketAddr, tokio::sync::oneshot::Sender<()>) {
     let keys = ApiKeys::new(INTERNAL_KEY.into(), ADMIN_KEY.into()).unwrap();
-    let app = Application::bind("127.0.0.1:0", pool, keys, &options.settings)
+    let app = Application::bind("127.0.0.1:0", pool, keys, keyring(), &options.settings)
         .await
         .expect("bind");
     let addr = app.local_addr().unwrap();

@@ -5,6 +5,8 @@ mod helpers;
 
 mod admin;
 mod allocate;
+mod cli;
+mod operator;
 mod processes;
 mod races;
 mod release_renew;

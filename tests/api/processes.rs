@@ -7,7 +7,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use reqwest::StatusCode;
-use serde_json::json;
+use serde_json::{Value, json};
 use tokio::io::{AsyncBufReadExt, BufReader};
 use tokio::process::{Child, ChildStdout, Command};
 use tokio::sync::Barrier;
@@ -28,7 +28,12 @@ struct ServeProcess {
 impl ServeProcess {
     /// `credpool serve ARGS` (with `--listen 127.0.0.1:0` unless ARGS name a listen address),
     /// run in `cwd` if given.
-    async fn start_in(cwd: Option<&Path>, envs: &[(&str, String)], args: &[&str]) -> Self {
+    async fn start_in(
+        cwd: Option<&Path>,
+        stderr: Stdio,
+        envs: &[(&str, String)],
+        args: &[&str],
+    ) -> Self {
         let mut command = Command::new(BIN);
         command.arg("serve");
         if !args.contains(&"--listen") {
@@ -42,9 +47,10 @@ impl ServeProcess {
             .env_remove("DATABASE_URL")
             .env_remove("CREDPOOL_INTERNAL_KEY")
             .env_remove("CREDPOOL_ADMIN_KEY")
+            .env_remove("CREDPOOL_MASTER_KEY")
             .env("RUST_LOG", "warn")
             .stdout(Stdio::piped())
-            .stderr(Stdio::inherit())
+            .stderr(stderr)
             .kill_on_drop(true);
         for (name, value) in envs {
             command.env(name, value);
@@ -75,7 +81,7 @@ impl ServeProcess {
     }
 
     async fn start(envs: &[(&str, String)], args: &[&str]) -> Self {
-        Self::start_in(None, envs, args).await
+        Self::start_in(None, Stdio::inherit(), envs, args).await
     }
 
     /// SIGTERM, then wait for a clean exit.
@@ -95,6 +101,7 @@ fn keyed_env(database: &TestDatabase) -> Vec<(&'static str, String)> {
         ("CREDPOOL_INTERNAL_KEY", INTERNAL_KEY.to_owned()),
         ("CREDPOOL_ADMIN_KEY", ADMIN_KEY.to_owned()),
         ("CREDPOOL_DB_MAX_CONNECTIONS", "32".to_owned()),
+        ("CREDPOOL_MASTER_KEY", MASTER_KEY.to_owned()),
     ]
 }
 
@@ -171,17 +178,33 @@ async fn serve_without_database_url_runs_on_the_embedded_default_and_stops_it_on
 
     // a relative --data-dir, resolved against the working directory
     let relative = dir.path().file_name().unwrap().to_str().unwrap();
-    let first =
-        ServeProcess::start_in(Some(Path::new("/tmp")), &[], &["--data-dir", relative]).await;
+    let first = ServeProcess::start_in(
+        Some(Path::new("/tmp")),
+        Stdio::inherit(),
+        &[],
+        &["--data-dir", relative],
+    )
+    .await;
     let internal = key_from(&first.banner, "CREDPOOL_INTERNAL_KEY");
     let admin = key_from(&first.banner, "CREDPOOL_ADMIN_KEY");
     assert_ne!(internal, admin);
-    let mode = std::os::unix::fs::PermissionsExt::mode(
-        &std::fs::metadata(dir.path().join("service-keys.json"))
-            .unwrap()
-            .permissions(),
+    // the generated API keys and master key are readable by their owner only
+    for file in ["service-keys.json", "master.key"] {
+        let mode = std::os::unix::fs::PermissionsExt::mode(
+            &std::fs::metadata(dir.path().join(file))
+                .unwrap()
+                .permissions(),
+        );
+        assert_eq!(mode & 0o777, 0o600, "{file}");
+    }
+    assert!(
+        first
+            .banner
+            .iter()
+            .any(|l| l.contains("generated a master key")),
+        "{:?}",
+        first.banner
     );
-    assert_eq!(mode & 0o777, 0o600);
     assert!(postmaster_running(dir.path()));
 
     let client = client();
@@ -295,6 +318,7 @@ async fn demo_fleet_runs_and_no_credential_exceeds_its_limit() {
             "2",
         ])
         .env("DATABASE_URL", database.url())
+        .env("CREDPOOL_MASTER_KEY", MASTER_KEY)
         .env("RUST_LOG", "warn")
         .output()
         .await
@@ -371,6 +395,159 @@ async fn demo_fleet_runs_and_no_credential_exceeds_its_limit() {
             peak <= limits[&key],
             "{key}: peak {peak} over limit {}",
             limits[&key]
+        );
+    }
+}
+
+/// Every table's rows as text.
+async fn all_rows(pool: &sqlx::PgPool) -> String {
+    let tables: Vec<String> = sqlx::query_scalar(
+        "SELECT table_name::text FROM information_schema.tables WHERE table_schema = 'public'",
+    )
+    .fetch_all(pool)
+    .await
+    .unwrap();
+    let mut text = String::new();
+    for table in tables {
+        let rows: Option<String> = sqlx::query_scalar(sqlx::AssertSqlSafe(format!(
+            "SELECT string_agg(t::text, E'\\n') FROM \"{table}\" t"
+        )))
+        .fetch_one(pool)
+        .await
+        .unwrap();
+        text.push_str(&rows.unwrap_or_default());
+    }
+    text
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn no_secret_reaches_a_log_line_or_a_database_row_even_at_trace_level() {
+    let database = TestDatabase::create().await;
+    let log = tempfile::NamedTempFile::new().unwrap();
+    let mut env = keyed_env(&database);
+    env.push(("RUST_LOG", "trace".to_owned()));
+    let serve = ServeProcess::start_in(None, Stdio::from(log.reopen().unwrap()), &env, &[]).await;
+    let client = client();
+    let base = serve.base.clone();
+    let url = |path: &str| format!("{base}{path}");
+    let nonce = hex::encode(rand::random::<[u8; 6]>());
+    let secrets: Vec<String> = (0..3).map(|i| format!("sk-leak-{nonce}-{i}")).collect();
+    let refresh = format!("rt-leak-{nonce}");
+
+    for (i, secret) in secrets.iter().enumerate() {
+        let response = client
+            .put(url(&format!("/api/admin/keys/leak-{i}")))
+            .header("x-admin-key", ADMIN_KEY)
+            .json(
+                &json!({"provider": "openai", "models": ["gpt-4o"], "max_concurrent_uses": 2,
+                          "secret": {"api_key": secret, "oauth": {"refresh_token": refresh}}}),
+            )
+            .send()
+            .await
+            .unwrap();
+        assert!(response.status().is_success());
+    }
+    // a malformed secret: the 400 must not quote it
+    let bad = client
+        .put(url("/api/admin/keys/leak-bad"))
+        .header("x-admin-key", ADMIN_KEY)
+        .json(&json!({"provider": "openai", "models": ["gpt-4o"], "max_concurrent_uses": 1, "secret": secrets[0]}))
+        .send()
+        .await
+        .unwrap();
+    assert!(!bad.text().await.unwrap().contains(&secrets[0]));
+
+    let internal = |path: &str, body: Value| {
+        let client = client.clone();
+        let url = url(path);
+        async move { post_json(&client, &url, ("x-internal-key", INTERNAL_KEY), body).await }
+    };
+    let mut leases = Vec::new();
+    for _ in 0..4 {
+        let lease = internal("/api/internal/allocate-key", json!({"provider": "openai", "model": "gpt-4o", "holder": "leaky", "lease_seconds": 60})).await;
+        leases.push(json_body(lease, StatusCode::OK).await);
+    }
+    let reference = |l: &Value| json!({"provider": l["provider"], "pool": l["pool"], "key_id": l["key_id"], "lease_id": l["lease_id"]});
+    let mut renew = reference(&leases[0]);
+    renew["lease_seconds"] = json!(30);
+    json_body(
+        internal("/api/internal/renew-lease", renew).await,
+        StatusCode::OK,
+    )
+    .await;
+    for (l, outcome) in leases.iter().take(2).zip(["success", "rate_limited"]) {
+        let mut release = reference(l);
+        release["outcome"] = json!(outcome);
+        json_body(
+            internal("/api/internal/release-key", release).await,
+            StatusCode::OK,
+        )
+        .await;
+    }
+    let admin = |method: reqwest::Method, path: &str, body: Option<Value>| {
+        let mut request = client
+            .request(method, url(path))
+            .header("x-admin-key", ADMIN_KEY);
+        if let Some(body) = body {
+            request = request.json(&body);
+        }
+        request.send()
+    };
+    for path in [
+        "/api/admin/keys",
+        "/api/admin/keys/leak-0",
+        "/api/admin/pools",
+    ] {
+        let text = admin(reqwest::Method::GET, path, None)
+            .await
+            .unwrap()
+            .text()
+            .await
+            .unwrap();
+        assert!(
+            !secrets.iter().any(|s| text.contains(s.as_str())),
+            "{path} returned a secret"
+        );
+    }
+    admin(
+        reqwest::Method::PATCH,
+        "/api/admin/keys/leak-1",
+        Some(json!({"state": "drain"})),
+    )
+    .await
+    .unwrap();
+    admin(
+        reqwest::Method::POST,
+        "/api/admin/keys/leak-2/release-all",
+        Some(json!({"reason": "test"})),
+    )
+    .await
+    .unwrap();
+    admin(reqwest::Method::DELETE, "/api/admin/keys/leak-1", None)
+        .await
+        .unwrap();
+    assert!(serve.terminate().await.success());
+
+    let mut logged = String::new();
+    std::io::Read::read_to_string(&mut log.reopen().unwrap(), &mut logged).unwrap();
+    assert!(
+        logged.lines().count() > 50,
+        "expected a trace-level log, got:\n{logged}"
+    );
+    let pool = database.pool(1).await;
+    let rows = all_rows(&pool).await;
+    assert!(
+        rows.contains("leaky"),
+        "the row dump should include the holder names"
+    );
+    for secret in secrets.iter().chain([&refresh]) {
+        assert!(
+            !logged.contains(secret.as_str()),
+            "{secret} appeared in the log"
+        );
+        assert!(
+            !rows.contains(secret.as_str()),
+            "{secret} appeared in a database row"
         );
     }
 }

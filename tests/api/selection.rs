@@ -37,9 +37,11 @@ async fn health(app: &TestApp, key_id: &str) -> (String, Option<f64>) {
     .unwrap()
 }
 
+/// Health transitions (not operator actions) of a credential, in order.
 async fn transitions(app: &TestApp, key_id: &str) -> Vec<(String, Option<String>, Option<String>)> {
     sqlx::query_as(
-        "SELECT event, old_status, new_status FROM credential_events WHERE key_id = $1 ORDER BY event_id",
+        "SELECT event, old_status, new_status FROM credential_events
+         WHERE key_id = $1 AND actor IS NULL ORDER BY event_id",
     )
     .bind(key_id)
     .fetch_all(&app.db)

@@ -1,0 +1,748 @@
+//! The operator API: reading credentials and pools, PATCH (disable, enable, drain, limits,
+//! models, pool), DELETE while leased, forced releases, the audit of every mutation, and secrets
+//! sealed at rest.
+
+use std::collections::HashMap;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::time::Duration;
+
+use reqwest::StatusCode;
+use serde_json::{Value, json};
+
+use crate::helpers::*;
+
+impl TestApp {
+    async fn admin(
+        &self,
+        method: reqwest::Method,
+        path: &str,
+        body: Option<Value>,
+    ) -> reqwest::Response {
+        let mut request = self
+            .client
+            .request(method, self.url(path))
+            .header("x-admin-key", ADMIN_KEY)
+            .header("x-operator", "alice");
+        if let Some(body) = body {
+            request = request.json(&body);
+        }
+        request.send().await.expect("admin request")
+    }
+
+    async fn patch_key(&self, key_id: &str, body: Value) -> reqwest::Response {
+        self.admin(
+            reqwest::Method::PATCH,
+            &format!("/api/admin/keys/{key_id}"),
+            Some(body),
+        )
+        .await
+    }
+}
+
+fn gpt4o() -> Value {
+    json!({"provider": "openai", "model": "gpt-4o", "lease_seconds": 600})
+}
+
+async fn lease(app: &TestApp) -> Value {
+    json_body(app.allocate(gpt4o()).await, StatusCode::OK).await
+}
+
+fn lease_ref(lease: &Value) -> Value {
+    json!({"provider": lease["provider"], "pool": lease["pool"], "key_id": lease["key_id"], "lease_id": lease["lease_id"]})
+}
+
+#[tokio::test]
+async fn get_and_list_show_configuration_health_and_leases_but_never_the_secret() {
+    let app = TestApp::spawn().await;
+    app.put_key("key-a", "openai", "default", &["gpt-4o"], 3)
+        .await;
+    app.put_key("key-b", "openai", "vip", &["gpt-4o"], 1).await;
+    app.put_key("key-c", "anthropic", "default", &["claude"], 1)
+        .await;
+    let body = json!({"provider": "openai", "model": "gpt-4o", "lease_seconds": 600, "holder": "worker-9"});
+    let held = json_body(app.allocate(body).await, StatusCode::OK).await;
+
+    let response = app
+        .admin(reqwest::Method::GET, "/api/admin/keys/key-a", None)
+        .await;
+    let text = response.text().await.unwrap();
+    assert!(!text.contains("sk-test"), "{text}");
+    let detail: Value = serde_json::from_str(&text).unwrap();
+    assert_eq!(detail["max_concurrent_uses"], 3);
+    assert_eq!(detail["in_flight"], 1);
+    assert_eq!(detail["leases"][0]["lease_id"], held["lease_id"]);
+    assert_eq!(detail["leases"][0]["holder"], "worker-9");
+    assert_eq!(detail["health"]["success_rate"], 1.0);
+    assert!(detail.get("secret").is_none());
+
+    let page = json_body(
+        app.admin(
+            reqwest::Method::GET,
+            "/api/admin/keys?provider=openai",
+            None,
+        )
+        .await,
+        StatusCode::OK,
+    )
+    .await;
+    let ids: Vec<&str> = page["keys"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|k| k["key_id"].as_str().unwrap())
+        .collect();
+    assert_eq!(ids, ["key-a", "key-b"]);
+    let page = json_body(
+        app.admin(
+            reqwest::Method::GET,
+            "/api/admin/keys?pool=default&limit=1",
+            None,
+        )
+        .await,
+        StatusCode::OK,
+    )
+    .await;
+    assert_eq!(page["keys"][0]["key_id"], "key-a");
+    assert_eq!(page["next_after"], "key-a");
+    let next = json_body(
+        app.admin(
+            reqwest::Method::GET,
+            "/api/admin/keys?pool=default&limit=1&after=key-a",
+            None,
+        )
+        .await,
+        StatusCode::OK,
+    )
+    .await;
+    assert_eq!(next["keys"][0]["key_id"], "key-c");
+    assert_eq!(
+        json_body(
+            app.admin(
+                reqwest::Method::GET,
+                "/api/admin/keys?limit=1&after=key-c",
+                None
+            )
+            .await,
+            StatusCode::OK
+        )
+        .await["keys"],
+        json!([])
+    );
+
+    for bad in [
+        "/api/admin/keys?limit=0",
+        "/api/admin/keys?status=sleepy",
+        "/api/admin/keys?color=red",
+    ] {
+        assert_error(
+            app.admin(reqwest::Method::GET, bad, None).await,
+            StatusCode::BAD_REQUEST,
+            "invalid_request",
+        )
+        .await;
+    }
+    assert_error(
+        app.admin(reqwest::Method::GET, "/api/admin/keys/nope", None)
+            .await,
+        StatusCode::NOT_FOUND,
+        "credential_not_found",
+    )
+    .await;
+}
+
+#[tokio::test]
+async fn a_drained_credential_lets_its_leases_finish_and_takes_no_new_ones() {
+    let app = TestApp::spawn().await;
+    app.put_key("key-a", "openai", "default", &["gpt-4o"], 3)
+        .await;
+    let held = lease(&app).await;
+
+    let drained = json_body(
+        app.patch_key("key-a", json!({"state": "drain", "reason": "rotating"}))
+            .await,
+        StatusCode::OK,
+    )
+    .await;
+    assert_eq!(drained["draining"], true);
+    assert_eq!(drained["status"], "available");
+    assert_error(
+        app.allocate(gpt4o()).await,
+        StatusCode::CONFLICT,
+        "no_usable_credentials",
+    )
+    .await;
+
+    // the lease in flight carries on: renew and release work
+    let mut renew = lease_ref(&held);
+    renew["lease_seconds"] = json!(60);
+    json_body(app.renew(renew).await, StatusCode::OK).await;
+    assert_eq!(
+        json_body(
+            app.release(release_body(&held, "success")).await,
+            StatusCode::OK
+        )
+        .await["released"],
+        true
+    );
+
+    json_body(
+        app.patch_key("key-a", json!({"state": "enable"})).await,
+        StatusCode::OK,
+    )
+    .await;
+    lease(&app).await;
+}
+
+/// (event, old_status, new_status, actor, reason, details)
+type AuditRow = (
+    String,
+    Option<String>,
+    Option<String>,
+    Option<String>,
+    Option<String>,
+    Value,
+);
+
+#[tokio::test]
+async fn disable_and_enable_are_audited_with_the_operator_and_old_and_new_values() {
+    let app = TestApp::spawn().await;
+    app.put_key("key-a", "openai", "default", &["gpt-4o"], 1)
+        .await;
+    let disabled = json_body(
+        app.patch_key(
+            "key-a",
+            json!({"state": "disable", "reason": "leaked on a forum"}),
+        )
+        .await,
+        StatusCode::OK,
+    )
+    .await;
+    assert_eq!(disabled["status"], "disabled");
+    assert_eq!(disabled["status_reason"], "leaked on a forum");
+    assert_error(
+        app.allocate(gpt4o()).await,
+        StatusCode::CONFLICT,
+        "no_usable_credentials",
+    )
+    .await;
+    json_body(
+        app.patch_key("key-a", json!({"state": "enable"})).await,
+        StatusCode::OK,
+    )
+    .await;
+    lease(&app).await;
+
+    let rows: Vec<AuditRow> = sqlx::query_as(
+        "SELECT event, old_status, new_status, actor, reason, details FROM credential_events
+         WHERE key_id = 'key-a' AND actor = 'alice' ORDER BY event_id",
+    )
+    .fetch_all(&app.db)
+    .await
+    .unwrap();
+    let events: Vec<(&str, Option<&str>, Option<&str>)> = rows
+        .iter()
+        .map(|r| (r.0.as_str(), r.1.as_deref(), r.2.as_deref()))
+        .collect();
+    assert_eq!(
+        events,
+        [
+            ("updated", Some("available"), Some("disabled")),
+            ("status_changed", Some("available"), Some("disabled")),
+            ("updated", Some("disabled"), Some("available")),
+            ("status_changed", Some("disabled"), Some("available")),
+        ]
+    );
+    assert_eq!(rows[0].4.as_deref(), Some("leaked on a forum"));
+    assert_eq!(rows[0].5["old"]["status"], "available");
+    assert_eq!(rows[0].5["new"]["status"], "disabled");
+    // the PUT that created it was audited too, with the admin key as the actor, never the secret
+    let created: (Option<String>, Value) = sqlx::query_as(
+        "SELECT actor, details FROM credential_events WHERE key_id = 'key-a' AND event = 'created'",
+    )
+    .fetch_one(&app.db)
+    .await
+    .unwrap();
+    assert_eq!(created.0.as_deref(), Some("admin-key"));
+    assert_eq!(created.1["secret"], "replaced");
+    assert!(!created.1.to_string().contains("sk-test"));
+}
+
+#[tokio::test]
+async fn patch_changes_models_aliases_and_pool_and_refuses_bad_changes_whole() {
+    let app = TestApp::spawn().await;
+    app.put_key("key-a", "openai", "default", &["gpt-4o"], 1)
+        .await;
+    let before = app.snapshot().await;
+    for (body, code, status) in [
+        (json!({}), "invalid_request", StatusCode::BAD_REQUEST),
+        (
+            json!({"aliases": {"fast": "o3"}}),
+            "invalid_request",
+            StatusCode::BAD_REQUEST,
+        ),
+        (
+            json!({"max_concurrent_uses": 0}),
+            "invalid_request",
+            StatusCode::BAD_REQUEST,
+        ),
+        (
+            json!({"state": "explode"}),
+            "invalid_request",
+            StatusCode::BAD_REQUEST,
+        ),
+        (
+            json!({"pool": "Bad Pool"}),
+            "invalid_request",
+            StatusCode::BAD_REQUEST,
+        ),
+        (
+            json!({"models": ["o3"], "mystery": 1}),
+            "invalid_request",
+            StatusCode::BAD_REQUEST,
+        ),
+    ] {
+        assert_error(app.patch_key("key-a", body).await, status, code).await;
+    }
+    assert_error(
+        app.patch_key("nope", json!({"state": "drain"})).await,
+        StatusCode::NOT_FOUND,
+        "credential_not_found",
+    )
+    .await;
+    assert_eq!(app.snapshot().await, before);
+
+    let changed = json_body(
+        app.patch_key(
+            "key-a",
+            json!({"models": ["o3-2025"], "aliases": {"o3": "o3-2025"}, "pool": "batch"}),
+        )
+        .await,
+        StatusCode::OK,
+    )
+    .await;
+    assert_eq!(changed["pool"], "batch");
+    let l = json_body(
+        app.allocate(json!({"provider": "openai", "model": "o3", "pool": "batch"}))
+            .await,
+        StatusCode::OK,
+    )
+    .await;
+    assert_eq!(l["provider_model"], "o3-2025");
+    assert_error(
+        app.allocate(gpt4o()).await,
+        StatusCode::NOT_FOUND,
+        "pool_not_found",
+    )
+    .await;
+}
+
+#[tokio::test]
+async fn deleting_a_leased_credential_ends_its_leases_in_the_trail_and_late_releases_are_not_errors()
+ {
+    let app = TestApp::spawn().await;
+    app.put_key("key-a", "openai", "default", &["gpt-4o"], 2)
+        .await;
+    let (first, second) = (lease(&app).await, lease(&app).await);
+
+    let deleted = json_body(
+        app.admin(reqwest::Method::DELETE, "/api/admin/keys/key-a", None)
+            .await,
+        StatusCode::OK,
+    )
+    .await;
+    assert_eq!(deleted["deleted"], true);
+    assert_eq!(deleted["force_released"].as_array().unwrap().len(), 2);
+
+    let answer = json_body(
+        app.release(release_body(&first, "success")).await,
+        StatusCode::OK,
+    )
+    .await;
+    assert_eq!(answer, json!({"released": false, "reason": "not_found"}));
+    assert_error(
+        app.renew(lease_ref(&second)).await,
+        StatusCode::GONE,
+        "lease_lost",
+    )
+    .await;
+    assert_error(
+        app.admin(reqwest::Method::GET, "/api/admin/keys/key-a", None)
+            .await,
+        StatusCode::NOT_FOUND,
+        "credential_not_found",
+    )
+    .await;
+    assert_error(
+        app.allocate(gpt4o()).await,
+        StatusCode::NOT_FOUND,
+        "pool_not_found",
+    )
+    .await;
+
+    let slots: i64 = sqlx::query_scalar("SELECT count(*) FROM lease_slots")
+        .fetch_one(&app.db)
+        .await
+        .unwrap();
+    assert_eq!(slots, 0);
+    for l in [&first, &second] {
+        let mut events = app.events(l["lease_id"].as_str().unwrap()).await;
+        events.sort();
+        assert!(events.contains(&"force_released".to_owned()), "{events:?}");
+    }
+    let reason: String = sqlx::query_scalar(
+        "SELECT reason FROM lease_events WHERE event = 'force_released' LIMIT 1",
+    )
+    .fetch_one(&app.db)
+    .await
+    .unwrap();
+    assert_eq!(reason, "credential deleted");
+    assert_error(
+        app.admin(reqwest::Method::DELETE, "/api/admin/keys/key-a", None)
+            .await,
+        StatusCode::NOT_FOUND,
+        "credential_not_found",
+    )
+    .await;
+}
+
+#[tokio::test]
+async fn forced_release_frees_leases_with_the_operators_reason_and_executors_learn_it() {
+    let app = TestApp::spawn().await;
+    app.put_key("key-a", "openai", "default", &["gpt-4o"], 3)
+        .await;
+    let (one, two, three) = (lease(&app).await, lease(&app).await, lease(&app).await);
+
+    // one lease by id
+    let path = format!(
+        "/api/admin/leases/{}/release",
+        one["lease_id"].as_str().unwrap()
+    );
+    let answer = json_body(
+        app.admin(
+            reqwest::Method::POST,
+            &path,
+            Some(json!({"reason": "stuck worker"})),
+        )
+        .await,
+        StatusCode::OK,
+    )
+    .await;
+    assert_eq!(answer, json!({"released": true}));
+    assert_error(
+        app.renew(lease_ref(&one)).await,
+        StatusCode::GONE,
+        "lease_lost",
+    )
+    .await;
+    assert_eq!(app.in_flight("key-a").await, 2);
+    let again = json_body(
+        app.admin(
+            reqwest::Method::POST,
+            &path,
+            Some(json!({"reason": "again"})),
+        )
+        .await,
+        StatusCode::OK,
+    )
+    .await;
+    assert_eq!(again, json!({"released": false, "reason": "not_found"}));
+
+    // all of a credential's
+    let all = json_body(
+        app.admin(
+            reqwest::Method::POST,
+            "/api/admin/keys/key-a/release-all",
+            Some(json!({"reason": "key rotated"})),
+        )
+        .await,
+        StatusCode::OK,
+    )
+    .await;
+    assert_eq!(all["released"], 2);
+    assert_eq!(app.in_flight("key-a").await, 0);
+    for l in [&two, &three] {
+        assert_eq!(
+            json_body(
+                app.release(release_body(l, "success")).await,
+                StatusCode::OK
+            )
+            .await["released"],
+            false
+        );
+    }
+    let trail: Vec<(String, Option<String>, Option<String>)> = sqlx::query_as(
+        "SELECT replace(lease_id::text, '-', ''), reason, actor FROM lease_events WHERE event = 'force_released' ORDER BY event_id",
+    )
+    .fetch_all(&app.db)
+    .await
+    .unwrap();
+    assert_eq!(trail.len(), 3);
+    assert_eq!(
+        trail[0],
+        (
+            one["lease_id"].as_str().unwrap().to_owned(),
+            Some("stuck worker".into()),
+            Some("alice".into())
+        )
+    );
+    assert!(
+        trail[1..]
+            .iter()
+            .all(|t| t.1.as_deref() == Some("key rotated"))
+    );
+
+    // a missing lease id never means "all"; a reason is required
+    let missing = app
+        .admin(
+            reqwest::Method::POST,
+            "/api/admin/leases//release",
+            Some(json!({"reason": "x"})),
+        )
+        .await;
+    assert!(missing.status().is_client_error(), "{}", missing.status());
+    assert_error(
+        app.admin(
+            reqwest::Method::POST,
+            "/api/admin/leases/not-hex/release",
+            Some(json!({"reason": "x"})),
+        )
+        .await,
+        StatusCode::BAD_REQUEST,
+        "invalid_request",
+    )
+    .await;
+    assert_error(
+        app.admin(
+            reqwest::Method::POST,
+            "/api/admin/keys/key-a/release-all",
+            Some(json!({})),
+        )
+        .await,
+        StatusCode::BAD_REQUEST,
+        "invalid_request",
+    )
+    .await;
+}
+
+#[tokio::test]
+async fn pools_summarise_credentials_slots_and_leases() {
+    let app = TestApp::spawn().await;
+    app.put_key("a1", "openai", "default", &["gpt-4o"], 2).await;
+    app.put_key("a2", "openai", "default", &["gpt-4o"], 3).await;
+    app.put_key("b1", "openai", "vip", &["gpt-4o"], 1).await;
+    app.set_status("a2", "rate_limited", Some(60.0)).await;
+    lease(&app).await;
+    app.patch_key("b1", json!({"state": "drain"})).await;
+
+    let pools = json_body(
+        app.admin(reqwest::Method::GET, "/api/admin/pools", None)
+            .await,
+        StatusCode::OK,
+    )
+    .await;
+    let by_pool: HashMap<String, Value> = pools["pools"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|p| (p["pool"].as_str().unwrap().to_owned(), p.clone()))
+        .collect();
+    let default = &by_pool["default"];
+    assert_eq!(default["credentials"], 2);
+    assert_eq!(default["total_slots"], 5);
+    assert_eq!(default["in_flight"], 1);
+    assert_eq!(default["cooling_down"], 1);
+    assert_eq!(
+        default["by_status"],
+        json!({"available": 1, "rate_limited": 1})
+    );
+    assert_eq!(by_pool["vip"]["draining"], 1);
+}
+
+#[tokio::test]
+async fn operator_routes_refuse_the_executor_key_with_403_and_no_key_with_401() {
+    let app = TestApp::spawn().await;
+    app.put_key("key-a", "openai", "default", &["gpt-4o"], 1)
+        .await;
+    for (method, path) in [
+        (reqwest::Method::GET, "/api/admin/keys"),
+        (reqwest::Method::GET, "/api/admin/keys/key-a"),
+        (reqwest::Method::PATCH, "/api/admin/keys/key-a"),
+        (reqwest::Method::DELETE, "/api/admin/keys/key-a"),
+        (reqwest::Method::POST, "/api/admin/keys/key-a/release-all"),
+        (reqwest::Method::GET, "/api/admin/pools"),
+    ] {
+        let executor = app
+            .client
+            .request(method.clone(), app.url(path))
+            .header("x-internal-key", INTERNAL_KEY)
+            .json(&json!({"reason": "x", "state": "drain"}))
+            .send()
+            .await
+            .unwrap();
+        assert_error(executor, StatusCode::FORBIDDEN, "forbidden").await;
+        let anonymous = app
+            .client
+            .request(method, app.url(path))
+            .json(&json!({"reason": "x", "state": "drain"}))
+            .send()
+            .await
+            .unwrap();
+        assert_error(anonymous, StatusCode::UNAUTHORIZED, "unauthorized").await;
+    }
+    assert_eq!(app.in_flight("key-a").await, 0);
+    let detail = json_body(
+        app.admin(reqwest::Method::GET, "/api/admin/keys/key-a", None)
+            .await,
+        StatusCode::OK,
+    )
+    .await;
+    assert_eq!(detail["draining"], false);
+}
+
+#[tokio::test]
+async fn secrets_are_sealed_at_rest_and_a_ciphertext_moved_to_another_credential_never_opens() {
+    let app = TestApp::spawn().await;
+    app.put_key("key-a", "openai", "default", &["gpt-4o"], 1)
+        .await;
+    app.put_key("key-b", "openai", "other", &["gpt-4o"], 1)
+        .await;
+    let rows: Vec<(Option<Value>, Vec<u8>)> =
+        sqlx::query_as("SELECT secret, secret_ciphertext FROM credentials")
+            .fetch_all(&app.db)
+            .await
+            .unwrap();
+    for (plain, sealed) in &rows {
+        assert!(plain.is_none());
+        assert!(!sealed.windows(7).any(|w| w == b"sk-test"));
+    }
+    // move key-b's ciphertext into key-a's row
+    sqlx::query(
+        "UPDATE credentials SET secret_ciphertext = (SELECT secret_ciphertext FROM credentials WHERE key_id = 'key-b') WHERE key_id = 'key-a'",
+    )
+    .execute(&app.db)
+    .await
+    .unwrap();
+    let response = app.allocate(gpt4o()).await;
+    let text = response.text().await.unwrap();
+    assert!(!text.contains("sk-test-key-b"), "{text}");
+    let body: Value = serde_json::from_str(&text).unwrap();
+    assert_eq!(body["error"]["code"], "internal_error");
+    // the slot it took is given back at once
+    assert_eq!(app.in_flight("key-a").await, 0);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn lowering_the_limit_under_load_never_grants_beyond_the_new_limit() {
+    let _turn = race_turn().await;
+    let app = Arc::new(
+        TestApp::spawn_with(AppOptions {
+            db_max_connections: 40,
+            ..AppOptions::default()
+        })
+        .await,
+    );
+    app.put_key("hot", "openai", "default", &["gpt-4o"], 5)
+        .await;
+    let mut held = Vec::new();
+    for _ in 0..5 {
+        held.push(lease(&app).await);
+    }
+    let stop = Arc::new(AtomicBool::new(false));
+    let workers: Vec<_> = (0..32)
+        .map(|_| {
+            let (app, stop) = (app.clone(), stop.clone());
+            tokio::spawn(async move {
+                let mut granted = 0;
+                while !stop.load(Ordering::Relaxed) {
+                    let response = app.allocate(gpt4o()).await;
+                    match response.status() {
+                        StatusCode::OK => {
+                            granted += 1;
+                            let l: Value = response.json().await.unwrap();
+                            tokio::time::sleep(Duration::from_millis(15)).await;
+                            app.release(release_body(&l, "success")).await;
+                        }
+                        StatusCode::TOO_MANY_REQUESTS => {
+                            tokio::time::sleep(Duration::from_millis(3)).await
+                        }
+                        other => panic!("unexpected {other}"),
+                    }
+                }
+                granted
+            })
+        })
+        .collect();
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    json_body(
+        app.patch_key("hot", json!({"max_concurrent_uses": 2}))
+            .await,
+        StatusCode::OK,
+    )
+    .await;
+    let after_patch: time::OffsetDateTime = sqlx::query_scalar("SELECT now()")
+        .fetch_one(&app.db)
+        .await
+        .unwrap();
+    // the five old leases end one by one; new grants may only start once in-flight is under 2
+    for l in &held {
+        tokio::time::sleep(Duration::from_millis(150)).await;
+        assert_eq!(
+            json_body(
+                app.release(release_body(l, "success")).await,
+                StatusCode::OK
+            )
+            .await["released"],
+            true
+        );
+    }
+    tokio::time::sleep(Duration::from_millis(600)).await;
+    stop.store(true, Ordering::Relaxed);
+    for worker in workers {
+        worker.await.unwrap();
+    }
+
+    // Rebuild every lease's lifetime from the trail: each grant after the change must have found
+    // fewer than 2 other leases in flight.
+    let events: Vec<(uuid::Uuid, String, time::OffsetDateTime, time::OffsetDateTime)> =
+        sqlx::query_as("SELECT lease_id, event, at, lease_until FROM lease_events WHERE key_id = 'hot' ORDER BY event_id")
+            .fetch_all(&app.db)
+            .await
+            .unwrap();
+    let mut spans: HashMap<
+        uuid::Uuid,
+        (
+            Option<time::OffsetDateTime>,
+            Option<time::OffsetDateTime>,
+            time::OffsetDateTime,
+        ),
+    > = HashMap::new();
+    for (lease, event, at, until) in events {
+        let span = spans.entry(lease).or_insert((None, None, until));
+        match event.as_str() {
+            "granted" => span.0 = Some(at),
+            "released" | "force_released" => span.1 = Some(at),
+            _ => {}
+        }
+        span.2 = span.2.max(until);
+    }
+    let spans: Vec<(time::OffsetDateTime, time::OffsetDateTime)> = spans
+        .values()
+        .map(|(start, end, until)| (start.unwrap(), end.unwrap_or(*until)))
+        .collect();
+    let late_grants: Vec<_> = spans
+        .iter()
+        .filter(|(start, _)| *start > after_patch)
+        .collect();
+    assert!(
+        !late_grants.is_empty(),
+        "no lease was granted after in-flight fell under the new limit"
+    );
+    for (start, _) in &late_grants {
+        let others = spans.iter().filter(|(s, e)| s < start && e > start).count();
+        assert!(
+            others < 2,
+            "a lease granted at {start} joined {others} others under a limit of 2"
+        );
+    }
+}
