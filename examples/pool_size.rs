@@ -1,15 +1,19 @@
-//! Benchmark (not a test): allocate latency with a small pool and a large one, to show that the
-//! cost of an allocation does not grow with the pool (the candidate view is read once, not per
-//! request, and the claim statement gets only the top few candidates).
+//! Benchmark (not a test): allocate latency against pool size and against the size of the audit
+//! trail, to show that the cost of an allocation grows with neither (the candidate view is read
+//! once, not per request; the claim statement gets only the top few candidates; the trail is only
+//! appended to, through indexes).
 //!
 //! ```sh
 //! DATABASE_URL=postgres://postgres@127.0.0.1:5432/test cargo run --release --example pool_size -- 100 10000
+//! DATABASE_URL=postgres://postgres@127.0.0.1:5432/test cargo run --release --example pool_size -- 100 100+5000000
 //! ```
 //!
-//! For each pool size it creates a fresh database on the server of `DATABASE_URL`, loads that
-//! many limit-4 credentials, serves the real app in-process, warms up, then runs sequential
-//! allocate + release cycles over HTTP from one client and reports allocate latency percentiles.
-//! Each size is measured in alternating rounds so that drift of the machine affects both alike.
+//! Each argument is a pool size, optionally `+` a number of audit rows to load first (leases
+//! granted and released over the last 29 days). For each it creates a fresh database on the
+//! server of `DATABASE_URL`, loads that many limit-4 credentials, serves the real app in-process,
+//! warms up, then runs sequential allocate + release cycles over HTTP from one client and reports
+//! allocate latency percentiles. The targets are measured in alternating rounds so that drift of
+//! the machine affects all alike. The first target is the baseline of the ratio column.
 
 use std::str::FromStr;
 use std::time::{Duration, Instant};
@@ -30,7 +34,7 @@ const CYCLES_PER_ROUND: usize = 400;
 const WARMUP: usize = 200;
 
 struct Target {
-    size: usize,
+    label: String,
     database: String,
     base: String,
     client: reqwest::Client,
@@ -38,7 +42,11 @@ struct Target {
     _stop: tokio::sync::oneshot::Sender<()>,
 }
 
-async fn prepare(admin: &PgConnectOptions, size: usize) -> anyhow::Result<Target> {
+async fn prepare(
+    admin: &PgConnectOptions,
+    size: usize,
+    audit_rows: usize,
+) -> anyhow::Result<Target> {
     let name = format!(
         "credpool_bench_{size}_{}",
         hex::encode(rand::random::<[u8; 4]>())
@@ -67,6 +75,23 @@ async fn prepare(admin: &PgConnectOptions, size: usize) -> anyhow::Result<Target
     )))
     .execute(&pool)
     .await?;
+    if audit_rows > 0 {
+        // half granted, half released: leases of 1 to 60 s spread over the last 29 days
+        sqlx::raw_sql(sqlx::AssertSqlSafe(format!(
+            "INSERT INTO lease_events (event, lease_id, key_id, provider, pool, slot, holder, outcome, lease_until, at)
+             SELECT CASE WHEN g % 2 = 0 THEN 'granted' ELSE 'released' END,
+                    md5((g / 2)::text)::uuid,
+                    'bench-' || (1 + (g / 2) % {size}), 'openai', 'default', 0, 'history',
+                    CASE WHEN g % 2 = 1 THEN 'success' END,
+                    t + interval '60 seconds',
+                    t + CASE WHEN g % 2 = 1 THEN ((g / 2) % 60 + 1) * interval '1 second' ELSE interval '0' END
+             FROM generate_series(0, {audit_rows} - 1) g,
+                  LATERAL (SELECT now() - interval '29 days' + (g / 2) * (interval '29 days' / ({audit_rows} / 2 + 1))) AS at(t);
+             ANALYZE lease_events;"
+        )))
+        .execute(&pool)
+        .await?;
+    }
     // the rows above hold plaintext secrets: seal them, as `credpool serve` does at start-up
     let keyring = Arc::new(Keyring::new(MasterKey::generate(), vec![]));
     let actor = Actor::parse("bench").map_err(anyhow::Error::msg)?;
@@ -81,7 +106,11 @@ async fn prepare(admin: &PgConnectOptions, size: usize) -> anyhow::Result<Target
         let _ = rx.await;
     }));
     let target = Target {
-        size,
+        label: if audit_rows > 0 {
+            format!("{size}+{audit_rows}")
+        } else {
+            size.to_string()
+        },
         database: name,
         base,
         client: reqwest::Client::new(),
@@ -137,19 +166,18 @@ async fn main() -> anyhow::Result<()> {
     let url = std::env::var("DATABASE_URL")
         .map_err(|_| anyhow::anyhow!("set DATABASE_URL to a PostgreSQL server"))?;
     let admin = PgConnectOptions::from_str(&url)?;
-    let sizes: Vec<usize> = std::env::args()
-        .skip(1)
-        .map(|a| a.parse())
-        .collect::<Result<_, _>>()?;
-    let sizes = if sizes.is_empty() {
-        vec![100, 10_000]
-    } else {
-        sizes
-    };
+    let mut specs: Vec<(usize, usize)> = Vec::new();
+    for arg in std::env::args().skip(1) {
+        let (size, rows) = arg.split_once('+').unwrap_or((&arg, "0"));
+        specs.push((size.parse()?, rows.parse()?));
+    }
+    if specs.is_empty() {
+        specs = vec![(100, 0), (10_000, 0)];
+    }
 
     let mut targets = Vec::new();
-    for size in sizes {
-        targets.push(prepare(&admin, size).await?);
+    for (size, audit_rows) in specs {
+        targets.push(prepare(&admin, size, audit_rows).await?);
     }
     for _ in 0..ROUNDS {
         for target in &mut targets {
@@ -165,16 +193,16 @@ async fn main() -> anyhow::Result<()> {
         percentile(&s, 0.5)
     };
     println!(
-        "{:>8} {:>10} {:>10} {:>10} {:>10} {:>8}",
-        "pool", "p50 µs", "p90 µs", "p99 µs", "mean µs", "p50 ratio"
+        "{:>14} {:>10} {:>10} {:>10} {:>10} {:>8}",
+        "target", "p50 µs", "p90 µs", "p99 µs", "mean µs", "p50 ratio"
     );
     for target in &targets {
         let mut s = target.samples.clone();
         s.sort();
         let mean = s.iter().sum::<Duration>() / s.len() as u32;
         println!(
-            "{:>8} {:>10} {:>10} {:>10} {:>10} {:>8.3}",
-            target.size,
+            "{:>14} {:>10} {:>10} {:>10} {:>10} {:>8.3}",
+            target.label,
             percentile(&s, 0.5).as_micros(),
             percentile(&s, 0.9).as_micros(),
             percentile(&s, 0.99).as_micros(),

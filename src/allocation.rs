@@ -266,6 +266,10 @@ impl Default for ClaimSettings {
 /// Largest batch a retried claim grows to.
 const MAX_BATCH: usize = 1024;
 
+/// Claim statements one request may run on one pool, whatever its view says: a bound on the work
+/// a request does even while other replicas keep changing the pool under it.
+const MAX_CLAIMS_PER_POOL: usize = 16;
+
 /// Grants leases. Cheap to clone.
 #[derive(Debug, Clone)]
 pub struct Allocator {
@@ -352,6 +356,7 @@ impl Allocator {
         let mut refitted = false;
         let mut attempts = 0;
         let mut batch_size = self.claims.batch.max(1);
+        let mut claims = 0;
         loop {
             let (verdict, loaded) = self
                 .views
@@ -389,6 +394,8 @@ impl Allocator {
             };
             if !refit.is_empty() && !refitted {
                 refitted = true;
+                // capacity changed structurally: what was full before may not be now
+                tried.clear();
                 for key_id in refit {
                     let mut tx = self.db.begin().await?;
                     leases::fit_slots(&mut *tx, key_id).await?;
@@ -398,7 +405,11 @@ impl Allocator {
                 fresh = true;
                 continue;
             }
-            if batch.is_empty() || (!free_seen && attempts >= self.claims.attempts) {
+            claims += 1;
+            if batch.is_empty()
+                || (!free_seen && attempts >= self.claims.attempts)
+                || claims > MAX_CLAIMS_PER_POOL
+            {
                 return Ok(Err(verdict));
             }
             if !free_seen {

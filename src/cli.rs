@@ -9,7 +9,15 @@ use anyhow::{Context, bail};
 use comfy_table::{Table, presets::UTF8_BORDERS_ONLY};
 use serde::Serialize;
 
-use crate::config::{CliArgs, KeysArgs, KeysCommand, LeasesArgs, LeasesCommand};
+use std::process::ExitCode;
+
+use time::OffsetDateTime;
+use time::format_description::well_known::Rfc3339;
+
+use crate::config::{
+    AuditArgs, AuditCommand, CliArgs, CronArgs, CronCommand, KeysArgs, KeysCommand, LeasesArgs,
+    LeasesCommand, MaintenanceRunArgs,
+};
 use crate::database::Database;
 use crate::domain::{KeyId, PoolName, ProviderName, Status};
 use crate::health::HealthPolicy;
@@ -17,6 +25,7 @@ use crate::startup::{check_secret_config, prepare_keyring};
 use crate::store::credentials::{
     self, Actor, CredentialInput, ListFilter, Patch, PatchOutcome, StateChange,
 };
+use crate::store::{audit, maintenance};
 
 fn actor(cli: &CliArgs) -> anyhow::Result<Actor> {
     let name = match &cli.operator {
@@ -303,6 +312,116 @@ pub async fn pools(cli: CliArgs) -> anyhow::Result<()> {
         }
         println!("{out}");
         Ok(())
+    })
+    .await
+}
+
+/// `credpool audit ...`; the exit code is non-zero when the proof finds an oversell.
+pub async fn audit(args: AuditArgs) -> anyhow::Result<ExitCode> {
+    let cli = &args.cli;
+    match &args.command {
+        AuditCommand::Verify { since, until } => {
+            let parse = |label: &str,
+                         text: &Option<String>|
+             -> anyhow::Result<Option<OffsetDateTime>> {
+                text.as_deref()
+                    .map(|t| {
+                        OffsetDateTime::parse(t, &Rfc3339).with_context(|| {
+                            format!("--{label} must be an RFC 3339 time, like 2026-11-29T14:02:00Z")
+                        })
+                    })
+                    .transpose()
+            };
+            let (since, until) = (parse("since", since)?, parse("until", until)?);
+            with_database(cli, async |db| {
+                let until = match until {
+                    Some(until) => until,
+                    None => audit::database_now(&db.pool).await?,
+                };
+                let since = since.unwrap_or(until - time::Duration::days(1));
+                let rows = audit::oversell_check(&db.pool, since, until).await?;
+                let violations: i64 = rows.iter().map(|r| r.grants_over_limit).sum();
+                if cli.json {
+                    print_json(&serde_json::json!({"since": since.format(&Rfc3339)?, "until": until.format(&Rfc3339)?,
+                                                   "credentials": rows, "grants_over_limit": violations}))?;
+                } else {
+                    let mut out = table(&["key_id", "limit", "leases", "peak", "grants over limit", "first at"]);
+                    for r in &rows {
+                        out.add_row(vec![
+                            r.key_id.clone(),
+                            r.max_concurrent_uses.map(|l| l.to_string()).unwrap_or_else(|| "(deleted)".into()),
+                            r.leases.to_string(),
+                            r.peak.to_string(),
+                            r.grants_over_limit.to_string(),
+                            r.first_violation_at.map(|t| t.to_string()).unwrap_or_default(),
+                        ]);
+                    }
+                    println!("{out}");
+                    println!(
+                        "{} credentials with leases between {} and {}: {}",
+                        rows.len(),
+                        since.format(&Rfc3339)?,
+                        until.format(&Rfc3339)?,
+                        if violations == 0 {
+                            "no grant ever exceeded a limit".to_owned()
+                        } else {
+                            format!("{violations} grants exceeded a limit")
+                        }
+                    );
+                }
+                Ok(if violations == 0 { ExitCode::SUCCESS } else { ExitCode::FAILURE })
+            })
+            .await
+        }
+    }
+}
+
+/// `credpool cron ...`.
+pub async fn cron(args: CronArgs) -> anyhow::Result<()> {
+    let cli = &args.cli;
+    with_database(cli, async |db| match &args.command {
+        CronCommand::Install {
+            audit_retention_days,
+        } => {
+            let retention = std::time::Duration::from_secs(audit_retention_days * 86_400);
+            let jobs = maintenance::install_cron(&db.pool, &db.options, retention).await?;
+            if cli.json {
+                print_json(&serde_json::json!({"installed": jobs}))
+            } else {
+                println!("scheduled in pg_cron: {}", jobs.join(", "));
+                Ok(())
+            }
+        }
+        CronCommand::Uninstall => {
+            let removed = maintenance::uninstall_cron(&db.pool, &db.options).await?;
+            if cli.json {
+                print_json(&serde_json::json!({"removed": removed}))
+            } else {
+                println!("removed {removed} pg_cron jobs; credpool services run the cleanup again");
+                Ok(())
+            }
+        }
+    })
+    .await
+}
+
+/// `credpool maintenance`: one pass now, whoever else runs them (the functions are safe to run
+/// concurrently).
+pub async fn maintenance(args: MaintenanceRunArgs) -> anyhow::Result<()> {
+    let cli = &args.cli;
+    let retention = std::time::Duration::from_secs(args.audit_retention_days * 86_400);
+    with_database(cli, async |db| {
+        let mut conn = db.pool.acquire().await?;
+        let report = maintenance::run_functions(&mut conn, retention).await?;
+        if cli.json {
+            print_json(&report)
+        } else {
+            println!(
+                "reaped {} expired leases, recorded {} ended cooldowns, purged {} audit rows",
+                report.expired_leases_reaped, report.cooldowns_recorded, report.audit_rows_purged
+            );
+            Ok(())
+        }
     })
     .await
 }

@@ -36,6 +36,98 @@ pub enum Command {
     Leases(LeasesArgs),
     /// Show every (provider, pool): credentials by status, slots, in-flight leases.
     Pools(CliArgs),
+    /// Questions answered from the audit trail.
+    Audit(AuditArgs),
+    /// Schedule the cleanup functions with pg_cron.
+    Cron(CronArgs),
+    /// Run one cleanup pass now (reap expired leases, record ended cooldowns, purge old audit rows).
+    Maintenance(MaintenanceRunArgs),
+}
+
+/// How often the cleanup runs and what it keeps.
+#[derive(Debug, Clone, Args)]
+pub struct MaintenanceArgs {
+    /// Seconds between cleanup passes run by the service itself (only where pg_cron does not run
+    /// them; with several replicas, one runs each pass).
+    #[arg(long, env = "CREDPOOL_MAINTENANCE_INTERVAL_SECONDS", default_value_t = 60,
+          value_parser = clap::value_parser!(u64).range(1..=86_400))]
+    pub maintenance_interval_seconds: u64,
+
+    /// Days of audit history to keep.
+    #[arg(long, env = "CREDPOOL_AUDIT_RETENTION_DAYS", default_value_t = 30,
+          value_parser = clap::value_parser!(u64).range(1..=36_500))]
+    pub audit_retention_days: u64,
+}
+
+impl MaintenanceArgs {
+    /// The retention as a duration.
+    pub fn retention(&self) -> Duration {
+        Duration::from_secs(self.audit_retention_days * 86_400)
+    }
+}
+
+/// `credpool audit ...`.
+#[derive(Debug, Clone, Args)]
+pub struct AuditArgs {
+    /// Shared settings.
+    #[command(flatten)]
+    pub cli: CliArgs,
+
+    /// What to ask.
+    #[command(subcommand)]
+    pub command: AuditCommand,
+}
+
+/// The `credpool audit` subcommands.
+#[derive(Debug, Clone, Subcommand)]
+pub enum AuditCommand {
+    /// The oversell proof: from the trail alone, each credential's most simultaneous leases over
+    /// the range next to its limit; exits non-zero if any grant ever exceeded a limit.
+    Verify {
+        /// Start of the range, RFC 3339 (default: 24 hours before --until).
+        #[arg(long)]
+        since: Option<String>,
+        /// End of the range, RFC 3339 (default: now).
+        #[arg(long)]
+        until: Option<String>,
+    },
+}
+
+/// `credpool cron ...`.
+#[derive(Debug, Clone, Args)]
+pub struct CronArgs {
+    /// Shared settings.
+    #[command(flatten)]
+    pub cli: CliArgs,
+
+    /// What to do.
+    #[command(subcommand)]
+    pub command: CronCommand,
+}
+
+/// The `credpool cron` subcommands.
+#[derive(Debug, Clone, Subcommand)]
+pub enum CronCommand {
+    /// Schedule the cleanup in pg_cron (idempotent); services then stop running it themselves.
+    Install {
+        /// Days of audit history to keep.
+        #[arg(long, env = "CREDPOOL_AUDIT_RETENTION_DAYS", default_value_t = 30)]
+        audit_retention_days: u64,
+    },
+    /// Remove credpool's pg_cron jobs; services run the cleanup again.
+    Uninstall,
+}
+
+/// `credpool maintenance`.
+#[derive(Debug, Clone, Args)]
+pub struct MaintenanceRunArgs {
+    /// Shared settings.
+    #[command(flatten)]
+    pub cli: CliArgs,
+
+    /// Days of audit history to keep.
+    #[arg(long, env = "CREDPOOL_AUDIT_RETENTION_DAYS", default_value_t = 30)]
+    pub audit_retention_days: u64,
 }
 
 /// What every operator command takes.
@@ -225,6 +317,10 @@ pub struct ServeArgs {
     /// Master keys.
     #[command(flatten)]
     pub secrets: SecretArgs,
+
+    /// Cleanup schedule.
+    #[command(flatten)]
+    pub maintenance: MaintenanceArgs,
 
     /// Address to listen on, `host:port` (`localhost:8080`, `0.0.0.0:8080`, `[::1]:8080`); port
     /// 0 picks a free port, printed at start-up.

@@ -2,6 +2,7 @@
 
 use std::path::PathBuf;
 use std::str::FromStr;
+use std::time::Duration;
 
 use anyhow::Context;
 use sqlx::postgres::PgConnectOptions;
@@ -20,6 +21,8 @@ pub struct Database {
     pub embedded: Option<EmbeddedCluster>,
     /// The embedded default's data directory, when in use.
     pub data_dir: Option<PathBuf>,
+    /// How to connect (for tools that need their own connection, like pg_cron's database).
+    pub options: PgConnectOptions,
 }
 
 impl Database {
@@ -67,15 +70,32 @@ impl Database {
                 );
             }
         }
-        let pool = store::connect_lazy(options, &settings);
+        let pool = store::connect_lazy(options.clone(), &settings);
         let database = Database {
             pool,
             embedded,
             data_dir,
+            options,
         };
         if let Err(error) = store::migrate(&database.pool).await {
             database.close().await;
             return Err(error).context("applying database migrations");
+        }
+        // The embedded default preloads pg_cron when the machine has it: let it run the cleanup.
+        if database
+            .embedded
+            .as_ref()
+            .is_some_and(EmbeddedCluster::has_pg_cron)
+        {
+            let retention = Duration::from_secs(30 * 86_400);
+            match store::maintenance::install_cron(&database.pool, &database.options, retention)
+                .await
+            {
+                Ok(_) => tracing::info!("cleanup scheduled in pg_cron"),
+                Err(error) => {
+                    tracing::warn!(error = %error, "could not schedule the cleanup in pg_cron; the service runs it")
+                }
+            }
         }
         Ok(database)
     }

@@ -269,7 +269,12 @@ async fn run_on(args: &DemoArgs, database: &Database) -> anyhow::Result<ExitCode
     .await;
     let until = audit::database_now(&database.pool).await?;
     let key_ids: Vec<String> = credentials.iter().map(|c| c.0.clone()).collect();
-    let peaks = audit::peak_concurrency(&database.pool, since, until, &key_ids).await?;
+    let proof: std::collections::HashMap<String, audit::OversellRow> =
+        audit::oversell_check(&database.pool, since, until)
+            .await?
+            .into_iter()
+            .map(|row| (row.key_id.clone(), row))
+            .collect();
     let expired = audit::expired_without_release(&database.pool, since, until, &key_ids).await?;
 
     let stats = fleet.stats();
@@ -302,17 +307,17 @@ async fn run_on(args: &DemoArgs, database: &Database) -> anyhow::Result<ExitCode
         "credential", "pool", "limit", "leases", "peak"
     );
     let mut exceeded = Vec::new();
-    for row in &peaks {
-        let flag = if row.peak > i64::from(row.max_concurrent_uses) {
-            exceeded.push(row.key_id.clone());
+    for (key_id, pool, limit, _) in &credentials {
+        let (leases, peak, over) = proof
+            .get(key_id)
+            .map_or((0, 0, 0), |r| (r.leases, r.peak, r.grants_over_limit));
+        let flag = if over > 0 || peak > i64::from(*limit) {
+            exceeded.push(key_id.clone());
             "  LIMIT EXCEEDED"
         } else {
             ""
         };
-        println!(
-            "{:<20} {:<8} {:>6} {:>8} {:>5}{flag}",
-            row.key_id, row.pool, row.max_concurrent_uses, row.leases, row.peak
-        );
+        println!("{key_id:<20} {pool:<8} {limit:>6} {leases:>8} {peak:>5}{flag}");
     }
     println!();
     if exceeded.is_empty() {

@@ -161,7 +161,15 @@ pub fn find_binaries(explicit: Option<&Path>) -> Result<PathBuf, EmbeddedError> 
     }
     dirs.iter()
         .find(|dir| dir.join("initdb").is_file() && dir.join("postgres").is_file())
-        .cloned()
+        // a symlink on PATH (/usr/local/bin/postgres -> /usr/lib/postgresql/15/bin/postgres)
+        // stands for the installation it points into, whose lib/ holds extensions like pg_cron
+        .map(|dir| {
+            fs::canonicalize(dir.join("postgres"))
+                .ok()
+                .and_then(|p| p.parent().map(Path::to_path_buf))
+                .filter(|real| real.join("initdb").is_file())
+                .unwrap_or_else(|| dir.clone())
+        })
         .ok_or_else(|| EmbeddedError::BinariesNotFound {
             searched: dirs
                 .iter()
@@ -205,6 +213,7 @@ pub struct EmbeddedCluster {
     data_dir: PathBuf,
     socket_dir: PathBuf,
     server: Option<Server>,
+    pg_cron: bool,
 }
 
 #[derive(Debug)]
@@ -240,10 +249,13 @@ impl EmbeddedCluster {
         }
 
         prepare_dirs(&data_dir, &pgdata, &socket_dir, user.as_ref())?;
+        // pg_cron, when the machine has it (Debian: postgresql-<version>-cron), runs the cleanup
+        let pg_cron = bin.join("../lib/pg_cron.so").is_file();
         let mut cluster = EmbeddedCluster {
             data_dir: data_dir.clone(),
             socket_dir,
             server: None,
+            pg_cron,
         };
 
         if cluster.connect_to("postgres").await.is_ok() {
@@ -258,6 +270,7 @@ impl EmbeddedCluster {
                 &cluster.socket_dir,
                 &cluster.log_path(),
                 user.as_ref(),
+                pg_cron,
             )?);
             cluster.wait_ready().await?;
             tracing::info!(data_dir = %data_dir.display(), bin = %bin.display(), "embedded PostgreSQL started");
@@ -277,6 +290,12 @@ impl EmbeddedCluster {
             .port(SOCKET_PORT)
             .username(SUPERUSER)
             .database(database)
+    }
+
+    /// Whether the cluster preloads pg_cron (found next to the server binaries). A cluster found
+    /// already running reports whether it has pg_cron loaded after [`EmbeddedCluster::start`].
+    pub fn has_pg_cron(&self) -> bool {
+        self.pg_cron
     }
 
     /// The server's log file.
@@ -477,6 +496,7 @@ fn spawn_server(
     socket_dir: &Path,
     log_path: &Path,
     user: Option<&User>,
+    pg_cron: bool,
 ) -> Result<Server, EmbeddedError> {
     let log = OpenOptions::new()
         .create(true)
@@ -492,6 +512,21 @@ fn spawn_server(
         .arg("-k")
         .arg(socket_dir)
         .args(["-p", &SOCKET_PORT.to_string(), "-c", "listen_addresses="])
+        .args(if pg_cron {
+            // jobs run in background workers: no TCP connection back to this socket-only server
+            vec![
+                "-c".to_owned(),
+                "shared_preload_libraries=pg_cron".to_owned(),
+                "-c".to_owned(),
+                format!("cron.database_name={DATABASE}"),
+                "-c".to_owned(),
+                "cron.use_background_workers=on".to_owned(),
+                "-c".to_owned(),
+                "max_worker_processes=16".to_owned(),
+            ]
+        } else {
+            Vec::new()
+        })
         .stdin(Stdio::null())
         .stdout(log)
         .stderr(log_err)

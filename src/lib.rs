@@ -60,6 +60,9 @@ pub async fn run(cli: config::Cli) -> anyhow::Result<std::process::ExitCode> {
         Command::Keys(args) => cli::keys(args).await?,
         Command::Leases(args) => cli::leases(args).await?,
         Command::Pools(args) => cli::pools(args).await?,
+        Command::Audit(args) => return cli::audit(args).await,
+        Command::Cron(args) => cli::cron(args).await?,
+        Command::Maintenance(args) => cli::maintenance(args).await?,
     }
     Ok(std::process::ExitCode::SUCCESS)
 }

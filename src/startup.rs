@@ -305,7 +305,13 @@ async fn serve_on(
     // stdout, so that scripts and tests can read the bound port
     println!("credpool listening on http://{addr}");
     tracing::info!(%addr, "listening");
+    let maintenance = store::maintenance::spawn_scheduler(
+        database.pool.clone(),
+        std::time::Duration::from_secs(args.maintenance.maintenance_interval_seconds),
+        args.maintenance.retention(),
+    );
     app.run_until(shutdown_signal()).await?;
+    maintenance.abort();
     Ok(())
 }
 

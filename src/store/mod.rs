@@ -9,6 +9,7 @@ pub mod audit;
 pub mod candidates;
 pub mod credentials;
 pub mod leases;
+pub mod maintenance;
 
 use std::time::Duration;
 

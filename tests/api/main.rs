@@ -5,6 +5,7 @@ mod helpers;
 
 mod admin;
 mod allocate;
+mod audit;
 mod cli;
 mod operator;
 mod processes;
