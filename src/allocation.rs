@@ -424,7 +424,10 @@ impl Allocator {
                 holder: request.holder.as_ref(),
                 lease_seconds: request.lease_seconds,
             };
-            let result = leases::claim_slot(&self.db, &claim).await?;
+            let result = {
+                let mut conn = crate::store::acquire(&self.db).await?;
+                leases::claim_slot(&mut *conn, &claim).await?
+            };
             let view_version = self.views.with_view(provider, pool, |v| v.version).await?.0;
             let stale = result.pool_version != view_version;
             if let Some(granted) = result.granted {
@@ -437,6 +440,7 @@ impl Allocator {
                     "lease granted"
                 );
                 self.views.note_grant(provider, pool, &granted);
+                crate::telemetry::expired("claim", u64::from(granted.pruned_expired));
                 if stale {
                     let (views, provider, pool, version) = (
                         self.views.clone(),
@@ -531,6 +535,7 @@ mod tests {
             PoolSnapshot {
                 version: Some(1),
                 db_now: now(),
+                read_at: std::time::Instant::now(),
                 credentials,
             },
             &ScoringPolicy::default(),

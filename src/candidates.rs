@@ -159,12 +159,14 @@ impl PoolView {
             index,
             by_model,
             db_now: snapshot.db_now,
-            loaded: Instant::now(),
+            loaded: snapshot.read_at,
         }
     }
 
-    /// An estimate of the database clock: its reading at load plus the time elapsed here since.
-    /// Good enough for ranking; every decision that counts uses the database's own clock.
+    /// An estimate of the database clock: its reading at load plus the time elapsed here since the
+    /// read was sent (so never behind by the read's own duration, which under load would make
+    /// `Retry-After` overshoot). Good enough for ranking; every decision that counts uses the
+    /// database's own clock.
     pub fn now(&self) -> OffsetDateTime {
         self.db_now + self.loaded.elapsed()
     }

@@ -18,6 +18,20 @@ pub struct Cli {
     /// What to do.
     #[command(subcommand)]
     pub command: Command,
+
+    /// Log lines for people (`human`, coloured on a terminal) or one JSON object per line
+    /// (`json`). Filter with RUST_LOG.
+    #[arg(long, global = true, env = "CREDPOOL_LOG_FORMAT", value_enum, default_value_t = LogFormat::Human)]
+    pub log_format: LogFormat,
+}
+
+/// How log lines look.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+pub enum LogFormat {
+    /// Readable text.
+    Human,
+    /// One JSON object per line, with the span fields (request id, route, ...).
+    Json,
 }
 
 /// The subcommands.
@@ -263,6 +277,14 @@ pub struct DatabaseArgs {
           value_parser = clap::value_parser!(u32).range(1..=1000))]
     pub db_max_connections: u32,
 
+    /// Milliseconds a database statement may run before PostgreSQL cancels it (then 503); 0 leaves
+    /// the server's setting. Sent as a connection startup parameter: behind PgBouncer in
+    /// transaction pooling mode, set it on the database role instead (`ALTER ROLE ... SET
+    /// statement_timeout`) and pass 0.
+    #[arg(long, env = "CREDPOOL_DB_STATEMENT_TIMEOUT_MS", default_value_t = 5000,
+          value_parser = clap::value_parser!(u64).range(0..=3_600_000))]
+    pub db_statement_timeout_ms: u64,
+
     /// Milliseconds a request waits for a database connection before answering 503
     /// `store_unavailable`.
     #[arg(long, env = "CREDPOOL_DB_ACQUIRE_TIMEOUT_MS", default_value_t = 2000,
@@ -322,6 +344,17 @@ pub struct ServeArgs {
     #[command(flatten)]
     pub maintenance: MaintenanceArgs,
 
+    /// Seconds in-flight requests get to finish after SIGINT/SIGTERM before the service stops.
+    #[arg(long, env = "CREDPOOL_SHUTDOWN_DRAIN_SECONDS", default_value_t = 10,
+          value_parser = clap::value_parser!(u64).range(0..=3600))]
+    pub shutdown_drain_seconds: u64,
+
+    /// Seconds between samples of the per-pool gauges (leases in flight, free slots, credentials
+    /// by status) from PostgreSQL.
+    #[arg(long, env = "CREDPOOL_METRICS_SAMPLE_SECONDS", default_value_t = 15,
+          value_parser = clap::value_parser!(u64).range(1..=3600))]
+    pub metrics_sample_seconds: u64,
+
     /// Address to listen on, `host:port` (`localhost:8080`, `0.0.0.0:8080`, `[::1]:8080`); port
     /// 0 picks a free port, printed at start-up.
     #[arg(long, env = "CREDPOOL_LISTEN", default_value = "127.0.0.1:8080")]
@@ -362,6 +395,12 @@ pub struct ServiceArgs {
           value_parser = clap::value_parser!(u32).range(0..=100))]
     pub claim_attempts: u32,
 
+    /// Milliseconds a request may take before it is answered 503 `store_unavailable` (a slow or
+    /// unreachable database never hangs a caller longer).
+    #[arg(long, env = "CREDPOOL_REQUEST_TIMEOUT_MS", default_value_t = ServiceSettings::default().request_timeout.as_millis() as u64,
+          value_parser = clap::value_parser!(u64).range(100..=600_000))]
+    pub request_timeout_ms: u64,
+
     /// Free candidates one ranking considers: a pool with more free credentials is ranked over a
     /// window of this many, starting at a random place, so allocation cost stays flat with pool
     /// size.
@@ -395,6 +434,7 @@ impl ServiceArgs {
                 rank_window: self.rank_window as usize,
             },
             view_refresh: Duration::from_millis(self.view_refresh_ms),
+            request_timeout: Duration::from_millis(self.request_timeout_ms),
             scoring: self.scoring.policy(),
             health: self.health.policy(),
         }
@@ -411,6 +451,8 @@ pub struct ServiceSettings {
     pub claims: ClaimSettings,
     /// How often candidate views are re-read.
     pub view_refresh: Duration,
+    /// The longest a request may take before it is answered 503.
+    pub request_timeout: Duration,
     /// Scoring weights.
     pub scoring: ScoringPolicy,
     /// How outcome reports change health.
@@ -418,13 +460,14 @@ pub struct ServiceSettings {
 }
 
 impl Default for ServiceSettings {
-    /// Leases up to 3600 s; 8 candidates per claim, 3 claims per pool; views re-read every 5 s;
-    /// the policies' defaults.
+    /// Leases up to 3600 s; 8 candidates in the first claim; views re-read every 5 s; requests
+    /// answered within 10 s; the policies' defaults.
     fn default() -> Self {
         Self {
             max_lease_seconds: 3600,
             claims: ClaimSettings::default(),
             view_refresh: Duration::from_secs(5),
+            request_timeout: Duration::from_secs(10),
             scoring: ScoringPolicy::default(),
             health: HealthPolicy::default(),
         }

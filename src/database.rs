@@ -46,41 +46,43 @@ impl Database {
                 (cluster.connect_options(), Some(cluster), Some(data_dir))
             }
         };
-        // One direct connection first: if the database is unreachable, say why (the pool would
-        // only report that it timed out).
+        // One direct connection first, which also applies the migrations (without the pool's
+        // statement timeout: a migration may build an index on a large table). If the database
+        // is unreachable it says why, where the pool would only report that it timed out.
         let settings = args.pool_settings();
-        let first = tokio::time::timeout(settings.acquire_timeout, options.connect()).await;
-        match first {
-            Ok(Ok(conn)) => {
+        let migrated = match tokio::time::timeout(settings.acquire_timeout, options.connect()).await
+        {
+            Ok(Ok(mut conn)) => {
+                let result = store::migrate(&mut conn).await;
                 let _ = conn.close().await;
+                result.context("applying database migrations")
             }
-            Ok(Err(error)) => {
-                if let Some(cluster) = embedded {
-                    cluster.stop().await;
-                }
-                return Err(error).context("connecting to PostgreSQL");
+            Ok(Err(error)) => Err(error).context("connecting to PostgreSQL"),
+            Err(_) => Err(anyhow::anyhow!(
+                "connecting to PostgreSQL: no connection within {} ms (--db-acquire-timeout-ms)",
+                settings.acquire_timeout.as_millis()
+            )),
+        };
+        if let Err(error) = migrated {
+            if let Some(cluster) = embedded {
+                cluster.stop().await;
             }
-            Err(_) => {
-                if let Some(cluster) = embedded {
-                    cluster.stop().await;
-                }
-                anyhow::bail!(
-                    "connecting to PostgreSQL: no connection within {} ms (--db-acquire-timeout-ms)",
-                    settings.acquire_timeout.as_millis()
-                );
-            }
+            return Err(error);
         }
-        let pool = store::connect_lazy(options.clone(), &settings);
+        let pool_options = if args.db_statement_timeout_ms > 0 {
+            options.clone().options([(
+                "statement_timeout",
+                format!("{}ms", args.db_statement_timeout_ms),
+            )])
+        } else {
+            options.clone()
+        };
         let database = Database {
-            pool,
+            pool: store::connect_lazy(pool_options, &settings),
             embedded,
             data_dir,
             options,
         };
-        if let Err(error) = store::migrate(&database.pool).await {
-            database.close().await;
-            return Err(error).context("applying database migrations");
-        }
         // The embedded default preloads pg_cron when the machine has it: let it run the cleanup.
         if database
             .embedded

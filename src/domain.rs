@@ -64,7 +64,7 @@ fn starts_alphanumeric(field: &'static str, value: &str) -> Result<(), InvalidVa
 }
 
 macro_rules! string_newtype {
-    ($(#[$doc:meta])* $name:ident, $field:literal, |$v:ident| $check:expr) => {
+    ($(#[$doc:meta])* $name:ident, $field:literal, $pattern:literal, |$v:ident| $check:expr) => {
         $(#[$doc])*
         #[derive(Debug, Clone, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
         #[serde(try_from = "String", into = "String")]
@@ -105,6 +105,18 @@ macro_rules! string_newtype {
                 f.write_str(&self.0)
             }
         }
+
+        impl utoipa::PartialSchema for $name {
+            /// A string matching the type's rule (the same rule `parse` checks).
+            fn schema() -> utoipa::openapi::RefOr<utoipa::openapi::schema::Schema> {
+                utoipa::openapi::ObjectBuilder::new()
+                    .schema_type(utoipa::openapi::schema::Type::String)
+                    .pattern(Some($pattern))
+                    .into()
+            }
+        }
+
+        impl utoipa::ToSchema for $name {}
     };
 }
 
@@ -113,6 +125,7 @@ string_newtype!(
     /// `A-Z a-z 0-9 . _ : @ -`, starting with a letter or digit.
     KeyId,
     "key_id",
+    "^[A-Za-z0-9][A-Za-z0-9._:@-]{0,127}$",
     |v| check_name("key_id", &v, 128, |c| c.is_ascii_alphanumeric() || "._:@-".contains(c), "letters, digits and . _ : @ -")
         .and_then(|()| starts_alphanumeric("key_id", &v))
 );
@@ -122,6 +135,7 @@ string_newtype!(
     /// starting with a letter or digit.
     ProviderName,
     "provider",
+    "^[a-z0-9][a-z0-9._-]{0,63}$",
     |v| check_lower_name("provider", &v)
 );
 
@@ -130,6 +144,7 @@ string_newtype!(
     /// `a-z 0-9 . _ -`, starting with a letter or digit.
     PoolName,
     "pool",
+    "^[a-z0-9][a-z0-9._-]{0,63}$",
     |v| check_lower_name("pool", &v)
 );
 
@@ -138,6 +153,7 @@ string_newtype!(
     /// `A-Z a-z 0-9 . _ : / @ + -`.
     ModelName,
     "model",
+    "^[A-Za-z0-9._:/@+-]{1,200}$",
     |v| check_name("model", &v, 200, |c| c.is_ascii_alphanumeric() || "._:/@+-".contains(c), "letters, digits and . _ : / @ + -")
 );
 
@@ -146,6 +162,7 @@ string_newtype!(
     /// no control characters. Recorded on the lease and in the trail.
     Holder,
     "holder",
+    "^[^\\u0000-\\u001f\\u007f-\\u009f]{1,200}$",
     |v| check_name("holder", &v, 200, |c| !c.is_control(), "printable characters")
 );
 
@@ -240,6 +257,18 @@ impl fmt::Display for LeaseId {
     }
 }
 
+impl utoipa::PartialSchema for LeaseId {
+    /// 32 hexadecimal digits.
+    fn schema() -> utoipa::openapi::RefOr<utoipa::openapi::schema::Schema> {
+        utoipa::openapi::ObjectBuilder::new()
+            .schema_type(utoipa::openapi::schema::Type::String)
+            .pattern(Some("^[0-9a-fA-F]{32}$"))
+            .into()
+    }
+}
+
+impl utoipa::ToSchema for LeaseId {}
+
 impl fmt::Debug for LeaseId {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         write!(f, "LeaseId({self})")
@@ -248,7 +277,7 @@ impl fmt::Debug for LeaseId {
 
 /// A credential's health (never its occupancy). See DESIGN.md "Vocabulary" and the SQL function
 /// `credential_usable` for which states may be leased.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, utoipa::ToSchema)]
 #[serde(rename_all = "snake_case")]
 pub enum Status {
     /// Usable.
@@ -298,7 +327,7 @@ impl Status {
 }
 
 /// What the executor reports about its upstream call when it releases a lease.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, utoipa::ToSchema)]
 #[serde(rename_all = "snake_case")]
 pub enum Outcome {
     /// The call succeeded.
@@ -386,6 +415,20 @@ impl<'de> Deserialize<'de> for Secret {
         Secret::parse(value).map_err(serde::de::Error::custom)
     }
 }
+
+impl utoipa::PartialSchema for Secret {
+    /// Any JSON object.
+    fn schema() -> utoipa::openapi::RefOr<utoipa::openapi::schema::Schema> {
+        utoipa::openapi::ObjectBuilder::new()
+            .schema_type(utoipa::openapi::schema::Type::Object)
+            .description(Some(
+                "credential material: any JSON object, e.g. {\"api_key\": \"sk-...\"}",
+            ))
+            .into()
+    }
+}
+
+impl utoipa::ToSchema for Secret {}
 
 impl fmt::Debug for Secret {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {

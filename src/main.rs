@@ -4,7 +4,7 @@ use std::io::IsTerminal;
 use std::process::ExitCode;
 
 use clap::Parser;
-use credpool::config::{Cli, Command};
+use credpool::config::{Cli, Command, LogFormat};
 use tracing_subscriber::EnvFilter;
 
 #[tokio::main]
@@ -15,13 +15,19 @@ async fn main() -> ExitCode {
         Command::Demo(_) => "warn",
         _ => "credpool=info,warn",
     };
-    tracing_subscriber::fmt()
-        .with_env_filter(
-            EnvFilter::try_from_default_env().unwrap_or_else(|_| EnvFilter::new(default_filter)),
-        )
-        .with_ansi(std::io::stderr().is_terminal())
-        .with_writer(std::io::stderr)
-        .init();
+    let filter =
+        EnvFilter::try_from_default_env().unwrap_or_else(|_| EnvFilter::new(default_filter));
+    let logs = tracing_subscriber::fmt()
+        .with_env_filter(filter)
+        .with_writer(std::io::stderr);
+    match cli.log_format {
+        LogFormat::Human => logs.with_ansi(std::io::stderr().is_terminal()).init(),
+        LogFormat::Json => logs
+            .json()
+            .with_current_span(true)
+            .with_span_list(true)
+            .init(),
+    }
     match credpool::run(cli).await {
         Ok(code) => code,
         Err(error) => {

@@ -5,6 +5,7 @@ use std::future::Future;
 use std::net::SocketAddr;
 use std::path::Path;
 use std::sync::Arc;
+use std::time::Duration;
 
 use anyhow::{Context, bail};
 use serde::{Deserialize, Serialize};
@@ -41,6 +42,8 @@ impl Application {
         settings: &ServiceSettings,
     ) -> std::io::Result<Self> {
         let listener = TcpListener::bind(listen).await?;
+        // install the metrics recorder before the first request records anything
+        crate::telemetry::prometheus();
         let views = CandidateViews::new(
             db.clone(),
             settings.scoring.clone(),
@@ -54,6 +57,7 @@ impl Application {
             max_lease_seconds: settings.max_lease_seconds,
             health: settings.health.clone(),
             keyring,
+            request_timeout: settings.request_timeout,
         };
         Ok(Self { listener, state })
     }
@@ -305,13 +309,46 @@ async fn serve_on(
     // stdout, so that scripts and tests can read the bound port
     println!("credpool listening on http://{addr}");
     tracing::info!(%addr, "listening");
-    let maintenance = store::maintenance::spawn_scheduler(
-        database.pool.clone(),
-        std::time::Duration::from_secs(args.maintenance.maintenance_interval_seconds),
-        args.maintenance.retention(),
-    );
-    app.run_until(shutdown_signal()).await?;
-    maintenance.abort();
+    let background = [
+        store::maintenance::spawn_scheduler(
+            database.pool.clone(),
+            Duration::from_secs(args.maintenance.maintenance_interval_seconds),
+            args.maintenance.retention(),
+        ),
+        crate::telemetry::spawn_sampler(
+            database.pool.clone(),
+            Duration::from_secs(args.metrics_sample_seconds),
+        ),
+    ];
+
+    // Graceful shutdown: on SIGINT/SIGTERM stop accepting connections at once, let in-flight
+    // requests finish for up to the drain time, then stop (the caller closes the pool and the
+    // embedded database after this returns).
+    let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+    let mut server = tokio::spawn(app.run_until(async {
+        let _ = stopped.await;
+    }));
+    tokio::select! {
+        result = &mut server => {
+            // the server ended on its own (a listener error)
+            result??;
+        }
+        () = shutdown_signal() => {
+            let _ = stop.send(());
+            let drain = Duration::from_secs(args.shutdown_drain_seconds);
+            match tokio::time::timeout(drain, &mut server).await {
+                Ok(result) => result??,
+                Err(_) => {
+                    tracing::warn!(drain_seconds = drain.as_secs(), "requests still in flight after the drain time; stopping anyway");
+                    server.abort();
+                }
+            }
+        }
+    }
+    for task in background {
+        task.abort();
+    }
+    tracing::info!("stopped");
     Ok(())
 }
 

@@ -3,32 +3,27 @@
 
 use std::collections::BTreeMap;
 
+use axum::Json;
 use axum::extract::{Path, State};
 use axum::http::StatusCode;
-use axum::routing::{get, post, put};
-use axum::{Json, Router};
 use serde::{Deserialize, Serialize};
+use utoipa_axum::router::OpenApiRouter;
+use utoipa_axum::routes;
 
-use super::{AdminKey, ApiError, ApiJson, ApiQuery, AppState};
+use super::{AdminKey, ApiError, ApiJson, ApiQuery, AppState, ErrorBody};
 use crate::domain::{InvalidValue, KeyId, LeaseId, ModelName, PoolName, ProviderName, Status};
 use crate::store::credentials::{
     self, Actor, CredentialDetail, CredentialInput, ForceReleaseOutcome, ForcedRelease, ListFilter,
     Patch, PatchOutcome, PoolSummary, StateChange,
 };
 
-pub(super) fn routes() -> Router<AppState> {
-    Router::new()
-        .route("/api/admin/keys", get(list_keys))
-        .route(
-            "/api/admin/keys/{key_id}",
-            put(put_key)
-                .get(get_key)
-                .patch(patch_key)
-                .delete(delete_key),
-        )
-        .route("/api/admin/keys/{key_id}/release-all", post(release_all))
-        .route("/api/admin/leases/{lease_id}/release", post(release_lease))
-        .route("/api/admin/pools", get(pools))
+pub(super) fn routes() -> OpenApiRouter<AppState> {
+    OpenApiRouter::new()
+        .routes(routes!(list_keys))
+        .routes(routes!(put_key, get_key, patch_key, delete_key))
+        .routes(routes!(release_all))
+        .routes(routes!(release_lease))
+        .routes(routes!(pools))
 }
 
 /// The admin key, and who is using it (`X-Operator`, else `admin-key`).
@@ -68,6 +63,20 @@ fn reason(raw: &str) -> Result<String, ApiError> {
 
 /// Creates (201) or updates (200) a credential. The response is the stored credential without its
 /// secret; no route ever returns a secret except to the executor that holds a lease.
+#[utoipa::path(put, path = "/api/admin/keys/{key_id}", tag = "operator",
+    request_body = CredentialInput,
+    security(("admin_key" = [])),
+    params(("X-Operator" = Option<String>, Header, description = "who you are, for the audit trail (default `admin-key`)"), ("key_id" = KeyId, Path, description = "the credential")),
+    responses(
+        (status = 200, description = "updated", body = CredentialDetail),
+        (status = 201, description = "created", body = CredentialDetail),
+        (status = 400, description = "`invalid_request`", body = ErrorBody),
+        (status = 401, description = "`unauthorized`: missing or wrong key", body = ErrorBody),
+        (status = 403, description = "`forbidden`: the executor key", body = ErrorBody),
+        (status = 503, description = "`store_unavailable`", body = ErrorBody),
+        (status = 413, description = "`payload_too_large`", body = ErrorBody),
+        (status = 415, description = "`unsupported_media_type`", body = ErrorBody),
+    ))]
 #[tracing::instrument(skip_all, fields(key_id = %raw_key_id))]
 async fn put_key(
     State(state): State<AppState>,
@@ -88,8 +97,9 @@ async fn put_key(
 }
 
 /// `GET /api/admin/keys` query.
-#[derive(Debug, Deserialize)]
+#[derive(Debug, Deserialize, utoipa::IntoParams)]
 #[serde(deny_unknown_fields)]
+#[into_params(parameter_in = Query)]
 struct ListQuery {
     provider: Option<ProviderName>,
     pool: Option<PoolName>,
@@ -97,10 +107,11 @@ struct ListQuery {
     /// The `next_after` of the previous page.
     after: Option<KeyId>,
     /// 1..=1000, default 100.
+    #[param(minimum = 1, maximum = 1000)]
     limit: Option<u32>,
 }
 
-#[derive(Debug, Serialize)]
+#[derive(Debug, Serialize, utoipa::ToSchema)]
 struct KeyPage {
     keys: Vec<CredentialDetail>,
     /// Pass as `after` for the next page; `null` on the last page.
@@ -108,6 +119,16 @@ struct KeyPage {
 }
 
 /// Lists credentials (filters: provider, pool, status), in key_id order, a page at a time.
+#[utoipa::path(get, path = "/api/admin/keys", tag = "operator",
+    security(("admin_key" = [])),
+    params(ListQuery),
+    responses(
+        (status = 200, description = "a page of credentials", body = KeyPage),
+        (status = 400, description = "`invalid_request`", body = ErrorBody),
+        (status = 401, description = "`unauthorized`: missing or wrong key", body = ErrorBody),
+        (status = 403, description = "`forbidden`: the executor key", body = ErrorBody),
+        (status = 503, description = "`store_unavailable`", body = ErrorBody),
+    ))]
 async fn list_keys(
     State(state): State<AppState>,
     _operator: Operator,
@@ -132,6 +153,17 @@ async fn list_keys(
 }
 
 /// One credential: configuration, status, cooldown, health figures and in-flight leases.
+#[utoipa::path(get, path = "/api/admin/keys/{key_id}", tag = "operator",
+    security(("admin_key" = [])),
+    params(("key_id" = KeyId, Path, description = "the credential")),
+    responses(
+        (status = 200, description = "the credential", body = CredentialDetail),
+        (status = 400, description = "`invalid_request`", body = ErrorBody),
+        (status = 404, description = "`credential_not_found`", body = ErrorBody),
+        (status = 401, description = "`unauthorized`: missing or wrong key", body = ErrorBody),
+        (status = 403, description = "`forbidden`: the executor key", body = ErrorBody),
+        (status = 503, description = "`store_unavailable`", body = ErrorBody),
+    ))]
 async fn get_key(
     State(state): State<AppState>,
     _operator: Operator,
@@ -145,13 +177,14 @@ async fn get_key(
 }
 
 /// `PATCH /api/admin/keys/{key_id}` body: any of the fields.
-#[derive(Debug, Deserialize)]
+#[derive(Debug, Deserialize, utoipa::ToSchema)]
 #[serde(deny_unknown_fields)]
 struct PatchBody {
     /// `disable`, `enable` or `drain`.
     state: Option<StateChange>,
     /// Why (kept as the status reason and in the audit trail).
     reason: Option<String>,
+    #[schema(minimum = 1, maximum = 10000)]
     max_concurrent_uses: Option<u64>,
     models: Option<Vec<ModelName>>,
     aliases: Option<BTreeMap<ModelName, ModelName>>,
@@ -160,6 +193,20 @@ struct PatchBody {
 
 /// Changes a credential while traffic flows: state (disable, enable, drain), limit, models,
 /// aliases, pool.
+#[utoipa::path(patch, path = "/api/admin/keys/{key_id}", tag = "operator",
+    request_body = PatchBody,
+    security(("admin_key" = [])),
+    params(("X-Operator" = Option<String>, Header, description = "who you are, for the audit trail (default `admin-key`)"), ("key_id" = KeyId, Path, description = "the credential")),
+    responses(
+        (status = 200, description = "changed", body = CredentialDetail),
+        (status = 400, description = "`invalid_request`", body = ErrorBody),
+        (status = 404, description = "`credential_not_found`", body = ErrorBody),
+        (status = 401, description = "`unauthorized`: missing or wrong key", body = ErrorBody),
+        (status = 403, description = "`forbidden`: the executor key", body = ErrorBody),
+        (status = 503, description = "`store_unavailable`", body = ErrorBody),
+        (status = 413, description = "`payload_too_large`", body = ErrorBody),
+        (status = 415, description = "`unsupported_media_type`", body = ErrorBody),
+    ))]
 #[tracing::instrument(skip_all, fields(key_id = %raw_key_id))]
 async fn patch_key(
     State(state): State<AppState>,
@@ -199,7 +246,7 @@ async fn patch_key(
     }
 }
 
-#[derive(Debug, Serialize)]
+#[derive(Debug, Serialize, utoipa::ToSchema)]
 struct Deleted {
     deleted: bool,
     /// Leases that were in flight, ended as `force_released` in the trail.
@@ -207,6 +254,17 @@ struct Deleted {
 }
 
 /// Deletes a credential and its lease state in one transaction; history stays in the trail.
+#[utoipa::path(delete, path = "/api/admin/keys/{key_id}", tag = "operator",
+    security(("admin_key" = [])),
+    params(("X-Operator" = Option<String>, Header, description = "who you are, for the audit trail (default `admin-key`)"), ("key_id" = KeyId, Path, description = "the credential")),
+    responses(
+        (status = 200, description = "deleted", body = Deleted),
+        (status = 400, description = "`invalid_request`", body = ErrorBody),
+        (status = 404, description = "`credential_not_found`", body = ErrorBody),
+        (status = 401, description = "`unauthorized`: missing or wrong key", body = ErrorBody),
+        (status = 403, description = "`forbidden`: the executor key", body = ErrorBody),
+        (status = 503, description = "`store_unavailable`", body = ErrorBody),
+    ))]
 #[tracing::instrument(skip_all, fields(key_id = %raw_key_id))]
 async fn delete_key(
     State(state): State<AppState>,
@@ -229,20 +287,34 @@ async fn delete_key(
 }
 
 /// Body of the forced-release routes.
-#[derive(Debug, Deserialize)]
+#[derive(Debug, Deserialize, utoipa::ToSchema)]
 #[serde(deny_unknown_fields)]
 struct ForceReleaseBody {
     /// Why; recorded with each `force_released` trail row.
     reason: String,
 }
 
-#[derive(Debug, Serialize)]
+#[derive(Debug, Serialize, utoipa::ToSchema)]
 struct ReleasedAll {
     released: usize,
     leases: Vec<ForcedRelease>,
 }
 
 /// Force-releases every in-flight lease of one credential.
+#[utoipa::path(post, path = "/api/admin/keys/{key_id}/release-all", tag = "operator",
+    request_body = ForceReleaseBody,
+    security(("admin_key" = [])),
+    params(("X-Operator" = Option<String>, Header, description = "who you are, for the audit trail (default `admin-key`)"), ("key_id" = KeyId, Path, description = "the credential")),
+    responses(
+        (status = 200, description = "released", body = ReleasedAll),
+        (status = 400, description = "`invalid_request`", body = ErrorBody),
+        (status = 404, description = "`credential_not_found`", body = ErrorBody),
+        (status = 401, description = "`unauthorized`: missing or wrong key", body = ErrorBody),
+        (status = 403, description = "`forbidden`: the executor key", body = ErrorBody),
+        (status = 503, description = "`store_unavailable`", body = ErrorBody),
+        (status = 413, description = "`payload_too_large`", body = ErrorBody),
+        (status = 415, description = "`unsupported_media_type`", body = ErrorBody),
+    ))]
 #[tracing::instrument(skip_all, fields(key_id = %raw_key_id))]
 async fn release_all(
     State(state): State<AppState>,
@@ -266,7 +338,7 @@ async fn release_all(
     }))
 }
 
-#[derive(Debug, Serialize)]
+#[derive(Debug, Serialize, utoipa::ToSchema)]
 struct LeaseReleased {
     released: bool,
     #[serde(skip_serializing_if = "Option::is_none")]
@@ -275,6 +347,19 @@ struct LeaseReleased {
 
 /// Force-releases one lease by id. (There is no route without a lease id: "all" is always the
 /// explicit `release-all` of one credential.)
+#[utoipa::path(post, path = "/api/admin/leases/{lease_id}/release", tag = "operator",
+    request_body = ForceReleaseBody,
+    security(("admin_key" = [])),
+    params(("X-Operator" = Option<String>, Header, description = "who you are, for the audit trail (default `admin-key`)"), ("lease_id" = LeaseId, Path, description = "the lease")),
+    responses(
+        (status = 200, description = "`released: true`, or `released: false` with `reason` `expired` or `not_found`", body = LeaseReleased),
+        (status = 400, description = "`invalid_request`", body = ErrorBody),
+        (status = 401, description = "`unauthorized`: missing or wrong key", body = ErrorBody),
+        (status = 403, description = "`forbidden`: the executor key", body = ErrorBody),
+        (status = 503, description = "`store_unavailable`", body = ErrorBody),
+        (status = 413, description = "`payload_too_large`", body = ErrorBody),
+        (status = 415, description = "`unsupported_media_type`", body = ErrorBody),
+    ))]
 #[tracing::instrument(skip_all, fields(lease_id = %raw_lease_id))]
 async fn release_lease(
     State(state): State<AppState>,
@@ -292,12 +377,20 @@ async fn release_lease(
     }))
 }
 
-#[derive(Debug, Serialize)]
+#[derive(Debug, Serialize, utoipa::ToSchema)]
 struct Pools {
     pools: Vec<PoolSummary>,
 }
 
 /// Every (provider, pool): credentials by status, slots, in-flight leases, cooling down.
+#[utoipa::path(get, path = "/api/admin/pools", tag = "operator",
+    security(("admin_key" = [])),
+    responses(
+        (status = 200, description = "every pool", body = Pools),
+        (status = 401, description = "`unauthorized`: missing or wrong key", body = ErrorBody),
+        (status = 403, description = "`forbidden`: the executor key", body = ErrorBody),
+        (status = 503, description = "`store_unavailable`", body = ErrorBody),
+    ))]
 async fn pools(
     State(state): State<AppState>,
     _operator: Operator,

@@ -1,52 +1,64 @@
 //! Executor routes (`X-Internal-Key`): allocate, renew, release.
 
+use axum::Json;
 use axum::extract::State;
-use axum::routing::post;
-use axum::{Json, Router};
+use axum::response::{IntoResponse, Response};
 use serde::{Deserialize, Serialize};
 use time::OffsetDateTime;
+use utoipa_axum::router::OpenApiRouter;
+use utoipa_axum::routes;
 
-use super::{ApiError, ApiJson, AppState, ExecutorKey};
-use crate::allocation::AllocateRequest;
+use super::{AllocationOutcome, ApiError, ApiJson, AppState, ErrorBody, ExecutorKey};
+use crate::allocation::{AllocateError, AllocateRequest};
 use crate::domain::{
     Holder, KeyId, LeaseId, LeaseSeconds, ModelName, Outcome, PoolName, ProviderName, Secret,
 };
 use crate::store::leases::{self, LeaseRef, NotReleased, ReleaseRequest};
 
-pub(super) fn routes() -> Router<AppState> {
-    Router::new()
-        .route("/api/internal/allocate-key", post(allocate))
-        .route("/api/internal/release-key", post(release))
-        .route("/api/internal/renew-lease", post(renew))
+/// The allocate route, for the allocation counter.
+pub(super) const ALLOCATE_ROUTE: &str = "/api/internal/allocate-key";
+
+pub(super) fn routes() -> OpenApiRouter<AppState> {
+    OpenApiRouter::new()
+        .routes(routes!(allocate))
+        .routes(routes!(release))
+        .routes(routes!(renew))
 }
 
 /// `POST /api/internal/allocate-key` body.
-#[derive(Debug, Deserialize)]
+#[derive(Debug, Deserialize, utoipa::ToSchema)]
 #[serde(deny_unknown_fields)]
 struct AllocateBody {
     provider: ProviderName,
+    /// A model name, or an alias an operator mapped.
     model: ModelName,
+    /// Default `default`; `vip` falls back to `default`.
     #[serde(default)]
+    #[schema(default = "default")]
     pool: PoolName,
-    /// 1..=max_lease_seconds; default 35.
+    /// Lease length in seconds, 1..=`--max-lease-seconds` (default 3600); default 35.
+    #[schema(minimum = 1, maximum = 86400)]
     lease_seconds: Option<u64>,
+    /// The executor's name for itself, kept on the lease and in the audit trail.
     holder: Option<Holder>,
 }
 
 /// A granted lease.
-#[derive(Debug, Serialize)]
+#[derive(Debug, Serialize, utoipa::ToSchema)]
 struct AllocateResponse {
     key_id: KeyId,
     lease_id: LeaseId,
     provider: ProviderName,
-    /// The pool that served.
+    /// The pool that served (after a `vip` -> `default` fallback, `default`).
     pool: PoolName,
     /// The model name as this credential serves it (an alias resolved).
     provider_model: String,
+    /// When the lease stops counting unless renewed (database clock).
     #[serde(with = "time::serde::rfc3339")]
     lease_until: OffsetDateTime,
     /// True for the single probe lease of a credential back from a cooldown: report its outcome.
     probe: bool,
+    /// The credential material, as the operator stored it.
     credential: Secret,
 }
 
@@ -57,12 +69,41 @@ fn lease_seconds(requested: Option<u64>, max: u32) -> Result<LeaseSeconds, ApiEr
     }
 }
 
+fn result_of(error: &AllocateError) -> &'static str {
+    match error {
+        AllocateError::PoolNotFound => "pool_not_found",
+        AllocateError::ModelNotSupported => "model_not_supported",
+        AllocateError::NoUsableCredentials => "no_usable_credentials",
+        AllocateError::PoolExhausted { .. } => "pool_exhausted",
+        AllocateError::SecretUnreadable { .. } => "internal_error",
+        AllocateError::Store(_) => "store_unavailable",
+    }
+}
+
+/// Leases a credential: the best free one of the pool (`vip` falls back to `default`) that
+/// serves the model.
+#[utoipa::path(post, path = "/api/internal/allocate-key", tag = "executor",
+    request_body = AllocateBody,
+    security(("internal_key" = [])),
+    responses(
+        (status = 200, description = "leased: use it, then release", body = AllocateResponse),
+        (status = 400, description = "`invalid_request`", body = ErrorBody),
+        (status = 401, description = "`unauthorized`: missing or wrong key", body = ErrorBody),
+        (status = 404, description = "`pool_not_found`: no credentials for the provider and pool", body = ErrorBody),
+        (status = 409, description = "`model_not_supported`, or `no_usable_credentials` (every credential that serves the model waits for an operator)", body = ErrorBody),
+        (status = 413, description = "`payload_too_large`", body = ErrorBody),
+        (status = 415, description = "`unsupported_media_type`", body = ErrorBody),
+        (status = 429, description = "`pool_exhausted`: candidates exist but none is free now", body = ErrorBody,
+         headers(("Retry-After" = u64, description = "whole seconds (>= 1) until the earliest lease or cooldown among the candidates ends"))),
+        (status = 500, description = "`internal_error`", body = ErrorBody),
+        (status = 503, description = "`store_unavailable`: PostgreSQL unreachable or too slow", body = ErrorBody),
+    ))]
 #[tracing::instrument(skip_all, fields(provider = %body.provider, pool = %body.pool, model = %body.model))]
 async fn allocate(
     State(state): State<AppState>,
     _key: ExecutorKey,
     ApiJson(body): ApiJson<AllocateBody>,
-) -> Result<Json<AllocateResponse>, ApiError> {
+) -> Result<Response, ApiError> {
     let request = AllocateRequest {
         lease_seconds: lease_seconds(body.lease_seconds, state.max_lease_seconds)?,
         provider: body.provider,
@@ -70,27 +111,46 @@ async fn allocate(
         pool: body.pool,
         holder: body.holder,
     };
-    let lease = state.allocator.allocate(&request).await?;
-    Ok(Json(AllocateResponse {
-        key_id: lease.key_id,
-        lease_id: lease.lease_id,
-        provider: lease.provider,
-        pool: lease.pool,
-        provider_model: lease.provider_model,
-        lease_until: lease.lease_until,
-        probe: lease.probe,
-        credential: lease.credential,
-    }))
+    let outcome = |served_pool: &str, result| AllocationOutcome {
+        provider: request.provider.to_string(),
+        pool: request.pool.to_string(),
+        served_pool: served_pool.to_owned(),
+        result,
+    };
+    let (mut response, labels) = match state.allocator.allocate(&request).await {
+        Ok(lease) => {
+            let labels = outcome(lease.pool.as_str(), "leased");
+            let body = AllocateResponse {
+                key_id: lease.key_id,
+                lease_id: lease.lease_id,
+                provider: lease.provider,
+                pool: lease.pool,
+                provider_model: lease.provider_model,
+                lease_until: lease.lease_until,
+                probe: lease.probe,
+                credential: lease.credential,
+            };
+            (Json(body).into_response(), labels)
+        }
+        Err(error) => {
+            let labels = outcome("", result_of(&error));
+            (ApiError::from(error).into_response(), labels)
+        }
+    };
+    response.extensions_mut().insert(labels);
+    Ok(response)
 }
 
 /// `POST /api/internal/release-key` body.
-#[derive(Debug, Deserialize)]
+#[derive(Debug, Deserialize, utoipa::ToSchema)]
 #[serde(deny_unknown_fields)]
 struct ReleaseBody {
     provider: ProviderName,
+    /// The pool that served the lease.
     pool: PoolName,
     key_id: KeyId,
     lease_id: LeaseId,
+    /// What happened upstream; drives the credential's health.
     outcome: Option<Outcome>,
     /// The provider's Retry-After in whole seconds, passed on with `rate_limited` or
     /// `quota_exhausted`; 0 means "use the default".
@@ -98,13 +158,25 @@ struct ReleaseBody {
 }
 
 /// `{"released":true}` or `{"released":false,"reason":...}`.
-#[derive(Debug, Serialize)]
+#[derive(Debug, Serialize, utoipa::ToSchema)]
 struct ReleaseResponse {
     released: bool,
     #[serde(skip_serializing_if = "Option::is_none")]
     reason: Option<NotReleased>,
 }
 
+/// Releases a lease and reports the outcome of the upstream call.
+#[utoipa::path(post, path = "/api/internal/release-key", tag = "executor",
+    request_body = ReleaseBody,
+    security(("internal_key" = [])),
+    responses(
+        (status = 200, description = "`released: true`, or `released: false` with `reason` `mismatch`, `expired` or `not_found` (nothing released)", body = ReleaseResponse),
+        (status = 400, description = "`invalid_request`", body = ErrorBody),
+        (status = 401, description = "`unauthorized`", body = ErrorBody),
+        (status = 413, description = "`payload_too_large`", body = ErrorBody),
+        (status = 415, description = "`unsupported_media_type`", body = ErrorBody),
+        (status = 503, description = "`store_unavailable`", body = ErrorBody),
+    ))]
 #[tracing::instrument(skip_all, fields(key_id = %body.key_id, lease_id = %body.lease_id))]
 async fn release(
     State(state): State<AppState>,
@@ -130,31 +202,57 @@ async fn release(
         result.released.is_ok(),
         result.health.map(|(_, health)| health),
     );
-    tracing::info!(released = result.released.is_ok(), reason = ?result.released.err(), outcome = ?request.outcome, "release");
+    let reason = result.released.err();
+    crate::telemetry::release(
+        reason.is_none(),
+        match reason {
+            None => "",
+            Some(NotReleased::Mismatch) => "mismatch",
+            Some(NotReleased::Expired) => "expired",
+            Some(NotReleased::NotFound) => "not_found",
+        },
+    );
+    tracing::info!(released = reason.is_none(), reason = ?reason, outcome = ?request.outcome, "release");
     Ok(Json(ReleaseResponse {
-        released: result.released.is_ok(),
-        reason: result.released.err(),
+        released: reason.is_none(),
+        reason,
     }))
 }
 
 /// `POST /api/internal/renew-lease` body.
-#[derive(Debug, Deserialize)]
+#[derive(Debug, Deserialize, utoipa::ToSchema)]
 #[serde(deny_unknown_fields)]
 struct RenewBody {
     provider: ProviderName,
+    /// The pool that served the lease.
     pool: PoolName,
     key_id: KeyId,
     lease_id: LeaseId,
-    /// 1..=max_lease_seconds from now (database clock); default 35.
+    /// 1..=`--max-lease-seconds` from now (database clock); default 35.
+    #[schema(minimum = 1, maximum = 86400)]
     lease_seconds: Option<u64>,
 }
 
-#[derive(Debug, Serialize)]
+#[derive(Debug, Serialize, utoipa::ToSchema)]
 struct RenewResponse {
+    /// The new end of the lease (database clock).
     #[serde(with = "time::serde::rfc3339")]
     lease_until: OffsetDateTime,
 }
 
+/// Extends a lease that has not expired. Never brings back an expired one.
+#[utoipa::path(post, path = "/api/internal/renew-lease", tag = "executor",
+    request_body = RenewBody,
+    security(("internal_key" = [])),
+    responses(
+        (status = 200, description = "renewed", body = RenewResponse),
+        (status = 400, description = "`invalid_request`", body = ErrorBody),
+        (status = 401, description = "`unauthorized`", body = ErrorBody),
+        (status = 410, description = "`lease_lost`: expired, unknown, released or mismatched; stop using the credential", body = ErrorBody),
+        (status = 413, description = "`payload_too_large`", body = ErrorBody),
+        (status = 415, description = "`unsupported_media_type`", body = ErrorBody),
+        (status = 503, description = "`store_unavailable`", body = ErrorBody),
+    ))]
 #[tracing::instrument(skip_all, fields(key_id = %body.key_id, lease_id = %body.lease_id))]
 async fn renew(
     State(state): State<AppState>,
@@ -168,7 +266,10 @@ async fn renew(
         pool: body.pool,
         lease_id: body.lease_id,
     };
-    match leases::renew(&state.db, &lease, seconds).await? {
+    let mut conn = crate::store::acquire(&state.db).await?;
+    let renewed = leases::renew(&mut conn, &lease, seconds).await?;
+    crate::telemetry::renewal(renewed.is_some());
+    match renewed {
         Some(lease_until) => Ok(Json(RenewResponse { lease_until })),
         None => Err(ApiError::LeaseLost),
     }

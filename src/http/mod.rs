@@ -4,9 +4,11 @@
 
 mod admin;
 mod executor;
+mod ops;
 
 use std::fmt;
 use std::sync::Arc;
+use std::time::Duration;
 
 use axum::extract::rejection::JsonRejection;
 use axum::extract::{FromRequest, FromRequestParts, Request};
@@ -69,22 +71,151 @@ pub struct AppState {
     pub health: crate::health::HealthPolicy,
     /// Seals and opens credential secrets.
     pub keyring: Arc<crate::secrets::Keyring>,
+    /// The longest a request may take before it is answered 503.
+    pub request_timeout: Duration,
+}
+
+/// The OpenAPI document of every route, generated from the handlers' annotations.
+pub fn openapi() -> utoipa::openapi::OpenApi {
+    routes().split_for_parts().1
+}
+
+#[derive(utoipa::OpenApi)]
+#[openapi(
+    info(
+        title = "credpool",
+        description = "Leases upstream credentials to executors under per-credential concurrency limits. Executors authenticate with X-Internal-Key, operators with X-Admin-Key.",
+    ),
+    components(schemas(ErrorBody)),
+    modifiers(&SecuritySchemes),
+    tags(
+        (name = "executor", description = "Allocate, renew and release leases (X-Internal-Key)"),
+        (name = "operator", description = "Manage credentials and leases (X-Admin-Key)"),
+        (name = "operations", description = "Health, readiness, metrics and this document (no key)"),
+    )
+)]
+struct ApiDoc;
+
+/// The two API keys, as OpenAPI security schemes.
+struct SecuritySchemes;
+
+impl utoipa::Modify for SecuritySchemes {
+    fn modify(&self, openapi: &mut utoipa::openapi::OpenApi) {
+        use utoipa::openapi::security::{ApiKey, ApiKeyValue, SecurityScheme};
+        let components = openapi.components.get_or_insert_with(Default::default);
+        components.add_security_scheme(
+            "internal_key",
+            SecurityScheme::ApiKey(ApiKey::Header(ApiKeyValue::with_description(
+                "X-Internal-Key",
+                "the executor key (CREDPOOL_INTERNAL_KEY)",
+            ))),
+        );
+        components.add_security_scheme(
+            "admin_key",
+            SecurityScheme::ApiKey(ApiKey::Header(ApiKeyValue::with_description(
+                "X-Admin-Key",
+                "the operator key (CREDPOOL_ADMIN_KEY); the executor key gets 403",
+            ))),
+        );
+    }
+}
+
+fn routes() -> utoipa_axum::router::OpenApiRouter<AppState> {
+    use utoipa::OpenApi;
+    utoipa_axum::router::OpenApiRouter::with_openapi(ApiDoc::openapi())
+        .merge(executor::routes())
+        .merge(admin::routes())
+        .merge(ops::routes())
 }
 
 /// The whole router: executor routes under `/api/internal`, operator routes under `/api/admin`,
-/// JSON errors for unknown routes and methods.
+/// `/healthz`, `/readyz`, `/metrics` and `/openapi.json`, and JSON errors for unknown routes and
+/// methods. Every request gets an id (`X-Request-Id`, taken from the request or generated, echoed
+/// in the response and on every log line of the request), a latency sample, and an answer within
+/// `request_timeout` (else 503).
 pub fn app(state: AppState) -> Router {
-    Router::new()
-        .merge(executor::routes())
-        .merge(admin::routes())
+    let (router, mut api) = routes().split_for_parts();
+    ops::document_openapi_route(&mut api);
+    let api = Arc::new(api);
+    let request_id = axum::http::HeaderName::from_static("x-request-id");
+    router
+        .route(
+            "/openapi.json",
+            axum::routing::get(move || {
+                let api = api.clone();
+                async move { Json(api.as_ref().clone()) }
+            }),
+        )
         .fallback(|| async { ApiError::RouteNotFound })
         .method_not_allowed_fallback(|| async { ApiError::MethodNotAllowed })
         .layer(axum::extract::DefaultBodyLimit::max(MAX_BODY_BYTES))
+        .layer(axum::middleware::from_fn_with_state(state.clone(), observe))
         .layer(tower_http::catch_panic::CatchPanicLayer::custom(|_panic| {
             ApiError::Internal.into_response()
         }))
-        .layer(tower_http::trace::TraceLayer::new_for_http())
+        .layer(
+            tower_http::trace::TraceLayer::new_for_http().make_span_with(|request: &Request| {
+                let id = request
+                    .headers()
+                    .get("x-request-id")
+                    .and_then(|v| v.to_str().ok())
+                    .unwrap_or_default();
+                tracing::info_span!("request", method = %request.method(), uri = %request.uri().path(), request_id = %id)
+            }),
+        )
+        .layer(tower_http::request_id::PropagateRequestIdLayer::new(request_id.clone()))
+        .layer(tower_http::request_id::SetRequestIdLayer::new(
+            request_id,
+            tower_http::request_id::MakeRequestUuid,
+        ))
         .with_state(state)
+}
+
+/// What an allocation ended as, attached to its response for [`observe`] to count.
+#[derive(Debug, Clone)]
+pub(crate) struct AllocationOutcome {
+    provider: String,
+    pool: String,
+    served_pool: String,
+    result: &'static str,
+}
+
+/// Times every request, answers 503 when it takes longer than the request timeout, and counts
+/// allocations by result (also those refused before the handler ran: bad requests, bad keys).
+async fn observe(
+    axum::extract::State(state): axum::extract::State<AppState>,
+    matched: Option<axum::extract::MatchedPath>,
+    request: Request,
+    next: axum::middleware::Next,
+) -> Response {
+    let started = std::time::Instant::now();
+    let route = matched
+        .map(|m| m.as_str().to_owned())
+        .unwrap_or_else(|| "unmatched".into());
+    let response = match tokio::time::timeout(state.request_timeout, next.run(request)).await {
+        Ok(response) => response,
+        Err(_) => {
+            tracing::error!(route = %route, timeout_ms = state.request_timeout.as_millis() as u64, "request timed out");
+            ApiError::Timeout.into_response()
+        }
+    };
+    let status = response.status();
+    crate::telemetry::request(route.clone(), status.as_u16(), started.elapsed());
+    if route == executor::ALLOCATE_ROUTE {
+        match response.extensions().get::<AllocationOutcome>() {
+            Some(o) => crate::telemetry::allocation(&o.provider, &o.pool, &o.served_pool, o.result),
+            None => {
+                let result = match status {
+                    StatusCode::UNAUTHORIZED => "unauthorized",
+                    StatusCode::SERVICE_UNAVAILABLE => "store_unavailable",
+                    s if s.is_server_error() => "internal_error",
+                    _ => "bad_request",
+                };
+                crate::telemetry::allocation("", "", "", result);
+            }
+        }
+    }
+    response
 }
 
 /// Every error an API route can answer with. The doc of each variant gives its status and code.
@@ -144,6 +275,10 @@ pub enum ApiError {
     /// not committed.
     #[error("internal error")]
     Internal,
+    /// 503 `store_unavailable`: the request did not finish within the request timeout (the store
+    /// is slow or unreachable).
+    #[error("the request timed out waiting for the store; retry")]
+    Timeout,
     /// 503 `store_unavailable`: PostgreSQL failed or did not answer in time. Logged once here;
     /// the client never sees SQL or driver text.
     #[error("the store is unavailable; retry")]
@@ -170,7 +305,9 @@ impl ApiError {
             }
             ApiError::PoolExhausted { .. } => (StatusCode::TOO_MANY_REQUESTS, "pool_exhausted"),
             ApiError::Internal => (StatusCode::INTERNAL_SERVER_ERROR, "internal_error"),
-            ApiError::StoreUnavailable(_) => (StatusCode::SERVICE_UNAVAILABLE, "store_unavailable"),
+            ApiError::StoreUnavailable(_) | ApiError::Timeout => {
+                (StatusCode::SERVICE_UNAVAILABLE, "store_unavailable")
+            }
         }
     }
 }
@@ -230,6 +367,25 @@ impl From<AllocateError> for ApiError {
             }
         }
     }
+}
+
+/// The error body of every route: `{"error": {"code": "...", "message": "..."}}`.
+#[derive(Debug, serde::Serialize, utoipa::ToSchema)]
+pub struct ErrorBody {
+    /// The error.
+    pub error: ErrorDetail,
+}
+
+/// A stable snake_case code and a human-readable message.
+#[derive(Debug, serde::Serialize, utoipa::ToSchema)]
+pub struct ErrorDetail {
+    /// Stable, snake_case: `invalid_request`, `unauthorized`, `forbidden`, `pool_not_found`,
+    /// `credential_not_found`, `route_not_found`, `method_not_allowed`, `model_not_supported`,
+    /// `no_usable_credentials`, `lease_lost`, `payload_too_large`, `unsupported_media_type`,
+    /// `pool_exhausted`, `internal_error`, `store_unavailable`, `not_ready`.
+    pub code: String,
+    /// What happened, for people.
+    pub message: String,
 }
 
 /// `axum::Json`, with rejections in the API's error shape.

@@ -3,6 +3,7 @@
 //! pool changed, and on the periodic refresh — never once per allocation.
 
 use std::collections::HashMap;
+use std::time::Instant;
 
 use sqlx::PgConnection;
 use time::OffsetDateTime;
@@ -46,6 +47,10 @@ pub struct PoolSnapshot {
     pub version: Option<i64>,
     /// The database clock at the read.
     pub db_now: OffsetDateTime,
+    /// This process's clock just before the read was sent: `db_now` is at least this late, so
+    /// `db_now + read_at.elapsed()` runs ahead of the database clock by the one-way latency at
+    /// most, instead of behind it by the whole read.
+    pub read_at: Instant,
     /// Every credential of the pool.
     pub credentials: Vec<CredentialFacts>,
 }
@@ -58,6 +63,7 @@ pub async fn load_pool(
     provider: &ProviderName,
     pool: &PoolName,
 ) -> Result<PoolSnapshot, sqlx::Error> {
+    let read_at = Instant::now();
     let head = sqlx::query!(
         r#"
         SELECT now() AS "db_now!",
@@ -131,6 +137,7 @@ pub async fn load_pool(
     Ok(PoolSnapshot {
         version: head.version,
         db_now: head.db_now,
+        read_at,
         credentials,
     })
 }

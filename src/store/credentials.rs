@@ -69,7 +69,7 @@ pub struct CredentialSpec {
 /// A credential as an operator submits it: the body of `PUT /api/admin/keys/{key_id}` (where
 /// `key_id` may be omitted) and one entry of `credpool keys import` (where it is required).
 /// Unknown fields are refused; the secret is deserialized without ever being quoted in an error.
-#[derive(Debug, serde::Deserialize)]
+#[derive(Debug, serde::Deserialize, utoipa::ToSchema)]
 #[serde(deny_unknown_fields)]
 pub struct CredentialInput {
     /// The operator's id (the path names it for PUT).
@@ -170,7 +170,7 @@ pub const MAX_MODELS: usize = 256;
 pub const MAX_LIMIT: i32 = 10_000;
 
 /// One in-flight lease of a credential, as operators see it.
-#[derive(Debug, Clone, Serialize)]
+#[derive(Debug, Clone, Serialize, utoipa::ToSchema)]
 pub struct LeaseView {
     /// The lease.
     pub lease_id: LeaseId,
@@ -189,7 +189,7 @@ pub struct LeaseView {
 }
 
 /// Outcome counters decayed to the moment of reading.
-#[derive(Debug, Clone, Serialize)]
+#[derive(Debug, Clone, Serialize, utoipa::ToSchema)]
 pub struct HealthFigures {
     /// Decayed successes.
     pub successes: f64,
@@ -211,7 +211,7 @@ pub struct HealthFigures {
 
 /// A credential as operators see it: configuration, status, health, in-flight leases. Never the
 /// secret.
-#[derive(Debug, Clone, Serialize)]
+#[derive(Debug, Clone, Serialize, utoipa::ToSchema)]
 pub struct CredentialDetail {
     /// The operator's id.
     pub key_id: String,
@@ -222,6 +222,7 @@ pub struct CredentialDetail {
     /// The models it serves.
     pub models: Vec<String>,
     /// Request model name -> one of `models`.
+    #[schema(value_type = Object)]
     pub aliases: serde_json::Value,
     /// Its concurrency limit.
     pub max_concurrent_uses: i32,
@@ -563,7 +564,7 @@ pub async fn import(
 }
 
 /// An operator's change of state.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Deserialize)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Deserialize, utoipa::ToSchema)]
 #[serde(rename_all = "snake_case")]
 pub enum StateChange {
     /// Out of traffic until enabled (`disabled`).
@@ -714,7 +715,7 @@ async fn details_one(
 }
 
 /// A lease an operator ended.
-#[derive(Debug, Clone, Serialize)]
+#[derive(Debug, Clone, Serialize, utoipa::ToSchema)]
 pub struct ForcedRelease {
     /// The lease.
     pub lease_id: LeaseId,
@@ -804,7 +805,7 @@ pub async fn release_all(
 }
 
 /// What a forced release of one lease found.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, utoipa::ToSchema)]
 #[serde(rename_all = "snake_case")]
 pub enum ForceReleaseOutcome {
     /// Released.
@@ -883,7 +884,7 @@ pub async fn delete(
 }
 
 /// One (provider, pool) at a glance.
-#[derive(Debug, Clone, Serialize)]
+#[derive(Debug, Clone, Serialize, utoipa::ToSchema)]
 pub struct PoolSummary {
     /// The provider.
     pub provider: String,

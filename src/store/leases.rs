@@ -145,7 +145,7 @@ pub struct LeaseRef {
 }
 
 /// Why a release released nothing.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize, utoipa::ToSchema)]
 #[serde(rename_all = "snake_case")]
 pub enum NotReleased {
     /// The lease exists, but the key_id, provider or pool given do not match it.
@@ -189,11 +189,14 @@ pub async fn release(
     policy: &HealthPolicy,
 ) -> Result<ReleaseResult, sqlx::Error> {
     let lease = &request.lease;
-    let mut tx = db.begin().await?;
+    let mut conn = super::acquire(db).await?;
+    let mut tx = sqlx::Connection::begin(&mut *conn).await?;
     // A lease moved to another slot by credpool_fit_slots while this release waited for its row
     // lock is still live under its id: try again (moves are rare and bounded, so a few attempts do).
     let mut verdict = Err(NotReleased::NotFound);
     let mut reported: Option<(KeyId, bool)> = None;
+    // the freed slot's credential, when it was over a lowered limit: it may now be back under
+    let mut refit: Option<KeyId> = None;
     for _ in 0..3 {
         let freed = sqlx::query!(
             r#"
@@ -218,7 +221,10 @@ pub async fn release(
                 SELECT 'released', lease_id, key_id, provider, pool, slot, holder, $5, lease_until, now()
                 FROM freed
             )
-            SELECT key_id AS "key_id!", probe AS "probe!" FROM freed
+            SELECT key_id AS "key_id!", probe AS "probe!",
+                   coalesce((SELECT c.slots_over_limit FROM credentials c
+                             WHERE c.key_id = freed.key_id), false) AS "over_limit!"
+            FROM freed
             "#,
             lease.lease_id.as_uuid(),
             lease.key_id.as_str(),
@@ -230,7 +236,11 @@ pub async fn release(
         .await?;
         if let Some(freed) = freed {
             verdict = Ok(());
-            reported = Some((decoded(KeyId::parse(freed.key_id))?, freed.probe));
+            let key_id = decoded(KeyId::parse(freed.key_id))?;
+            if freed.over_limit {
+                refit = Some(key_id.clone());
+            }
+            reported = Some((key_id, freed.probe));
             break;
         }
         match diagnose(&mut *tx, lease).await? {
@@ -261,6 +271,23 @@ pub async fn release(
         }
     }
     tx.commit().await?;
+    if let Some(key_id) = refit {
+        // In its own transaction, after the release's: credpool_fit_slots locks every slot row of
+        // the credential in ascending order, which a transaction already holding one slot row
+        // must not do (two such releases would deadlock). Done here rather than left to the next
+        // allocation so that capacity returns no matter which replica, or whose stale view, comes
+        // next; if this process dies first, the next allocation that sees the credential back
+        // under its limit refits it.
+        // The release itself has committed, so a failure here is logged, not reported.
+        let refitted = async {
+            let mut tx = sqlx::Connection::begin(&mut *conn).await?;
+            fit_slots(&mut *tx, &key_id).await?;
+            tx.commit().await
+        };
+        if let Err(error) = refitted.await {
+            tracing::warn!(key_id = %key_id, error = %error, "refit after release failed");
+        }
+    }
     Ok(ReleaseResult {
         released: verdict,
         health,
@@ -440,9 +467,9 @@ async fn diagnose(
 /// trail row, in one statement. Returns the new lease_until, or `None` when the lease is expired,
 /// unknown, released or named with a wrong key_id/provider/pool. Never resurrects an expired lease:
 /// the statement only touches a slot whose lease is still unexpired under this lease_id.
-#[tracing::instrument(skip(executor), err(level = "debug"))]
+#[tracing::instrument(skip(conn), err(level = "debug"))]
 pub async fn renew(
-    executor: impl PgExecutor<'_> + Copy,
+    conn: &mut PgConnection,
     lease: &LeaseRef,
     lease_seconds: LeaseSeconds,
 ) -> Result<Option<OffsetDateTime>, sqlx::Error> {
@@ -471,12 +498,12 @@ pub async fn renew(
             lease.pool.as_str(),
             lease_seconds,
         )
-        .fetch_optional(executor)
+        .fetch_optional(&mut *conn)
         .await?;
         if renewed.is_some() {
             return Ok(renewed);
         }
-        match diagnose(executor, lease).await? {
+        match diagnose(&mut *conn, lease).await? {
             Diagnosis::Live => continue,
             Diagnosis::Gone(_) => return Ok(None),
         }

@@ -95,6 +95,7 @@ pub fn spawn_scheduler(
             }
             match run_pass(&db, retention).await {
                 Ok(Ok(report)) if report != MaintenanceReport::default() => {
+                    crate::telemetry::expired("reaper", report.expired_leases_reaped.max(0) as u64);
                     tracing::info!(
                         reaped = report.expired_leases_reaped,
                         cooldowns = report.cooldowns_recorded,

@@ -40,8 +40,41 @@ pub fn connect_lazy(options: PgConnectOptions, settings: &PoolSettings) -> PgPoo
         .connect_lazy_with(options)
 }
 
+/// Takes a connection from the pool, recording the wait (`credpool_db_acquire_seconds`) and
+/// giving up after the pool's acquire timeout (`credpool_db_acquire_timeouts_total`, then 503).
+pub async fn acquire(
+    db: &PgPool,
+) -> Result<sqlx::pool::PoolConnection<sqlx::Postgres>, sqlx::Error> {
+    let started = std::time::Instant::now();
+    let result = db.acquire().await;
+    crate::telemetry::acquired(
+        started.elapsed(),
+        matches!(result, Err(sqlx::Error::PoolTimedOut)),
+    );
+    result
+}
+
 /// Applies every pending migration (forward only). Safe to run from several processes at once:
 /// sqlx serialises migrators with an advisory lock.
-pub async fn migrate(pool: &PgPool) -> Result<(), sqlx::migrate::MigrateError> {
-    MIGRATOR.run(pool).await
+pub async fn migrate<'a, A>(db: A) -> Result<(), sqlx::migrate::MigrateError>
+where
+    A: sqlx::Acquire<'a, Database = sqlx::Postgres>,
+    <A::Connection as std::ops::Deref>::Target: sqlx::migrate::Migrate,
+{
+    MIGRATOR.run(db).await
+}
+
+/// The newest migration this binary knows; `/readyz` is ready only once the database has it.
+pub fn latest_migration() -> i64 {
+    MIGRATOR.iter().map(|m| m.version).max().unwrap_or(0)
+}
+
+/// Whether the database answers and has every migration of this binary applied.
+pub async fn ready(db: &PgPool) -> Result<bool, sqlx::Error> {
+    let applied = sqlx::query_scalar!(
+        r#"SELECT coalesce(max(version), 0) AS "version!" FROM _sqlx_migrations WHERE success"#
+    )
+    .fetch_one(db)
+    .await?;
+    Ok(applied >= latest_migration())
 }

@@ -7,6 +7,7 @@ mod admin;
 mod allocate;
 mod audit;
 mod cli;
+mod operations;
 mod operator;
 mod processes;
 mod races;

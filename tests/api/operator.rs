@@ -746,3 +746,54 @@ async fn lowering_the_limit_under_load_never_grants_beyond_the_new_limit() {
         );
     }
 }
+
+#[tokio::test]
+async fn capacity_under_a_lowered_limit_returns_whichever_replica_sees_the_releases() {
+    // Replica A still believes the credential is over its limit with every lease in flight;
+    // the leases end through replica B. A's next allocation must be served at once, not after A
+    // happens to refresh its view.
+    let app = TestApp::spawn().await;
+    app.put_key("hot", "openai", "default", &["gpt-4o"], 3)
+        .await;
+    let held = vec![lease(&app).await, lease(&app).await, lease(&app).await];
+    json_body(
+        app.patch_key("hot", json!({"max_concurrent_uses": 1}))
+            .await,
+        StatusCode::OK,
+    )
+    .await;
+    // A's view now shows three leases in flight over a limit of one
+    assert_error(
+        app.allocate(gpt4o()).await,
+        StatusCode::TOO_MANY_REQUESTS,
+        "pool_exhausted",
+    )
+    .await;
+
+    let (replica_b, _stop) = serve(app.database.pool(4).await, &AppOptions::default()).await;
+    for l in &held {
+        let released = json_body(
+            post_json(
+                &app.client,
+                &format!("http://{replica_b}/api/internal/release-key"),
+                ("x-internal-key", INTERNAL_KEY),
+                release_body(l, "success"),
+            )
+            .await,
+            StatusCode::OK,
+        )
+        .await;
+        assert_eq!(released["released"], true);
+    }
+
+    let granted = lease(&app).await;
+    assert_eq!(granted["key_id"], "hot");
+    assert_eq!(app.in_flight("hot").await, 1);
+    // and the new limit holds
+    assert_error(
+        app.allocate(gpt4o()).await,
+        StatusCode::TOO_MANY_REQUESTS,
+        "pool_exhausted",
+    )
+    .await;
+}

@@ -551,3 +551,96 @@ async fn no_secret_reaches_a_log_line_or_a_database_row_even_at_trace_level() {
         );
     }
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sigterm_lets_an_in_flight_request_finish_then_exits_with_json_logs_carrying_the_request_id()
+ {
+    let database = TestDatabase::create().await;
+    let log = tempfile::NamedTempFile::new().unwrap();
+    let mut env = keyed_env(&database);
+    env.push(("RUST_LOG", "credpool=info".to_owned()));
+    let serve = ServeProcess::start_in(
+        None,
+        Stdio::from(log.reopen().unwrap()),
+        &env,
+        &["--log-format", "json"],
+    )
+    .await;
+    let client = client();
+    let base = serve.base.clone();
+    let put = client
+        .put(format!("{base}/api/admin/keys/drain-key"))
+        .header("x-admin-key", ADMIN_KEY)
+        .json(&json!({"provider": "openai", "models": ["gpt-4o"], "max_concurrent_uses": 1, "secret": {"api_key": "sk"}}))
+        .send()
+        .await
+        .unwrap();
+    assert!(put.status().is_success());
+    let lease = client
+        .post(format!("{base}/api/internal/allocate-key"))
+        .header("x-internal-key", INTERNAL_KEY)
+        .header("x-request-id", "req-allocate-7")
+        .json(&json!({"provider": "openai", "model": "gpt-4o", "lease_seconds": 60}))
+        .send()
+        .await
+        .unwrap();
+    let lease = json_body(lease, StatusCode::OK).await;
+
+    // hold the lease's slot row so that a renewal is in flight when SIGTERM arrives
+    let pool = database.pool(1).await;
+    let mut tx = pool.begin().await.unwrap();
+    sqlx::query("SELECT 1 FROM lease_slots WHERE key_id = 'drain-key' FOR UPDATE")
+        .execute(&mut *tx)
+        .await
+        .unwrap();
+    let renew = {
+        let client = client.clone();
+        let url = format!("{base}/api/internal/renew-lease");
+        let body = json!({"provider": "openai", "pool": "default", "key_id": "drain-key", "lease_id": lease["lease_id"], "lease_seconds": 60});
+        tokio::spawn(async move {
+            post_json(&client, &url, ("x-internal-key", INTERNAL_KEY), body)
+                .await
+                .status()
+        })
+    };
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    let pid = nix::unistd::Pid::from_raw(serve.child.id().unwrap() as i32);
+    nix::sys::signal::kill(pid, nix::sys::signal::Signal::SIGTERM).unwrap();
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    // no new connections once draining
+    let refused = reqwest::Client::new()
+        .get(format!("{base}/healthz"))
+        .send()
+        .await;
+    assert!(
+        refused.is_err(),
+        "a new connection was accepted after SIGTERM"
+    );
+    tx.rollback().await.unwrap();
+    assert_eq!(
+        renew.await.unwrap(),
+        StatusCode::OK,
+        "the in-flight renewal did not finish"
+    );
+    assert!(serve.terminate().await.success());
+
+    let mut logged = String::new();
+    std::io::Read::read_to_string(&mut log.reopen().unwrap(), &mut logged).unwrap();
+    let lines: Vec<Value> = logged
+        .lines()
+        .map(|l| {
+            serde_json::from_str(l).unwrap_or_else(|e| panic!("not a JSON log line ({e}): {l}"))
+        })
+        .collect();
+    let granted = lines
+        .iter()
+        .find(|l| l["fields"]["message"] == "lease granted")
+        .expect("a `lease granted` line");
+    // the request's span, with its id, is on the line
+    let spans = granted["spans"].as_array().unwrap();
+    assert!(
+        spans.iter().any(|s| s["request_id"] == "req-allocate-7"),
+        "{granted}"
+    );
+    assert_eq!(granted["fields"]["lease_id"], lease["lease_id"]);
+}

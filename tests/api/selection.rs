@@ -128,7 +128,8 @@ async fn five_failures_within_a_minute_start_a_cooldown_and_fewer_do_not() {
     assert!((58.0..=60.0).contains(&left.unwrap()), "{left:?}");
 
     let response = app.allocate(gpt4o()).await;
-    assert!((58..=60).contains(&retry_after(&response)));
+    let retry = retry_after(&response);
+    assert!((58..=60).contains(&retry), "Retry-After {retry}");
     assert_error(response, StatusCode::TOO_MANY_REQUESTS, "pool_exhausted").await;
     let failures: f64 =
         sqlx::query_scalar("SELECT health_failures FROM credentials WHERE key_id = 'key-a'")

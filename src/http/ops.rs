@@ -1,0 +1,90 @@
+//! Operations routes, unauthenticated and cheap: liveness, readiness, metrics, and the OpenAPI
+//! document itself.
+
+use std::time::Duration;
+
+use axum::Json;
+use axum::extract::State;
+use axum::http::{StatusCode, header};
+use axum::response::{IntoResponse, Response};
+use serde::Serialize;
+use utoipa_axum::router::OpenApiRouter;
+use utoipa_axum::routes;
+
+use super::{AppState, ErrorBody};
+
+/// How long `/readyz` waits for the database before answering "not ready".
+const READY_TIMEOUT: Duration = Duration::from_secs(1);
+
+pub(super) fn routes() -> OpenApiRouter<AppState> {
+    OpenApiRouter::new()
+        .routes(routes!(healthz))
+        .routes(routes!(readyz))
+        .routes(routes!(metrics))
+}
+
+#[derive(Debug, Serialize, utoipa::ToSchema)]
+struct Health {
+    /// `ok` (alive) or `ready` (database reachable, migrations applied).
+    status: &'static str,
+}
+
+/// The process is alive. Touches nothing else.
+#[utoipa::path(get, path = "/healthz", tag = "operations",
+    responses((status = 200, description = "alive", body = Health)))]
+async fn healthz() -> Json<Health> {
+    Json(Health { status: "ok" })
+}
+
+/// The database answers within a second and has every migration this binary expects.
+#[utoipa::path(get, path = "/readyz", tag = "operations",
+    responses(
+        (status = 200, description = "ready", body = Health),
+        (status = 503, description = "`not_ready`: the database is unreachable, slow, or behind on migrations", body = ErrorBody),
+    ))]
+async fn readyz(State(state): State<AppState>) -> Response {
+    let reason = match tokio::time::timeout(READY_TIMEOUT, crate::store::ready(&state.db)).await {
+        Ok(Ok(true)) => return Json(Health { status: "ready" }).into_response(),
+        Ok(Ok(false)) => "the database has not been migrated to this version",
+        Ok(Err(_)) => "the database is unreachable",
+        Err(_) => "the database did not answer within a second",
+    };
+    let body = serde_json::json!({"error": {"code": "not_ready", "message": reason}});
+    (StatusCode::SERVICE_UNAVAILABLE, Json(body)).into_response()
+}
+
+/// Every metric in Prometheus text format (see `src/telemetry.rs` for the series).
+#[utoipa::path(get, path = "/metrics", tag = "operations",
+    responses((status = 200, description = "Prometheus text format", content_type = "text/plain", body = String)))]
+async fn metrics(State(state): State<AppState>) -> Response {
+    (
+        [(header::CONTENT_TYPE, "text/plain; version=0.0.4")],
+        crate::telemetry::render(&state.db),
+    )
+        .into_response()
+}
+
+/// Adds `GET /openapi.json` (served from the document itself) to the document.
+pub(super) fn document_openapi_route(api: &mut utoipa::openapi::OpenApi) {
+    use utoipa::openapi::path::{HttpMethod, OperationBuilder, PathItem};
+    use utoipa::openapi::response::ResponseBuilder;
+    let operation = OperationBuilder::new()
+        .tag("operations")
+        .summary(Some("This OpenAPI document"))
+        .response(
+            "200",
+            ResponseBuilder::new()
+                .description("the OpenAPI 3 document of every route")
+                .content(
+                    "application/json",
+                    utoipa::openapi::ContentBuilder::new()
+                        .schema(Some(utoipa::openapi::ObjectBuilder::new()))
+                        .build(),
+                ),
+        )
+        .build();
+    api.paths.paths.insert(
+        "/openapi.json".to_owned(),
+        PathItem::new(HttpMethod::Get, operation),
+    );
+}

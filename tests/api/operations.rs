@@ -1,0 +1,327 @@
+//! Operating credpool: health and readiness, request ids, the OpenAPI document, metrics that keep
+//! "no capacity" and "store down" apart, and the request timeout.
+
+use std::collections::BTreeSet;
+use std::time::Duration;
+
+use credpool::embedded::EmbeddedCluster;
+use reqwest::StatusCode;
+use serde_json::{Value, json};
+
+use crate::helpers::*;
+
+#[tokio::test]
+async fn health_and_readiness_answer_without_a_key() {
+    let app = TestApp::spawn().await;
+    let health = json_body(
+        app.client.get(app.url("/healthz")).send().await.unwrap(),
+        StatusCode::OK,
+    )
+    .await;
+    assert_eq!(health, json!({"status": "ok"}));
+    let ready = json_body(
+        app.client.get(app.url("/readyz")).send().await.unwrap(),
+        StatusCode::OK,
+    )
+    .await;
+    assert_eq!(ready, json!({"status": "ready"}));
+}
+
+#[tokio::test]
+async fn every_response_carries_a_request_id_taken_from_the_request_or_generated() {
+    let app = TestApp::spawn().await;
+    let echoed = app
+        .client
+        .get(app.url("/healthz"))
+        .header("x-request-id", "trace-me-42")
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(echoed.headers()["x-request-id"], "trace-me-42");
+    let generated = app
+        .client
+        .get(app.url("/no/such/route"))
+        .send()
+        .await
+        .unwrap();
+    let id = generated.headers()["x-request-id"]
+        .to_str()
+        .unwrap()
+        .to_owned();
+    assert_eq!(id.len(), 36, "{id}");
+    let other = app.client.get(app.url("/healthz")).send().await.unwrap();
+    assert_ne!(other.headers()["x-request-id"].to_str().unwrap(), id);
+}
+
+/// Every route the service serves, as (method, path template).
+const ROUTES: [(&str, &str); 14] = [
+    ("post", "/api/internal/allocate-key"),
+    ("post", "/api/internal/release-key"),
+    ("post", "/api/internal/renew-lease"),
+    ("get", "/api/admin/keys"),
+    ("put", "/api/admin/keys/{key_id}"),
+    ("get", "/api/admin/keys/{key_id}"),
+    ("patch", "/api/admin/keys/{key_id}"),
+    ("delete", "/api/admin/keys/{key_id}"),
+    ("post", "/api/admin/keys/{key_id}/release-all"),
+    ("post", "/api/admin/leases/{lease_id}/release"),
+    ("get", "/api/admin/pools"),
+    ("get", "/healthz"),
+    ("get", "/readyz"),
+    ("get", "/metrics"),
+];
+
+#[tokio::test]
+async fn the_openapi_document_covers_every_served_route_with_its_status_codes() {
+    let app = TestApp::spawn().await;
+    let doc = json_body(
+        app.client
+            .get(app.url("/openapi.json"))
+            .send()
+            .await
+            .unwrap(),
+        StatusCode::OK,
+    )
+    .await;
+    assert!(doc["openapi"].as_str().unwrap().starts_with("3."));
+    let documented: BTreeSet<(String, String)> = doc["paths"]
+        .as_object()
+        .unwrap()
+        .iter()
+        .flat_map(|(path, item)| {
+            item.as_object()
+                .unwrap()
+                .keys()
+                .map(move |m| (m.clone(), path.clone()))
+        })
+        .collect();
+    let mut expected: BTreeSet<(String, String)> = ROUTES
+        .iter()
+        .map(|(m, p)| (m.to_string(), p.to_string()))
+        .collect();
+    expected.insert(("get".into(), "/openapi.json".into()));
+    assert_eq!(documented, expected);
+
+    // every documented operation is really served: a request reaches its handler (whatever it
+    // then answers), never the router's "no such route" or "method not allowed"
+    for (method, path) in &documented {
+        let concrete = path
+            .replace("{key_id}", "some-key")
+            .replace("{lease_id}", &"ab".repeat(16));
+        let response = app
+            .client
+            .request(method.to_uppercase().parse().unwrap(), app.url(&concrete))
+            .header("x-admin-key", ADMIN_KEY)
+            .header("x-internal-key", INTERNAL_KEY)
+            .json(&json!({}))
+            .send()
+            .await
+            .unwrap();
+        let body: Value = response.json().await.unwrap_or(Value::Null);
+        let code = body["error"]["code"].as_str().unwrap_or_default();
+        assert!(
+            code != "route_not_found" && code != "method_not_allowed",
+            "{method} {path}: {code}"
+        );
+    }
+
+    // every executor and operator route documents its error codes in the shared error shape
+    for (method, path) in ROUTES.iter().filter(|(_, p)| p.starts_with("/api/")) {
+        let responses = &doc["paths"][path][method]["responses"];
+        for status in ["401", "503"] {
+            let schema = &responses[status]["content"]["application/json"]["schema"]["$ref"];
+            assert_eq!(
+                schema, "#/components/schemas/ErrorBody",
+                "{method} {path} {status}"
+            );
+        }
+    }
+    let allocate = &doc["paths"]["/api/internal/allocate-key"]["post"]["responses"];
+    for status in [
+        "200", "400", "401", "404", "409", "413", "415", "429", "500", "503",
+    ] {
+        assert!(
+            allocate.get(status).is_some(),
+            "allocate does not document {status}"
+        );
+    }
+    assert!(allocate["429"]["headers"].get("Retry-After").is_some());
+    assert!(
+        allocate["409"]["description"]
+            .as_str()
+            .unwrap()
+            .contains("model_not_supported")
+    );
+    assert!(
+        doc["paths"]["/api/internal/renew-lease"]["post"]["responses"]
+            .get("410")
+            .is_some()
+    );
+    assert!(
+        doc["components"]["securitySchemes"]
+            .get("internal_key")
+            .is_some()
+    );
+}
+
+/// The value of one series of `credpool_allocations_total` in a Prometheus text page.
+fn allocations(page: &str, provider: &str, result: &str) -> f64 {
+    page.lines()
+        .filter(|l| l.starts_with("credpool_allocations_total{"))
+        .filter(|l| {
+            l.contains(&format!("provider=\"{provider}\""))
+                && l.contains(&format!("result=\"{result}\""))
+        })
+        .map(|l| l.rsplit(' ').next().unwrap().parse::<f64>().unwrap())
+        .sum()
+}
+
+async fn metrics(client: &reqwest::Client, base: &str) -> String {
+    client
+        .get(format!("{base}/metrics"))
+        .send()
+        .await
+        .unwrap()
+        .text()
+        .await
+        .unwrap()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_stopped_database_is_store_unavailable_and_never_pool_exhausted_and_readiness_follows_it()
+{
+    let dir = tempfile::Builder::new()
+        .prefix("credpool-outage-")
+        .tempdir_in("/tmp")
+        .unwrap();
+    let cluster = EmbeddedCluster::start(dir.path(), None).await.unwrap();
+    let options = cluster.connect_options();
+    credpool::store::migrate(&sqlx::PgPool::connect_with(options.clone()).await.unwrap())
+        .await
+        .unwrap();
+    let pool = credpool::store::connect_lazy(
+        options,
+        &credpool::store::PoolSettings {
+            max_connections: 4,
+            acquire_timeout: Duration::from_millis(500),
+        },
+    );
+    let (addr, _stop) = serve(pool, &AppOptions::default()).await;
+    let base = format!("http://{addr}");
+    let client = client();
+    let provider = format!("outage{}", hex::encode(rand::random::<[u8; 3]>()));
+    let put = client
+        .put(format!("{base}/api/admin/keys/outage-key"))
+        .header("x-admin-key", ADMIN_KEY)
+        .json(&json!({"provider": provider, "models": ["gpt-4o"], "max_concurrent_uses": 1, "secret": {"api_key": "sk"}}))
+        .send()
+        .await
+        .unwrap();
+    assert!(put.status().is_success());
+    let allocate = || {
+        let client = client.clone();
+        let url = format!("{base}/api/internal/allocate-key");
+        let body = json!({"provider": provider, "model": "gpt-4o", "lease_seconds": 600});
+        async move { post_json(&client, &url, ("x-internal-key", INTERNAL_KEY), body).await }
+    };
+    let held = json_body(allocate().await, StatusCode::OK).await;
+    assert_error(
+        allocate().await,
+        StatusCode::TOO_MANY_REQUESTS,
+        "pool_exhausted",
+    )
+    .await;
+    let before = metrics(&client, &base).await;
+    assert_eq!(allocations(&before, &provider, "pool_exhausted"), 1.0);
+    assert_eq!(allocations(&before, &provider, "store_unavailable"), 0.0);
+
+    cluster.stop().await;
+    for _ in 0..3 {
+        assert_error(
+            allocate().await,
+            StatusCode::SERVICE_UNAVAILABLE,
+            "store_unavailable",
+        )
+        .await;
+    }
+    let ready = client.get(format!("{base}/readyz")).send().await.unwrap();
+    assert_error(ready, StatusCode::SERVICE_UNAVAILABLE, "not_ready").await;
+    let during = metrics(&client, &base).await;
+    assert_eq!(allocations(&during, &provider, "store_unavailable"), 3.0);
+    assert_eq!(
+        allocations(&during, &provider, "pool_exhausted"),
+        1.0,
+        "a store outage counted as no capacity"
+    );
+    assert!(
+        during.contains("credpool_db_acquire_timeouts_total")
+            || during.contains("credpool_db_acquire_seconds")
+    );
+
+    // the database comes back: the service recovers without a restart, and the lease granted
+    // before the outage still holds its slot
+    let cluster = EmbeddedCluster::start(dir.path(), None).await.unwrap();
+    let mut ready = false;
+    for _ in 0..50 {
+        if client
+            .get(format!("{base}/readyz"))
+            .send()
+            .await
+            .unwrap()
+            .status()
+            == StatusCode::OK
+        {
+            ready = true;
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+    assert!(ready, "readiness did not recover");
+    assert_error(
+        allocate().await,
+        StatusCode::TOO_MANY_REQUESTS,
+        "pool_exhausted",
+    )
+    .await;
+    let released = post_json(
+        &client,
+        &format!("{base}/api/internal/release-key"),
+        ("x-internal-key", INTERNAL_KEY),
+        release_body(&held, "success"),
+    )
+    .await;
+    assert_eq!(json_body(released, StatusCode::OK).await["released"], true);
+    json_body(allocate().await, StatusCode::OK).await;
+    cluster.stop().await;
+}
+
+#[tokio::test]
+async fn a_request_stuck_on_the_database_is_answered_503_within_the_request_timeout() {
+    let mut options = AppOptions::default();
+    options.settings.request_timeout = Duration::from_millis(500);
+    let app = TestApp::spawn_with(options).await;
+    app.put_key("key-a", "openai", "default", &["gpt-4o"], 1)
+        .await;
+    let lease: Value = json_body(
+        app.allocate(json!({"provider": "openai", "model": "gpt-4o", "lease_seconds": 60}))
+            .await,
+        StatusCode::OK,
+    )
+    .await;
+    // another session holds the lease's slot row: the renewal waits for it
+    let mut tx = app.db.begin().await.unwrap();
+    sqlx::query("SELECT 1 FROM lease_slots WHERE key_id = 'key-a' FOR UPDATE")
+        .execute(&mut *tx)
+        .await
+        .unwrap();
+    let mut renew = release_body(&lease, "success");
+    renew.as_object_mut().unwrap().remove("outcome");
+    assert_error(
+        app.renew(renew.clone()).await,
+        StatusCode::SERVICE_UNAVAILABLE,
+        "store_unavailable",
+    )
+    .await;
+    tx.rollback().await.unwrap();
+    json_body(app.renew(renew).await, StatusCode::OK).await;
+}
