@@ -199,7 +199,35 @@ fn health_score(
 struct PoolSlot {
     view: RwLock<Option<PoolView>>,
     reloading: tokio::sync::Mutex<()>,
+    /// While a reload reads the pool: the credentials this process freed a slot of meanwhile.
+    /// Locked only while holding `view`'s write lock.
+    freed_while_reading: Mutex<Option<Vec<KeyId>>>,
     last_used: Mutex<Option<Instant>>,
+}
+
+/// Ends a reload's recording of releases, also when the reload fails or is cancelled.
+struct ReadingReleases<'a>(&'a PoolSlot);
+
+impl<'a> ReadingReleases<'a> {
+    fn start(slot: &'a PoolSlot) -> Self {
+        let _view = slot.view.write().unwrap_or_else(|p| p.into_inner());
+        *slot
+            .freed_while_reading
+            .lock()
+            .unwrap_or_else(|p| p.into_inner()) = Some(Vec::new());
+        Self(slot)
+    }
+}
+
+impl Drop for ReadingReleases<'_> {
+    fn drop(&mut self) {
+        let _view = self.0.view.write().unwrap_or_else(|p| p.into_inner());
+        *self
+            .0
+            .freed_while_reading
+            .lock()
+            .unwrap_or_else(|p| p.into_inner()) = None;
+    }
 }
 
 type PoolKey = (ProviderName, PoolName);
@@ -324,11 +352,31 @@ impl CandidateViews {
                 return Ok(());
             }
         }
+        let reading = ReadingReleases::start(&slot);
         let mut conn = self.db.acquire().await?;
         let snapshot = candidates::load_pool(&mut conn, provider, pool).await?;
         drop(conn);
-        let view = PoolView::from_snapshot(snapshot, &self.scoring, &self.health);
-        *slot.view.write().unwrap_or_else(|p| p.into_inner()) = Some(view);
+        let mut view = PoolView::from_snapshot(snapshot, &self.scoring, &self.health);
+        let mut guard = slot.view.write().unwrap_or_else(|p| p.into_inner());
+        // A release this process made while the read ran may have committed after the read's
+        // snapshot: the new view would show its slot taken until the next reload, and enough
+        // such slots answer 429 with credentials free. Apply them again. One the snapshot already
+        // saw is then counted twice, which errs the safe way (a view that thinks a slot free costs
+        // one claim; one that thinks it taken hides it).
+        let freed = slot
+            .freed_while_reading
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .take()
+            .unwrap_or_default();
+        for key_id in &freed {
+            view.change(key_id, |entry, _| {
+                entry.facts.in_flight = (entry.facts.in_flight - 1).max(0);
+            });
+        }
+        *guard = Some(view);
+        drop(guard);
+        drop(reading);
         Ok(())
     }
 
@@ -388,15 +436,30 @@ impl CandidateViews {
         freed: bool,
         health: Option<Health>,
     ) {
+        let Some(slot) = self.existing(provider, pool) else {
+            return;
+        };
         let (scoring, decay) = (&self.scoring, &self.health);
-        self.update(provider, pool, key_id, |entry, now| {
-            if freed {
-                entry.facts.in_flight = (entry.facts.in_flight - 1).max(0);
-            }
-            if let Some(health) = health {
-                entry.health_score = health_score(&health, now, scoring, decay);
-                entry.facts.health = health;
-            }
-        });
+        let mut guard = slot.view.write().unwrap_or_else(|p| p.into_inner());
+        if let Some(view) = guard.as_mut() {
+            view.change(key_id, |entry, now| {
+                if freed {
+                    entry.facts.in_flight = (entry.facts.in_flight - 1).max(0);
+                }
+                if let Some(health) = health {
+                    entry.health_score = health_score(&health, now, scoring, decay);
+                    entry.facts.health = health;
+                }
+            });
+        }
+        if freed
+            && let Some(freed_while_reading) = slot
+                .freed_while_reading
+                .lock()
+                .unwrap_or_else(|p| p.into_inner())
+                .as_mut()
+        {
+            freed_while_reading.push(key_id.clone());
+        }
     }
 }

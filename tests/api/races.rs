@@ -1,7 +1,8 @@
 //! Race tests (DESIGN.md "Invariants the tests must prove"): 64 concurrent allocations of one
 //! credential give exactly `limit` winners, every round, for limits 1, 2 and 5 — through HTTP, and
 //! straight through the claim statement on 64 separate connections; 80 concurrent allocations over
-//! 100 free credentials give 80 winners on 80 distinct credentials.
+//! 100 free credentials give 80 winners on 80 distinct credentials, also while the candidate view
+//! is refreshed under concurrent releases.
 
 use std::collections::HashSet;
 use std::sync::Arc;
@@ -168,13 +169,46 @@ async fn statement_race_limit_5_never_oversells_or_underfills() {
 async fn eighty_racers_over_a_hundred_free_credentials_get_eighty_distinct_credentials() {
     let _turn = race_turn().await;
     let app = Arc::new(race_app().await);
-    for i in 0..100 {
-        app.put_key(&format!("wide-{i:03}"), "openai", "default", &["gpt-4o"], 1)
-            .await;
+    wide_race(&app, "wide", 100, 80, race_rounds().min(20)).await;
+}
+
+/// The candidate view refreshed every 20 ms, so refreshes keep overlapping the releases
+/// between rounds: a refresh that read the pool before a release committed must not leave the
+/// released credential looking busy (that once answered 429 with free credentials left).
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_view_refresh_overlapping_releases_never_hides_a_free_credential() {
+    let _turn = race_turn().await;
+    let mut options = AppOptions {
+        db_max_connections: RACERS as u32,
+        ..AppOptions::default()
+    };
+    options.settings.view_refresh = std::time::Duration::from_millis(20);
+    let app = Arc::new(TestApp::spawn_with(options).await);
+    wide_race(&app, "snug", 64, 64, race_rounds()).await;
+}
+
+/// `racers` concurrent allocations over `credentials` free limit-1 credentials in the default
+/// pool, every round: each must win, on distinct credentials; then all are released.
+async fn wide_race(
+    app: &Arc<TestApp>,
+    prefix: &str,
+    credentials: usize,
+    racers: usize,
+    rounds: usize,
+) {
+    for i in 0..credentials {
+        app.put_key(
+            &format!("{prefix}-{i:03}"),
+            "openai",
+            "default",
+            &["gpt-4o"],
+            1,
+        )
+        .await;
     }
-    for round in 0..race_rounds().min(20) {
-        let barrier = Arc::new(Barrier::new(80));
-        let tasks: Vec<_> = (0..80)
+    for round in 0..rounds {
+        let barrier = Arc::new(Barrier::new(racers));
+        let tasks: Vec<_> = (0..racers)
             .map(|_| {
                 let (app, barrier) = (app.clone(), barrier.clone());
                 tokio::spawn(async move {
@@ -196,15 +230,21 @@ async fn eighty_racers_over_a_hundred_free_credentials_get_eighty_distinct_crede
             .iter()
             .map(|l| l["key_id"].as_str().unwrap().to_owned())
             .collect();
-        assert_eq!(distinct.len(), 80, "round {round}");
-        // release everything for the next round
-        for lease in &leases {
-            let body = json_body(
-                app.release(release_body(lease, "success")).await,
-                StatusCode::OK,
-            )
-            .await;
-            assert_eq!(body["released"], true);
+        assert_eq!(distinct.len(), racers, "round {round}");
+
+        // release everything for the next round, all at once
+        let releases: Vec<_> = leases
+            .into_iter()
+            .map(|lease| {
+                let app = app.clone();
+                tokio::spawn(async move {
+                    let response = app.release(release_body(&lease, "success")).await;
+                    json_body(response, StatusCode::OK).await
+                })
+            })
+            .collect();
+        for release in releases {
+            assert_eq!(release.await.unwrap()["released"], true, "round {round}");
         }
     }
 }
