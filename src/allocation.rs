@@ -13,6 +13,7 @@ use crate::candidates::{CandidateViews, PoolView, unix_seconds};
 use crate::domain::{
     Holder, KeyId, LeaseId, LeaseSeconds, ModelName, PoolName, ProviderName, Secret,
 };
+use crate::groups::Groups;
 use crate::health::HealthPolicy;
 use crate::scoring::{self, ScoringPolicy};
 use crate::secrets::{Keyring, SecretsError};
@@ -219,6 +220,31 @@ fn judge<R: rand::Rng + ?Sized>(
     }
 }
 
+/// The best `take` candidates of `view` for `model`, best first, ranked over at most `window`
+/// free ones (the ranking every allocation runs; public for the ranking benchmark). Empty when
+/// the view has no usable candidate serving the model.
+pub fn rank<R: rand::Rng + ?Sized>(
+    view: &PoolView,
+    model: &ModelName,
+    take: usize,
+    window: usize,
+    scoring_policy: &ScoringPolicy,
+    rng: &mut R,
+) -> Vec<KeyId> {
+    match judge(
+        view,
+        model,
+        &HashSet::new(),
+        take,
+        window,
+        scoring_policy,
+        rng,
+    ) {
+        PoolVerdict::Try { batch, .. } => batch,
+        _ => Vec::new(),
+    }
+}
+
 /// Whole seconds from `now` until `at` of `soonest = (at, now)`, rounded up, at least 1 (the
 /// `Retry-After` rule); 1 when nothing is known to end (a claim lost a race for a free slot).
 fn retry_after_seconds(soonest: Option<(OffsetDateTime, OffsetDateTime)>) -> u64 {
@@ -274,25 +300,35 @@ const MAX_CLAIMS_PER_POOL: usize = 16;
 #[derive(Debug, Clone)]
 pub struct Allocator {
     db: PgPool,
+    groups: Groups,
     views: Arc<CandidateViews>,
     claims: ClaimSettings,
     keyring: Arc<Keyring>,
 }
 
 impl Allocator {
-    /// An allocator over `db`, ranking from `views`, opening secrets with `keyring`.
+    /// An allocator over `db`, claiming through `groups`, ranking from `views`, opening secrets
+    /// with `keyring`.
     pub fn new(
         db: PgPool,
+        groups: Groups,
         views: Arc<CandidateViews>,
         claims: ClaimSettings,
         keyring: Arc<Keyring>,
     ) -> Self {
         Self {
             db,
+            groups,
             views,
             claims,
             keyring,
         }
+    }
+
+    /// The group queues this allocator claims through (releases and renewals go through them
+    /// too).
+    pub fn groups(&self) -> &Groups {
+        &self.groups
     }
 
     /// The candidate views this allocator ranks from.
@@ -424,10 +460,7 @@ impl Allocator {
                 holder: request.holder.as_ref(),
                 lease_seconds: request.lease_seconds,
             };
-            let result = {
-                let mut conn = crate::store::acquire(&self.db).await?;
-                leases::claim_slot(&mut *conn, &claim).await?
-            };
+            let result = self.groups.claim(&claim).await?;
             let view_version = self.views.with_view(provider, pool, |v| v.version).await?.0;
             let stale = result.pool_version != view_version;
             if let Some(granted) = result.granted {
@@ -469,7 +502,9 @@ impl Allocator {
                             outcome: None,
                             retry_after_seconds: None,
                         };
-                        leases::release(&self.db, &release, &HealthPolicy::default()).await?;
+                        self.groups
+                            .release(release, &HealthPolicy::default())
+                            .await?;
                         return Err(AllocateError::SecretUnreadable {
                             key_id: granted.key_id,
                             error,

@@ -30,6 +30,10 @@ pub struct Entry {
     /// The weighted health terms of its score ([`scoring::health_score`]), as of the last
     /// (re)load or report.
     pub health_score: f64,
+    /// A claim found no free slot on it since the last load or release: treat it as full. Kept
+    /// apart from `facts.in_flight` so that a grant noted after it (the grant that took the last
+    /// slot, committed later) does not count twice and outlive its release.
+    pub claimed_full: bool,
 }
 
 /// `at` as Unix seconds.
@@ -78,11 +82,15 @@ impl RankRow {
                 UsableFrom::Never => f64::INFINITY,
             },
             next_lease_end: facts.next_lease_end.map_or(f64::INFINITY, unix_seconds),
-            in_flight: facts.in_flight,
+            in_flight: if entry.claimed_full {
+                facts.in_flight.max(i64::from(facts.max_concurrent_uses))
+            } else {
+                facts.in_flight
+            },
             limit: facts.max_concurrent_uses,
             inv_limit: 1.0 / f64::from(facts.max_concurrent_uses.max(1)),
             available: facts.health.status == crate::domain::Status::Available,
-            slot0_free: facts.slot0_free,
+            slot0_free: facts.slot0_free && !entry.claimed_full,
             over_limit: facts.slots_over_limit,
         }
     }
@@ -123,7 +131,9 @@ pub struct PoolView {
 }
 
 impl PoolView {
-    pub(crate) fn from_snapshot(
+    /// A view of `snapshot`, with each credential's health score precomputed under `scoring`
+    /// and `health`.
+    pub fn from_snapshot(
         snapshot: PoolSnapshot,
         scoring: &ScoringPolicy,
         health: &HealthPolicy,
@@ -134,6 +144,7 @@ impl PoolView {
             .map(|facts| Entry {
                 health_score: health_score(&facts.health, snapshot.db_now, scoring, health),
                 facts,
+                claimed_full: false,
             })
             .collect();
         let index = entries
@@ -372,6 +383,7 @@ impl CandidateViews {
         for key_id in &freed {
             view.change(key_id, |entry, _| {
                 entry.facts.in_flight = (entry.facts.in_flight - 1).max(0);
+                entry.claimed_full = false;
             });
         }
         *guard = Some(view);
@@ -417,11 +429,7 @@ impl CandidateViews {
     pub fn note_full(&self, provider: &ProviderName, pool: &PoolName, key_ids: &[KeyId]) {
         for key_id in key_ids {
             self.update(provider, pool, key_id, |entry, _| {
-                entry.facts.in_flight = entry
-                    .facts
-                    .in_flight
-                    .max(i64::from(entry.facts.max_concurrent_uses));
-                entry.facts.slot0_free = false;
+                entry.claimed_full = true;
             });
         }
     }
@@ -445,6 +453,7 @@ impl CandidateViews {
             view.change(key_id, |entry, now| {
                 if freed {
                     entry.facts.in_flight = (entry.facts.in_flight - 1).max(0);
+                    entry.claimed_full = false;
                 }
                 if let Some(health) = health {
                     entry.health_score = health_score(&health, now, scoring, decay);
@@ -461,5 +470,83 @@ impl CandidateViews {
         {
             freed_while_reading.push(key_id.clone());
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::domain::{LeaseId, Status};
+
+    fn now() -> OffsetDateTime {
+        OffsetDateTime::from_unix_timestamp(1_800_000_000).unwrap()
+    }
+
+    /// Views holding one limit-1 credential `a`, free, in openai/default (never read from a
+    /// database: the pool is lazy and unused).
+    fn views_with_one_credential() -> (Arc<CandidateViews>, ProviderName, PoolName, KeyId) {
+        let db = sqlx::postgres::PgPoolOptions::new()
+            .connect_lazy("postgres://nobody@127.0.0.1:1/none")
+            .unwrap();
+        let views = CandidateViews::new(db, ScoringPolicy::default(), HealthPolicy::default());
+        let (provider, pool) = (
+            ProviderName::parse("openai").unwrap(),
+            PoolName::default_pool(),
+        );
+        let key_id = KeyId::parse("a").unwrap();
+        let facts = CredentialFacts {
+            key_id: key_id.clone(),
+            models: vec!["gpt-4o".into()],
+            aliases: Default::default(),
+            max_concurrent_uses: 1,
+            health: Health::new(Status::Available),
+            slots_over_limit: false,
+            draining: false,
+            in_flight: 0,
+            slot0_free: true,
+            next_lease_end: None,
+            last_used_at: None,
+        };
+        let snapshot = PoolSnapshot {
+            version: Some(1),
+            db_now: now(),
+            read_at: Instant::now(),
+            credentials: vec![facts],
+        };
+        let view = PoolView::from_snapshot(snapshot, &views.scoring, &views.health);
+        *views.slot(&provider, &pool).view.write().unwrap() = Some(view);
+        (views, provider, pool, key_id)
+    }
+
+    fn free_slots(views: &CandidateViews, provider: &ProviderName, pool: &PoolName) -> i64 {
+        let slot = views.existing(provider, pool).unwrap();
+        let guard = slot.view.read().unwrap();
+        let view = guard.as_ref().unwrap();
+        view.rows[0].free_slots(unix_seconds(view.now()))
+    }
+
+    #[tokio::test]
+    async fn a_slot_seen_taken_before_its_grant_is_noted_is_free_again_after_the_release() {
+        let (views, provider, pool, key_id) = views_with_one_credential();
+        assert_eq!(free_slots(&views, &provider, &pool), 1);
+        // another request's claim found the slot locked by a grant not yet committed...
+        views.note_full(&provider, &pool, std::slice::from_ref(&key_id));
+        assert_eq!(free_slots(&views, &provider, &pool), 0);
+        // ...then that grant committed and was noted...
+        let lease = GrantedLease {
+            key_id: key_id.clone(),
+            lease_id: LeaseId::generate(),
+            granted_at: now(),
+            lease_until: now() + time::Duration::seconds(600),
+            probe: false,
+            provider_model: "gpt-4o".into(),
+            sealed_secret: vec![],
+            pruned_expired: false,
+        };
+        views.note_grant(&provider, &pool, &lease);
+        assert_eq!(free_slots(&views, &provider, &pool), 0);
+        // ...and released: the credential is free, not counted busy until the next reload
+        views.note_release(&provider, &pool, &key_id, true, None);
+        assert_eq!(free_slots(&views, &provider, &pool), 1);
     }
 }

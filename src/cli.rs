@@ -45,7 +45,8 @@ fn print_json(value: &impl Serialize) -> anyhow::Result<()> {
     Ok(())
 }
 
-fn table(header: &[&str]) -> Table {
+/// A table in the style of every CLI listing, with this header.
+pub(crate) fn table(header: &[&str]) -> Table {
     let mut table = Table::new();
     table
         .load_style(UTF8_BORDERS_ONLY)

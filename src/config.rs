@@ -7,6 +7,7 @@ use std::time::Duration;
 use clap::{Args, Parser, Subcommand};
 
 use crate::allocation::ClaimSettings;
+use crate::groups::GroupSettings;
 use crate::health::HealthPolicy;
 use crate::scoring::ScoringPolicy;
 use crate::store::PoolSettings;
@@ -56,6 +57,11 @@ pub enum Command {
     Cron(CronArgs),
     /// Run one cleanup pass now (reap expired leases, record ended cooldowns, purge old audit rows).
     Maintenance(MaintenanceRunArgs),
+    /// Measure throughput and latency: simulated executors allocate and release as fast as they
+    /// can on a pool of bench credentials (created for the run, removed after), through the
+    /// service and optionally through the raw-SQL baseline; exits non-zero on any error or
+    /// oversell.
+    Bench(BenchArgs),
 }
 
 /// How often the cleanup runs and what it keeps.
@@ -414,6 +420,24 @@ pub struct ServiceArgs {
           value_parser = clap::value_parser!(u64).range(100..=3_600_000))]
     pub view_refresh_ms: u64,
 
+    /// Most claims (or releases, or renewals) run in one transaction with one commit (group
+    /// claiming); 1 turns grouping off.
+    #[arg(long, env = "CREDPOOL_GROUP_MAX_SIZE", default_value_t = GroupSettings::default().max_size as u32,
+          value_parser = clap::value_parser!(u32).range(1..=10_000))]
+    pub group_max_size: u32,
+
+    /// Microseconds a group waits for more operations once it has its first; 0 sends what is
+    /// queued at once (a lone request is never delayed).
+    #[arg(long, env = "CREDPOOL_GROUP_WAIT_US", default_value_t = GroupSettings::default().max_wait.as_micros() as u64,
+          value_parser = clap::value_parser!(u64).range(0..=1_000_000))]
+    pub group_wait_us: u64,
+
+    /// Group transactions of each kind (claims, releases, renewals) in flight at once; each holds
+    /// one database connection while it runs.
+    #[arg(long, env = "CREDPOOL_GROUP_TRANSACTIONS", default_value_t = GroupSettings::default().transactions as u32,
+          value_parser = clap::value_parser!(u32).range(1..=256))]
+    pub group_transactions: u32,
+
     /// Scoring weights.
     #[command(flatten)]
     pub scoring: ScoringArgs,
@@ -434,6 +458,11 @@ impl ServiceArgs {
                 rank_window: self.rank_window as usize,
             },
             view_refresh: Duration::from_millis(self.view_refresh_ms),
+            groups: GroupSettings {
+                max_size: self.group_max_size as usize,
+                max_wait: Duration::from_micros(self.group_wait_us),
+                transactions: self.group_transactions as usize,
+            },
             request_timeout: Duration::from_millis(self.request_timeout_ms),
             scoring: self.scoring.policy(),
             health: self.health.policy(),
@@ -451,6 +480,8 @@ pub struct ServiceSettings {
     pub claims: ClaimSettings,
     /// How often candidate views are re-read.
     pub view_refresh: Duration,
+    /// How claims, releases and renewals are grouped into transactions.
+    pub groups: GroupSettings,
     /// The longest a request may take before it is answered 503.
     pub request_timeout: Duration,
     /// Scoring weights.
@@ -460,13 +491,15 @@ pub struct ServiceSettings {
 }
 
 impl Default for ServiceSettings {
-    /// Leases up to 3600 s; 8 candidates in the first claim; views re-read every 5 s; requests
+    /// Leases up to 3600 s; 8 candidates in the first claim; views re-read every 5 s; the
+    /// grouping defaults; requests
     /// answered within 10 s; the policies' defaults.
     fn default() -> Self {
         Self {
             max_lease_seconds: 3600,
             claims: ClaimSettings::default(),
             view_refresh: Duration::from_secs(5),
+            groups: GroupSettings::default(),
             request_timeout: Duration::from_secs(10),
             scoring: ScoringPolicy::default(),
             health: HealthPolicy::default(),
@@ -614,4 +647,89 @@ pub struct DemoArgs {
     #[arg(long, env = "CREDPOOL_DEMO_LEASE_SECONDS", default_value_t = 3,
           value_parser = clap::value_parser!(u32).range(1..=3600))]
     pub lease_seconds: u32,
+}
+
+/// The baseline `credpool bench` can measure next to the service.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+pub enum BenchBaseline {
+    /// The per-request claim and release statements straight on the database, one connection
+    /// per executor, no HTTP and no grouping.
+    Sql,
+}
+
+/// `credpool bench`.
+#[derive(Debug, Clone, Args)]
+pub struct BenchArgs {
+    /// Database settings (the bench credentials, the baseline and the oversell check use it; the
+    /// in-process service runs on it).
+    #[command(flatten)]
+    pub db: DatabaseArgs,
+
+    /// Master keys (the bench credentials are sealed like any other; with --url, give the
+    /// service's).
+    #[command(flatten)]
+    pub secrets: SecretArgs,
+
+    /// Behaviour of the in-process service.
+    #[command(flatten)]
+    pub service: ServiceArgs,
+
+    /// Drive a running credpool at this base URL (`http://host:port`) instead of one started
+    /// in-process; it must use the same database.
+    #[arg(long, env = "CREDPOOL_BENCH_URL")]
+    pub url: Option<String>,
+
+    /// The executor API key of the service at --url.
+    #[arg(long, env = "CREDPOOL_INTERNAL_KEY", hide_env_values = true)]
+    pub internal_key: Option<String>,
+
+    /// Also measure this baseline first, on the same credentials in the same run.
+    #[arg(long, env = "CREDPOOL_BENCH_BASELINE", value_enum)]
+    pub baseline: Option<BenchBaseline>,
+
+    /// Concurrent simulated executors.
+    #[arg(long, env = "CREDPOOL_BENCH_EXECUTORS", default_value_t = 64,
+          value_parser = clap::value_parser!(u32).range(1..=10_000))]
+    pub executors: u32,
+
+    /// Seconds measured, per mode.
+    #[arg(long, env = "CREDPOOL_BENCH_DURATION_SECONDS", default_value_t = 10,
+          value_parser = clap::value_parser!(u64).range(1..=86_400))]
+    pub duration_seconds: u64,
+
+    /// Seconds of unmeasured warm-up before each mode.
+    #[arg(long, env = "CREDPOOL_BENCH_WARMUP_SECONDS", default_value_t = 2,
+          value_parser = clap::value_parser!(u64).range(0..=3_600))]
+    pub warmup_seconds: u64,
+
+    /// Milliseconds each executor holds a lease before releasing it.
+    #[arg(long, env = "CREDPOOL_BENCH_HOLD_MS", default_value_t = 0,
+          value_parser = clap::value_parser!(u64).range(0..=3_600_000))]
+    pub hold_ms: u64,
+
+    /// Credentials in the bench pool.
+    #[arg(long, env = "CREDPOOL_BENCH_CREDENTIALS", default_value_t = 1000,
+          value_parser = clap::value_parser!(u32).range(1..=100_000))]
+    pub credentials: u32,
+
+    /// max_concurrent_uses of each bench credential.
+    #[arg(long, env = "CREDPOOL_BENCH_LIMIT", default_value_t = 4,
+          value_parser = clap::value_parser!(u32).range(1..=10_000))]
+    pub limit: u32,
+
+    /// Hot-spot mode: every executor wants the same N credentials (the rest of the pool serves
+    /// another model). 0: every credential serves every executor.
+    #[arg(long, env = "CREDPOOL_BENCH_HOT_SPOT", default_value_t = 0)]
+    pub hot_spot: u32,
+
+    /// Lease length the executors ask for, in seconds.
+    #[arg(long, env = "CREDPOOL_BENCH_LEASE_SECONDS", default_value_t = 60,
+          value_parser = clap::value_parser!(u32).range(1..=86_400))]
+    pub lease_seconds: u32,
+
+    /// Historical trail rows to add first (leases on the bench credentials over the last 29
+    /// days; they stay in the trail), to measure against a large audit trail.
+    #[arg(long, env = "CREDPOOL_BENCH_AUDIT_ROWS", default_value_t = 0,
+          value_parser = clap::value_parser!(u64).range(0..=1_000_000_000))]
+    pub audit_rows: u64,
 }

@@ -19,6 +19,7 @@
 //! - [`config`]: flags and environment variables.
 
 pub mod allocation;
+pub mod bench;
 pub mod candidates;
 pub mod cli;
 pub mod config;
@@ -26,6 +27,7 @@ pub mod database;
 pub mod demo;
 pub mod domain;
 pub mod embedded;
+pub mod groups;
 pub mod health;
 pub mod http;
 pub mod scoring;
@@ -58,6 +60,7 @@ pub async fn run(cli: config::Cli) -> anyhow::Result<std::process::ExitCode> {
         Command::Serve(args) => startup::serve(args).await?,
         Command::Migrate(args) => startup::migrate(args).await?,
         Command::Demo(args) => return demo::run(args).await,
+        Command::Bench(args) => return bench::run(args).await,
         Command::Keys(args) => cli::keys(args).await?,
         Command::Leases(args) => cli::leases(args).await?,
         Command::Pools(args) => cli::pools(args).await?,

@@ -12,7 +12,7 @@ async fn main() -> ExitCode {
     let cli = Cli::parse();
     // the demo prints its own summary; its per-lease log lines would bury it
     let default_filter = match cli.command {
-        Command::Demo(_) => "warn",
+        Command::Demo(_) | Command::Bench(_) => "warn",
         _ => "credpool=info,warn",
     };
     let filter =

@@ -16,6 +16,7 @@ use crate::allocation::Allocator;
 use crate::candidates::CandidateViews;
 use crate::config::{DatabaseArgs, SecretArgs, ServeArgs, ServiceSettings};
 use crate::database::Database;
+use crate::groups::Groups;
 use crate::http::{self, ApiKeys, AppState};
 use crate::secrets::{Keyring, MasterKey};
 use crate::store::{self, credentials::Actor};
@@ -51,7 +52,13 @@ impl Application {
         );
         views.spawn_refresher(settings.view_refresh, VIEW_FORGET_AFTER);
         let state = AppState {
-            allocator: Allocator::new(db.clone(), views, settings.claims, keyring.clone()),
+            allocator: Allocator::new(
+                db.clone(),
+                Groups::start(db.clone(), settings.groups),
+                views,
+                settings.claims,
+                keyring.clone(),
+            ),
             db,
             keys,
             max_lease_seconds: settings.max_lease_seconds,

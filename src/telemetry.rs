@@ -11,7 +11,7 @@ use std::sync::OnceLock;
 use std::time::Duration;
 
 use metrics::{counter, gauge, histogram};
-use metrics_exporter_prometheus::{PrometheusBuilder, PrometheusHandle};
+use metrics_exporter_prometheus::{Matcher, PrometheusBuilder, PrometheusHandle};
 use sqlx::PgPool;
 
 /// Allocations by `provider`, `pool` (asked for), `served_pool` (after any fallback; empty unless
@@ -46,6 +46,10 @@ pub const DB_ACQUIRE_SECONDS: &str = "credpool_db_acquire_seconds";
 /// Requests that gave up waiting for a database connection.
 pub const DB_ACQUIRE_TIMEOUTS: &str = "credpool_db_acquire_timeouts_total";
 
+/// Operations per group transaction (src/groups.rs), by `kind` (`claim`, `release`,
+/// `renewal`).
+pub const GROUP_SIZE: &str = "credpool_group_size";
+
 static HANDLE: OnceLock<PrometheusHandle> = OnceLock::new();
 
 /// The process's Prometheus recorder, installed on first use (one per process, shared by every
@@ -57,6 +61,11 @@ pub fn prometheus() -> &'static PrometheusHandle {
                 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0,
                 10.0,
             ])
+            .expect("static buckets")
+            .set_buckets_for_metric(
+                Matcher::Full(GROUP_SIZE.to_owned()),
+                &[1.0, 2.0, 4.0, 8.0, 16.0, 32.0, 64.0, 128.0, 256.0],
+            )
             .expect("static buckets")
             .install_recorder()
             .expect("the metrics recorder is installed once per process")
@@ -109,6 +118,11 @@ pub fn expired(source: &'static str, count: u64) {
     if count > 0 {
         counter!(LEASES_EXPIRED, "source" => source).increment(count);
     }
+}
+
+/// Records the size of one group transaction.
+pub fn group(kind: &'static str, operations: usize) {
+    histogram!(GROUP_SIZE, "kind" => kind).record(operations as f64);
 }
 
 /// Records a wait for a database connection.

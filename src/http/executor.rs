@@ -13,7 +13,7 @@ use crate::allocation::{AllocateError, AllocateRequest};
 use crate::domain::{
     Holder, KeyId, LeaseId, LeaseSeconds, ModelName, Outcome, PoolName, ProviderName, Secret,
 };
-use crate::store::leases::{self, LeaseRef, NotReleased, ReleaseRequest};
+use crate::store::leases::{LeaseRef, NotReleased, ReleaseRequest};
 
 /// The allocate route, for the allocation counter.
 pub(super) const ALLOCATE_ROUTE: &str = "/api/internal/allocate-key";
@@ -41,6 +41,30 @@ struct AllocateBody {
     lease_seconds: Option<u64>,
     /// The executor's name for itself, kept on the lease and in the audit trail.
     holder: Option<Holder>,
+}
+
+/// The allocation a body asks for, under the service's longest lease.
+fn allocate_request(
+    body: AllocateBody,
+    max_lease_seconds: u32,
+) -> Result<AllocateRequest, ApiError> {
+    Ok(AllocateRequest {
+        lease_seconds: lease_seconds(body.lease_seconds, max_lease_seconds)?,
+        provider: body.provider,
+        model: body.model,
+        pool: body.pool,
+        holder: body.holder,
+    })
+}
+
+/// Parses an allocate body as `POST /api/internal/allocate-key` does once its headers are
+/// checked: the JSON (unknown fields refused, every name validated), then the lease length under
+/// `max_lease_seconds`. A bad body is the handler's 400 `invalid_request`. Public for the
+/// request-parsing benchmark.
+pub fn parse_allocate(body: &[u8], max_lease_seconds: u32) -> Result<AllocateRequest, ApiError> {
+    let body: AllocateBody = serde_json::from_slice(body)
+        .map_err(|error| ApiError::InvalidRequest(error.to_string()))?;
+    allocate_request(body, max_lease_seconds)
 }
 
 /// A granted lease.
@@ -104,13 +128,7 @@ async fn allocate(
     _key: ExecutorKey,
     ApiJson(body): ApiJson<AllocateBody>,
 ) -> Result<Response, ApiError> {
-    let request = AllocateRequest {
-        lease_seconds: lease_seconds(body.lease_seconds, state.max_lease_seconds)?,
-        provider: body.provider,
-        model: body.model,
-        pool: body.pool,
-        holder: body.holder,
-    };
+    let request = allocate_request(body, state.max_lease_seconds)?;
     let outcome = |served_pool: &str, result| AllocationOutcome {
         provider: request.provider.to_string(),
         pool: request.pool.to_string(),
@@ -193,7 +211,11 @@ async fn release(
         outcome: body.outcome,
         retry_after_seconds: body.retry_after_seconds,
     };
-    let result = leases::release(&state.db, &request, &state.health).await?;
+    let result = state
+        .allocator
+        .groups()
+        .release(request.clone(), &state.health)
+        .await?;
     let lease = &request.lease;
     state.allocator.views().note_release(
         &lease.provider,
@@ -266,8 +288,7 @@ async fn renew(
         pool: body.pool,
         lease_id: body.lease_id,
     };
-    let mut conn = crate::store::acquire(&state.db).await?;
-    let renewed = leases::renew(&mut conn, &lease, seconds).await?;
+    let renewed = state.allocator.groups().renew(lease, seconds).await?;
     crate::telemetry::renewal(renewed.is_some());
     match renewed {
         Some(lease_until) => Ok(Json(RenewResponse { lease_until })),

@@ -6,6 +6,8 @@ mod admin;
 mod executor;
 mod ops;
 
+pub use executor::parse_allocate;
+
 use std::fmt;
 use std::sync::Arc;
 use std::time::Duration;

@@ -78,7 +78,7 @@ pub async fn load_pool(
     let rows = sqlx::query!(
         r#"
         SELECT c.key_id, c.models, c.model_aliases, c.max_concurrent_uses, c.status, c.status_reason,
-               c.cooldown_until, c.last_used_at, c.slots_over_limit, c.draining,
+               c.cooldown_until, max(s.last_granted_at) AS last_used_at, c.slots_over_limit, c.draining,
                c.health_successes, c.health_failures, c.health_rate_limits, c.health_decayed_at,
                c.recent_failures, c.cooldowns_in_a_row, c.last_success_at, c.recovered_at,
                count(s.lease_id) FILTER (WHERE s.lease_until > now()) AS "in_flight!",

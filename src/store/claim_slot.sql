@@ -25,6 +25,9 @@
 -- its leases in a subquery — fails because the count reads the statement's snapshot, which
 -- EvalPlanQual does not refresh for rows other than the locked one.)
 --
+-- "Now" is statement_timestamp(), not now(): in a group transaction (src/groups.rs) now() is when the
+-- group began, and a lease that expired since must count as expired.
+--
 -- Expired leases are reused here, in the same statement: the slot's old lease is ended in the trail
 -- (`expired`, at its own lease_until) before the new lease replaces it. No cleanup job is needed
 -- for an expired lease to stop counting.
@@ -33,7 +36,10 @@
 -- transaction that committed before this one could see it free, so granted_at is later than that
 -- release's time and the trail never shows two leases of one slot overlapping.
 --
--- Lock order: the slot row, then the credential row (last_used_at), as everywhere else.
+-- Locks: the one slot row, taken with SKIP LOCKED, and nothing else: the statement never waits for
+-- a row lock, so any number of claims can share a transaction (group claiming, src/groups.rs)
+-- without ever being part of a deadlock. The credential row is only read; the time of the grant
+-- is kept on the slot (last_granted_at).
 --
 -- Always returns one row: the pool's version (pool_versions; NULL when the pool never had a
 -- credential), so the caller learns whether its candidate view is stale, and the lease columns,
@@ -47,7 +53,7 @@ claimed AS (
            s.lease_id AS old_lease_id, s.provider AS old_provider, s.pool AS old_pool,
            s.holder AS old_holder, s.lease_until AS old_lease_until,
            c.status <> 'available' AS probe,
-           c.status AS credential_status, c.cooldown_until,
+           c.status AS credential_status, c.cooldown_until, c.secret_ciphertext,
            coalesce(c.model_aliases ->> $4, $4) AS provider_model
     FROM ranked r
     JOIN credentials c ON c.key_id = r.key_id
@@ -55,11 +61,11 @@ claimed AS (
     WHERE c.provider = $2
       AND c.pool = $3
       AND ($4 = ANY (c.models) OR c.model_aliases ? $4)
-      AND credential_usable(c.status, c.cooldown_until, now())
+      AND credential_usable(c.status, c.cooldown_until, statement_timestamp())
       AND (c.status = 'available' OR s.slot = 0)
       AND NOT c.slots_over_limit
       AND NOT c.draining
-      AND (s.lease_id IS NULL OR s.lease_until <= now())
+      AND (s.lease_id IS NULL OR s.lease_until <= statement_timestamp())
     ORDER BY r.rank, s.slot
     LIMIT 1
     FOR UPDATE OF s SKIP LOCKED
@@ -72,6 +78,7 @@ granted AS (
         holder = $6,
         granted_at = clock_timestamp(),
         lease_until = clock_timestamp() + make_interval(secs => $7::int4),
+        last_granted_at = clock_timestamp(),
         probe = claimed.probe
     FROM claimed
     WHERE s.key_id = claimed.key_id AND s.slot = claimed.slot
@@ -96,13 +103,6 @@ granted_trail AS (
     INSERT INTO lease_events (event, lease_id, key_id, provider, pool, slot, holder, lease_until, at)
     SELECT 'granted', lease_id, key_id, $2, $3, slot, $6, lease_until, granted_at
     FROM granted
-),
-touched AS (
-    UPDATE credentials c
-    SET last_used_at = granted.granted_at
-    FROM granted
-    WHERE c.key_id = granted.key_id
-    RETURNING c.key_id, c.secret_ciphertext
 )
 SELECT (SELECT v.version FROM pool_versions v WHERE v.provider = $2 AND v.pool = $3) AS pool_version,
        granted.key_id AS "key_id?",
@@ -111,9 +111,8 @@ SELECT (SELECT v.version FROM pool_versions v WHERE v.provider = $2 AND v.pool =
        granted.lease_until AS "lease_until?",
        granted.probe AS "probe?",
        claimed.provider_model AS "provider_model?",
-       touched.secret_ciphertext AS "sealed_secret?",
+       claimed.secret_ciphertext AS "sealed_secret?",
        claimed.old_lease_id IS NOT NULL AS "pruned_expired?"
 FROM (SELECT 1) AS always_one_row
 LEFT JOIN granted ON true
 LEFT JOIN claimed ON claimed.key_id = granted.key_id
-LEFT JOIN touched ON touched.key_id = granted.key_id

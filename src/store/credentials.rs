@@ -277,7 +277,10 @@ async fn details(
     let rows = sqlx::query!(
         r#"
         SELECT key_id, provider, pool, models, model_aliases, max_concurrent_uses, status,
-               status_reason, cooldown_until, draining, last_used_at, last_success_at, recovered_at,
+               status_reason, cooldown_until, draining,
+               (SELECT max(s.last_granted_at) FROM lease_slots s WHERE s.key_id = credentials.key_id)
+                   AS last_used_at,
+               last_success_at, recovered_at,
                health_successes, health_failures, health_rate_limits, health_decayed_at,
                recent_failures, cooldowns_in_a_row, created_at, updated_at, now() AS "db_now!"
         FROM credentials

@@ -188,14 +188,73 @@ pub async fn release(
     request: &ReleaseRequest,
     policy: &HealthPolicy,
 ) -> Result<ReleaseResult, sqlx::Error> {
-    let lease = &request.lease;
     let mut conn = super::acquire(db).await?;
+    release_on(&mut conn, request, policy).await
+}
+
+/// [`release`] on a connection the caller holds (the raw-SQL baseline of `credpool bench`).
+pub async fn release_on(
+    conn: &mut PgConnection,
+    request: &ReleaseRequest,
+    policy: &HealthPolicy,
+) -> Result<ReleaseResult, sqlx::Error> {
     let mut tx = sqlx::Connection::begin(&mut *conn).await?;
+    let staged = release_in(&mut tx, request, policy).await?;
+    tx.commit().await?;
+    Ok(staged.committed(conn).await)
+}
+
+/// A release done inside a transaction that has not committed yet.
+#[derive(Debug)]
+pub struct StagedRelease {
+    result: ReleaseResult,
+    /// The freed slot's credential, when it was over a lowered limit: it may now be back under.
+    refit: Option<KeyId>,
+}
+
+impl StagedRelease {
+    /// What the release did (final once its transaction commits).
+    pub fn result(&self) -> &ReleaseResult {
+        &self.result
+    }
+
+    /// After the transaction has committed: refits the credential if the release brought it back
+    /// under a lowered limit, and returns the result.
+    ///
+    /// The refit runs in its own transaction, after the release's: credpool_fit_slots locks every
+    /// slot row of the credential in ascending order, which a transaction already holding one of
+    /// them must not do (two such releases would deadlock). It is done here rather than left to
+    /// the next allocation so that capacity returns no matter which replica, or whose stale view,
+    /// comes next; if this process dies first, the next allocation that sees the credential back
+    /// under its limit refits it. The release itself has committed, so a failure here is logged,
+    /// not reported.
+    pub async fn committed(self, conn: &mut PgConnection) -> ReleaseResult {
+        if let Some(key_id) = self.refit {
+            let refitted = async {
+                let mut tx = sqlx::Connection::begin(&mut *conn).await?;
+                fit_slots(&mut *tx, &key_id).await?;
+                tx.commit().await
+            };
+            if let Err(error) = refitted.await {
+                tracing::warn!(key_id = %key_id, error = %error, "refit after release failed");
+            }
+        }
+        self.result
+    }
+}
+
+/// The work of [`release`] inside the caller's transaction. Row locks taken, in this order: the
+/// lease's slot row, then (with an outcome) its credential row.
+pub async fn release_in(
+    tx: &mut PgConnection,
+    request: &ReleaseRequest,
+    policy: &HealthPolicy,
+) -> Result<StagedRelease, sqlx::Error> {
+    let lease = &request.lease;
     // A lease moved to another slot by credpool_fit_slots while this release waited for its row
     // lock is still live under its id: try again (moves are rare and bounded, so a few attempts do).
     let mut verdict = Err(NotReleased::NotFound);
     let mut reported: Option<(KeyId, bool)> = None;
-    // the freed slot's credential, when it was over a lowered limit: it may now be back under
     let mut refit: Option<KeyId> = None;
     for _ in 0..3 {
         let freed = sqlx::query!(
@@ -204,7 +263,7 @@ pub async fn release(
                 SELECT key_id, slot, lease_id, provider, pool, holder, lease_until, probe
                 FROM lease_slots
                 WHERE lease_id = $1 AND key_id = $2 AND provider = $3 AND pool = $4
-                  AND lease_until > now()
+                  AND lease_until > statement_timestamp()
                 FOR UPDATE
             ),
             freed AS (
@@ -218,7 +277,7 @@ pub async fn release(
             trail AS (
                 INSERT INTO lease_events
                     (event, lease_id, key_id, provider, pool, slot, holder, outcome, lease_until, at)
-                SELECT 'released', lease_id, key_id, provider, pool, slot, holder, $5, lease_until, now()
+                SELECT 'released', lease_id, key_id, provider, pool, slot, holder, $5, lease_until, statement_timestamp()
                 FROM freed
             )
             SELECT key_id AS "key_id!", probe AS "probe!",
@@ -250,7 +309,7 @@ pub async fn release(
                 if matches!(reason, NotReleased::Expired | NotReleased::NotFound)
                     && request.outcome.is_some()
                 {
-                    reported = report_after_expiry(&mut tx, request)
+                    reported = report_after_expiry(&mut *tx, request)
                         .await?
                         .map(|key_id| (key_id, false));
                 }
@@ -266,31 +325,16 @@ pub async fn release(
             retry_after_seconds: request.retry_after_seconds,
             probe,
         };
-        if let Some(next) = apply_report(&mut tx, &key_id, lease.lease_id, report, policy).await? {
+        if let Some(next) = apply_report(&mut *tx, &key_id, lease.lease_id, report, policy).await? {
             health = Some((key_id, next));
         }
     }
-    tx.commit().await?;
-    if let Some(key_id) = refit {
-        // In its own transaction, after the release's: credpool_fit_slots locks every slot row of
-        // the credential in ascending order, which a transaction already holding one slot row
-        // must not do (two such releases would deadlock). Done here rather than left to the next
-        // allocation so that capacity returns no matter which replica, or whose stale view, comes
-        // next; if this process dies first, the next allocation that sees the credential back
-        // under its limit refits it.
-        // The release itself has committed, so a failure here is logged, not reported.
-        let refitted = async {
-            let mut tx = sqlx::Connection::begin(&mut *conn).await?;
-            fit_slots(&mut *tx, &key_id).await?;
-            tx.commit().await
-        };
-        if let Err(error) = refitted.await {
-            tracing::warn!(key_id = %key_id, error = %error, "refit after release failed");
-        }
-    }
-    Ok(ReleaseResult {
-        released: verdict,
-        health,
+    Ok(StagedRelease {
+        result: ReleaseResult {
+            released: verdict,
+            health,
+        },
+        refit,
     })
 }
 
@@ -309,7 +353,7 @@ async fn report_after_expiry(
             SELECT key_id, slot, lease_id, provider, pool, holder, lease_until
             FROM lease_slots
             WHERE lease_id = $1 AND key_id = $2 AND provider = $3 AND pool = $4
-              AND lease_until <= now()
+              AND lease_until <= statement_timestamp()
             FOR UPDATE
         ),
         freed AS (
@@ -334,7 +378,7 @@ async fn report_after_expiry(
         )
         INSERT INTO lease_events
             (event, lease_id, key_id, provider, pool, slot, holder, outcome, lease_until, at)
-        SELECT 'outcome_after_expiry', $1, key_id, provider, pool, slot, holder, $5, lease_until, now()
+        SELECT 'outcome_after_expiry', $1, key_id, provider, pool, slot, holder, $5, lease_until, statement_timestamp()
         FROM granted
         ON CONFLICT (lease_id) WHERE event IN ('released', 'outcome_after_expiry') DO NOTHING
         RETURNING key_id
@@ -364,7 +408,7 @@ async fn apply_report(
         r#"
         SELECT status, status_reason, cooldown_until, health_successes, health_failures,
                health_rate_limits, health_decayed_at, recent_failures, cooldowns_in_a_row,
-               last_success_at, recovered_at, now() AS "db_now!"
+               last_success_at, recovered_at, statement_timestamp() AS "db_now!"
         FROM credentials
         WHERE key_id = $1
         FOR UPDATE
@@ -444,7 +488,7 @@ async fn diagnose(
     let row = sqlx::query!(
         r#"
         SELECT key_id = $2 AND provider = $3 AND pool = $4 AS "matches!",
-               lease_until <= now() AS "expired!"
+               lease_until <= statement_timestamp() AS "expired!"
         FROM lease_slots
         WHERE lease_id = $1
         "#,
@@ -479,15 +523,15 @@ pub async fn renew(
             r#"
             WITH renewed AS (
                 UPDATE lease_slots
-                SET lease_until = now() + make_interval(secs => $5::int4)
+                SET lease_until = statement_timestamp() + make_interval(secs => $5::int4)
                 WHERE lease_id = $1 AND key_id = $2 AND provider = $3 AND pool = $4
-                  AND lease_until > now()
+                  AND lease_until > statement_timestamp()
                 RETURNING key_id, slot, lease_id, provider, pool, holder, lease_until
             ),
             trail AS (
                 INSERT INTO lease_events
                     (event, lease_id, key_id, provider, pool, slot, holder, lease_until, at)
-                SELECT 'renewed', lease_id, key_id, provider, pool, slot, holder, lease_until, now()
+                SELECT 'renewed', lease_id, key_id, provider, pool, slot, holder, lease_until, statement_timestamp()
                 FROM renewed
             )
             SELECT lease_until AS "lease_until!" FROM renewed

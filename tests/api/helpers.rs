@@ -279,6 +279,12 @@ impl TestApp {
         .await
     }
 
+    /// The Prometheus page of `GET /metrics`.
+    pub async fn metrics(&self) -> String {
+        let response = self.client.get(self.url("/metrics")).send().await.unwrap();
+        response.text().await.unwrap()
+    }
+
     pub async fn allocate(&self, body: Value) -> reqwest::Response {
         self.post_internal("/api/internal/allocate-key", body).await
     }

@@ -248,3 +248,119 @@ async fn wide_race(
         }
     }
 }
+
+/// Group claiming forced on: every group waits 20 ms for more, so the 64 racers of a round share
+/// a few transactions, and so do their renewals and releases. Each round's pool has three
+/// credentials of limits 1, 2 and 3: exactly six win, each credential exactly at its limit, the
+/// database agrees, and every winner's renewal and release succeeds.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn grouped_claims_renewals_and_releases_never_oversell() {
+    let _turn = race_turn().await;
+    let mut options = AppOptions {
+        db_max_connections: RACERS as u32,
+        ..AppOptions::default()
+    };
+    options.settings.groups = credpool::groups::GroupSettings {
+        max_size: RACERS,
+        max_wait: std::time::Duration::from_millis(20),
+        transactions: 2,
+    };
+    let app = Arc::new(TestApp::spawn_with(options).await);
+    let big_groups_before = big_groups(&app.metrics().await);
+    for round in 0..race_rounds() {
+        let pool = format!("grouped-{round}");
+        for limit in 1..=3 {
+            app.put_key(
+                &format!("{pool}-{limit}"),
+                "openai",
+                &pool,
+                &["gpt-4o"],
+                limit,
+            )
+            .await;
+        }
+        let barrier = Arc::new(Barrier::new(RACERS));
+        let tasks: Vec<_> = (0..RACERS)
+            .map(|_| {
+                let (app, barrier, pool) = (app.clone(), barrier.clone(), pool.clone());
+                tokio::spawn(async move {
+                    barrier.wait().await;
+                    let response = app
+                        .allocate(
+                            json!({"provider": "openai", "model": "gpt-4o", "pool": pool,
+                                         "lease_seconds": 600}),
+                        )
+                        .await;
+                    match response.status() {
+                        StatusCode::OK => Some(json_body(response, StatusCode::OK).await),
+                        StatusCode::TOO_MANY_REQUESTS => None,
+                        other => panic!("round {round}: unexpected status {other}"),
+                    }
+                })
+            })
+            .collect();
+        let mut leases = Vec::new();
+        for task in tasks {
+            leases.extend(task.await.unwrap());
+        }
+        assert_eq!(leases.len(), 6, "round {round}: winners");
+        for limit in 1..=3 {
+            let key = format!("{pool}-{limit}");
+            let held = leases
+                .iter()
+                .filter(|l| l["key_id"] == key.as_str())
+                .count();
+            assert_eq!(held, limit as usize, "round {round}: leases on {key}");
+            assert_eq!(app.in_flight(&key).await, limit as i64, "round {round}");
+        }
+        let renewals: Vec<_> = leases
+            .iter()
+            .cloned()
+            .map(|lease| {
+                let app = app.clone();
+                tokio::spawn(async move {
+                    let mut body = release_body(&lease, "success");
+                    body.as_object_mut().unwrap().remove("outcome");
+                    body["lease_seconds"] = json!(900);
+                    json_body(app.renew(body).await, StatusCode::OK).await
+                })
+            })
+            .collect();
+        for renewal in renewals {
+            assert!(renewal.await.unwrap()["lease_until"].is_string());
+        }
+        let releases: Vec<_> = leases
+            .into_iter()
+            .map(|lease| {
+                let app = app.clone();
+                tokio::spawn(async move {
+                    let response = app.release(release_body(&lease, "success")).await;
+                    json_body(response, StatusCode::OK).await
+                })
+            })
+            .collect();
+        for release in releases {
+            assert_eq!(release.await.unwrap()["released"], true, "round {round}");
+        }
+        for limit in 1..=3 {
+            assert_eq!(app.in_flight(&format!("{pool}-{limit}")).await, 0);
+        }
+    }
+    // the groups really formed (other tests only add groups to the count, rarely big ones)
+    assert!(
+        big_groups(&app.metrics().await) > big_groups_before,
+        "no claim group of more than 8 operations"
+    );
+}
+
+/// Claim groups of more than 8 operations so far, from `credpool_group_size`.
+fn big_groups(page: &str) -> f64 {
+    let value = |prefix: &str| {
+        page.lines()
+            .filter(|l| l.starts_with(prefix))
+            .map(|l| l.rsplit(' ').next().unwrap().parse::<f64>().unwrap())
+            .sum::<f64>()
+    };
+    value("credpool_group_size_count{kind=\"claim\"}")
+        - value("credpool_group_size_bucket{kind=\"claim\",le=\"8\"}")
+}
