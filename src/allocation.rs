@@ -522,6 +522,12 @@ impl Allocator {
                     credential,
                 }));
             }
+            tracing::debug!(
+                candidates = batch.len(),
+                stale,
+                free_seen,
+                "claim found no free slot"
+            );
             self.views.note_full(provider, pool, batch);
             tried.extend(batch.iter().cloned());
             batch_size = (batch_size * 2).min(MAX_BATCH);

@@ -331,7 +331,9 @@ impl CandidateViews {
             .unwrap_or_else(|p| p.into_inner())
             .is_none()
         {
-            self.reload(provider, pool, None).await?;
+            // the first requests of a pool all get here: one of them reads it, the others use that
+            // read (a pool of 10,000 credentials takes ~100 ms to read)
+            self.load(provider, pool, |view| view.is_none()).await?;
             loaded = true;
         }
         let guard = slot.view.read().unwrap_or_else(|p| p.into_inner());
@@ -350,19 +352,27 @@ impl CandidateViews {
         pool: &PoolName,
         at_least: Option<i64>,
     ) -> Result<(), sqlx::Error> {
+        self.load(provider, pool, |view| match at_least {
+            Some(wanted) => view.and_then(|v| v.version).is_none_or(|v| v < wanted),
+            None => true,
+        })
+        .await
+    }
+
+    /// Reads the pool and replaces its view if `needed` says so of the view as it is once this
+    /// call's turn to read has come (reads of one pool run one at a time).
+    async fn load(
+        &self,
+        provider: &ProviderName,
+        pool: &PoolName,
+        needed: impl FnOnce(Option<&PoolView>) -> bool,
+    ) -> Result<(), sqlx::Error> {
         let slot = self.slot(provider, pool);
         let _one_at_a_time = slot.reloading.lock().await;
-        if let Some(wanted) = at_least {
-            let current = slot
-                .view
-                .read()
-                .unwrap_or_else(|p| p.into_inner())
-                .as_ref()
-                .and_then(|v| v.version);
-            if current.is_some_and(|v| v >= wanted) {
-                return Ok(());
-            }
+        if !needed(slot.view.read().unwrap_or_else(|p| p.into_inner()).as_ref()) {
+            return Ok(());
         }
+        tracing::debug!(provider = %provider, pool = %pool, "candidate view reload");
         let reading = ReadingReleases::start(&slot);
         let mut conn = self.db.acquire().await?;
         let snapshot = candidates::load_pool(&mut conn, provider, pool).await?;

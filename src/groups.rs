@@ -155,6 +155,9 @@ trait Operation: Send + Sync + Sized + 'static {
     /// Whether the operation's writes are one statement, so that alone it needs no explicit
     /// transaction (a group of one then costs one round trip, as ungrouped).
     const ONE_STATEMENT: bool;
+    /// Whether [`Operation::stage_group`] writes a whole group in one statement, so that no group
+    /// needs an explicit transaction.
+    const GROUP_IN_ONE_STATEMENT: bool = false;
 
     /// The credential whose rows this operation may wait for, if any: a group holds at most one
     /// operation per such credential and runs them in ascending key_id order.
@@ -165,6 +168,21 @@ trait Operation: Send + Sync + Sized + 'static {
         &'a self,
         tx: &'a mut PgConnection,
     ) -> BoxFuture<'a, Result<Self::Staged, sqlx::Error>>;
+
+    /// Does the work of a whole group, in order, inside its transaction: by default each
+    /// operation's [`Operation::stage`] in turn.
+    fn stage_group<'a>(
+        group: Vec<&'a Self>,
+        tx: &'a mut PgConnection,
+    ) -> BoxFuture<'a, Result<Vec<Self::Staged>, sqlx::Error>> {
+        Box::pin(async move {
+            let mut staged = Vec::with_capacity(group.len());
+            for operation in group {
+                staged.push(operation.stage(&mut *tx).await?);
+            }
+            Ok(staged)
+        })
+    }
 
     /// After the commit: whatever follows it, and the caller's result.
     fn finish<'a>(
@@ -193,11 +211,26 @@ struct Claim {
     lease_seconds: LeaseSeconds,
 }
 
+impl Claim {
+    fn request(&self) -> ClaimRequest<'_> {
+        ClaimRequest {
+            ranked: &self.ranked,
+            provider: &self.provider,
+            pool: &self.pool,
+            model: &self.model,
+            lease_id: self.lease_id,
+            holder: self.holder.as_ref(),
+            lease_seconds: self.lease_seconds,
+        }
+    }
+}
+
 impl Operation for Claim {
     type Staged = ClaimResult;
     type Output = ClaimResult;
     const KIND: &'static str = "claim";
     const ONE_STATEMENT: bool = true;
+    const GROUP_IN_ONE_STATEMENT: bool = true;
 
     fn waits_on(&self) -> Option<&KeyId> {
         None
@@ -207,17 +240,17 @@ impl Operation for Claim {
         &'a self,
         tx: &'a mut PgConnection,
     ) -> BoxFuture<'a, Result<ClaimResult, sqlx::Error>> {
+        Box::pin(async move { leases::claim_slot(tx, &self.request()).await })
+    }
+
+    /// The whole group's claims in one statement (`credpool_claim` runs them in order).
+    fn stage_group<'a>(
+        group: Vec<&'a Self>,
+        tx: &'a mut PgConnection,
+    ) -> BoxFuture<'a, Result<Vec<ClaimResult>, sqlx::Error>> {
         Box::pin(async move {
-            let request = ClaimRequest {
-                ranked: &self.ranked,
-                provider: &self.provider,
-                pool: &self.pool,
-                model: &self.model,
-                lease_id: self.lease_id,
-                holder: self.holder.as_ref(),
-                lease_seconds: self.lease_seconds,
-            };
-            leases::claim_slot(tx, &request).await
+            let requests: Vec<ClaimRequest<'_>> = group.iter().map(|c| c.request()).collect();
+            leases::claim_slots(tx, &requests).await
         })
     }
 
@@ -279,6 +312,21 @@ impl Operation for Release {
         tx: &'a mut PgConnection,
     ) -> BoxFuture<'a, Result<StagedRelease, sqlx::Error>> {
         Box::pin(leases::release_in(tx, &self.request, &self.policy))
+    }
+
+    /// The whole group in a fixed number of statements ([`leases::release_group_in`]).
+    fn stage_group<'a>(
+        group: Vec<&'a Self>,
+        tx: &'a mut PgConnection,
+    ) -> BoxFuture<'a, Result<Vec<StagedRelease>, sqlx::Error>> {
+        Box::pin(async move {
+            let requests: Vec<&ReleaseRequest> = group.iter().map(|r| &r.request).collect();
+            // one policy per process: every release of a group carries the same
+            let Some(first) = group.first() else {
+                return Ok(Vec::new());
+            };
+            leases::release_group_in(tx, &requests, &first.policy).await
+        })
     }
 
     fn finish<'a>(
@@ -452,7 +500,8 @@ impl<O: Operation> Forming<O> {
 
 /// Runs one group: every operation's statements in one transaction (in ascending key_id order,
 /// see the module comment), one commit, then each operation's follow-up and answer. A group of
-/// one runs the same way, without BEGIN and COMMIT when its writes are one statement.
+/// one runs the same way. Without BEGIN and COMMIT when the writes are one statement: a group of
+/// claims always, a single renewal.
 async fn run_group<O: Operation>(db: &PgPool, mut group: Vec<Pending<O>>) {
     // a caller that is gone (timed out, disconnected) gets nothing done: a claim takes no slot
     group.retain(|pending| !pending.reply.is_closed());
@@ -466,19 +515,18 @@ async fn run_group<O: Operation>(db: &PgPool, mut group: Vec<Pending<O>>) {
         Ok(conn) => conn,
         Err(error) => return fail(group, &error),
     };
-    let staged = async {
-        if group.len() == 1 && O::ONE_STATEMENT {
-            return Ok(vec![group[0].operation.stage(&mut conn).await?]);
+    let operations: Vec<&O> = group.iter().map(|pending| &pending.operation).collect();
+    let staged = if O::GROUP_IN_ONE_STATEMENT || (operations.len() == 1 && O::ONE_STATEMENT) {
+        O::stage_group(operations, &mut conn).await
+    } else {
+        async {
+            let mut tx = conn.begin().await?;
+            let staged = O::stage_group(operations, &mut tx).await?;
+            tx.commit().await?;
+            Ok(staged)
         }
-        let mut tx = conn.begin().await?;
-        let mut staged = Vec::with_capacity(group.len());
-        for pending in &group {
-            staged.push(pending.operation.stage(&mut tx).await?);
-        }
-        tx.commit().await?;
-        Ok::<_, sqlx::Error>(staged)
-    }
-    .await;
+        .await
+    };
     let staged = match staged {
         Ok(staged) => staged,
         Err(error) => return fail(group, &error),

@@ -546,8 +546,16 @@ async fn upsert_in(
     Ok(created)
 }
 
+/// Imports this large refresh the planner's statistics at once (see [`import`]).
+const ANALYZE_AFTER_IMPORT: usize = 100;
+
 /// Creates or updates many credentials in ONE transaction: all or nothing. Returns how many
 /// were created and how many updated.
+///
+/// After a large import (100 credentials or more) the statistics of `credentials` and
+/// `lease_slots` are refreshed at once, best effort: until autovacuum gets to it, the planner
+/// would still see the tables as they were, and a pool it believes tiny gets plans that read all
+/// of it on every claim (measured: 4-5x slower allocation right after loading 1,000 credentials).
 pub async fn import(
     db: &PgPool,
     specs: &[CredentialSpec],
@@ -563,6 +571,13 @@ pub async fn import(
         }
     }
     tx.commit().await?;
+    if specs.len() >= ANALYZE_AFTER_IMPORT
+        && let Err(error) = sqlx::query("ANALYZE credentials, lease_slots")
+            .execute(db)
+            .await
+    {
+        tracing::warn!(error = %error, "refreshing statistics after the import failed");
+    }
     Ok((created, updated))
 }
 

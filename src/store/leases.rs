@@ -1,5 +1,7 @@
 //! Lease state: the one-statement claim, release with the outcome's effect on health, renewal.
 
+use std::collections::HashMap;
+
 use sqlx::{PgConnection, PgExecutor, PgPool};
 use time::OffsetDateTime;
 
@@ -63,62 +65,93 @@ pub struct ClaimResult {
     pub granted: Option<GrantedLease>,
 }
 
-/// Runs the one-statement claim in `src/store/claim_slot.sql` (read its comment for why it cannot
-/// oversell).
-#[tracing::instrument(skip_all, fields(provider = %request.provider, pool = %request.pool, candidates = request.ranked.len()), err(level = "debug"))]
+/// Runs the claim for one request: [`claim_slots`] with a group of one.
 pub async fn claim_slot(
     executor: impl PgExecutor<'_>,
     request: &ClaimRequest<'_>,
 ) -> Result<ClaimResult, sqlx::Error> {
-    let ranked: Vec<String> = request
-        .ranked
+    claim_slots(executor, std::slice::from_ref(request))
+        .await?
+        .pop()
+        .ok_or(sqlx::Error::RowNotFound)
+}
+
+/// Runs the claim (SQL function `credpool_claim` in `migrations/20261130000005_performance.sql`;
+/// read its comment for why it cannot oversell) for each request, in order, in ONE statement: a
+/// group of claims costs one round trip. Returns one result per request, in the same order.
+#[tracing::instrument(skip_all, fields(claims = requests.len()), err(level = "debug"))]
+pub async fn claim_slots(
+    executor: impl PgExecutor<'_>,
+    requests: &[ClaimRequest<'_>],
+) -> Result<Vec<ClaimResult>, sqlx::Error> {
+    let claims: Vec<serde_json::Value> = requests
         .iter()
-        .map(|k| k.as_str().to_owned())
+        .map(|request| {
+            serde_json::json!({
+                "ranked": request.ranked.iter().map(KeyId::as_str).collect::<Vec<_>>(),
+                "provider": request.provider.as_str(),
+                "pool": request.pool.as_str(),
+                "model": request.model.as_str(),
+                "lease_id": request.lease_id.as_uuid(),
+                "holder": request.holder.map(Holder::as_str),
+                "lease_seconds": i32::try_from(request.lease_seconds.get()).unwrap_or(i32::MAX),
+            })
+        })
         .collect();
-    let lease_seconds = i32::try_from(request.lease_seconds.get()).unwrap_or(i32::MAX);
-    let row = sqlx::query_file!(
-        "src/store/claim_slot.sql",
-        &ranked,
-        request.provider.as_str(),
-        request.pool.as_str(),
-        request.model.as_str(),
-        request.lease_id.as_uuid(),
-        request.holder.map(Holder::as_str),
-        lease_seconds,
+    let rows = sqlx::query!(
+        r#"
+        SELECT claim AS "claim!", pool_version, key_id, lease_id, granted_at, lease_until, probe,
+               provider_model, sealed_secret, pruned_expired
+        FROM credpool_claim($1)
+        ORDER BY claim
+        "#,
+        serde_json::Value::Array(claims),
     )
-    .fetch_one(executor)
+    .fetch_all(executor)
     .await?;
-    let granted = match (
-        row.key_id,
-        row.lease_id,
-        row.granted_at,
-        row.lease_until,
-        row.sealed_secret,
-    ) {
-        (
-            Some(key_id),
-            Some(lease_id),
-            Some(granted_at),
-            Some(lease_until),
-            Some(sealed_secret),
-        ) => Some(GrantedLease {
-            key_id: decoded(KeyId::parse(key_id))?,
-            lease_id: LeaseId::from(lease_id),
-            granted_at,
-            lease_until,
-            probe: row.probe.unwrap_or(false),
-            provider_model: row
-                .provider_model
-                .unwrap_or_else(|| request.model.as_str().to_owned()),
-            sealed_secret,
-            pruned_expired: row.pruned_expired.unwrap_or(false),
-        }),
-        _ => None,
-    };
-    Ok(ClaimResult {
-        pool_version: row.pool_version,
-        granted,
-    })
+    if rows.len() != requests.len() {
+        return Err(sqlx::Error::Protocol(format!(
+            "credpool_claim returned {} rows for {} claims",
+            rows.len(),
+            requests.len()
+        )));
+    }
+    rows.into_iter()
+        .zip(requests)
+        .map(|(row, request)| {
+            let granted = match (
+                row.key_id,
+                row.lease_id,
+                row.granted_at,
+                row.lease_until,
+                row.sealed_secret,
+            ) {
+                (
+                    Some(key_id),
+                    Some(lease_id),
+                    Some(granted_at),
+                    Some(lease_until),
+                    Some(sealed_secret),
+                ) => Some(GrantedLease {
+                    key_id: decoded(KeyId::parse(key_id))?,
+                    lease_id: LeaseId::from(lease_id),
+                    granted_at,
+                    lease_until,
+                    probe: row.probe.unwrap_or(false),
+                    provider_model: row
+                        .provider_model
+                        .unwrap_or_else(|| request.model.as_str().to_owned()),
+                    sealed_secret,
+                    pruned_expired: row.pruned_expired.unwrap_or(false),
+                }),
+                _ => None,
+            };
+            Ok(ClaimResult {
+                pool_version: row.pool_version,
+                granted,
+            })
+        })
+        .collect()
 }
 
 /// Brings a credential's slot rows in line with its limit (SQL function `credpool_fit_slots`;
@@ -243,99 +276,197 @@ impl StagedRelease {
     }
 }
 
-/// The work of [`release`] inside the caller's transaction. Row locks taken, in this order: the
-/// lease's slot row, then (with an outcome) its credential row.
+/// The work of [`release`] inside the caller's transaction: [`release_group_in`] for one lease.
+/// Row locks taken, in this order: the lease's slot row, then (with an outcome) its credential
+/// row.
 pub async fn release_in(
     tx: &mut PgConnection,
     request: &ReleaseRequest,
     policy: &HealthPolicy,
 ) -> Result<StagedRelease, sqlx::Error> {
-    let lease = &request.lease;
-    // A lease moved to another slot by credpool_fit_slots while this release waited for its row
-    // lock is still live under its id: try again (moves are rare and bounded, so a few attempts do).
-    let mut verdict = Err(NotReleased::NotFound);
-    let mut reported: Option<(KeyId, bool)> = None;
-    let mut refit: Option<KeyId> = None;
-    for _ in 0..3 {
-        let freed = sqlx::query!(
-            r#"
-            WITH target AS (
-                SELECT key_id, slot, lease_id, provider, pool, holder, lease_until, probe
-                FROM lease_slots
-                WHERE lease_id = $1 AND key_id = $2 AND provider = $3 AND pool = $4
-                  AND lease_until > statement_timestamp()
-                FOR UPDATE
-            ),
-            freed AS (
-                UPDATE lease_slots s
-                SET lease_id = NULL, provider = NULL, pool = NULL, holder = NULL,
-                    granted_at = NULL, lease_until = NULL, probe = false
-                FROM target
-                WHERE s.key_id = target.key_id AND s.slot = target.slot
-                RETURNING target.*
-            ),
-            trail AS (
-                INSERT INTO lease_events
-                    (event, lease_id, key_id, provider, pool, slot, holder, outcome, lease_until, at)
-                SELECT 'released', lease_id, key_id, provider, pool, slot, holder, $5, lease_until, statement_timestamp()
-                FROM freed
-            )
-            SELECT key_id AS "key_id!", probe AS "probe!",
-                   coalesce((SELECT c.slots_over_limit FROM credentials c
-                             WHERE c.key_id = freed.key_id), false) AS "over_limit!"
-            FROM freed
-            "#,
-            lease.lease_id.as_uuid(),
-            lease.key_id.as_str(),
-            lease.provider.as_str(),
-            lease.pool.as_str(),
-            request.outcome.map(Outcome::as_str),
-        )
-        .fetch_optional(&mut *tx)
-        .await?;
-        if let Some(freed) = freed {
-            verdict = Ok(());
-            let key_id = decoded(KeyId::parse(freed.key_id))?;
-            if freed.over_limit {
-                refit = Some(key_id.clone());
+    release_group_in(tx, &[request], policy)
+        .await?
+        .pop()
+        .ok_or(sqlx::Error::RowNotFound)
+}
+
+/// The work of [`release`] for several leases inside the caller's transaction (a release group,
+/// `src/groups.rs`), in three steps whatever their number:
+/// 1. ONE statement frees every lease that is live and named by all four of its values, taking
+///    their slot rows in ascending (key_id, slot) order;
+/// 2. the others, in ascending key_id order, are diagnosed (mismatch, expired, unknown, or moved
+///    to another slot by credpool_fit_slots while waiting for its row lock: then freed again, a
+///    few attempts at most), and an expired lease's outcome is recorded once;
+/// 3. ONE read and ONE write apply every outcome to its credential's health, taking the credential
+///    rows in ascending key_id order.
+///
+/// Returns one result per request, in the order of `requests`. Callers that run several releases
+/// concurrently keep at most one per credential in a group, so that every group takes its locks in
+/// one global order (slot rows by key_id, then credential rows by key_id) and groups cannot
+/// deadlock each other.
+pub async fn release_group_in(
+    tx: &mut PgConnection,
+    requests: &[&ReleaseRequest],
+    policy: &HealthPolicy,
+) -> Result<Vec<StagedRelease>, sqlx::Error> {
+    let mut freed = free_leases(&mut *tx, requests).await?;
+    let mut order: Vec<usize> = (0..requests.len()).collect();
+    order.sort_by(|&a, &b| requests[a].lease.key_id.cmp(&requests[b].lease.key_id));
+
+    let mut verdicts = vec![Err(NotReleased::NotFound); requests.len()];
+    let mut refits: Vec<Option<KeyId>> = vec![None; requests.len()];
+    let mut reports: Vec<PendingReport> = Vec::new();
+    for &i in &order {
+        let request = requests[i];
+        let lease = &request.lease;
+        let mut found = freed.remove(&lease.lease_id);
+        let mut reported: Option<(KeyId, bool)> = None;
+        for attempt in 0..3 {
+            if attempt > 0 {
+                found = free_leases(&mut *tx, &[request])
+                    .await?
+                    .remove(&lease.lease_id);
             }
-            reported = Some((key_id, freed.probe));
-            break;
-        }
-        match diagnose(&mut *tx, lease).await? {
-            Diagnosis::Live => continue,
-            Diagnosis::Gone(reason) => {
-                verdict = Err(reason);
-                if matches!(reason, NotReleased::Expired | NotReleased::NotFound)
-                    && request.outcome.is_some()
-                {
-                    reported = report_after_expiry(&mut *tx, request)
-                        .await?
-                        .map(|key_id| (key_id, false));
+            if let Some(lease_freed) = found.take() {
+                verdicts[i] = Ok(());
+                if lease_freed.over_limit {
+                    refits[i] = Some(lease_freed.key_id.clone());
                 }
+                reported = Some((lease_freed.key_id, lease_freed.probe));
                 break;
             }
+            match diagnose(&mut *tx, lease).await? {
+                Diagnosis::Live => continue,
+                Diagnosis::Gone(reason) => {
+                    verdicts[i] = Err(reason);
+                    if matches!(reason, NotReleased::Expired | NotReleased::NotFound)
+                        && request.outcome.is_some()
+                    {
+                        reported = report_after_expiry(&mut *tx, request)
+                            .await?
+                            .map(|key_id| (key_id, false));
+                    }
+                    break;
+                }
+            }
+        }
+        if let (Some((key_id, probe)), Some(outcome)) = (reported, request.outcome) {
+            reports.push(PendingReport {
+                request: i,
+                key_id,
+                lease_id: lease.lease_id,
+                report: Report {
+                    outcome,
+                    retry_after_seconds: request.retry_after_seconds,
+                    probe,
+                },
+            });
         }
     }
 
-    let mut health = None;
-    if let (Some((key_id, probe)), Some(outcome)) = (reported, request.outcome) {
-        let report = Report {
-            outcome,
-            retry_after_seconds: request.retry_after_seconds,
-            probe,
-        };
-        if let Some(next) = apply_report(&mut *tx, &key_id, lease.lease_id, report, policy).await? {
-            health = Some((key_id, next));
-        }
+    let mut health: Vec<Option<(KeyId, Health)>> = vec![None; requests.len()];
+    for (report, next) in reports
+        .iter()
+        .zip(apply_reports(&mut *tx, &reports, policy).await?)
+    {
+        health[report.request] = next.map(|next| (report.key_id.clone(), next));
     }
-    Ok(StagedRelease {
-        result: ReleaseResult {
-            released: verdict,
-            health,
-        },
-        refit,
-    })
+    Ok(verdicts
+        .into_iter()
+        .zip(health)
+        .zip(refits)
+        .map(|((released, health), refit)| StagedRelease {
+            result: ReleaseResult { released, health },
+            refit,
+        })
+        .collect())
+}
+
+/// A lease step 1 of [`release_group_in`] freed.
+struct Freed {
+    key_id: KeyId,
+    probe: bool,
+    /// Its credential is over a lowered limit (it may now be back under).
+    over_limit: bool,
+}
+
+/// Frees, in ONE statement, every requested lease that is unexpired and named by all four of its
+/// values: clears its slot and writes a `released` trail row with the outcome. Slot rows are
+/// locked in ascending (key_id, slot) order. Returns the leases freed, by lease_id.
+async fn free_leases(
+    conn: &mut PgConnection,
+    requests: &[&ReleaseRequest],
+) -> Result<HashMap<LeaseId, Freed>, sqlx::Error> {
+    let lease_ids: Vec<uuid::Uuid> = requests
+        .iter()
+        .map(|r| r.lease.lease_id.as_uuid())
+        .collect();
+    let key_ids: Vec<&str> = requests.iter().map(|r| r.lease.key_id.as_str()).collect();
+    let providers: Vec<&str> = requests.iter().map(|r| r.lease.provider.as_str()).collect();
+    let pools: Vec<&str> = requests.iter().map(|r| r.lease.pool.as_str()).collect();
+    let outcomes: Vec<Option<&str>> = requests
+        .iter()
+        .map(|r| r.outcome.map(Outcome::as_str))
+        .collect();
+    let rows = sqlx::query!(
+        r#"
+        WITH wanted AS (
+            SELECT *
+            FROM unnest($1::uuid[], $2::text[], $3::text[], $4::text[], $5::text[])
+                AS w (lease_id, key_id, provider, pool, outcome)
+        ),
+        target AS (
+            SELECT s.key_id, s.slot, s.lease_id, s.provider, s.pool, s.holder, s.lease_until,
+                   s.probe, w.outcome
+            FROM lease_slots s
+            JOIN wanted w ON w.lease_id = s.lease_id
+            -- probes by the lease_id index, whatever the plan makes of the join
+            WHERE s.lease_id = ANY ($1::uuid[])
+              AND s.key_id = w.key_id AND s.provider = w.provider AND s.pool = w.pool
+              AND s.lease_until > statement_timestamp()
+            ORDER BY s.key_id, s.slot
+            FOR UPDATE OF s
+        ),
+        freed AS (
+            UPDATE lease_slots s
+            SET lease_id = NULL, provider = NULL, pool = NULL, holder = NULL,
+                granted_at = NULL, lease_until = NULL, probe = false
+            FROM target
+            WHERE s.key_id = target.key_id AND s.slot = target.slot
+            RETURNING target.*
+        ),
+        trail AS (
+            INSERT INTO lease_events
+                (event, lease_id, key_id, provider, pool, slot, holder, outcome, lease_until, at)
+            SELECT 'released', lease_id, key_id, provider, pool, slot, holder, outcome,
+                   lease_until, statement_timestamp()
+            FROM freed
+        )
+        SELECT lease_id AS "lease_id!", key_id AS "key_id!", probe AS "probe!",
+               coalesce((SELECT c.slots_over_limit FROM credentials c
+                         WHERE c.key_id = freed.key_id), false) AS "over_limit!"
+        FROM freed
+        "#,
+        &lease_ids,
+        &key_ids as &[&str],
+        &providers as &[&str],
+        &pools as &[&str],
+        &outcomes as &[Option<&str>],
+    )
+    .fetch_all(&mut *conn)
+    .await?;
+    rows.into_iter()
+        .map(|row| {
+            Ok((
+                LeaseId::from(row.lease_id),
+                Freed {
+                    key_id: decoded(KeyId::parse(row.key_id))?,
+                    probe: row.probe,
+                    over_limit: row.over_limit,
+                },
+            ))
+        })
+        .collect()
 }
 
 /// Records the outcome of a lease that expired before its release, once: ends it in the trail if
@@ -394,85 +525,148 @@ async fn report_after_expiry(
     key_id.map(|k| decoded(KeyId::parse(k))).transpose()
 }
 
-/// Applies one report to a credential's health under its row lock, in the caller's transaction,
-/// and writes the transition (if any) to `credential_events`. Returns the new health, or `None`
-/// if the credential no longer exists.
-async fn apply_report(
-    conn: &mut PgConnection,
-    key_id: &KeyId,
+/// An outcome to apply to a credential's health, for the request at index `request`.
+struct PendingReport {
+    request: usize,
+    key_id: KeyId,
     lease_id: LeaseId,
     report: Report,
+}
+
+/// Applies reports to their credentials' health ([`crate::health::apply`], in the order given;
+/// several on one credential apply one after the other) under the credential rows' locks, taken
+/// in ascending key_id order by ONE read, then writes every new health and every transition to
+/// `credential_events` in ONE statement. Returns, per report, the health after it, or `None` if
+/// the credential no longer exists.
+async fn apply_reports(
+    conn: &mut PgConnection,
+    reports: &[PendingReport],
     policy: &HealthPolicy,
-) -> Result<Option<Health>, sqlx::Error> {
-    let Some(row) = sqlx::query!(
+) -> Result<Vec<Option<Health>>, sqlx::Error> {
+    if reports.is_empty() {
+        return Ok(Vec::new());
+    }
+    let key_ids: Vec<&str> = reports.iter().map(|r| r.key_id.as_str()).collect();
+    let rows = sqlx::query!(
         r#"
-        SELECT status, status_reason, cooldown_until, health_successes, health_failures,
+        SELECT key_id, status, status_reason, cooldown_until, health_successes, health_failures,
                health_rate_limits, health_decayed_at, recent_failures, cooldowns_in_a_row,
                last_success_at, recovered_at, statement_timestamp() AS "db_now!"
         FROM credentials
-        WHERE key_id = $1
+        WHERE key_id = ANY ($1::text[])
+        ORDER BY key_id
         FOR UPDATE
         "#,
-        key_id.as_str(),
+        &key_ids as &[&str],
     )
-    .fetch_optional(&mut *conn)
-    .await?
-    else {
-        return Ok(None);
-    };
-    let current = Health {
-        status: decoded(Status::parse(&row.status))?,
-        status_reason: row.status_reason,
-        cooldown_until: row.cooldown_until,
-        successes: row.health_successes,
-        failures: row.health_failures,
-        rate_limits: row.health_rate_limits,
-        decayed_at: row.health_decayed_at,
-        recent_failures: row.recent_failures,
-        cooldowns_in_a_row: row.cooldowns_in_a_row,
-        last_success_at: row.last_success_at,
-        recovered_at: row.recovered_at,
-    };
-    let (next, transition) = health::apply(&current, report, row.db_now, policy);
+    .fetch_all(&mut *conn)
+    .await?;
+    let mut current: HashMap<String, (Health, OffsetDateTime)> = HashMap::new();
+    for row in rows {
+        let health = Health {
+            status: decoded(Status::parse(&row.status))?,
+            status_reason: row.status_reason,
+            cooldown_until: row.cooldown_until,
+            successes: row.health_successes,
+            failures: row.health_failures,
+            rate_limits: row.health_rate_limits,
+            decayed_at: row.health_decayed_at,
+            recent_failures: row.recent_failures,
+            cooldowns_in_a_row: row.cooldowns_in_a_row,
+            last_success_at: row.last_success_at,
+            recovered_at: row.recovered_at,
+        };
+        current.insert(row.key_id, (health, row.db_now));
+    }
+
+    let mut results = Vec::with_capacity(reports.len());
+    let mut transitions = Vec::new();
+    for pending in reports {
+        let Some((health, db_now)) = current.get_mut(pending.key_id.as_str()) else {
+            results.push(None);
+            continue;
+        };
+        let (next, transition) = health::apply(health, pending.report, *db_now, policy);
+        if let Some(t) = transition {
+            tracing::info!(key_id = %pending.key_id, old = t.old_status.as_str(), new = t.new_status.as_str(), reason = %t.reason, "credential health changed");
+            transitions.push(serde_json::json!({
+                "key_id": pending.key_id.as_str(),
+                "old_status": t.old_status.as_str(),
+                "new_status": t.new_status.as_str(),
+                "reason": t.reason,
+                "cooldown_until": next.cooldown_until.map(rfc3339),
+                "lease_id": pending.lease_id.as_uuid(),
+                "at": next.decayed_at.map(rfc3339),
+            }));
+        }
+        *health = next.clone();
+        results.push(Some(next));
+    }
+    let next: Vec<serde_json::Value> = current
+        .iter()
+        .map(|(key_id, (h, _))| {
+            serde_json::json!({
+                "key_id": key_id,
+                "status": h.status.as_str(),
+                "status_reason": h.status_reason,
+                "cooldown_until": h.cooldown_until.map(rfc3339),
+                "health_successes": h.successes,
+                "health_failures": h.failures,
+                "health_rate_limits": h.rate_limits,
+                "health_decayed_at": h.decayed_at.map(rfc3339),
+                "recent_failures": h.recent_failures.iter().copied().map(rfc3339).collect::<Vec<_>>(),
+                "cooldowns_in_a_row": h.cooldowns_in_a_row,
+                "last_success_at": h.last_success_at.map(rfc3339),
+                "recovered_at": h.recovered_at.map(rfc3339),
+            })
+        })
+        .collect();
     sqlx::query!(
         r#"
-        WITH updated AS (
-            UPDATE credentials
-            SET status = $2, status_reason = $3, cooldown_until = $4,
-                health_successes = $5, health_failures = $6, health_rate_limits = $7,
-                health_decayed_at = $8, recent_failures = $9, cooldowns_in_a_row = $10,
-                last_success_at = $11, recovered_at = $12
-            WHERE key_id = $1
-            RETURNING key_id
+        WITH next AS (
+            SELECT *
+            FROM jsonb_to_recordset($1) AS n (
+                key_id text, status text, status_reason text, cooldown_until timestamptz,
+                health_successes double precision, health_failures double precision,
+                health_rate_limits double precision, health_decayed_at timestamptz,
+                recent_failures timestamptz[], cooldowns_in_a_row integer,
+                last_success_at timestamptz, recovered_at timestamptz)
+        ),
+        updated AS (
+            UPDATE credentials c
+            SET status = n.status, status_reason = n.status_reason,
+                cooldown_until = n.cooldown_until, health_successes = n.health_successes,
+                health_failures = n.health_failures, health_rate_limits = n.health_rate_limits,
+                health_decayed_at = n.health_decayed_at, recent_failures = n.recent_failures,
+                cooldowns_in_a_row = n.cooldowns_in_a_row, last_success_at = n.last_success_at,
+                recovered_at = n.recovered_at
+            FROM next n
+            -- probes by the primary key, whatever the plan makes of the join
+            WHERE c.key_id = ANY ($3::text[]) AND c.key_id = n.key_id
+            RETURNING c.key_id
         )
-        INSERT INTO credential_events (key_id, event, old_status, new_status, reason, cooldown_until, lease_id, at)
-        SELECT key_id, 'status_changed', $13, $14, $15, $4, $16, $8
-        FROM updated
-        WHERE $13::text IS NOT NULL
+        INSERT INTO credential_events
+            (key_id, event, old_status, new_status, reason, cooldown_until, lease_id, at)
+        SELECT t.key_id, 'status_changed', t.old_status, t.new_status, t.reason, t.cooldown_until,
+               t.lease_id, coalesce(t.at, statement_timestamp())
+        FROM jsonb_to_recordset($2) AS t (
+            key_id text, old_status text, new_status text, reason text,
+            cooldown_until timestamptz, lease_id uuid, at timestamptz)
+        WHERE t.key_id IN (SELECT key_id FROM updated)
         "#,
-        key_id.as_str(),
-        next.status.as_str(),
-        next.status_reason,
-        next.cooldown_until,
-        next.successes,
-        next.failures,
-        next.rate_limits,
-        next.decayed_at,
-        &next.recent_failures,
-        next.cooldowns_in_a_row,
-        next.last_success_at,
-        next.recovered_at,
-        transition.as_ref().map(|t| t.old_status.as_str()),
-        transition.as_ref().map(|t| t.new_status.as_str()),
-        transition.as_ref().map(|t| t.reason.as_str()),
-        lease_id.as_uuid(),
+        serde_json::Value::Array(next),
+        serde_json::Value::Array(transitions),
+        &key_ids as &[&str],
     )
     .execute(&mut *conn)
     .await?;
-    if let Some(t) = &transition {
-        tracing::info!(key_id = %key_id, old = t.old_status.as_str(), new = t.new_status.as_str(), reason = %t.reason, "credential health changed");
-    }
-    Ok(Some(next))
+    Ok(results)
+}
+
+/// `at` as RFC 3339 text, for timestamps passed to PostgreSQL inside JSON.
+fn rfc3339(at: OffsetDateTime) -> String {
+    at.format(&time::format_description::well_known::Rfc3339)
+        .unwrap_or_default()
 }
 
 enum Diagnosis {
