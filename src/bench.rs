@@ -5,7 +5,8 @@
 //! lease H milliseconds, release it with the outcome `success`. The credpool mode drives a
 //! service over HTTP (one started in-process on the database, or a running one given with
 //! `--url`). The `sql` baseline does the same cycles with the per-request claim and release
-//! statements (`src/store/claim_slot.sql`, [`leases::release_on`]) straight on the database,
+//! statements (the claim function `credpool_claim` with one claim, [`leases::release_on`])
+//! straight on the database,
 //! one connection per executor: what a naive design pays per lease, a durable commit for each
 //! state change. Both run on one pool of bench credentials (provider `bench`, a fresh pool per
 //! run, removed afterwards), so the ratio of the two is a property of the design, not of the
@@ -257,8 +258,11 @@ async fn run_on(args: &BenchArgs, database: &Database) -> anyhow::Result<ExitCod
             let _ = stop.send(());
             handle.await??;
         }
-        let oversold: i64 = audit::oversell_check(&database.pool, since, until)
-            .await?
+        // the proof reads the run's whole trail: more than a request's statement timeout
+        let mut tx = without_statement_timeout(&database.pool).await?;
+        let proof = audit::oversell_check(&mut *tx, since, until).await?;
+        tx.commit().await?;
+        let oversold: i64 = proof
             .iter()
             .filter(|row| key_ids.contains(&row.key_id))
             .map(|row| row.grants_over_limit)
@@ -342,6 +346,7 @@ async fn load_history(db: &PgPool, serving: &[KeyId], rows: u64) -> anyhow::Resu
         .bind(&key_ids[0])
         .fetch_one(db)
         .await?;
+    let mut tx = without_statement_timeout(db).await?;
     sqlx::query(
         "INSERT INTO lease_events (event, lease_id, key_id, provider, pool, slot, holder, outcome, lease_until, at)
          SELECT CASE WHEN g % 2 = 0 THEN 'granted' ELSE 'released' END,
@@ -358,10 +363,23 @@ async fn load_history(db: &PgPool, serving: &[KeyId], rows: u64) -> anyhow::Resu
     .bind(&pool)
     .bind(hex::encode(rand::random::<[u8; 8]>()))
     .bind(rows as i64)
-    .execute(db)
+    .execute(&mut *tx)
     .await?;
+    tx.commit().await?;
     sqlx::query("ANALYZE lease_events").execute(db).await?;
     Ok(())
+}
+
+/// A transaction whose statements may run as long as they need (bulk work of the benchmark,
+/// not requests): `statement_timeout` is lifted for it alone.
+async fn without_statement_timeout(
+    db: &PgPool,
+) -> Result<sqlx::Transaction<'static, sqlx::Postgres>, sqlx::Error> {
+    let mut tx = db.begin().await?;
+    sqlx::query("SET LOCAL statement_timeout = 0")
+        .execute(&mut *tx)
+        .await?;
+    Ok(tx)
 }
 
 /// Deletes the run's credentials (their history stays in the trail, as for any deletion).

@@ -510,6 +510,7 @@ async fn run_group<O: Operation>(db: &PgPool, mut group: Vec<Pending<O>>) {
     }
     group.sort_by(|a, b| a.operation.waits_on().cmp(&b.operation.waits_on()));
     crate::telemetry::group(O::KIND, group.len());
+    let started = std::time::Instant::now();
 
     let mut conn = match crate::store::acquire(db).await {
         Ok(conn) => conn,
@@ -531,6 +532,12 @@ async fn run_group<O: Operation>(db: &PgPool, mut group: Vec<Pending<O>>) {
         Ok(staged) => staged,
         Err(error) => return fail(group, &error),
     };
+    tracing::debug!(
+        kind = O::KIND,
+        operations = group.len(),
+        elapsed_ms = started.elapsed().as_secs_f64() * 1e3,
+        "group committed"
+    );
     for (Pending { operation, reply }, staged) in group.into_iter().zip(staged) {
         let output = operation.finish(staged, &mut conn).await;
         if let Err(Ok(output)) = reply.send(Ok(output)) {

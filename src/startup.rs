@@ -8,6 +8,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use anyhow::{Context, bail};
+use axum::serve::ListenerExt;
 use serde::{Deserialize, Serialize};
 use sqlx::PgPool;
 use tokio::net::TcpListener;
@@ -79,7 +80,14 @@ impl Application {
         self,
         shutdown: impl Future<Output = ()> + Send + 'static,
     ) -> std::io::Result<()> {
-        axum::serve(self.listener, http::app(self.state))
+        // small request / response pairs: without TCP_NODELAY a response written in two segments
+        // can wait for the client's delayed ACK (~40 ms)
+        let listener = self.listener.tap_io(|tcp| {
+            if let Err(error) = tcp.set_nodelay(true) {
+                tracing::debug!(error = %error, "could not set TCP_NODELAY");
+            }
+        });
+        axum::serve(listener, http::app(self.state))
             .with_graceful_shutdown(shutdown)
             .await
     }

@@ -233,19 +233,7 @@ async fn wide_race(
         assert_eq!(distinct.len(), racers, "round {round}");
 
         // release everything for the next round, all at once
-        let releases: Vec<_> = leases
-            .into_iter()
-            .map(|lease| {
-                let app = app.clone();
-                tokio::spawn(async move {
-                    let response = app.release(release_body(&lease, "success")).await;
-                    json_body(response, StatusCode::OK).await
-                })
-            })
-            .collect();
-        for release in releases {
-            assert_eq!(release.await.unwrap()["released"], true, "round {round}");
-        }
+        release_all_at_once(app, leases, round).await;
     }
 }
 
@@ -329,19 +317,7 @@ async fn grouped_claims_renewals_and_releases_never_oversell() {
         for renewal in renewals {
             assert!(renewal.await.unwrap()["lease_until"].is_string());
         }
-        let releases: Vec<_> = leases
-            .into_iter()
-            .map(|lease| {
-                let app = app.clone();
-                tokio::spawn(async move {
-                    let response = app.release(release_body(&lease, "success")).await;
-                    json_body(response, StatusCode::OK).await
-                })
-            })
-            .collect();
-        for release in releases {
-            assert_eq!(release.await.unwrap()["released"], true, "round {round}");
-        }
+        release_all_at_once(&app, leases, round).await;
         for limit in 1..=3 {
             assert_eq!(app.in_flight(&format!("{pool}-{limit}")).await, 0);
         }
@@ -351,6 +327,23 @@ async fn grouped_claims_renewals_and_releases_never_oversell() {
         big_groups(&app.metrics().await) > big_groups_before,
         "no claim group of more than 8 operations"
     );
+}
+
+/// Releases `leases` with `success`, all at once; each must be released.
+async fn release_all_at_once(app: &Arc<TestApp>, leases: Vec<serde_json::Value>, round: usize) {
+    let releases: Vec<_> = leases
+        .into_iter()
+        .map(|lease| {
+            let app = app.clone();
+            tokio::spawn(async move {
+                let response = app.release(release_body(&lease, "success")).await;
+                json_body(response, StatusCode::OK).await
+            })
+        })
+        .collect();
+    for release in releases {
+        assert_eq!(release.await.unwrap()["released"], true, "round {round}");
+    }
 }
 
 /// Claim groups of more than 8 operations so far, from `credpool_group_size`.

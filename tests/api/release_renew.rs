@@ -285,3 +285,56 @@ async fn parallel_releases_of_one_lease_release_it_exactly_once() {
         assert_eq!(app.in_flight("key-a").await, 0);
     }
 }
+
+/// Releases forced into one group (each group waits 300 ms for more): a live lease, one named with
+/// the wrong pool, an expired one reported with an outcome, and an unknown one. Each gets the
+/// answer it would get alone, and only the live one frees its slot.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_release_group_answers_each_release_as_if_it_were_alone() {
+    let mut options = AppOptions::default();
+    options.settings.groups = credpool::groups::GroupSettings {
+        max_size: 64,
+        max_wait: Duration::from_millis(300),
+        transactions: 1,
+    };
+    let app = std::sync::Arc::new(TestApp::spawn_with(options).await);
+    let mut leases = Vec::new();
+    for (pool, lease_seconds) in [("live", 600), ("mismatch", 600), ("expired", 1)] {
+        app.put_key(&format!("g-{pool}"), "openai", pool, &["gpt-4o"], 1)
+            .await;
+        let body = json!({"provider": "openai", "model": "gpt-4o", "pool": pool,
+                          "lease_seconds": lease_seconds});
+        leases.push(json_body(app.allocate(body).await, StatusCode::OK).await);
+    }
+    tokio::time::sleep(Duration::from_millis(1500)).await;
+    let mut mismatch = release_body(&leases[1], "success");
+    mismatch["pool"] = json!("live");
+    let mut unknown = release_body(&leases[0], "success");
+    unknown["lease_id"] = json!("0123456789abcdef0123456789abcdef");
+    let bodies = [
+        release_body(&leases[0], "success"),
+        mismatch,
+        release_body(&leases[2], "failure"),
+        unknown,
+    ];
+    let answers = futures::future::join_all(bodies.into_iter().map(|body| {
+        let app = app.clone();
+        async move { json_body(app.release(body).await, StatusCode::OK).await }
+    }))
+    .await;
+    assert_eq!(answers[0], json!({"released": true}));
+    assert_eq!(answers[1], json!({"released": false, "reason": "mismatch"}));
+    assert_eq!(answers[2], json!({"released": false, "reason": "expired"}));
+    assert_eq!(
+        answers[3],
+        json!({"released": false, "reason": "not_found"})
+    );
+    assert_eq!(app.in_flight("g-live").await, 0);
+    assert_eq!(app.in_flight("g-mismatch").await, 1);
+    // the expired lease's outcome still counted, once
+    let expired_events = app.events(leases[2]["lease_id"].as_str().unwrap()).await;
+    assert!(
+        expired_events.contains(&"outcome_after_expiry".to_owned()),
+        "{expired_events:?}"
+    );
+}
