@@ -10,9 +10,11 @@ use tracing_subscriber::EnvFilter;
 #[tokio::main]
 async fn main() -> ExitCode {
     let cli = Cli::parse();
-    // the demo prints its own summary; its per-lease log lines would bury it
+    // the demo and the bench print their own summaries; per-lease log lines would bury them
     let default_filter = match cli.command {
-        Command::Demo(_) | Command::Bench(_) => "warn",
+        Command::Demo(_) => "warn",
+        // the bench's own bulk statements (history, the oversell proof) are slow by design
+        Command::Bench(_) => "warn,sqlx::query=error",
         _ => "credpool=info,warn",
     };
     let filter =
