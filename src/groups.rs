@@ -28,13 +28,17 @@
 //!   else that is locked (the credential row is only read; inserts into the trail tables have no
 //!   foreign keys and fresh random lease ids). A claim group therefore never waits, so it is in
 //!   no cycle, whatever the order of its claims.
-//! - A release locks its lease's slot row, then (with an outcome) its credential row; a renewal
-//!   locks one slot row. A group admits at most one such operation per credential
-//!   ([`Operation::waits_on`]; a second one waits for the next group) and runs them in ascending
-//!   key_id order, so every release or renewal group takes its locks in one global order —
-//!   (key_id, slot row before credential row) — and transactions that take locks in one global
-//!   order cannot form a cycle among themselves. Single-credential transactions (operator
-//!   changes, refits) only touch one key_id, so they fit the same order.
+//! - A release group ([`leases::release_group_in`]) locks its leases' slot rows first, in
+//!   ascending key_id order (one statement; the few leases it must diagnose afterwards, in
+//!   ascending key_id order too), then the credential rows of the outcomes, in ascending key_id
+//!   order (one statement). A renewal group locks one slot row per renewal, in ascending key_id
+//!   order. A group admits at most one such operation per credential (`Operation::waits_on`; a
+//!   second one waits for the next group), so each group takes its locks in one global order —
+//!   slot rows by key_id, then credential rows by key_id — and transactions that take their locks
+//!   in one global order cannot form a cycle among themselves.
+//! - Single-credential transactions outside the groups (operator changes, refits) can still meet
+//!   a group in the other order on one credential (credential row, then its slots); PostgreSQL
+//!   detects such a deadlock and aborts one side, as it did before grouping.
 //!
 //! If PostgreSQL nevertheless aborts a group (a deadlock it detected, a timeout, a lost
 //! connection), the whole group is rolled back and every request in it is answered 503.
