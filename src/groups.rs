@@ -14,7 +14,7 @@
 //! more), and a group of one runs as it would ungrouped.
 //!
 //! # Why grouped claims cannot oversell
-//! Each claim is the same statement as ungrouped (`src/store/claim_slot.sql`), and its argument
+//! Each claim is the same statement as ungrouped (in `credpool_claim`), and its argument
 //! does not depend on transaction boundaries: a lease exists only inside the slot row that holds
 //! it, and the claim takes that row's lock, which stays held until the group commits. A later
 //! claim of the same group sees the earlier claims' writes (same transaction), so it never takes
@@ -156,37 +156,21 @@ trait Operation: Send + Sync + Sized + 'static {
     type Output: Send + 'static;
     /// The `kind` label of the group-size metric.
     const KIND: &'static str;
-    /// Whether the operation's writes are one statement, so that alone it needs no explicit
-    /// transaction (a group of one then costs one round trip, as ungrouped).
-    const ONE_STATEMENT: bool;
-    /// Whether [`Operation::stage_group`] writes a whole group in one statement, so that no group
-    /// needs an explicit transaction.
-    const GROUP_IN_ONE_STATEMENT: bool = false;
+
+    /// Whether [`Operation::stage_group`] writes a group of `operations` in one statement, so that
+    /// it needs no explicit transaction (a group of one then costs one round trip, as ungrouped).
+    fn one_statement(operations: usize) -> bool;
 
     /// The credential whose rows this operation may wait for, if any: a group holds at most one
     /// operation per such credential and runs them in ascending key_id order.
     fn waits_on(&self) -> Option<&KeyId>;
 
-    /// Does the operation's work inside the group's transaction.
-    fn stage<'a>(
-        &'a self,
-        tx: &'a mut PgConnection,
-    ) -> BoxFuture<'a, Result<Self::Staged, sqlx::Error>>;
-
-    /// Does the work of a whole group, in order, inside its transaction: by default each
-    /// operation's [`Operation::stage`] in turn.
+    /// Does the work of a whole group, in order, inside its transaction (or, when
+    /// [`Operation::one_statement`], as one statement); one result per operation.
     fn stage_group<'a>(
         group: Vec<&'a Self>,
         tx: &'a mut PgConnection,
-    ) -> BoxFuture<'a, Result<Vec<Self::Staged>, sqlx::Error>> {
-        Box::pin(async move {
-            let mut staged = Vec::with_capacity(group.len());
-            for operation in group {
-                staged.push(operation.stage(&mut *tx).await?);
-            }
-            Ok(staged)
-        })
-    }
+    ) -> BoxFuture<'a, Result<Vec<Self::Staged>, sqlx::Error>>;
 
     /// After the commit: whatever follows it, and the caller's result.
     fn finish<'a>(
@@ -233,18 +217,13 @@ impl Operation for Claim {
     type Staged = ClaimResult;
     type Output = ClaimResult;
     const KIND: &'static str = "claim";
-    const ONE_STATEMENT: bool = true;
-    const GROUP_IN_ONE_STATEMENT: bool = true;
+
+    fn one_statement(_: usize) -> bool {
+        true
+    }
 
     fn waits_on(&self) -> Option<&KeyId> {
         None
-    }
-
-    fn stage<'a>(
-        &'a self,
-        tx: &'a mut PgConnection,
-    ) -> BoxFuture<'a, Result<ClaimResult, sqlx::Error>> {
-        Box::pin(async move { leases::claim_slot(tx, &self.request()).await })
     }
 
     /// The whole group's claims in one statement (`credpool_claim` runs them in order).
@@ -305,17 +284,13 @@ impl Operation for Release {
     type Staged = StagedRelease;
     type Output = ReleaseResult;
     const KIND: &'static str = "release";
-    const ONE_STATEMENT: bool = false;
+
+    fn one_statement(_: usize) -> bool {
+        false
+    }
 
     fn waits_on(&self) -> Option<&KeyId> {
         Some(&self.request.lease.key_id)
-    }
-
-    fn stage<'a>(
-        &'a self,
-        tx: &'a mut PgConnection,
-    ) -> BoxFuture<'a, Result<StagedRelease, sqlx::Error>> {
-        Box::pin(leases::release_in(tx, &self.request, &self.policy))
     }
 
     /// The whole group in a fixed number of statements ([`leases::release_group_in`]).
@@ -351,18 +326,28 @@ impl Operation for Renewal {
     type Staged = Option<OffsetDateTime>;
     type Output = Option<OffsetDateTime>;
     const KIND: &'static str = "renewal";
-    // the renewal's UPDATE; its retries re-run it, and its diagnosis only reads
-    const ONE_STATEMENT: bool = true;
+
+    /// A lone renewal writes with one UPDATE (its retries re-run it; its diagnosis only reads).
+    fn one_statement(operations: usize) -> bool {
+        operations == 1
+    }
 
     fn waits_on(&self) -> Option<&KeyId> {
         Some(&self.lease.key_id)
     }
 
-    fn stage<'a>(
-        &'a self,
+    /// Each renewal in turn.
+    fn stage_group<'a>(
+        group: Vec<&'a Self>,
         tx: &'a mut PgConnection,
-    ) -> BoxFuture<'a, Result<Option<OffsetDateTime>, sqlx::Error>> {
-        Box::pin(leases::renew(tx, &self.lease, self.lease_seconds))
+    ) -> BoxFuture<'a, Result<Vec<Option<OffsetDateTime>>, sqlx::Error>> {
+        Box::pin(async move {
+            let mut renewed = Vec::with_capacity(group.len());
+            for renewal in group {
+                renewed.push(leases::renew(&mut *tx, &renewal.lease, renewal.lease_seconds).await?);
+            }
+            Ok(renewed)
+        })
     }
 
     fn finish<'a>(
@@ -521,7 +506,7 @@ async fn run_group<O: Operation>(db: &PgPool, mut group: Vec<Pending<O>>) {
         Err(error) => return fail(group, &error),
     };
     let operations: Vec<&O> = group.iter().map(|pending| &pending.operation).collect();
-    let staged = if O::GROUP_IN_ONE_STATEMENT || (operations.len() == 1 && O::ONE_STATEMENT) {
+    let staged = if O::one_statement(operations.len()) {
         O::stage_group(operations, &mut conn).await
     } else {
         async {

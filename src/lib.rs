@@ -10,8 +10,9 @@
 //! - [`candidates`]: each process's per-pool candidate views, so ranking reads no pool per request.
 //! - [`allocation`]: the pool sequence, ranking and one-statement claim, and the 404/409/429
 //!   classification of an allocation that found nothing.
-//! - [`store`]: every SQL statement; `store/claim_slot.sql` is the claim and explains why it
-//!   cannot oversell.
+//! - [`store`]: every SQL statement but the claim, which is the SQL function `credpool_claim`
+//!   (`migrations/20261130000005_performance.sql`, whose comment explains why it cannot oversell).
+//! - [`groups`]: group claiming, several claims, releases or renewals in one transaction.
 //! - [`http`]: the axum router, one module per audience, and the one error type.
 //! - [`startup`]: binding and serving; [`database`]: `DATABASE_URL` or the embedded default;
 //!   [`embedded`]: the private PostgreSQL cluster launcher.

@@ -9,7 +9,7 @@ use sqlx::PgConnection;
 use time::OffsetDateTime;
 
 use super::leases::decoded;
-use crate::domain::{KeyId, PoolName, ProviderName, Status};
+use crate::domain::{KeyId, PoolName, ProviderName};
 use crate::health::Health;
 
 /// One credential as the candidate read saw it.
@@ -112,19 +112,7 @@ pub async fn load_pool(
                 models: r.models,
                 aliases,
                 max_concurrent_uses: r.max_concurrent_uses,
-                health: Health {
-                    status: decoded(Status::parse(&r.status))?,
-                    status_reason: r.status_reason,
-                    cooldown_until: r.cooldown_until,
-                    successes: r.health_successes,
-                    failures: r.health_failures,
-                    rate_limits: r.health_rate_limits,
-                    decayed_at: r.health_decayed_at,
-                    recent_failures: r.recent_failures,
-                    cooldowns_in_a_row: r.cooldowns_in_a_row,
-                    last_success_at: r.last_success_at,
-                    recovered_at: r.recovered_at,
-                },
+                health: super::health_of_row!(r)?,
                 slots_over_limit: r.slots_over_limit,
                 draining: r.draining,
                 in_flight: r.in_flight,

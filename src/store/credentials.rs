@@ -15,7 +15,7 @@ use super::leases::{decoded, fit_slots};
 use crate::domain::{
     InvalidValue, KeyId, LeaseId, ModelName, PoolName, ProviderName, Secret, Status,
 };
-use crate::health::{Health, HealthPolicy};
+use crate::health::HealthPolicy;
 use crate::secrets::Keyring;
 
 /// Who performed an operator action: the `X-Operator` header, `admin-key`, or `cli:<user>`.
@@ -327,19 +327,7 @@ async fn details(
     }
     rows.into_iter()
         .map(|r| {
-            let health = Health {
-                status: decoded(Status::parse(&r.status))?,
-                status_reason: r.status_reason.clone(),
-                cooldown_until: r.cooldown_until,
-                successes: r.health_successes,
-                failures: r.health_failures,
-                rate_limits: r.health_rate_limits,
-                decayed_at: r.health_decayed_at,
-                recent_failures: r.recent_failures,
-                cooldowns_in_a_row: r.cooldowns_in_a_row,
-                last_success_at: r.last_success_at,
-                recovered_at: r.recovered_at,
-            };
+            let health = super::health_of_row!(r)?;
             let (successes, failures, rate_limits) = health.counters_at(r.db_now, policy);
             let leases = leases.remove(&r.key_id).unwrap_or_default();
             Ok(CredentialDetail {
@@ -350,7 +338,7 @@ async fn details(
                 aliases: r.model_aliases,
                 max_concurrent_uses: r.max_concurrent_uses,
                 status: r.status,
-                status_reason: r.status_reason,
+                status_reason: health.status_reason,
                 cooldown_until: r.cooldown_until,
                 draining: r.draining,
                 last_used_at: r.last_used_at,

@@ -6,7 +6,7 @@ use sqlx::{PgConnection, PgExecutor, PgPool};
 use time::OffsetDateTime;
 
 use crate::domain::{
-    Holder, KeyId, LeaseId, LeaseSeconds, ModelName, Outcome, PoolName, ProviderName, Status,
+    Holder, KeyId, LeaseId, LeaseSeconds, ModelName, Outcome, PoolName, ProviderName,
 };
 use crate::health::{self, Health, HealthPolicy, Report};
 
@@ -563,19 +563,7 @@ async fn apply_reports(
     .await?;
     let mut current: HashMap<String, (Health, OffsetDateTime)> = HashMap::new();
     for row in rows {
-        let health = Health {
-            status: decoded(Status::parse(&row.status))?,
-            status_reason: row.status_reason,
-            cooldown_until: row.cooldown_until,
-            successes: row.health_successes,
-            failures: row.health_failures,
-            rate_limits: row.health_rate_limits,
-            decayed_at: row.health_decayed_at,
-            recent_failures: row.recent_failures,
-            cooldowns_in_a_row: row.cooldowns_in_a_row,
-            last_success_at: row.last_success_at,
-            recovered_at: row.recovered_at,
-        };
+        let health = super::health_of_row!(row)?;
         current.insert(row.key_id, (health, row.db_now));
     }
 

@@ -5,6 +5,32 @@
 //! Errors are [`sqlx::Error`]; the HTTP layer maps them to 503 `store_unavailable` and logs them
 //! once, without SQL text reaching a client.
 
+/// A credential's [`crate::health::Health`] from a row of a query that selects the health columns
+/// under their own names (`status`, `status_reason`, `cooldown_until`, `health_successes`,
+/// `health_failures`, `health_rate_limits`, `health_decayed_at`, `recent_failures`,
+/// `cooldowns_in_a_row`, `last_success_at`, `recovered_at`). Moves those fields out of the row;
+/// evaluates to `Result<Health, sqlx::Error>` (an unknown status is a decode error).
+macro_rules! health_of_row {
+    ($row:expr) => {
+        $crate::store::leases::decoded($crate::domain::Status::parse(&$row.status)).map(|status| {
+            $crate::health::Health {
+                status,
+                status_reason: $row.status_reason,
+                cooldown_until: $row.cooldown_until,
+                successes: $row.health_successes,
+                failures: $row.health_failures,
+                rate_limits: $row.health_rate_limits,
+                decayed_at: $row.health_decayed_at,
+                recent_failures: $row.recent_failures,
+                cooldowns_in_a_row: $row.cooldowns_in_a_row,
+                last_success_at: $row.last_success_at,
+                recovered_at: $row.recovered_at,
+            }
+        })
+    };
+}
+pub(crate) use health_of_row;
+
 pub mod audit;
 pub mod candidates;
 pub mod credentials;
