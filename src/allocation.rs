@@ -6,7 +6,6 @@ use std::sync::Arc;
 
 use rand::rngs::SmallRng;
 use rand::{RngExt, SeedableRng};
-use sqlx::PgPool;
 use time::OffsetDateTime;
 
 use crate::candidates::{CandidateViews, PoolView, unix_seconds};
@@ -17,6 +16,7 @@ use crate::groups::Groups;
 use crate::health::HealthPolicy;
 use crate::scoring::{self, ScoringPolicy};
 use crate::secrets::{Keyring, SecretsError};
+use crate::store::Db;
 use crate::store::leases::{self, ClaimRequest, LeaseRef, ReleaseRequest};
 
 /// An executor's request for a lease.
@@ -299,7 +299,7 @@ const MAX_CLAIMS_PER_POOL: usize = 16;
 /// Grants leases. Cheap to clone.
 #[derive(Debug, Clone)]
 pub struct Allocator {
-    db: PgPool,
+    db: Db,
     groups: Groups,
     views: Arc<CandidateViews>,
     claims: ClaimSettings,
@@ -310,7 +310,7 @@ impl Allocator {
     /// An allocator over `db`, claiming through `groups`, ranking from `views`, opening secrets
     /// with `keyring`.
     pub fn new(
-        db: PgPool,
+        db: Db,
         groups: Groups,
         views: Arc<CandidateViews>,
         claims: ClaimSettings,
@@ -442,10 +442,32 @@ impl Allocator {
                 continue;
             }
             claims += 1;
-            if batch.is_empty()
-                || (!free_seen && attempts >= self.claims.attempts)
-                || claims > MAX_CLAIMS_PER_POOL
+            // A view with no claimable candidate at all (every one cooling down) is still checked
+            // by one claim when nothing in this request has reached the database yet: a claim of
+            // no candidate grants nothing but reads the pool's version, so a stale view is
+            // reloaded and judged again, and an unreachable database answers 503. A 429 is never
+            // given from the cached view alone (DESIGN.md: a 429 and a 503 are different facts).
+            let confirm_empty = batch.is_empty() && claims == 1 && !fresh;
+            if !confirm_empty
+                && (batch.is_empty()
+                    || (!free_seen && attempts >= self.claims.attempts)
+                    || claims > MAX_CLAIMS_PER_POOL)
             {
+                // The view expected a lease to have ended by now, yet the pool is full: the view
+                // is behind (a renewal moved that end; renewals do not reach the view), and its
+                // Retry-After would be too short. Read the pool once and answer from that.
+                let behind = matches!(&verdict, PoolVerdict::Try { frees_at: Some((at, now)), .. } if at <= now);
+                if behind && !fresh {
+                    let (read_at, _) = self
+                        .views
+                        .with_view(provider, pool, |v| v.read_at())
+                        .await?;
+                    self.views
+                        .reload_unless_newer(provider, pool, read_at)
+                        .await?;
+                    fresh = true;
+                    continue;
+                }
                 return Ok(Err(verdict));
             }
             if !free_seen {

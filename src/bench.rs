@@ -26,8 +26,8 @@ use hdrhistogram::Histogram;
 use rand::RngExt;
 use reqwest::StatusCode;
 use serde_json::json;
+use sqlx::ConnectOptions;
 use sqlx::postgres::PgConnectOptions;
-use sqlx::{ConnectOptions, PgPool};
 
 use crate::config::{BenchArgs, BenchBaseline};
 use crate::database::Database;
@@ -38,9 +38,9 @@ use crate::domain::{
 use crate::health::HealthPolicy;
 use crate::http::ApiKeys;
 use crate::startup::Application;
-use crate::store::audit;
 use crate::store::credentials::{self, Actor, CredentialSpec};
 use crate::store::leases::{self, ClaimRequest, LeaseRef, ReleaseRequest};
+use crate::store::{Conn, Db, audit};
 
 const PROVIDER: &str = "bench";
 /// The model every executor asks for (in hot-spot mode only the hot credentials serve it).
@@ -168,6 +168,12 @@ pub async fn run(args: BenchArgs) -> anyhow::Result<ExitCode> {
         args.hot_spot,
         args.credentials
     );
+    anyhow::ensure!(
+        !(args.baseline == Some(BenchBaseline::Sql)
+            && args.db.db_pooler == crate::config::DbPooler::Transaction),
+        "--baseline sql runs single statements outside transactions, which a transaction pooler \
+         cannot carry: run it with a DATABASE_URL that reaches PostgreSQL directly"
+    );
     let database = Database::open(&args.db).await?;
     let result = run_on(&args, &database).await;
     database.close().await;
@@ -230,10 +236,10 @@ async fn run_on(args: &BenchArgs, database: &Database) -> anyhow::Result<ExitCod
             progress: AtomicU64::new(0),
         });
 
-        let since = audit::database_now(&database.pool).await?;
+        let since = audit::now(&database.pool).await?;
         let mut reports = Vec::new();
         if args.baseline == Some(BenchBaseline::Sql) {
-            let options = (*database.pool.connect_options()).clone();
+            let options = (*database.pool.pool().connect_options()).clone();
             reports.push(run_mode(args, &plan, Mode::Sql(Box::new(options))).await?);
         }
         let client = reqwest::Client::builder()
@@ -252,7 +258,7 @@ async fn run_on(args: &BenchArgs, database: &Database) -> anyhow::Result<ExitCod
             )
             .await?,
         );
-        let until = audit::database_now(&database.pool).await?;
+        let until = audit::now(&database.pool).await?;
 
         if let Some((stop, handle)) = server {
             let _ = stop.send(());
@@ -294,7 +300,7 @@ fn all_key_ids(args: &BenchArgs, run_id: &str) -> Vec<String> {
 /// that serve [`MODEL`].
 async fn load_credentials(
     args: &BenchArgs,
-    db: &PgPool,
+    db: &Db,
     keyring: &crate::secrets::Keyring,
     pool: &PoolName,
     actor: &Actor,
@@ -340,13 +346,13 @@ async fn load_credentials(
 
 /// Adds `rows` historical trail rows on the serving credentials: leases granted and released
 /// over the last 29 days, half `granted` and half `released`.
-async fn load_history(db: &PgPool, serving: &[KeyId], rows: u64) -> anyhow::Result<()> {
+async fn load_history(db: &Db, serving: &[KeyId], rows: u64) -> anyhow::Result<()> {
     let key_ids: Vec<String> = serving.iter().map(|k| k.as_str().to_owned()).collect();
+    let mut tx = without_statement_timeout(db).await?;
     let pool: String = sqlx::query_scalar("SELECT pool FROM credentials WHERE key_id = $1")
         .bind(&key_ids[0])
-        .fetch_one(db)
+        .fetch_one(&mut *tx)
         .await?;
-    let mut tx = without_statement_timeout(db).await?;
     sqlx::query(
         "INSERT INTO lease_events (event, lease_id, key_id, provider, pool, slot, holder, outcome, lease_until, at)
          SELECT CASE WHEN g % 2 = 0 THEN 'granted' ELSE 'released' END,
@@ -365,15 +371,17 @@ async fn load_history(db: &PgPool, serving: &[KeyId], rows: u64) -> anyhow::Resu
     .bind(rows as i64)
     .execute(&mut *tx)
     .await?;
+    sqlx::query("ANALYZE lease_events")
+        .execute(&mut *tx)
+        .await?;
     tx.commit().await?;
-    sqlx::query("ANALYZE lease_events").execute(db).await?;
     Ok(())
 }
 
 /// A transaction whose statements may run as long as they need (bulk work of the benchmark,
 /// not requests): `statement_timeout` is lifted for it alone.
 async fn without_statement_timeout(
-    db: &PgPool,
+    db: &Db,
 ) -> Result<sqlx::Transaction<'static, sqlx::Postgres>, sqlx::Error> {
     let mut tx = db.begin().await?;
     sqlx::query("SET LOCAL statement_timeout = 0")
@@ -383,7 +391,7 @@ async fn without_statement_timeout(
 }
 
 /// Deletes the run's credentials (their history stays in the trail, as for any deletion).
-async fn remove_credentials(db: &PgPool, key_ids: &[String], actor: &Actor) -> anyhow::Result<()> {
+async fn remove_credentials(db: &Db, key_ids: &[String], actor: &Actor) -> anyhow::Result<()> {
     use futures::StreamExt;
     let results: Vec<anyhow::Result<()>> = futures::stream::iter(key_ids)
         .map(|key_id| async move {
@@ -644,7 +652,7 @@ async fn sql_executor(
             retry_after_seconds: None,
         };
         let releasing = Instant::now();
-        let released = leases::release_on(&mut conn, &release, &policy).await;
+        let released = leases::release_on(&mut Conn::direct(&mut conn), &release, &policy).await;
         if measured {
             Tally::record(&mut tally.release, releasing.elapsed());
             if released.is_ok_and(|r| r.released.is_ok()) {

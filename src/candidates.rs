@@ -13,12 +13,12 @@ use std::collections::HashMap;
 use std::sync::{Arc, Mutex, RwLock, Weak};
 use std::time::{Duration, Instant};
 
-use sqlx::PgPool;
 use time::OffsetDateTime;
 
 use crate::domain::{KeyId, PoolName, ProviderName};
 use crate::health::{Health, HealthPolicy, UsableFrom};
 use crate::scoring::{self, ScoringPolicy};
+use crate::store::Db;
 use crate::store::candidates::{self, CredentialFacts, PoolSnapshot};
 use crate::store::leases::GrantedLease;
 
@@ -174,6 +174,11 @@ impl PoolView {
         }
     }
 
+    /// When the read this view was built from was sent.
+    pub fn read_at(&self) -> Instant {
+        self.loaded
+    }
+
     /// An estimate of the database clock: its reading at load plus the time elapsed here since the
     /// read was sent (so never behind by the read's own duration, which under load would make
     /// `Retry-After` overshoot). Good enough for ranking; every decision that counts uses the
@@ -246,7 +251,7 @@ type PoolKey = (ProviderName, PoolName);
 /// The candidate views of one service process. Cheap to share (`Arc`).
 #[derive(Debug)]
 pub struct CandidateViews {
-    db: PgPool,
+    db: Db,
     scoring: ScoringPolicy,
     health: HealthPolicy,
     pools: Mutex<HashMap<PoolKey, Arc<PoolSlot>>>,
@@ -254,7 +259,7 @@ pub struct CandidateViews {
 
 impl CandidateViews {
     /// Views over `db`, scoring with `scoring` and decaying health with `health`.
-    pub fn new(db: PgPool, scoring: ScoringPolicy, health: HealthPolicy) -> Arc<Self> {
+    pub fn new(db: Db, scoring: ScoringPolicy, health: HealthPolicy) -> Arc<Self> {
         Arc::new(Self {
             db,
             scoring,
@@ -359,6 +364,21 @@ impl CandidateViews {
         .await
     }
 
+    /// Reads the pool again unless the view has been replaced by a read sent after `read_at` (the
+    /// [`PoolView::read_at`] of the view the caller judged stale): callers that saw the same stale
+    /// view share one read.
+    pub async fn reload_unless_newer(
+        &self,
+        provider: &ProviderName,
+        pool: &PoolName,
+        read_at: Instant,
+    ) -> Result<(), sqlx::Error> {
+        self.load(provider, pool, |view| {
+            view.is_none_or(|v| v.loaded <= read_at)
+        })
+        .await
+    }
+
     /// Reads the pool and replaces its view if `needed` says so of the view as it is once this
     /// call's turn to read has come (reads of one pool run one at a time).
     async fn load(
@@ -374,9 +394,9 @@ impl CandidateViews {
         }
         tracing::debug!(provider = %provider, pool = %pool, "candidate view reload");
         let reading = ReadingReleases::start(&slot);
-        let mut conn = self.db.acquire().await?;
-        let snapshot = candidates::load_pool(&mut conn, provider, pool).await?;
-        drop(conn);
+        let mut work = self.db.work().await?;
+        let snapshot = candidates::load_pool(&mut work, provider, pool).await?;
+        work.done().await?;
         let mut view = PoolView::from_snapshot(snapshot, &self.scoring, &self.health);
         let mut guard = slot.view.write().unwrap_or_else(|p| p.into_inner());
         // A release this process made while the read ran may have committed after the read's
@@ -498,7 +518,8 @@ mod tests {
         let db = sqlx::postgres::PgPoolOptions::new()
             .connect_lazy("postgres://nobody@127.0.0.1:1/none")
             .unwrap();
-        let views = CandidateViews::new(db, ScoringPolicy::default(), HealthPolicy::default());
+        let views =
+            CandidateViews::new(db.into(), ScoringPolicy::default(), HealthPolicy::default());
         let (provider, pool) = (
             ProviderName::parse("openai").unwrap(),
             PoolName::default_pool(),

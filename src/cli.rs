@@ -335,12 +335,14 @@ pub async fn audit(args: AuditArgs) -> anyhow::Result<ExitCode> {
             };
             let (since, until) = (parse("since", since)?, parse("until", until)?);
             with_database(cli, async |db| {
+                let mut work = db.pool.work().await?;
                 let until = match until {
                     Some(until) => until,
-                    None => audit::database_now(&db.pool).await?,
+                    None => audit::database_now(&mut *work).await?,
                 };
                 let since = since.unwrap_or(until - time::Duration::days(1));
-                let rows = audit::oversell_check(&db.pool, since, until).await?;
+                let rows = audit::oversell_check(&mut *work, since, until).await?;
+                work.done().await?;
                 let violations: i64 = rows.iter().map(|r| r.grants_over_limit).sum();
                 if cli.json {
                     print_json(&serde_json::json!({"since": since.format(&Rfc3339)?, "until": until.format(&Rfc3339)?,
@@ -412,8 +414,9 @@ pub async fn maintenance(args: MaintenanceRunArgs) -> anyhow::Result<()> {
     let cli = &args.cli;
     let retention = std::time::Duration::from_secs(args.audit_retention_days * 86_400);
     with_database(cli, async |db| {
-        let mut conn = db.pool.acquire().await?;
-        let report = maintenance::run_functions(&mut conn, retention).await?;
+        let mut work = db.pool.work().await?;
+        let report = maintenance::run_functions(&mut work, retention).await?;
+        work.done().await?;
         if cli.json {
             print_json(&report)
         } else {

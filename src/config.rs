@@ -38,7 +38,8 @@ pub enum LogFormat {
 /// The subcommands.
 #[derive(Debug, Subcommand)]
 pub enum Command {
-    /// Run the HTTP service (applies migrations first).
+    /// Run the HTTP service (applies pending migrations first, except with `--db-pooler
+    /// transaction`).
     Serve(ServeArgs),
     /// Apply pending database migrations and exit.
     Migrate(DatabaseArgs),
@@ -284,9 +285,8 @@ pub struct DatabaseArgs {
     pub db_max_connections: u32,
 
     /// Milliseconds a database statement may run before PostgreSQL cancels it (then 503); 0 leaves
-    /// the server's setting. Sent as a connection startup parameter: behind PgBouncer in
-    /// transaction pooling mode, set it on the database role instead (`ALTER ROLE ... SET
-    /// statement_timeout`) and pass 0.
+    /// the server's setting. Sent as a connection startup parameter; with `--db-pooler
+    /// transaction`, set by each transaction for itself (`SET LOCAL`).
     #[arg(long, env = "CREDPOOL_DB_STATEMENT_TIMEOUT_MS", default_value_t = 5000,
           value_parser = clap::value_parser!(u64).range(0..=3_600_000))]
     pub db_statement_timeout_ms: u64,
@@ -296,6 +296,27 @@ pub struct DatabaseArgs {
     #[arg(long, env = "CREDPOOL_DB_ACQUIRE_TIMEOUT_MS", default_value_t = 2000,
           value_parser = clap::value_parser!(u64).range(1..=600_000))]
     pub db_acquire_timeout_ms: u64,
+
+    /// What stands between credpool and PostgreSQL: `none` (DATABASE_URL is the server itself)
+    /// or `transaction` (DATABASE_URL is a pooler in transaction pooling mode, such as PgBouncer
+    /// with `pool_mode = transaction` and `server_reset_query_always = 1`). With `transaction`,
+    /// every statement runs inside an explicit transaction, committed before the reply, that
+    /// sets the statement timeout for itself; connections keep no prepared statements; and
+    /// start-up applies no migrations (it refuses to start while any is pending: run `credpool
+    /// migrate` with a DATABASE_URL that reaches PostgreSQL directly).
+    #[arg(long, env = "CREDPOOL_DB_POOLER", value_enum, default_value_t = DbPooler::None)]
+    pub db_pooler: DbPooler,
+}
+
+/// What stands between credpool and PostgreSQL (`--db-pooler`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, clap::ValueEnum)]
+pub enum DbPooler {
+    /// Nothing: connections reach PostgreSQL itself (or a pooler in session mode).
+    #[default]
+    None,
+    /// A pooler in transaction pooling mode: a server connection is lent per transaction, so no
+    /// state may outlive a transaction.
+    Transaction,
 }
 
 impl DatabaseArgs {

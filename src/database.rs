@@ -6,17 +6,17 @@ use std::time::Duration;
 
 use anyhow::Context;
 use sqlx::postgres::PgConnectOptions;
-use sqlx::{ConnectOptions, Connection, PgPool};
+use sqlx::{ConnectOptions, Connection};
 
-use crate::config::DatabaseArgs;
+use crate::config::{DatabaseArgs, DbPooler};
 use crate::embedded::{self, EmbeddedCluster};
-use crate::store;
+use crate::store::{self, Db};
 
 /// An open connection pool, and the embedded cluster behind it if credpool started one.
 #[derive(Debug)]
 pub struct Database {
-    /// The connection pool.
-    pub pool: PgPool,
+    /// The connection pool, and how statements travel over it (`--db-pooler`).
+    pub pool: Db,
     /// The embedded cluster, when no `DATABASE_URL` was given.
     pub embedded: Option<EmbeddedCluster>,
     /// The embedded default's data directory, when in use.
@@ -27,7 +27,10 @@ pub struct Database {
 
 impl Database {
     /// Connects (starting the embedded cluster when no URL is configured) and applies pending
-    /// migrations.
+    /// migrations, unless the database has them all already. Behind a transaction pooler
+    /// (`--db-pooler transaction`) it applies none: a pending migration is an error that says to
+    /// run `credpool migrate` against PostgreSQL directly (sqlx's migrator holds a session
+    /// advisory lock, which a transaction pooler does not keep).
     pub async fn open(args: &DatabaseArgs) -> anyhow::Result<Self> {
         let (options, embedded, data_dir) = match &args.database_url {
             Some(url) => {
@@ -53,9 +56,9 @@ impl Database {
         let migrated = match tokio::time::timeout(settings.acquire_timeout, options.connect()).await
         {
             Ok(Ok(mut conn)) => {
-                let result = store::migrate(&mut conn).await;
+                let result = migrate_if_needed(&mut conn, args.db_pooler).await;
                 let _ = conn.close().await;
-                result.context("applying database migrations")
+                result
             }
             Ok(Err(error)) => Err(error).context("connecting to PostgreSQL"),
             Err(_) => Err(anyhow::anyhow!(
@@ -69,16 +72,27 @@ impl Database {
             }
             return Err(error);
         }
-        let pool_options = if args.db_statement_timeout_ms > 0 {
-            options.clone().options([(
-                "statement_timeout",
-                format!("{}ms", args.db_statement_timeout_ms),
-            )])
-        } else {
-            options.clone()
+        let statement_timeout = (args.db_statement_timeout_ms > 0)
+            .then(|| Duration::from_millis(args.db_statement_timeout_ms));
+        let pool = match args.db_pooler {
+            DbPooler::None => {
+                let pool_options = match statement_timeout {
+                    Some(timeout) => options
+                        .clone()
+                        .options([("statement_timeout", format!("{}ms", timeout.as_millis()))]),
+                    None => options.clone(),
+                };
+                Db::direct(store::connect_lazy(pool_options, &settings))
+            }
+            // a server connection is lent per transaction: no prepared statement may outlive
+            // one, and the timeout is set by each transaction (PgBouncer rejects `options`)
+            DbPooler::Transaction => Db::transaction_pooled(
+                store::connect_lazy(options.clone().statement_cache_capacity(0), &settings),
+                statement_timeout,
+            ),
         };
         let database = Database {
-            pool: store::connect_lazy(pool_options, &settings),
+            pool,
             embedded,
             data_dir,
             options,
@@ -104,9 +118,30 @@ impl Database {
 
     /// Closes the pool, then stops the embedded cluster if this process started it.
     pub async fn close(self) {
-        self.pool.close().await;
+        self.pool.pool().close().await;
         if let Some(cluster) = self.embedded {
             cluster.stop().await;
         }
+    }
+}
+
+/// Applies the pending migrations on `conn`, or nothing when the database has them all. Behind a
+/// transaction pooler a pending migration is an error instead.
+async fn migrate_if_needed(conn: &mut sqlx::PgConnection, pooler: DbPooler) -> anyhow::Result<()> {
+    if store::migrations_up_to_date(conn)
+        .await
+        .context("reading the applied database migrations")?
+    {
+        return Ok(());
+    }
+    match pooler {
+        DbPooler::None => store::migrate(conn)
+            .await
+            .context("applying database migrations"),
+        DbPooler::Transaction => anyhow::bail!(
+            "the database lacks migrations of this credpool version (or one failed), and they \
+             cannot be applied through a transaction pooler (--db-pooler transaction): run \
+             `credpool migrate` with a DATABASE_URL that reaches PostgreSQL directly, then start again"
+        ),
     }
 }

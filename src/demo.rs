@@ -244,7 +244,7 @@ async fn run_on(args: &DemoArgs, database: &Database) -> anyhow::Result<ExitCode
         args.lease_seconds
     );
 
-    let since = audit::database_now(&database.pool).await?;
+    let since = audit::now(&database.pool).await?;
     let fleet = Arc::new(Fleet {
         client,
         base,
@@ -267,15 +267,17 @@ async fn run_on(args: &DemoArgs, database: &Database) -> anyhow::Result<ExitCode
         u64::from(args.lease_seconds) * 1000 + 200,
     ))
     .await;
-    let until = audit::database_now(&database.pool).await?;
+    let until = audit::now(&database.pool).await?;
     let key_ids: Vec<String> = credentials.iter().map(|c| c.0.clone()).collect();
+    let mut work = database.pool.work().await?;
     let proof: std::collections::HashMap<String, audit::OversellRow> =
-        audit::oversell_check(&database.pool, since, until)
+        audit::oversell_check(&mut *work, since, until)
             .await?
             .into_iter()
             .map(|row| (row.key_id.clone(), row))
             .collect();
-    let expired = audit::expired_without_release(&database.pool, since, until, &key_ids).await?;
+    let expired = audit::expired_without_release(&mut *work, since, until, &key_ids).await?;
+    work.done().await?;
 
     let stats = fleet.stats();
     let line = |label: &str, n: u64| println!("{label:<42} {n:>8}");

@@ -48,7 +48,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use futures::future::BoxFuture;
-use sqlx::{Connection, PgConnection, PgPool};
+use sqlx::PgConnection;
 use time::OffsetDateTime;
 use tokio::sync::{Mutex, mpsc, oneshot};
 
@@ -57,6 +57,7 @@ use crate::health::HealthPolicy;
 use crate::store::leases::{
     self, ClaimRequest, ClaimResult, LeaseRef, ReleaseRequest, ReleaseResult, StagedRelease,
 };
+use crate::store::{Conn, Db};
 
 /// How operations are grouped into transactions.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -93,7 +94,7 @@ pub struct Groups {
 
 impl Groups {
     /// Starts the group workers over `db`. Must run in a Tokio runtime.
-    pub fn start(db: PgPool, settings: GroupSettings) -> Self {
+    pub fn start(db: Db, settings: GroupSettings) -> Self {
         Self {
             claims: Queue::start(&db, settings),
             releases: Queue::start(&db, settings),
@@ -176,14 +177,14 @@ trait Operation: Send + Sync + Sized + 'static {
     fn finish<'a>(
         &'a self,
         staged: Self::Staged,
-        conn: &'a mut PgConnection,
+        conn: &'a mut Conn<'static>,
     ) -> BoxFuture<'a, Self::Output>;
 
     /// The caller left before it could be answered: undo what it would have had to undo.
     fn abandoned<'a>(
         &'a self,
         _output: Self::Output,
-        _conn: &'a mut PgConnection,
+        _conn: &'a mut Conn<'static>,
     ) -> BoxFuture<'a, ()> {
         Box::pin(async {})
     }
@@ -240,7 +241,7 @@ impl Operation for Claim {
     fn finish<'a>(
         &'a self,
         staged: ClaimResult,
-        _: &'a mut PgConnection,
+        _: &'a mut Conn<'static>,
     ) -> BoxFuture<'a, ClaimResult> {
         Box::pin(async move { staged })
     }
@@ -248,7 +249,7 @@ impl Operation for Claim {
     fn abandoned<'a>(
         &'a self,
         output: ClaimResult,
-        conn: &'a mut PgConnection,
+        conn: &'a mut Conn<'static>,
     ) -> BoxFuture<'a, ()> {
         Box::pin(async move {
             let Some(granted) = output.granted else {
@@ -311,7 +312,7 @@ impl Operation for Release {
     fn finish<'a>(
         &'a self,
         staged: StagedRelease,
-        conn: &'a mut PgConnection,
+        conn: &'a mut Conn<'static>,
     ) -> BoxFuture<'a, ReleaseResult> {
         Box::pin(staged.committed(conn))
     }
@@ -353,7 +354,7 @@ impl Operation for Renewal {
     fn finish<'a>(
         &'a self,
         staged: Option<OffsetDateTime>,
-        _: &'a mut PgConnection,
+        _: &'a mut Conn<'static>,
     ) -> BoxFuture<'a, Option<OffsetDateTime>> {
         Box::pin(async move { staged })
     }
@@ -385,7 +386,7 @@ impl<O: Operation> std::fmt::Debug for Queue<O> {
 }
 
 impl<O: Operation> Queue<O> {
-    fn start(db: &PgPool, settings: GroupSettings) -> Self {
+    fn start(db: &Db, settings: GroupSettings) -> Self {
         let (sender, receiver) = mpsc::unbounded_channel();
         let receiver = Arc::new(Mutex::new(receiver));
         for _ in 0..settings.transactions.max(1) {
@@ -406,7 +407,7 @@ impl<O: Operation> Queue<O> {
 /// One group worker: takes the operations queued (the first one waited for), runs them as one
 /// transaction, answers each, and starts over; stops when every sender is gone.
 async fn work<O: Operation>(
-    db: PgPool,
+    db: Db,
     receiver: Arc<Mutex<mpsc::UnboundedReceiver<Pending<O>>>>,
     settings: GroupSettings,
 ) {
@@ -489,9 +490,10 @@ impl<O: Operation> Forming<O> {
 
 /// Runs one group: every operation's statements in one transaction (in ascending key_id order,
 /// see the module comment), one commit, then each operation's follow-up and answer. A group of
-/// one runs the same way. Without BEGIN and COMMIT when the writes are one statement: a group of
-/// claims always, a single renewal.
-async fn run_group<O: Operation>(db: &PgPool, mut group: Vec<Pending<O>>) {
+/// one runs the same way. Without BEGIN and COMMIT when the writes are one statement (a group of
+/// claims always, a single renewal), except behind a transaction pooler. Every answer is sent
+/// after the commit.
+async fn run_group<O: Operation>(db: &Db, mut group: Vec<Pending<O>>) {
     // a caller that is gone (timed out, disconnected) gets nothing done: a claim takes no slot
     group.retain(|pending| !pending.reply.is_closed());
     if group.is_empty() {
@@ -501,22 +503,33 @@ async fn run_group<O: Operation>(db: &PgPool, mut group: Vec<Pending<O>>) {
     crate::telemetry::group(O::KIND, group.len());
     let started = std::time::Instant::now();
 
-    let mut conn = match crate::store::acquire(db).await {
+    let mut conn = match db.acquire().await {
         Ok(conn) => conn,
         Err(error) => return fail(group, &error),
     };
+    // and one that gave up while the connection was awaited (a database coming back from an
+    // outage) gets nothing done either
+    group.retain(|pending| !pending.reply.is_closed());
+    if group.is_empty() {
+        return;
+    }
     let operations: Vec<&O> = group.iter().map(|pending| &pending.operation).collect();
-    let staged = if O::one_statement(operations.len()) {
-        O::stage_group(operations, &mut conn).await
-    } else {
-        async {
+    let staged = async {
+        if O::one_statement(operations.len()) {
+            // direct: the statement alone, which commits itself; behind a transaction pooler:
+            // inside BEGIN and COMMIT, like every statement there
+            let mut work = conn.work().await?;
+            let staged = O::stage_group(operations, &mut work).await?;
+            work.done().await?;
+            Ok(staged)
+        } else {
             let mut tx = conn.begin().await?;
             let staged = O::stage_group(operations, &mut tx).await?;
             tx.commit().await?;
             Ok(staged)
         }
-        .await
-    };
+    }
+    .await;
     let staged = match staged {
         Ok(staged) => staged,
         Err(error) => return fail(group, &error),

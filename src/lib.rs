@@ -11,7 +11,8 @@
 //! - [`allocation`]: the pool sequence, ranking and one-statement claim, and the 404/409/429
 //!   classification of an allocation that found nothing.
 //! - [`store`]: every SQL statement but the claim, which is the SQL function `credpool_claim`
-//!   (`migrations/20261130000005_performance.sql`, whose comment explains why it cannot oversell).
+//!   (`migrations/20261130000005_performance.sql`, whose comment explains why it cannot oversell);
+//!   [`store::Db`] carries them straight to PostgreSQL or through a transaction pooler.
 //! - [`groups`]: group claiming, several claims, releases or renewals in one transaction.
 //! - [`http`]: the axum router, one module per audience, and the one error type.
 //! - [`startup`]: binding and serving; [`database`]: `DATABASE_URL` or the embedded default;

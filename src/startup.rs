@@ -10,7 +10,6 @@ use std::time::Duration;
 use anyhow::{Context, bail};
 use axum::serve::ListenerExt;
 use serde::{Deserialize, Serialize};
-use sqlx::PgPool;
 use tokio::net::TcpListener;
 
 use crate::allocation::Allocator;
@@ -33,17 +32,18 @@ pub struct Application {
 }
 
 impl Application {
-    /// Binds `listen` (port 0 picks a free port) and prepares the router over `db`. Must run in
-    /// a Tokio runtime: it starts the candidate views' periodic refresh, which stops when the
-    /// application is dropped.
+    /// Binds `listen` (port 0 picks a free port) and prepares the router over `db` (a `PgPool`
+    /// for a direct connection, or a [`store::Db`]). Must run in a Tokio runtime: it starts the
+    /// candidate views' periodic refresh, which stops when the application is dropped.
     pub async fn bind(
         listen: &str,
-        db: PgPool,
+        db: impl Into<store::Db>,
         keys: ApiKeys,
         keyring: Arc<Keyring>,
         settings: &ServiceSettings,
     ) -> std::io::Result<Self> {
         let listener = TcpListener::bind(listen).await?;
+        let db = db.into();
         // install the metrics recorder before the first request records anything
         crate::telemetry::prometheus();
         let views = CandidateViews::new(

@@ -10,9 +10,9 @@
 use std::sync::OnceLock;
 use std::time::Duration;
 
+use crate::store::Db;
 use metrics::{counter, gauge, histogram};
 use metrics_exporter_prometheus::{Matcher, PrometheusBuilder, PrometheusHandle};
-use sqlx::PgPool;
 
 /// Allocations by `provider`, `pool` (asked for), `served_pool` (after any fallback; empty unless
 /// leased) and `result`: `leased`, `pool_exhausted`, `model_not_supported`,
@@ -73,8 +73,9 @@ pub fn prometheus() -> &'static PrometheusHandle {
 }
 
 /// Renders every series, after updating the connection gauges of `db`.
-pub fn render(db: &PgPool) -> String {
+pub fn render(db: &Db) -> String {
     let handle = prometheus();
+    let db = db.pool();
     let size = db.size() as f64;
     let idle = db.num_idle() as f64;
     gauge!(DB_CONNECTIONS, "state" => "in_use").set(size - idle);
@@ -135,13 +136,13 @@ pub fn acquired(elapsed: Duration, timed_out: bool) {
 
 /// Samples the per-pool gauges from PostgreSQL every `interval` (not per scrape), until the pool
 /// closes. A failed sample keeps the previous values.
-pub fn spawn_sampler(db: PgPool, interval: Duration) -> tokio::task::JoinHandle<()> {
+pub fn spawn_sampler(db: Db, interval: Duration) -> tokio::task::JoinHandle<()> {
     tokio::spawn(async move {
         let mut ticker = tokio::time::interval(interval);
         ticker.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
         loop {
             ticker.tick().await;
-            if db.is_closed() {
+            if db.pool().is_closed() {
                 return;
             }
             match crate::store::credentials::pools(&db).await {

@@ -4,13 +4,13 @@
 use std::collections::BTreeMap;
 
 use axum::Json;
-use axum::extract::{Path, State};
+use axum::extract::State;
 use axum::http::StatusCode;
 use serde::{Deserialize, Serialize};
 use utoipa_axum::router::OpenApiRouter;
 use utoipa_axum::routes;
 
-use super::{AdminKey, ApiError, ApiJson, ApiQuery, AppState, ErrorBody};
+use super::{AdminKey, ApiError, ApiJson, ApiPath, ApiQuery, AppState, ErrorBody};
 use crate::domain::{InvalidValue, KeyId, LeaseId, ModelName, PoolName, ProviderName, Status};
 use crate::store::credentials::{
     self, Actor, CredentialDetail, CredentialInput, ForceReleaseOutcome, ForcedRelease, ListFilter,
@@ -81,7 +81,7 @@ fn reason(raw: &str) -> Result<String, ApiError> {
 async fn put_key(
     State(state): State<AppState>,
     Operator(actor): Operator,
-    Path(raw_key_id): Path<String>,
+    ApiPath(raw_key_id): ApiPath<String>,
     ApiJson(body): ApiJson<CredentialInput>,
 ) -> Result<(StatusCode, Json<CredentialDetail>), ApiError> {
     let key_id = key_id(raw_key_id)?;
@@ -167,7 +167,7 @@ async fn list_keys(
 async fn get_key(
     State(state): State<AppState>,
     _operator: Operator,
-    Path(raw_key_id): Path<String>,
+    ApiPath(raw_key_id): ApiPath<String>,
 ) -> Result<Json<CredentialDetail>, ApiError> {
     let key_id = key_id(raw_key_id)?;
     credentials::get(&state.db, &key_id, &state.health)
@@ -211,7 +211,7 @@ struct PatchBody {
 async fn patch_key(
     State(state): State<AppState>,
     Operator(actor): Operator,
-    Path(raw_key_id): Path<String>,
+    ApiPath(raw_key_id): ApiPath<String>,
     ApiJson(body): ApiJson<PatchBody>,
 ) -> Result<Json<CredentialDetail>, ApiError> {
     let key_id = key_id(raw_key_id)?;
@@ -269,7 +269,7 @@ struct Deleted {
 async fn delete_key(
     State(state): State<AppState>,
     Operator(actor): Operator,
-    Path(raw_key_id): Path<String>,
+    ApiPath(raw_key_id): ApiPath<String>,
 ) -> Result<Json<Deleted>, ApiError> {
     let key_id = key_id(raw_key_id)?;
     let force_released = credentials::delete(&state.db, &key_id, &actor)
@@ -319,7 +319,7 @@ struct ReleasedAll {
 async fn release_all(
     State(state): State<AppState>,
     Operator(actor): Operator,
-    Path(raw_key_id): Path<String>,
+    ApiPath(raw_key_id): ApiPath<String>,
     ApiJson(body): ApiJson<ForceReleaseBody>,
 ) -> Result<Json<ReleasedAll>, ApiError> {
     let key_id = key_id(raw_key_id)?;
@@ -364,7 +364,7 @@ struct LeaseReleased {
 async fn release_lease(
     State(state): State<AppState>,
     Operator(actor): Operator,
-    Path(raw_lease_id): Path<String>,
+    ApiPath(raw_lease_id): ApiPath<String>,
     ApiJson(body): ApiJson<ForceReleaseBody>,
 ) -> Result<Json<LeaseReleased>, ApiError> {
     let lease_id = LeaseId::parse(&raw_lease_id)?;

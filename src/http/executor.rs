@@ -11,7 +11,8 @@ use utoipa_axum::routes;
 use super::{AllocationOutcome, ApiError, ApiJson, AppState, ErrorBody, ExecutorKey};
 use crate::allocation::{AllocateError, AllocateRequest};
 use crate::domain::{
-    Holder, KeyId, LeaseId, LeaseSeconds, ModelName, Outcome, PoolName, ProviderName, Secret,
+    Holder, InvalidValue, KeyId, LeaseId, LeaseSeconds, ModelName, Outcome, PoolName, ProviderName,
+    Secret,
 };
 use crate::store::leases::{LeaseRef, NotReleased, ReleaseRequest};
 
@@ -171,9 +172,13 @@ struct ReleaseBody {
     /// What happened upstream; drives the credential's health.
     outcome: Option<Outcome>,
     /// The provider's Retry-After in whole seconds, passed on with `rate_limited` or
-    /// `quota_exhausted`; 0 means "use the default".
+    /// `quota_exhausted`; 0 means "use the default"; at most [`MAX_RETRY_AFTER_SECONDS`].
     retry_after_seconds: Option<u32>,
 }
+
+/// The longest rest a release may ask for: 31 days in seconds (a monthly quota's reset). Longer
+/// values are a caller's bug, not a provider's answer, and would rest a credential for decades.
+pub const MAX_RETRY_AFTER_SECONDS: u32 = 31 * 86_400;
 
 /// `{"released":true}` or `{"released":false,"reason":...}`.
 #[derive(Debug, Serialize, utoipa::ToSchema)]
@@ -201,6 +206,16 @@ async fn release(
     _key: ExecutorKey,
     ApiJson(body): ApiJson<ReleaseBody>,
 ) -> Result<Json<ReleaseResponse>, ApiError> {
+    if body
+        .retry_after_seconds
+        .is_some_and(|s| s > MAX_RETRY_AFTER_SECONDS)
+    {
+        return Err(InvalidValue::new(
+            "retry_after_seconds",
+            format!("must be an integer from 0 to {MAX_RETRY_AFTER_SECONDS} (31 days)"),
+        )
+        .into());
+    }
     let request = ReleaseRequest {
         lease: LeaseRef {
             key_id: body.key_id,

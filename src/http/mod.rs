@@ -19,7 +19,6 @@ use axum::http::{HeaderMap, HeaderValue, StatusCode, header};
 use axum::response::{IntoResponse, Response};
 use axum::{Json, Router};
 use serde::de::DeserializeOwned;
-use sqlx::PgPool;
 use subtle::ConstantTimeEq;
 
 use crate::allocation::{AllocateError, Allocator};
@@ -63,8 +62,8 @@ impl fmt::Debug for ApiKeys {
 pub struct AppState {
     /// Grants leases.
     pub allocator: Allocator,
-    /// The connection pool, for release, renew and the operator routes.
-    pub db: PgPool,
+    /// The database, for the operator routes and readiness.
+    pub db: crate::store::Db,
     /// The service's API keys.
     pub keys: ApiKeys,
     /// Longest lease (and renewal) an executor may ask for, in seconds.
@@ -405,9 +404,23 @@ impl<S: Send + Sync, T: DeserializeOwned> FromRequest<S> for ApiJson<T> {
             {
                 Err(ApiError::PayloadTooLarge)
             }
-            Err(rejection) => Err(ApiError::InvalidRequest(rejection.body_text())),
+            Err(rejection) => Err(rejected(rejection.body_text())),
         }
     }
+}
+
+/// Longest message a malformed request gets back, in characters. serde's messages quote what
+/// they could not take (an unknown field's name, a string where a number belongs); without a
+/// bound, a 256 KiB body came back whole in the answer and in the debug log.
+const MAX_REJECTION_CHARS: usize = 1024;
+
+/// 400 `invalid_request` with an extractor's rejection text, cut to [`MAX_REJECTION_CHARS`].
+fn rejected(mut text: String) -> ApiError {
+    if let Some((cut, _)) = text.char_indices().nth(MAX_REJECTION_CHARS) {
+        text.truncate(cut);
+        text.push_str("...");
+    }
+    ApiError::InvalidRequest(text)
 }
 
 /// `axum::extract::Query`, with rejections in the API's error shape.
@@ -419,7 +432,22 @@ impl<S: Send + Sync, T: DeserializeOwned> FromRequestParts<S> for ApiQuery<T> {
     async fn from_request_parts(parts: &mut Parts, state: &S) -> Result<Self, Self::Rejection> {
         match axum::extract::Query::<T>::from_request_parts(parts, state).await {
             Ok(axum::extract::Query(value)) => Ok(ApiQuery(value)),
-            Err(rejection) => Err(ApiError::InvalidRequest(rejection.body_text())),
+            Err(rejection) => Err(rejected(rejection.body_text())),
+        }
+    }
+}
+
+/// `axum::extract::Path`, with rejections in the API's error shape (a path parameter that is not
+/// UTF-8 after percent-decoding is 400 `invalid_request`, like any other bad id).
+pub struct ApiPath<T>(pub T);
+
+impl<S: Send + Sync, T: DeserializeOwned + Send> FromRequestParts<S> for ApiPath<T> {
+    type Rejection = ApiError;
+
+    async fn from_request_parts(parts: &mut Parts, state: &S) -> Result<Self, Self::Rejection> {
+        match axum::extract::Path::<T>::from_request_parts(parts, state).await {
+            Ok(axum::extract::Path(value)) => Ok(ApiPath(value)),
+            Err(rejection) => Err(rejected(rejection.body_text())),
         }
     }
 }

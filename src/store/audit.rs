@@ -2,6 +2,8 @@
 //! docs/audit.md shows each query).
 
 use sqlx::PgExecutor;
+
+use super::Db;
 use time::OffsetDateTime;
 
 /// One credential's line of the oversell proof (SQL function `credpool_oversell_check`).
@@ -82,4 +84,12 @@ pub async fn database_now(executor: impl PgExecutor<'_>) -> Result<OffsetDateTim
     sqlx::query_scalar!(r#"SELECT now() AS "now!""#)
         .fetch_one(executor)
         .await
+}
+
+/// The database clock, read on a connection of `db` (see [`database_now`]).
+pub async fn now(db: &Db) -> Result<OffsetDateTime, sqlx::Error> {
+    let mut work = db.work().await?;
+    let now = database_now(&mut *work).await?;
+    work.done().await?;
+    Ok(now)
 }

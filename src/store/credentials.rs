@@ -8,7 +8,9 @@
 use std::collections::{BTreeMap, HashMap};
 
 use serde::Serialize;
-use sqlx::{PgConnection, PgPool};
+use sqlx::PgConnection;
+
+use super::Db;
 use time::OffsetDateTime;
 
 use super::leases::{decoded, fit_slots};
@@ -366,28 +368,32 @@ async fn details(
 
 /// One credential with its leases, or `None`.
 pub async fn get(
-    db: &PgPool,
+    db: &Db,
     key_id: &KeyId,
     policy: &HealthPolicy,
 ) -> Result<Option<CredentialDetail>, sqlx::Error> {
-    let mut conn = db.acquire().await?;
+    let mut work = db.work().await?;
     let filter = ListFilter {
         limit: 1,
         ..ListFilter::default()
     };
-    Ok(details(&mut conn, Some(key_id), &filter, policy)
+    let detail = details(&mut work, Some(key_id), &filter, policy)
         .await?
-        .pop())
+        .pop();
+    work.done().await?;
+    Ok(detail)
 }
 
 /// A page of credentials in key_id order.
 pub async fn list(
-    db: &PgPool,
+    db: &Db,
     filter: &ListFilter,
     policy: &HealthPolicy,
 ) -> Result<Vec<CredentialDetail>, sqlx::Error> {
-    let mut conn = db.acquire().await?;
-    details(&mut conn, None, filter, policy).await
+    let mut work = db.work().await?;
+    let page = details(&mut work, None, filter, policy).await?;
+    work.done().await?;
+    Ok(page)
 }
 
 /// Locks a credential's slot rows and then its row, in the global lock order. Returns whether
@@ -460,7 +466,7 @@ async fn audit(
 /// (see `credpool_fit_slots`).
 #[tracing::instrument(skip_all, fields(key_id = %spec.key_id), err(level = "debug"))]
 pub async fn upsert(
-    db: &PgPool,
+    db: &Db,
     spec: &CredentialSpec,
     actor: &Actor,
     policy: &HealthPolicy,
@@ -545,7 +551,7 @@ const ANALYZE_AFTER_IMPORT: usize = 100;
 /// would still see the tables as they were, and a pool it believes tiny gets plans that read all
 /// of it on every claim (measured: 4-5x slower allocation right after loading 1,000 credentials).
 pub async fn import(
-    db: &PgPool,
+    db: &Db,
     specs: &[CredentialSpec],
     actor: &Actor,
 ) -> Result<(usize, usize), sqlx::Error> {
@@ -560,9 +566,14 @@ pub async fn import(
     }
     tx.commit().await?;
     if specs.len() >= ANALYZE_AFTER_IMPORT
-        && let Err(error) = sqlx::query("ANALYZE credentials, lease_slots")
-            .execute(db)
-            .await
+        && let Err(error) = async {
+            let mut work = db.work().await?;
+            sqlx::query("ANALYZE credentials, lease_slots")
+                .execute(&mut *work)
+                .await?;
+            work.done().await
+        }
+        .await
     {
         tracing::warn!(error = %error, "refreshing statistics after the import failed");
     }
@@ -614,7 +625,7 @@ pub enum PatchOutcome {
 /// effect for the next allocation (`credpool_fit_slots`).
 #[tracing::instrument(skip(db, policy), err(level = "debug"))]
 pub async fn patch(
-    db: &PgPool,
+    db: &Db,
     key_id: &KeyId,
     patch: &Patch,
     actor: &Actor,
@@ -786,7 +797,7 @@ async fn force_release_in(
 /// operator's reason, and a `leases_released` credential event). `None` if no such credential.
 #[tracing::instrument(skip(db), err(level = "debug"))]
 pub async fn release_all(
-    db: &PgPool,
+    db: &Db,
     key_id: &KeyId,
     reason: &str,
     actor: &Actor,
@@ -825,7 +836,7 @@ pub enum ForceReleaseOutcome {
 /// Force-releases one lease by id (audited `force_released` with the operator's reason).
 #[tracing::instrument(skip(db), err(level = "debug"))]
 pub async fn force_release_lease(
-    db: &PgPool,
+    db: &Db,
     lease_id: LeaseId,
     reason: &str,
     actor: &Actor,
@@ -861,7 +872,7 @@ pub async fn force_release_lease(
 /// credential.
 #[tracing::instrument(skip(db), err(level = "debug"))]
 pub async fn delete(
-    db: &PgPool,
+    db: &Db,
     key_id: &KeyId,
     actor: &Actor,
 ) -> Result<Option<Vec<ForcedRelease>>, sqlx::Error> {
@@ -912,7 +923,8 @@ pub struct PoolSummary {
 }
 
 /// Every (provider, pool) with its counts, in order.
-pub async fn pools(db: &PgPool) -> Result<Vec<PoolSummary>, sqlx::Error> {
+pub async fn pools(db: &Db) -> Result<Vec<PoolSummary>, sqlx::Error> {
+    let mut work = db.work().await?;
     let rows = sqlx::query!(
         r#"
         SELECT c.provider, c.pool,
@@ -934,8 +946,9 @@ pub async fn pools(db: &PgPool) -> Result<Vec<PoolSummary>, sqlx::Error> {
         ORDER BY c.provider, c.pool
         "#
     )
-    .fetch_all(db)
+    .fetch_all(&mut *work)
     .await?;
+    work.done().await?;
     Ok(rows
         .into_iter()
         .map(|r| {
@@ -962,7 +975,7 @@ pub async fn pools(db: &PgPool) -> Result<Vec<PoolSummary>, sqlx::Error> {
 /// key; in batches of 500, one transaction each. Returns how many were resealed. Audited
 /// `secret_resealed`.
 pub async fn reseal(
-    db: &PgPool,
+    db: &Db,
     keyring: &Keyring,
     plaintext_only: bool,
     actor: &Actor,
@@ -1021,7 +1034,8 @@ pub async fn reseal(
 }
 
 /// Master key fingerprints (hex) that sealed secrets need, with how many credentials need each.
-pub async fn sealing_keys(db: &PgPool) -> Result<Vec<(String, i64)>, sqlx::Error> {
+pub async fn sealing_keys(db: &Db) -> Result<Vec<(String, i64)>, sqlx::Error> {
+    let mut work = db.work().await?;
     let rows = sqlx::query!(
         r#"
         SELECT encode(substring(secret_ciphertext FROM 4 FOR 8), 'hex') AS "fingerprint!", count(*) AS "count!"
@@ -1030,7 +1044,8 @@ pub async fn sealing_keys(db: &PgPool) -> Result<Vec<(String, i64)>, sqlx::Error
         GROUP BY 1
         "#
     )
-    .fetch_all(db)
+    .fetch_all(&mut *work)
     .await?;
+    work.done().await?;
     Ok(rows.into_iter().map(|r| (r.fingerprint, r.count)).collect())
 }

@@ -2,7 +2,9 @@
 
 use std::collections::HashMap;
 
-use sqlx::{PgConnection, PgExecutor, PgPool};
+use sqlx::{PgConnection, PgExecutor};
+
+use super::{Conn, Db};
 use time::OffsetDateTime;
 
 use crate::domain::{
@@ -217,21 +219,22 @@ pub struct ReleaseResult {
 /// A mismatch or an unknown lease changes nothing.
 #[tracing::instrument(skip(db, policy), err(level = "debug"))]
 pub async fn release(
-    db: &PgPool,
+    db: &Db,
     request: &ReleaseRequest,
     policy: &HealthPolicy,
 ) -> Result<ReleaseResult, sqlx::Error> {
-    let mut conn = super::acquire(db).await?;
+    let mut conn = db.acquire().await?;
     release_on(&mut conn, request, policy).await
 }
 
-/// [`release`] on a connection the caller holds (the raw-SQL baseline of `credpool bench`).
+/// [`release`] on a connection the caller holds (a group worker giving back a departed caller's
+/// lease; the raw-SQL baseline of `credpool bench`).
 pub async fn release_on(
-    conn: &mut PgConnection,
+    conn: &mut Conn<'_>,
     request: &ReleaseRequest,
     policy: &HealthPolicy,
 ) -> Result<ReleaseResult, sqlx::Error> {
-    let mut tx = sqlx::Connection::begin(&mut *conn).await?;
+    let mut tx = conn.begin().await?;
     let staged = release_in(&mut tx, request, policy).await?;
     tx.commit().await?;
     Ok(staged.committed(conn).await)
@@ -261,10 +264,10 @@ impl StagedRelease {
     /// comes next; if this process dies first, the next allocation that sees the credential back
     /// under its limit refits it. The release itself has committed, so a failure here is logged,
     /// not reported.
-    pub async fn committed(self, conn: &mut PgConnection) -> ReleaseResult {
+    pub async fn committed(self, conn: &mut Conn<'_>) -> ReleaseResult {
         if let Some(key_id) = self.refit {
             let refitted = async {
-                let mut tx = sqlx::Connection::begin(&mut *conn).await?;
+                let mut tx = conn.begin().await?;
                 fit_slots(&mut *tx, &key_id).await?;
                 tx.commit().await
             };

@@ -6,7 +6,9 @@ use std::time::Duration;
 
 use serde::Serialize;
 use sqlx::postgres::PgConnectOptions;
-use sqlx::{ConnectOptions, Connection, PgPool};
+use sqlx::{ConnectOptions, Connection};
+
+use super::Db;
 
 /// A transaction-scoped advisory lock key for the in-process scheduler ("credpool" in ASCII):
 /// held only for the duration of one pass's transaction, so it works through PgBouncer in
@@ -35,12 +37,13 @@ pub enum Skipped {
 }
 
 /// One in-process pass, in one transaction under the maintenance advisory lock: skipped when
-/// pg_cron is scheduled for this database or another replica is running it now.
+/// pg_cron is scheduled for this database or another replica is running it now. `db`: a
+/// [`Db`], or a `&PgPool` for a direct connection.
 pub async fn run_pass(
-    db: &PgPool,
+    db: impl Into<Db>,
     retention: Duration,
 ) -> Result<Result<MaintenanceReport, Skipped>, sqlx::Error> {
-    let mut tx = db.begin().await?;
+    let mut tx = db.into().begin().await?;
     let cron: bool = sqlx::query_scalar!(
         r#"SELECT EXISTS (SELECT 1 FROM maintenance_schedule WHERE scheduler = 'pg_cron') AS "cron!""#
     )
@@ -81,7 +84,7 @@ pub async fn run_functions(
 /// Runs the in-process scheduler until the pool closes: a pass every `interval`, logging what it
 /// did. Used only where pg_cron is not scheduled (each pass checks).
 pub fn spawn_scheduler(
-    db: PgPool,
+    db: Db,
     interval: Duration,
     retention: Duration,
 ) -> tokio::task::JoinHandle<()> {
@@ -90,7 +93,7 @@ pub fn spawn_scheduler(
         ticker.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
         loop {
             ticker.tick().await;
-            if db.is_closed() {
+            if db.pool().is_closed() {
                 return;
             }
             match run_pass(&db, retention).await {
@@ -137,15 +140,17 @@ pub enum CronError {
 }
 
 /// Where pg_cron lives: its database (`cron.database_name`) and whether that is this one.
-async fn cron_database(db: &PgPool) -> Result<(String, String), CronError> {
+async fn cron_database(db: &Db) -> Result<(String, String), CronError> {
+    let mut work = db.work().await?;
     let row = sqlx::query!(
         r#"
         SELECT current_database() AS "current!",
                current_setting('cron.database_name', true) AS cron_database
         "#
     )
-    .fetch_one(db)
+    .fetch_one(&mut *work)
     .await?;
+    work.done().await?;
     match row.cron_database {
         Some(name) if !name.is_empty() => Ok((row.current, name)),
         _ => Err(CronError::NotLoaded),
@@ -156,62 +161,72 @@ async fn cron_database(db: &PgPool) -> Result<(String, String), CronError> {
 /// extension in pg_cron's database (`cron.database_name`, connecting there with the same
 /// credentials when it is not this database), schedules the jobs to run in this database, and
 /// records that pg_cron now owns the schedule (so services stop running it themselves).
-/// Returns the job names.
+/// Returns the job names. `db`: a [`Db`], or a `&PgPool` for a direct connection.
 pub async fn install_cron(
-    db: &PgPool,
+    db: impl Into<Db>,
     options: &PgConnectOptions,
     retention: Duration,
 ) -> Result<Vec<String>, CronError> {
-    let (current, cron_db) = cron_database(db).await?;
+    let db = db.into();
+    let (current, cron_db) = cron_database(&db).await?;
     // pg_cron's objects exist only where it is installed: these statements are checked at run
     // time, not against the development database.
+    // one transaction: the jobs are replaced all at once (and this works through a pooler)
     let mut conn = options.clone().database(&cron_db).connect().await?;
+    let mut tx = conn.begin().await?;
     sqlx::query("CREATE EXTENSION IF NOT EXISTS pg_cron")
-        .execute(&mut conn)
+        .execute(&mut *tx)
         .await?;
     let mut names = Vec::new();
     for (suffix, schedule, command) in cron_jobs(retention) {
         let name = format!("credpool:{current}:{suffix}");
         sqlx::query("SELECT cron.unschedule(jobid) FROM cron.job WHERE jobname = $1")
             .bind(&name)
-            .fetch_all(&mut conn)
+            .fetch_all(&mut *tx)
             .await?;
         sqlx::query("SELECT cron.schedule_in_database($1, $2, $3, $4)")
             .bind(&name)
             .bind(schedule)
             .bind(command)
             .bind(&current)
-            .fetch_one(&mut conn)
+            .fetch_one(&mut *tx)
             .await?;
         names.push(name);
     }
+    tx.commit().await?;
     conn.close().await?;
+    let mut tx = db.begin().await?;
     sqlx::query!(
         "INSERT INTO maintenance_schedule (scheduler) VALUES ('pg_cron') ON CONFLICT DO NOTHING"
     )
-    .execute(db)
+    .execute(&mut *tx)
     .await?;
+    tx.commit().await?;
     Ok(names)
 }
 
 /// Removes credpool's pg_cron jobs for this database and hands the schedule back to the services.
-pub async fn uninstall_cron(db: &PgPool, options: &PgConnectOptions) -> Result<usize, CronError> {
+pub async fn uninstall_cron(db: &Db, options: &PgConnectOptions) -> Result<usize, CronError> {
     let (current, cron_db) = cron_database(db).await?;
     let mut conn = options.clone().database(&cron_db).connect().await?;
+    let mut tx = conn.begin().await?;
     let removed = sqlx::query("SELECT cron.unschedule(jobid) FROM cron.job WHERE jobname LIKE $1")
         .bind(format!("credpool:{current}:%"))
-        .fetch_all(&mut conn)
+        .fetch_all(&mut *tx)
         .await?
         .len();
+    tx.commit().await?;
     conn.close().await?;
+    let mut tx = db.begin().await?;
     sqlx::query!("DELETE FROM maintenance_schedule WHERE scheduler = 'pg_cron'")
-        .execute(db)
+        .execute(&mut *tx)
         .await?;
+    tx.commit().await?;
     Ok(removed)
 }
 
 /// Whether the server preloads pg_cron.
-pub async fn cron_loaded(db: &PgPool) -> Result<bool, sqlx::Error> {
+pub async fn cron_loaded(db: &Db) -> Result<bool, sqlx::Error> {
     match cron_database(db).await {
         Ok(_) => Ok(true),
         Err(CronError::NotLoaded) => Ok(false),

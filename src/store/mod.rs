@@ -33,14 +33,17 @@ pub(crate) use health_of_row;
 
 pub mod audit;
 pub mod candidates;
+mod connection;
 pub mod credentials;
 pub mod leases;
 pub mod maintenance;
 
 use std::time::Duration;
 
-use sqlx::PgPool;
 use sqlx::postgres::{PgConnectOptions, PgPoolOptions};
+use sqlx::{PgConnection, PgPool, Row};
+
+pub use connection::{Conn, Db, Work};
 
 /// The migrations in `migrations/`, embedded in the binary. Applied at start-up and by
 /// `credpool migrate`.
@@ -66,22 +69,9 @@ pub fn connect_lazy(options: PgConnectOptions, settings: &PoolSettings) -> PgPoo
         .connect_lazy_with(options)
 }
 
-/// Takes a connection from the pool, recording the wait (`credpool_db_acquire_seconds`) and
-/// giving up after the pool's acquire timeout (`credpool_db_acquire_timeouts_total`, then 503).
-pub async fn acquire(
-    db: &PgPool,
-) -> Result<sqlx::pool::PoolConnection<sqlx::Postgres>, sqlx::Error> {
-    let started = std::time::Instant::now();
-    let result = db.acquire().await;
-    crate::telemetry::acquired(
-        started.elapsed(),
-        matches!(result, Err(sqlx::Error::PoolTimedOut)),
-    );
-    result
-}
-
 /// Applies every pending migration (forward only). Safe to run from several processes at once:
-/// sqlx serialises migrators with an advisory lock.
+/// sqlx serialises migrators with a session advisory lock, so `db` must reach PostgreSQL
+/// directly, not through a transaction pooler.
 pub async fn migrate<'a, A>(db: A) -> Result<(), sqlx::migrate::MigrateError>
 where
     A: sqlx::Acquire<'a, Database = sqlx::Postgres>,
@@ -90,17 +80,50 @@ where
     MIGRATOR.run(db).await
 }
 
+/// Whether the database has every migration of this binary applied, each with the checksum
+/// of the binary's copy, and no failed one: then there is nothing for the migrator to do, and
+/// start-up skips it (and the session advisory lock it takes, which a transaction pooler would
+/// break). A database without the migrations table is not up to date. One simple-protocol
+/// statement, safe through a transaction pooler.
+pub async fn migrations_up_to_date(conn: &mut PgConnection) -> Result<bool, sqlx::Error> {
+    let rows = match sqlx::raw_sql("SELECT version, checksum, success FROM _sqlx_migrations")
+        .fetch_all(conn)
+        .await
+    {
+        Err(sqlx::Error::Database(error)) if error.code().as_deref() == Some("42P01") => {
+            return Ok(false);
+        }
+        rows => rows?,
+    };
+    let mut applied = std::collections::HashMap::new();
+    for row in rows {
+        if !row.try_get::<bool, _>("success")? {
+            return Ok(false);
+        }
+        applied.insert(
+            row.try_get::<i64, _>("version")?,
+            row.try_get::<Vec<u8>, _>("checksum")?,
+        );
+    }
+    Ok(MIGRATOR
+        .iter()
+        .filter(|m| !m.migration_type.is_down_migration())
+        .all(|m| applied.get(&m.version).map(Vec::as_slice) == Some(&*m.checksum)))
+}
+
 /// The newest migration this binary knows; `/readyz` is ready only once the database has it.
 pub fn latest_migration() -> i64 {
     MIGRATOR.iter().map(|m| m.version).max().unwrap_or(0)
 }
 
 /// Whether the database answers and has every migration of this binary applied.
-pub async fn ready(db: &PgPool) -> Result<bool, sqlx::Error> {
+pub async fn ready(db: &Db) -> Result<bool, sqlx::Error> {
+    let mut work = db.work().await?;
     let applied = sqlx::query_scalar!(
         r#"SELECT coalesce(max(version), 0) AS "version!" FROM _sqlx_migrations WHERE success"#
     )
-    .fetch_one(db)
+    .fetch_one(&mut *work)
     .await?;
+    work.done().await?;
     Ok(applied >= latest_migration())
 }

@@ -12,8 +12,6 @@ use sqlx::Connection;
 
 use crate::helpers::*;
 
-const BIN: &str = env!("CARGO_BIN_EXE_credpool");
-
 async fn lease(app: &TestApp, seconds: u32) -> Value {
     let body = json!({"provider": "openai", "model": "gpt-4o", "lease_seconds": seconds, "holder": "auditor"});
     json_body(app.allocate(body).await, StatusCode::OK).await
@@ -207,21 +205,6 @@ async fn lease_lifetimes_are_rebuilt_from_the_trail_with_how_each_ended() {
     );
 }
 
-async fn verify(database: &TestDatabase) -> (bool, String) {
-    let output = tokio::process::Command::new(BIN)
-        .args(["audit", "verify"])
-        .env("DATABASE_URL", database.url())
-        .env("RUST_LOG", "warn")
-        .output()
-        .await
-        .unwrap();
-    (
-        output.status.success(),
-        String::from_utf8_lossy(&output.stdout).into_owned()
-            + &String::from_utf8_lossy(&output.stderr),
-    )
-}
-
 #[tokio::test]
 async fn audit_verify_passes_on_real_traffic_and_fails_on_a_fabricated_oversell() {
     let app = TestApp::spawn().await;
@@ -235,7 +218,7 @@ async fn audit_verify_passes_on_real_traffic_and_fails_on_a_fabricated_oversell(
         )
         .await;
     }
-    let (ok, output) = verify(&app.database).await;
+    let (ok, output) = audit_verify(&app.database).await;
     assert!(ok, "{output}");
     assert!(
         output.contains("no grant ever exceeded a limit"),
@@ -252,7 +235,7 @@ async fn audit_verify_passes_on_real_traffic_and_fails_on_a_fabricated_oversell(
     .execute(&app.db)
     .await
     .unwrap();
-    let (ok, output) = verify(&app.database).await;
+    let (ok, output) = audit_verify(&app.database).await;
     assert!(!ok, "{output}");
     assert!(
         output.contains("solo") && output.contains("1 grants exceeded a limit"),
@@ -272,7 +255,7 @@ async fn lowering_a_limit_under_load_is_not_an_oversell_but_a_grant_above_it_is(
     ];
     app.put_key("shrink", "openai", "default", &["gpt-4o"], 1)
         .await;
-    let (ok, output) = verify(&app.database).await;
+    let (ok, output) = audit_verify(&app.database).await;
     assert!(
         ok,
         "three leases held under a lowered limit revoke nothing and are no oversell: {output}"
@@ -285,7 +268,7 @@ async fn lowering_a_limit_under_load_is_not_an_oversell_but_a_grant_above_it_is(
         .await;
     }
     lease(&app, 600).await;
-    let (ok, output) = verify(&app.database).await;
+    let (ok, output) = audit_verify(&app.database).await;
     assert!(ok, "{output}");
 }
 

@@ -7,6 +7,8 @@
 //! launcher, in a temporary directory).
 
 use std::net::SocketAddr;
+use std::path::Path;
+use std::process::Stdio;
 use std::str::FromStr;
 use std::time::Duration;
 
@@ -19,6 +21,8 @@ use reqwest::StatusCode;
 use serde_json::{Value, json};
 use sqlx::postgres::PgConnectOptions;
 use sqlx::{ConnectOptions, Connection, PgPool};
+use tokio::io::{AsyncBufReadExt, BufReader};
+use tokio::process::{Child, ChildStdout, Command};
 use tokio::sync::{Mutex, MutexGuard, OnceCell};
 
 pub const INTERNAL_KEY: &str = "test-internal-key";
@@ -465,4 +469,111 @@ pub fn release_body(lease: &Value, outcome: &str) -> Value {
         "lease_id": lease["lease_id"],
         "outcome": outcome,
     })
+}
+
+pub const BIN: &str = env!("CARGO_BIN_EXE_credpool");
+
+/// A running `credpool serve` process; killed when dropped.
+pub struct ServeProcess {
+    pub child: Child,
+    pub base: String,
+    /// Lines printed to stdout before "listening".
+    pub banner: Vec<String>,
+    _stdout: BufReader<ChildStdout>,
+}
+
+impl ServeProcess {
+    /// `credpool serve ARGS` (with `--listen 127.0.0.1:0` unless ARGS name a listen address),
+    /// run in `cwd` if given.
+    pub async fn start_in(
+        cwd: Option<&Path>,
+        stderr: Stdio,
+        envs: &[(&str, String)],
+        args: &[&str],
+    ) -> Self {
+        let mut command = Command::new(BIN);
+        command.arg("serve");
+        if !args.contains(&"--listen") {
+            command.args(["--listen", "127.0.0.1:0"]);
+        }
+        if let Some(dir) = cwd {
+            command.current_dir(dir);
+        }
+        command
+            .args(args)
+            .env_remove("DATABASE_URL")
+            .env_remove("CREDPOOL_INTERNAL_KEY")
+            .env_remove("CREDPOOL_ADMIN_KEY")
+            .env_remove("CREDPOOL_MASTER_KEY")
+            .env("RUST_LOG", "warn")
+            .stdout(Stdio::piped())
+            .stderr(stderr)
+            .kill_on_drop(true);
+        for (name, value) in envs {
+            command.env(name, value);
+        }
+        let mut child = command.spawn().expect("spawn credpool serve");
+        let mut stdout = BufReader::new(child.stdout.take().unwrap());
+        let mut banner = Vec::new();
+        let base = tokio::time::timeout(Duration::from_secs(120), async {
+            loop {
+                let mut line = String::new();
+                if stdout.read_line(&mut line).await.unwrap() == 0 {
+                    panic!("credpool serve exited before listening; it printed: {banner:?}");
+                }
+                if let Some(addr) = line.trim().strip_prefix("credpool listening on ") {
+                    return addr.to_owned();
+                }
+                banner.push(line.trim_end().to_owned());
+            }
+        })
+        .await
+        .expect("credpool serve did not start listening");
+        Self {
+            child,
+            base,
+            banner,
+            _stdout: stdout,
+        }
+    }
+
+    pub async fn start(envs: &[(&str, String)], args: &[&str]) -> Self {
+        Self::start_in(None, Stdio::inherit(), envs, args).await
+    }
+
+    /// SIGTERM, then wait for a clean exit.
+    pub async fn terminate(mut self) -> std::process::ExitStatus {
+        let pid = nix::unistd::Pid::from_raw(self.child.id().unwrap() as i32);
+        nix::sys::signal::kill(pid, nix::sys::signal::Signal::SIGTERM).unwrap();
+        tokio::time::timeout(Duration::from_secs(60), self.child.wait())
+            .await
+            .expect("credpool serve did not exit after SIGTERM")
+            .unwrap()
+    }
+}
+
+pub fn keyed_env(database: &TestDatabase) -> Vec<(&'static str, String)> {
+    vec![
+        ("DATABASE_URL", database.url()),
+        ("CREDPOOL_INTERNAL_KEY", INTERNAL_KEY.to_owned()),
+        ("CREDPOOL_ADMIN_KEY", ADMIN_KEY.to_owned()),
+        ("CREDPOOL_DB_MAX_CONNECTIONS", "32".to_owned()),
+        ("CREDPOOL_MASTER_KEY", MASTER_KEY.to_owned()),
+    ]
+}
+
+/// `credpool audit verify` over the whole trail of `database`: (passed, everything it printed).
+pub async fn audit_verify(database: &TestDatabase) -> (bool, String) {
+    let output = tokio::process::Command::new(BIN)
+        .args(["audit", "verify"])
+        .env("DATABASE_URL", database.url())
+        .env("RUST_LOG", "warn")
+        .output()
+        .await
+        .unwrap();
+    (
+        output.status.success(),
+        String::from_utf8_lossy(&output.stdout).into_owned()
+            + &String::from_utf8_lossy(&output.stderr),
+    )
 }

@@ -8,102 +8,10 @@ use std::time::Duration;
 
 use reqwest::StatusCode;
 use serde_json::{Value, json};
-use tokio::io::{AsyncBufReadExt, BufReader};
-use tokio::process::{Child, ChildStdout, Command};
+use tokio::process::Command;
 use tokio::sync::Barrier;
 
 use crate::helpers::*;
-
-const BIN: &str = env!("CARGO_BIN_EXE_credpool");
-
-/// A running `credpool serve` process; killed when dropped.
-struct ServeProcess {
-    child: Child,
-    base: String,
-    /// Lines printed to stdout before "listening".
-    banner: Vec<String>,
-    _stdout: BufReader<ChildStdout>,
-}
-
-impl ServeProcess {
-    /// `credpool serve ARGS` (with `--listen 127.0.0.1:0` unless ARGS name a listen address),
-    /// run in `cwd` if given.
-    async fn start_in(
-        cwd: Option<&Path>,
-        stderr: Stdio,
-        envs: &[(&str, String)],
-        args: &[&str],
-    ) -> Self {
-        let mut command = Command::new(BIN);
-        command.arg("serve");
-        if !args.contains(&"--listen") {
-            command.args(["--listen", "127.0.0.1:0"]);
-        }
-        if let Some(dir) = cwd {
-            command.current_dir(dir);
-        }
-        command
-            .args(args)
-            .env_remove("DATABASE_URL")
-            .env_remove("CREDPOOL_INTERNAL_KEY")
-            .env_remove("CREDPOOL_ADMIN_KEY")
-            .env_remove("CREDPOOL_MASTER_KEY")
-            .env("RUST_LOG", "warn")
-            .stdout(Stdio::piped())
-            .stderr(stderr)
-            .kill_on_drop(true);
-        for (name, value) in envs {
-            command.env(name, value);
-        }
-        let mut child = command.spawn().expect("spawn credpool serve");
-        let mut stdout = BufReader::new(child.stdout.take().unwrap());
-        let mut banner = Vec::new();
-        let base = tokio::time::timeout(Duration::from_secs(120), async {
-            loop {
-                let mut line = String::new();
-                if stdout.read_line(&mut line).await.unwrap() == 0 {
-                    panic!("credpool serve exited before listening; it printed: {banner:?}");
-                }
-                if let Some(addr) = line.trim().strip_prefix("credpool listening on ") {
-                    return addr.to_owned();
-                }
-                banner.push(line.trim_end().to_owned());
-            }
-        })
-        .await
-        .expect("credpool serve did not start listening");
-        Self {
-            child,
-            base,
-            banner,
-            _stdout: stdout,
-        }
-    }
-
-    async fn start(envs: &[(&str, String)], args: &[&str]) -> Self {
-        Self::start_in(None, Stdio::inherit(), envs, args).await
-    }
-
-    /// SIGTERM, then wait for a clean exit.
-    async fn terminate(mut self) -> std::process::ExitStatus {
-        let pid = nix::unistd::Pid::from_raw(self.child.id().unwrap() as i32);
-        nix::sys::signal::kill(pid, nix::sys::signal::Signal::SIGTERM).unwrap();
-        tokio::time::timeout(Duration::from_secs(60), self.child.wait())
-            .await
-            .expect("credpool serve did not exit after SIGTERM")
-            .unwrap()
-    }
-}
-
-fn keyed_env(database: &TestDatabase) -> Vec<(&'static str, String)> {
-    vec![
-        ("DATABASE_URL", database.url()),
-        ("CREDPOOL_INTERNAL_KEY", INTERNAL_KEY.to_owned()),
-        ("CREDPOOL_ADMIN_KEY", ADMIN_KEY.to_owned()),
-        ("CREDPOOL_DB_MAX_CONNECTIONS", "32".to_owned()),
-        ("CREDPOOL_MASTER_KEY", MASTER_KEY.to_owned()),
-    ]
-}
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn two_service_processes_on_one_database_never_oversell_a_limit_1_credential() {

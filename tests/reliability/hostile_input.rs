@@ -1,0 +1,1166 @@
+//! Scenario 7, hostile input: malformed requests to every executor and operator route — wrong
+//! types, out-of-range and overflowing numbers, unknown, missing and duplicate fields, empty,
+//! truncated and oversized bodies, wrong content types, control characters and SQL
+//! metacharacters in ids, invalid UTF-8, bad lease ids, huge model lists. Each one answers its
+//! documented 4xx with its stable code (never a 5xx, a 2xx or a hang), never echoes a key or a
+//! secret, and leaves the database byte for byte as it was.
+
+use std::collections::{BTreeMap, BTreeSet};
+use std::time::Duration;
+
+use reqwest::{Method, StatusCode};
+use serde_json::{Value, json};
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+
+use crate::helpers::*;
+
+/// The secret of the credentials under attack, also planted in hostile bodies: no answer may
+/// contain it.
+const SECRET: &str = "sk-hostile-secret-7f3a9c";
+
+const ALLOCATE: &str = "/api/internal/allocate-key";
+const RENEW: &str = "/api/internal/renew-lease";
+const RELEASE: &str = "/api/internal/release-key";
+
+/// The longest any row may take before it counts as a hang.
+const ANSWER_WITHIN: Duration = Duration::from_secs(15);
+
+/// The longest answer any row may get, in bytes: a malformed request never comes back reflected.
+const ANSWER_AT_MOST: usize = 2048;
+
+/// How a row's request goes over the wire.
+enum Wire {
+    /// An HTTP request as reqwest sends it.
+    Http {
+        method: Method,
+        path: String,
+        headers: Vec<(&'static str, Vec<u8>)>,
+        body: Option<Vec<u8>>,
+    },
+    /// Bytes written as they are to a fresh connection, whose write side is then closed: for
+    /// framing no HTTP client produces on purpose.
+    Raw(Vec<u8>),
+}
+
+/// A request under construction: the route's key and `Content-Type: application/json` unless
+/// a row says otherwise.
+struct Req {
+    method: Method,
+    path: String,
+    headers: Vec<(&'static str, Vec<u8>)>,
+    body: Option<Vec<u8>>,
+}
+
+fn request(method: Method, path: &str, key: (&'static str, &str)) -> Req {
+    Req {
+        method,
+        path: path.to_owned(),
+        headers: vec![
+            (key.0, key.1.as_bytes().to_vec()),
+            ("content-type", b"application/json".to_vec()),
+        ],
+        body: None,
+    }
+}
+
+/// `POST path` with the executor key.
+fn exec(path: &str) -> Req {
+    request(Method::POST, path, ("x-internal-key", INTERNAL_KEY))
+}
+
+/// `method path` with the operator key.
+fn admin(method: Method, path: &str) -> Req {
+    request(method, path, ("x-admin-key", ADMIN_KEY))
+}
+
+impl Req {
+    fn json(self, body: Value) -> Self {
+        self.bytes(serde_json::to_vec(&body).unwrap())
+    }
+
+    fn bytes(mut self, body: impl Into<Vec<u8>>) -> Self {
+        self.body = Some(body.into());
+        self
+    }
+
+    /// Sets (or, with `None`, removes) a header.
+    fn header(mut self, name: &'static str, value: Option<&[u8]>) -> Self {
+        self.headers.retain(|(n, _)| *n != name);
+        if let Some(value) = value {
+            self.headers.push((name, value.to_vec()));
+        }
+        self
+    }
+
+    fn content_type(self, value: Option<&str>) -> Self {
+        self.header("content-type", value.map(str::as_bytes))
+    }
+
+    fn operator(self, value: &[u8]) -> Self {
+        self.header("x-operator", Some(value))
+    }
+
+    fn wire(self) -> Wire {
+        Wire::Http {
+            method: self.method,
+            path: self.path,
+            headers: self.headers,
+            body: self.body,
+        }
+    }
+}
+
+struct Row {
+    endpoint: &'static str,
+    what: String,
+    wire: Wire,
+    status: StatusCode,
+    code: &'static str,
+}
+
+/// The table, built one endpoint at a time.
+#[derive(Default)]
+struct Table {
+    endpoint: &'static str,
+    rows: Vec<Row>,
+}
+
+impl Table {
+    /// The rows that follow attack `endpoint` ("METHOD /path/{param}", as the OpenAPI document
+    /// names it).
+    fn on(&mut self, endpoint: &'static str) {
+        self.endpoint = endpoint;
+    }
+
+    fn row(&mut self, what: impl Into<String>, wire: Wire, status: StatusCode, code: &'static str) {
+        self.rows.push(Row {
+            endpoint: self.endpoint,
+            what: what.into(),
+            wire,
+            status,
+            code,
+        });
+    }
+
+    /// A row answered 400 `invalid_request`.
+    fn bad(&mut self, what: impl Into<String>, req: Req) {
+        self.row(what, req.wire(), StatusCode::BAD_REQUEST, "invalid_request");
+    }
+
+    fn too_large(&mut self, what: impl Into<String>, req: Req) {
+        let (status, code) = (StatusCode::PAYLOAD_TOO_LARGE, "payload_too_large");
+        self.row(what, req.wire(), status, code);
+    }
+
+    fn media_type(&mut self, what: impl Into<String>, req: Req) {
+        let (status, code) = (StatusCode::UNSUPPORTED_MEDIA_TYPE, "unsupported_media_type");
+        self.row(what, req.wire(), status, code);
+    }
+}
+
+/// `base` with `changes` merged in; a `null` in `changes` removes the field.
+fn with(base: &Value, changes: Value) -> Value {
+    let mut out = base.clone();
+    for (field, value) in changes.as_object().unwrap() {
+        if value.is_null() {
+            out.as_object_mut().unwrap().remove(field);
+        } else {
+            out[field] = value.clone();
+        }
+    }
+    out
+}
+
+/// `body` as JSON text with `field` written a second time, holding `raw` (JSON text).
+fn duplicated(body: &Value, field: &str, raw: &str) -> Vec<u8> {
+    let text = body.to_string();
+    let open = text.strip_suffix('}').unwrap();
+    format!("{open},\"{field}\":{raw}}}").into_bytes()
+}
+
+/// `body` as JSON text with the string `value` of `field` replaced by bytes that are not UTF-8.
+fn not_utf8(body: &Value, field: &str) -> Vec<u8> {
+    let text = body.to_string();
+    let needle = format!("\"{field}\":\"");
+    let at = text.find(&needle).unwrap() + needle.len();
+    let mut bytes = text.into_bytes();
+    bytes.splice(at..at, [0xff, 0xfe, 0xc3]);
+    bytes
+}
+
+/// `body` as JSON text cut off in the middle.
+fn truncated(body: &Value) -> Vec<u8> {
+    let text = body.to_string();
+    text.as_bytes()[..text.len() / 2].to_vec()
+}
+
+fn models(count: usize) -> Vec<String> {
+    (0..count).map(|i| format!("m{i}")).collect()
+}
+
+/// A string of `n` bytes (1 MiB is over the body limit wherever it goes).
+fn long(n: usize) -> String {
+    "a".repeat(n)
+}
+
+const MIB: usize = 1 << 20;
+
+/// An HTTP/1.1 request over a raw connection: the request line and headers, then `body` (which
+/// may be shorter than `content_length` claims).
+fn raw(path: &str, key: (&str, &str), content_length: usize, body: &[u8]) -> Wire {
+    let mut bytes = format!(
+        "POST {path} HTTP/1.1\r\nhost: credpool\r\n{}: {}\r\ncontent-type: application/json\r\n\
+         content-length: {content_length}\r\nconnection: close\r\n\r\n",
+        key.0, key.1
+    )
+    .into_bytes();
+    bytes.extend_from_slice(body);
+    Wire::Raw(bytes)
+}
+
+/// Every row of the table. `lease` is the live lease, on `key-a`.
+fn table(lease: &Value) -> Vec<Row> {
+    let lease_id = lease["lease_id"].as_str().unwrap().to_owned();
+    let lease_ref = json!({"provider": lease["provider"], "pool": lease["pool"],
+                           "key_id": lease["key_id"], "lease_id": lease_id});
+    let mut t = Table::default();
+
+    // ---- executor: allocate (key-a has a free slot, so an accepted row would lease it)
+    let alloc = json!({"provider": "openai", "model": "gpt-4o", "pool": "default",
+                       "lease_seconds": 60, "holder": "hostile-test"});
+    t.on("POST /api/internal/allocate-key");
+    for (what, seconds) in [
+        ("0", json!(0)),
+        ("-1", json!(-1)),
+        ("1.5", json!(1.5)),
+        ("\"60\"", json!("60")),
+        ("2^31", json!(1_u64 << 31)),
+        ("2^63-1", json!(i64::MAX)),
+        ("1e308", json!(1e308)),
+        ("true", json!(true)),
+        ("above --max-lease-seconds", json!(3601)),
+    ] {
+        let body = with(&alloc, json!({"lease_seconds": seconds}));
+        t.bad(format!("lease_seconds {what}"), exec(ALLOCATE).json(body));
+    }
+    let text = alloc.to_string();
+    t.bad(
+        "lease_seconds 2^64 (beyond every integer type)",
+        exec(ALLOCATE).bytes(text.replace("60", "18446744073709551616")),
+    );
+    t.bad(
+        "lease_seconds 6e1 (a float spelling of 60)",
+        exec(ALLOCATE).bytes(text.replace("60", "6e1")),
+    );
+    t.bad(
+        "unknown field",
+        exec(ALLOCATE).json(with(&alloc, json!({"priority": "high"}))),
+    );
+    t.bad(
+        "unknown field with a 200 KiB name",
+        exec(ALLOCATE).json(with(&alloc, json!({long(200 << 10): 1}))),
+    );
+    t.bad(
+        "lease_seconds a 200 KiB string",
+        exec(ALLOCATE).json(with(&alloc, json!({"lease_seconds": long(200 << 10)}))),
+    );
+    t.bad(
+        "missing model",
+        exec(ALLOCATE).json(with(&alloc, json!({"model": null}))),
+    );
+    t.bad(
+        "missing provider",
+        exec(ALLOCATE).json(with(&alloc, json!({"provider": null}))),
+    );
+    t.bad("empty body", exec(ALLOCATE).bytes(""));
+    t.bad("truncated JSON", exec(ALLOCATE).bytes(truncated(&alloc)));
+    t.bad("JSON null", exec(ALLOCATE).bytes("null"));
+    t.bad(
+        "an array of two requests",
+        exec(ALLOCATE).json(json!([alloc, alloc])),
+    );
+    t.bad(
+        "byte order mark before the JSON",
+        exec(ALLOCATE).bytes([b"\xef\xbb\xbf".as_slice(), text.as_bytes()].concat()),
+    );
+    t.bad(
+        "trailing garbage after the JSON",
+        exec(ALLOCATE).bytes(format!("{text} {{}}")),
+    );
+    t.bad(
+        "form-encoded body labelled JSON",
+        exec(ALLOCATE).bytes("provider=openai&model=gpt-4o"),
+    );
+    t.bad(
+        "duplicate provider key",
+        exec(ALLOCATE).bytes(duplicated(&alloc, "provider", "\"anthropic\"")),
+    );
+    t.bad(
+        "invalid UTF-8 in model",
+        exec(ALLOCATE).bytes(not_utf8(&alloc, "model")),
+    );
+    t.bad(
+        "provider as a number",
+        exec(ALLOCATE).json(with(&alloc, json!({"provider": 42}))),
+    );
+    t.bad(
+        "model as a list",
+        exec(ALLOCATE).json(with(&alloc, json!({"model": ["gpt-4o", "gpt-4o-mini"]}))),
+    );
+    t.bad(
+        "provider with SQL",
+        exec(ALLOCATE).json(with(
+            &alloc,
+            json!({"provider": "openai'; DROP TABLE credentials; --"}),
+        )),
+    );
+    t.bad(
+        "pool with LIKE wildcards",
+        exec(ALLOCATE).json(with(&alloc, json!({"pool": "def%"}))),
+    );
+    t.bad(
+        "pool in upper case",
+        exec(ALLOCATE).json(with(&alloc, json!({"pool": "DEFAULT"}))),
+    );
+    t.bad(
+        "model with a NUL",
+        exec(ALLOCATE).json(with(&alloc, json!({"model": "gpt-4o\u{0}"}))),
+    );
+    t.bad(
+        "model with a quote and a semicolon",
+        exec(ALLOCATE).json(with(&alloc, json!({"model": "gpt-4o';--"}))),
+    );
+    t.bad(
+        "model of 200 KiB (under the body limit)",
+        exec(ALLOCATE).json(with(&alloc, json!({"model": long(200 << 10)}))),
+    );
+    t.too_large(
+        "model of 1 MiB",
+        exec(ALLOCATE).json(with(&alloc, json!({"model": long(MIB)}))),
+    );
+    t.bad(
+        "holder with a newline",
+        exec(ALLOCATE).json(with(&alloc, json!({"holder": "worker\n7"}))),
+    );
+    t.bad(
+        "holder with an escape sequence",
+        exec(ALLOCATE).json(with(&alloc, json!({"holder": "\u{1b}[2Jworker"}))),
+    );
+    t.bad(
+        "holder of 201 characters",
+        exec(ALLOCATE).json(with(&alloc, json!({"holder": long(201)}))),
+    );
+    t.bad(
+        "empty holder",
+        exec(ALLOCATE).json(with(&alloc, json!({"holder": ""}))),
+    );
+    t.media_type(
+        "Content-Type text/plain",
+        exec(ALLOCATE)
+            .json(alloc.clone())
+            .content_type(Some("text/plain")),
+    );
+    t.media_type(
+        "no Content-Type",
+        exec(ALLOCATE).json(alloc.clone()).content_type(None),
+    );
+    t.media_type(
+        "Content-Type form-urlencoded",
+        exec(ALLOCATE)
+            .json(alloc.clone())
+            .content_type(Some("application/x-www-form-urlencoded")),
+    );
+    t.row(
+        "no key",
+        exec(ALLOCATE)
+            .json(alloc.clone())
+            .header("x-internal-key", None)
+            .wire(),
+        StatusCode::UNAUTHORIZED,
+        "unauthorized",
+    );
+    t.row(
+        "the admin key",
+        exec(ALLOCATE)
+            .json(alloc.clone())
+            .header("x-internal-key", Some(ADMIN_KEY.as_bytes()))
+            .wire(),
+        StatusCode::UNAUTHORIZED,
+        "unauthorized",
+    );
+    t.row(
+        "GET",
+        request(Method::GET, ALLOCATE, ("x-internal-key", INTERNAL_KEY)).wire(),
+        StatusCode::METHOD_NOT_ALLOWED,
+        "method_not_allowed",
+    );
+    t.row(
+        "body cut short of its Content-Length, then end of stream",
+        raw(
+            ALLOCATE,
+            ("x-internal-key", INTERNAL_KEY),
+            4096,
+            text.as_bytes(),
+        ),
+        StatusCode::BAD_REQUEST,
+        "invalid_request",
+    );
+    t.row(
+        "Content-Length of 1 GiB, one byte over the limit sent",
+        raw(
+            ALLOCATE,
+            ("x-internal-key", INTERNAL_KEY),
+            1 << 30,
+            &vec![b' '; credpool::http::MAX_BODY_BYTES + 1],
+        ),
+        StatusCode::PAYLOAD_TOO_LARGE,
+        "payload_too_large",
+    );
+
+    // ---- executor: renew (an accepted row would move the live lease's lease_until)
+    let renew = with(&lease_ref, json!({"lease_seconds": 600}));
+    t.on("POST /api/internal/renew-lease");
+    for (what, seconds) in [
+        ("0", json!(0)),
+        ("-1", json!(-1)),
+        ("1.5", json!(1.5)),
+        ("\"60\"", json!("60")),
+        ("2^31", json!(1_u64 << 31)),
+        ("2^63-1", json!(i64::MAX)),
+        ("1e308", json!(1e308)),
+        ("above --max-lease-seconds", json!(3601)),
+    ] {
+        let body = with(&renew, json!({"lease_seconds": seconds}));
+        t.bad(format!("lease_seconds {what}"), exec(RENEW).json(body));
+    }
+    for (what, id) in [
+        ("31 hex digits", json!(&lease_id[..31])),
+        ("33 hex digits", json!(format!("{lease_id}0"))),
+        ("32 non-hex characters", json!("g".repeat(32))),
+        ("a dashed UUID", json!(uuid_form(&lease_id))),
+        ("32 bytes of multi-byte characters", json!("é".repeat(16))),
+        (
+            "SQL padded to 32 characters",
+            json!("' OR '1'='1' --                 "),
+        ),
+        ("a number", json!(1234)),
+        ("empty", json!("")),
+    ] {
+        let body = with(&renew, json!({"lease_id": id}));
+        t.bad(format!("lease_id {what}"), exec(RENEW).json(body));
+    }
+    t.bad(
+        "missing lease_id",
+        exec(RENEW).json(with(&renew, json!({"lease_id": null}))),
+    );
+    t.bad(
+        "missing pool",
+        exec(RENEW).json(with(&renew, json!({"pool": null}))),
+    );
+    t.bad(
+        "a release field (outcome)",
+        exec(RENEW).json(with(&renew, json!({"outcome": "success"}))),
+    );
+    t.bad(
+        "duplicate lease_id key",
+        exec(RENEW).bytes(duplicated(&renew, "lease_id", &format!("\"{lease_id}\""))),
+    );
+    t.bad(
+        "key_id with SQL",
+        exec(RENEW).json(with(&renew, json!({"key_id": "key-a' OR '1'='1"}))),
+    );
+    t.bad(
+        "key_id with a tab",
+        exec(RENEW).json(with(&renew, json!({"key_id": "key-a\t"}))),
+    );
+    t.bad(
+        "invalid UTF-8 in key_id",
+        exec(RENEW).bytes(not_utf8(&renew, "key_id")),
+    );
+    t.bad("empty body", exec(RENEW).bytes(""));
+    t.bad("truncated JSON", exec(RENEW).bytes(truncated(&renew)));
+    t.too_large(
+        "key_id of 1 MiB",
+        exec(RENEW).json(with(&renew, json!({"key_id": long(MIB)}))),
+    );
+    t.media_type(
+        "Content-Type text/plain",
+        exec(RENEW)
+            .json(renew.clone())
+            .content_type(Some("text/plain")),
+    );
+
+    // ---- executor: release (an accepted row would end the live lease)
+    let release = with(&lease_ref, json!({"outcome": "failure"}));
+    t.on("POST /api/internal/release-key");
+    for (what, changes) in [
+        ("an unknown outcome", json!({"outcome": "exploded"})),
+        (
+            "an unknown outcome of 200 KiB",
+            json!({"outcome": long(200 << 10)}),
+        ),
+        ("outcome as a number", json!({"outcome": 1})),
+        ("outcome in upper case", json!({"outcome": "SUCCESS"})),
+        (
+            "retry_after_seconds -1",
+            json!({"outcome": "rate_limited", "retry_after_seconds": -1}),
+        ),
+        (
+            "retry_after_seconds 2^32",
+            json!({"outcome": "rate_limited", "retry_after_seconds": 1_u64 << 32}),
+        ),
+        (
+            "retry_after_seconds over 31 days",
+            json!({"outcome": "rate_limited", "retry_after_seconds": 31 * 86_400 + 1}),
+        ),
+        (
+            "retry_after_seconds 2^32 - 1",
+            json!({"outcome": "quota_exhausted", "retry_after_seconds": u32::MAX}),
+        ),
+        (
+            "retry_after_seconds 1.5",
+            json!({"outcome": "rate_limited", "retry_after_seconds": 1.5}),
+        ),
+        (
+            "retry_after_seconds \"60\"",
+            json!({"outcome": "rate_limited", "retry_after_seconds": "60"}),
+        ),
+        (
+            "retry_after_seconds 1e308",
+            json!({"outcome": "rate_limited", "retry_after_seconds": 1e308}),
+        ),
+        (
+            "lease_id of 31 hex digits",
+            json!({"lease_id": &lease_id[..31]}),
+        ),
+        (
+            "lease_id as a dashed UUID",
+            json!({"lease_id": uuid_form(&lease_id)}),
+        ),
+        (
+            "lease_id with a NUL",
+            json!({"lease_id": format!("{}\u{0}", &lease_id[..31])}),
+        ),
+        ("missing key_id", json!({"key_id": null})),
+        ("missing provider", json!({"provider": null})),
+        (
+            "a renew field (lease_seconds)",
+            json!({"lease_seconds": 60}),
+        ),
+        ("provider with a NUL", json!({"provider": "openai\u{0}"})),
+        ("pool with SQL", json!({"pool": "default' OR 1=1 --"})),
+        ("key_id starting with a dash", json!({"key_id": "-key-a"})),
+        ("key_id of 129 characters", json!({"key_id": long(129)})),
+    ] {
+        t.bad(what, exec(RELEASE).json(with(&release, changes)));
+    }
+    t.bad(
+        "duplicate outcome key",
+        exec(RELEASE).bytes(duplicated(&release, "outcome", "\"success\"")),
+    );
+    t.bad(
+        "an array of two releases",
+        exec(RELEASE).json(json!([release, release])),
+    );
+    t.bad("truncated JSON", exec(RELEASE).bytes(truncated(&release)));
+    t.bad(
+        "invalid UTF-8 in pool",
+        exec(RELEASE).bytes(not_utf8(&release, "pool")),
+    );
+    t.too_large(
+        "lease_id of 1 MiB",
+        exec(RELEASE).json(with(&release, json!({"lease_id": long(MIB)}))),
+    );
+    t.media_type(
+        "no Content-Type",
+        exec(RELEASE).json(release.clone()).content_type(None),
+    );
+    t.row(
+        "the admin key",
+        exec(RELEASE)
+            .json(release.clone())
+            .header("x-internal-key", None)
+            .header("x-admin-key", Some(ADMIN_KEY.as_bytes()))
+            .wire(),
+        StatusCode::UNAUTHORIZED,
+        "unauthorized",
+    );
+
+    // ---- operator: PUT a credential (an accepted row would replace key-a)
+    let put = json!({"provider": "openai", "pool": "default", "models": ["gpt-4o"],
+                     "max_concurrent_uses": 5, "secret": {"api_key": SECRET}});
+    let key_a = "/api/admin/keys/key-a";
+    let put_a = || admin(Method::PUT, key_a);
+    t.on("PUT /api/admin/keys/{key_id}");
+    t.too_large(
+        "100,000 models",
+        put_a().json(with(&put, json!({"models": models(100_000)}))),
+    );
+    t.bad(
+        "60,000 one-letter models (under the body limit)",
+        put_a().json(with(&put, json!({"models": vec!["a"; 60_000]}))),
+    );
+    t.bad(
+        "257 models",
+        put_a().json(with(&put, json!({"models": models(257)}))),
+    );
+    t.bad("no models", put_a().json(with(&put, json!({"models": []}))));
+    t.bad(
+        "models as a string",
+        put_a().json(with(&put, json!({"models": "gpt-4o"}))),
+    );
+    t.bad(
+        "a model with a space",
+        put_a().json(with(&put, json!({"models": ["gpt 4o"]}))),
+    );
+    let aliases: BTreeMap<String, &str> = models(300).into_iter().map(|m| (m, "gpt-4o")).collect();
+    t.bad(
+        "300 aliases",
+        put_a().json(with(&put, json!({"aliases": aliases}))),
+    );
+    t.bad(
+        "an alias to a model the credential lacks",
+        put_a().json(with(&put, json!({"aliases": {"gpt-4": "gpt-5"}}))),
+    );
+    for (what, limit) in [
+        ("0", json!(0)),
+        ("-1", json!(-1)),
+        ("10001", json!(10_001)),
+        ("2^31", json!(1_u64 << 31)),
+        ("2^63-1", json!(i64::MAX)),
+        ("1e308", json!(1e308)),
+        ("1.5", json!(1.5)),
+        ("\"2\"", json!("2")),
+    ] {
+        let body = with(&put, json!({"max_concurrent_uses": limit}));
+        t.bad(format!("max_concurrent_uses {what}"), put_a().json(body));
+    }
+    t.bad(
+        "status rate_limited (only outcome reports set it)",
+        put_a().json(with(&put, json!({"status": "rate_limited"}))),
+    );
+    t.bad(
+        "an unknown status",
+        put_a().json(with(&put, json!({"status": "on_fire"}))),
+    );
+    t.bad(
+        "secret as a string",
+        put_a().json(with(&put, json!({"secret": SECRET}))),
+    );
+    t.bad(
+        "secret as a list",
+        put_a().json(with(&put, json!({"secret": [SECRET]}))),
+    );
+    t.bad(
+        "missing secret",
+        put_a().json(with(&put, json!({"secret": null}))),
+    );
+    t.bad(
+        "secret nested 100,000 deep",
+        put_a().bytes(put.to_string().replace(
+            &json!({"api_key": SECRET}).to_string(),
+            &format!("{}{}", "[".repeat(100_000), "]".repeat(100_000)),
+        )),
+    );
+    t.bad(
+        "the secret's field at the top level",
+        put_a().json(with(&put, json!({"api_key": SECRET}))),
+    );
+    t.bad(
+        "duplicate secret key",
+        put_a().bytes(duplicated(&put, "secret", &format!("\"{SECRET}\""))),
+    );
+    t.bad(
+        "key_id in the body differs from the path",
+        put_a().json(with(&put, json!({"key_id": "key-b"}))),
+    );
+    t.bad(
+        "provider in upper case",
+        put_a().json(with(&put, json!({"provider": "OpenAI"}))),
+    );
+    t.bad(
+        "invalid UTF-8 in provider",
+        put_a().bytes(not_utf8(&put, "provider")),
+    );
+    t.bad("empty body", put_a().bytes(""));
+    t.bad(
+        "key_id in the path with SQL",
+        admin(
+            Method::PUT,
+            "/api/admin/keys/key-a';DROP%20TABLE%20credentials;--",
+        )
+        .json(put.clone()),
+    );
+    t.bad(
+        "key_id in the path with a NUL",
+        admin(Method::PUT, "/api/admin/keys/key-a%00").json(put.clone()),
+    );
+    t.bad(
+        "key_id in the path not UTF-8",
+        admin(Method::PUT, "/api/admin/keys/key-a%FF").json(put.clone()),
+    );
+    t.bad(
+        "key_id in the path with an encoded slash",
+        admin(Method::PUT, "/api/admin/keys/key-a%2F..").json(put.clone()),
+    );
+    t.bad(
+        "key_id in the path of 129 characters",
+        admin(Method::PUT, &format!("/api/admin/keys/{}", long(129))).json(put.clone()),
+    );
+    t.bad(
+        "key_id in the path of 16 KiB",
+        admin(Method::PUT, &format!("/api/admin/keys/{}", long(16 << 10))).json(put.clone()),
+    );
+    t.bad(
+        "X-Operator with a tab",
+        put_a().json(put.clone()).operator(b"ali\tce"),
+    );
+    t.bad(
+        "X-Operator not UTF-8",
+        put_a().json(put.clone()).operator(b"ali\xffce"),
+    );
+    t.bad(
+        "X-Operator of 201 characters",
+        put_a().json(put.clone()).operator(long(201).as_bytes()),
+    );
+    t.media_type(
+        "Content-Type text/plain",
+        put_a().json(put.clone()).content_type(Some("text/plain")),
+    );
+    t.row(
+        "the executor key",
+        put_a()
+            .json(put.clone())
+            .header("x-admin-key", Some(INTERNAL_KEY.as_bytes()))
+            .wire(),
+        StatusCode::FORBIDDEN,
+        "forbidden",
+    );
+    t.row(
+        "no key",
+        put_a().json(put.clone()).header("x-admin-key", None).wire(),
+        StatusCode::UNAUTHORIZED,
+        "unauthorized",
+    );
+
+    // ---- operator: list credentials
+    t.on("GET /api/admin/keys");
+    for query in [
+        "limit=0",
+        "limit=1001",
+        "limit=-1",
+        "limit=1.5",
+        "limit=abc",
+        "limit=99999999999999999999",
+        "limit=1&limit=2",
+        "status=on_fire",
+        "provider=Open%20AI",
+        "pool=%27%20OR%201%3D1%20--",
+        "after=key-a%00",
+        "after=%FF",
+        "sort=key_id",
+    ] {
+        t.bad(
+            format!("?{query}"),
+            admin(Method::GET, &format!("/api/admin/keys?{query}")),
+        );
+    }
+    t.row(
+        "the executor key",
+        admin(Method::GET, "/api/admin/keys")
+            .header("x-admin-key", None)
+            .header("x-internal-key", Some(INTERNAL_KEY.as_bytes()))
+            .wire(),
+        StatusCode::FORBIDDEN,
+        "forbidden",
+    );
+
+    // ---- operator: one credential
+    t.on("GET /api/admin/keys/{key_id}");
+    for (what, path) in [
+        ("not UTF-8", "/api/admin/keys/%FF%FE"),
+        ("with a quote", "/api/admin/keys/key-a'"),
+        ("with a NUL", "/api/admin/keys/key-a%00"),
+        ("starting with a dot", "/api/admin/keys/.key-a"),
+        ("with a space", "/api/admin/keys/key%20a"),
+    ] {
+        t.bad(format!("key_id {what}"), admin(Method::GET, path));
+    }
+    t.row(
+        "a wrong admin key",
+        admin(Method::GET, key_a)
+            .header("x-admin-key", Some(b"test-admin-key-guess"))
+            .wire(),
+        StatusCode::UNAUTHORIZED,
+        "unauthorized",
+    );
+
+    // ---- operator: PATCH a credential (an accepted row would change key-a)
+    let patch_a = || admin(Method::PATCH, key_a);
+    t.on("PATCH /api/admin/keys/{key_id}");
+    t.bad("nothing to change", patch_a().json(json!({})));
+    t.bad(
+        "only a reason",
+        patch_a().json(json!({"reason": "just because"})),
+    );
+    t.bad(
+        "an unknown state",
+        patch_a().json(json!({"state": "explode"})),
+    );
+    t.bad(
+        "a PUT field (status)",
+        patch_a().json(json!({"status": "disabled"})),
+    );
+    for (what, limit) in [
+        ("0", json!(0)),
+        ("-1", json!(-1)),
+        ("2^63-1", json!(i64::MAX)),
+        ("1e308", json!(1e308)),
+    ] {
+        let body = json!({"max_concurrent_uses": limit});
+        t.bad(format!("max_concurrent_uses {what}"), patch_a().json(body));
+    }
+    t.bad("257 models", patch_a().json(json!({"models": models(257)})));
+    t.too_large(
+        "100,000 models",
+        patch_a().json(json!({"models": models(100_000)})),
+    );
+    t.bad("no models", patch_a().json(json!({"models": []})));
+    t.bad(
+        "an alias to a model the credential lacks",
+        patch_a().json(json!({"aliases": {"gpt-4": "gpt-5"}})),
+    );
+    t.bad(
+        "a reason of 501 characters",
+        patch_a().json(json!({"state": "drain", "reason": long(501)})),
+    );
+    t.bad(
+        "a reason with control characters",
+        patch_a().json(json!({"state": "disable", "reason": "rotated\r\nX-Injected: 1"})),
+    );
+    t.bad("pool in upper case", patch_a().json(json!({"pool": "VIP"})));
+    t.bad("JSON null", patch_a().bytes("null"));
+    t.bad(
+        "duplicate state key",
+        patch_a().bytes(duplicated(
+            &json!({"state": "drain"}),
+            "state",
+            "\"disable\"",
+        )),
+    );
+    t.bad(
+        "X-Operator with a tab",
+        patch_a()
+            .json(json!({"state": "drain"}))
+            .operator(b"mal\tlory"),
+    );
+    t.bad(
+        "key_id in the path not UTF-8",
+        admin(Method::PATCH, "/api/admin/keys/%C3%28").json(json!({"state": "drain"})),
+    );
+    t.media_type(
+        "no Content-Type",
+        patch_a().json(json!({"state": "drain"})).content_type(None),
+    );
+
+    // ---- operator: DELETE a credential (an accepted row would delete key-a and its lease)
+    t.on("DELETE /api/admin/keys/{key_id}");
+    t.bad(
+        "X-Operator with a tab",
+        admin(Method::DELETE, key_a).operator(b"mall\tory"),
+    );
+    t.bad(
+        "key_id with SQL",
+        admin(Method::DELETE, "/api/admin/keys/key-a'%20OR%20'1'='1"),
+    );
+    t.bad(
+        "key_id not UTF-8",
+        admin(Method::DELETE, "/api/admin/keys/%FF"),
+    );
+    t.bad(
+        "key_id of 129 characters",
+        admin(Method::DELETE, &format!("/api/admin/keys/{}", long(129))),
+    );
+    t.row(
+        "the executor key in X-Internal-Key",
+        admin(Method::DELETE, key_a)
+            .header("x-admin-key", None)
+            .header("x-internal-key", Some(INTERNAL_KEY.as_bytes()))
+            .wire(),
+        StatusCode::FORBIDDEN,
+        "forbidden",
+    );
+
+    // ---- operator: release-all (an accepted row would end the live lease)
+    let all_a = || admin(Method::POST, "/api/admin/keys/key-a/release-all");
+    t.on("POST /api/admin/keys/{key_id}/release-all");
+    t.bad("no reason", all_a().json(json!({})));
+    t.bad("an empty reason", all_a().json(json!({"reason": ""})));
+    t.bad(
+        "a reason of 501 characters",
+        all_a().json(json!({"reason": long(501)})),
+    );
+    t.bad(
+        "a reason with a NUL",
+        all_a().json(json!({"reason": "rotated\u{0}"})),
+    );
+    t.bad("reason as a number", all_a().json(json!({"reason": 7})));
+    t.bad(
+        "an unknown field",
+        all_a().json(json!({"reason": "rotated", "force": true})),
+    );
+    t.bad("empty body", all_a().bytes(""));
+    t.bad(
+        "key_id in the path with SQL",
+        admin(
+            Method::POST,
+            "/api/admin/keys/'%3BDELETE%20FROM%20lease_slots%3B--/release-all",
+        )
+        .json(json!({"reason": "rotated"})),
+    );
+    t.too_large(
+        "a reason of 1 MiB",
+        all_a().json(json!({"reason": long(MIB)})),
+    );
+    t.media_type(
+        "no Content-Type",
+        all_a()
+            .json(json!({"reason": "rotated"}))
+            .content_type(None),
+    );
+
+    // ---- operator: release one lease (an accepted row would end the live lease)
+    let one = |id: &str| admin(Method::POST, &format!("/api/admin/leases/{id}/release"));
+    let reason = json!({"reason": "hostile"});
+    t.on("POST /api/admin/leases/{lease_id}/release");
+    for (what, id) in [
+        ("31 hex digits", lease_id[..31].to_owned()),
+        ("33 hex digits", format!("{lease_id}0")),
+        ("32 non-hex characters", "z".repeat(32)),
+        ("a dashed UUID", uuid_form(&lease_id)),
+        (
+            "32 characters of SQL",
+            "'%20OR%201=1%20--%20".to_owned() + &"x".repeat(15),
+        ),
+        ("not UTF-8", format!("{}%FF", &lease_id[..31])),
+    ] {
+        t.bad(format!("lease_id {what}"), one(&id).json(reason.clone()));
+    }
+    t.bad("no reason", one(&lease_id).json(json!({})));
+    t.bad(
+        "a reason with a bell",
+        one(&lease_id).json(json!({"reason": "ding\u{7}"})),
+    );
+    t.bad(
+        "invalid UTF-8 in the reason",
+        one(&lease_id).bytes(not_utf8(&reason, "reason")),
+    );
+    t.media_type(
+        "Content-Type text/plain",
+        one(&lease_id)
+            .json(reason.clone())
+            .content_type(Some("text/plain")),
+    );
+    t.row(
+        "the executor key",
+        one(&lease_id)
+            .json(reason.clone())
+            .header("x-admin-key", Some(INTERNAL_KEY.as_bytes()))
+            .wire(),
+        StatusCode::FORBIDDEN,
+        "forbidden",
+    );
+    t.row(
+        "no lease id",
+        admin(Method::POST, "/api/admin/leases/release")
+            .json(reason.clone())
+            .wire(),
+        StatusCode::NOT_FOUND,
+        "route_not_found",
+    );
+
+    // ---- operator: pools
+    t.on("GET /api/admin/pools");
+    t.bad(
+        "X-Operator not UTF-8",
+        admin(Method::GET, "/api/admin/pools").operator(b"\xc3\x28"),
+    );
+    t.row(
+        "no key",
+        admin(Method::GET, "/api/admin/pools")
+            .header("x-admin-key", None)
+            .wire(),
+        StatusCode::UNAUTHORIZED,
+        "unauthorized",
+    );
+    t.row(
+        "the executor key",
+        admin(Method::GET, "/api/admin/pools")
+            .header("x-admin-key", Some(INTERNAL_KEY.as_bytes()))
+            .wire(),
+        StatusCode::FORBIDDEN,
+        "forbidden",
+    );
+    t.row(
+        "DELETE",
+        admin(Method::DELETE, "/api/admin/pools").wire(),
+        StatusCode::METHOD_NOT_ALLOWED,
+        "method_not_allowed",
+    );
+
+    t.rows
+}
+
+/// `0123...` as `01234567-89ab-...`: the same id, spelled as a UUID.
+fn uuid_form(hex: &str) -> String {
+    format!(
+        "{}-{}-{}-{}-{}",
+        &hex[..8],
+        &hex[8..12],
+        &hex[12..16],
+        &hex[16..20],
+        &hex[20..]
+    )
+}
+
+/// Sends one row's request; the status and the body text.
+async fn send(app: &TestApp, wire: &Wire, label: &str) -> (StatusCode, String) {
+    match wire {
+        Wire::Http {
+            method,
+            path,
+            headers,
+            body,
+        } => {
+            let mut request = app.client.request(method.clone(), app.url(path));
+            for (name, value) in headers {
+                let value = reqwest::header::HeaderValue::from_bytes(value).unwrap();
+                request = request.header(*name, value);
+            }
+            if let Some(body) = body {
+                request = request.body(body.clone());
+            }
+            let response = match request.send().await {
+                Ok(response) => response,
+                Err(error) => panic!("{label}: no answer: {}", error.without_url()),
+            };
+            let status = response.status();
+            (status, response.text().await.expect("body"))
+        }
+        Wire::Raw(bytes) => {
+            let mut stream = tokio::net::TcpStream::connect(app.addr).await.unwrap();
+            stream.write_all(bytes).await.unwrap();
+            stream.shutdown().await.unwrap();
+            let mut answer = Vec::new();
+            stream.read_to_end(&mut answer).await.unwrap();
+            let answer = String::from_utf8_lossy(&answer).into_owned();
+            let (head, body) = answer
+                .split_once("\r\n\r\n")
+                .unwrap_or_else(|| panic!("{label}: no HTTP answer: {answer:?}"));
+            let status = head.split(' ').nth(1).and_then(|s| s.parse().ok());
+            (
+                StatusCode::from_u16(status.unwrap()).unwrap(),
+                body.to_owned(),
+            )
+        }
+    }
+}
+
+/// Everything the API can write, as text: the helper's snapshot (credentials, slots, lease trail)
+/// plus the operator trail.
+async fn everything(app: &TestApp) -> String {
+    let operator_trail: Option<String> = sqlx::query_scalar(
+        "SELECT string_agg(to_jsonb(t)::text, E'\\n' ORDER BY t.event_id) FROM credential_events t",
+    )
+    .fetch_one(&app.db)
+    .await
+    .unwrap();
+    format!(
+        "{}== credential_events\n{}\n",
+        app.snapshot().await,
+        operator_trail.unwrap_or_default()
+    )
+}
+
+#[tokio::test]
+async fn hostile_requests_to_every_route_get_their_4xx_code_and_change_nothing() {
+    let app = TestApp::spawn().await;
+    for (key_id, pool, limit) in [("key-a", "default", 2), ("key-b", "vip", 1)] {
+        let body = json!({"provider": "openai", "pool": pool, "models": ["gpt-4o"],
+                          "max_concurrent_uses": limit, "secret": {"api_key": SECRET}});
+        json_body(app.put_key_raw(key_id, body).await, StatusCode::CREATED).await;
+    }
+    let lease = json_body(
+        app.allocate(
+            json!({"provider": "openai", "model": "gpt-4o", "lease_seconds": 600,
+                            "holder": "victim"}),
+        )
+        .await,
+        StatusCode::OK,
+    )
+    .await;
+    assert_eq!(lease["key_id"], "key-a");
+    let before = everything(&app).await;
+
+    let rows = table(&lease);
+    let mut failures = Vec::new();
+    for row in &rows {
+        let label = format!("{} / {}", row.endpoint, row.what);
+        let (status, text) = tokio::time::timeout(ANSWER_WITHIN, send(&app, &row.wire, &label))
+            .await
+            .unwrap_or_else(|_| panic!("{label}: no answer within {ANSWER_WITHIN:?}"));
+        let body: Value = serde_json::from_str(&text).unwrap_or(Value::Null);
+        let code = body["error"]["code"].as_str().unwrap_or("<none>");
+        let has_message = body["error"]["message"]
+            .as_str()
+            .is_some_and(|m| !m.is_empty());
+        if status != row.status || code != row.code || !has_message {
+            failures.push(format!(
+                "{label}: expected {} {}, got {status} {code}: {}",
+                row.status.as_u16(),
+                row.code,
+                text.chars().take(300).collect::<String>()
+            ));
+        }
+        if text.len() > ANSWER_AT_MOST {
+            failures.push(format!("{label}: an answer of {} bytes", text.len()));
+        }
+        for leaked in [SECRET, INTERNAL_KEY, ADMIN_KEY] {
+            if text.contains(leaked) {
+                failures.push(format!("{label}: the answer contains {leaked:?}"));
+            }
+        }
+    }
+    assert!(
+        failures.is_empty(),
+        "{} of {} rows failed:\n{}",
+        failures.len(),
+        rows.len(),
+        failures.join("\n")
+    );
+    assert_eq!(
+        everything(&app).await,
+        before,
+        "a refused request changed the database"
+    );
+
+    // every executor and operator route of the OpenAPI document has rows
+    let document = serde_json::to_value(credpool::http::openapi()).unwrap();
+    let mut routes = BTreeSet::new();
+    for (path, item) in document["paths"].as_object().unwrap() {
+        if path.starts_with("/api/") {
+            for method in ["get", "put", "post", "delete", "patch"] {
+                if item.get(method).is_some() {
+                    routes.insert(format!("{} {path}", method.to_uppercase()));
+                }
+            }
+        }
+    }
+    let attacked: BTreeSet<String> = rows.iter().map(|r| r.endpoint.to_owned()).collect();
+    let missing: Vec<_> = routes.difference(&attacked).collect();
+    assert!(
+        missing.is_empty(),
+        "routes without hostile rows: {missing:?}"
+    );
+    assert!(rows.len() >= 30, "{} rows", rows.len());
+}
