@@ -52,11 +52,17 @@ pub const GROUP_SIZE: &str = "credpool_group_size";
 
 static HANDLE: OnceLock<PrometheusHandle> = OnceLock::new();
 
+/// How often the recorder folds the histogram samples recorded since into its buckets.
+const UPKEEP_INTERVAL: Duration = Duration::from_secs(5);
+
 /// The process's Prometheus recorder, installed on first use (one per process, shared by every
-/// app the process serves).
+/// app the process serves), with a thread that runs its upkeep every [`UPKEEP_INTERVAL`]: the
+/// recorder keeps every histogram sample until upkeep folds it into the buckets, so without it
+/// memory grows with each request whenever nobody scrapes `/metrics` (the soak found ~4 MB a
+/// minute).
 pub fn prometheus() -> &'static PrometheusHandle {
     HANDLE.get_or_init(|| {
-        PrometheusBuilder::new()
+        let handle = PrometheusBuilder::new()
             .set_buckets(&[
                 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0,
                 10.0,
@@ -68,7 +74,18 @@ pub fn prometheus() -> &'static PrometheusHandle {
             )
             .expect("static buckets")
             .install_recorder()
-            .expect("the metrics recorder is installed once per process")
+            .expect("the metrics recorder is installed once per process");
+        let upkeep = handle.clone();
+        std::thread::Builder::new()
+            .name("metrics-upkeep".into())
+            .spawn(move || {
+                loop {
+                    std::thread::sleep(UPKEEP_INTERVAL);
+                    upkeep.run_upkeep();
+                }
+            })
+            .expect("starting the metrics upkeep thread");
+        handle
     })
 }
 
