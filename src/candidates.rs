@@ -439,7 +439,21 @@ impl CandidateViews {
 
     /// This process granted a lease on `key_id`.
     pub fn note_grant(&self, provider: &ProviderName, pool: &PoolName, lease: &GrantedLease) {
-        self.update(provider, pool, &lease.key_id, |entry, _| {
+        let Some(slot) = self.existing(provider, pool) else {
+            return;
+        };
+        let mut guard = slot.view.write().unwrap_or_else(|p| p.into_inner());
+        let Some(view) = guard.as_mut() else {
+            return;
+        };
+        // A view read after the grant's statement began may count the grant already (a reload
+        // that ran between the commit and this note): counting it again would show the slot
+        // taken after its release, until the next reload. Skipped when in doubt, which errs the
+        // safe way (a view that thinks a slot free costs one claim).
+        if lease.granted_at <= view.db_now {
+            return;
+        }
+        view.change(&lease.key_id, |entry, _| {
             let facts = &mut entry.facts;
             facts.in_flight += 1;
             facts.last_used_at = Some(lease.granted_at);
