@@ -73,7 +73,16 @@ fn ranking(c: &mut Criterion) {
 fn parsing(c: &mut Criterion) {
     let body = br#"{"provider":"openai","model":"gpt-4o","pool":"default","lease_seconds":60,"holder":"executor-17"}"#;
     c.bench_function("parse an allocate request", |b| {
-        b.iter(|| black_box(credpool::http::parse_allocate(black_box(body), 3600).unwrap()))
+        b.iter(|| {
+            black_box(
+                credpool::http::parse_allocate(
+                    black_box(body),
+                    3600,
+                    std::time::Duration::from_secs(30),
+                )
+                .unwrap(),
+            )
+        })
     });
 }
 

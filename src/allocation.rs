@@ -3,6 +3,7 @@
 
 use std::collections::HashSet;
 use std::sync::Arc;
+use std::time::{Duration, Instant};
 
 use rand::rngs::SmallRng;
 use rand::{RngExt, SeedableRng};
@@ -10,14 +11,15 @@ use time::OffsetDateTime;
 
 use crate::candidates::{CandidateViews, PoolView, unix_seconds};
 use crate::domain::{
-    Holder, KeyId, LeaseId, LeaseSeconds, ModelName, PoolName, ProviderName, Secret,
+    Holder, KeyId, LeaseId, LeaseSeconds, ModelName, PoolName, ProviderName, RequestId, Secret,
 };
 use crate::groups::Groups;
 use crate::health::HealthPolicy;
 use crate::scoring::{self, ScoringPolicy};
 use crate::secrets::{Keyring, SecretsError};
 use crate::store::Db;
-use crate::store::leases::{self, ClaimRequest, LeaseRef, ReleaseRequest};
+use crate::store::leases::{self, ClaimRequest, LeaseRef, ReleaseRequest, RequestKey};
+use crate::waiting::{Hint, Waits};
 
 /// An executor's request for a lease.
 #[derive(Debug, Clone)]
@@ -32,6 +34,12 @@ pub struct AllocateRequest {
     pub lease_seconds: LeaseSeconds,
     /// The executor's name for itself.
     pub holder: Option<Holder>,
+    /// The client's idempotency key: a retry with the same key and parameters gets the same
+    /// lease while it lives, instead of a second slot.
+    pub request_id: Option<RequestId>,
+    /// How long the request may wait for a slot when every candidate is busy (zero: answer at
+    /// once). The HTTP layer caps it (`--max-wait-ms`).
+    pub wait: Duration,
 }
 
 /// A granted lease, as the executor receives it.
@@ -51,6 +59,8 @@ pub struct Allocation {
     pub lease_until: OffsetDateTime,
     /// Whether this is the single probe lease of a credential back from a cooldown.
     pub probe: bool,
+    /// The fencing token: strictly increasing per credential with each grant, never reused.
+    pub fence: i64,
     /// The credential material (redacted in `Debug`).
     pub credential: Secret,
 }
@@ -84,10 +94,58 @@ pub enum AllocateError {
         /// Why (never the material).
         error: SecretsError,
     },
+    /// 409: the request's `request_id` holds a live lease granted for other parameters.
+    #[error("this request_id holds a lease granted for other parameters")]
+    RequestIdConflict,
     /// 503: PostgreSQL failed or could not be reached in time.
     #[error("store unavailable")]
     Store(#[from] sqlx::Error),
 }
+
+impl AllocateError {
+    /// The `result` label of the allocation metrics for this error (the API's error code).
+    pub fn result(&self) -> &'static str {
+        match self {
+            AllocateError::PoolNotFound => "pool_not_found",
+            AllocateError::ModelNotSupported => "model_not_supported",
+            AllocateError::NoUsableCredentials => "no_usable_credentials",
+            AllocateError::PoolExhausted { .. } => "pool_exhausted",
+            AllocateError::RequestIdConflict => "request_id_conflict",
+            AllocateError::SecretUnreadable { .. } => "internal_error",
+            AllocateError::Store(_) => "store_unavailable",
+        }
+    }
+}
+
+/// An allocation that granted nothing, and when something among its candidates ends (for a
+/// waiting request's timer).
+#[derive(Debug)]
+struct Refusal {
+    error: AllocateError,
+    frees_in: Option<Duration>,
+}
+
+impl From<AllocateError> for Refusal {
+    fn from(error: AllocateError) -> Self {
+        Self {
+            error,
+            frees_in: None,
+        }
+    }
+}
+
+impl From<sqlx::Error> for Refusal {
+    fn from(error: sqlx::Error) -> Self {
+        AllocateError::Store(error).into()
+    }
+}
+
+/// How long the first waiting request waits for the listening connection to come up.
+const LISTEN_CONNECT_WAIT: Duration = Duration::from_secs(1);
+
+/// The shortest sleep of a waiting request between two attempts when its timer is all it has:
+/// a bound on its claims per second (10) when the view keeps saying something has just ended.
+const MIN_WAIT_STEP: Duration = Duration::from_millis(100);
 
 /// What one pool of the sequence can offer, judged from its candidate view. Pure.
 #[derive(Debug)]
@@ -302,17 +360,19 @@ pub struct Allocator {
     db: Db,
     groups: Groups,
     views: Arc<CandidateViews>,
+    waits: Arc<Waits>,
     claims: ClaimSettings,
     keyring: Arc<Keyring>,
 }
 
 impl Allocator {
-    /// An allocator over `db`, claiming through `groups`, ranking from `views`, opening secrets
-    /// with `keyring`.
+    /// An allocator over `db`, claiming through `groups`, ranking from `views`, parking waiting
+    /// requests in `waits`, opening secrets with `keyring`.
     pub fn new(
         db: Db,
         groups: Groups,
         views: Arc<CandidateViews>,
+        waits: Arc<Waits>,
         claims: ClaimSettings,
         keyring: Arc<Keyring>,
     ) -> Self {
@@ -320,9 +380,15 @@ impl Allocator {
             db,
             groups,
             views,
+            waits,
             claims,
             keyring,
         }
+    }
+
+    /// The waiting requests of this process (releases announce freed slots to them).
+    pub fn waits(&self) -> &Arc<Waits> {
+        &self.waits
     }
 
     /// The group queues this allocator claims through (releases and renewals go through them
@@ -343,12 +409,92 @@ impl Allocator {
     /// re-reading the pool from the database, so a stale view never causes one.
     ///
     /// Every failure leaves the database unchanged (the claim writes only when it grants).
+    ///
+    /// With a `request_id`, a lease the same request already holds is answered again (same
+    /// lease_id, no second slot; `RequestIdConflict` when it was granted for other parameters).
+    /// With a `wait`, a request that finds every candidate busy waits up to that long for a slot
+    /// (src/waiting.rs) and claims again whenever one may have freed; when the wait is over it
+    /// answers as an immediate request would at that moment.
     pub async fn allocate(&self, request: &AllocateRequest) -> Result<Allocation, AllocateError> {
+        let key = request.request_id.clone().map(|id| {
+            RequestKey::new(
+                id,
+                &request.provider,
+                &request.pool,
+                &request.model,
+                request.lease_seconds,
+                request.holder.as_ref(),
+            )
+        });
+        let started = Instant::now();
+        let first = self.allocate_once(request, key.as_ref(), None).await;
+        let busy = matches!(
+            &first,
+            Err(Refusal {
+                error: AllocateError::PoolExhausted { .. },
+                ..
+            })
+        );
+        if request.wait.is_zero() || !busy {
+            return first.map_err(|refusal| refusal.error);
+        }
+        // queue up, then look again: a slot freed between the first look and the queueing would
+        // otherwise wake nobody
+        let deadline = started + request.wait;
+        let registration = self
+            .waits
+            .register(
+                &request.provider,
+                &request.pool.sequence(),
+                &request.model,
+                LISTEN_CONNECT_WAIT.min(request.wait),
+            )
+            .await;
+        let mut hint = None;
+        loop {
+            let result = self.allocate_once(request, key.as_ref(), hint.take()).await;
+            let frees_in = match &result {
+                Err(Refusal {
+                    error: AllocateError::PoolExhausted { .. },
+                    frees_in,
+                }) if Instant::now() < deadline => *frees_in,
+                _ => {
+                    let label = match &result {
+                        Ok(_) => "leased",
+                        Err(refusal) => refusal.error.result(),
+                    };
+                    crate::telemetry::waited(label, started.elapsed());
+                    return result.map_err(|refusal| refusal.error);
+                }
+            };
+            let wake_at = frees_in
+                .map_or(deadline, |d| Instant::now() + d.max(MIN_WAIT_STEP))
+                .min(deadline);
+            hint = tokio::select! {
+                hint = registration.woken() => hint,
+                () = tokio::time::sleep_until(wake_at.into()) => registration.take_hint(),
+            };
+        }
+    }
+
+    /// One pass over the pool sequence (see [`Allocator::allocate`]); `hint` is a credential
+    /// whose slot was just freed, claimed first in its pool.
+    async fn allocate_once(
+        &self,
+        request: &AllocateRequest,
+        key: Option<&RequestKey>,
+        mut hint: Option<Hint>,
+    ) -> Result<Allocation, Refusal> {
         let mut failure: Option<PoolVerdict> = None;
         let mut soonest: Option<(OffsetDateTime, OffsetDateTime)> = None;
+        // whether a claim statement ran: with a request_id it has looked for the request's lease
+        let mut claimed = false;
 
         for pool in request.pool.sequence() {
-            let verdict = self.allocate_in(request, &pool).await?;
+            let hint_here = hint.take_if(|(hinted, _)| *hinted == pool).map(|(_, k)| k);
+            let verdict = self
+                .allocate_in(request, &pool, key, hint_here, &mut claimed)
+                .await?;
             let verdict = match verdict {
                 Ok(allocation) => return Ok(allocation),
                 Err(verdict) => verdict,
@@ -369,13 +515,97 @@ impl Allocator {
             }
         }
 
-        Err(match failure {
+        if let Some(key) = key
+            && !claimed
+        {
+            // every pool was judged from its view alone: the request may still hold a lease from
+            // an earlier attempt (taking the last slot, or on a credential since disabled)
+            if let Some(allocation) = self.replay(request, key).await? {
+                return Ok(allocation);
+            }
+        }
+        let error = match failure {
             Some(PoolVerdict::Try { .. }) => AllocateError::PoolExhausted {
                 retry_after_seconds: retry_after_seconds(soonest),
             },
             Some(PoolVerdict::NoUsableCredentials) => AllocateError::NoUsableCredentials,
             Some(PoolVerdict::ModelNotSupported) => AllocateError::ModelNotSupported,
             Some(PoolVerdict::NotFound) | None => AllocateError::PoolNotFound,
+        };
+        Err(Refusal {
+            error,
+            // an end already passed (the view is behind): look again soon
+            frees_in: soonest.map(|(at, now)| Duration::try_from(at - now).unwrap_or_default()),
+        })
+    }
+
+    /// The lease `key`'s request already holds, if any: a claim statement over no candidate,
+    /// which only looks the request up.
+    async fn replay(
+        &self,
+        request: &AllocateRequest,
+        key: &RequestKey,
+    ) -> Result<Option<Allocation>, AllocateError> {
+        let claim = ClaimRequest {
+            ranked: &[],
+            provider: &request.provider,
+            pool: &request.pool,
+            model: &request.model,
+            lease_id: LeaseId::generate(),
+            holder: request.holder.as_ref(),
+            lease_seconds: request.lease_seconds,
+            request: Some(key),
+        };
+        let result = self.groups.claim(&claim).await?;
+        if result.conflict {
+            return Err(AllocateError::RequestIdConflict);
+        }
+        match result.granted {
+            Some(granted) => Ok(Some(self.hand_out(&request.provider, granted).await?)),
+            None => Ok(None),
+        }
+    }
+
+    /// Opens a granted lease's secret and makes it an [`Allocation`]. A secret that cannot be
+    /// opened gives the slot back at once rather than strand it until lease_until.
+    async fn hand_out(
+        &self,
+        provider: &ProviderName,
+        granted: leases::GrantedLease,
+    ) -> Result<Allocation, AllocateError> {
+        let credential = match self.keyring.open(&granted.key_id, &granted.sealed_secret) {
+            Ok(credential) => credential,
+            Err(error) => {
+                let release = ReleaseRequest {
+                    lease: LeaseRef {
+                        key_id: granted.key_id.clone(),
+                        provider: provider.clone(),
+                        pool: granted.pool.clone(),
+                        lease_id: granted.lease_id,
+                        fence: Some(granted.fence),
+                    },
+                    outcome: None,
+                    retry_after_seconds: None,
+                };
+                self.groups
+                    .release(release, &HealthPolicy::default())
+                    .await?;
+                return Err(AllocateError::SecretUnreadable {
+                    key_id: granted.key_id,
+                    error,
+                });
+            }
+        };
+        Ok(Allocation {
+            key_id: granted.key_id,
+            lease_id: granted.lease_id,
+            provider: provider.clone(),
+            pool: granted.pool,
+            provider_model: granted.provider_model,
+            lease_until: granted.lease_until,
+            probe: granted.probe,
+            fence: granted.fence,
+            credential,
         })
     }
 
@@ -384,6 +614,9 @@ impl Allocator {
         &self,
         request: &AllocateRequest,
         pool: &PoolName,
+        key: Option<&RequestKey>,
+        mut hint: Option<KeyId>,
+        claimed: &mut bool,
     ) -> Result<Result<Allocation, PoolVerdict>, AllocateError> {
         let provider = &request.provider;
         let scoring = self.views.scoring().clone();
@@ -394,7 +627,7 @@ impl Allocator {
         let mut batch_size = self.claims.batch.max(1);
         let mut claims = 0;
         loop {
-            let (verdict, loaded) = self
+            let (mut verdict, loaded) = self
                 .views
                 .with_view(provider, pool, |view| {
                     judge(
@@ -424,10 +657,19 @@ impl Allocator {
                 refit,
                 free_seen,
                 ..
-            } = &verdict
+            } = &mut verdict
             else {
                 unreachable!("conclusive verdicts returned above")
             };
+            // a freed slot woke this (waiting) request: that credential first
+            if let Some(hinted) = hint.take()
+                && !tried.contains(&hinted)
+            {
+                batch.retain(|k| *k != hinted);
+                batch.insert(0, hinted);
+                *free_seen = true;
+            }
+            let (batch, refit, free_seen) = (&*batch, &*refit, *free_seen);
             if !refit.is_empty() && !refitted {
                 refitted = true;
                 // capacity changed structurally: what was full before may not be now
@@ -481,20 +723,30 @@ impl Allocator {
                 lease_id: LeaseId::generate(),
                 holder: request.holder.as_ref(),
                 lease_seconds: request.lease_seconds,
+                request: key,
             };
             let result = self.groups.claim(&claim).await?;
+            *claimed = true;
+            if result.conflict {
+                return Err(AllocateError::RequestIdConflict);
+            }
             let view_version = self.views.with_view(provider, pool, |v| v.version).await?.0;
             let stale = result.pool_version != view_version;
             if let Some(granted) = result.granted {
                 tracing::info!(
                     key_id = %granted.key_id,
                     lease_id = %granted.lease_id,
-                    served_pool = %pool,
+                    served_pool = %granted.pool,
                     probe = granted.probe,
+                    fence = granted.fence,
+                    replayed = granted.replayed,
                     pruned_expired = granted.pruned_expired,
                     "lease granted"
                 );
-                self.views.note_grant(provider, pool, &granted);
+                // a replayed lease was counted when it was granted
+                if !granted.replayed {
+                    self.views.note_grant(provider, pool, &granted);
+                }
                 crate::telemetry::expired("claim", u64::from(granted.pruned_expired));
                 if stale {
                     let (views, provider, pool, version) = (
@@ -509,40 +761,7 @@ impl Allocator {
                         }
                     });
                 }
-                let credential = match self.keyring.open(&granted.key_id, &granted.sealed_secret) {
-                    Ok(credential) => credential,
-                    Err(error) => {
-                        // give the slot back at once rather than strand it until lease_until
-                        let lease = LeaseRef {
-                            key_id: granted.key_id.clone(),
-                            provider: provider.clone(),
-                            pool: pool.clone(),
-                            lease_id: granted.lease_id,
-                        };
-                        let release = ReleaseRequest {
-                            lease,
-                            outcome: None,
-                            retry_after_seconds: None,
-                        };
-                        self.groups
-                            .release(release, &HealthPolicy::default())
-                            .await?;
-                        return Err(AllocateError::SecretUnreadable {
-                            key_id: granted.key_id,
-                            error,
-                        });
-                    }
-                };
-                return Ok(Ok(Allocation {
-                    key_id: granted.key_id,
-                    lease_id: granted.lease_id,
-                    provider: provider.clone(),
-                    pool: pool.clone(),
-                    provider_model: granted.provider_model,
-                    lease_until: granted.lease_until,
-                    probe: granted.probe,
-                    credential,
-                }));
+                return self.hand_out(provider, granted).await.map(Ok);
             }
             tracing::debug!(
                 candidates = batch.len(),

@@ -620,6 +620,7 @@ async fn sql_executor(
             lease_id: LeaseId::generate(),
             holder: Some(&holder),
             lease_seconds,
+            request: None,
         };
         let granted = match leases::claim_slot(&mut conn, &claim).await {
             Ok(result) => result.granted,
@@ -647,6 +648,7 @@ async fn sql_executor(
                 provider: provider.clone(),
                 pool: plan.pool.clone(),
                 lease_id: granted.lease_id,
+                fence: None,
             },
             outcome: Some(Outcome::Success),
             retry_after_seconds: None,

@@ -15,7 +15,7 @@ use std::time::{Duration, Instant};
 
 use time::OffsetDateTime;
 
-use crate::domain::{KeyId, PoolName, ProviderName};
+use crate::domain::{KeyId, ModelName, PoolName, ProviderName};
 use crate::health::{Health, HealthPolicy, UsableFrom};
 use crate::scoring::{self, ScoringPolicy};
 use crate::store::Db;
@@ -437,6 +437,23 @@ impl CandidateViews {
         }
     }
 
+    /// Whether `key_id` of `provider`/`pool` serves `model` (directly or through an alias), as
+    /// far as this process's view knows; `None` when it has no view of the pool or the credential.
+    /// Never reads the database.
+    pub fn serves(
+        &self,
+        provider: &ProviderName,
+        pool: &PoolName,
+        key_id: &KeyId,
+        model: &ModelName,
+    ) -> Option<bool> {
+        let slot = self.existing(provider, pool)?;
+        let guard = slot.view.read().unwrap_or_else(|p| p.into_inner());
+        let view = guard.as_ref()?;
+        let &index = view.index.get(key_id)?;
+        Some(view.serving(model.as_str()).contains(&index))
+    }
+
     /// This process granted a lease on `key_id`.
     pub fn note_grant(&self, provider: &ProviderName, pool: &PoolName, lease: &GrantedLease) {
         let Some(slot) = self.existing(provider, pool) else {
@@ -587,6 +604,9 @@ mod tests {
             provider_model: "gpt-4o".into(),
             sealed_secret: vec![],
             pruned_expired: false,
+            pool: pool.clone(),
+            fence: 1,
+            replayed: false,
         };
         views.note_grant(&provider, &pool, &lease);
         assert_eq!(free_slots(&views, &provider, &pool), 0);

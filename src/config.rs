@@ -428,6 +428,20 @@ pub struct ServiceArgs {
           value_parser = clap::value_parser!(u64).range(100..=600_000))]
     pub request_timeout_ms: u64,
 
+    /// Longest wait for a slot an allocate may ask for (`wait_ms`), in milliseconds; longer asks
+    /// wait this long. 0 turns waiting off.
+    #[arg(long, env = "CREDPOOL_MAX_WAIT_MS", default_value_t = ServiceSettings::default().max_wait.as_millis() as u64,
+          value_parser = clap::value_parser!(u64).range(0..=600_000))]
+    pub max_wait_ms: u64,
+
+    /// PostgreSQL URL of the one connection each service process LISTENs on for freed slots
+    /// (waiting allocations). Default: a connection like the service's others. With `--db-pooler
+    /// transaction` set it to a URL that reaches PostgreSQL directly (a transaction pooler cannot
+    /// carry LISTEN); without it, waiting allocations there wake on their timers and this
+    /// process's own releases only.
+    #[arg(long, env = "CREDPOOL_DB_LISTEN_URL", hide_env_values = true)]
+    pub db_listen_url: Option<String>,
+
     /// Free candidates one ranking considers: a pool with more free credentials is ranked over a
     /// window of this many, starting at a random place, so allocation cost stays flat with pool
     /// size.
@@ -485,6 +499,8 @@ impl ServiceArgs {
                 transactions: self.group_transactions as usize,
             },
             request_timeout: Duration::from_millis(self.request_timeout_ms),
+            max_wait: Duration::from_millis(self.max_wait_ms),
+            listen_url: self.db_listen_url.clone(),
             scoring: self.scoring.policy(),
             health: self.health.policy(),
         }
@@ -505,6 +521,10 @@ pub struct ServiceSettings {
     pub groups: GroupSettings,
     /// The longest a request may take before it is answered 503.
     pub request_timeout: Duration,
+    /// The longest an allocate may wait for a slot.
+    pub max_wait: Duration,
+    /// Where waiting allocations LISTEN (`None`: a connection like the service's others).
+    pub listen_url: Option<String>,
     /// Scoring weights.
     pub scoring: ScoringPolicy,
     /// How outcome reports change health.
@@ -514,7 +534,7 @@ pub struct ServiceSettings {
 impl Default for ServiceSettings {
     /// Leases up to 3600 s; 8 candidates in the first claim; views re-read every 5 s; the
     /// grouping defaults; requests
-    /// answered within 10 s; the policies' defaults.
+    /// answered within 10 s; waits of up to 30 s; the policies' defaults.
     fn default() -> Self {
         Self {
             max_lease_seconds: 3600,
@@ -522,6 +542,8 @@ impl Default for ServiceSettings {
             view_refresh: Duration::from_secs(5),
             groups: GroupSettings::default(),
             request_timeout: Duration::from_secs(10),
+            max_wait: Duration::from_secs(30),
+            listen_url: None,
             scoring: ScoringPolicy::default(),
             health: HealthPolicy::default(),
         }

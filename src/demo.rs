@@ -12,10 +12,10 @@ use std::process::ExitCode;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
+use credpool_client::{Client, Error, LeaseGuard, LeaseRequest, Outcome};
 use rand::rngs::StdRng;
 use rand::{RngExt, SeedableRng};
-use reqwest::StatusCode;
-use serde_json::{Value, json};
+use serde_json::json;
 
 use crate::config::DemoArgs;
 use crate::database::Database;
@@ -47,18 +47,19 @@ struct Stats {
     granted: u64,
     served_by_pool: BTreeMap<String, u64>,
     exhausted: u64,
-    other_status: BTreeMap<u16, u64>,
+    /// error code (or `transport`) -> count
+    errors: BTreeMap<String, u64>,
     /// (outcome reported, what release answered) -> count
     released: BTreeMap<(&'static str, String), u64>,
-    renewed: u64,
     renew_lost: u64,
     crashed: u64,
 }
 
+/// The simulated executors, each using the client crate (`credpool-client`) as a real executor
+/// would: the lease guard renews long calls, reports the outcome on `finish`, and a "crash" is
+/// an abandoned guard.
 struct Fleet {
-    client: reqwest::Client,
-    base: String,
-    internal_key: String,
+    client: Client,
     lease_seconds: u32,
     deadline: Instant,
     stats: Mutex<Stats>,
@@ -71,16 +72,8 @@ impl Fleet {
             .unwrap_or_else(|poisoned| poisoned.into_inner())
     }
 
-    async fn post(&self, path: &str, body: &Value) -> reqwest::Result<reqwest::Response> {
-        self.client
-            .post(format!("{}{path}", self.base))
-            .header("x-internal-key", &self.internal_key)
-            .json(body)
-            .send()
-            .await
-    }
-
-    /// One executor: lease, "call upstream", report, repeat until the deadline.
+    /// One executor: lease (waiting up to half a second for a slot), "call upstream", report,
+    /// repeat until the deadline.
     async fn executor(self: Arc<Self>, index: usize) {
         let mut rng = StdRng::seed_from_u64(rand::random());
         let holder = format!("demo-executor-{index:02}");
@@ -91,101 +84,78 @@ impl Fleet {
                 "default"
             };
             let model = MODELS[rng.random_range(0..MODELS.len())];
-            let body = json!({"provider": PROVIDER, "model": model, "pool": pool,
-                              "lease_seconds": self.lease_seconds, "holder": holder});
-            let response = match self.post("/api/internal/allocate-key", &body).await {
-                Ok(response) => response,
-                Err(_) => {
-                    *self.stats().other_status.entry(0).or_default() += 1;
-                    tokio::time::sleep(Duration::from_millis(100)).await;
-                    continue;
-                }
-            };
-            match response.status() {
-                StatusCode::OK => {
-                    let Ok(lease) = response.json::<Value>().await else {
-                        continue;
-                    };
+            let request = LeaseRequest::new(PROVIDER, model)
+                .pool(pool)
+                .lease_seconds(self.lease_seconds)
+                .holder(holder.clone())
+                .wait(Duration::from_millis(rng.random_range(0..500)));
+            match self.client.lease(request).await {
+                Ok(lease) => {
                     {
                         let mut stats = self.stats();
                         stats.granted += 1;
                         *stats
                             .served_by_pool
-                            .entry(lease["pool"].as_str().unwrap_or("?").to_owned())
+                            .entry(lease.pool().to_owned())
                             .or_default() += 1;
                     }
-                    self.use_lease(&lease, &mut rng).await;
+                    self.use_lease(lease, &mut rng).await;
                 }
-                StatusCode::TOO_MANY_REQUESTS => {
+                Err(Error::PoolExhausted { .. }) => {
                     self.stats().exhausted += 1;
                     // back off, but not for the whole Retry-After: the demo wants traffic
                     tokio::time::sleep(Duration::from_millis(rng.random_range(20..120))).await;
                 }
-                other => {
-                    *self.stats().other_status.entry(other.as_u16()).or_default() += 1;
+                Err(other) => {
+                    let kind = other.code().unwrap_or("transport").to_owned();
+                    *self.stats().errors.entry(kind).or_default() += 1;
                     tokio::time::sleep(Duration::from_millis(100)).await;
                 }
             }
         }
     }
 
-    async fn use_lease(&self, lease: &Value, rng: &mut StdRng) {
-        let lease_ref = json!({"provider": lease["provider"], "pool": lease["pool"],
-                               "key_id": lease["key_id"], "lease_id": lease["lease_id"]});
+    async fn use_lease(&self, lease: LeaseGuard, rng: &mut StdRng) {
         let roll: f64 = rng.random();
         if roll < 0.03 {
             // crashed: never releases; the slot frees at lease_until
             self.stats().crashed += 1;
+            lease.abandon();
             tokio::time::sleep(Duration::from_millis(rng.random_range(50..500))).await;
             return;
         }
+        // most calls are short; some outlive the lease, and the guard renews them
         let lease_ms = u64::from(self.lease_seconds) * 1000;
         let call_ms = if roll < 0.13 {
             rng.random_range(lease_ms * 3 / 2..lease_ms * 5 / 2)
         } else {
             rng.random_range(20..400)
         };
-        // long calls heartbeat at a third of the lease
-        let started = Instant::now();
-        let heartbeat = Duration::from_millis(lease_ms / 3);
-        while started.elapsed() < Duration::from_millis(call_ms) {
-            let left = Duration::from_millis(call_ms).saturating_sub(started.elapsed());
-            tokio::time::sleep(left.min(heartbeat)).await;
-            if started.elapsed() >= Duration::from_millis(call_ms) {
-                break;
+        let (outcome, label) = tokio::select! {
+            () = lease.lost() => {
+                // lease lost: stop using the credential at once
+                self.stats().renew_lost += 1;
+                (Outcome::Failure, "failure")
             }
-            let mut renew = lease_ref.clone();
-            renew["lease_seconds"] = json!(self.lease_seconds);
-            match self.post("/api/internal/renew-lease", &renew).await {
-                Ok(r) if r.status() == StatusCode::OK => self.stats().renewed += 1,
-                _ => {
-                    // lease lost: stop using the credential at once
-                    self.stats().renew_lost += 1;
-                    break;
-                }
-            }
-        }
-        let outcome = match rng.random_range(0..100) {
-            0..85 => "success",
-            85..93 => "failure",
-            _ => "rate_limited",
-        };
-        let mut release = lease_ref;
-        release["outcome"] = json!(outcome);
-        if outcome == "rate_limited" {
-            // the provider's Retry-After, passed on: the credential rests, then recovers through
-            // a probe lease within the run
-            release["retry_after_seconds"] = json!(rng.random_range(1..=4));
-        }
-        let result = match self.post("/api/internal/release-key", &release).await {
-            Ok(r) => match r.json::<Value>().await {
-                Ok(body) if body["released"] == json!(true) => "released".to_owned(),
-                Ok(body) => format!("not released ({})", body["reason"].as_str().unwrap_or("?")),
-                Err(_) => "error".to_owned(),
+            () = tokio::time::sleep(Duration::from_millis(call_ms)) => match rng.random_range(0..100) {
+                0..85 => (Outcome::Success, "success"),
+                85..93 => (Outcome::Failure, "failure"),
+                // the provider's Retry-After, passed on: the credential rests, then recovers
+                // through a probe lease within the run
+                _ => (
+                    Outcome::RateLimited {
+                        retry_after: Some(Duration::from_secs(rng.random_range(1..=4))),
+                    },
+                    "rate_limited",
+                ),
             },
-            Err(_) => "error".to_owned(),
         };
-        *self.stats().released.entry((outcome, result)).or_default() += 1;
+        let result = match lease.finish(outcome).await {
+            Ok(released) if released.released => "released".to_owned(),
+            Ok(released) => format!("not released ({:?})", released.reason),
+            Err(error) => format!("error ({})", error.code().unwrap_or("transport")),
+        };
+        *self.stats().released.entry((label, result)).or_default() += 1;
     }
 }
 
@@ -218,7 +188,6 @@ async fn run_on(args: &DemoArgs, database: &Database) -> anyhow::Result<ExitCode
     }));
 
     let client = reqwest::Client::builder()
-        .pool_max_idle_per_host(args.executors as usize)
         .timeout(Duration::from_secs(30))
         .build()?;
     let credentials = demo_credentials();
@@ -246,9 +215,7 @@ async fn run_on(args: &DemoArgs, database: &Database) -> anyhow::Result<ExitCode
 
     let since = audit::now(&database.pool).await?;
     let fleet = Arc::new(Fleet {
-        client,
-        base,
-        internal_key,
+        client: Client::new(base, internal_key)?,
         lease_seconds: args.lease_seconds.max(1),
         deadline: Instant::now() + Duration::from_secs(args.duration_seconds),
         stats: Mutex::new(Stats::default()),
@@ -277,6 +244,7 @@ async fn run_on(args: &DemoArgs, database: &Database) -> anyhow::Result<ExitCode
             .map(|row| (row.key_id.clone(), row))
             .collect();
     let expired = audit::expired_without_release(&mut *work, since, until, &key_ids).await?;
+    let renewals = audit::renewals(&mut *work, since, until, &key_ids).await?;
     work.done().await?;
 
     let stats = fleet.stats();
@@ -286,17 +254,14 @@ async fn run_on(args: &DemoArgs, database: &Database) -> anyhow::Result<ExitCode
     for (pool, n) in &stats.served_by_pool {
         line(&format!("  served by pool {pool}"), *n);
     }
-    line("429 pool_exhausted", stats.exhausted);
-    for (status, n) in &stats.other_status {
-        line(
-            &format!("other answers (HTTP {status}; 0 = transport error)"),
-            *n,
-        );
+    line("429 pool_exhausted (after waiting)", stats.exhausted);
+    for (kind, n) in &stats.errors {
+        line(&format!("errors: {kind}"), *n);
     }
     for ((outcome, result), n) in &stats.released {
         line(&format!("release with outcome {outcome}: {result}"), *n);
     }
-    line("renewals", stats.renewed);
+    line("renewals (from the audit trail)", renewals as u64);
     line(
         "renewals lost (410; the executor stopped)",
         stats.renew_lost,

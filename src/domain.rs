@@ -166,6 +166,16 @@ string_newtype!(
     |v| check_name("holder", &v, 200, |c| !c.is_control(), "printable characters")
 );
 
+string_newtype!(
+    /// A client's idempotency key for one allocation (`7f9c0c1e-...`): 1..=128 characters from
+    /// `A-Z a-z 0-9 . _ : -`. A retry with the same request_id and parameters gets the same
+    /// lease while it lives (docs/executor-protocol.md).
+    RequestId,
+    "request_id",
+    "^[A-Za-z0-9._:-]{1,128}$",
+    |v| check_name("request_id", &v, 128, |c| c.is_ascii_alphanumeric() || "._:-".contains(c), "letters, digits and . _ : -")
+);
+
 fn check_lower_name(field: &'static str, value: &str) -> Result<(), InvalidValue> {
     check_name(
         field,

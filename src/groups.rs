@@ -55,7 +55,8 @@ use tokio::sync::{Mutex, mpsc, oneshot};
 use crate::domain::{Holder, KeyId, LeaseId, LeaseSeconds, ModelName, PoolName, ProviderName};
 use crate::health::HealthPolicy;
 use crate::store::leases::{
-    self, ClaimRequest, ClaimResult, LeaseRef, ReleaseRequest, ReleaseResult, StagedRelease,
+    self, ClaimRequest, ClaimResult, LeaseRef, ReleaseRequest, ReleaseResult, RequestKey,
+    StagedRelease,
 };
 use crate::store::{Conn, Db};
 
@@ -115,6 +116,7 @@ impl Groups {
                 lease_id: request.lease_id,
                 holder: request.holder.cloned(),
                 lease_seconds: request.lease_seconds,
+                request: request.request.cloned(),
             })
             .await
     }
@@ -198,6 +200,7 @@ struct Claim {
     lease_id: LeaseId,
     holder: Option<Holder>,
     lease_seconds: LeaseSeconds,
+    request: Option<RequestKey>,
 }
 
 impl Claim {
@@ -210,6 +213,7 @@ impl Claim {
             lease_id: self.lease_id,
             holder: self.holder.as_ref(),
             lease_seconds: self.lease_seconds,
+            request: self.request.as_ref(),
         }
     }
 }
@@ -259,8 +263,9 @@ impl Operation for Claim {
                 lease: LeaseRef {
                     key_id: granted.key_id,
                     provider: self.provider.clone(),
-                    pool: self.pool.clone(),
+                    pool: granted.pool,
                     lease_id: granted.lease_id,
+                    fence: Some(granted.fence),
                 },
                 outcome: None,
                 retry_after_seconds: None,

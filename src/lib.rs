@@ -37,6 +37,7 @@ pub mod secrets;
 pub mod startup;
 pub mod store;
 pub mod telemetry;
+pub mod waiting;
 
 /// An error and its causes on one line, each cause once: libraries often repeat their source's
 /// text in their own message, which `{:#}` would print twice.

@@ -20,6 +20,7 @@ use crate::groups::Groups;
 use crate::http::{self, ApiKeys, AppState};
 use crate::secrets::{Keyring, MasterKey};
 use crate::store::{self, credentials::Actor};
+use crate::waiting::{ListenTarget, Waits};
 
 /// A pool nobody allocated from for this long drops out of the periodic view refresh.
 const VIEW_FORGET_AFTER: std::time::Duration = std::time::Duration::from_secs(600);
@@ -52,11 +53,25 @@ impl Application {
             settings.health.clone(),
         );
         views.spawn_refresher(settings.view_refresh, VIEW_FORGET_AFTER);
+        let listen = match (&settings.listen_url, db.is_pooled()) {
+            (Some(url), _) => ListenTarget::Url(url.clone()),
+            (None, false) => ListenTarget::SameAs(db.pool().clone()),
+            (None, true) => {
+                if !settings.max_wait.is_zero() {
+                    tracing::warn!(
+                        "--db-pooler transaction without --db-listen-url: waiting allocations wake only on their timers and this process's releases"
+                    );
+                }
+                ListenTarget::None
+            }
+        };
+        let waits = Waits::new(views.clone(), listen);
         let state = AppState {
             allocator: Allocator::new(
                 db.clone(),
                 Groups::start(db.clone(), settings.groups),
                 views,
+                waits,
                 settings.claims,
                 keyring.clone(),
             ),
@@ -66,6 +81,7 @@ impl Application {
             health: settings.health.clone(),
             keyring,
             request_timeout: settings.request_timeout,
+            max_wait: settings.max_wait,
         };
         Ok(Self { listener, state })
     }

@@ -46,6 +46,12 @@ pub const DB_ACQUIRE_SECONDS: &str = "credpool_db_acquire_seconds";
 /// Requests that gave up waiting for a database connection.
 pub const DB_ACQUIRE_TIMEOUTS: &str = "credpool_db_acquire_timeouts_total";
 
+/// Allocations waiting for a slot right now (`wait_ms`; src/waiting.rs).
+pub const WAITERS: &str = "credpool_allocations_waiting";
+/// Seconds a waiting allocation waited, by `result` (`leased`, `pool_exhausted`, or the other
+/// allocation results).
+pub const WAIT_SECONDS: &str = "credpool_allocation_wait_seconds";
+
 /// Operations per group transaction (src/groups.rs), by `kind` (`claim`, `release`,
 /// `renewal`).
 pub const GROUP_SIZE: &str = "credpool_group_size";
@@ -71,6 +77,13 @@ pub fn prometheus() -> &'static PrometheusHandle {
             .set_buckets_for_metric(
                 Matcher::Full(GROUP_SIZE.to_owned()),
                 &[1.0, 2.0, 4.0, 8.0, 16.0, 32.0, 64.0, 128.0, 256.0],
+            )
+            .expect("static buckets")
+            .set_buckets_for_metric(
+                Matcher::Full(WAIT_SECONDS.to_owned()),
+                &[
+                    0.001, 0.01, 0.05, 0.1, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 30.0, 60.0,
+                ],
             )
             .expect("static buckets")
             .install_recorder()
@@ -136,6 +149,16 @@ pub fn expired(source: &'static str, count: u64) {
     if count > 0 {
         counter!(LEASES_EXPIRED, "source" => source).increment(count);
     }
+}
+
+/// Counts waiters in (`1`) and out (`-1`).
+pub fn waiters(delta: i8) {
+    gauge!(WAITERS).increment(f64::from(delta));
+}
+
+/// Records how long a waiting allocation waited and how it ended.
+pub fn waited(result: &'static str, elapsed: Duration) {
+    histogram!(WAIT_SECONDS, "result" => result).record(elapsed.as_secs_f64());
 }
 
 /// Records the size of one group transaction.

@@ -4,15 +4,16 @@ use axum::Json;
 use axum::extract::State;
 use axum::response::{IntoResponse, Response};
 use serde::{Deserialize, Serialize};
+use std::time::Duration;
 use time::OffsetDateTime;
 use utoipa_axum::router::OpenApiRouter;
 use utoipa_axum::routes;
 
 use super::{AllocationOutcome, ApiError, ApiJson, AppState, ErrorBody, ExecutorKey};
-use crate::allocation::{AllocateError, AllocateRequest};
+use crate::allocation::AllocateRequest;
 use crate::domain::{
     Holder, InvalidValue, KeyId, LeaseId, LeaseSeconds, ModelName, Outcome, PoolName, ProviderName,
-    Secret,
+    RequestId, Secret,
 };
 use crate::store::leases::{LeaseRef, NotReleased, ReleaseRequest};
 
@@ -42,12 +43,21 @@ struct AllocateBody {
     lease_seconds: Option<u64>,
     /// The executor's name for itself, kept on the lease and in the audit trail.
     holder: Option<Holder>,
+    /// An idempotency key the client chose (1..=128 of `A-Z a-z 0-9 . _ : -`; a UUID fits): a
+    /// retry with the same request_id and the same parameters, while the lease lives, gets the
+    /// same lease instead of a second slot; with other parameters, 409 `request_id_conflict`.
+    request_id: Option<RequestId>,
+    /// Milliseconds to wait for a slot when every candidate is busy (default 0: answer 429 at
+    /// once); values above the service's cap (`--max-wait-ms`, default 30000) wait the cap.
+    #[schema(minimum = 0)]
+    wait_ms: Option<u64>,
 }
 
-/// The allocation a body asks for, under the service's longest lease.
+/// The allocation a body asks for, under the service's longest lease and longest wait.
 fn allocate_request(
     body: AllocateBody,
     max_lease_seconds: u32,
+    max_wait: Duration,
 ) -> Result<AllocateRequest, ApiError> {
     Ok(AllocateRequest {
         lease_seconds: lease_seconds(body.lease_seconds, max_lease_seconds)?,
@@ -55,17 +65,23 @@ fn allocate_request(
         model: body.model,
         pool: body.pool,
         holder: body.holder,
+        request_id: body.request_id,
+        wait: Duration::from_millis(body.wait_ms.unwrap_or(0)).min(max_wait),
     })
 }
 
 /// Parses an allocate body as `POST /api/internal/allocate-key` does once its headers are
 /// checked: the JSON (unknown fields refused, every name validated), then the lease length under
-/// `max_lease_seconds`. A bad body is the handler's 400 `invalid_request`. Public for the
-/// request-parsing benchmark.
-pub fn parse_allocate(body: &[u8], max_lease_seconds: u32) -> Result<AllocateRequest, ApiError> {
+/// `max_lease_seconds` and the wait under `max_wait`. A bad body is the handler's 400
+/// `invalid_request`. Public for the request-parsing benchmark.
+pub fn parse_allocate(
+    body: &[u8],
+    max_lease_seconds: u32,
+    max_wait: Duration,
+) -> Result<AllocateRequest, ApiError> {
     let body: AllocateBody = serde_json::from_slice(body)
         .map_err(|error| ApiError::InvalidRequest(error.to_string()))?;
-    allocate_request(body, max_lease_seconds)
+    allocate_request(body, max_lease_seconds, max_wait)
 }
 
 /// A granted lease.
@@ -83,6 +99,10 @@ struct AllocateResponse {
     lease_until: OffsetDateTime,
     /// True for the single probe lease of a credential back from a cooldown: report its outcome.
     probe: bool,
+    /// The fencing token (a positive integer): strictly greater than the fence of every earlier
+    /// lease of this credential. Pass it upstream where the upstream can refuse stale writers,
+    /// and with renew and release.
+    fence: i64,
     /// The credential material, as the operator stored it.
     credential: Secret,
 }
@@ -91,17 +111,6 @@ fn lease_seconds(requested: Option<u64>, max: u32) -> Result<LeaseSeconds, ApiEr
     match requested {
         None => Ok(LeaseSeconds::default_within(max)),
         Some(seconds) => Ok(LeaseSeconds::parse(seconds, max)?),
-    }
-}
-
-fn result_of(error: &AllocateError) -> &'static str {
-    match error {
-        AllocateError::PoolNotFound => "pool_not_found",
-        AllocateError::ModelNotSupported => "model_not_supported",
-        AllocateError::NoUsableCredentials => "no_usable_credentials",
-        AllocateError::PoolExhausted { .. } => "pool_exhausted",
-        AllocateError::SecretUnreadable { .. } => "internal_error",
-        AllocateError::Store(_) => "store_unavailable",
     }
 }
 
@@ -115,10 +124,10 @@ fn result_of(error: &AllocateError) -> &'static str {
         (status = 400, description = "`invalid_request`", body = ErrorBody),
         (status = 401, description = "`unauthorized`: missing or wrong key", body = ErrorBody),
         (status = 404, description = "`pool_not_found`: no credentials for the provider and pool", body = ErrorBody),
-        (status = 409, description = "`model_not_supported`, or `no_usable_credentials` (every credential that serves the model waits for an operator)", body = ErrorBody),
+        (status = 409, description = "`model_not_supported`, `no_usable_credentials` (every credential that serves the model waits for an operator), or `request_id_conflict` (the request_id holds a live lease granted for other parameters)", body = ErrorBody),
         (status = 413, description = "`payload_too_large`", body = ErrorBody),
         (status = 415, description = "`unsupported_media_type`", body = ErrorBody),
-        (status = 429, description = "`pool_exhausted`: candidates exist but none is free now", body = ErrorBody,
+        (status = 429, description = "`pool_exhausted`: candidates exist but none is free now (or none freed within `wait_ms`)", body = ErrorBody,
          headers(("Retry-After" = u64, description = "whole seconds (>= 1) until the earliest lease or cooldown among the candidates ends"))),
         (status = 500, description = "`internal_error`", body = ErrorBody),
         (status = 503, description = "`store_unavailable`: PostgreSQL unreachable or too slow", body = ErrorBody),
@@ -129,14 +138,21 @@ async fn allocate(
     _key: ExecutorKey,
     ApiJson(body): ApiJson<AllocateBody>,
 ) -> Result<Response, ApiError> {
-    let request = allocate_request(body, state.max_lease_seconds)?;
+    let request = allocate_request(body, state.max_lease_seconds, state.max_wait)?;
     let outcome = |served_pool: &str, result| AllocationOutcome {
         provider: request.provider.to_string(),
         pool: request.pool.to_string(),
         served_pool: served_pool.to_owned(),
         result,
     };
-    let (mut response, labels) = match state.allocator.allocate(&request).await {
+    // the request timeout bounds the work; a waiting request gets its wait on top
+    let allocated = tokio::time::timeout(
+        state.request_timeout + request.wait,
+        state.allocator.allocate(&request),
+    )
+    .await
+    .map_err(|_| ApiError::Timeout)?;
+    let (mut response, labels) = match allocated {
         Ok(lease) => {
             let labels = outcome(lease.pool.as_str(), "leased");
             let body = AllocateResponse {
@@ -147,12 +163,13 @@ async fn allocate(
                 provider_model: lease.provider_model,
                 lease_until: lease.lease_until,
                 probe: lease.probe,
+                fence: lease.fence,
                 credential: lease.credential,
             };
             (Json(body).into_response(), labels)
         }
         Err(error) => {
-            let labels = outcome("", result_of(&error));
+            let labels = outcome("", error.result());
             (ApiError::from(error).into_response(), labels)
         }
     };
@@ -169,6 +186,10 @@ struct ReleaseBody {
     pool: PoolName,
     key_id: KeyId,
     lease_id: LeaseId,
+    /// The lease's fence, from the allocate answer: a lease with another fence is not released
+    /// (`mismatch`).
+    #[schema(minimum = 1)]
+    fence: Option<u64>,
     /// What happened upstream; drives the credential's health.
     outcome: Option<Outcome>,
     /// The provider's Retry-After in whole seconds, passed on with `rate_limited` or
@@ -222,6 +243,7 @@ async fn release(
             provider: body.provider,
             pool: body.pool,
             lease_id: body.lease_id,
+            fence: fence(body.fence)?,
         },
         outcome: body.outcome,
         retry_after_seconds: body.retry_after_seconds,
@@ -239,6 +261,12 @@ async fn release(
         result.released.is_ok(),
         result.health.map(|(_, health)| health),
     );
+    if result.released.is_ok() {
+        state
+            .allocator
+            .waits()
+            .released_here(&lease.provider, &lease.pool, &lease.key_id);
+    }
     let reason = result.released.err();
     crate::telemetry::release(
         reason.is_none(),
@@ -256,6 +284,19 @@ async fn release(
     }))
 }
 
+/// A fence from a request body: fences are positive and fit PostgreSQL's bigint.
+fn fence(given: Option<u64>) -> Result<Option<i64>, ApiError> {
+    given
+        .map(|f| {
+            i64::try_from(f)
+                .ok()
+                .filter(|f| *f >= 1)
+                .ok_or_else(|| InvalidValue::new("fence", "must be an integer from 1 to 2^63-1"))
+        })
+        .transpose()
+        .map_err(ApiError::from)
+}
+
 /// `POST /api/internal/renew-lease` body.
 #[derive(Debug, Deserialize, utoipa::ToSchema)]
 #[serde(deny_unknown_fields)]
@@ -265,6 +306,10 @@ struct RenewBody {
     pool: PoolName,
     key_id: KeyId,
     lease_id: LeaseId,
+    /// The lease's fence, from the allocate answer: a lease with another fence is not renewed
+    /// (410 `lease_lost`).
+    #[schema(minimum = 1)]
+    fence: Option<u64>,
     /// 1..=`--max-lease-seconds` from now (database clock); default 35.
     #[schema(minimum = 1, maximum = 86400)]
     lease_seconds: Option<u64>,
@@ -302,6 +347,7 @@ async fn renew(
         provider: body.provider,
         pool: body.pool,
         lease_id: body.lease_id,
+        fence: fence(body.fence)?,
     };
     let renewed = state.allocator.groups().renew(lease, seconds).await?;
     crate::telemetry::renewal(renewed.is_some());

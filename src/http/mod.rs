@@ -72,8 +72,11 @@ pub struct AppState {
     pub health: crate::health::HealthPolicy,
     /// Seals and opens credential secrets.
     pub keyring: Arc<crate::secrets::Keyring>,
-    /// The longest a request may take before it is answered 503.
+    /// The longest a request may take before it is answered 503 (a waiting allocate: plus its
+    /// wait).
     pub request_timeout: Duration,
+    /// The longest an allocate may wait for a slot (`wait_ms` is capped to it).
+    pub max_wait: Duration,
 }
 
 /// The OpenAPI document of every route, generated from the handlers' annotations.
@@ -193,7 +196,13 @@ async fn observe(
     let route = matched
         .map(|m| m.as_str().to_owned())
         .unwrap_or_else(|| "unmatched".into());
-    let response = match tokio::time::timeout(state.request_timeout, next.run(request)).await {
+    // allocate bounds itself (its wait comes on top of the request timeout)
+    let timeout = if route == executor::ALLOCATE_ROUTE {
+        state.request_timeout + state.max_wait
+    } else {
+        state.request_timeout
+    };
+    let response = match tokio::time::timeout(timeout, next.run(request)).await {
         Ok(response) => response,
         Err(_) => {
             tracing::error!(route = %route, timeout_ms = state.request_timeout.as_millis() as u64, "request timed out");
@@ -254,6 +263,10 @@ pub enum ApiError {
         "every credential that serves the model waits for an operator (disabled, pending, exhausted, or cooling down with no known end)"
     )]
     NoUsableCredentials,
+    /// 409 `request_id_conflict`: the allocate's `request_id` holds a live lease granted for other
+    /// parameters.
+    #[error("this request_id holds a live lease granted for other parameters")]
+    RequestIdConflict,
     /// 410 `lease_lost`: renewal of a lease that is expired, unknown, released or mismatched.
     /// Stop using the credential.
     #[error("the lease is expired, unknown, released or does not match; stop using the credential")]
@@ -299,6 +312,7 @@ impl ApiError {
             ApiError::MethodNotAllowed => (StatusCode::METHOD_NOT_ALLOWED, "method_not_allowed"),
             ApiError::ModelNotSupported => (StatusCode::CONFLICT, "model_not_supported"),
             ApiError::NoUsableCredentials => (StatusCode::CONFLICT, "no_usable_credentials"),
+            ApiError::RequestIdConflict => (StatusCode::CONFLICT, "request_id_conflict"),
             ApiError::LeaseLost => (StatusCode::GONE, "lease_lost"),
             ApiError::PayloadTooLarge => (StatusCode::PAYLOAD_TOO_LARGE, "payload_too_large"),
             ApiError::UnsupportedMediaType => {
@@ -356,6 +370,7 @@ impl From<AllocateError> for ApiError {
             AllocateError::PoolNotFound => ApiError::PoolNotFound,
             AllocateError::ModelNotSupported => ApiError::ModelNotSupported,
             AllocateError::NoUsableCredentials => ApiError::NoUsableCredentials,
+            AllocateError::RequestIdConflict => ApiError::RequestIdConflict,
             AllocateError::PoolExhausted {
                 retry_after_seconds,
             } => ApiError::PoolExhausted {
@@ -382,7 +397,7 @@ pub struct ErrorBody {
 pub struct ErrorDetail {
     /// Stable, snake_case: `invalid_request`, `unauthorized`, `forbidden`, `pool_not_found`,
     /// `credential_not_found`, `route_not_found`, `method_not_allowed`, `model_not_supported`,
-    /// `no_usable_credentials`, `lease_lost`, `payload_too_large`, `unsupported_media_type`,
+    /// `no_usable_credentials`, `request_id_conflict`, `lease_lost`, `payload_too_large`, `unsupported_media_type`,
     /// `pool_exhausted`, `internal_error`, `store_unavailable`, `not_ready`.
     pub code: String,
     /// What happened, for people.

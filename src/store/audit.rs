@@ -79,6 +79,27 @@ pub async fn expired_without_release(
     .await
 }
 
+/// Renewals of leases on `key_ids` recorded in [since, until).
+pub async fn renewals(
+    executor: impl PgExecutor<'_>,
+    since: OffsetDateTime,
+    until: OffsetDateTime,
+    key_ids: &[String],
+) -> Result<i64, sqlx::Error> {
+    sqlx::query_scalar!(
+        r#"
+        SELECT count(*) AS "count!"
+        FROM lease_events
+        WHERE event = 'renewed' AND key_id = ANY ($3) AND at >= $1 AND at < $2
+        "#,
+        since,
+        until,
+        key_ids,
+    )
+    .fetch_one(executor)
+    .await
+}
+
 /// The database clock.
 pub async fn database_now(executor: impl PgExecutor<'_>) -> Result<OffsetDateTime, sqlx::Error> {
     sqlx::query_scalar!(r#"SELECT now() AS "now!""#)

@@ -64,6 +64,11 @@ impl Db {
         }
     }
 
+    /// Whether statements travel through a transaction pooler.
+    pub fn is_pooled(&self) -> bool {
+        self.pooled_begin.is_some()
+    }
+
     /// The connection pool (for its statistics, and to close it).
     pub fn pool(&self) -> &PgPool {
         &self.pool

@@ -763,7 +763,8 @@ async fn force_release_in(
         freed AS (
             UPDATE lease_slots s
             SET lease_id = NULL, provider = NULL, pool = NULL, holder = NULL,
-                granted_at = NULL, lease_until = NULL, probe = false
+                granted_at = NULL, lease_until = NULL, probe = false,
+                fence = NULL, request_id = NULL, request_digest = NULL
             FROM target
             WHERE s.key_id = target.key_id AND s.slot = target.slot
             RETURNING target.*

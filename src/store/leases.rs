@@ -8,7 +8,7 @@ use super::{Conn, Db};
 use time::OffsetDateTime;
 
 use crate::domain::{
-    Holder, KeyId, LeaseId, LeaseSeconds, ModelName, Outcome, PoolName, ProviderName,
+    Holder, KeyId, LeaseId, LeaseSeconds, ModelName, Outcome, PoolName, ProviderName, RequestId,
 };
 use crate::health::{self, Health, HealthPolicy, Report};
 
@@ -35,6 +35,49 @@ pub struct ClaimRequest<'a> {
     pub holder: Option<&'a Holder>,
     /// The lease length.
     pub lease_seconds: LeaseSeconds,
+    /// The client's idempotency key, if it gave one: the claim then answers with the lease the
+    /// request already holds instead of taking a second slot.
+    pub request: Option<&'a RequestKey>,
+}
+
+/// An allocation's idempotency key: the client's `request_id` and a digest of the parameters it
+/// came with, so that a retry with other parameters is told apart (409 `request_id_conflict`).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct RequestKey {
+    /// The client's key.
+    pub id: RequestId,
+    /// SHA-256 (hex) of the request's provider, pool asked for, model, lease_seconds and holder.
+    pub digest: String,
+}
+
+impl RequestKey {
+    /// The key of a request with these parameters.
+    pub fn new(
+        id: RequestId,
+        provider: &ProviderName,
+        pool: &PoolName,
+        model: &ModelName,
+        lease_seconds: LeaseSeconds,
+        holder: Option<&Holder>,
+    ) -> Self {
+        use sha2::Digest;
+        // unambiguous: every field is length-prefixed
+        let mut hasher = sha2::Sha256::new();
+        for field in [
+            provider.as_str(),
+            pool.as_str(),
+            model.as_str(),
+            &lease_seconds.get().to_string(),
+            holder.map_or("\u{0}", Holder::as_str),
+        ] {
+            hasher.update((field.len() as u64).to_be_bytes());
+            hasher.update(field.as_bytes());
+        }
+        Self {
+            id,
+            digest: hex::encode(hasher.finalize()),
+        }
+    }
 }
 
 /// A lease the claim statement granted.
@@ -56,6 +99,15 @@ pub struct GrantedLease {
     pub sealed_secret: Vec<u8>,
     /// Whether the claim reused the slot of an expired lease (ending it in the trail).
     pub pruned_expired: bool,
+    /// The pool the lease is in: the pool claimed from, or for a replay the pool that served the
+    /// request's first attempt.
+    pub pool: PoolName,
+    /// The lease's fencing token: strictly increasing per credential with each grant, never
+    /// reused (`lease_fence_seq`).
+    pub fence: i64,
+    /// The lease was granted to an earlier attempt of the same request (same `request_id` and
+    /// parameters); this claim took no slot.
+    pub replayed: bool,
 }
 
 /// What one run of the claim statement found.
@@ -63,8 +115,10 @@ pub struct GrantedLease {
 pub struct ClaimResult {
     /// The pool's version when the statement ran; compare with the candidate view's.
     pub pool_version: Option<i64>,
-    /// The lease, if a slot was free.
+    /// The lease, if a slot was free (or the request already held one).
     pub granted: Option<GrantedLease>,
+    /// The request's `request_id` holds a live lease granted for other parameters.
+    pub conflict: bool,
 }
 
 /// Runs the claim for one request: [`claim_slots`] with a group of one.
@@ -97,13 +151,15 @@ pub async fn claim_slots(
                 "lease_id": request.lease_id.as_uuid(),
                 "holder": request.holder.map(Holder::as_str),
                 "lease_seconds": i32::try_from(request.lease_seconds.get()).unwrap_or(i32::MAX),
+                "request_id": request.request.map(|r| r.id.as_str()),
+                "request_digest": request.request.map(|r| r.digest.as_str()),
             })
         })
         .collect();
     let rows = sqlx::query!(
         r#"
-        SELECT claim AS "claim!", pool_version, key_id, lease_id, granted_at, lease_until, probe,
-               provider_model, sealed_secret, pruned_expired
+        SELECT claim AS "claim!", pool_version, key_id, lease_id, lease_pool, granted_at,
+               lease_until, probe, provider_model, sealed_secret, pruned_expired, fence, request
         FROM credpool_claim($1)
         ORDER BY claim
         "#,
@@ -127,6 +183,8 @@ pub async fn claim_slots(
                 row.granted_at,
                 row.lease_until,
                 row.sealed_secret,
+                row.lease_pool,
+                row.fence,
             ) {
                 (
                     Some(key_id),
@@ -134,6 +192,8 @@ pub async fn claim_slots(
                     Some(granted_at),
                     Some(lease_until),
                     Some(sealed_secret),
+                    Some(pool),
+                    Some(fence),
                 ) => Some(GrantedLease {
                     key_id: decoded(KeyId::parse(key_id))?,
                     lease_id: LeaseId::from(lease_id),
@@ -145,12 +205,16 @@ pub async fn claim_slots(
                         .unwrap_or_else(|| request.model.as_str().to_owned()),
                     sealed_secret,
                     pruned_expired: row.pruned_expired.unwrap_or(false),
+                    pool: decoded(PoolName::parse(pool))?,
+                    fence,
+                    replayed: row.request.as_deref() == Some("replayed"),
                 }),
                 _ => None,
             };
             Ok(ClaimResult {
                 pool_version: row.pool_version,
                 granted,
+                conflict: row.request.as_deref() == Some("conflict"),
             })
         })
         .collect()
@@ -177,13 +241,16 @@ pub struct LeaseRef {
     pub pool: PoolName,
     /// The lease.
     pub lease_id: LeaseId,
+    /// The lease's fencing token, if the executor gave it: a lease whose fence differs is not
+    /// this executor's (release answers `mismatch`, renewal `lease_lost`).
+    pub fence: Option<i64>,
 }
 
 /// Why a release released nothing.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize, utoipa::ToSchema)]
 #[serde(rename_all = "snake_case")]
 pub enum NotReleased {
-    /// The lease exists, but the key_id, provider or pool given do not match it.
+    /// The lease exists, but the key_id, provider, pool or fence given do not match it.
     Mismatch,
     /// The lease's lease_until has passed; its slot is already free for others.
     Expired,
@@ -411,12 +478,13 @@ async fn free_leases(
         .iter()
         .map(|r| r.outcome.map(Outcome::as_str))
         .collect();
+    let fences: Vec<Option<i64>> = requests.iter().map(|r| r.lease.fence).collect();
     let rows = sqlx::query!(
         r#"
         WITH wanted AS (
             SELECT *
-            FROM unnest($1::uuid[], $2::text[], $3::text[], $4::text[], $5::text[])
-                AS w (lease_id, key_id, provider, pool, outcome)
+            FROM unnest($1::uuid[], $2::text[], $3::text[], $4::text[], $5::text[], $6::int8[])
+                AS w (lease_id, key_id, provider, pool, outcome, fence)
         ),
         target AS (
             SELECT s.key_id, s.slot, s.lease_id, s.provider, s.pool, s.holder, s.lease_until,
@@ -426,6 +494,7 @@ async fn free_leases(
             -- probes by the lease_id index, whatever the plan makes of the join
             WHERE s.lease_id = ANY ($1::uuid[])
               AND s.key_id = w.key_id AND s.provider = w.provider AND s.pool = w.pool
+              AND (w.fence IS NULL OR s.fence = w.fence)
               AND s.lease_until > statement_timestamp()
             ORDER BY s.key_id, s.slot
             FOR UPDATE OF s
@@ -433,7 +502,8 @@ async fn free_leases(
         freed AS (
             UPDATE lease_slots s
             SET lease_id = NULL, provider = NULL, pool = NULL, holder = NULL,
-                granted_at = NULL, lease_until = NULL, probe = false
+                granted_at = NULL, lease_until = NULL, probe = false,
+                fence = NULL, request_id = NULL, request_digest = NULL
             FROM target
             WHERE s.key_id = target.key_id AND s.slot = target.slot
             RETURNING target.*
@@ -455,6 +525,7 @@ async fn free_leases(
         &providers as &[&str],
         &pools as &[&str],
         &outcomes as &[Option<&str>],
+        &fences as &[Option<i64>],
     )
     .fetch_all(&mut *conn)
     .await?;
@@ -493,7 +564,8 @@ async fn report_after_expiry(
         freed AS (
             UPDATE lease_slots s
             SET lease_id = NULL, provider = NULL, pool = NULL, holder = NULL,
-                granted_at = NULL, lease_until = NULL, probe = false
+                granted_at = NULL, lease_until = NULL, probe = false,
+                fence = NULL, request_id = NULL, request_digest = NULL
             FROM stale
             WHERE s.key_id = stale.key_id AND s.slot = stale.slot
             RETURNING stale.*
@@ -672,7 +744,8 @@ async fn diagnose(
 ) -> Result<Diagnosis, sqlx::Error> {
     let row = sqlx::query!(
         r#"
-        SELECT key_id = $2 AND provider = $3 AND pool = $4 AS "matches!",
+        SELECT key_id = $2 AND provider = $3 AND pool = $4
+                   AND ($5::int8 IS NULL OR fence = $5) AS "matches!",
                lease_until <= statement_timestamp() AS "expired!"
         FROM lease_slots
         WHERE lease_id = $1
@@ -681,6 +754,7 @@ async fn diagnose(
         lease.key_id.as_str(),
         lease.provider.as_str(),
         lease.pool.as_str(),
+        lease.fence,
     )
     .fetch_optional(executor)
     .await?;
@@ -710,6 +784,7 @@ pub async fn renew(
                 UPDATE lease_slots
                 SET lease_until = statement_timestamp() + make_interval(secs => $5::int4)
                 WHERE lease_id = $1 AND key_id = $2 AND provider = $3 AND pool = $4
+                  AND ($6::int8 IS NULL OR fence = $6)
                   AND lease_until > statement_timestamp()
                 RETURNING key_id, slot, lease_id, provider, pool, holder, lease_until
             ),
@@ -726,6 +801,7 @@ pub async fn renew(
             lease.provider.as_str(),
             lease.pool.as_str(),
             lease_seconds,
+            lease.fence,
         )
         .fetch_optional(&mut *conn)
         .await?;

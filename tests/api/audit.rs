@@ -357,7 +357,8 @@ async fn pg_cron_runs_the_cleanup_in_a_cluster_that_preloads_it() {
          VALUES ('cron-key', 'openai', 'default', ARRAY['gpt-4o'], 1, '{}');
          SELECT credpool_fit_slots('cron-key');
          UPDATE lease_slots SET lease_id = gen_random_uuid(), provider = 'openai', pool = 'default',
-                granted_at = now() - interval '2 minutes', lease_until = now() - interval '1 minute'
+                granted_at = now() - interval '2 minutes', lease_until = now() - interval '1 minute',
+                fence = nextval('lease_fence_seq')
          WHERE key_id = 'cron-key';
          INSERT INTO lease_events (event, lease_id, key_id, provider, pool, slot, lease_until, at)
          SELECT 'granted', lease_id, key_id, provider, pool, slot, lease_until, granted_at FROM lease_slots;",

@@ -7,6 +7,8 @@ mod admin;
 mod allocate;
 mod audit;
 mod cli;
+mod client;
+mod executor_protocol;
 mod operations;
 mod operator;
 mod processes;

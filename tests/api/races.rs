@@ -129,6 +129,7 @@ async fn statement_race(limit: u32) {
                         lease_id: LeaseId::generate(),
                         holder: None,
                         lease_seconds: LeaseSeconds::parse(600, 3600).unwrap(),
+                        request: None,
                     };
                     barrier.wait().await;
                     let claimed = leases::claim_slot(&mut *conn, &request).await.unwrap();

@@ -1,0 +1,521 @@
+//! Issue 9, server side: idempotent allocation (`request_id`), fencing tokens (`fence`) and
+//! bounded waiting for a slot (`wait_ms`, woken by LISTEN/NOTIFY).
+
+use std::net::SocketAddr;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use credpool::store;
+use credpool::store::PoolSettings;
+use reqwest::StatusCode;
+use serde_json::{Value, json};
+use tokio::sync::Barrier;
+
+use crate::helpers::*;
+
+/// Another replica: a second service in this process over the same database.
+async fn replica(app: &TestApp) -> (SocketAddr, tokio::sync::oneshot::Sender<()>) {
+    let pool = store::connect_lazy(
+        app.database.options.clone(),
+        &PoolSettings {
+            max_connections: 8,
+            acquire_timeout: Duration::from_secs(10),
+        },
+    );
+    serve(pool, &AppOptions::default()).await
+}
+
+async fn allocate_at(addr: SocketAddr, body: Value) -> reqwest::Response {
+    post_json(
+        &client(),
+        &format!("http://{addr}/api/internal/allocate-key"),
+        ("x-internal-key", INTERNAL_KEY),
+        body,
+    )
+    .await
+}
+
+fn lease_request(request_id: &str) -> Value {
+    json!({"provider": "openai", "model": "gpt-4o", "lease_seconds": 60,
+           "holder": "worker-1", "request_id": request_id})
+}
+
+async fn granted_rows(app: &TestApp) -> i64 {
+    sqlx::query_scalar("SELECT count(*) FROM lease_events WHERE event = 'granted'")
+        .fetch_one(&app.db)
+        .await
+        .unwrap()
+}
+
+#[tokio::test]
+async fn a_retried_allocate_with_the_same_request_id_gets_the_same_lease() {
+    let app = TestApp::spawn().await;
+    app.put_key("k1", "openai", "default", &["gpt-4o"], 3).await;
+
+    let first = json_body(app.allocate(lease_request("req-1")).await, StatusCode::OK).await;
+    let again = json_body(app.allocate(lease_request("req-1")).await, StatusCode::OK).await;
+    assert_eq!(again["lease_id"], first["lease_id"]);
+    assert_eq!(again["fence"], first["fence"]);
+    assert_eq!(again["key_id"], first["key_id"]);
+    assert_eq!(again["credential"], first["credential"]);
+    assert_eq!(app.in_flight("k1").await, 1, "a retry took a second slot");
+    assert_eq!(granted_rows(&app).await, 1);
+
+    // the replay reports the lease's current end: after a renewal, the renewed one
+    let mut renew = release_body(&first, "success");
+    renew.as_object_mut().unwrap().remove("outcome");
+    renew["lease_seconds"] = json!(600);
+    let renewed = json_body(app.renew(renew).await, StatusCode::OK).await;
+    let replayed = json_body(app.allocate(lease_request("req-1")).await, StatusCode::OK).await;
+    assert_eq!(replayed["lease_until"], renewed["lease_until"]);
+
+    // another request id is another lease
+    let other = json_body(app.allocate(lease_request("req-2")).await, StatusCode::OK).await;
+    assert_ne!(other["lease_id"], first["lease_id"]);
+    assert_eq!(app.in_flight("k1").await, 2);
+
+    // once the lease is released, the request id is free again: a new lease
+    let released = json_body(
+        app.release(release_body(&first, "success")).await,
+        StatusCode::OK,
+    )
+    .await;
+    assert_eq!(released["released"], true);
+    let after = json_body(app.allocate(lease_request("req-1")).await, StatusCode::OK).await;
+    assert_ne!(after["lease_id"], first["lease_id"]);
+}
+
+#[tokio::test]
+async fn the_same_request_id_with_other_parameters_is_a_conflict_that_changes_nothing() {
+    let app = TestApp::spawn().await;
+    app.put_key("k1", "openai", "default", &["gpt-4o", "o3"], 3)
+        .await;
+    json_body(app.allocate(lease_request("req-1")).await, StatusCode::OK).await;
+    let before = app.snapshot().await;
+    for changed in [
+        json!({"provider": "openai", "model": "o3", "lease_seconds": 60, "holder": "worker-1", "request_id": "req-1"}),
+        json!({"provider": "openai", "model": "gpt-4o", "lease_seconds": 61, "holder": "worker-1", "request_id": "req-1"}),
+        json!({"provider": "openai", "model": "gpt-4o", "lease_seconds": 60, "holder": "worker-2", "request_id": "req-1"}),
+        json!({"provider": "openai", "model": "gpt-4o", "lease_seconds": 60, "request_id": "req-1"}),
+    ] {
+        assert_error(
+            app.allocate(changed).await,
+            StatusCode::CONFLICT,
+            "request_id_conflict",
+        )
+        .await;
+    }
+    assert_eq!(app.snapshot().await, before);
+    for bad in ["", "has space", &"x".repeat(129), "semi;colon"] {
+        assert_error(
+            app.allocate(lease_request(bad)).await,
+            StatusCode::BAD_REQUEST,
+            "invalid_request",
+        )
+        .await;
+    }
+    assert_eq!(app.snapshot().await, before);
+}
+
+#[tokio::test]
+async fn a_retry_is_answered_with_its_lease_even_when_that_lease_took_the_last_slot() {
+    let app = TestApp::spawn().await;
+    app.put_key("only", "openai", "default", &["gpt-4o"], 1)
+        .await;
+    let first = json_body(app.allocate(lease_request("req-1")).await, StatusCode::OK).await;
+    // the pool is full now; a plain request is refused, the retry is not
+    assert_error(
+        app.allocate(json!({"provider": "openai", "model": "gpt-4o"}))
+            .await,
+        StatusCode::TOO_MANY_REQUESTS,
+        "pool_exhausted",
+    )
+    .await;
+    let again = json_body(app.allocate(lease_request("req-1")).await, StatusCode::OK).await;
+    assert_eq!(again["lease_id"], first["lease_id"]);
+    // and while the operator has disabled the credential (the view says "none usable")
+    let response = app
+        .client
+        .patch(app.url("/api/admin/keys/only"))
+        .header("x-admin-key", ADMIN_KEY)
+        .json(&json!({"state": "disable", "reason": "test"}))
+        .send()
+        .await
+        .unwrap();
+    assert!(response.status().is_success(), "{}", response.status());
+    let again = json_body(app.allocate(lease_request("req-1")).await, StatusCode::OK).await;
+    assert_eq!(again["lease_id"], first["lease_id"]);
+}
+
+/// Concurrent retries of one request on two replicas: one lease, every answer names it.
+#[tokio::test]
+async fn concurrent_retries_on_two_replicas_share_one_lease() {
+    let _turn = race_turn().await;
+    let app = TestApp::spawn().await;
+    let (other, _stop) = replica(&app).await;
+    app.put_key("k1", "openai", "default", &["gpt-4o"], 4).await;
+    app.put_key("k2", "openai", "default", &["gpt-4o"], 4).await;
+    const RETRIES: usize = 8;
+    for round in 0..race_rounds() {
+        let request_id = format!("round-{round}");
+        let barrier = Arc::new(Barrier::new(RETRIES));
+        let tasks: Vec<_> = (0..RETRIES)
+            .map(|i| {
+                let addr = if i % 2 == 0 { app.addr } else { other };
+                let (barrier, body) = (barrier.clone(), lease_request(&request_id));
+                tokio::spawn(async move {
+                    barrier.wait().await;
+                    json_body(allocate_at(addr, body).await, StatusCode::OK).await
+                })
+            })
+            .collect();
+        let mut lease_ids = Vec::new();
+        for task in tasks {
+            lease_ids.push(task.await.unwrap()["lease_id"].clone());
+        }
+        lease_ids.dedup();
+        assert_eq!(lease_ids.len(), 1, "round {round}: {lease_ids:?}");
+        let held = app.in_flight("k1").await + app.in_flight("k2").await;
+        assert_eq!(held, 1, "round {round}: {held} slots for one request");
+        let lease = json!({"provider": "openai", "pool": "default", "lease_id": lease_ids[0],
+                           "key_id": held_key(&app, &lease_ids[0]).await});
+        let released = json_body(app.release(lease).await, StatusCode::OK).await;
+        assert_eq!(released["released"], true, "round {round}");
+    }
+}
+
+async fn held_key(app: &TestApp, lease_id: &Value) -> String {
+    sqlx::query_scalar("SELECT key_id FROM lease_slots WHERE lease_id = $1::text::uuid")
+        .bind(lease_id.as_str().unwrap())
+        .fetch_one(&app.db)
+        .await
+        .unwrap()
+}
+
+#[tokio::test]
+async fn fences_strictly_increase_per_credential_and_a_stale_fence_is_refused() {
+    let app = TestApp::spawn().await;
+    app.put_key("k1", "openai", "default", &["gpt-4o"], 2).await;
+    app.put_key("k2", "anthropic", "default", &["claude"], 1)
+        .await;
+    let mut last = 0;
+    for i in 0..6 {
+        let lease = json_body(
+            app.allocate(json!({"provider": "openai", "model": "gpt-4o"}))
+                .await,
+            StatusCode::OK,
+        )
+        .await;
+        let fence = lease["fence"].as_i64().expect("fence");
+        assert!(fence > last, "grant {i}: fence {fence} after {last}");
+        last = fence;
+        // grants on another credential in between do not matter
+        let other = json_body(
+            app.allocate(json!({"provider": "anthropic", "model": "claude"}))
+                .await,
+            StatusCode::OK,
+        )
+        .await;
+        json_body(
+            app.release(release_body(&other, "success")).await,
+            StatusCode::OK,
+        )
+        .await;
+
+        // a release or renewal naming another fence is refused and changes nothing
+        let before = app.snapshot().await;
+        for stale in [fence - 1, fence + 1].into_iter().filter(|f| *f >= 1) {
+            let mut release = release_body(&lease, "success");
+            release["fence"] = json!(stale);
+            let answer = json_body(app.release(release).await, StatusCode::OK).await;
+            assert_eq!(answer, json!({"released": false, "reason": "mismatch"}));
+            let mut renew = release_body(&lease, "success");
+            renew.as_object_mut().unwrap().remove("outcome");
+            renew["fence"] = json!(stale);
+            assert_error(app.renew(renew).await, StatusCode::GONE, "lease_lost").await;
+        }
+        assert_eq!(app.snapshot().await, before);
+
+        let mut renew = release_body(&lease, "success");
+        renew.as_object_mut().unwrap().remove("outcome");
+        renew["fence"] = json!(fence);
+        json_body(app.renew(renew).await, StatusCode::OK).await;
+        let mut release = release_body(&lease, "success");
+        release["fence"] = json!(fence);
+        let answer = json_body(app.release(release).await, StatusCode::OK).await;
+        assert_eq!(answer["released"], true);
+    }
+    // the trail keeps each grant's fence
+    let fences: Vec<i64> = sqlx::query_scalar(
+        "SELECT fence FROM lease_events WHERE event = 'granted' AND key_id = 'k1' ORDER BY event_id",
+    )
+    .fetch_all(&app.db)
+    .await
+    .unwrap();
+    assert_eq!(fences.len(), 6);
+    assert!(fences.windows(2).all(|w| w[0] < w[1]), "{fences:?}");
+    assert_eq!(*fences.last().unwrap(), last);
+    for bad in [
+        json!(0),
+        json!(-1),
+        json!("7"),
+        json!(9_223_372_036_854_775_808u64),
+    ] {
+        let body = json!({"provider": "openai", "pool": "default", "key_id": "k1",
+                          "lease_id": "0123456789abcdef0123456789abcdef", "fence": bad});
+        assert_error(
+            app.release(body).await,
+            StatusCode::BAD_REQUEST,
+            "invalid_request",
+        )
+        .await;
+    }
+}
+
+/// Waits until `count` allocations wait in the service (the `credpool_allocations_waiting`
+/// gauge), so that a test knows its waiters are queued, in order.
+async fn waiting(app: &TestApp, count: u64) {
+    for _ in 0..500 {
+        let metrics = app.metrics().await;
+        let now = metrics
+            .lines()
+            .find(|l| l.starts_with("credpool_allocations_waiting "))
+            .and_then(|l| l.split_whitespace().nth(1))
+            .and_then(|v| v.parse::<f64>().ok())
+            .unwrap_or(0.0);
+        if now as u64 >= count {
+            return;
+        }
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    panic!("{count} waiters never queued");
+}
+
+/// Releases `lease` and returns when the release was answered.
+async fn release_now(app: &TestApp, addr: SocketAddr, lease: &Value) -> Instant {
+    let answer = json_body(
+        post_json(
+            &app.client,
+            &format!("http://{addr}/api/internal/release-key"),
+            ("x-internal-key", INTERNAL_KEY),
+            release_body(lease, "success"),
+        )
+        .await,
+        StatusCode::OK,
+    )
+    .await;
+    assert_eq!(answer["released"], true);
+    Instant::now()
+}
+
+#[tokio::test]
+async fn a_waiting_allocate_gets_the_slot_another_replica_frees() {
+    let app = TestApp::spawn().await;
+    let (other, _stop) = replica(&app).await;
+    app.put_key("only", "openai", "default", &["gpt-4o"], 1)
+        .await;
+    let mut delays = Vec::new();
+    for (round, releaser) in [app.addr, other, other, app.addr, other]
+        .into_iter()
+        .enumerate()
+    {
+        let held = json_body(
+            allocate_at(releaser, json!({"provider": "openai", "model": "gpt-4o"})).await,
+            StatusCode::OK,
+        )
+        .await;
+        let waiter_addr = if releaser == app.addr {
+            other
+        } else {
+            app.addr
+        };
+        let waiter = tokio::spawn(async move {
+            let response = allocate_at(
+                waiter_addr,
+                json!({"provider": "openai", "model": "gpt-4o", "wait_ms": 20_000, "holder": "waiter"}),
+            )
+            .await;
+            let answered = Instant::now();
+            (json_body(response, StatusCode::OK).await, answered)
+        });
+        // the waiter is queued (on whichever replica), then the holder releases
+        tokio::time::sleep(Duration::from_millis(300)).await;
+        assert!(
+            !waiter.is_finished(),
+            "round {round}: answered while the slot was held"
+        );
+        let released = release_now(&app, releaser, &held).await;
+        let (lease, answered) = waiter.await.unwrap();
+        assert_eq!(lease["key_id"], "only");
+        assert!(lease["fence"].as_i64() > held["fence"].as_i64());
+        delays.push(answered.saturating_duration_since(released));
+        json_body(
+            app.release(release_body(&lease, "success")).await,
+            StatusCode::OK,
+        )
+        .await;
+    }
+    // reported, not asserted (a benchmark figure: see the notes of issue 9)
+    println!("hand-over delays (release answered -> waiter answered): {delays:?}");
+}
+
+#[tokio::test]
+async fn waiters_are_served_in_arrival_order() {
+    let app = TestApp::spawn().await;
+    app.put_key("a", "openai", "default", &["gpt-4o"], 1).await;
+    app.put_key("b", "openai", "default", &["gpt-4o"], 1).await;
+    let mut held = Vec::new();
+    for _ in 0..2 {
+        held.push(
+            json_body(
+                app.allocate(json!({"provider": "openai", "model": "gpt-4o"}))
+                    .await,
+                StatusCode::OK,
+            )
+            .await,
+        );
+    }
+    let mut waiters = Vec::new();
+    for i in 0..3u64 {
+        let addr = app.addr;
+        waiters.push(tokio::spawn(async move {
+            let body = json!({"provider": "openai", "model": "gpt-4o", "wait_ms": 20_000,
+                              "holder": format!("waiter-{i}")});
+            json_body(allocate_at(addr, body).await, StatusCode::OK).await
+        }));
+        waiting(&app, i + 1).await;
+    }
+    for (freed, lease) in held.iter().enumerate() {
+        release_now(&app, app.addr, lease).await;
+        let served = waiters.remove(0).await.unwrap();
+        assert_eq!(served["holder"], Value::Null); // the answer has no holder field...
+        let holder: String =
+            sqlx::query_scalar("SELECT holder FROM lease_slots WHERE lease_id = $1::text::uuid")
+                .bind(served["lease_id"].as_str().unwrap())
+                .fetch_one(&app.db)
+                .await
+                .unwrap();
+        // ...the slot says who got it: the waiter that came first
+        assert_eq!(holder, format!("waiter-{freed}"));
+        assert!(waiters.iter().all(|w| !w.is_finished()));
+    }
+    for waiter in waiters {
+        waiter.abort();
+    }
+}
+
+#[tokio::test]
+async fn a_wait_that_ends_empty_answers_429_with_retry_after() {
+    let app = TestApp::spawn().await;
+    app.put_key("only", "openai", "default", &["gpt-4o"], 1)
+        .await;
+    json_body(
+        app.allocate(json!({"provider": "openai", "model": "gpt-4o", "lease_seconds": 30}))
+            .await,
+        StatusCode::OK,
+    )
+    .await;
+    let started = Instant::now();
+    let response = app
+        .allocate(json!({"provider": "openai", "model": "gpt-4o", "wait_ms": 600}))
+        .await;
+    assert!(
+        started.elapsed() >= Duration::from_millis(600),
+        "did not wait"
+    );
+    let retry_after: u64 = response.headers()["retry-after"]
+        .to_str()
+        .unwrap()
+        .parse()
+        .unwrap();
+    assert!((1..=30).contains(&retry_after), "{retry_after}");
+    assert_error(response, StatusCode::TOO_MANY_REQUESTS, "pool_exhausted").await;
+}
+
+#[tokio::test]
+async fn a_waiter_wakes_when_a_cooldown_ends_or_a_credential_is_added() {
+    let app = TestApp::spawn().await;
+    app.put_key("resting", "openai", "default", &["gpt-4o"], 1)
+        .await;
+    app.set_status("resting", "rate_limited", Some(1.5)).await;
+    // no notification marks the end of a cooldown: the waiter's timer does
+    let lease = json_body(
+        app.allocate(json!({"provider": "openai", "model": "gpt-4o", "wait_ms": 10_000}))
+            .await,
+        StatusCode::OK,
+    )
+    .await;
+    assert_eq!(lease["key_id"], "resting");
+    assert_eq!(lease["probe"], true);
+
+    // the pool is full; an operator adds a credential: the pool's change wakes the waiter
+    let addr = app.addr;
+    let waiter = tokio::spawn(async move {
+        let body = json!({"provider": "openai", "model": "gpt-4o", "wait_ms": 20_000});
+        json_body(allocate_at(addr, body).await, StatusCode::OK).await
+    });
+    waiting(&app, 1).await;
+    app.put_key("added", "openai", "default", &["gpt-4o"], 1)
+        .await;
+    let lease = waiter.await.unwrap();
+    assert_eq!(lease["key_id"], "added");
+}
+
+#[tokio::test]
+async fn a_waiter_whose_client_left_takes_no_slot() {
+    let app = TestApp::spawn().await;
+    app.put_key("only", "openai", "default", &["gpt-4o"], 1)
+        .await;
+    let held = json_body(
+        app.allocate(json!({"provider": "openai", "model": "gpt-4o"}))
+            .await,
+        StatusCode::OK,
+    )
+    .await;
+    // a client that gives up after 300 ms of a 20 s wait
+    let impatient = reqwest::Client::builder()
+        .timeout(Duration::from_millis(300))
+        .build()
+        .unwrap();
+    let gone = impatient
+        .post(app.url("/api/internal/allocate-key"))
+        .header("x-internal-key", INTERNAL_KEY)
+        .json(
+            &json!({"provider": "openai", "model": "gpt-4o", "wait_ms": 20_000, "holder": "gone"}),
+        )
+        .send()
+        .await;
+    assert!(gone.is_err(), "the client was meant to time out");
+    drop(impatient);
+    // the service notices the closed connection and drops the waiter
+    for _ in 0..200 {
+        if !app
+            .metrics()
+            .await
+            .contains("credpool_allocations_waiting 1")
+        {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    release_now(&app, app.addr, &held).await;
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    assert_eq!(
+        app.in_flight("only").await,
+        0,
+        "the departed waiter took the slot"
+    );
+    let grants_to_gone: i64 = sqlx::query_scalar(
+        "SELECT count(*) FROM lease_events WHERE event = 'granted' AND holder = 'gone'",
+    )
+    .fetch_one(&app.db)
+    .await
+    .unwrap();
+    assert_eq!(grants_to_gone, 0);
+    json_body(
+        app.allocate(json!({"provider": "openai", "model": "gpt-4o"}))
+            .await,
+        StatusCode::OK,
+    )
+    .await;
+}
