@@ -155,6 +155,8 @@ struct Plan {
     serving: Vec<KeyId>,
     lease_seconds: u32,
     hold: Duration,
+    /// Whether each HTTP allocate carries a fresh `request_id`.
+    request_ids: bool,
     /// Cycles completed in the current mode so far, for the progress bar.
     progress: AtomicU64,
 }
@@ -233,6 +235,7 @@ async fn run_on(args: &BenchArgs, database: &Database) -> anyhow::Result<ExitCod
             serving,
             lease_seconds: args.lease_seconds,
             hold: Duration::from_millis(args.hold_ms),
+            request_ids: args.request_ids,
             progress: AtomicU64::new(0),
         });
 
@@ -513,8 +516,8 @@ async fn http_executor(
     let mut tally = Tally::new();
     let allocate_url = format!("{base}/api/internal/allocate-key");
     let release_url = format!("{base}/api/internal/release-key");
-    let body = json!({"provider": PROVIDER, "pool": plan.pool.as_str(), "model": MODEL,
-                      "lease_seconds": plan.lease_seconds, "holder": format!("bench-{index}")});
+    let mut body = json!({"provider": PROVIDER, "pool": plan.pool.as_str(), "model": MODEL,
+                          "lease_seconds": plan.lease_seconds, "holder": format!("bench-{index}")});
     let post = |url: &str, body: &serde_json::Value| {
         client
             .post(url)
@@ -528,6 +531,9 @@ async fn http_executor(
             return tally;
         }
         let measured = started >= window.measured_from;
+        if plan.request_ids {
+            body["request_id"] = json!(hex::encode(rand::random::<[u8; 16]>()));
+        }
         let allocated = match post(&allocate_url, &body).await {
             Ok(response) => match response.status() {
                 StatusCode::OK => response.json::<serde_json::Value>().await.ok(),

@@ -775,4 +775,9 @@ pub struct BenchArgs {
     #[arg(long, env = "CREDPOOL_BENCH_AUDIT_ROWS", default_value_t = 0,
           value_parser = clap::value_parser!(u64).range(0..=1_000_000_000))]
     pub audit_rows: u64,
+
+    /// Every allocate carries a fresh `request_id`, as the client crate's do (idempotent
+    /// allocation: one advisory lock and one lookup per claim).
+    #[arg(long, env = "CREDPOOL_BENCH_REQUEST_IDS")]
+    pub request_ids: bool,
 }
