@@ -84,7 +84,9 @@ pub struct Waits {
 struct Waiter {
     model: ModelName,
     notify: Notify,
-    /// Woken and not yet back to waiting: a second freed slot goes to the next waiter.
+    /// Woken by a freed slot and not yet back to waiting: a second freed slot goes to the next
+    /// waiter. (A wake-up for everybody does not set it: it claims no particular slot, so a slot
+    /// freed meanwhile still goes to the longest-waiting waiter.)
     woken: AtomicBool,
     /// The pool and credential whose freed slot woke it, tried first.
     hint: Mutex<Option<Hint>>,
@@ -94,8 +96,8 @@ impl Waiter {
     fn wake(&self, hint: Option<Hint>) {
         if let Some(hint) = hint {
             *self.hint.lock().unwrap_or_else(|p| p.into_inner()) = Some(hint);
+            self.woken.store(true, Ordering::SeqCst);
         }
-        self.woken.store(true, Ordering::SeqCst);
         self.notify.notify_one();
     }
 }
@@ -368,5 +370,95 @@ async fn listen(
             _ = stop.changed() => return,
             _ = tokio::time::sleep(backoff) => {}
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::health::HealthPolicy;
+    use crate::scoring::ScoringPolicy;
+
+    /// Waits with no listening connection and no views (every credential may serve any model).
+    fn waits() -> Arc<Waits> {
+        let pool = PgPoolOptions::new()
+            .connect_lazy("postgres://nobody@127.0.0.1:1/none")
+            .expect("a lazy pool");
+        let views = CandidateViews::new(
+            crate::store::Db::direct(pool),
+            ScoringPolicy::default(),
+            HealthPolicy::default(),
+        );
+        Waits::new(views, ListenTarget::None)
+    }
+
+    fn names() -> (ProviderName, PoolName, ModelName) {
+        (
+            ProviderName::parse("openai").unwrap(),
+            PoolName::default_pool(),
+            ModelName::parse("gpt-4o").unwrap(),
+        )
+    }
+
+    #[tokio::test]
+    async fn freed_slots_go_one_each_to_the_longest_waiting_waiters() {
+        let waits = waits();
+        let (provider, pool, model) = names();
+        let pools = [pool.clone()];
+        let first = waits
+            .register(&provider, &pools, &model, Duration::ZERO)
+            .await;
+        let second = waits
+            .register(&provider, &pools, &model, Duration::ZERO)
+            .await;
+        let third = waits
+            .register(&provider, &pools, &model, Duration::ZERO)
+            .await;
+        let (a, b) = (KeyId::parse("a").unwrap(), KeyId::parse("b").unwrap());
+        waits.slot_freed(&provider, &pool, &a);
+        waits.slot_freed(&provider, &pool, &b);
+        assert_eq!(first.woken().await, Some((pool.clone(), a)));
+        assert_eq!(second.woken().await, Some((pool.clone(), b)));
+        assert_eq!(third.take_hint(), None, "two slots woke three waiters");
+    }
+
+    #[tokio::test]
+    async fn a_slot_freed_right_after_a_wake_up_for_all_still_goes_to_the_first_waiter() {
+        let waits = waits();
+        let (provider, pool, model) = names();
+        let pools = [pool.clone()];
+        let first = waits
+            .register(&provider, &pools, &model, Duration::ZERO)
+            .await;
+        let second = waits
+            .register(&provider, &pools, &model, Duration::ZERO)
+            .await;
+        // the pool changed: everybody looks again; before either has, a slot is freed
+        waits.pool_changed(Some((&provider, &pool)));
+        let a = KeyId::parse("a").unwrap();
+        waits.slot_freed(&provider, &pool, &a);
+        assert_eq!(first.woken().await, Some((pool.clone(), a)));
+        assert_eq!(second.woken().await, None);
+    }
+
+    #[tokio::test]
+    async fn a_waiter_leaves_every_queue_when_dropped() {
+        let waits = waits();
+        let (provider, pool, model) = names();
+        let both = [PoolName::parse("vip").unwrap(), pool.clone()];
+        let gone = waits
+            .register(&provider, &both, &model, Duration::ZERO)
+            .await;
+        let staying = waits
+            .register(&provider, &[pool.clone()], &model, Duration::ZERO)
+            .await;
+        drop(gone);
+        let a = KeyId::parse("a").unwrap();
+        waits.slot_freed(&provider, &pool, &a);
+        assert_eq!(staying.woken().await, Some((pool, a)));
+        assert!(
+            waits.pools.lock().unwrap().len() == 1,
+            "the vip queue was not removed"
+        );
     }
 }
