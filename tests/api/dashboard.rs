@@ -175,15 +175,7 @@ async fn fragments_show_pools_credentials_leases_and_events_but_never_a_secret()
     )
     .await;
     // worker-9 crashed: its lease ran out without a release
-    sqlx::query(
-        "UPDATE lease_slots SET granted_at = now() - interval '70 seconds',
-             lease_until = now() - interval '10 seconds'
-         WHERE lease_id = $1::text::uuid",
-    )
-    .bind(crashed["lease_id"].as_str().unwrap())
-    .execute(&app.db)
-    .await
-    .unwrap();
+    expire(&app, crashed["lease_id"].as_str().unwrap()).await;
     app.admin_json(
         reqwest::Method::PATCH,
         "/api/admin/keys/key-b",
@@ -270,6 +262,38 @@ async fn fragments_show_pools_credentials_leases_and_events_but_never_a_secret()
     app.assert_no_secret_in_any_dashboard_response().await;
 }
 
+/// Ends a lease as a crashed executor would: granted 70 s ago, run out 10 s ago, never released.
+async fn expire(app: &TestApp, lease_id: &str) {
+    sqlx::query(
+        "UPDATE lease_slots SET granted_at = now() - interval '70 seconds',
+             lease_until = now() - interval '10 seconds'
+         WHERE lease_id = $1::text::uuid",
+    )
+    .bind(lease_id)
+    .execute(&app.db)
+    .await
+    .unwrap();
+}
+
+/// Writes an hour of finished leases on `key_id` to the trail: each minute 2 to 58 minutes ago,
+/// 1 to 5 leases (a sawtooth with a 15-minute period) held for 50 s.
+async fn seed_history(app: &TestApp, key_id: &str, pool: &str) {
+    sqlx::query(
+        "INSERT INTO lease_events (event, lease_id, key_id, provider, pool, slot, holder, lease_until, at)
+         SELECT e.event, md5(m::text || '/' || n::text)::uuid, $1, 'openai', $2, n, 'worker-' || n,
+                date_trunc('minute', now()) - make_interval(mins => m) + interval '50 seconds',
+                date_trunc('minute', now()) - make_interval(mins => m) + e.offset_by
+         FROM generate_series(2, 58) AS m, generate_series(0, 4) AS n,
+              (VALUES ('granted', interval '0'), ('released', interval '50 seconds')) AS e (event, offset_by)
+         WHERE n <= (m % 15) / 3",
+    )
+    .bind(key_id)
+    .bind(pool)
+    .execute(&app.db)
+    .await
+    .unwrap();
+}
+
 /// `chromium` and `chromedriver` from Debian's packages, or a panic that names them.
 fn browser_binaries() -> (&'static str, &'static str) {
     let chromium = "/usr/bin/chromium";
@@ -321,7 +345,7 @@ impl ChromeDriver {
             json!({
                 "binary": chromium,
                 "args": ["--headless=new", "--no-sandbox", "--disable-gpu",
-                         "--disable-dev-shm-usage", "--window-size=1440,1000"],
+                         "--disable-dev-shm-usage", "--window-size=1440,1200"],
             }),
         );
         ClientBuilder::new(hyper_util::client::legacy::connect::HttpConnector::new())
@@ -425,6 +449,8 @@ async fn browser_shows_live_pools_drains_from_the_page_and_never_shows_a_secret(
     app.put_key("key-b", "openai", "default", &["gpt-4o"], 2)
         .await;
     app.put_key("solo", "openai", "solo", &["gpt-4o"], 2).await;
+    app.put_key("key-c", "openai", "batch", &["gpt-4o"], 4)
+        .await;
     let driver = ChromeDriver::start(chromedriver).await;
     let browser = driver.browser(chromium).await;
 
@@ -457,6 +483,53 @@ async fn browser_shows_live_pools_drains_from_the_page_and_never_shows_a_secret(
     wait_for_text(&browser, default_in_flight, "4").await;
     wait_for_text(&browser, "[data-pool=\"openai/default\"] .free", "1").await;
     wait_for_text(&browser, "tr[data-key-id=\"solo\"] .in-flight", "1 / 2").await;
+
+    // the rest of a busy hour: history in the trail, a crashed executor, a forced release, a
+    // credential cooling down
+    seed_history(&app, "key-a", "default").await;
+    let crashed = json_body(
+        app.allocate(allocation("solo", "worker-6")).await,
+        StatusCode::OK,
+    )
+    .await;
+    expire(&app, crashed["lease_id"].as_str().unwrap()).await;
+    let stuck = json_body(
+        app.allocate(allocation("batch", "worker-7")).await,
+        StatusCode::OK,
+    )
+    .await;
+    app.admin_json(
+        reqwest::Method::POST,
+        &format!(
+            "/api/admin/leases/{}/release",
+            stuck["lease_id"].as_str().unwrap()
+        ),
+        Some(json!({"reason": "worker-7 hung"})),
+    )
+    .await;
+    app.set_status("key-c", "rate_limited", Some(90.0)).await;
+    wait_for_text(&browser, "tr[data-key-id=\"key-c\"] .badge", "rate_limited").await;
+    browser
+        .wait()
+        .at_most(Duration::from_secs(15))
+        .for_element(Locator::Css(&format!(
+            "tr.expired[data-lease-id=\"{}\"]",
+            crashed["lease_id"].as_str().unwrap()
+        )))
+        .await
+        .expect("the crashed executor's lease, highlighted");
+    let spark = browser
+        .find(Locator::Css("[data-pool=\"openai/default\"] polyline"))
+        .await
+        .unwrap()
+        .attr("points")
+        .await
+        .unwrap()
+        .unwrap_or_default();
+    assert!(
+        spark.split(' ').any(|point| !point.ends_with(",23.0")),
+        "the sparkline shows the hour's leases: {spark}"
+    );
 
     let path = screenshot_path();
     let png = browser.screenshot().await.expect("a screenshot");
