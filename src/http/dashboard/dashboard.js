@@ -27,7 +27,20 @@ async function adminFetch(path, options = {}) {
   return fetch(path, Object.assign({ cache: "no-store" }, options, { headers }));
 }
 
+// One refresh at a time: a slow answer is not overtaken by the next poll's.
+let refreshing = false;
+
 async function refresh() {
+  if (refreshing) return;
+  refreshing = true;
+  try {
+    await load();
+  } finally {
+    refreshing = false;
+  }
+}
+
+async function load() {
   if (!sessionStorage.getItem(KEY)) {
     showLogin();
     return;
