@@ -14,7 +14,8 @@
 //!   (`migrations/20261130000005_performance.sql`, whose comment explains why it cannot oversell);
 //!   [`store::Db`] carries them straight to PostgreSQL or through a transaction pooler.
 //! - [`groups`]: group claiming, several claims, releases or renewals in one transaction.
-//! - [`http`]: the axum router, one module per audience, and the one error type.
+//! - [`http`]: the axum router, one module per audience (executors, operators, the operator
+//!   dashboard at `/dashboard`), and the one error type.
 //! - [`startup`]: binding and serving; [`database`]: `DATABASE_URL` or the embedded default;
 //!   [`embedded`]: the private PostgreSQL cluster launcher.
 //! - [`demo`]: `credpool demo`, a simulated executor fleet over real HTTP.

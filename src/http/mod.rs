@@ -3,6 +3,7 @@
 //! `{"error":{"code","message"}}` with a stable snake_case code.
 
 mod admin;
+mod dashboard;
 mod executor;
 mod ops;
 
@@ -133,7 +134,8 @@ fn routes() -> utoipa_axum::router::OpenApiRouter<AppState> {
 }
 
 /// The whole router: executor routes under `/api/internal`, operator routes under `/api/admin`,
-/// `/healthz`, `/readyz`, `/metrics` and `/openapi.json`, and JSON errors for unknown routes and
+/// the operator dashboard under `/dashboard`, `/healthz`, `/readyz`, `/metrics` and
+/// `/openapi.json`, and JSON errors for unknown routes and
 /// methods. Every request gets an id (`X-Request-Id`, taken from the request or generated, echoed
 /// in the response and on every log line of the request), a latency sample, and an answer within
 /// `request_timeout` (else 503).
@@ -150,6 +152,7 @@ pub fn app(state: AppState) -> Router {
                 async move { Json(api.as_ref().clone()) }
             }),
         )
+        .merge(dashboard::routes())
         .fallback(|| async { ApiError::RouteNotFound })
         .method_not_allowed_fallback(|| async { ApiError::MethodNotAllowed })
         .layer(axum::extract::DefaultBodyLimit::max(MAX_BODY_BYTES))

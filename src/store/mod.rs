@@ -35,6 +35,7 @@ pub mod audit;
 pub mod candidates;
 mod connection;
 pub mod credentials;
+pub mod dashboard;
 pub mod leases;
 pub mod maintenance;
 

@@ -8,6 +8,7 @@ mod allocate;
 mod audit;
 mod cli;
 mod client;
+mod dashboard;
 mod executor_protocol;
 mod operations;
 mod operator;
