@@ -618,3 +618,32 @@ async fn browser_shows_live_pools_drains_from_the_page_and_never_shows_a_secret(
     app.assert_no_secret_in_any_dashboard_response().await;
     browser.close().await.unwrap();
 }
+
+/// Holders, reasons and names come from executors and operators: the fragments escape them, so a
+/// holder cannot run script in an operator's browser (where the admin key lives).
+#[tokio::test]
+async fn fragments_escape_what_executors_and_operators_wrote() {
+    let app = TestApp::spawn().await;
+    app.put_key("k1", "openai", "default", &["gpt-4o"], 2).await;
+    let hostile = "<img src=x onerror=alert(1)>";
+    json_body(
+        app.allocate(allocation("default", hostile)).await,
+        StatusCode::OK,
+    )
+    .await;
+    app.admin_json(
+        reqwest::Method::PATCH,
+        "/api/admin/keys/k1",
+        Some(json!({"state": "disable", "reason": hostile})),
+    )
+    .await;
+    for name in FRAGMENTS {
+        let html = app.fragment(name).await;
+        assert!(!html.contains(hostile), "{name} shows raw markup:\n{html}");
+    }
+    assert!(
+        app.fragment("leases")
+            .await
+            .contains("&lt;img src=x onerror=alert(1)&gt;")
+    );
+}
