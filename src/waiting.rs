@@ -450,7 +450,12 @@ mod tests {
             .register(&provider, &both, &model, Duration::ZERO)
             .await;
         let staying = waits
-            .register(&provider, &[pool.clone()], &model, Duration::ZERO)
+            .register(
+                &provider,
+                std::slice::from_ref(&pool),
+                &model,
+                Duration::ZERO,
+            )
             .await;
         drop(gone);
         let a = KeyId::parse("a").unwrap();
