@@ -134,12 +134,6 @@ impl From<AllocateError> for Refusal {
     }
 }
 
-impl From<sqlx::Error> for Refusal {
-    fn from(error: sqlx::Error) -> Self {
-        AllocateError::Store(error).into()
-    }
-}
-
 /// How long the first waiting request waits for the listening connection to come up.
 const LISTEN_CONNECT_WAIT: Duration = Duration::from_secs(1);
 
