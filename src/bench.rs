@@ -1,20 +1,33 @@
 //! `credpool bench`: a load generator for sizing a deployment, and the side-by-side measurement
-//! of credpool against the raw-SQL baseline on the same database in the same run.
+//! of credpool against honest baselines on the same machine in the same run (issue 19).
 //!
 //! W simulated executors loop for D seconds (after an unmeasured warm-up): allocate, hold the
 //! lease H milliseconds, release it with the outcome `success`. The credpool mode drives a
 //! service over HTTP (one started in-process on the database, or a running one given with
-//! `--url`). The `sql` baseline does the same cycles with the per-request claim and release
-//! statements (the claim function `credpool_claim` with one claim, [`leases::release_on`])
-//! straight on the database,
-//! one connection per executor: what a naive design pays per lease, a durable commit for each
-//! state change. Both run on one pool of bench credentials (provider `bench`, a fresh pool per
-//! run, removed afterwards), so the ratio of the two is a property of the design, not of the
-//! machine.
+//! `--url`). Each `--baseline` runs the same cycles on the same credentials (count, limit, hold)
+//! first, through the same executor loop and tallies ([`Allocator`], [`drive`]):
+//!
+//! - `sql` (`simple_sql.rs`): the simplest correct allocator written by hand on PostgreSQL, in
+//!   tables of its own: one slot row per concurrency slot, one statement per claim and one per
+//!   release, one connection per executor, autocommit, no trail. What a user would write instead.
+//! - `unbatched`: credpool's own claim and release statements (`credpool_claim` with one claim,
+//!   [`leases::release_on`]) one request at a time, one connection per executor, no HTTP.
+//! - `redis` (`redis_lua.rs`): the original article's ALLOCATE and RELEASE Lua scripts on Redis.
+//!
+//! Server time per claim and release (`server_time.rs`) comes from `pg_stat_statements` when the
+//! server has it loaded, and for Redis from `INFO commandstats`; the report says when it is not
+//! available. The credpool and unbatched modes share one pool of bench credentials (provider
+//! `bench`, a fresh pool per run, removed afterwards); the sql baseline's schema and the Redis
+//! keys are removed afterwards too.
 //!
 //! After the run the oversell proof is computed from the audit trail (SQL function
-//! `credpool_oversell_check`) over the run's credentials; the command exits non-zero if any grant
-//! exceeded a limit or if there was any error.
+//! `credpool_oversell_check`) over the run's credentials (credpool and unbatched: the sql and
+//! redis baselines keep no trail); the command exits non-zero if any grant exceeded a limit or
+//! if there was any error.
+
+mod redis_lua;
+mod server_time;
+mod simple_sql;
 
 use std::process::ExitCode;
 use std::sync::Arc;
@@ -26,35 +39,37 @@ use hdrhistogram::Histogram;
 use rand::RngExt;
 use reqwest::StatusCode;
 use serde_json::json;
-use sqlx::ConnectOptions;
 use sqlx::postgres::PgConnectOptions;
+use sqlx::{ConnectOptions, PgConnection};
 
 use crate::config::{BenchArgs, BenchBaseline};
-use crate::database::Database;
-use crate::domain::{
+use credpool::allocator::health::HealthPolicy;
+use credpool::database::Database;
+use credpool::domain::{
     Holder, KeyId, LeaseId, LeaseSeconds, ModelName, Outcome, PoolName, ProviderName, Secret,
     Status,
 };
-use crate::health::HealthPolicy;
-use crate::http::ApiKeys;
-use crate::startup::Application;
-use crate::store::credentials::{self, Actor, CredentialSpec};
-use crate::store::leases::{self, ClaimRequest, LeaseRef, ReleaseRequest};
-use crate::store::{Conn, Db, audit};
+use credpool::http::ApiKeys;
+use credpool::startup::Application;
+use credpool::store::credentials::{self, Actor, CredentialSpec};
+use credpool::store::leases::{self, ClaimRequest, GrantedLease, LeaseRef, ReleaseRequest};
+use credpool::store::{Conn, Db, audit};
+
+use server_time::ServerTime;
 
 const PROVIDER: &str = "bench";
 /// The model every executor asks for (in hot-spot mode only the hot credentials serve it).
 const MODEL: &str = "bench-model";
 /// The model the rest of the pool serves in hot-spot mode.
 const OTHER_MODEL: &str = "bench-other";
-/// Candidates the baseline passes to each claim: a window of the serving credentials at a
-/// random place (the claim takes the first with a free slot).
-const BASELINE_CANDIDATES: usize = 16;
+/// Candidates the unbatched baseline passes to each claim: a window of the serving credentials
+/// at a random place (the claim takes the first with a free slot).
+const UNBATCHED_CANDIDATES: usize = 16;
 
-/// How one mode fared.
+/// How one allocator fared.
 #[derive(Debug, Clone, serde::Serialize)]
 pub struct ModeReport {
-    /// `credpool` or `sql`.
+    /// `credpool`, or the baseline's name (`sql`, `unbatched`, `redis`).
     pub mode: &'static str,
     /// Completed allocate + release cycles per second.
     pub cycles_per_second: f64,
@@ -62,11 +77,13 @@ pub struct ModeReport {
     pub allocate_ms: Percentiles,
     /// Release latency, milliseconds.
     pub release_ms: Percentiles,
-    /// Allocations answered "no capacity" (HTTP 429; for the baseline, a claim that found no
+    /// Allocations answered "no capacity" (HTTP 429; for a baseline, a claim that found no
     /// free slot).
     pub exhausted: u64,
-    /// Anything else that failed (other HTTP statuses, transport or database errors).
+    /// Anything else that failed (other HTTP statuses, transport, database or Redis errors).
     pub errors: u64,
+    /// What the mode cost the server (PostgreSQL or Redis), when that could be measured.
+    pub server_time: Option<ServerTime>,
 }
 
 /// Latency percentiles in milliseconds.
@@ -97,6 +114,8 @@ impl Percentiles {
 /// One executor's tally over the measured window.
 struct Tally {
     cycles: u64,
+    /// Cycles completed including the warm-up (server time is per cycle of the whole mode).
+    all_cycles: u64,
     exhausted: u64,
     errors: u64,
     /// Microseconds.
@@ -110,6 +129,7 @@ impl Tally {
         let histogram = || Histogram::new_with_bounds(1, 600_000_000, 3).expect("valid bounds");
         Self {
             cycles: 0,
+            all_cycles: 0,
             exhausted: 0,
             errors: 0,
             allocate: histogram(),
@@ -117,8 +137,17 @@ impl Tally {
         }
     }
 
+    /// The tally of an executor that could not even connect.
+    fn not_connected(mode: &str, error: &dyn std::fmt::Display) -> Self {
+        tracing::warn!(mode, error = %error, "bench executor could not connect");
+        let mut tally = Self::new();
+        tally.errors += 1;
+        tally
+    }
+
     fn merge(&mut self, other: &Tally) {
         self.cycles += other.cycles;
+        self.all_cycles += other.all_cycles;
         self.exhausted += other.exhausted;
         self.errors += other.errors;
         self.allocate.add(&other.allocate).expect("same bounds");
@@ -161,29 +190,64 @@ struct Plan {
     progress: AtomicU64,
 }
 
+impl Plan {
+    /// `n` serving credentials from a random place on: how the baselines rank (they have no
+    /// scoring; a random window spreads executors as jitter does).
+    fn window(&self, n: usize) -> impl Iterator<Item = &KeyId> {
+        let start = rand::rng().random_range(0..self.serving.len());
+        self.serving
+            .iter()
+            .cycle()
+            .skip(start)
+            .take(n.min(self.serving.len()))
+    }
+}
+
 /// Runs the benchmark; the exit code is non-zero on any error or oversell.
 pub async fn run(args: BenchArgs) -> anyhow::Result<ExitCode> {
-    crate::startup::check_secret_config(&args.secrets, &args.db)?;
+    credpool::startup::check_secret_config(&args.secrets, &args.db)?;
     anyhow::ensure!(
         args.hot_spot <= args.credentials,
         "--hot-spot ({}) cannot exceed --credentials ({})",
         args.hot_spot,
         args.credentials
     );
+    let baselines = baselines(&args);
     anyhow::ensure!(
-        !(args.baseline == Some(BenchBaseline::Sql)
-            && args.db.db_pooler == crate::config::DbPooler::Transaction),
-        "--baseline sql runs single statements outside transactions, which a transaction pooler \
-         cannot carry: run it with a DATABASE_URL that reaches PostgreSQL directly"
+        !(baselines
+            .iter()
+            .any(|b| matches!(b, BenchBaseline::Sql | BenchBaseline::Unbatched))
+            && args.db.db_pooler == credpool::config::DbPooler::Transaction),
+        "--baseline sql and --baseline unbatched run single statements outside transactions, \
+         which a transaction pooler cannot carry: run them with a DATABASE_URL that reaches \
+         PostgreSQL directly"
     );
+    if baselines.contains(&BenchBaseline::Redis) {
+        redis_lua::check(&args.redis_url).await?;
+    }
     let database = Database::open(&args.db).await?;
-    let result = run_on(&args, &database).await;
+    let result = run_on(&args, &baselines, &database).await;
     database.close().await;
     result
 }
 
-async fn run_on(args: &BenchArgs, database: &Database) -> anyhow::Result<ExitCode> {
-    let keyring = crate::startup::prepare_keyring(&args.secrets, database).await?;
+/// The baselines asked for, each once, in the order given.
+fn baselines(args: &BenchArgs) -> Vec<BenchBaseline> {
+    let mut baselines = Vec::new();
+    for baseline in &args.baseline {
+        if !baselines.contains(baseline) {
+            baselines.push(*baseline);
+        }
+    }
+    baselines
+}
+
+async fn run_on(
+    args: &BenchArgs,
+    baselines: &[BenchBaseline],
+    database: &Database,
+) -> anyhow::Result<ExitCode> {
+    let keyring = credpool::startup::prepare_keyring(&args.secrets, database).await?;
     let run_id = hex::encode(rand::random::<[u8; 4]>());
     let pool = PoolName::parse(format!("run-{run_id}")).map_err(anyhow::Error::msg)?;
     let actor = Actor::parse("bench").map_err(anyhow::Error::msg)?;
@@ -224,14 +288,17 @@ async fn run_on(args: &BenchArgs, database: &Database) -> anyhow::Result<ExitCod
     );
     let serving = load_credentials(args, &database.pool, &keyring, &pool, &actor, &run_id).await?;
     let key_ids: Vec<String> = all_key_ids(args, &run_id);
-    // whatever happens from here on, the run's credentials are removed again
+    let db = &database.pool;
+    let sql_schema = simple_sql::schema_name(&run_id);
+    let source = server_time::detect(db).await;
+    // whatever happens from here on, the run's credentials, tables and keys are removed again
     let measured = async {
         if args.audit_rows > 0 {
             eprintln!("adding {} historical audit rows", args.audit_rows);
-            load_history(&database.pool, &serving, args.audit_rows).await?;
+            load_history(db, &serving, args.audit_rows).await?;
         }
         let plan = Arc::new(Plan {
-            pool,
+            pool: pool.clone(),
             serving,
             lease_seconds: args.lease_seconds,
             hold: Duration::from_millis(args.hold_ms),
@@ -239,36 +306,48 @@ async fn run_on(args: &BenchArgs, database: &Database) -> anyhow::Result<ExitCod
             progress: AtomicU64::new(0),
         });
 
-        let since = audit::now(&database.pool).await?;
+        let since = audit::now(db).await?;
         let mut reports = Vec::new();
-        if args.baseline == Some(BenchBaseline::Sql) {
-            let options = (*database.pool.pool().connect_options()).clone();
-            reports.push(run_mode(args, &plan, Mode::Sql(Box::new(options))).await?);
+        let options = (*db.pool().connect_options()).clone();
+        for baseline in baselines {
+            let mode = match baseline {
+                BenchBaseline::Sql => {
+                    simple_sql::create(db, &sql_schema, &key_ids, pool.as_str(), args.limit)
+                        .await?;
+                    Mode::Sql(Box::new(simple_sql::connect_options(&options, &sql_schema)))
+                }
+                BenchBaseline::Unbatched => Mode::Unbatched(Box::new(options.clone())),
+                BenchBaseline::Redis => Mode::Redis(Box::new(
+                    redis_lua::load(
+                        &args.redis_url,
+                        &run_id,
+                        pool.as_str(),
+                        &key_ids,
+                        args.limit,
+                    )
+                    .await?,
+                )),
+            };
+            reports.push(run_measured(args, db, &source, &plan, mode).await?);
         }
         let client = reqwest::Client::builder()
             .pool_max_idle_per_host(args.executors as usize)
             .timeout(Duration::from_secs(30))
             .build()?;
-        reports.push(
-            run_mode(
-                args,
-                &plan,
-                Mode::Http {
-                    client,
-                    base,
-                    internal_key,
-                },
-            )
-            .await?,
-        );
-        let until = audit::now(&database.pool).await?;
+        let credpool = Mode::Http {
+            client,
+            base,
+            internal_key,
+        };
+        reports.push(run_measured(args, db, &source, &plan, credpool).await?);
+        let until = audit::now(db).await?;
 
         if let Some((stop, handle)) = server {
             let _ = stop.send(());
             handle.await??;
         }
         // the proof reads the run's whole trail: more than a request's statement timeout
-        let mut tx = without_statement_timeout(&database.pool).await?;
+        let mut tx = without_statement_timeout(db).await?;
         let proof = audit::oversell_check(&mut *tx, since, until).await?;
         tx.commit().await?;
         let oversold: i64 = proof
@@ -279,12 +358,28 @@ async fn run_on(args: &BenchArgs, database: &Database) -> anyhow::Result<ExitCod
         anyhow::Ok((reports, oversold))
     }
     .await;
-    let removed = remove_credentials(&database.pool, &key_ids, &actor).await;
+    let removed = remove_credentials(db, &key_ids, &actor).await;
+    let dropped = if baselines.contains(&BenchBaseline::Sql) {
+        simple_sql::drop(db, &sql_schema).await
+    } else {
+        Ok(())
+    };
+    let unlinked = if baselines.contains(&BenchBaseline::Redis) {
+        redis_lua::remove(&args.redis_url, &run_id)
+            .await
+            .map(|_| ())
+    } else {
+        Ok(())
+    };
+    let extension = server_time::cleanup(db, &source).await;
     let (reports, oversold) = measured?;
     removed?;
+    dropped.context("dropping the sql baseline's schema")?;
+    unlinked.context("deleting the redis baseline's keys")?;
+    extension.context("dropping pg_stat_statements, created for the run")?;
 
     let rss_peak_mb = peak_rss_mb();
-    print_report(args, &reports, oversold, rss_peak_mb);
+    print_report(args, &reports, &source, oversold, rss_peak_mb);
     let errors: u64 = reports.iter().map(|r| r.errors).sum();
     Ok(if oversold == 0 && errors == 0 {
         ExitCode::SUCCESS
@@ -293,18 +388,56 @@ async fn run_on(args: &BenchArgs, database: &Database) -> anyhow::Result<ExitCod
     })
 }
 
+/// Runs one mode between two readings of the server's statistics (a reading that fails leaves
+/// the mode without server time, with a warning; the run goes on).
+async fn run_measured(
+    args: &BenchArgs,
+    db: &Db,
+    source: &server_time::Source,
+    plan: &Arc<Plan>,
+    mode: Mode,
+) -> anyhow::Result<ModeReport> {
+    fn read<T, E: std::fmt::Display>(mode: &str, reading: Result<T, E>) -> Option<T> {
+        reading
+            .inspect_err(|error| tracing::warn!(mode, error = %error, "server time not read"))
+            .ok()
+    }
+    let name = mode.name();
+    if let Mode::Redis(_) = mode {
+        let before = read(name, redis_lua::evalsha_stats(&args.redis_url).await);
+        let (mut report, all_cycles) = run_mode(args, plan, mode).await?;
+        let after = read(name, redis_lua::evalsha_stats(&args.redis_url).await);
+        report.server_time = before
+            .zip(after)
+            .map(|(before, after)| server_time::between_redis(before, after, all_cycles));
+        return Ok(report);
+    }
+    let measurable = matches!(source, server_time::Source::PgStatStatements { .. });
+    let before = if measurable {
+        read(name, server_time::snapshot(db, source).await)
+    } else {
+        None
+    };
+    let (mut report, all_cycles) = run_mode(args, plan, mode).await?;
+    if let Some(before) = before {
+        let after = read(name, server_time::snapshot(db, source).await);
+        report.server_time = after.map(|after| server_time::between(&before, &after, all_cycles));
+    }
+    Ok(report)
+}
+
 fn all_key_ids(args: &BenchArgs, run_id: &str) -> Vec<String> {
     (0..args.credentials)
         .map(|i| format!("bench-{run_id}-{i:05}"))
         .collect()
 }
 
-/// Creates the run's credentials (in one transaction, sealed like any other); returns those
+/// Creates the run's credentials (sealed like any other, by `--create-by`); returns those
 /// that serve [`MODEL`].
 async fn load_credentials(
     args: &BenchArgs,
     db: &Db,
-    keyring: &crate::secrets::Keyring,
+    keyring: &credpool::secrets::Keyring,
     pool: &PoolName,
     actor: &Actor,
     run_id: &str,
@@ -341,9 +474,25 @@ async fn load_credentials(
             max_concurrent_uses: credentials::check_limit(u64::from(args.limit))
                 .map_err(anyhow::Error::msg)?,
             status: Some(Status::Available),
+            rate_limits: args.rate_limits.clone().unwrap_or_default(),
         });
     }
-    credentials::import(db, &specs, actor).await?;
+    match args.create_by {
+        crate::config::BenchCreateBy::Import => {
+            credentials::import(db, &specs, actor).await?;
+        }
+        crate::config::BenchCreateBy::Put => {
+            for spec in &specs {
+                credentials::upsert(
+                    db,
+                    spec,
+                    actor,
+                    &credpool::allocator::health::HealthPolicy::default(),
+                )
+                .await?;
+            }
+        }
+    }
     Ok(serving)
 }
 
@@ -408,6 +557,7 @@ async fn remove_credentials(db: &Db, key_ids: &[String], actor: &Actor) -> anyho
     results.into_iter().collect()
 }
 
+/// One allocator under test and what its executors share.
 enum Mode {
     Http {
         client: reqwest::Client,
@@ -415,18 +565,57 @@ enum Mode {
         internal_key: String,
     },
     Sql(Box<PgConnectOptions>),
+    Unbatched(Box<PgConnectOptions>),
+    Redis(Box<redis_lua::RedisBaseline>),
 }
 
 impl Mode {
     fn name(&self) -> &'static str {
         match self {
             Mode::Http { .. } => "credpool",
-            Mode::Sql(_) => "sql",
+            Mode::Sql(_) => BenchBaseline::Sql.name(),
+            Mode::Unbatched(_) => BenchBaseline::Unbatched.name(),
+            Mode::Redis(_) => BenchBaseline::Redis.name(),
+        }
+    }
+
+    /// One executor's whole run: connect (for the baselines, one connection each), then
+    /// [`drive`] until the window ends.
+    async fn execute(&self, plan: &Plan, index: u32, window: Window) -> Tally {
+        match self {
+            Mode::Http {
+                client,
+                base,
+                internal_key,
+            } => {
+                let allocator = HttpAllocator::new(plan, client, base, internal_key, index);
+                drive(plan, window, allocator).await
+            }
+            Mode::Sql(options) => {
+                match simple_sql::SqlAllocator::connect(options, plan.lease_seconds).await {
+                    Ok(allocator) => drive(plan, window, allocator).await,
+                    Err(error) => Tally::not_connected(self.name(), &error),
+                }
+            }
+            Mode::Unbatched(options) => match UnbatchedAllocator::connect(options, index).await {
+                Ok(allocator) => drive(plan, window, allocator).await,
+                Err(error) => Tally::not_connected(self.name(), &error),
+            },
+            Mode::Redis(baseline) => match redis_lua::RedisAllocator::connect(baseline).await {
+                Ok(allocator) => drive(plan, window, allocator).await,
+                Err(error) => Tally::not_connected(self.name(), &error),
+            },
         }
     }
 }
 
-async fn run_mode(args: &BenchArgs, plan: &Arc<Plan>, mode: Mode) -> anyhow::Result<ModeReport> {
+/// Runs one mode; returns its report (without server time) and the cycles it completed
+/// including the warm-up.
+async fn run_mode(
+    args: &BenchArgs,
+    plan: &Arc<Plan>,
+    mode: Mode,
+) -> anyhow::Result<(ModeReport, u64)> {
     let name = mode.name();
     let mode = Arc::new(mode);
     let measured = Duration::from_secs(args.duration_seconds);
@@ -436,16 +625,7 @@ async fn run_mode(args: &BenchArgs, plan: &Arc<Plan>, mode: Mode) -> anyhow::Res
     let tasks: Vec<_> = (0..args.executors)
         .map(|index| {
             let (plan, mode) = (plan.clone(), mode.clone());
-            tokio::spawn(async move {
-                match &*mode {
-                    Mode::Http {
-                        client,
-                        base,
-                        internal_key,
-                    } => http_executor(&plan, client, base, internal_key, index, window).await,
-                    Mode::Sql(options) => sql_executor(&plan, options, index, window).await,
-                }
-            })
+            tokio::spawn(async move { mode.execute(&plan, index, window).await })
         })
         .collect();
     let mut total = Tally::new();
@@ -453,14 +633,16 @@ async fn run_mode(args: &BenchArgs, plan: &Arc<Plan>, mode: Mode) -> anyhow::Res
         total.merge(&task.await?);
     }
     progress.abort();
-    Ok(ModeReport {
+    let report = ModeReport {
         mode: name,
         cycles_per_second: total.cycles as f64 / measured.as_secs_f64(),
         allocate_ms: Percentiles::of(&total.allocate),
         release_ms: Percentiles::of(&total.release),
         exhausted: total.exhausted,
         errors: total.errors,
-    })
+        server_time: None,
+    };
+    Ok((report, total.all_cycles))
 }
 
 /// A progress bar on stderr (hidden when stderr is not a terminal) until the window ends.
@@ -499,75 +681,67 @@ fn progress_bar(
     })
 }
 
-fn release_body(lease: &serde_json::Value) -> serde_json::Value {
-    json!({"provider": lease["provider"], "pool": lease["pool"], "key_id": lease["key_id"],
-           "lease_id": lease["lease_id"], "outcome": "success"})
+/// What one allocate came to.
+enum Claimed {
+    /// A lease is held (until [`Allocator::release`]).
+    Leased,
+    /// No free slot among the candidates (HTTP 429; a baseline's empty answer).
+    Exhausted,
+    /// Anything else: an error status, a transport, database or Redis error.
+    Failed,
 }
 
-/// One simulated executor over HTTP.
-async fn http_executor(
-    plan: &Plan,
-    client: &reqwest::Client,
-    base: &str,
-    internal_key: &str,
-    index: u32,
-    window: Window,
-) -> Tally {
+/// One simulated executor of one allocator. It holds at most one lease, from an `allocate`
+/// that answered [`Claimed::Leased`] to the next `release`.
+trait Allocator: Send {
+    /// Asks for a lease.
+    fn allocate(&mut self, plan: &Plan) -> impl Future<Output = Claimed> + Send;
+    /// Releases the lease held with the outcome `success`; whether it was released.
+    fn release(&mut self, plan: &Plan) -> impl Future<Output = bool> + Send;
+}
+
+/// The executor loop every allocator runs: allocate, hold, release, until the window ends;
+/// after "no capacity" it backs off 5 ms, after a failure 10 ms.
+async fn drive(plan: &Plan, window: Window, mut allocator: impl Allocator) -> Tally {
     let mut tally = Tally::new();
-    let allocate_url = format!("{base}/api/internal/allocate-key");
-    let release_url = format!("{base}/api/internal/release-key");
-    let mut body = json!({"provider": PROVIDER, "pool": plan.pool.as_str(), "model": MODEL,
-                          "lease_seconds": plan.lease_seconds, "holder": format!("bench-{index}")});
-    let post = |url: &str, body: &serde_json::Value| {
-        client
-            .post(url)
-            .header("x-internal-key", internal_key)
-            .json(body)
-            .send()
-    };
     loop {
         let started = Instant::now();
         if started >= window.until {
             return tally;
         }
         let measured = started >= window.measured_from;
-        if plan.request_ids {
-            body["request_id"] = json!(hex::encode(rand::random::<[u8; 16]>()));
-        }
-        let allocated = match post(&allocate_url, &body).await {
-            Ok(response) => match response.status() {
-                StatusCode::OK => response.json::<serde_json::Value>().await.ok(),
-                StatusCode::TOO_MANY_REQUESTS => {
-                    if measured {
-                        Tally::record(&mut tally.allocate, started.elapsed());
-                        tally.exhausted += 1;
-                    }
-                    tokio::time::sleep(Duration::from_millis(5)).await;
-                    continue;
+        match allocator.allocate(plan).await {
+            Claimed::Leased => {
+                if measured {
+                    Tally::record(&mut tally.allocate, started.elapsed());
                 }
-                _ => None,
-            },
-            Err(_) => None,
-        };
-        let Some(lease) = allocated else {
-            if measured {
-                tally.errors += 1;
             }
-            tokio::time::sleep(Duration::from_millis(10)).await;
-            continue;
-        };
-        if measured {
-            Tally::record(&mut tally.allocate, started.elapsed());
+            Claimed::Exhausted => {
+                if measured {
+                    Tally::record(&mut tally.allocate, started.elapsed());
+                    tally.exhausted += 1;
+                }
+                tokio::time::sleep(Duration::from_millis(5)).await;
+                continue;
+            }
+            Claimed::Failed => {
+                if measured {
+                    tally.errors += 1;
+                }
+                tokio::time::sleep(Duration::from_millis(10)).await;
+                continue;
+            }
         }
-        tokio::time::sleep(plan.hold).await;
+        // a zero hold does not sleep: tokio rounds a timer up to the next millisecond, which
+        // would add up to 1 ms to every cycle of every allocator
+        if !plan.hold.is_zero() {
+            tokio::time::sleep(plan.hold).await;
+        }
         let releasing = Instant::now();
-        let released = match post(&release_url, &release_body(&lease)).await {
-            Ok(response) if response.status() == StatusCode::OK => response
-                .json::<serde_json::Value>()
-                .await
-                .is_ok_and(|body| body["released"] == json!(true)),
-            _ => false,
-        };
+        let released = allocator.release(plan).await;
+        if released {
+            tally.all_cycles += 1;
+        }
         if measured {
             Tally::record(&mut tally.release, releasing.elapsed());
             if released {
@@ -580,96 +754,154 @@ async fn http_executor(
     }
 }
 
-/// One simulated executor doing the same cycles in raw SQL on its own connection.
-async fn sql_executor(
-    plan: &Plan,
-    options: &PgConnectOptions,
-    index: u32,
-    window: Window,
-) -> Tally {
-    let mut tally = Tally::new();
-    let mut conn = match options.connect().await {
-        Ok(conn) => conn,
-        Err(error) => {
-            tracing::warn!(error = %error, "baseline executor could not connect");
-            tally.errors += 1;
-            return tally;
+/// credpool over HTTP, as an executor without the client crate would call it.
+struct HttpAllocator<'a> {
+    client: &'a reqwest::Client,
+    internal_key: &'a str,
+    allocate_url: String,
+    release_url: String,
+    body: serde_json::Value,
+    lease: Option<serde_json::Value>,
+}
+
+impl<'a> HttpAllocator<'a> {
+    fn new(
+        plan: &Plan,
+        client: &'a reqwest::Client,
+        base: &str,
+        internal_key: &'a str,
+        index: u32,
+    ) -> Self {
+        Self {
+            client,
+            internal_key,
+            allocate_url: format!("{base}/api/internal/allocate-key"),
+            release_url: format!("{base}/api/internal/release-key"),
+            body: json!({"provider": PROVIDER, "pool": plan.pool.as_str(), "model": MODEL,
+                         "lease_seconds": plan.lease_seconds, "holder": format!("bench-{index}")}),
+            lease: None,
         }
-    };
-    let provider = ProviderName::parse(PROVIDER).expect("valid provider");
-    let model = ModelName::parse(MODEL).expect("valid model");
-    let holder = Holder::parse(format!("bench-sql-{index}")).expect("valid holder");
-    let lease_seconds =
-        LeaseSeconds::parse(u64::from(plan.lease_seconds), u32::MAX).expect("at least 1 s");
-    let policy = HealthPolicy::default();
-    let take = plan.serving.len().min(BASELINE_CANDIDATES);
-    loop {
-        let started = Instant::now();
-        if started >= window.until {
-            return tally;
+    }
+
+    fn post(&self, url: &str, body: &serde_json::Value) -> reqwest::RequestBuilder {
+        self.client
+            .post(url)
+            .header("x-internal-key", self.internal_key)
+            .json(body)
+    }
+}
+
+impl Allocator for HttpAllocator<'_> {
+    async fn allocate(&mut self, plan: &Plan) -> Claimed {
+        if plan.request_ids {
+            self.body["request_id"] = json!(hex::encode(rand::random::<[u8; 16]>()));
         }
-        let measured = started >= window.measured_from;
-        let start = rand::rng().random_range(0..plan.serving.len());
-        let ranked: Vec<KeyId> = plan
-            .serving
-            .iter()
-            .cycle()
-            .skip(start)
-            .take(take)
-            .cloned()
-            .collect();
+        match self.post(&self.allocate_url, &self.body).send().await {
+            Ok(response) => match response.status() {
+                StatusCode::OK => match response.json::<serde_json::Value>().await {
+                    Ok(lease) => {
+                        self.lease = Some(lease);
+                        Claimed::Leased
+                    }
+                    Err(_) => Claimed::Failed,
+                },
+                StatusCode::TOO_MANY_REQUESTS => Claimed::Exhausted,
+                _ => Claimed::Failed,
+            },
+            Err(_) => Claimed::Failed,
+        }
+    }
+
+    async fn release(&mut self, _plan: &Plan) -> bool {
+        let Some(lease) = self.lease.take() else {
+            return false;
+        };
+        let body = json!({"provider": lease["provider"], "pool": lease["pool"],
+                          "key_id": lease["key_id"], "lease_id": lease["lease_id"],
+                          "outcome": "success"});
+        match self.post(&self.release_url, &body).send().await {
+            Ok(response) if response.status() == StatusCode::OK => response
+                .json::<serde_json::Value>()
+                .await
+                .is_ok_and(|body| body["released"] == json!(true)),
+            _ => false,
+        }
+    }
+}
+
+/// credpool's own claim and release statements, one request at a time on one connection.
+struct UnbatchedAllocator {
+    conn: PgConnection,
+    provider: ProviderName,
+    model: ModelName,
+    holder: Holder,
+    policy: HealthPolicy,
+    lease: Option<GrantedLease>,
+}
+
+impl UnbatchedAllocator {
+    async fn connect(options: &PgConnectOptions, index: u32) -> Result<Self, sqlx::Error> {
+        Ok(Self {
+            conn: options.connect().await?,
+            provider: ProviderName::parse(PROVIDER).expect("valid provider"),
+            model: ModelName::parse(MODEL).expect("valid model"),
+            holder: Holder::parse(format!("bench-unbatched-{index}")).expect("valid holder"),
+            policy: HealthPolicy::default(),
+            lease: None,
+        })
+    }
+}
+
+impl Allocator for UnbatchedAllocator {
+    async fn allocate(&mut self, plan: &Plan) -> Claimed {
+        let ranked: Vec<KeyId> = plan.window(UNBATCHED_CANDIDATES).cloned().collect();
+        let lease_seconds =
+            LeaseSeconds::parse(u64::from(plan.lease_seconds), u32::MAX).expect("at least 1 s");
         let claim = ClaimRequest {
             ranked: &ranked,
-            provider: &provider,
+            provider: &self.provider,
             pool: &plan.pool,
-            model: &model,
+            model: &self.model,
             lease_id: LeaseId::generate(),
-            holder: Some(&holder),
+            holder: Some(&self.holder),
             lease_seconds,
             request: None,
+            tokens: 0,
         };
-        let granted = match leases::claim_slot(&mut conn, &claim).await {
-            Ok(result) => result.granted,
-            Err(_) => {
-                if measured {
-                    tally.errors += 1;
+        match leases::claim_slot(&mut self.conn, &claim).await {
+            Ok(result) => match result.granted {
+                Some(granted) => {
+                    self.lease = Some(granted);
+                    Claimed::Leased
                 }
-                continue;
+                None => Claimed::Exhausted,
+            },
+            Err(error) => {
+                tracing::debug!(error = %error, "unbatched baseline claim failed");
+                Claimed::Failed
             }
-        };
-        if measured {
-            Tally::record(&mut tally.allocate, started.elapsed());
         }
-        let Some(granted) = granted else {
-            if measured {
-                tally.exhausted += 1;
-            }
-            tokio::time::sleep(Duration::from_millis(5)).await;
-            continue;
+    }
+
+    async fn release(&mut self, plan: &Plan) -> bool {
+        let Some(granted) = self.lease.take() else {
+            return false;
         };
-        tokio::time::sleep(plan.hold).await;
         let release = ReleaseRequest {
             lease: LeaseRef {
                 key_id: granted.key_id,
-                provider: provider.clone(),
+                provider: self.provider.clone(),
                 pool: plan.pool.clone(),
                 lease_id: granted.lease_id,
                 fence: None,
             },
             outcome: Some(Outcome::Success),
             retry_after_seconds: None,
+            usage_tokens: None,
         };
-        let releasing = Instant::now();
-        let released = leases::release_on(&mut Conn::direct(&mut conn), &release, &policy).await;
-        if measured {
-            Tally::record(&mut tally.release, releasing.elapsed());
-            if released.is_ok_and(|r| r.released.is_ok()) {
-                tally.cycles += 1;
-                plan.progress.fetch_add(1, Ordering::Relaxed);
-            } else {
-                tally.errors += 1;
-            }
-        }
+        let released =
+            leases::release_on(&mut Conn::direct(&mut self.conn), &release, &self.policy).await;
+        released.is_ok_and(|r| r.released.is_ok())
     }
 }
 
@@ -687,9 +919,25 @@ fn peak_rss_mb() -> Option<f64> {
     Some(kb / 1024.0)
 }
 
-fn print_report(args: &BenchArgs, reports: &[ModeReport], oversold: i64, rss_peak_mb: Option<f64>) {
-    let mut table = crate::cli::table(&[
-        "mode",
+/// credpool against one baseline, in the same run.
+#[derive(Debug, Clone, serde::Serialize)]
+struct Ratio {
+    baseline: &'static str,
+    /// credpool's cycles/s over the baseline's.
+    cycles: f64,
+    /// credpool's allocate p50 over the baseline's.
+    allocate_p50: f64,
+}
+
+fn print_report(
+    args: &BenchArgs,
+    reports: &[ModeReport],
+    source: &server_time::Source,
+    oversold: i64,
+    rss_peak_mb: Option<f64>,
+) {
+    let mut table = crate::operator::table(&[
+        "allocator",
         "cycles/s",
         "allocate p50/p90/p99/max ms",
         "release p50/p90/p99/max ms",
@@ -724,19 +972,26 @@ fn print_report(args: &BenchArgs, reports: &[ModeReport], oversold: i64, rss_pea
         args.audit_rows
     );
     println!("{table}");
-    let ratio = match reports {
-        [sql, credpool] if sql.cycles_per_second > 0.0 && sql.allocate_ms.p50 > 0.0 => {
-            let throughput = credpool.cycles_per_second / sql.cycles_per_second;
-            let latency = credpool.allocate_ms.p50 / sql.allocate_ms.p50;
-            println!(
-                "credpool / sql: {throughput:.2}x the cycles/s, {latency:.2}x the allocate p50"
-            );
-            Some((throughput, latency))
+    let mut ratios = Vec::new();
+    if let Some((credpool, baselines)) = reports.split_last() {
+        for baseline in baselines {
+            if baseline.cycles_per_second > 0.0 && baseline.allocate_ms.p50 > 0.0 {
+                let ratio = Ratio {
+                    baseline: baseline.mode,
+                    cycles: credpool.cycles_per_second / baseline.cycles_per_second,
+                    allocate_p50: credpool.allocate_ms.p50 / baseline.allocate_ms.p50,
+                };
+                println!(
+                    "credpool / {}: {:.2}x the cycles/s, {:.2}x the allocate p50",
+                    ratio.baseline, ratio.cycles, ratio.allocate_p50
+                );
+                ratios.push(ratio);
+            }
         }
-        _ => None,
-    };
+    }
+    print_server_time(reports, source);
     println!(
-        "oversell check (audit trail, this run's credentials): {}",
+        "oversell check (audit trail, this run's credentials; the sql and redis baselines keep no trail): {}",
         if oversold == 0 {
             "no grant exceeded a limit".to_owned()
         } else {
@@ -760,11 +1015,84 @@ fn print_report(args: &BenchArgs, reports: &[ModeReport], oversold: i64, rss_pea
         "hold_ms": args.hold_ms,
         "audit_rows": args.audit_rows,
         "results": reports,
-        "ratio_cycles": ratio.map(|r| r.0),
-        "ratio_allocate_p50": ratio.map(|r| r.1),
+        "ratios": ratios,
+        "server_time_source": source.describe(),
         "grants_over_limit": oversold,
         "rss_peak_mb": rss_peak_mb,
         "in_process": args.url.is_none(),
     });
     println!("{line}");
+}
+
+/// The server-time part of the report: per claim and per release, then the statements.
+fn print_server_time(reports: &[ModeReport], source: &server_time::Source) {
+    println!("server time: {}", source.describe());
+    if let server_time::Source::Unavailable(_) = source
+        && reports
+            .iter()
+            .any(|r| matches!(r.mode, "sql" | "unbatched"))
+    {
+        println!(
+            "  instead, client-observed: each allocate and each release of the sql baseline above \
+             is one statement in one round trip on its own loopback connection (an upper bound on \
+             its server time); unbatched's allocate is one statement, its release four round trips \
+             (BEGIN, credpool_release, credpool_write_health, COMMIT)"
+        );
+    }
+    let measured: Vec<&ModeReport> = reports.iter().filter(|r| r.server_time.is_some()).collect();
+    if measured.is_empty() {
+        return;
+    }
+    let mut operations = crate::operator::table(&[
+        "allocator",
+        "source",
+        "claim ms",
+        "release ms",
+        "all statements per cycle ms",
+    ]);
+    let mut statements = crate::operator::table(&[
+        "allocator",
+        "operation",
+        "statement",
+        "calls",
+        "rows",
+        "ms per call",
+    ]);
+    for report in &measured {
+        let time = report.server_time.as_ref().expect("filtered");
+        let of = |operation: &str| {
+            time.operations
+                .iter()
+                .find(|o| o.operation == operation)
+                .map_or("-".to_owned(), |o| {
+                    format!("{:.3} (of {})", o.ms_per_operation, o.count)
+                })
+        };
+        operations.add_row([
+            report.mode.to_owned(),
+            time.source.to_owned(),
+            of("claim"),
+            of("release"),
+            time.ms_per_cycle
+                .map_or("-".to_owned(), |ms| format!("{ms:.3}")),
+        ]);
+        for statement in &time.statements {
+            statements.add_row([
+                report.mode.to_owned(),
+                statement.operation.to_owned(),
+                statement.statement.clone(),
+                statement.calls.to_string(),
+                statement.rows.map_or("-".to_owned(), |r| r.to_string()),
+                format!("{:.3}", statement.ms_per_call),
+            ]);
+        }
+    }
+    println!(
+        "  mean server time per operation over each whole mode (warm-up included); \
+         pg_stat_statements: execution of top-level statements, planning only with \
+         pg_stat_statements.track_planning, never the commit's WAL flush; redis: EVALSHA's \
+         time in the server, both scripts"
+    );
+    println!("{operations}");
+    println!("{statements}");
 }

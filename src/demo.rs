@@ -18,10 +18,10 @@ use rand::{RngExt, SeedableRng};
 use serde_json::json;
 
 use crate::config::DemoArgs;
-use crate::database::Database;
-use crate::http::ApiKeys;
-use crate::startup::Application;
-use crate::store::audit;
+use credpool::database::Database;
+use credpool::http::ApiKeys;
+use credpool::startup::Application;
+use credpool::store::audit;
 
 const PROVIDER: &str = "demo";
 const MODELS: [&str; 3] = ["gpt-4o", "gpt-4o-mini", "o3-mini"];
@@ -161,7 +161,7 @@ impl Fleet {
 
 /// Runs the demo; the exit code is non-zero when any credential's peak exceeded its limit.
 pub async fn run(args: DemoArgs) -> anyhow::Result<ExitCode> {
-    crate::startup::check_secret_config(&args.secrets, &args.db)?;
+    credpool::startup::check_secret_config(&args.secrets, &args.db)?;
     let database = Database::open(&args.db).await?;
     let result = run_on(&args, &database).await;
     database.close().await;
@@ -172,7 +172,7 @@ async fn run_on(args: &DemoArgs, database: &Database) -> anyhow::Result<ExitCode
     let internal_key = hex::encode(rand::random::<[u8; 16]>());
     let admin_key = hex::encode(rand::random::<[u8; 16]>());
     let keys = ApiKeys::new(internal_key.clone(), admin_key.clone()).map_err(anyhow::Error::msg)?;
-    let keyring = crate::startup::prepare_keyring(&args.secrets, database).await?;
+    let keyring = credpool::startup::prepare_keyring(&args.secrets, database).await?;
     let app = Application::bind(
         "127.0.0.1:0",
         database.pool.clone(),

@@ -1,10 +1,18 @@
-//! The `credpool` binary: parses the command line, sets up logging, and hands over to the library.
+//! The `credpool` command: parses the command line, sets up logging, and runs the subcommand:
+//! the service itself from the `credpool` library (`serve`, `migrate`, `env`), or the tooling
+//! around it that lives in this package: the operator commands (`operator.rs`), the demo fleet
+//! (`demo.rs`) and the load generator with its baselines (`bench.rs`, `bench/`).
+
+mod bench;
+mod config;
+mod demo;
+mod operator;
 
 use std::io::IsTerminal;
 use std::process::ExitCode;
 
 use clap::Parser;
-use credpool::config::{Cli, Command, LogFormat};
+use config::{Cli, Command, LogFormat};
 use tracing_subscriber::EnvFilter;
 
 #[tokio::main]
@@ -30,11 +38,31 @@ async fn main() -> ExitCode {
             .with_span_list(true)
             .init(),
     }
-    match credpool::run(cli).await {
+    match run(cli).await {
         Ok(code) => code,
         Err(error) => {
             eprintln!("credpool: {}", credpool::error_report(&error));
             ExitCode::FAILURE
         }
     }
+}
+
+/// Runs one subcommand, after reading the secrets its configuration names by file
+/// (`DATABASE_URL_FILE`, `CREDPOOL_INTERNAL_KEY_FILE`, ...).
+async fn run(mut cli: Cli) -> anyhow::Result<ExitCode> {
+    cli.command.load_secret_files()?;
+    match cli.command {
+        Command::Serve(args) => credpool::startup::serve(args).await?,
+        Command::Migrate(args) => credpool::startup::migrate(args).await?,
+        Command::Env(args) => credpool::startup::print_env(args.data_dir)?,
+        Command::Demo(args) => return demo::run(args).await,
+        Command::Bench(args) => return bench::run(args).await,
+        Command::Keys(args) => operator::keys(args).await?,
+        Command::Leases(args) => operator::leases(args).await?,
+        Command::Pools(args) => operator::pools(args).await?,
+        Command::Audit(args) => return operator::audit(args).await,
+        Command::Cron(args) => operator::cron(args).await?,
+        Command::Maintenance(args) => operator::maintenance(args).await?,
+    }
+    Ok(ExitCode::SUCCESS)
 }

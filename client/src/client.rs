@@ -365,6 +365,7 @@ impl Client {
             holder: request.holder.as_deref(),
             request_id,
             wait_ms: wait.map(|wait| u64::try_from(wait.as_millis()).unwrap_or(u64::MAX)),
+            tokens: request.tokens,
         };
         let timeout = self.inner.http_timeout + wait.unwrap_or_default();
         let answer = self.post(&self.inner.allocate_url, &body, timeout).await?;
@@ -391,7 +392,7 @@ impl Client {
             key_id: &lease.key_id,
             lease_id: &lease.lease_id,
             fence: lease.fence,
-            lease_seconds: lease.lease_seconds,
+            lease_seconds: lease.requested_seconds,
         };
         self.with_retries("renew", Some(deadline), || async {
             let sent_at = Instant::now();
@@ -414,12 +415,13 @@ impl Client {
         .await
     }
 
-    /// Releases `lease` with `outcome` (`POST /api/internal/release-key`), retrying 503s and
-    /// transport errors under the retry policy.
+    /// Releases `lease` with `outcome` and the tokens used, if known (`POST
+    /// /api/internal/release-key`), retrying 503s and transport errors under the retry policy.
     pub(crate) async fn release(
         &self,
         lease: &LeaseState,
         outcome: Outcome,
+        usage_tokens: Option<u64>,
     ) -> Result<Released, Error> {
         let (outcome, retry_after_seconds) = outcome.wire();
         let body = wire::ReleaseBody {
@@ -430,6 +432,7 @@ impl Client {
             fence: lease.fence,
             outcome,
             retry_after_seconds,
+            usage: usage_tokens.map(|tokens| wire::UsageBody { tokens }),
         };
         self.with_retries("release", None, || async {
             let answer = self

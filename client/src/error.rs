@@ -41,6 +41,12 @@ pub enum Error {
     /// 409 `request_id_conflict`: the same `request_id` came with different parameters.
     #[error("credpool saw this request id with different parameters (409 request_id_conflict)")]
     RequestIdConflict,
+    /// 409 `tokens_exceed_budget`: the `tokens` estimate is larger than a token window of every
+    /// credential that serves the model; no wait can make room.
+    #[error(
+        "the token estimate exceeds every credential's token window (409 tokens_exceed_budget)"
+    )]
+    TokensExceedBudget,
     /// 410 `lease_lost`: the lease expired, was released or force-released, or the ids or fence do
     /// not match. Stop using the credential.
     #[error("the lease is lost: stop using the credential (410 lease_lost)")]
@@ -91,8 +97,8 @@ pub enum Error {
     #[error("could not reach credpool: {0}")]
     Transport(#[source] TransportError),
     /// An answer that does not follow the protocol: a success body that is not JSON or lacks a
-    /// field, a malformed `lease_id` or `lease_until`, an error body without a code. `detail`
-    /// says what was wrong, never what the body held.
+    /// field, a malformed `lease_id`, `lease_until` or `lease_seconds`, an error body without a
+    /// code. `detail` says what was wrong, never what the body held.
     #[error("credpool answered {status} with a body that does not follow the protocol: {detail}")]
     UnexpectedResponse {
         /// The HTTP status.
@@ -121,6 +127,7 @@ impl Error {
             Error::ModelNotSupported => "model_not_supported",
             Error::NoUsableCredentials => "no_usable_credentials",
             Error::RequestIdConflict => "request_id_conflict",
+            Error::TokensExceedBudget => "tokens_exceed_budget",
             Error::LeaseLost => "lease_lost",
             Error::PayloadTooLarge => "payload_too_large",
             Error::UnsupportedMediaType => "unsupported_media_type",
@@ -286,6 +293,7 @@ pub(crate) fn from_answer(
         "model_not_supported" => Error::ModelNotSupported,
         "no_usable_credentials" => Error::NoUsableCredentials,
         "request_id_conflict" => Error::RequestIdConflict,
+        "tokens_exceed_budget" => Error::TokensExceedBudget,
         "lease_lost" => Error::LeaseLost,
         "payload_too_large" => Error::PayloadTooLarge,
         "unsupported_media_type" => Error::UnsupportedMediaType,

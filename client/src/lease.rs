@@ -14,9 +14,11 @@ use crate::client::Client;
 use crate::error::Error;
 use crate::wire::Granted;
 
-/// The lease length, in seconds, the client assumes when [`LeaseRequest::lease_seconds`] is not
-/// set: the server's default (35 s, or its `--max-lease-seconds` if that is lower). Set
-/// `lease_seconds` explicitly when the server's maximum is below 35.
+/// The lease length, in seconds, the client schedules renewals by when neither the allocate
+/// answer nor [`LeaseRequest::lease_seconds`] gives one: the server's default. Servers that
+/// send `lease_seconds` in the allocate answer are always taken at their word (their default is
+/// 35 s, or their `--max-lease-seconds` if that is lower); with an older server whose maximum
+/// is below 35, set `lease_seconds` explicitly.
 pub const DEFAULT_LEASE_SECONDS: u32 = 35;
 
 /// The longest `retry_after_seconds` a release may carry: 31 days, in seconds (the server's
@@ -40,8 +42,9 @@ pub struct LeaseRequest {
     pub model: String,
     /// The pool to lease from; `None` for `default`. `vip` falls back to `default`.
     pub pool: Option<String>,
-    /// Lease length in seconds (1..=the server's maximum); `None` for the server's default,
-    /// assumed to be [`DEFAULT_LEASE_SECONDS`]. Renewals extend by the same length.
+    /// Lease length in seconds (1..=the server's maximum); `None` for the server's default
+    /// (35 s, or its maximum if lower), which the allocate answer reports
+    /// ([`LeaseGuard::lease_seconds`]). Renewals extend by the same length.
     pub lease_seconds: Option<u32>,
     /// The executor's name for itself (1..=200 printable characters), kept on the lease and in
     /// the audit trail.
@@ -49,6 +52,9 @@ pub struct LeaseRequest {
     /// How long to wait for a slot when the pool is exhausted; `None` or zero to fail at once
     /// with [`Error::PoolExhausted`]. Cut to 24 h.
     pub wait: Option<Duration>,
+    /// The tokens the call expects to use (0..=10^9), reserved in the credential's token
+    /// windows until the release reports its usage ([`LeaseGuard::finish_with_usage`]).
+    pub tokens: Option<u64>,
 }
 
 impl LeaseRequest {
@@ -82,6 +88,12 @@ impl LeaseRequest {
     /// Sets [`LeaseRequest::wait`].
     pub fn wait(mut self, wait: Duration) -> Self {
         self.wait = Some(wait);
+        self
+    }
+
+    /// Sets [`LeaseRequest::tokens`].
+    pub fn tokens(mut self, tokens: u64) -> Self {
+        self.tokens = Some(tokens);
         self
     }
 }
@@ -207,8 +219,12 @@ pub(crate) struct LeaseState {
     pub fence: u64,
     pub provider_model: String,
     pub probe: bool,
-    /// As requested; sent again with every renewal.
-    pub lease_seconds: Option<u32>,
+    /// As requested; sent again with every renewal (`None`: the server extends by the length
+    /// it granted).
+    pub requested_seconds: Option<u32>,
+    /// The length the lease was granted for, in seconds: renewal and the loss deadline are
+    /// scheduled by it. See [`LeaseGuard::lease_seconds`].
+    pub lease_seconds: u32,
     /// Latest known end (server clock), updated by renewals.
     lease_until: Mutex<OffsetDateTime>,
 }
@@ -231,12 +247,12 @@ impl LeaseState {
 
 /// A leased credential. Renews itself in the background while held.
 ///
-/// - **Renewal**: a tokio task renews every `lease_seconds * renew_fraction` (default a third of
-///   the lease; never more often than every 200 ms), sending the fence and the requested
-///   `lease_seconds`. A 410 (or any error the client does not retry) loses the lease at once; a
-///   503 or transport error is retried with backoff until the lease would end by the local
-///   monotonic clock (from the send time of the last successful renewal, less a tenth of the
-///   lease, at most 2 s), and loses it then.
+/// - **Renewal**: a tokio task renews every [`LeaseGuard::lease_seconds`] `* renew_fraction`
+///   (default a third of the lease; never more often than every 200 ms), sending the fence and
+///   the requested `lease_seconds`, if any. A 410 (or any error the client does not retry)
+///   loses the lease at once; a 503 or transport error is retried with backoff until the lease
+///   would end by the local monotonic clock (its length from the send time of the last
+///   successful renewal, less a tenth of the lease, at most 2 s), and loses it then.
 /// - **Lost**: [`LeaseGuard::lost`] completes, [`LeaseGuard::lost_token`] is cancelled and
 ///   [`LeaseGuard::is_lost`] turns true. Stop using the credential at once: another executor
 ///   may hold its slot.
@@ -270,6 +286,12 @@ impl LeaseGuard {
         started: Instant,
         runtime: Handle,
     ) -> LeaseGuard {
+        // The server's word first: it may have granted its default, or less than 35 s.
+        let lease_seconds = granted
+            .lease_seconds
+            .or(request.lease_seconds)
+            .unwrap_or(DEFAULT_LEASE_SECONDS)
+            .max(1);
         let lease = Arc::new(LeaseState {
             provider: granted.provider,
             pool: granted.pool,
@@ -278,17 +300,13 @@ impl LeaseGuard {
             fence: granted.fence,
             provider_model: granted.provider_model,
             probe: granted.probe,
-            lease_seconds: request.lease_seconds,
+            requested_seconds: request.lease_seconds,
+            lease_seconds,
             lease_until: Mutex::new(granted.lease_until),
         });
         let lost = CancellationToken::new();
         let stop = CancellationToken::new();
-        let length = Duration::from_secs(u64::from(
-            request
-                .lease_seconds
-                .unwrap_or(DEFAULT_LEASE_SECONDS)
-                .max(1),
-        ));
+        let length = Duration::from_secs(u64::from(lease_seconds));
         runtime.spawn(keep_renewed(
             client.clone(),
             lease.clone(),
@@ -352,6 +370,15 @@ impl LeaseGuard {
         self.lease.lease_until()
     }
 
+    /// The lease's length in seconds, which each renewal extends it by: as the allocate answer
+    /// says (`lease_seconds`), else as requested ([`LeaseRequest::lease_seconds`]) from a server
+    /// that does not say, else [`DEFAULT_LEASE_SECONDS`]. Renewals come every
+    /// `lease_seconds * renew_fraction`, and renewal failures lose the lease by the local end
+    /// this length gives.
+    pub fn lease_seconds(&self) -> u32 {
+        self.lease.lease_seconds
+    }
+
     /// The credential material.
     pub fn credential(&self) -> &Credential {
         &self.credential
@@ -383,9 +410,33 @@ impl LeaseGuard {
     /// # Errors
     /// Any [`Error`] of the release call, after retries.
     #[tracing::instrument(skip_all, fields(key_id = %self.lease.key_id, outcome = ?outcome))]
-    pub async fn finish(mut self, outcome: Outcome) -> Result<Released, Error> {
+    pub async fn finish(self, outcome: Outcome) -> Result<Released, Error> {
+        self.release(outcome, None).await
+    }
+
+    /// [`LeaseGuard::finish`], reporting the tokens the call really used: they replace the
+    /// lease's [`LeaseRequest::tokens`] reservation in the credential's token windows.
+    ///
+    /// # Errors
+    /// Any [`Error`] of the release call, after retries.
+    pub async fn finish_with_usage(
+        self,
+        outcome: Outcome,
+        usage_tokens: u64,
+    ) -> Result<Released, Error> {
+        self.release(outcome, Some(usage_tokens)).await
+    }
+
+    async fn release(
+        mut self,
+        outcome: Outcome,
+        usage_tokens: Option<u64>,
+    ) -> Result<Released, Error> {
         self.stop.cancel();
-        let released = self.client.release(&self.lease, outcome).await;
+        let released = self
+            .client
+            .release(&self.lease, outcome, usage_tokens)
+            .await;
         self.settle();
         released
     }
@@ -415,7 +466,7 @@ impl Drop for LeaseGuard {
         tracing::debug!(key_id = %lease.key_id, "lease guard dropped without finish: releasing with outcome failure");
         // A runtime that has shut down drops the task unrun; nothing panics.
         drop(self.runtime.spawn(async move {
-            match client.release(&lease, Outcome::Failure).await {
+            match client.release(&lease, Outcome::Failure, None).await {
                 Ok(released) => {
                     tracing::debug!(key_id = %lease.key_id, ?released, "released on drop");
                 }
@@ -438,6 +489,7 @@ impl fmt::Debug for LeaseGuard {
             .field("provider_model", &self.lease.provider_model)
             .field("probe", &self.lease.probe)
             .field("lease_until", &self.lease.lease_until())
+            .field("lease_seconds", &self.lease.lease_seconds)
             .field("lost", &self.is_lost())
             .finish_non_exhaustive()
     }

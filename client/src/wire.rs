@@ -27,6 +27,8 @@ pub(crate) struct AllocateBody<'a> {
     pub request_id: &'a str,
     #[serde(skip_serializing_if = "Option::is_none")]
     pub wait_ms: Option<u64>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub tokens: Option<u64>,
 }
 
 /// `POST /api/internal/renew-lease` body.
@@ -52,6 +54,14 @@ pub(crate) struct ReleaseBody<'a> {
     pub outcome: &'static str,
     #[serde(skip_serializing_if = "Option::is_none")]
     pub retry_after_seconds: Option<u32>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub usage: Option<UsageBody>,
+}
+
+/// A release's `usage`: the tokens the call really used.
+#[derive(Debug, Serialize)]
+pub(crate) struct UsageBody {
+    pub tokens: u64,
 }
 
 /// A 200 answer to allocate, checked.
@@ -65,6 +75,9 @@ pub(crate) struct Granted {
     pub provider_model: String,
     pub lease_until: OffsetDateTime,
     pub probe: bool,
+    /// The length, in seconds, the server granted the lease for (and extends it by on each
+    /// renewal that names none); `None` from servers that do not send it.
+    pub lease_seconds: Option<u32>,
     /// Always a JSON object.
     pub credential: Value,
 }
@@ -102,8 +115,23 @@ pub(crate) fn parse_granted(body: &[u8]) -> Result<Granted, String> {
             .get("probe")
             .and_then(Value::as_bool)
             .ok_or("field `probe` is missing or not a boolean")?,
+        lease_seconds: granted_seconds(&object)?,
         credential,
     })
+}
+
+/// The grant's optional `lease_seconds`: absent from servers older than the field, else a
+/// positive integer that fits a `u32` (the server's own limit is a day).
+fn granted_seconds(object: &Map<String, Value>) -> Result<Option<u32>, String> {
+    let Some(value) = object.get("lease_seconds") else {
+        return Ok(None);
+    };
+    value
+        .as_u64()
+        .filter(|&seconds| seconds > 0)
+        .and_then(|seconds| u32::try_from(seconds).ok())
+        .map(Some)
+        .ok_or_else(|| "field `lease_seconds` is not a positive integer below 2^32".into())
 }
 
 /// Parses a 200 answer to renew: the lease's new end.
@@ -193,6 +221,16 @@ mod tests {
         assert_eq!(granted.fence, 7);
         assert_eq!(granted.pool, "default");
         assert_eq!(granted.credential["api_key"], "sk-SECRET");
+        assert_eq!(granted.lease_seconds, None, "older servers do not send it");
+    }
+
+    #[test]
+    fn the_granted_lease_length_is_read_when_present() {
+        let mut body = granted();
+        body["lease_seconds"] = json!(6);
+        assert_eq!(parse(&body).expect("parses").lease_seconds, Some(6));
+        body["lease_seconds"] = json!(u32::MAX);
+        assert_eq!(parse(&body).expect("parses").lease_seconds, Some(u32::MAX));
     }
 
     #[test]
@@ -208,6 +246,13 @@ mod tests {
             ("credential", json!("sk-SECRET")),
             ("key_id", json!("")),
             ("probe", json!("yes")),
+            ("lease_seconds", json!(0)),
+            ("lease_seconds", json!(-6)),
+            ("lease_seconds", json!(6.5)),
+            ("lease_seconds", json!("sk-SECRET")),
+            ("lease_seconds", json!(null)),
+            ("lease_seconds", json!(true)),
+            ("lease_seconds", json!(1_u64 << 32)),
         ];
         for (field, bad) in cases {
             let mut body = granted();
@@ -277,6 +322,7 @@ mod tests {
             holder: None,
             request_id: "r",
             wait_ms: None,
+            tokens: None,
         };
         assert_eq!(
             serde_json::to_value(&body).expect("serializes"),

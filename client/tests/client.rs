@@ -5,8 +5,8 @@ mod fake;
 use std::time::{Duration, Instant};
 
 use credpool_client::{
-    Client, Error, LeaseGuard, LeaseRequest, NotReleased, Outcome, Released, RetryPolicy,
-    TransportKind,
+    Client, DEFAULT_LEASE_SECONDS, Error, LeaseGuard, LeaseRequest, NotReleased, Outcome, Released,
+    RetryPolicy, TransportKind,
 };
 use fake::{FENCE, Fake, LEASE_ID, Reply, Route, SECRET, SERVED_POOL};
 use serde_json::{Value, json};
@@ -328,6 +328,9 @@ async fn every_error_code_maps_to_its_variant() {
         (409, "request_id_conflict", |e| {
             matches!(e, Error::RequestIdConflict)
         }),
+        (409, "tokens_exceed_budget", |e| {
+            matches!(e, Error::TokensExceedBudget)
+        }),
         (410, "lease_lost", |e| matches!(e, Error::LeaseLost)),
         (413, "payload_too_large", |e| {
             matches!(e, Error::PayloadTooLarge)
@@ -400,6 +403,21 @@ async fn malformed_answers_are_typed_errors() {
         ),
         ("200 fence zero", with("fence", json!(0)), 200),
         ("200 fence a string", with("fence", json!(SECRET)), 200),
+        (
+            "200 lease_seconds zero",
+            with("lease_seconds", json!(0)),
+            200,
+        ),
+        (
+            "200 lease_seconds a string",
+            with("lease_seconds", json!(SECRET)),
+            200,
+        ),
+        (
+            "200 lease_seconds fractional",
+            with("lease_seconds", json!(1.5)),
+            200,
+        ),
         (
             "500 HTML",
             Reply::raw(500, "text/html", format!("<html>{SECRET}</html>")),
@@ -516,6 +534,102 @@ async fn renewals_failing_with_503_until_the_lease_ends_fire_lost() {
     guard.abandon();
 }
 
+/// A grant as a server older than the answer's `lease_seconds` gives it.
+fn grant_without_lease_seconds(lease_seconds: i64) -> Reply {
+    let mut body = fake::grant(lease_seconds);
+    body.as_object_mut().map(|o| o.remove("lease_seconds"));
+    Reply::json(200, body)
+}
+
+#[tokio::test]
+async fn renewals_follow_the_granted_length_when_none_was_asked_for() {
+    let fake = Fake::start().await;
+    // A server whose maximum is 6 s grants its default, 6 s, and says so.
+    fake.queue(Route::Allocate, [Reply::json(200, fake::grant(6))]);
+    let started = Instant::now();
+    let guard = client(&fake).lease(request()).await.expect("leases");
+    assert_eq!(guard.lease_seconds(), 6);
+    assert!(
+        fake.requests(Route::Allocate)[0]
+            .body
+            .get("lease_seconds")
+            .is_none()
+    );
+
+    assert!(eventually(Duration::from_secs(8), || fake.count(Route::Renew) >= 2).await);
+    assert!(!guard.is_lost());
+    let renewals = fake.requests(Route::Renew);
+    // Every third of 6 s: 2 s after the allocate was sent, then 2 s after each renewal.
+    let gaps = [renewals[0].at - started, renewals[1].at - renewals[0].at];
+    for gap in gaps {
+        assert!(
+            gap >= Duration::from_millis(1900) && gap < Duration::from_secs(3),
+            "{gaps:?}"
+        );
+    }
+    // Nothing asked for, nothing sent: the server renews by the length it granted.
+    assert!(
+        renewals
+            .iter()
+            .all(|r| r.body.get("lease_seconds").is_none()),
+        "{renewals:?}"
+    );
+    guard.finish(Outcome::Success).await.expect("releases");
+}
+
+#[tokio::test]
+async fn the_lease_length_is_the_answers_else_the_requested_else_the_default() {
+    let fake = Fake::start().await;
+    let client = client(&fake);
+
+    // The answer wins over the request.
+    fake.queue(Route::Allocate, [Reply::json(200, fake::grant(1))]);
+    let guard = client
+        .lease(request().lease_seconds(30))
+        .await
+        .expect("leases");
+    assert_eq!(guard.lease_seconds(), 1);
+    guard.abandon();
+
+    // An older server does not say: the requested length, renewed every ~333 ms ...
+    fake.queue(Route::Allocate, [grant_without_lease_seconds(1)]);
+    let guard = client
+        .lease(request().lease_seconds(1))
+        .await
+        .expect("leases");
+    assert_eq!(guard.lease_seconds(), 1);
+    assert!(eventually(Duration::from_secs(2), || fake.count(Route::Renew) >= 2).await);
+    guard.finish(Outcome::Success).await.expect("releases");
+
+    // ... and with nothing requested either, the server's default, 35 s: no renewal for 11 s.
+    fake.queue(Route::Allocate, [grant_without_lease_seconds(35)]);
+    let renewals = fake.count(Route::Renew);
+    let guard = client.lease(request()).await.expect("leases");
+    assert_eq!(guard.lease_seconds(), DEFAULT_LEASE_SECONDS);
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    assert_eq!(fake.count(Route::Renew), renewals);
+    guard.abandon();
+}
+
+#[tokio::test]
+async fn renewals_failing_with_503_lose_the_lease_before_the_granted_length_ends() {
+    let fake = Fake::start().await;
+    fake.queue(Route::Allocate, [Reply::json(200, fake::grant(2))]);
+    fake.always(Route::Renew, Reply::error(503, "store_unavailable"));
+    let started = Instant::now();
+    let guard = client(&fake).lease(request()).await.expect("leases");
+    tokio::time::timeout(Duration::from_secs(4), guard.lost())
+        .await
+        .expect("lost fires");
+    // The first renewal (~667 ms) is retried until 2 s less a tenth, not for 35 s.
+    let elapsed = started.elapsed();
+    assert!(
+        elapsed >= Duration::from_secs(1) && elapsed < Duration::from_secs(2),
+        "{elapsed:?}"
+    );
+    guard.abandon();
+}
+
 #[tokio::test]
 async fn a_passing_renewal_failure_keeps_the_lease() {
     let fake = Fake::start().await;
@@ -567,6 +681,30 @@ async fn finish_reports_rate_limited_with_retry_after_and_fence() {
     let renewals = fake.count(Route::Renew);
     tokio::time::sleep(Duration::from_millis(700)).await;
     assert_eq!(fake.count(Route::Renew), renewals);
+}
+
+#[tokio::test]
+async fn a_token_estimate_goes_with_the_allocate_and_the_usage_with_the_release() {
+    let fake = Fake::start().await;
+    let client = client(&fake);
+    let guard = client.lease(request().tokens(1200)).await.expect("leases");
+    assert_eq!(fake.requests(Route::Allocate)[0].body["tokens"], 1200);
+    guard
+        .finish_with_usage(Outcome::Success, 930)
+        .await
+        .expect("releases");
+    let releases = fake.requests(Route::Release);
+    assert_eq!(releases[0].body["usage"], json!({"tokens": 930}));
+    // without them, neither field is sent
+    let guard = client.lease(request()).await.expect("leases");
+    assert!(
+        fake.requests(Route::Allocate)[1]
+            .body
+            .get("tokens")
+            .is_none()
+    );
+    guard.finish(Outcome::Success).await.expect("releases");
+    assert!(fake.requests(Route::Release)[1].body.get("usage").is_none());
 }
 
 #[tokio::test]

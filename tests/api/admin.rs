@@ -4,7 +4,7 @@
 use reqwest::StatusCode;
 use serde_json::{Value, json};
 
-use crate::helpers::*;
+use credpool_test_support::*;
 
 fn spec(limit: u32) -> Value {
     json!({

@@ -10,7 +10,9 @@ use reqwest::StatusCode;
 use serde_json::{Value, json};
 use sqlx::Connection;
 
-use crate::helpers::*;
+use credpool_test_support::*;
+
+use crate::BIN;
 
 async fn lease(app: &TestApp, seconds: u32) -> Value {
     let body = json!({"provider": "openai", "model": "gpt-4o", "lease_seconds": seconds, "holder": "auditor"});
@@ -218,7 +220,7 @@ async fn audit_verify_passes_on_real_traffic_and_fails_on_a_fabricated_oversell(
         )
         .await;
     }
-    let (ok, output) = audit_verify(&app.database).await;
+    let (ok, output) = audit_verify(BIN, &app.database).await;
     assert!(ok, "{output}");
     assert!(
         output.contains("no grant ever exceeded a limit"),
@@ -235,7 +237,7 @@ async fn audit_verify_passes_on_real_traffic_and_fails_on_a_fabricated_oversell(
     .execute(&app.db)
     .await
     .unwrap();
-    let (ok, output) = audit_verify(&app.database).await;
+    let (ok, output) = audit_verify(BIN, &app.database).await;
     assert!(!ok, "{output}");
     assert!(
         output.contains("solo") && output.contains("1 grants exceeded a limit"),
@@ -255,7 +257,7 @@ async fn lowering_a_limit_under_load_is_not_an_oversell_but_a_grant_above_it_is(
     ];
     app.put_key("shrink", "openai", "default", &["gpt-4o"], 1)
         .await;
-    let (ok, output) = audit_verify(&app.database).await;
+    let (ok, output) = audit_verify(BIN, &app.database).await;
     assert!(
         ok,
         "three leases held under a lowered limit revoke nothing and are no oversell: {output}"
@@ -268,8 +270,61 @@ async fn lowering_a_limit_under_load_is_not_an_oversell_but_a_grant_above_it_is(
         .await;
     }
     lease(&app, 600).await;
-    let (ok, output) = audit_verify(&app.database).await;
+    let (ok, output) = audit_verify(BIN, &app.database).await;
     assert!(ok, "{output}");
+}
+
+#[tokio::test]
+async fn a_limit_lowered_while_a_claim_commits_judges_that_grant_by_the_limit_it_was_admitted_under()
+ {
+    // A change of limit takes effect once its transaction holds the credential's slot rows; a
+    // grant committed while it waited for them was admitted under the old limit, and the trail
+    // dates the change after it (its audit row is written at clock_timestamp(), after the locks).
+    let app = TestApp::spawn().await;
+    app.put_key("busy", "openai", "default", &["gpt-4o"], 3)
+        .await;
+    lease(&app, 600).await;
+    lease(&app, 600).await;
+    // a transaction holds slot 0: the change queues behind it, after its own transaction began
+    let mut holder = app.db.begin().await.unwrap();
+    sqlx::query("SELECT 1 FROM lease_slots WHERE key_id = 'busy' AND slot = 0 FOR UPDATE")
+        .execute(&mut *holder)
+        .await
+        .unwrap();
+    let change = tokio::spawn(
+        app.client
+            .patch(app.url("/api/admin/keys/busy"))
+            .header("x-admin-key", ADMIN_KEY)
+            .json(&json!({"max_concurrent_uses": 2}))
+            .send(),
+    );
+    let deadline = std::time::Instant::now() + Duration::from_secs(10);
+    loop {
+        let waiting: i64 = sqlx::query_scalar(
+            "SELECT count(*) FROM pg_stat_activity
+             WHERE datname = current_database() AND wait_event_type = 'Lock'",
+        )
+        .fetch_one(&app.db)
+        .await
+        .unwrap();
+        if waiting > 0 {
+            break;
+        }
+        assert!(
+            std::time::Instant::now() < deadline,
+            "the change never queued"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    // meanwhile a third lease, within the limit of 3 (slot 2 is not locked yet)
+    lease(&app, 600).await;
+    holder.commit().await.unwrap();
+    json_body(change.await.unwrap().unwrap(), StatusCode::OK).await;
+    let (ok, output) = audit_verify(BIN, &app.database).await;
+    assert!(
+        ok,
+        "a grant admitted before the lowered limit took effect was judged by it: {output}"
+    );
 }
 
 #[tokio::test]

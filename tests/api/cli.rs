@@ -9,9 +9,10 @@ use serde_json::{Value, json};
 use tokio::io::AsyncWriteExt;
 use tokio::process::Command;
 
-use crate::helpers::*;
+use credpool_test_support::*;
 
-const BIN: &str = env!("CARGO_BIN_EXE_credpool");
+use crate::BIN;
+
 const OTHER_MASTER_KEY: &str = "ffeeddccbbaa99887766554433221100ffeeddccbbaa99887766554433221100";
 
 struct Output {

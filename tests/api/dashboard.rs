@@ -8,7 +8,7 @@ use fantoccini::{Client, ClientBuilder, Locator};
 use reqwest::StatusCode;
 use serde_json::{Value, json};
 
-use crate::helpers::*;
+use credpool_test_support::*;
 
 /// Every fragment the page polls.
 const FRAGMENTS: [&str; 4] = ["pools", "credentials", "leases", "events"];
@@ -16,7 +16,19 @@ const FRAGMENTS: [&str; 4] = ["pools", "credentials", "leases", "events"];
 /// What `put_key` stores as every credential's secret starts with this.
 const SECRET_MARK: &str = "sk-test";
 
-impl TestApp {
+/// The dashboard's requests, on the harness's app.
+trait DashboardRequests {
+    /// `GET path`, with `key` as the admin key if given.
+    async fn dashboard_get(&self, path: &str, key: Option<&str>) -> reqwest::Response;
+    /// The HTML of fragment `name`, checked for the headers every fragment carries.
+    async fn fragment(&self, name: &str) -> String;
+    /// The shell, its assets and every fragment, each checked for credential material.
+    async fn assert_no_secret_in_any_dashboard_response(&self);
+    /// An admin API call that must answer 200; its JSON body.
+    async fn admin_json(&self, method: reqwest::Method, path: &str, body: Option<Value>) -> Value;
+}
+
+impl DashboardRequests for TestApp {
     async fn dashboard_get(&self, path: &str, key: Option<&str>) -> reqwest::Response {
         let mut request = self.client.get(self.url(path));
         if let Some(key) = key {
@@ -38,7 +50,6 @@ impl TestApp {
         response.text().await.unwrap()
     }
 
-    /// The shell, its assets and every fragment, each checked for credential material.
     async fn assert_no_secret_in_any_dashboard_response(&self) {
         let mut paths: Vec<String> = [
             "/dashboard",

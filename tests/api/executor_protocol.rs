@@ -5,25 +5,12 @@ use std::net::SocketAddr;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use credpool::store;
-use credpool::store::PoolSettings;
 use reqwest::StatusCode;
 use serde_json::{Value, json};
+use sqlx::Connection as _;
 use tokio::sync::Barrier;
 
-use crate::helpers::*;
-
-/// Another replica: a second service in this process over the same database.
-async fn replica(app: &TestApp) -> (SocketAddr, tokio::sync::oneshot::Sender<()>) {
-    let pool = store::connect_lazy(
-        app.database.options.clone(),
-        &PoolSettings {
-            max_connections: 8,
-            acquire_timeout: Duration::from_secs(10),
-        },
-    );
-    serve(pool, &AppOptions::default()).await
-}
+use credpool_test_support::*;
 
 async fn allocate_at(addr: SocketAddr, body: Value) -> reqwest::Response {
     post_json(
@@ -152,7 +139,7 @@ async fn a_retry_is_answered_with_its_lease_even_when_that_lease_took_the_last_s
 async fn concurrent_retries_on_two_replicas_share_one_lease() {
     let _turn = race_turn().await;
     let app = TestApp::spawn().await;
-    let (other, _stop) = replica(&app).await;
+    let (other, _stop) = app.replica(8).await;
     app.put_key("k1", "openai", "default", &["gpt-4o"], 4).await;
     app.put_key("k2", "openai", "default", &["gpt-4o"], 4).await;
     const RETRIES: usize = 8;
@@ -275,15 +262,9 @@ async fn fences_strictly_increase_per_credential_and_a_stale_fence_is_refused() 
 /// Waits until `count` allocations wait in the service (the `credpool_allocations_waiting`
 /// gauge), so that a test knows its waiters are queued, in order.
 async fn waiting(app: &TestApp, count: u64) {
-    for _ in 0..500 {
-        let metrics = app.metrics().await;
-        let now = metrics
-            .lines()
-            .find(|l| l.starts_with("credpool_allocations_waiting "))
-            .and_then(|l| l.split_whitespace().nth(1))
-            .and_then(|v| v.parse::<f64>().ok())
-            .unwrap_or(0.0);
-        if now as u64 >= count {
+    for _ in 0..1_000 {
+        // the process's gauge: this test holds exclusive_waiters, so the waiters are its own
+        if sample(&app.metrics().await, "credpool_allocations_waiting") as u64 >= count {
             return;
         }
         tokio::time::sleep(Duration::from_millis(10)).await;
@@ -310,8 +291,9 @@ async fn release_now(app: &TestApp, addr: SocketAddr, lease: &Value) -> Instant 
 
 #[tokio::test]
 async fn a_waiting_allocate_gets_the_slot_another_replica_frees() {
+    let _waiters = exclusive_waiters().await;
     let app = TestApp::spawn().await;
-    let (other, _stop) = replica(&app).await;
+    let (other, _stop) = app.replica(8).await;
     app.put_key("only", "openai", "default", &["gpt-4o"], 1)
         .await;
     let mut delays = Vec::new();
@@ -332,7 +314,7 @@ async fn a_waiting_allocate_gets_the_slot_another_replica_frees() {
         let waiter = tokio::spawn(async move {
             let response = allocate_at(
                 waiter_addr,
-                json!({"provider": "openai", "model": "gpt-4o", "wait_ms": 20_000, "holder": "waiter"}),
+                json!({"provider": "openai", "model": "gpt-4o", "wait_ms": 30_000, "holder": "waiter"}),
             )
             .await;
             let answered = Instant::now();
@@ -348,19 +330,28 @@ async fn a_waiting_allocate_gets_the_slot_another_replica_frees() {
         let (lease, answered) = waiter.await.unwrap();
         assert_eq!(lease["key_id"], "only");
         assert!(lease["fence"].as_i64() > held["fence"].as_i64());
-        delays.push(answered.saturating_duration_since(released));
+        let delay = answered.saturating_duration_since(released);
+        // woken by the release, not by its own deadline: the held lease (35 s) outlives the
+        // wait (30 s), so a waiter that missed the release answers only when its wait runs out
+        assert!(
+            delay < Duration::from_secs(15),
+            "round {round}: the waiter answered {delay:?} after the release, at its deadline: \
+             the other replica's release never woke it"
+        );
+        delays.push(delay);
         json_body(
             app.release(release_body(&lease, "success")).await,
             StatusCode::OK,
         )
         .await;
     }
-    // reported, not asserted (a benchmark figure: see the notes of issue 9)
+    // the figures themselves are reported, not asserted (a benchmark figure: issue 9's notes)
     println!("hand-over delays (release answered -> waiter answered): {delays:?}");
 }
 
 #[tokio::test]
 async fn waiters_are_served_in_arrival_order() {
+    let _waiters = exclusive_waiters().await;
     let app = TestApp::spawn().await;
     app.put_key("a", "openai", "default", &["gpt-4o"], 1).await;
     app.put_key("b", "openai", "default", &["gpt-4o"], 1).await;
@@ -405,6 +396,7 @@ async fn waiters_are_served_in_arrival_order() {
 
 #[tokio::test]
 async fn a_wait_that_ends_empty_answers_429_with_retry_after() {
+    let _waiters = exclusive_waiters().await;
     let app = TestApp::spawn().await;
     app.put_key("only", "openai", "default", &["gpt-4o"], 1)
         .await;
@@ -433,6 +425,7 @@ async fn a_wait_that_ends_empty_answers_429_with_retry_after() {
 
 #[tokio::test]
 async fn a_waiter_wakes_when_a_cooldown_ends_or_a_credential_is_added() {
+    let _waiters = exclusive_waiters().await;
     let app = TestApp::spawn().await;
     app.put_key("resting", "openai", "default", &["gpt-4o"], 1)
         .await;
@@ -462,6 +455,7 @@ async fn a_waiter_wakes_when_a_cooldown_ends_or_a_credential_is_added() {
 
 #[tokio::test]
 async fn a_waiter_whose_client_left_takes_no_slot() {
+    let _waiters = exclusive_waiters().await;
     let app = TestApp::spawn().await;
     app.put_key("only", "openai", "default", &["gpt-4o"], 1)
         .await;
@@ -517,4 +511,171 @@ async fn a_waiter_whose_client_left_takes_no_slot() {
         StatusCode::OK,
     )
     .await;
+}
+
+#[tokio::test]
+async fn a_slot_freed_as_the_first_waiter_gives_up_still_serves_the_next_waiter() {
+    let _waiters = exclusive_waiters().await;
+    // The first waiter's wait ends while its last claim runs; a slot freed just then wakes it,
+    // and it leaves: that wake-up goes on to the next waiter, which is served at once rather
+    // than at its own deadline. The release time sweeps across the first waiter's deadline.
+    let app = TestApp::spawn().await;
+    for (round, offset_ms) in (-30i64..=30).step_by(5).enumerate() {
+        let pool = format!("sweep-{round}");
+        let key = format!("sweep-{round}");
+        app.put_key(&key, "openai", &pool, &["gpt-4o"], 1).await;
+        let held = json_body(
+            app.allocate(json!({"provider": "openai", "model": "gpt-4o", "pool": pool, "lease_seconds": 600}))
+                .await,
+            StatusCode::OK,
+        )
+        .await;
+        let first_wait = Duration::from_millis(500);
+        let spawn_waiter = |holder: &str, wait: Duration| {
+            let (addr, pool, holder) = (app.addr, pool.clone(), holder.to_owned());
+            tokio::spawn(async move {
+                let body = json!({"provider": "openai", "model": "gpt-4o", "pool": pool,
+                                  "wait_ms": wait.as_millis() as u64, "holder": holder});
+                allocate_at(addr, body).await.status()
+            })
+        };
+        let started = Instant::now();
+        let first = spawn_waiter("first", first_wait);
+        waiting(&app, 1).await;
+        let second = spawn_waiter("second", Duration::from_secs(30));
+        waiting(&app, 2).await;
+        let release_at = started + first_wait;
+        let release_at = if offset_ms < 0 {
+            release_at - Duration::from_millis(offset_ms.unsigned_abs())
+        } else {
+            release_at + Duration::from_millis(offset_ms as u64)
+        };
+        tokio::time::sleep_until(release_at.into()).await;
+        release_now(&app, app.addr, &held).await;
+        // whoever got the freed slot got it at once: a lost wake-up leaves it free until the
+        // second waiter's own deadline, 30 s on
+        let mut holder = None;
+        for _ in 0..500 {
+            holder = sqlx::query_scalar::<_, Option<String>>(
+                "SELECT holder FROM lease_slots WHERE key_id = $1 AND lease_id IS NOT NULL",
+            )
+            .bind(&key)
+            .fetch_optional(&app.db)
+            .await
+            .unwrap()
+            .flatten();
+            if holder.is_some() {
+                break;
+            }
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+        assert!(
+            holder.is_some(),
+            "release {offset_ms:+} ms from the first waiter's deadline: the slot stayed free for 5 s with a waiter queued"
+        );
+        let first = first.await.unwrap();
+        if holder.as_deref() == Some("first") {
+            assert_eq!(first, StatusCode::OK);
+            second.abort();
+        } else {
+            assert_eq!(first, StatusCode::TOO_MANY_REQUESTS);
+            assert_eq!(second.await.unwrap(), StatusCode::OK);
+        }
+        // let the aborted waiter's registration go before the next round counts waiters
+        while sample(&app.metrics().await, "credpool_allocations_waiting") != 0.0 {
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+    }
+}
+
+#[tokio::test]
+async fn a_wake_up_that_reaches_a_waiter_in_its_last_claim_goes_on_to_the_next_waiter() {
+    let _waiters = exclusive_waiters().await;
+    // The window widened on purpose: the first waiter's last claim (at its deadline) is held
+    // inside the claim statement by a test hook; meanwhile the slot is freed, which wakes that
+    // waiter; its claim then finds nothing (its snapshot predates the release) and it leaves.
+    // Its wake-up must reach the second waiter at once, not at the second waiter's deadline.
+    // every connection of the app has the hook (set before the app opens any)
+    let database = TestDatabase::create().await;
+    let admin = database.pool(1).await;
+    sqlx::query(sqlx::AssertSqlSafe(format!(
+        "ALTER DATABASE {} SET credpool.test_hooks = 'claim.before_lock'",
+        database.name
+    )))
+    .execute(&admin)
+    .await
+    .unwrap();
+    admin.close().await;
+    let app = TestApp::spawn_on(database, AppOptions::default()).await;
+    app.put_key("only", "openai", "default", &["gpt-4o"], 1)
+        .await;
+    let held = json_body(
+        app.allocate(json!({"provider": "openai", "model": "gpt-4o", "lease_seconds": 600}))
+            .await,
+        StatusCode::OK,
+    )
+    .await;
+    let first_wait = Duration::from_secs(3);
+    let waiter = |holder: &'static str, wait: Duration| {
+        let addr = app.addr;
+        tokio::spawn(async move {
+            let body = json!({"provider": "openai", "model": "gpt-4o",
+                              "wait_ms": wait.as_millis() as u64, "holder": holder});
+            allocate_at(addr, body).await.status()
+        })
+    };
+    let started = Instant::now();
+    let first = waiter("first", first_wait);
+    waiting(&app, 1).await;
+    let second = waiter("second", Duration::from_secs(60));
+    waiting(&app, 2).await;
+
+    // both wait; from now on every claim stops in the hook. The first waiter's timer runs out
+    // at its deadline, and its last claim stops there.
+    let mut hook = sqlx::PgConnection::connect_with(&app.database.options)
+        .await
+        .unwrap();
+    sqlx::query(
+        "SELECT pg_advisory_lock(hashtextextended('credpool.test_hook:claim.before_lock', 0))",
+    )
+    .execute(&mut hook)
+    .await
+    .unwrap();
+    assert!(
+        started.elapsed() < first_wait,
+        "the waiters took longer than the first one's wait to queue"
+    );
+    tokio::time::sleep_until((started + first_wait + Duration::from_millis(200)).into()).await;
+    loop {
+        let stopped: i64 = sqlx::query_scalar(
+            "SELECT count(*) FROM pg_stat_activity
+             WHERE datname = current_database() AND wait_event = 'advisory'",
+        )
+        .fetch_one(&app.db)
+        .await
+        .unwrap();
+        if stopped > 0 {
+            break;
+        }
+        assert!(
+            started.elapsed() < first_wait + Duration::from_secs(10),
+            "the first waiter's last claim never reached the hook"
+        );
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    release_now(&app, app.addr, &held).await;
+    // the freed slot's notification reaches the first waiter while its claim is held
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    sqlx::query(
+        "SELECT pg_advisory_unlock(hashtextextended('credpool.test_hook:claim.before_lock', 0))",
+    )
+    .execute(&mut hook)
+    .await
+    .unwrap();
+    assert_eq!(first.await.unwrap(), StatusCode::TOO_MANY_REQUESTS);
+    let served = tokio::time::timeout(Duration::from_secs(20), second)
+        .await
+        .expect("the second waiter slept on a free slot")
+        .unwrap();
+    assert_eq!(served, StatusCode::OK);
 }

@@ -1,18 +1,25 @@
 //! credpool's integration tests: the real app on port 0 against a real PostgreSQL, a fresh
-//! database per test (see `helpers`). One binary, one module per area.
+//! database per test (the harness is the `credpool-test-support` crate, `test-support/`). One
+//! binary, one module per area.
 
-mod helpers;
+/// The `credpool` binary this package builds (Cargo tells only this package's test crates where
+/// it is), for the harness's helpers that run it.
+const BIN: &str = env!("CARGO_BIN_EXE_credpool");
 
 mod admin;
 mod allocate;
 mod audit;
+mod bench;
 mod cli;
 mod client;
 mod dashboard;
 mod executor_protocol;
+mod lease_state;
+mod observability;
 mod operations;
 mod operator;
 mod processes;
 mod races;
 mod release_renew;
 mod selection;
+mod windows;

@@ -8,23 +8,80 @@ use credpool::embedded::EmbeddedCluster;
 use reqwest::StatusCode;
 use serde_json::{Value, json};
 
-use crate::helpers::*;
+use credpool_test_support::*;
 
 #[tokio::test]
-async fn health_and_readiness_answer_without_a_key() {
+async fn liveness_readiness_and_the_old_health_name_answer_without_a_key() {
     let app = TestApp::spawn().await;
-    let health = json_body(
-        app.client.get(app.url("/healthz")).send().await.unwrap(),
-        StatusCode::OK,
-    )
-    .await;
-    assert_eq!(health, json!({"status": "ok"}));
+    // /healthz is the older name of /livez and answers the same
+    for path in ["/livez", "/healthz"] {
+        let health = json_body(
+            app.client.get(app.url(path)).send().await.unwrap(),
+            StatusCode::OK,
+        )
+        .await;
+        assert_eq!(health, json!({"status": "ok"}), "{path}");
+    }
     let ready = json_body(
         app.client.get(app.url("/readyz")).send().await.unwrap(),
         StatusCode::OK,
     )
     .await;
     assert_eq!(ready, json!({"status": "ready"}));
+}
+
+/// `/readyz` says "not ready" while the database is behind this binary: its newest migration not
+/// applied, or an SQL file (`sql/lease.sql`, ...) not this binary's version; and ready again
+/// once it has caught up. (A load balancer then keeps traffic on the replicas that match the
+/// database during a rolling upgrade.)
+#[tokio::test]
+async fn readiness_is_refused_while_the_database_lacks_a_migration_or_an_sql_file_of_this_binary() {
+    let app = TestApp::spawn().await;
+    let readyz = async || app.client.get(app.url("/readyz")).send().await.unwrap();
+    json_body(readyz().await, StatusCode::OK).await;
+
+    // the newest migration not (successfully) applied
+    let newest: i64 = sqlx::query_scalar("SELECT max(version) FROM _sqlx_migrations")
+        .fetch_one(&app.db)
+        .await
+        .unwrap();
+    let mark = async |success: bool| {
+        sqlx::query("UPDATE _sqlx_migrations SET success = $2 WHERE version = $1")
+            .bind(newest)
+            .bind(success)
+            .execute(&app.db)
+            .await
+            .unwrap();
+    };
+    mark(false).await;
+    let body = assert_error(readyz().await, StatusCode::SERVICE_UNAVAILABLE, "not_ready").await;
+    assert!(
+        body["error"]["message"]
+            .as_str()
+            .unwrap()
+            .contains("not been migrated"),
+        "{body}"
+    );
+    mark(true).await;
+    json_body(readyz().await, StatusCode::OK).await;
+
+    // an SQL file another binary of the same revision applied: not this binary's functions
+    let checksum: Vec<u8> =
+        sqlx::query_scalar("SELECT checksum FROM credpool_sql_files WHERE name = 'lease.sql'")
+            .fetch_one(&app.db)
+            .await
+            .unwrap();
+    let set = async |value: &[u8]| {
+        sqlx::query("UPDATE credpool_sql_files SET checksum = $1 WHERE name = 'lease.sql'")
+            .bind(value)
+            .execute(&app.db)
+            .await
+            .unwrap();
+    };
+    set(&[0; 32]).await;
+    assert_error(readyz().await, StatusCode::SERVICE_UNAVAILABLE, "not_ready").await;
+    set(&checksum).await;
+    json_body(readyz().await, StatusCode::OK).await;
 }
 
 #[tokio::test]
@@ -54,7 +111,7 @@ async fn every_response_carries_a_request_id_taken_from_the_request_or_generated
 }
 
 /// Every route the service serves, as (method, path template).
-const ROUTES: [(&str, &str); 14] = [
+const ROUTES: [(&str, &str); 15] = [
     ("post", "/api/internal/allocate-key"),
     ("post", "/api/internal/release-key"),
     ("post", "/api/internal/renew-lease"),
@@ -66,6 +123,7 @@ const ROUTES: [(&str, &str); 14] = [
     ("post", "/api/admin/keys/{key_id}/release-all"),
     ("post", "/api/admin/leases/{lease_id}/release"),
     ("get", "/api/admin/pools"),
+    ("get", "/livez"),
     ("get", "/healthz"),
     ("get", "/readyz"),
     ("get", "/metrics"),
@@ -246,6 +304,13 @@ async fn a_stopped_database_is_store_unavailable_and_never_pool_exhausted_and_re
     }
     let ready = client.get(format!("{base}/readyz")).send().await.unwrap();
     assert_error(ready, StatusCode::SERVICE_UNAVAILABLE, "not_ready").await;
+    // liveness touches no database: the process is alive, and must not be restarted for this
+    let live = client.get(format!("{base}/livez")).send().await.unwrap();
+    assert_eq!(
+        json_body(live, StatusCode::OK).await,
+        json!({"status": "ok"})
+    );
+
     let during = metrics(&client, &base).await;
     assert_eq!(allocations(&during, &provider, "store_unavailable"), 3.0);
     assert_eq!(

@@ -10,9 +10,22 @@ use std::time::Duration;
 use reqwest::StatusCode;
 use serde_json::{Value, json};
 
-use crate::helpers::*;
+use credpool_test_support::*;
 
-impl TestApp {
+/// The admin API's requests, on the harness's app.
+trait AdminRequests {
+    /// An admin API call by operator `alice`.
+    async fn admin(
+        &self,
+        method: reqwest::Method,
+        path: &str,
+        body: Option<Value>,
+    ) -> reqwest::Response;
+    /// `PATCH /api/admin/keys/{key_id}` with `body`.
+    async fn patch_key(&self, key_id: &str, body: Value) -> reqwest::Response;
+}
+
+impl AdminRequests for TestApp {
     async fn admin(
         &self,
         method: reqwest::Method,

@@ -11,7 +11,9 @@ use serde_json::{Value, json};
 use tokio::process::Command;
 use tokio::sync::Barrier;
 
-use crate::helpers::*;
+use credpool_test_support::*;
+
+use crate::BIN;
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn two_service_processes_on_one_database_never_oversell_a_limit_1_credential() {
@@ -19,8 +21,8 @@ async fn two_service_processes_on_one_database_never_oversell_a_limit_1_credenti
     let database = TestDatabase::create().await;
     let env = keyed_env(&database);
     let (a, b) = tokio::join!(
-        ServeProcess::start(&env, &[]),
-        ServeProcess::start(&env, &[])
+        ServeProcess::start(BIN, &env, &[]),
+        ServeProcess::start(BIN, &env, &[])
     );
     let bases = Arc::new([a.base.clone(), b.base.clone()]);
     let client = client();
@@ -66,7 +68,7 @@ fn key_from(banner: &[String], name: &str) -> String {
         .iter()
         .find_map(|line| {
             line.trim()
-                .strip_prefix(&format!("{name}="))
+                .strip_prefix(&format!("export {name}="))
                 .map(str::to_owned)
         })
         .unwrap_or_else(|| panic!("{name} not printed; banner: {banner:?}"))
@@ -87,6 +89,7 @@ async fn serve_without_database_url_runs_on_the_embedded_default_and_stops_it_on
     // a relative --data-dir, resolved against the working directory
     let relative = dir.path().file_name().unwrap().to_str().unwrap();
     let first = ServeProcess::start_in(
+        BIN,
         Some(Path::new("/tmp")),
         Stdio::inherit(),
         &[],
@@ -96,6 +99,27 @@ async fn serve_without_database_url_runs_on_the_embedded_default_and_stops_it_on
     let internal = key_from(&first.banner, "CREDPOOL_INTERNAL_KEY");
     let admin = key_from(&first.banner, "CREDPOOL_ADMIN_KEY");
     assert_ne!(internal, admin);
+    // `credpool env` prints them again, for a shell to eval
+    let exported = Command::new("sh")
+        .args([
+            "-c",
+            r#"eval "$("$0" env --data-dir "$1")" && echo "$CREDPOOL_INTERNAL_KEY $CREDPOOL_ADMIN_KEY""#,
+            BIN,
+            data_dir,
+        ])
+        .env_remove("CREDPOOL_DATA_DIR")
+        .output()
+        .await
+        .unwrap();
+    assert!(
+        exported.status.success(),
+        "{}",
+        String::from_utf8_lossy(&exported.stderr)
+    );
+    assert_eq!(
+        String::from_utf8_lossy(&exported.stdout).trim(),
+        format!("{internal} {admin}")
+    );
     // the generated API keys and master key are readable by their owner only
     for file in ["service-keys.json", "master.key"] {
         let mode = std::os::unix::fs::PermissionsExt::mode(
@@ -149,8 +173,12 @@ async fn serve_without_database_url_runs_on_the_embedded_default_and_stops_it_on
     );
 
     // a second start reuses the cluster, its data and the stored keys
-    let second =
-        ServeProcess::start(&[], &["--data-dir", data_dir, "--listen", "localhost:0"]).await;
+    let second = ServeProcess::start(
+        BIN,
+        &[],
+        &["--data-dir", data_dir, "--listen", "localhost:0"],
+    )
+    .await;
     assert!(
         second.banner.iter().any(|l| l.contains("API keys from")),
         "{:?}",
@@ -180,6 +208,46 @@ async fn serve_with_database_url_and_no_keys_refuses_to_start() {
     assert!(!output.status.success());
     let stderr = String::from_utf8_lossy(&output.stderr);
     assert!(stderr.contains("CREDPOOL_INTERNAL_KEY"), "{stderr}");
+}
+
+#[tokio::test]
+async fn env_without_generated_keys_says_where_they_would_be() {
+    let dir = tempfile::tempdir().unwrap();
+    let output = Command::new(BIN)
+        .args(["env", "--data-dir"])
+        .arg(dir.path())
+        .output()
+        .await
+        .unwrap();
+    assert!(!output.status.success());
+    assert!(output.stdout.is_empty());
+    let stderr = String::from_utf8_lossy(&output.stderr);
+    assert!(
+        stderr.contains("service-keys.json does not exist"),
+        "{stderr}"
+    );
+}
+
+#[tokio::test]
+async fn a_database_url_naming_a_missing_database_is_refused_with_a_clean_message() {
+    let database = TestDatabase::create().await;
+    let missing = format!("{}_missing", database.name);
+    let output = Command::new(BIN)
+        .arg("migrate")
+        .env("DATABASE_URL", url_for(&database.options, &missing))
+        .output()
+        .await
+        .unwrap();
+    assert!(!output.status.success());
+    let stderr = String::from_utf8_lossy(&output.stderr);
+    assert_eq!(
+        stderr.trim(),
+        format!(
+            "credpool: connecting to PostgreSQL: database \"{missing}\" does not exist; credpool \
+             does not create the database of DATABASE_URL: create it first (`createdb {missing}`, \
+             or `CREATE DATABASE {missing}` in psql)"
+        )
+    );
 }
 
 #[tokio::test]
@@ -329,23 +397,54 @@ async fn all_rows(pool: &sqlx::PgPool) -> String {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn no_secret_reaches_a_log_line_or_a_database_row_even_at_trace_level() {
+async fn no_secret_reaches_a_log_line_a_metric_or_a_database_row_even_at_trace_level() {
     let database = TestDatabase::create().await;
     let log = tempfile::NamedTempFile::new().unwrap();
-    let mut env = keyed_env(&database);
+    let nonce = hex::encode(rand::random::<[u8; 6]>());
+    // the service's own secrets come from files, the database URL with a password (the test
+    // server trusts local connections, so any password will do)
+    let internal_key = format!("ik-leak-{nonce}");
+    let admin_key = format!("ak-leak-{nonce}");
+    let password = format!("pw-leak-{nonce}");
+    let user = database.options.get_username().to_owned();
+    let url_with_password =
+        database
+            .url()
+            .replacen(&format!("://{user}@"), &format!("://{user}:{password}@"), 1);
+    assert!(url_with_password.contains(&password));
+    let files = tempfile::tempdir().unwrap();
+    let mut env: Vec<(&str, String)> = keyed_env(&database)
+        .into_iter()
+        .filter(|(name, _)| {
+            !matches!(
+                *name,
+                "DATABASE_URL" | "CREDPOOL_INTERNAL_KEY" | "CREDPOOL_ADMIN_KEY"
+            )
+        })
+        .collect();
+    for (name, value) in [
+        ("CREDPOOL_INTERNAL_KEY_FILE", &internal_key),
+        ("CREDPOOL_ADMIN_KEY_FILE", &admin_key),
+        ("DATABASE_URL_FILE", &url_with_password),
+    ] {
+        env.push((
+            name,
+            secret_file(files.path(), name, &format!("{value}\n"), 0o600),
+        ));
+    }
     env.push(("RUST_LOG", "trace".to_owned()));
-    let serve = ServeProcess::start_in(None, Stdio::from(log.reopen().unwrap()), &env, &[]).await;
+    let serve =
+        ServeProcess::start_in(BIN, None, Stdio::from(log.reopen().unwrap()), &env, &[]).await;
     let client = client();
     let base = serve.base.clone();
     let url = |path: &str| format!("{base}{path}");
-    let nonce = hex::encode(rand::random::<[u8; 6]>());
     let secrets: Vec<String> = (0..3).map(|i| format!("sk-leak-{nonce}-{i}")).collect();
     let refresh = format!("rt-leak-{nonce}");
 
     for (i, secret) in secrets.iter().enumerate() {
         let response = client
             .put(url(&format!("/api/admin/keys/leak-{i}")))
-            .header("x-admin-key", ADMIN_KEY)
+            .header("x-admin-key", &admin_key)
             .json(
                 &json!({"provider": "openai", "models": ["gpt-4o"], "max_concurrent_uses": 2,
                           "secret": {"api_key": secret, "oauth": {"refresh_token": refresh}}}),
@@ -358,7 +457,7 @@ async fn no_secret_reaches_a_log_line_or_a_database_row_even_at_trace_level() {
     // a malformed secret: the 400 must not quote it
     let bad = client
         .put(url("/api/admin/keys/leak-bad"))
-        .header("x-admin-key", ADMIN_KEY)
+        .header("x-admin-key", &admin_key)
         .json(&json!({"provider": "openai", "models": ["gpt-4o"], "max_concurrent_uses": 1, "secret": secrets[0]}))
         .send()
         .await
@@ -366,9 +465,16 @@ async fn no_secret_reaches_a_log_line_or_a_database_row_even_at_trace_level() {
     assert!(!bad.text().await.unwrap().contains(&secrets[0]));
 
     let internal = |path: &str, body: Value| {
-        let client = client.clone();
-        let url = url(path);
-        async move { post_json(&client, &url, ("x-internal-key", INTERNAL_KEY), body).await }
+        let request = client
+            .post(url(path))
+            .header("x-internal-key", &internal_key)
+            // a gateway's trace context: it lands on spans and log lines, the keys never do
+            .header(
+                "traceparent",
+                format!("00-{nonce}{nonce}{}-{nonce}0000-01", &nonce[..8]),
+            )
+            .json(&body);
+        async move { request.send().await.expect("POST") }
     };
     let mut leases = Vec::new();
     for _ in 0..4 {
@@ -395,7 +501,7 @@ async fn no_secret_reaches_a_log_line_or_a_database_row_even_at_trace_level() {
     let admin = |method: reqwest::Method, path: &str, body: Option<Value>| {
         let mut request = client
             .request(method, url(path))
-            .header("x-admin-key", ADMIN_KEY);
+            .header("x-admin-key", &admin_key);
         if let Some(body) = body {
             request = request.json(&body);
         }
@@ -434,6 +540,23 @@ async fn no_secret_reaches_a_log_line_or_a_database_row_even_at_trace_level() {
     admin(reqwest::Method::DELETE, "/api/admin/keys/leak-1", None)
         .await
         .unwrap();
+    // a wrong key is refused without being echoed
+    let wrong = client
+        .post(url("/api/internal/allocate-key"))
+        .header("x-internal-key", format!("{internal_key}-wrong"))
+        .json(&json!({"provider": "openai", "model": "gpt-4o"}))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(wrong.status(), StatusCode::UNAUTHORIZED);
+    // the operations routes: metrics (after all of the above), probes, the API description
+    let mut served = String::new();
+    for path in ["/metrics", "/livez", "/readyz", "/healthz", "/openapi.json"] {
+        let response = client.get(url(path)).send().await.unwrap();
+        assert!(response.status().is_success(), "{path}");
+        served.push_str(&response.text().await.unwrap());
+    }
+    assert!(served.contains("credpool_allocations_total"));
     assert!(serve.terminate().await.success());
 
     let mut logged = String::new();
@@ -448,10 +571,21 @@ async fn no_secret_reaches_a_log_line_or_a_database_row_even_at_trace_level() {
         rows.contains("leaky"),
         "the row dump should include the holder names"
     );
-    for secret in secrets.iter().chain([&refresh]) {
+    assert!(
+        logged.contains(&format!("{nonce}{nonce}")),
+        "the trace id should be on the log lines"
+    );
+    for secret in secrets
+        .iter()
+        .chain([&refresh, &internal_key, &admin_key, &password])
+    {
         assert!(
             !logged.contains(secret.as_str()),
             "{secret} appeared in the log"
+        );
+        assert!(
+            !served.contains(secret.as_str()),
+            "{secret} appeared in /metrics, a probe or the API description"
         );
         assert!(
             !rows.contains(secret.as_str()),
@@ -461,13 +595,14 @@ async fn no_secret_reaches_a_log_line_or_a_database_row_even_at_trace_level() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn sigterm_lets_an_in_flight_request_finish_then_exits_with_json_logs_carrying_the_request_id()
+async fn sigterm_lets_an_in_flight_request_finish_then_exits_with_json_logs_carrying_the_request_id_and_trace()
  {
     let database = TestDatabase::create().await;
     let log = tempfile::NamedTempFile::new().unwrap();
     let mut env = keyed_env(&database);
     env.push(("RUST_LOG", "credpool=info".to_owned()));
     let serve = ServeProcess::start_in(
+        BIN,
         None,
         Stdio::from(log.reopen().unwrap()),
         &env,
@@ -476,18 +611,26 @@ async fn sigterm_lets_an_in_flight_request_finish_then_exits_with_json_logs_carr
     .await;
     let client = client();
     let base = serve.base.clone();
+    // a malformed traceparent is ignored, not refused
     let put = client
         .put(format!("{base}/api/admin/keys/drain-key"))
         .header("x-admin-key", ADMIN_KEY)
+        .header("x-request-id", "req-put-6")
+        .header("traceparent", "00-not-a-trace-01")
         .json(&json!({"provider": "openai", "models": ["gpt-4o"], "max_concurrent_uses": 1, "secret": {"api_key": "sk"}}))
         .send()
         .await
         .unwrap();
     assert!(put.status().is_success());
+    // a gateway's trace continues through credpool: its trace context is on the request's span
     let lease = client
         .post(format!("{base}/api/internal/allocate-key"))
         .header("x-internal-key", INTERNAL_KEY)
         .header("x-request-id", "req-allocate-7")
+        .header(
+            "traceparent",
+            "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01",
+        )
         .json(&json!({"provider": "openai", "model": "gpt-4o", "lease_seconds": 60}))
         .send()
         .await
@@ -546,9 +689,388 @@ async fn sigterm_lets_an_in_flight_request_finish_then_exits_with_json_logs_carr
         .expect("a `lease granted` line");
     // the request's span, with its id, is on the line
     let spans = granted["spans"].as_array().unwrap();
-    assert!(
-        spans.iter().any(|s| s["request_id"] == "req-allocate-7"),
+    let request = spans
+        .iter()
+        .find(|s| s["request_id"] == "req-allocate-7")
+        .unwrap_or_else(|| panic!("{granted}"));
+    assert_eq!(granted["fields"]["lease_id"], lease["lease_id"]);
+    assert_eq!(
+        request["trace_id"], "4bf92f3577b34da6a3ce929d0e0e4736",
         "{granted}"
     );
-    assert_eq!(granted["fields"]["lease_id"], lease["lease_id"]);
+    assert_eq!(request["parent_span_id"], "00f067aa0ba902b7", "{granted}");
+    let stored = lines
+        .iter()
+        .find(|l| l["fields"]["message"] == "credential stored")
+        .expect("a `credential stored` line");
+    let request = stored["spans"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|s| s["request_id"] == "req-put-6")
+        .unwrap_or_else(|| panic!("{stored}"));
+    assert!(
+        request.get("trace_id").is_none() && request.get("parent_span_id").is_none(),
+        "a malformed traceparent reached the span: {stored}"
+    );
+}
+
+/// What one request of a load got: a status (and error code), or a transport error.
+#[derive(Debug)]
+enum Answer {
+    Status(StatusCode, String),
+    Transport(String),
+}
+
+/// One request of a load: what it was, when it was sent, what it got.
+#[derive(Debug)]
+struct Sent {
+    what: &'static str,
+    at: std::time::Instant,
+    answer: Answer,
+}
+
+async fn send(request: reqwest::RequestBuilder, what: &'static str) -> (Sent, Option<Value>) {
+    let at = std::time::Instant::now();
+    match request.send().await {
+        Ok(response) => {
+            let status = response.status();
+            let body: Value = response.json().await.unwrap_or(Value::Null);
+            let code = body["error"]["code"]
+                .as_str()
+                .unwrap_or_default()
+                .to_owned();
+            let answer = Answer::Status(status, code);
+            (Sent { what, at, answer }, Some(body))
+        }
+        Err(error) => {
+            let answer = Answer::Transport(format!("{error:?}"));
+            (Sent { what, at, answer }, None)
+        }
+    }
+}
+
+/// A rolling update, from the pod's side: SIGTERM while executors allocate and release, a
+/// readiness probe polls, and allocations wait on a full pool. Timing margins: the service
+/// closes its listener `DELAY` after it *handles* the signal, which is after `sigterm_at`; the
+/// test holds it to "no request fails" only for requests sent before `sigterm_at + DELAY - 1 s`
+/// (a second for a loaded machine to connect), and to "readiness is 503" only for probes sent
+/// after `sigterm_at + 1 s` (a second to handle the signal). The waiting allocations' answers
+/// are bounded from below only (the drain cannot end early), never from above.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn sigterm_under_load_keeps_serving_through_the_delay_and_answers_waiting_allocations_429_at_drain_end()
+ {
+    use std::sync::atomic::{AtomicBool, Ordering};
+    use std::time::Instant;
+    const DELAY: Duration = Duration::from_secs(4);
+    const DRAIN: Duration = Duration::from_secs(3);
+    const MARGIN: Duration = Duration::from_secs(1);
+    const WAITERS: usize = 3;
+
+    let database = TestDatabase::create().await;
+    let mut env = keyed_env(&database);
+    env.push((
+        "CREDPOOL_SHUTDOWN_DELAY_SECONDS",
+        DELAY.as_secs().to_string(),
+    ));
+    env.push((
+        "CREDPOOL_SHUTDOWN_DRAIN_SECONDS",
+        DRAIN.as_secs().to_string(),
+    ));
+    env.push(("CREDPOOL_MAX_WAIT_MS", "120000".to_owned()));
+    let serve = ServeProcess::start(BIN, &env, &[]).await;
+    let base = serve.base.clone();
+    let http = client();
+    // `busy`: one slot, held throughout, so that allocations on its pool wait; `churn-*`: the
+    // load's (16 slots for 4 executors: the load never waits)
+    let mut keys = vec![("busy".to_owned(), "busy", 1)];
+    keys.extend((0..4).map(|i| (format!("churn-{i}"), "default", 4)));
+    for (key, pool, limit) in &keys {
+        let put = http
+            .put(format!("{base}/api/admin/keys/{key}"))
+            .header("x-admin-key", ADMIN_KEY)
+            .json(
+                &json!({"provider": "openai", "pool": pool, "models": ["gpt-4o"],
+                          "max_concurrent_uses": limit, "secret": {"api_key": "sk-drain"}}),
+            )
+            .send()
+            .await
+            .unwrap();
+        assert!(put.status().is_success());
+    }
+    let allocate_url = format!("{base}/api/internal/allocate-key");
+    let held = post_json(
+        &http,
+        &allocate_url,
+        ("x-internal-key", INTERNAL_KEY),
+        json!({"provider": "openai", "model": "gpt-4o", "pool": "busy", "lease_seconds": 600}),
+    )
+    .await;
+    json_body(held, StatusCode::OK).await;
+
+    let waiters: Vec<_> = (0..WAITERS)
+        .map(|_| {
+            let request = http
+                .post(&allocate_url)
+                .header("x-internal-key", INTERNAL_KEY)
+                .json(
+                    &json!({"provider": "openai", "model": "gpt-4o", "pool": "busy",
+                              "lease_seconds": 60, "wait_ms": 120000}),
+                );
+            tokio::spawn(async move {
+                let response = request.send().await;
+                let finished = Instant::now();
+                let answer = match response {
+                    Ok(response) => {
+                        let retry_after = response.headers().get("retry-after").cloned();
+                        let status = response.status();
+                        let body: Value = response.json().await.unwrap_or(Value::Null);
+                        Ok((status, body, retry_after))
+                    }
+                    Err(error) => Err(format!("{error:?}")),
+                };
+                (finished, answer)
+            })
+        })
+        .collect();
+    let mut waiting = 0.0;
+    for _ in 0..300 {
+        let page = http
+            .get(format!("{base}/metrics"))
+            .send()
+            .await
+            .unwrap()
+            .text()
+            .await
+            .unwrap();
+        waiting = sample(&page, "credpool_allocations_waiting");
+        if waiting == WAITERS as f64 {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    assert_eq!(waiting, WAITERS as f64, "the allocations are not waiting");
+
+    // the load: executors allocate and release, a readiness probe polls; each stops at its
+    // first transport error (the listener has closed) or when told
+    let stop = Arc::new(AtomicBool::new(false));
+    let executors: Vec<_> = (0..4)
+        .map(|_| {
+            let (stop, base) = (stop.clone(), base.clone());
+            tokio::spawn(async move {
+                let http = reqwest::Client::builder()
+                    .timeout(Duration::from_secs(30))
+                    .build()
+                    .unwrap();
+                let mut sent = Vec::new();
+                while !stop.load(Ordering::SeqCst) {
+                    let allocate = http
+                        .post(format!("{base}/api/internal/allocate-key"))
+                        .header("x-internal-key", INTERNAL_KEY)
+                        .json(
+                            &json!({"provider": "openai", "model": "gpt-4o", "lease_seconds": 30}),
+                        );
+                    let (granted, lease) = send(allocate, "allocate").await;
+                    let failed = matches!(granted.answer, Answer::Transport(_));
+                    sent.push(granted);
+                    if failed {
+                        break;
+                    }
+                    if let Some(lease) = lease.filter(|l| l["lease_id"].is_string()) {
+                        let release = http
+                            .post(format!("{base}/api/internal/release-key"))
+                            .header("x-internal-key", INTERNAL_KEY)
+                            .json(&release_body(&lease, "success"));
+                        let (released, _) = send(release, "release").await;
+                        let failed = matches!(released.answer, Answer::Transport(_));
+                        sent.push(released);
+                        if failed {
+                            break;
+                        }
+                    }
+                    let (live, _) = send(http.get(format!("{base}/livez")), "livez").await;
+                    let failed = matches!(live.answer, Answer::Transport(_));
+                    sent.push(live);
+                    if failed {
+                        break;
+                    }
+                }
+                sent
+            })
+        })
+        .collect();
+    let probe = {
+        let (stop, base) = (stop.clone(), base.clone());
+        tokio::spawn(async move {
+            let http = reqwest::Client::new();
+            let mut sent = Vec::new();
+            while !stop.load(Ordering::SeqCst) {
+                let (ready, _) = send(http.get(format!("{base}/readyz")), "readyz").await;
+                let failed = matches!(ready.answer, Answer::Transport(_));
+                sent.push(ready);
+                if failed {
+                    break;
+                }
+                tokio::time::sleep(Duration::from_millis(100)).await;
+            }
+            sent
+        })
+    };
+    tokio::time::sleep(Duration::from_secs(1)).await;
+
+    let sigterm_at = Instant::now();
+    let pid = nix::unistd::Pid::from_raw(serve.child.id().unwrap() as i32);
+    nix::sys::signal::kill(pid, nix::sys::signal::Signal::SIGTERM).unwrap();
+
+    let mut answered = Vec::new();
+    for waiter in waiters {
+        answered.push(waiter.await.unwrap());
+    }
+    let mut child = serve.child;
+    let exit = tokio::time::timeout(Duration::from_secs(60), child.wait())
+        .await
+        .expect("credpool serve did not exit")
+        .unwrap();
+    stop.store(true, Ordering::SeqCst);
+    let mut load = Vec::new();
+    for executor in executors {
+        load.extend(executor.await.unwrap());
+    }
+    let probes = probe.await.unwrap();
+
+    // 1. during the delay everything is served: no request sent before the listener could have
+    //    closed failed, and the load really ran then
+    let serving_until = sigterm_at + DELAY - MARGIN;
+    for sent in load.iter().filter(|s| s.at < serving_until) {
+        let after = sent.at.saturating_duration_since(sigterm_at);
+        match &sent.answer {
+            Answer::Status(StatusCode::OK, _) => {}
+            Answer::Status(status, code) => {
+                panic!(
+                    "{} sent {after:?} after SIGTERM got {status} {code}",
+                    sent.what
+                )
+            }
+            Answer::Transport(error) => panic!(
+                "{} sent {after:?} after SIGTERM failed to connect: {error}",
+                sent.what
+            ),
+        }
+    }
+    let during_delay = load
+        .iter()
+        .filter(|s| s.at >= sigterm_at && s.at < serving_until)
+        .count();
+    assert!(
+        during_delay >= 8,
+        "only {during_delay} requests during the delay"
+    );
+
+    // 2. readiness: 200 before the signal, 503 shutting_down during the delay, never 200 again
+    assert!(
+        probes
+            .iter()
+            .any(|p| p.at < sigterm_at && matches!(p.answer, Answer::Status(StatusCode::OK, _))),
+        "never ready before SIGTERM: {probes:?}"
+    );
+    let in_delay: Vec<&Sent> = probes
+        .iter()
+        .filter(|p| p.at >= sigterm_at + MARGIN && p.at < serving_until)
+        .collect();
+    assert!(!in_delay.is_empty(), "no probe during the delay");
+    for p in in_delay {
+        match &p.answer {
+            Answer::Status(StatusCode::SERVICE_UNAVAILABLE, code) if code == "shutting_down" => {}
+            other => panic!("readiness during the delay: {other:?}"),
+        }
+    }
+    let first_not_ready = probes
+        .iter()
+        .position(|p| !matches!(p.answer, Answer::Status(StatusCode::OK, _)))
+        .expect("readiness never changed");
+    assert!(
+        probes[first_not_ready..]
+            .iter()
+            .all(|p| !matches!(p.answer, Answer::Status(StatusCode::OK, _))),
+        "ready again after SIGTERM: {probes:?}"
+    );
+
+    // 3. the waiting allocations were answered 429 (not a reset connection), once the drain
+    //    was over, and the process then exited cleanly
+    for (finished, answer) in answered {
+        let (status, body, retry_after) = answer.unwrap_or_else(|e| {
+            panic!("a waiting allocation got a transport error instead of 429: {e}")
+        });
+        assert_eq!(status, StatusCode::TOO_MANY_REQUESTS, "{body}");
+        assert_eq!(body["error"]["code"], "pool_exhausted", "{body}");
+        assert!(retry_after.is_some(), "429 without Retry-After");
+        assert!(
+            finished >= sigterm_at + DELAY + DRAIN,
+            "a waiting allocation was answered {:?} after SIGTERM, before the drain was over",
+            finished - sigterm_at
+        );
+    }
+    assert!(exit.success(), "credpool serve exited with {exit}");
+}
+
+#[tokio::test]
+async fn serve_refuses_a_secret_file_others_can_read_and_a_secret_given_both_ways() {
+    let files = tempfile::tempdir().unwrap();
+    let run = |envs: Vec<(&'static str, String)>| async move {
+        let mut command = Command::new(BIN);
+        command
+            .args(["serve", "--listen", "127.0.0.1:0"])
+            .env_remove("DATABASE_URL")
+            .env_remove("CREDPOOL_INTERNAL_KEY")
+            .env_remove("CREDPOOL_ADMIN_KEY")
+            .env("CREDPOOL_MASTER_KEY", MASTER_KEY);
+        for (name, value) in envs {
+            command.env(name, value);
+        }
+        let output = tokio::time::timeout(Duration::from_secs(60), command.output())
+            .await
+            .expect("credpool serve did not stop")
+            .unwrap();
+        assert!(!output.status.success(), "credpool serve started");
+        String::from_utf8_lossy(&output.stderr).into_owned()
+    };
+    let owner_only = secret_file(files.path(), "admin", "admin-key-value\n", 0o600);
+    let url = secret_file(
+        files.path(),
+        "url",
+        "postgres://u:url-password@127.0.0.1:1/db\n",
+        0o600,
+    );
+    for (setting, mode) in [
+        ("CREDPOOL_INTERNAL_KEY_FILE", 0o644),
+        ("DATABASE_URL_FILE", 0o604),
+    ] {
+        let readable = secret_file(files.path(), setting, "readable-secret-value\n", mode);
+        let mut envs = vec![
+            ("CREDPOOL_ADMIN_KEY_FILE", owner_only.clone()),
+            (setting, readable),
+        ];
+        if setting != "DATABASE_URL_FILE" {
+            envs.push(("DATABASE_URL_FILE", url.clone()));
+        } else {
+            envs.push(("CREDPOOL_INTERNAL_KEY", "internal-key-value".to_owned()));
+        }
+        let stderr = run(envs).await;
+        assert!(
+            stderr.contains(setting) && stderr.contains(&format!("{mode:04o}")),
+            "{stderr}"
+        );
+        assert!(stderr.contains("chmod 600"), "{stderr}");
+        for secret in ["readable-secret-value", "admin-key-value", "url-password"] {
+            assert!(!stderr.contains(secret), "{secret} in the error: {stderr}");
+        }
+    }
+    // a value and a file for the same secret: refused, whichever way each is given
+    let stderr = run(vec![
+        ("CREDPOOL_ADMIN_KEY", "admin-key-value".to_owned()),
+        ("CREDPOOL_ADMIN_KEY_FILE", owner_only.clone()),
+    ])
+    .await;
+    assert!(stderr.contains("--admin-key"), "{stderr}");
+    assert!(!stderr.contains("admin-key-value"), "{stderr}");
 }

@@ -1,4 +1,4 @@
-//! Race tests (DESIGN.md "Invariants the tests must prove"): 64 concurrent allocations of one
+//! Race tests (docs/design.md "Invariants the tests must prove"): 64 concurrent allocations of one
 //! credential give exactly `limit` winners, every round, for limits 1, 2 and 5 — through HTTP, and
 //! straight through the claim statement on 64 separate connections; 80 concurrent allocations over
 //! 100 free credentials give 80 winners on 80 distinct credentials, also while the candidate view
@@ -13,7 +13,7 @@ use reqwest::StatusCode;
 use serde_json::json;
 use tokio::sync::Barrier;
 
-use crate::helpers::*;
+use credpool_test_support::*;
 
 const RACERS: usize = 64;
 
@@ -130,6 +130,7 @@ async fn statement_race(limit: u32) {
                         holder: None,
                         lease_seconds: LeaseSeconds::parse(600, 3600).unwrap(),
                         request: None,
+                        tokens: 0,
                     };
                     barrier.wait().await;
                     let claimed = leases::claim_slot(&mut *conn, &request).await.unwrap();
@@ -249,7 +250,7 @@ async fn grouped_claims_renewals_and_releases_never_oversell() {
         db_max_connections: RACERS as u32,
         ..AppOptions::default()
     };
-    options.settings.groups = credpool::groups::GroupSettings {
+    options.settings.groups = credpool::allocator::GroupSettings {
         max_size: RACERS,
         max_wait: std::time::Duration::from_millis(20),
         transactions: 2,

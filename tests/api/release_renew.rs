@@ -1,11 +1,11 @@
-//! Release verification and renewal (DESIGN.md "The protocol", steps 3 and 4).
+//! Release verification and renewal (docs/design.md "The protocol", steps 3 and 4).
 
 use std::time::Duration;
 
 use reqwest::StatusCode;
 use serde_json::{Value, json};
 
-use crate::helpers::*;
+use credpool_test_support::*;
 
 async fn lease_on(app: &TestApp, lease_seconds: u32) -> Value {
     let body = json!({"provider": "openai", "model": "gpt-4o", "lease_seconds": lease_seconds});
@@ -292,7 +292,7 @@ async fn parallel_releases_of_one_lease_release_it_exactly_once() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_release_group_answers_each_release_as_if_it_were_alone() {
     let mut options = AppOptions::default();
-    options.settings.groups = credpool::groups::GroupSettings {
+    options.settings.groups = credpool::allocator::GroupSettings {
         max_size: 64,
         max_wait: Duration::from_millis(300),
         transactions: 1,

@@ -8,7 +8,7 @@ use std::time::Duration;
 use reqwest::StatusCode;
 use serde_json::{Value, json};
 
-use crate::helpers::*;
+use credpool_test_support::*;
 
 fn gpt4o() -> Value {
     json!({"provider": "openai", "model": "gpt-4o", "lease_seconds": 600})
@@ -362,7 +362,7 @@ async fn the_rust_usability_rule_matches_the_sql_function() {
             .await
             .unwrap();
             let now = time::OffsetDateTime::now_utc();
-            let mut health = credpool::health::Health::new(status);
+            let mut health = credpool::allocator::health::Health::new(status);
             health.cooldown_until = offset.map(|s| now + time::Duration::seconds_f64(s));
             assert_eq!(health.usable(now), usable, "{status:?} {offset:?}");
             assert_eq!(

@@ -34,7 +34,9 @@ use time::{Duration, OffsetDateTime, PrimitiveDateTime, UtcOffset};
 use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
 use tokio::net::{TcpListener, TcpStream, UnixStream};
 
-use crate::helpers::*;
+use credpool_test_support::*;
+
+use crate::BIN;
 
 const PROVIDER: &str = "clock";
 const MODEL: &str = "clock-model";
@@ -140,7 +142,7 @@ impl Service {
                 proxy = Some(started);
             }
         }
-        let serve = ServeProcess::start(&env, &[]).await;
+        let serve = ServeProcess::start(BIN, &env, &[]).await;
         if let Some(proxy) = &proxy {
             // the check above, then the service's connections (its migrations' at least)
             assert!(proxy.rewritten.load(Ordering::SeqCst) >= 2);
@@ -665,11 +667,9 @@ const GSSENC_REQUEST: u32 = 80_877_104;
 
 impl TimeZoneProxy {
     async fn start(server: &PgConnectOptions, time_zone: &'static str) -> Self {
-        let host = server.get_host();
-        let upstream = if host.starts_with('/') {
-            Upstream::Unix(format!("{host}/.s.PGSQL.{}", server.get_port()).into())
-        } else {
-            Upstream::Tcp(host.to_owned(), server.get_port())
+        let upstream = match server.get_socket() {
+            Some(dir) => Upstream::Unix(dir.join(format!(".s.PGSQL.{}", server.get_port()))),
+            None => Upstream::Tcp(server.get_host().to_owned(), server.get_port()),
         };
         let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
         let addr = listener.local_addr().unwrap();

@@ -23,7 +23,9 @@ use reqwest::StatusCode;
 use serde_json::{Value, json};
 use sqlx::PgPool;
 
-use crate::helpers::*;
+use credpool_test_support::*;
+
+use crate::BIN;
 
 /// `--request-timeout-ms`: no request is answered later than this.
 const REQUEST_TIMEOUT: Duration = Duration::from_millis(1000);
@@ -250,17 +252,7 @@ async fn executor(id: usize, service: Arc<Service>, stop: Arc<AtomicBool>) {
 
 /// The private cluster's URL for child processes (its Unix socket; no TCP port to collide).
 fn cluster_url(cluster: &EmbeddedCluster) -> String {
-    let options = cluster.connect_options();
-    let socket = options
-        .get_socket()
-        .expect("the embedded cluster listens on a socket");
-    format!(
-        "postgres://{}@localhost/{}?host={}&port={}",
-        options.get_username(),
-        embedded::DATABASE,
-        socket.display(),
-        options.get_port()
-    )
+    url_for(&cluster.connect_options(), embedded::DATABASE)
 }
 
 /// The last lines of a log file, for failure messages.
@@ -303,7 +295,7 @@ async fn a_database_restart_under_load_answers_503_in_time_loses_no_lease_and_re
         // the in-process reaper runs every second: through the outage, and after it
         ("CREDPOOL_MAINTENANCE_INTERVAL_SECONDS", "1".to_owned()),
     ];
-    let serve = ServeProcess::start_in(None, log.into(), &env, &[]).await;
+    let serve = ServeProcess::start_in(BIN, None, log.into(), &env, &[]).await;
     let service = Arc::new(Service {
         client: reqwest::Client::builder()
             .pool_max_idle_per_host(64)

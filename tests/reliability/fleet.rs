@@ -16,7 +16,7 @@ use reqwest::StatusCode;
 use serde_json::{Value, json};
 use sqlx::PgPool;
 
-use crate::helpers::*;
+use credpool_test_support::*;
 
 pub const PROVIDER: &str = "openai";
 pub const MODEL: &str = "gpt-4o";

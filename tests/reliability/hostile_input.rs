@@ -12,7 +12,7 @@ use reqwest::{Method, StatusCode};
 use serde_json::{Value, json};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 
-use crate::helpers::*;
+use credpool_test_support::*;
 
 /// The secret of the credentials under attack, also planted in hostile bodies: no answer may
 /// contain it.

@@ -9,7 +9,7 @@ use reqwest::StatusCode;
 use serde_json::{Value, json};
 use tokio::sync::Barrier;
 
-use crate::helpers::*;
+use credpool_test_support::*;
 
 /// How many copies of one release race each other.
 const DUPLICATES: usize = 16;

@@ -1,8 +1,9 @@
 //! Reliability scenario 5: orphaned leases. An executor that vanishes without releasing strands
 //! its slot until `lease_until` on the database clock, and not a moment longer or shorter: no
-//! cleanup job is needed for the slot to free (DESIGN.md "Crash insurance"), the reaper, when it
-//! runs, ends such leases in the trail as `expired`, and rejected allocations on a full credential
-//! never touch the orphan (every 4xx leaves the database unchanged).
+//! cleanup job is needed for the slot to free (crash insurance: docs/design.md "The protocol",
+//! step 5), the reaper, when it runs, ends such leases in the trail as `expired`, and rejected
+//! allocations on a full credential never touch the orphan (every 4xx leaves the database
+//! unchanged).
 //!
 //! The in-process app runs no cleanup of its own (only `credpool serve` schedules one), so every
 //! slot that frees here is freed by the claim itself, until a test runs the reaper by hand.
@@ -14,7 +15,7 @@ use reqwest::StatusCode;
 use serde_json::{Value, json};
 use time::OffsetDateTime;
 
-use crate::helpers::*;
+use credpool_test_support::*;
 
 /// The database clock.
 async fn db_now(app: &TestApp) -> OffsetDateTime {

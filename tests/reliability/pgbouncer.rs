@@ -23,7 +23,9 @@ use sqlx::postgres::PgConnectOptions;
 use tokio::process::{Child, Command};
 use tokio::sync::Barrier;
 
-use crate::helpers::*;
+use credpool_test_support::*;
+
+use crate::BIN;
 
 const RACERS: usize = 64;
 const LIMITS: [u32; 3] = [1, 2, 5];
@@ -99,7 +101,11 @@ impl Bouncer {
              max_client_conn = 1000\n\
              ignore_startup_parameters = extra_float_digits\n\
              logfile = {dir}/pgbouncer.log\n",
-            host = server.get_host(),
+            // a socket directory, for a server that has no TCP port
+            host = server.get_socket().map_or_else(
+                || server.get_host().to_owned(),
+                |dir| dir.display().to_string()
+            ),
             server_port = server.get_port(),
             dir = dir.path().display(),
         );
@@ -402,7 +408,7 @@ async fn serve_processes_through_pgbouncer_race_renew_and_release_without_overse
     env.push(("CREDPOOL_DB_POOLER", "transaction".to_owned()));
     let mut processes = Vec::new();
     for _ in 0..3 {
-        processes.push(ServeProcess::start(&env, &[]).await);
+        processes.push(ServeProcess::start(BIN, &env, &[]).await);
     }
     let bases: Vec<String> = processes.iter().map(|p| p.base.clone()).collect();
     let direct = database.pool(2).await;
@@ -423,7 +429,7 @@ async fn serve_processes_through_pgbouncer_race_renew_and_release_without_overse
             "a replica did not stop cleanly"
         );
     }
-    let (ok, output) = audit_verify(&database).await;
+    let (ok, output) = audit_verify(BIN, &database).await;
     assert!(ok, "credpool audit verify failed:\n{output}");
 }
 
@@ -536,7 +542,7 @@ async fn pooler_mode_start_up_refuses_pending_migrations_and_skips_applied_ones(
         .execute(&direct)
         .await
         .unwrap();
-    let process = ServeProcess::start(&env, &[]).await;
+    let process = ServeProcess::start(BIN, &env, &[]).await;
     let ready = client()
         .get(format!("{}/readyz", process.base))
         .send()

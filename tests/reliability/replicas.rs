@@ -8,7 +8,9 @@ use reqwest::StatusCode;
 use serde_json::{Value, json};
 
 use crate::fleet::{self, Fleet, Plan, Replicas};
-use crate::helpers::*;
+use credpool_test_support::*;
+
+use crate::BIN;
 
 /// How long the bounded fleet runs, in seconds: `CREDPOOL_RELIABILITY_SECONDS`, default 20.
 fn run_seconds() -> u64 {
@@ -33,7 +35,7 @@ fn replica_env(database: &TestDatabase) -> Vec<(&'static str, String)> {
 async fn start_replicas(env: &[(&'static str, String)], n: usize) -> Vec<ServeProcess> {
     let mut replicas = Vec::new();
     for _ in 0..n {
-        replicas.push(ServeProcess::start(env, &[]).await);
+        replicas.push(ServeProcess::start(BIN, env, &[]).await);
     }
     replicas
 }
@@ -57,7 +59,7 @@ async fn assert_clean_run(report: &fleet::Report, database: &TestDatabase) {
         report.exhausted > 0,
         "no executor ever found the pool full: {report:?}"
     );
-    let (ok, output) = audit_verify(database).await;
+    let (ok, output) = audit_verify(BIN, database).await;
     assert!(ok, "credpool audit verify failed:\n{output}");
     let db = database.pool(2).await;
     let broken = fleet::trail_inconsistencies(&db).await;
@@ -93,7 +95,7 @@ async fn three_replicas_under_a_sustained_fleet_never_oversell_even_when_one_res
         old.terminate().await.success(),
         "replica 0 did not stop cleanly"
     );
-    let new = ServeProcess::start(&env, &[]).await;
+    let new = ServeProcess::start(BIN, &env, &[]).await;
     replicas.add(new.base.clone());
     processes.push(new);
 

@@ -11,7 +11,9 @@
 use std::time::Duration;
 
 use crate::fleet::{self, Fleet, Plan, Replicas};
-use crate::helpers::*;
+use credpool_test_support::*;
+
+use crate::BIN;
 
 /// The reaper's interval in the soaked service, in seconds.
 const REAPER_SECONDS: u64 = 5;
@@ -24,7 +26,7 @@ async fn soak(duration: Duration) {
         "CREDPOOL_MAINTENANCE_INTERVAL_SECONDS",
         REAPER_SECONDS.to_string(),
     ));
-    let service = ServeProcess::start(&env, &[]).await;
+    let service = ServeProcess::start(BIN, &env, &[]).await;
     let pid = service.child.id().expect("service pid");
     let http = client();
     let limits = fleet::put_credentials(&http, &service.base, "soak", &[1, 2, 3], 6).await;
@@ -96,7 +98,7 @@ async fn soak(duration: Duration) {
         reaped > 0,
         "crashed executors' leases never ended as expired in the trail"
     );
-    let (ok, output) = audit_verify(&database).await;
+    let (ok, output) = audit_verify(BIN, &database).await;
     assert!(ok, "credpool audit verify failed:\n{output}");
     let broken = fleet::trail_inconsistencies(&db).await;
     assert!(broken.is_empty(), "trail and slots disagree: {broken:?}");

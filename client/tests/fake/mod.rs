@@ -5,7 +5,7 @@
 use std::collections::{HashMap, VecDeque};
 use std::net::SocketAddr;
 use std::sync::{Arc, Mutex};
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use axum::Router;
 use axum::body::{Body, Bytes};
@@ -79,7 +79,9 @@ impl Reply {
     }
 }
 
-/// A well-formed allocate answer, as the fake gives by default.
+/// A well-formed allocate answer, as the fake gives by default: granted for `lease_seconds`
+/// (the request's, else 35), which the answer says, as today's server does. Remove the field to
+/// act out an older server.
 pub fn grant(lease_seconds: i64) -> Value {
     json!({
         "key_id": "key-1",
@@ -90,6 +92,7 @@ pub fn grant(lease_seconds: i64) -> Value {
         "provider_model": "gpt-4o-2024-08-06",
         "lease_until": in_seconds(lease_seconds),
         "probe": false,
+        "lease_seconds": lease_seconds,
         "credential": {"api_key": SECRET},
     })
 }
@@ -104,6 +107,8 @@ fn in_seconds(seconds: i64) -> String {
 #[derive(Debug, Clone)]
 pub struct Recorded {
     pub route: Route,
+    /// When the fake got it.
+    pub at: Instant,
     pub body: Value,
     pub internal_key: Option<String>,
 }
@@ -203,6 +208,7 @@ async fn answer(
         let mut script = script.lock().expect("not poisoned");
         script.recorded.push(Recorded {
             route,
+            at: Instant::now(),
             body: body.clone(),
             internal_key: headers
                 .get("x-internal-key")

@@ -1,0 +1,86 @@
+"""credpool-client: lease upstream credentials from credpool.
+
+An executor asks credpool for a credential, gets a *lease* (one concurrency slot of one
+credential, renewed in the background while the work runs), and leaves the block to release it
+with the outcome of the upstream call::
+
+    from credpool import AsyncClient, PoolExhausted
+
+    async with AsyncClient("http://127.0.0.1:8080", internal_key=KEY) as client:
+        async with client.lease("openai", "gpt-4o", holder="worker-7", wait=5.0) as lease:
+            api_key = lease.credential["api_key"]
+            ...
+
+:class:`Client` is the synchronous twin. Errors are one class per API error code under
+:class:`CredpoolError` (:mod:`credpool.errors`); :func:`outcome_for` turns an openai or
+anthropic SDK exception into the outcome to report.
+"""
+
+from ._async import AsyncClient, AsyncLease
+from ._lease import Credential, Lease, Released
+from ._protocol import DEFAULT_LEASE_SECONDS, MAX_RETRY_AFTER_SECONDS, OUTCOMES, RetryPolicy
+from ._sync import Client, SyncLease
+from ._version import __version__
+from .errors import (
+    ApiError,
+    CredentialNotFound,
+    CredpoolError,
+    Forbidden,
+    InternalError,
+    InvalidRequest,
+    LeaseLost,
+    MethodNotAllowed,
+    ModelNotSupported,
+    NoUsableCredentials,
+    PayloadTooLarge,
+    PoolExhausted,
+    PoolNotFound,
+    RequestIdConflict,
+    RouteNotFound,
+    StoreUnavailable,
+    TokensExceedBudget,
+    TransportError,
+    Unauthorized,
+    UnexpectedResponse,
+    UnsupportedMediaType,
+)
+from .outcomes import Outcome, outcome_for, retry_after_of
+
+__all__ = [
+    "DEFAULT_LEASE_SECONDS",
+    "MAX_RETRY_AFTER_SECONDS",
+    "OUTCOMES",
+    "ApiError",
+    "AsyncClient",
+    "AsyncLease",
+    "Client",
+    "Credential",
+    "CredentialNotFound",
+    "CredpoolError",
+    "Forbidden",
+    "InternalError",
+    "InvalidRequest",
+    "Lease",
+    "LeaseLost",
+    "MethodNotAllowed",
+    "ModelNotSupported",
+    "NoUsableCredentials",
+    "Outcome",
+    "PayloadTooLarge",
+    "PoolExhausted",
+    "PoolNotFound",
+    "Released",
+    "RequestIdConflict",
+    "RetryPolicy",
+    "RouteNotFound",
+    "StoreUnavailable",
+    "SyncLease",
+    "TokensExceedBudget",
+    "TransportError",
+    "Unauthorized",
+    "UnexpectedResponse",
+    "UnsupportedMediaType",
+    "__version__",
+    "outcome_for",
+    "retry_after_of",
+]

@@ -1,0 +1,518 @@
+"""What the async and the sync client share, with no I/O: request bodies, the parsing of answers,
+the error an answer stands for, the retry schedule and the renewal schedule.
+
+Answers are read as JSON and picked apart by hand, so that a parse error can name the field that
+was wrong without quoting its value (the value may be a secret).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import random
+import re
+from dataclasses import dataclass, field
+from datetime import datetime, timedelta, timezone
+from typing import Any, Callable, Dict, Iterator, Mapping, Optional, Tuple
+
+import httpx
+
+from .errors import (
+    ERRORS_BY_CODE,
+    ApiError,
+    CredpoolError,
+    PoolExhausted,
+    StoreUnavailable,
+    TransportError,
+    UnexpectedResponse,
+)
+
+#: The lease length, in seconds, the client schedules renewals by when neither the allocate
+#: answer nor the ``lease_seconds`` argument gives one: the server's default. Servers that send
+#: ``lease_seconds`` in the allocate answer are always taken at their word (their default is
+#: 35 s, or their ``--max-lease-seconds`` if that is lower); with an older server whose maximum
+#: is below 35, give ``lease_seconds`` explicitly.
+DEFAULT_LEASE_SECONDS = 35
+
+#: The longest lease length an allocate answer may state, in seconds: 2**32 - 1, as the Rust
+#: client (the server's own limit is a day).
+MAX_GRANTED_SECONDS = 2**32 - 1
+
+#: The longest ``retry_after_seconds`` a release may carry: 31 days (the server's limit; longer
+#: rests are cut to this).
+MAX_RETRY_AFTER_SECONDS = 31 * 86_400
+
+#: Renewals never come closer together than this, whatever the lease length and renew fraction.
+MIN_RENEW_INTERVAL = 0.2
+
+#: The renewal gives up this long before the lease's local end, at most: a tenth of the lease,
+#: capped at 2 s, so that work is told to stop while the lease still holds.
+MAX_RENEW_MARGIN = 2.0
+
+#: The shortest timeout a renewal attempt gets, even when the lease's local end is nearer: the
+#: local deadline is conservative and the lease may still be alive on the server.
+MIN_ATTEMPT_TIMEOUT = 0.2
+
+#: A 429 that came back sooner than this after the request was sent was not held by the server
+#: (an older server, or one that knows nothing frees in time): the client pauses before asking
+#: again instead of spinning.
+HELD_AT_LEAST = 0.1
+
+#: The longest ``wait`` a lease request may ask for; longer ones are cut to this (24 h).
+MAX_WAIT = 86_400.0
+
+#: The outcomes a release may report (README "Release, with the outcome").
+OUTCOMES = frozenset({"success", "failure", "rate_limited", "auth_error", "quota_exhausted"})
+
+#: The outcomes that may carry a ``retry_after``.
+OUTCOMES_WITH_RETRY_AFTER = frozenset({"rate_limited", "quota_exhausted"})
+
+ALLOCATE_ROUTE = "api/internal/allocate-key"
+RENEW_ROUTE = "api/internal/renew-lease"
+RELEASE_ROUTE = "api/internal/release-key"
+
+
+@dataclass(frozen=True)
+class RetryPolicy:
+    """How the client retries a 503 ``store_unavailable`` or a transport error: capped
+    exponential backoff with jitter.
+
+    The n-th sleep is ``base_delay * 2**(n-1)`` seconds, capped at ``max_delay``, plus a random
+    jitter of up to the same amount again (so a sleep is at most ``2 * max_delay``). Retries stop
+    at whichever comes first of ``max_retries`` and ``max_elapsed`` (seconds from the first
+    attempt; no retry starts whose sleep would end past it); at least one must be set.
+    """
+
+    #: The first sleep, seconds.
+    base_delay: float = 0.1
+    #: The longest sleep before jitter, seconds.
+    max_delay: float = 5.0
+    #: The most retries after the first attempt; ``None`` for no limit by count.
+    max_retries: Optional[int] = None
+    #: Seconds from the first attempt after which no retry starts; ``None`` for no limit by time.
+    max_elapsed: Optional[float] = 30.0
+
+    def __post_init__(self) -> None:
+        if not self.base_delay > 0:
+            raise ValueError("retry base_delay must be positive")
+        if not self.max_delay >= self.base_delay:
+            raise ValueError("retry max_delay must be at least base_delay")
+        if self.max_retries is None and self.max_elapsed is None:
+            raise ValueError("a retry policy needs max_retries or max_elapsed")
+        if self.max_retries is not None and self.max_retries < 0:
+            raise ValueError("retry max_retries must not be negative")
+
+    def delays(self, rng: Optional[random.Random] = None) -> Iterator[float]:
+        """The sleeps before each retry, in seconds, ignoring ``max_elapsed`` (endless when
+        ``max_retries`` is ``None``)."""
+        uniform = (rng or random).uniform
+        n = 0
+        while self.max_retries is None or n < self.max_retries:
+            delay = min(self.base_delay * 2.0 ** min(n, 64), self.max_delay)
+            yield delay + uniform(0.0, delay)
+            n += 1
+
+
+def renew_schedule(lease_seconds: float, fraction: float) -> Tuple[float, float]:
+    """``(interval, margin)`` in seconds for a lease of ``lease_seconds``: renew every
+    ``lease_seconds * fraction`` (at least :data:`MIN_RENEW_INTERVAL`), and count the lease as
+    ending ``margin`` (a tenth of the lease, at most :data:`MAX_RENEW_MARGIN`) before its local
+    end."""
+    interval = max(lease_seconds * fraction, MIN_RENEW_INTERVAL)
+    margin = min(lease_seconds / 10.0, MAX_RENEW_MARGIN)
+    return interval, margin
+
+
+def whole_seconds(seconds: float) -> int:
+    """``seconds`` as whole seconds for ``retry_after_seconds``: rounded up, at least 0, at most
+    :data:`MAX_RETRY_AFTER_SECONDS`."""
+    if math.isnan(seconds) or seconds <= 0:
+        return 0
+    if math.isinf(seconds) or seconds >= MAX_RETRY_AFTER_SECONDS:
+        return MAX_RETRY_AFTER_SECONDS
+    return min(math.ceil(seconds), MAX_RETRY_AFTER_SECONDS)
+
+
+def check_report(outcome: str, retry_after: Optional[float], usage_tokens: Optional[int]) -> None:
+    """Raises ``ValueError`` for an outcome the server does not know, a ``retry_after`` with an
+    outcome that cannot carry one or below zero, or a ``usage_tokens`` that is not a count."""
+    if outcome not in OUTCOMES:
+        raise ValueError(f"outcome must be one of {sorted(OUTCOMES)}, not {outcome!r}")
+    if retry_after is not None:
+        if outcome not in OUTCOMES_WITH_RETRY_AFTER:
+            raise ValueError("retry_after goes only with rate_limited or quota_exhausted")
+        if isinstance(retry_after, bool) or not isinstance(retry_after, (int, float)):
+            raise ValueError("retry_after must be a number of seconds")
+        if math.isnan(retry_after) or retry_after < 0:
+            raise ValueError("retry_after must be zero or more seconds")
+    _check_count("usage_tokens", usage_tokens)
+
+
+def _check_count(name: str, value: Optional[int]) -> None:
+    if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 0):
+        raise ValueError(f"{name} must be a whole number of tokens, zero or more")
+
+
+def check_lease_args(
+    lease_seconds: Optional[int], wait: Optional[float], tokens: Optional[int]
+) -> None:
+    """Raises ``ValueError`` for arguments of ``lease()`` no server can take."""
+    if lease_seconds is not None and (
+        isinstance(lease_seconds, bool) or not isinstance(lease_seconds, int) or lease_seconds < 1
+    ):
+        raise ValueError("lease_seconds must be a whole number of seconds, at least 1")
+    if wait is not None and (
+        isinstance(wait, bool) or not isinstance(wait, (int, float)) or not wait >= 0
+    ):
+        raise ValueError("wait must be zero or more seconds")
+    _check_count("tokens", tokens)
+
+
+def allocate_body(
+    *,
+    provider: str,
+    model: str,
+    pool: str,
+    lease_seconds: Optional[int],
+    holder: Optional[str],
+    request_id: str,
+    wait_ms: Optional[int],
+    tokens: Optional[int],
+) -> Dict[str, Any]:
+    """The ``POST /api/internal/allocate-key`` body. Optional fields are left out when unset:
+    the server refuses unknown fields, so ``tokens`` (rate windows) is sent only when given."""
+    body: Dict[str, Any] = {"provider": provider, "model": model, "pool": pool}
+    if lease_seconds is not None:
+        body["lease_seconds"] = lease_seconds
+    if holder is not None:
+        body["holder"] = holder
+    body["request_id"] = request_id
+    if wait_ms is not None:
+        body["wait_ms"] = wait_ms
+    if tokens is not None:
+        body["tokens"] = tokens
+    return body
+
+
+@dataclass(frozen=True)
+class LeaseRef:
+    """What names a lease in renew and release: all four values the grant returned, and its
+    fence."""
+
+    provider: str
+    pool: str
+    key_id: str
+    lease_id: str
+    fence: int
+
+    def body(self) -> Dict[str, Any]:
+        return {
+            "provider": self.provider,
+            "pool": self.pool,
+            "key_id": self.key_id,
+            "lease_id": self.lease_id,
+            "fence": self.fence,
+        }
+
+
+def renew_body(ref: LeaseRef, lease_seconds: Optional[int]) -> Dict[str, Any]:
+    """The ``POST /api/internal/renew-lease`` body: the lease, its fence, and the same
+    ``lease_seconds`` the allocate asked for (left out when it asked for none: the server then
+    extends by the length it granted)."""
+    body = ref.body()
+    if lease_seconds is not None:
+        body["lease_seconds"] = lease_seconds
+    return body
+
+
+def release_body(
+    ref: LeaseRef, outcome: str, retry_after: Optional[float], usage_tokens: Optional[int]
+) -> Dict[str, Any]:
+    """The ``POST /api/internal/release-key`` body: the lease, its fence, the outcome, and
+    ``retry_after_seconds`` (whole seconds, rounded up) when given with ``rate_limited`` or
+    ``quota_exhausted``; ``"usage": {"tokens": N}`` (rate windows) only when ``usage_tokens`` is
+    given."""
+    body = ref.body()
+    body["outcome"] = outcome
+    if retry_after is not None and outcome in OUTCOMES_WITH_RETRY_AFTER:
+        body["retry_after_seconds"] = whole_seconds(retry_after)
+    if usage_tokens is not None:
+        body["usage"] = {"tokens": usage_tokens}
+    return body
+
+
+@dataclass(frozen=True)
+class Answer:
+    """An HTTP answer, read whole. ``repr()`` leaves out the body, which may hold a credential."""
+
+    status: int
+    body: bytes = field(repr=False)
+    retry_after: Optional[str] = None
+    request_id: Optional[str] = None
+
+    @classmethod
+    def of(cls, response: httpx.Response) -> Answer:
+        return cls(
+            status=response.status_code,
+            body=response.content,
+            retry_after=response.headers.get("retry-after"),
+            request_id=response.headers.get("x-request-id"),
+        )
+
+
+@dataclass(frozen=True)
+class Granted:
+    """A 200 answer to allocate, checked. ``repr()`` leaves out the credential."""
+
+    ref: LeaseRef
+    provider_model: str
+    lease_until: datetime
+    probe: bool
+    #: The length, in seconds, the server granted the lease for (and extends it by on each
+    #: renewal that names none); ``None`` from servers that do not send it.
+    lease_seconds: Optional[int]
+    #: Always a JSON object.
+    credential: Dict[str, Any] = field(repr=False)
+
+
+_RFC3339 = re.compile(
+    r"(\d{4})-(\d{2})-(\d{2})[Tt ](\d{2}):(\d{2}):(\d{2})(?:\.(\d+))?"
+    r"(?:([Zz])|([+-])(\d{2}):(\d{2}))$"
+)
+
+
+def parse_rfc3339(text: str) -> datetime:
+    """An RFC 3339 timestamp (``2026-11-29T21:15:29.52241Z``) as an aware ``datetime``.
+    ``datetime.fromisoformat`` takes neither ``Z`` nor 1-5 or 7-9 fraction digits before
+    Python 3.11. Raises ``ValueError``."""
+    match = _RFC3339.match(text)
+    if match is None:
+        raise ValueError("not an RFC 3339 timestamp")
+    year, month, day, hour, minute, second = (int(match.group(i)) for i in range(1, 7))
+    fraction = match.group(7) or "0"
+    microsecond = int((fraction + "000000")[:6])
+    if match.group(8):
+        tz = timezone.utc
+    else:
+        offset = timedelta(hours=int(match.group(10)), minutes=int(match.group(11)))
+        tz = timezone(offset if match.group(9) == "+" else -offset)
+    return datetime(year, month, day, hour, minute, min(second, 59), microsecond, tzinfo=tz)
+
+
+def _object_of(answer: Answer) -> Dict[str, Any]:
+    try:
+        value = json.loads(answer.body)
+    except ValueError:
+        # json's messages quote a little of the input: say only that it was not JSON.
+        raise _unexpected(answer, "the body is not JSON") from None
+    if not isinstance(value, dict):
+        raise _unexpected(answer, "the body is JSON but not an object")
+    return value
+
+
+def _unexpected(answer: Answer, detail: str) -> UnexpectedResponse:
+    return UnexpectedResponse(answer.status, detail, request_id=answer.request_id)
+
+
+def _text(answer: Answer, obj: Mapping[str, Any], field: str) -> str:
+    value = obj.get(field)
+    if not isinstance(value, str):
+        raise _unexpected(answer, f"field `{field}` is missing or not a string")
+    return value
+
+
+def _instant(answer: Answer, obj: Mapping[str, Any], field: str) -> datetime:
+    try:
+        return parse_rfc3339(_text(answer, obj, field))
+    except ValueError:
+        raise _unexpected(answer, f"field `{field}` is not an RFC 3339 timestamp") from None
+
+
+_HEX32 = re.compile(r"[0-9A-Fa-f]{32}")
+
+
+def parse_granted(answer: Answer) -> Granted:
+    """Parses a 200 answer to allocate. The error names the field that was wrong, never its
+    value. Raises :class:`UnexpectedResponse`."""
+    obj = _object_of(answer)
+    credential = obj.get("credential")
+    if not isinstance(credential, dict):
+        raise _unexpected(answer, "field `credential` is missing or not a JSON object")
+    lease_id = _text(answer, obj, "lease_id")
+    if _HEX32.fullmatch(lease_id) is None:
+        raise _unexpected(answer, "field `lease_id` is not 32 hex digits")
+    fence = obj.get("fence")
+    if isinstance(fence, bool) or not isinstance(fence, int) or fence <= 0:
+        raise _unexpected(answer, "field `fence` is missing or not a positive integer")
+    key_id = _text(answer, obj, "key_id")
+    if not key_id:
+        raise _unexpected(answer, "field `key_id` is empty")
+    probe = obj.get("probe")
+    if not isinstance(probe, bool):
+        raise _unexpected(answer, "field `probe` is missing or not a boolean")
+    # Absent from servers older than the field; when present, a positive integer.
+    lease_seconds = obj.get("lease_seconds")
+    if "lease_seconds" in obj and (
+        isinstance(lease_seconds, bool)
+        or not isinstance(lease_seconds, int)
+        or not 0 < lease_seconds <= MAX_GRANTED_SECONDS
+    ):
+        raise _unexpected(answer, "field `lease_seconds` is not a positive integer below 2^32")
+    return Granted(
+        ref=LeaseRef(
+            provider=_text(answer, obj, "provider"),
+            pool=_text(answer, obj, "pool"),
+            key_id=key_id,
+            lease_id=lease_id,
+            fence=fence,
+        ),
+        provider_model=_text(answer, obj, "provider_model"),
+        lease_until=_instant(answer, obj, "lease_until"),
+        probe=probe,
+        lease_seconds=lease_seconds,
+        credential=credential,
+    )
+
+
+def parse_renewed(answer: Answer) -> datetime:
+    """Parses a 200 answer to renew: the lease's new end. Raises :class:`UnexpectedResponse`."""
+    return _instant(answer, _object_of(answer), "lease_until")
+
+
+def parse_released(answer: Answer) -> Tuple[bool, Optional[str]]:
+    """Parses a 200 answer to release: ``(released, reason)``. Raises
+    :class:`UnexpectedResponse`."""
+    obj = _object_of(answer)
+    released = obj.get("released")
+    if not isinstance(released, bool):
+        raise _unexpected(answer, "field `released` is missing or not a boolean")
+    reason = obj.get("reason")
+    if reason is not None and not isinstance(reason, str):
+        raise _unexpected(answer, "field `reason` is not a string")
+    return released, reason
+
+
+def parse_retry_after(header: Optional[str]) -> float:
+    """A 429's ``Retry-After`` in whole seconds, at least 1. A missing header, an HTTP date or
+    anything else that is not a number of seconds counts as 1 s: credpool always sends seconds."""
+    try:
+        seconds = int((header or "").strip())
+    except ValueError:
+        return 1.0
+    return float(max(seconds, 1))
+
+
+def error_of(answer: Answer, scrub: Callable[[str], str]) -> CredpoolError:
+    """The error an answer other than 200 stands for. Server messages go through ``scrub``
+    (which removes the internal key) before they are kept."""
+    code, message = None, ""
+    try:
+        value = json.loads(answer.body)
+    except ValueError:
+        value = None
+    if isinstance(value, dict) and isinstance(value.get("error"), dict):
+        raw_code = value["error"].get("code")
+        raw_message = value["error"].get("message")
+        if isinstance(raw_code, str) and raw_code:
+            code = raw_code
+            message = raw_message if isinstance(raw_message, str) else ""
+    if code is None:
+        if answer.status in (502, 503, 504):
+            return TransportError(
+                f"HTTP {answer.status} from a proxy (no credpool error body)",
+                kind="gateway",
+                status=answer.status,
+            )
+        return _unexpected(answer, 'the body is not a credpool error (`{"error":{"code",...}}`)')
+    message = scrub(message)
+    cls = ERRORS_BY_CODE.get(code)
+    if cls is PoolExhausted:
+        return PoolExhausted(
+            message,
+            retry_after=parse_retry_after(answer.retry_after),
+            status=answer.status,
+            request_id=answer.request_id,
+        )
+    if cls is None:
+        return ApiError(
+            message, status=answer.status, code=scrub(code), request_id=answer.request_id
+        )
+    return cls(message, status=answer.status, request_id=answer.request_id)
+
+
+def transport_error(error: httpx.HTTPError) -> TransportError:
+    """A transport error for an exception of httpx, which is kept as the ``__cause__``; the
+    message is httpx's own, which never holds request headers (so never the internal key)."""
+    detail = str(error) or type(error).__name__
+    if isinstance(error, httpx.TimeoutException):
+        return TransportError(f"timed out ({detail})", kind="timeout")
+    if isinstance(error, httpx.ConnectError):
+        return TransportError(f"could not connect ({detail})", kind="connect")
+    if isinstance(error, (httpx.NetworkError, httpx.RemoteProtocolError)):
+        return TransportError(f"the connection failed mid-request ({detail})", kind="connection")
+    return TransportError(f"the request failed ({detail})", kind="other")
+
+
+def retried_by_client(error: CredpoolError) -> bool:
+    """True for the failures the client itself retries with backoff: a 503 and a transport error
+    may not have reached the store, and every request is safe to repeat (allocate carries a
+    ``request_id``; renew and release are idempotent)."""
+    if isinstance(error, StoreUnavailable):
+        return True
+    return isinstance(error, TransportError) and error.kind != "other"
+
+
+def scrubber(secret: str) -> Callable[[str], str]:
+    """A function that replaces ``secret`` in a text with ``<redacted>``."""
+
+    def scrub(text: str) -> str:
+        return text.replace(secret, "<redacted>") if secret and secret in text else text
+
+    return scrub
+
+
+def join_route(base_url: str, route: str) -> str:
+    """``route`` joined onto ``base_url``, keeping the base's path prefix
+    (``http://host/credpool`` + ``api/...``); the base's query and fragment are dropped."""
+    url = httpx.URL(base_url)
+    if url.scheme not in ("http", "https"):
+        raise ValueError(
+            f"the base URL must be http:// or https://, not {url.scheme or 'no scheme'}"
+        )
+    if not url.host:
+        raise ValueError("the base URL has no host")
+    path = url.path if url.path.endswith("/") else url.path + "/"
+    return str(url.copy_with(path=path + route, query=None, fragment=None))
+
+
+class Config:
+    """Checked settings, shared by both clients."""
+
+    def __init__(
+        self,
+        base_url: str,
+        internal_key: str,
+        timeout: float,
+        retry: Optional[RetryPolicy],
+        renew_fraction: float,
+    ) -> None:
+        if not isinstance(internal_key, str) or not internal_key:
+            raise ValueError("the internal key is empty")
+        if any(c in internal_key for c in "\r\n\0"):
+            raise ValueError("the internal key has characters an HTTP header cannot carry")
+        if not timeout > 0:
+            raise ValueError("the timeout must be positive seconds")
+        if not 0.0 < renew_fraction < 1.0:
+            raise ValueError("renew_fraction must be in (0, 1)")
+        self.base_url = base_url
+        self.allocate_url = join_route(base_url, ALLOCATE_ROUTE)
+        self.renew_url = join_route(base_url, RENEW_ROUTE)
+        self.release_url = join_route(base_url, RELEASE_ROUTE)
+        self.headers = {"x-internal-key": internal_key}
+        self.scrub = scrubber(internal_key)
+        self.timeout = float(timeout)
+        self.retry = retry if retry is not None else RetryPolicy()
+        self.renew_fraction = renew_fraction
+
+    def __repr__(self) -> str:
+        return f"Config(base_url={self.base_url!r})"

@@ -1,0 +1,548 @@
+//! Group claiming: group commit for leases.
+//!
+//! Every state change is one PostgreSQL transaction, and a durable commit costs a WAL flush: with
+//! one transaction per request, the flushes, not Rust or HTTP, cap the requests per second
+//! (issue 7 measured about 1,000 claim-and-release cycles/s on two cores). So claims, releases
+//! and renewals that arrive while a transaction of their kind is in flight are queued, and the
+//! next free group worker runs all of them, each with its own statement and its own result, in
+//! ONE transaction with ONE commit. No request is answered before its group has committed, so a
+//! lease is never reported that a crash could take back, and if the group's transaction fails
+//! every request of it gets the error (503): nothing is half-written.
+//!
+//! A lone request waits for nothing: an idle worker takes it at once (groups form only from
+//! requests that arrive while the workers are busy, unless [`GroupSettings::max_wait`] asks for
+//! more), and a group of one runs as it would ungrouped.
+//!
+//! # Why grouped claims cannot oversell
+//! Each claim is the same statement as ungrouped (in `credpool_claim`), and its argument
+//! does not depend on transaction boundaries: a lease exists only inside the slot row that holds
+//! it, and the claim takes that row's lock, which stays held until the group commits. A later
+//! claim of the same group sees the earlier claims' writes (same transaction), so it never takes
+//! a slot the group already filled; a claim in another transaction skips the locked row (SKIP
+//! LOCKED) or, if it meets the row after the commit, re-checks it and finds it taken. Expiry is
+//! judged on `statement_timestamp()`, not on the group's start time.
+//!
+//! # Why grouped operations cannot deadlock
+//! A deadlock needs a cycle of transactions each waiting for a lock another holds. Every kind of
+//! group is one call of its SQL function (`sql/lease.sql`), and those follow one lock order
+//! (docs/design.md, "Lock order"):
+//! - A claim group never waits for a lock: each claim takes its slot row (and, for a credential
+//!   with rate windows, its lease_windows row) with SKIP LOCKED, request ids' advisory locks with
+//!   a try-lock, and writes nothing else that another transaction holds (the credential row is
+//!   only read; trail rows are fresh inserts). A claim group is therefore in no cycle, whatever
+//!   the order of its claims.
+//! - A release group locks its leases' slot rows in ascending (key_id, slot) order in one
+//!   statement, then the lease_windows rows of the usage it reports in ascending key_id order,
+//!   then trail rows guarded by unique indexes in lease_id order, then the credential rows of the
+//!   outcomes in ascending key_id order in one statement. A renewal group locks its leases' slot
+//!   rows in ascending (key_id, slot) order in one statement. Every other transaction (operator
+//!   changes, refits, the cleanup pass) takes slot rows, then lease_windows rows, then credential
+//!   rows, each kind sorted; pool versions are per backend and never waited for. Transactions
+//!   that take their locks in one global order cannot form a cycle.
+//!
+//! If PostgreSQL nevertheless aborts a group (a timeout, a lost connection), the whole group is
+//! rolled back and every request in it is answered 503.
+
+use std::sync::Arc;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::time::Duration;
+
+use futures::future::BoxFuture;
+use sqlx::PgConnection;
+use time::OffsetDateTime;
+use tokio::sync::{Mutex, mpsc, oneshot};
+
+use super::health::HealthPolicy;
+use super::waiting::Waits;
+use crate::domain::{Holder, KeyId, LeaseId, LeaseSeconds, ModelName, PoolName, ProviderName};
+use crate::store::leases::{
+    self, ClaimRequest, ClaimResult, LeaseRef, ReleaseRequest, ReleaseResult, RequestKey,
+    StagedRelease,
+};
+use crate::store::{Conn, Db};
+
+/// How operations are grouped into transactions.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct GroupSettings {
+    /// Most operations in one transaction; 1 turns grouping off.
+    pub max_size: usize,
+    /// How long a group waits for more operations once it has its first, while another group of
+    /// its kind is in flight (a lone operation never waits); zero: it takes what is queued and
+    /// leaves at once.
+    pub max_wait: Duration,
+    /// Group transactions of one kind (claims, releases, renewals) in flight at once, per
+    /// process; each holds one database connection while it runs.
+    pub transactions: usize,
+}
+
+impl Default for GroupSettings {
+    /// Up to 64 operations per transaction, a wait of 300 µs for company while another group of
+    /// the kind runs, 4 transactions of each kind at once.
+    ///
+    /// The wait: under load each commit waits for its WAL flush anyway, and a group that leaves
+    /// with the one or two operations queued at that instant makes more, smaller commits than the
+    /// flushes can keep up with; gathering for 300 µs made a 64-executor benchmark a third
+    /// faster (README, "Performance"). Without other groups in flight there is no queue to wait
+    /// for, so a lone request is not delayed.
+    fn default() -> Self {
+        Self {
+            max_size: 64,
+            max_wait: Duration::from_micros(300),
+            transactions: 4,
+        }
+    }
+}
+
+/// The group queues of one service process: claims, releases and renewals. Cheap to clone; the
+/// workers stop when the last clone is dropped.
+#[derive(Debug, Clone)]
+pub struct Groups {
+    claims: Queue<Claim>,
+    releases: Queue<Release>,
+    renewals: Queue<Renewal>,
+}
+
+impl Groups {
+    /// Starts the group workers over `db`. Must run in a Tokio runtime.
+    pub fn start(db: Db, settings: GroupSettings) -> Self {
+        Self {
+            claims: Queue::start(&db, settings),
+            releases: Queue::start(&db, settings),
+            renewals: Queue::start(&db, settings),
+        }
+    }
+
+    /// Runs the claim statement ([`leases::claim_slot`]) in the next claim group. If the caller
+    /// is gone before its group runs, nothing is claimed; if it is gone when its group has
+    /// committed, the lease it got is released at once rather than stranded until lease_until.
+    pub async fn claim(&self, request: &ClaimRequest<'_>) -> Result<ClaimResult, sqlx::Error> {
+        self.claims
+            .run(Claim {
+                ranked: request.ranked.to_vec(),
+                provider: request.provider.clone(),
+                pool: request.pool.clone(),
+                model: request.model.clone(),
+                lease_id: request.lease_id,
+                holder: request.holder.cloned(),
+                lease_seconds: request.lease_seconds,
+                request: request.request.cloned(),
+                tokens: request.tokens,
+            })
+            .await
+    }
+
+    /// Releases a lease ([`leases::release`]) in the next release group. Once the group has
+    /// committed, a freed slot is announced to `waits` (this process's waiters, and through it
+    /// every other process's), whether or not the caller is still there to hear the answer.
+    pub async fn release(
+        &self,
+        request: ReleaseRequest,
+        policy: &HealthPolicy,
+        waits: &Arc<Waits>,
+    ) -> Result<ReleaseResult, sqlx::Error> {
+        self.releases
+            .run(Release {
+                request,
+                policy: policy.clone(),
+                waits: waits.clone(),
+            })
+            .await
+    }
+
+    /// Renews a lease ([`leases::renew`]) in the next renewal group: the new lease_until, or
+    /// `None` when the lease is lost.
+    pub async fn renew(
+        &self,
+        lease: LeaseRef,
+        lease_seconds: LeaseSeconds,
+    ) -> Result<Option<OffsetDateTime>, sqlx::Error> {
+        self.renewals
+            .run(Renewal {
+                lease,
+                lease_seconds,
+            })
+            .await
+    }
+}
+
+/// One kind of operation that can share a transaction with others of its kind.
+trait Operation: Send + Sync + Sized + 'static {
+    /// What the operation left for after the commit.
+    type Staged: Send;
+    /// What the caller gets.
+    type Output: Send + 'static;
+    /// The `kind` label of the group-size metric.
+    const KIND: &'static str;
+
+    /// Whether [`Operation::stage_group`] writes a group of `operations` in one statement, so that
+    /// it needs no explicit transaction (a group of one then costs one round trip, as ungrouped).
+    fn one_statement(operations: usize) -> bool;
+
+    /// Does the work of a whole group, in order, inside its transaction (or, when
+    /// [`Operation::one_statement`], as one statement); one result per operation.
+    fn stage_group<'a>(
+        group: Vec<&'a Self>,
+        tx: &'a mut PgConnection,
+    ) -> BoxFuture<'a, Result<Vec<Self::Staged>, sqlx::Error>>;
+
+    /// After the commit: whatever follows it, and the caller's result.
+    fn finish<'a>(
+        &'a self,
+        staged: Self::Staged,
+        conn: &'a mut Conn<'static>,
+    ) -> BoxFuture<'a, Self::Output>;
+
+    /// The caller left before it could be answered: undo what it would have had to undo.
+    fn abandoned<'a>(
+        &'a self,
+        _output: Self::Output,
+        _conn: &'a mut Conn<'static>,
+    ) -> BoxFuture<'a, ()> {
+        Box::pin(async {})
+    }
+}
+
+struct Claim {
+    ranked: Vec<KeyId>,
+    provider: ProviderName,
+    pool: PoolName,
+    model: ModelName,
+    lease_id: LeaseId,
+    holder: Option<Holder>,
+    lease_seconds: LeaseSeconds,
+    request: Option<RequestKey>,
+    tokens: u64,
+}
+
+impl Claim {
+    fn request(&self) -> ClaimRequest<'_> {
+        ClaimRequest {
+            ranked: &self.ranked,
+            provider: &self.provider,
+            pool: &self.pool,
+            model: &self.model,
+            lease_id: self.lease_id,
+            holder: self.holder.as_ref(),
+            lease_seconds: self.lease_seconds,
+            request: self.request.as_ref(),
+            tokens: self.tokens,
+        }
+    }
+}
+
+impl Operation for Claim {
+    type Staged = ClaimResult;
+    type Output = ClaimResult;
+    const KIND: &'static str = "claim";
+
+    fn one_statement(_: usize) -> bool {
+        true
+    }
+
+    /// The whole group's claims in one statement (`credpool_claim` runs them in order).
+    fn stage_group<'a>(
+        group: Vec<&'a Self>,
+        tx: &'a mut PgConnection,
+    ) -> BoxFuture<'a, Result<Vec<ClaimResult>, sqlx::Error>> {
+        Box::pin(async move {
+            let requests: Vec<ClaimRequest<'_>> = group.iter().map(|c| c.request()).collect();
+            leases::claim_slots(tx, &requests).await
+        })
+    }
+
+    fn finish<'a>(
+        &'a self,
+        staged: ClaimResult,
+        _: &'a mut Conn<'static>,
+    ) -> BoxFuture<'a, ClaimResult> {
+        Box::pin(async move { staged })
+    }
+
+    fn abandoned<'a>(
+        &'a self,
+        output: ClaimResult,
+        conn: &'a mut Conn<'static>,
+    ) -> BoxFuture<'a, ()> {
+        Box::pin(async move {
+            let Some(granted) = output.granted else {
+                return;
+            };
+            let release = ReleaseRequest {
+                lease: LeaseRef {
+                    key_id: granted.key_id,
+                    provider: self.provider.clone(),
+                    pool: granted.pool,
+                    lease_id: granted.lease_id,
+                    fence: Some(granted.fence),
+                },
+                outcome: None,
+                retry_after_seconds: None,
+                usage_tokens: None,
+            };
+            match leases::release_on(conn, &release, &HealthPolicy::default()).await {
+                Ok(_) => {
+                    tracing::info!(lease_id = %release.lease.lease_id, "lease of a departed caller given back")
+                }
+                Err(error) => tracing::warn!(lease_id = %release.lease.lease_id, error = %error,
+                    "could not give back the lease of a departed caller; it frees at lease_until"),
+            }
+        })
+    }
+}
+
+struct Release {
+    request: ReleaseRequest,
+    policy: HealthPolicy,
+    /// Told of the slot once the release has committed.
+    waits: Arc<Waits>,
+}
+
+impl Operation for Release {
+    type Staged = StagedRelease;
+    type Output = ReleaseResult;
+    const KIND: &'static str = "release";
+
+    fn one_statement(_: usize) -> bool {
+        false
+    }
+
+    /// The whole group in two statements ([`leases::release_group_in`]).
+    fn stage_group<'a>(
+        group: Vec<&'a Self>,
+        tx: &'a mut PgConnection,
+    ) -> BoxFuture<'a, Result<Vec<StagedRelease>, sqlx::Error>> {
+        Box::pin(async move {
+            let requests: Vec<&ReleaseRequest> = group.iter().map(|r| &r.request).collect();
+            // one policy per process: every release of a group carries the same
+            let Some(first) = group.first() else {
+                return Ok(Vec::new());
+            };
+            // the freed slots are announced by `finish`, after the commit: a NOTIFY in this
+            // transaction would make release groups commit one at a time
+            leases::release_group_in(tx, &requests, &first.policy, true).await
+        })
+    }
+
+    fn finish<'a>(
+        &'a self,
+        staged: StagedRelease,
+        conn: &'a mut Conn<'static>,
+    ) -> BoxFuture<'a, ReleaseResult> {
+        if staged.result().released.is_ok() {
+            let lease = &self.request.lease;
+            self.waits
+                .released_here(&lease.provider, &lease.pool, &lease.key_id);
+        }
+        Box::pin(staged.committed(conn))
+    }
+}
+
+struct Renewal {
+    lease: LeaseRef,
+    lease_seconds: LeaseSeconds,
+}
+
+impl Operation for Renewal {
+    type Staged = Option<OffsetDateTime>;
+    type Output = Option<OffsetDateTime>;
+    const KIND: &'static str = "renewal";
+
+    /// A group of renewals is one call of `credpool_renew`.
+    fn one_statement(_: usize) -> bool {
+        true
+    }
+
+    /// The whole group in one statement ([`leases::renew_group`]).
+    fn stage_group<'a>(
+        group: Vec<&'a Self>,
+        tx: &'a mut PgConnection,
+    ) -> BoxFuture<'a, Result<Vec<Option<OffsetDateTime>>, sqlx::Error>> {
+        Box::pin(async move {
+            let renewals: Vec<_> = group.iter().map(|r| (&r.lease, r.lease_seconds)).collect();
+            leases::renew_group(tx, &renewals).await
+        })
+    }
+
+    fn finish<'a>(
+        &'a self,
+        staged: Option<OffsetDateTime>,
+        _: &'a mut Conn<'static>,
+    ) -> BoxFuture<'a, Option<OffsetDateTime>> {
+        Box::pin(async move { staged })
+    }
+}
+
+/// An operation waiting for its group, and where its answer goes.
+struct Pending<O: Operation> {
+    operation: O,
+    reply: oneshot::Sender<Result<O::Output, sqlx::Error>>,
+}
+
+/// The queue of one kind of operation; its workers share the receiving end.
+struct Queue<O: Operation> {
+    sender: mpsc::UnboundedSender<Pending<O>>,
+}
+
+impl<O: Operation> Clone for Queue<O> {
+    fn clone(&self) -> Self {
+        Self {
+            sender: self.sender.clone(),
+        }
+    }
+}
+
+impl<O: Operation> std::fmt::Debug for Queue<O> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Queue").field("kind", &O::KIND).finish()
+    }
+}
+
+impl<O: Operation> Queue<O> {
+    fn start(db: &Db, settings: GroupSettings) -> Self {
+        let (sender, receiver) = mpsc::unbounded_channel();
+        let receiver = Arc::new(Mutex::new(receiver));
+        let running = Arc::new(AtomicUsize::new(0));
+        for _ in 0..settings.transactions.max(1) {
+            tokio::spawn(work(
+                db.clone(),
+                receiver.clone(),
+                running.clone(),
+                settings,
+            ));
+        }
+        Self { sender }
+    }
+
+    async fn run(&self, operation: O) -> Result<O::Output, sqlx::Error> {
+        let (reply, answer) = oneshot::channel();
+        self.sender
+            .send(Pending { operation, reply })
+            .map_err(|_| sqlx::Error::PoolClosed)?;
+        answer.await.map_err(|_| sqlx::Error::PoolClosed)?
+    }
+}
+
+/// One group worker: takes the operations queued (the first one waited for; then, while another
+/// worker of the kind is running a group, more for up to `max_wait`), runs them as one
+/// transaction, answers each, and starts over; stops when every sender is gone. `running`
+/// counts the kind's workers running a group.
+async fn work<O: Operation>(
+    db: Db,
+    receiver: Arc<Mutex<mpsc::UnboundedReceiver<Pending<O>>>>,
+    running: Arc<AtomicUsize>,
+    settings: GroupSettings,
+) {
+    let max_size = settings.max_size.max(1);
+    loop {
+        let mut group = Vec::new();
+        {
+            let mut receiver = receiver.lock().await;
+            match receiver.recv().await {
+                Some(pending) => group.push(pending),
+                None => return,
+            }
+            // company is worth waiting for only when there is load: alone, go at once
+            let wait = if running.load(Ordering::Relaxed) > 0 {
+                settings.max_wait
+            } else {
+                Duration::ZERO
+            };
+            let deadline = tokio::time::Instant::now() + wait;
+            while group.len() < max_size {
+                let pending = match receiver.try_recv() {
+                    Ok(pending) => pending,
+                    Err(mpsc::error::TryRecvError::Disconnected) => break,
+                    Err(mpsc::error::TryRecvError::Empty) if wait.is_zero() => break,
+                    Err(mpsc::error::TryRecvError::Empty) => {
+                        match tokio::time::timeout_at(deadline, receiver.recv()).await {
+                            Ok(Some(pending)) => pending,
+                            _ => break,
+                        }
+                    }
+                };
+                group.push(pending);
+            }
+        }
+        running.fetch_add(1, Ordering::Relaxed);
+        run_group(&db, group).await;
+        running.fetch_sub(1, Ordering::Relaxed);
+    }
+}
+
+/// Runs one group: every operation's statements in one transaction, one commit, then each
+/// operation's follow-up and answer. A group of one runs the same way. Without BEGIN and COMMIT
+/// when the writes are one statement (claims, renewals), except behind a transaction pooler.
+/// Every answer is sent after the commit.
+async fn run_group<O: Operation>(db: &Db, mut group: Vec<Pending<O>>) {
+    // a caller that is gone (timed out, disconnected) gets nothing done: a claim takes no slot
+    group.retain(|pending| !pending.reply.is_closed());
+    if group.is_empty() {
+        return;
+    }
+    crate::telemetry::group(O::KIND, group.len());
+    let started = std::time::Instant::now();
+
+    let mut conn = match db.acquire().await {
+        Ok(conn) => conn,
+        Err(error) => return fail(group, &error),
+    };
+    // and one that gave up while the connection was awaited (a database coming back from an
+    // outage) gets nothing done either
+    group.retain(|pending| !pending.reply.is_closed());
+    if group.is_empty() {
+        return;
+    }
+    let operations: Vec<&O> = group.iter().map(|pending| &pending.operation).collect();
+    let staged = async {
+        if O::one_statement(operations.len()) {
+            // direct: the statement alone, which commits itself; behind a transaction pooler:
+            // inside BEGIN and COMMIT, like every statement there
+            let mut work = conn.work().await?;
+            let staged = O::stage_group(operations, &mut work).await?;
+            work.done().await?;
+            Ok(staged)
+        } else {
+            let mut tx = conn.begin().await?;
+            let staged = O::stage_group(operations, &mut tx).await?;
+            tx.commit().await?;
+            Ok(staged)
+        }
+    }
+    .await;
+    let staged = match staged {
+        Ok(staged) => staged,
+        Err(error) => return fail(group, &error),
+    };
+    tracing::debug!(
+        kind = O::KIND,
+        operations = group.len(),
+        elapsed_ms = started.elapsed().as_secs_f64() * 1e3,
+        "group committed"
+    );
+    for (Pending { operation, reply }, staged) in group.into_iter().zip(staged) {
+        let output = operation.finish(staged, &mut conn).await;
+        if let Err(Ok(output)) = reply.send(Ok(output)) {
+            operation.abandoned(output, &mut conn).await;
+        }
+    }
+}
+
+/// Answers every operation of a failed group with the group's error.
+fn fail<O: Operation>(group: Vec<Pending<O>>, error: &sqlx::Error) {
+    tracing::warn!(kind = O::KIND, operations = group.len(), error = %error, "group transaction failed");
+    for pending in group {
+        let _ = pending.reply.send(Err(copy_error(error)));
+    }
+}
+
+/// An error to hand to each caller of a failed group (`sqlx::Error` is not `Clone`): the same
+/// kind where the kind matters to the caller, else the message. Every one of them answers 503.
+fn copy_error(error: &sqlx::Error) -> sqlx::Error {
+    match error {
+        sqlx::Error::PoolTimedOut => sqlx::Error::PoolTimedOut,
+        sqlx::Error::PoolClosed => sqlx::Error::PoolClosed,
+        other => sqlx::Error::Io(std::io::Error::other(format!(
+            "the group transaction failed: {other}"
+        ))),
+    }
+}

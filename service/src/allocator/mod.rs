@@ -1,0 +1,668 @@
+//! The allocator: grants leases, and tells a refused executor why (the executor API's status
+//! table, docs/design.md "Error semantics (executor API)").
+//!
+//! An allocation walks the pool sequence (`vip` falls back to `default`); for each pool it ranks
+//! the candidates of this process's view of the pool and runs the one-statement claim of
+//! `sql/lease.sql` over the best few, until a grant or an answer. The parts:
+//! - [`ranking`]: judging a pool from its view (404/409/429 or the candidates to claim) and the
+//!   ranking itself, pure;
+//! - [`attempt`]: one request's attempt at one pool as a small state machine (claim, read the
+//!   pool again, answer), pure;
+//! - [`scoring`], [`health`], [`windows`]: the score of a candidate, the outcome -> health state
+//!   machine and the rate windows' arithmetic, pure (clock and randomness passed in);
+//! - [`candidates`]: each process's per-pool candidate views;
+//! - [`groups`]: claims, releases and renewals of concurrent requests sharing one transaction;
+//! - [`waiting`]: allocations that wait for a slot, woken when one frees.
+//!
+//! This file holds the [`Allocator`], the loop that runs those steps against the store.
+
+mod attempt;
+pub(crate) mod candidates;
+pub(crate) mod groups;
+pub mod health;
+mod ranking;
+pub mod scoring;
+pub(crate) mod waiting;
+pub mod windows;
+
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use rand::SeedableRng;
+use rand::rngs::SmallRng;
+use time::OffsetDateTime;
+
+use crate::domain::{
+    Holder, KeyId, LeaseId, LeaseSeconds, ModelName, PoolName, ProviderName, RequestId, Secret,
+};
+use crate::secrets::{Keyring, SecretsError};
+use crate::store::leases::{
+    self, ClaimRequest, ClaimResult, LeaseRef, ReleaseRequest, ReleaseResult, RequestKey,
+};
+use candidates::CandidateViews;
+use groups::Groups;
+use health::HealthPolicy;
+use waiting::{Hint, Registration, Waits};
+
+use attempt::{PoolAttempt, Step};
+use ranking::{PoolVerdict, judge, retry_after_seconds};
+
+pub use candidates::PoolView;
+pub use groups::GroupSettings;
+pub use ranking::{HeldBy, rank};
+
+/// An executor's request for a lease.
+#[derive(Debug, Clone)]
+pub struct AllocateRequest {
+    /// The provider wanted.
+    pub provider: ProviderName,
+    /// The model wanted (a provider model name or an alias).
+    pub model: ModelName,
+    /// The pool asked for; the pool sequence may serve it from another (`vip` -> `default`).
+    pub pool: PoolName,
+    /// How long the lease lasts unless renewed.
+    pub lease_seconds: LeaseSeconds,
+    /// The executor's name for itself.
+    pub holder: Option<Holder>,
+    /// The client's idempotency key: a retry with the same key and parameters gets the same
+    /// lease while it lives, instead of a second slot.
+    pub request_id: Option<RequestId>,
+    /// How long the request may wait for a slot when every candidate is busy (zero: answer at
+    /// once). The HTTP layer caps it (`--max-wait-ms`).
+    pub wait: Duration,
+    /// The tokens the call expects to use (0..=10^9): reserved in the credential's token windows
+    /// at the grant, until the release reports its usage.
+    pub tokens: u64,
+}
+
+/// A granted lease, as the executor receives it.
+#[derive(Debug, Clone)]
+pub struct Allocation {
+    /// The credential leased.
+    pub key_id: KeyId,
+    /// The lease, to renew and release with.
+    pub lease_id: LeaseId,
+    /// The provider.
+    pub provider: ProviderName,
+    /// The pool that served (differs from the pool asked for after a `vip` -> `default` fallback).
+    pub pool: PoolName,
+    /// The model name as the credential serves it (after alias mapping).
+    pub provider_model: String,
+    /// When the lease stops counting unless renewed (database clock).
+    pub lease_until: OffsetDateTime,
+    /// Whether this is the single probe lease of a credential back from a cooldown.
+    pub probe: bool,
+    /// The fencing token: strictly increasing per credential with each grant, never reused.
+    pub fence: i64,
+    /// The credential material (redacted in `Debug`).
+    pub credential: Secret,
+}
+
+/// Why an allocation granted nothing. Each variant names the HTTP status it answers with (the
+/// executor API's table: docs/design.md "Error semantics (executor API)").
+#[derive(Debug, thiserror::Error)]
+pub enum AllocateError {
+    /// 404: the provider/pool (and every pool of its sequence) has no credentials at all.
+    #[error("no credentials for this provider and pool")]
+    PoolNotFound,
+    /// 409: the pool has credentials but none serves the model.
+    #[error("no credential in this pool serves the model")]
+    ModelNotSupported,
+    /// 409: credentials serve the model but every one waits for an operator (disabled, pending,
+    /// exhausted without a retry_after, or cooling down with no known end).
+    #[error("every credential that serves the model waits for an operator")]
+    NoUsableCredentials,
+    /// 429: candidates exist but none is free now; one may free in `retry_after_seconds`
+    /// (whole seconds, at least 1: the earliest lease end or cooldown end among the candidates).
+    #[error("every candidate credential is busy or cooling down")]
+    PoolExhausted {
+        /// Seconds until the earliest lease or cooldown among the candidates ends (>= 1).
+        retry_after_seconds: u64,
+    },
+    /// 500: the credential's secret cannot be opened with the configured master keys (its lease
+    /// was given back at once).
+    #[error("the secret of credential {key_id} cannot be opened: {error}")]
+    SecretUnreadable {
+        /// The credential.
+        key_id: KeyId,
+        /// Why (never the material).
+        error: SecretsError,
+    },
+    /// 409: the request's `request_id` holds a live lease granted for other parameters.
+    #[error("this request_id holds a lease granted for other parameters")]
+    RequestIdConflict,
+    /// 409: credentials serve the model, but every one has a token window smaller than the
+    /// request's `tokens` estimate: no wait can make room for it.
+    #[error("the token estimate is larger than every candidate credential's token window")]
+    TokensExceedBudget,
+    /// 503: PostgreSQL failed or could not be reached in time.
+    #[error("store unavailable")]
+    Store(#[from] sqlx::Error),
+}
+
+impl AllocateError {
+    /// The `result` label of the allocation metrics for this error (the API's error code).
+    pub fn result(&self) -> &'static str {
+        match self {
+            AllocateError::PoolNotFound => "pool_not_found",
+            AllocateError::ModelNotSupported => "model_not_supported",
+            AllocateError::NoUsableCredentials => "no_usable_credentials",
+            AllocateError::PoolExhausted { .. } => "pool_exhausted",
+            AllocateError::RequestIdConflict => "request_id_conflict",
+            AllocateError::TokensExceedBudget => "tokens_exceed_budget",
+            AllocateError::SecretUnreadable { .. } => "internal_error",
+            AllocateError::Store(_) => "store_unavailable",
+        }
+    }
+}
+
+/// An allocation that granted nothing, and when something among its candidates ends (for a
+/// waiting request's timer).
+#[derive(Debug)]
+struct Refusal {
+    error: AllocateError,
+    frees_in: Option<Duration>,
+}
+
+impl From<AllocateError> for Refusal {
+    fn from(error: AllocateError) -> Self {
+        Self {
+            error,
+            frees_in: None,
+        }
+    }
+}
+
+/// How long a claim waits before it tries again when another attempt of its request is in flight.
+const IN_FLIGHT_PAUSE: Duration = Duration::from_millis(5);
+
+/// How many times a claim is made again when a candidate's windows were held by another
+/// transaction.
+const WINDOW_BUSY_RETRIES: usize = 8;
+
+/// How long the first waiting request waits for the listening connection to come up.
+const LISTEN_CONNECT_WAIT: Duration = Duration::from_secs(1);
+
+/// The shortest sleep of a waiting request between two attempts when its timer is all it has:
+/// a bound on its claims per second (10) when the view keeps saying something has just ended.
+const MIN_WAIT_STEP: Duration = Duration::from_millis(100);
+
+/// How many candidates a claim statement gets, and how hard one request tries a pool.
+///
+/// A request keeps claiming while its view shows an untried candidate with a free slot (each
+/// miss marks the tried candidates full and doubles the batch, so even heavy contention ends in
+/// O(log pool) statements); when the view shows none, it still makes `attempts` claims on the
+/// best candidates it believes full, in case the view is stale, before answering 429.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct ClaimSettings {
+    /// Candidates in the first claim statement (the top of the ranking).
+    pub batch: usize,
+    /// Claims made on candidates the view believes full.
+    pub attempts: usize,
+    /// Free candidates one ranking considers: a pool with more is ranked over a window of this
+    /// many, starting at a random place, so allocation cost does not grow with the pool.
+    pub rank_window: usize,
+}
+
+impl Default for ClaimSettings {
+    /// 8 candidates in the first claim; 1 claim on candidates believed full; a window of 256.
+    fn default() -> Self {
+        Self {
+            batch: 8,
+            attempts: 1,
+            rank_window: 256,
+        }
+    }
+}
+
+/// Grants leases. Cheap to clone.
+#[derive(Debug, Clone)]
+pub struct Allocator {
+    groups: Groups,
+    views: Arc<CandidateViews>,
+    waits: Arc<Waits>,
+    claims: ClaimSettings,
+    keyring: Arc<Keyring>,
+    health: HealthPolicy,
+}
+
+impl Allocator {
+    /// An allocator claiming, releasing and renewing through `groups`, ranking from `views`,
+    /// parking waiting requests in `waits`, opening secrets with `keyring`, applying outcome
+    /// reports to health under `health`.
+    pub fn new(
+        groups: Groups,
+        views: Arc<CandidateViews>,
+        waits: Arc<Waits>,
+        claims: ClaimSettings,
+        keyring: Arc<Keyring>,
+        health: HealthPolicy,
+    ) -> Self {
+        Self {
+            groups,
+            views,
+            waits,
+            claims,
+            keyring,
+            health,
+        }
+    }
+
+    /// Releases a lease with its outcome (through the next release group, which announces a
+    /// freed slot to the waiting allocations of every process), then tells this process's
+    /// candidate view what the release freed and how the credential's health moved.
+    pub async fn release(&self, request: ReleaseRequest) -> Result<ReleaseResult, sqlx::Error> {
+        let result = self
+            .groups
+            .release(request.clone(), &self.health, &self.waits)
+            .await?;
+        let lease = &request.lease;
+        self.views.note_release(
+            &lease.provider,
+            &lease.pool,
+            &lease.key_id,
+            result.released.is_ok(),
+            result.health.clone().map(|(_, health)| health),
+            result.usage,
+        );
+        Ok(result)
+    }
+
+    /// Ends every wait of this process's allocations (the end of a shutdown drain): each waiting
+    /// allocation answers at once, as it would at the end of its `wait_ms`, and later ones do not
+    /// wait.
+    pub fn stop_waiting(&self) {
+        self.waits.stop_waiting();
+    }
+
+    /// Renews a lease (through the next renewal group): the new lease_until, or `None` when the
+    /// lease is lost.
+    pub async fn renew(
+        &self,
+        lease: LeaseRef,
+        lease_seconds: LeaseSeconds,
+    ) -> Result<Option<OffsetDateTime>, sqlx::Error> {
+        self.groups.renew(lease, lease_seconds).await
+    }
+
+    /// One claim through the claim groups. A claim that met another attempt of the same request in
+    /// flight (`in_flight`: a client's retry overtook its first attempt) is made again after a
+    /// pause, until that attempt has committed and can be answered; the request timeout bounds it.
+    ///
+    /// A claim that found a candidate's windows held by another transaction (`window_busy`) is
+    /// made again too, a few times: that transaction commits within milliseconds and may or may
+    /// not leave room.
+    async fn claim(&self, claim: &ClaimRequest<'_>) -> Result<ClaimResult, AllocateError> {
+        let mut busy = 0;
+        loop {
+            let result = self.groups.claim(claim).await?;
+            let again = result.in_flight || (result.window_busy && busy < WINDOW_BUSY_RETRIES);
+            if !again {
+                return Ok(result);
+            }
+            busy += usize::from(result.window_busy);
+            tokio::time::sleep(IN_FLIGHT_PAUSE).await;
+        }
+    }
+
+    /// Tries each pool of the request's pool sequence in turn: ranks its candidate view and runs
+    /// the one-statement claim over the best few, trying further candidates (up to the configured
+    /// attempts) before giving up on the pool. The first grant wins. When nothing is granted,
+    /// answers with the most actionable failure of the sequence; a 404 or 409 is only given after
+    /// re-reading the pool from the database, so a stale view never causes one.
+    ///
+    /// Every failure leaves the database unchanged (the claim writes only when it grants).
+    ///
+    /// With a `request_id`, a lease the same request already holds is answered again (same
+    /// lease_id, no second slot; `RequestIdConflict` when it was granted for other parameters).
+    /// With a `wait`, a request that finds every candidate busy waits up to that long for a slot
+    /// ([`waiting`]) and claims again whenever one may have freed; when the wait is over it
+    /// answers as an immediate request would at that moment.
+    pub async fn allocate(&self, request: &AllocateRequest) -> Result<Allocation, AllocateError> {
+        let key = request.request_id.clone().map(|id| {
+            RequestKey::new(
+                id,
+                &request.provider,
+                &request.pool,
+                &request.model,
+                request.lease_seconds,
+                request.holder.as_ref(),
+                request.tokens,
+            )
+        });
+        let started = Instant::now();
+        let first = self.allocate_once(request, key.as_ref(), &mut None).await;
+        let busy = matches!(
+            &first,
+            Err(Refusal {
+                error: AllocateError::PoolExhausted { .. },
+                ..
+            })
+        );
+        if request.wait.is_zero() || !busy {
+            return first.map_err(|refusal| refusal.error);
+        }
+        // queue up, then look again: a slot freed between the first look and the queueing would
+        // otherwise wake nobody
+        let deadline = started + request.wait;
+        let registration = self
+            .waits
+            .register(
+                &request.provider,
+                &request.pool.sequence(),
+                &request.model,
+                LISTEN_CONNECT_WAIT.min(request.wait),
+            )
+            .await;
+        let mut hint = None;
+        loop {
+            let result = self.allocate_once(request, key.as_ref(), &mut hint).await;
+            // a wake-up that this pass did not reach (served from an earlier pool of the
+            // sequence): the freed slot is the next waiter's
+            let unused = hint.take();
+            let frees_in = match &result {
+                Err(Refusal {
+                    error: AllocateError::PoolExhausted { .. },
+                    frees_in,
+                }) if Instant::now() < deadline => *frees_in,
+                _ => {
+                    let label = match &result {
+                        Ok(_) => "leased",
+                        Err(refusal) => refusal.error.result(),
+                    };
+                    crate::telemetry::waited(label, started.elapsed());
+                    drop(registration);
+                    if let Some(unused) = unused {
+                        Registration::pass_on(&self.waits, &request.provider, unused);
+                    }
+                    return result.map_err(|refusal| refusal.error);
+                }
+            };
+            if let Some(unused) = unused {
+                Registration::pass_on(&self.waits, &request.provider, unused);
+            }
+            let wake_at = frees_in
+                .map_or(deadline, |d| Instant::now() + d.max(MIN_WAIT_STEP))
+                .min(deadline);
+            hint = tokio::select! {
+                hint = registration.woken() => hint,
+                () = tokio::time::sleep_until(wake_at.into()) => registration.take_hint(),
+                // the service's shutdown drain is over: answer this 429 now, not a reset connection
+                () = self.waits.waiting_stopped() => {
+                    crate::telemetry::waited("pool_exhausted", started.elapsed());
+                    return result.map_err(|refusal| refusal.error);
+                }
+            };
+        }
+    }
+
+    /// One pass over the pool sequence (see [`Allocator::allocate`]); `hint` is a credential
+    /// whose slot was just freed, claimed first in its pool (taken out of `hint` when its pool is
+    /// reached; still there when the pass ended before).
+    async fn allocate_once(
+        &self,
+        request: &AllocateRequest,
+        key: Option<&RequestKey>,
+        hint: &mut Option<Hint>,
+    ) -> Result<Allocation, Refusal> {
+        let mut failure: Option<PoolVerdict> = None;
+        let mut soonest: Option<(OffsetDateTime, OffsetDateTime)> = None;
+        let mut held: Option<HeldBy> = None;
+        // whether a claim statement ran: with a request_id it has looked for the request's lease
+        let mut claimed = false;
+
+        for pool in request.pool.sequence() {
+            let hint_here = hint.take_if(|(hinted, _)| *hinted == pool).map(|(_, k)| k);
+            let verdict = self
+                .allocate_in(request, &pool, key, hint_here, &mut claimed)
+                .await?;
+            let verdict = match verdict {
+                Ok(allocation) => return Ok(allocation),
+                Err(verdict) => verdict,
+            };
+            if let PoolVerdict::Try {
+                frees_at: Some((at, now)),
+                held_by,
+                ..
+            } = &verdict
+                && soonest.is_none_or(|(s, _)| *at < s)
+            {
+                soonest = Some((*at, *now));
+                held = *held_by;
+            }
+            if failure
+                .as_ref()
+                .is_none_or(|f| verdict.precedence() > f.precedence())
+            {
+                failure = Some(verdict);
+            }
+        }
+
+        if let Some(key) = key
+            && !claimed
+        {
+            // every pool was judged from its view alone: the request may still hold a lease from
+            // an earlier attempt (taking the last slot, or on a credential since disabled)
+            if let Some(allocation) = self.replay(request, key).await? {
+                return Ok(allocation);
+            }
+        }
+        let error = match failure {
+            Some(PoolVerdict::Try { .. }) => {
+                crate::telemetry::held_back(
+                    &request.provider,
+                    &request.pool,
+                    held.unwrap_or(HeldBy::Slots),
+                );
+                AllocateError::PoolExhausted {
+                    retry_after_seconds: retry_after_seconds(soonest),
+                }
+            }
+            Some(PoolVerdict::NoUsableCredentials) => AllocateError::NoUsableCredentials,
+            Some(PoolVerdict::TokensExceedBudget) => AllocateError::TokensExceedBudget,
+            Some(PoolVerdict::ModelNotSupported) => AllocateError::ModelNotSupported,
+            Some(PoolVerdict::NotFound) | None => AllocateError::PoolNotFound,
+        };
+        Err(Refusal {
+            error,
+            // an end already passed (the view is behind): look again soon
+            frees_in: soonest.map(|(at, now)| Duration::try_from(at - now).unwrap_or_default()),
+        })
+    }
+
+    /// The lease `key`'s request already holds, if any: a claim statement over no candidate,
+    /// which only looks the request up.
+    async fn replay(
+        &self,
+        request: &AllocateRequest,
+        key: &RequestKey,
+    ) -> Result<Option<Allocation>, AllocateError> {
+        let claim = ClaimRequest {
+            ranked: &[],
+            provider: &request.provider,
+            pool: &request.pool,
+            model: &request.model,
+            lease_id: LeaseId::generate(),
+            holder: request.holder.as_ref(),
+            lease_seconds: request.lease_seconds,
+            request: Some(key),
+            tokens: request.tokens,
+        };
+        let result = self.claim(&claim).await?;
+        if result.conflict {
+            return Err(AllocateError::RequestIdConflict);
+        }
+        match result.granted {
+            Some(granted) => Ok(Some(self.hand_out(&request.provider, granted).await?)),
+            None => Ok(None),
+        }
+    }
+
+    /// Opens a granted lease's secret and makes it an [`Allocation`]. A secret that cannot be
+    /// opened gives the slot back at once rather than strand it until lease_until.
+    async fn hand_out(
+        &self,
+        provider: &ProviderName,
+        granted: leases::GrantedLease,
+    ) -> Result<Allocation, AllocateError> {
+        let credential = match self.keyring.open(&granted.key_id, &granted.sealed_secret) {
+            Ok(credential) => credential,
+            Err(error) => {
+                let release = ReleaseRequest {
+                    lease: LeaseRef {
+                        key_id: granted.key_id.clone(),
+                        provider: provider.clone(),
+                        pool: granted.pool.clone(),
+                        lease_id: granted.lease_id,
+                        fence: Some(granted.fence),
+                    },
+                    outcome: None,
+                    retry_after_seconds: None,
+                    usage_tokens: None,
+                };
+                self.groups
+                    .release(release, &HealthPolicy::default(), &self.waits)
+                    .await?;
+                return Err(AllocateError::SecretUnreadable {
+                    key_id: granted.key_id,
+                    error,
+                });
+            }
+        };
+        Ok(Allocation {
+            key_id: granted.key_id,
+            lease_id: granted.lease_id,
+            provider: provider.clone(),
+            pool: granted.pool,
+            provider_model: granted.provider_model,
+            lease_until: granted.lease_until,
+            probe: granted.probe,
+            fence: granted.fence,
+            credential,
+        })
+    }
+
+    /// One pool of the sequence: a lease, or the verdict to report if no pool serves. Ranks the
+    /// pool's view and runs whatever read or claim the [`PoolAttempt`]'s next step asks for.
+    async fn allocate_in(
+        &self,
+        request: &AllocateRequest,
+        pool: &PoolName,
+        key: Option<&RequestKey>,
+        hint: Option<KeyId>,
+        claimed: &mut bool,
+    ) -> Result<Result<Allocation, PoolVerdict>, AllocateError> {
+        let provider = &request.provider;
+        let scoring = self.views.scoring().clone();
+        let mut attempt = PoolAttempt::new(&self.claims, hint);
+        loop {
+            let ((verdict, age), loaded) = self
+                .views
+                .with_view(provider, pool, |view| {
+                    let verdict = judge(
+                        view,
+                        &request.model,
+                        request.tokens,
+                        &attempt.tried,
+                        attempt.batch_size,
+                        self.claims.rank_window,
+                        &scoring,
+                        // a fast generator per ranking: jitter needs spread, not secrecy
+                        &mut SmallRng::from_rng(&mut rand::rng()),
+                    );
+                    (verdict, view.read_at().elapsed())
+                })
+                .await?;
+            let (batch, free_seen) = match attempt.decide(verdict, loaded, age, &self.claims) {
+                Step::Reload => {
+                    self.views.reload(provider, pool, None).await?;
+                    attempt.reloaded();
+                    continue;
+                }
+                Step::CatchUp => {
+                    let (read_at, _) = self
+                        .views
+                        .with_view(provider, pool, |v| v.read_at())
+                        .await?;
+                    self.views
+                        .reload_unless_newer(provider, pool, read_at)
+                        .await?;
+                    attempt.reloaded();
+                    continue;
+                }
+                Step::Answer(mut verdict) => {
+                    if attempt.needs_database_clock(&verdict) {
+                        let (now, _) = self.views.with_view(provider, pool, |v| v.now()).await?;
+                        attempt.date_database_frees(&mut verdict, now);
+                    }
+                    return Ok(Err(verdict));
+                }
+                Step::Claim { batch, free_seen } => (batch, free_seen),
+            };
+            let claim = ClaimRequest {
+                ranked: &batch,
+                provider,
+                pool,
+                model: &request.model,
+                lease_id: LeaseId::generate(),
+                holder: request.holder.as_ref(),
+                lease_seconds: request.lease_seconds,
+                request: key,
+                tokens: request.tokens,
+            };
+            let result = self.claim(&claim).await?;
+            *claimed = true;
+            if result.conflict {
+                return Err(AllocateError::RequestIdConflict);
+            }
+            let view_version = self.views.with_view(provider, pool, |v| v.version).await?.0;
+            let stale = result.pool_version != view_version;
+            if let Some(granted) = result.granted {
+                tracing::info!(
+                    key_id = %granted.key_id,
+                    lease_id = %granted.lease_id,
+                    served_pool = %granted.pool,
+                    probe = granted.probe,
+                    fence = granted.fence,
+                    replayed = granted.replayed,
+                    pruned_expired = granted.pruned_expired,
+                    "lease granted"
+                );
+                // a replayed lease was counted when it was granted
+                if !granted.replayed {
+                    self.views
+                        .note_grant(provider, pool, &granted, request.tokens);
+                }
+                crate::telemetry::expired("claim", u64::from(granted.pruned_expired));
+                if stale {
+                    let (views, provider, pool, version) = (
+                        self.views.clone(),
+                        provider.clone(),
+                        pool.clone(),
+                        result.pool_version,
+                    );
+                    tokio::spawn(async move {
+                        if let Err(error) = views.reload(&provider, &pool, version).await {
+                            tracing::warn!(error = %error, "candidate view reload failed");
+                        }
+                    });
+                }
+                return self.hand_out(provider, granted).await.map(Ok);
+            }
+            tracing::debug!(
+                candidates = batch.len(),
+                stale,
+                free_seen,
+                "claim found no free slot"
+            );
+            attempt.missed(&batch, result.frees_at, result.held_by.as_deref());
+            self.views.note_full(provider, pool, &batch);
+            if stale {
+                self.views
+                    .reload(provider, pool, result.pool_version)
+                    .await?;
+                attempt.reloaded();
+            }
+        }
+    }
+}

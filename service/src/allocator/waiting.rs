@@ -1,0 +1,628 @@
+//! Bounded waiting for a slot (`wait_ms` on allocate; docs/executor-protocol.md).
+//!
+//! An allocation that finds every candidate busy may wait, up to its `wait_ms`, for a slot to free
+//! up. It waits without polling the database:
+//! - **Notifications.** `credpool_slot_freed` tells that a lease's slot was freed, from every
+//!   replica: an executor's release is announced by the process that released it, right after
+//!   its group committed (its own waiters are woken directly; [`Waits::released_here`]), and
+//!   force release, reaper and refit by a trigger on `lease_slots`, at commit.
+//!   `credpool_pool_changed` tells that a pool's version moved (a credential added, enabled,
+//!   raised, drained...). Each service process LISTENs on ONE connection of its own, opened the
+//!   first time an allocation waits (a pooler in transaction mode cannot carry LISTEN: there it
+//!   needs `--db-listen-url`, a direct URL); it skips its own announcements.
+//! - **Timers.** A lease that runs out, or a cooldown that ends, changes no row at that moment, so
+//!   nothing is sent: each waiter also sleeps until the moment its last attempt said something
+//!   ends (the `Retry-After` it would have been given, to the millisecond).
+//!
+//! Waiters are served roughly in arrival order: a freed slot wakes ONE waiter of its pool, the
+//! longest-waiting one that is not already awake and whose model the freed credential serves
+//! (as far as this process's candidate view knows), and that waiter's next claim tries the freed
+//! credential first. A changed pool (or a reconnected listener, which may have missed
+//! notifications) wakes every waiter of the pool. A woken waiter claims through the same
+//! statement as every allocation; it may lose the slot to an allocation that did not wait (no
+//! slot is ever held back), and then waits again in its place in the queue.
+//!
+//! A wake-up is never lost: a waiter that leaves (served from another slot, or at the end of its
+//! wait, or gone with its caller) while it holds a wake-up it has not used hands it to the next
+//! waiter that can use it, as if the slot had been freed then.
+//!
+//! A waiter whose caller goes away is dropped with the request (its registration removes itself),
+//! so it never takes a slot afterwards; a caller gone while its claim is in flight has the lease
+//! given back at once ([`super::groups`]). When the service's shutdown drain is over,
+//! [`Waits::stop_waiting`] ends every wait: each waiter answers 429 at once.
+
+use std::collections::{BTreeMap, HashMap};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, Weak};
+use std::time::Duration;
+
+use serde::Deserialize;
+use sqlx::postgres::PgListener;
+use tokio::sync::{Notify, mpsc, watch};
+
+use super::candidates::CandidateViews;
+use crate::domain::{KeyId, ModelName, PoolName, ProviderName};
+use crate::store::{Db, PoolSettings, Target};
+
+/// How long one attempt of the listening connection may wait for a server, with
+/// `--db-listen-url` (with the service's own servers, the service's acquire timeout).
+const LISTEN_ACQUIRE_TIMEOUT: Duration = Duration::from_secs(5);
+
+/// The channel a freed slot is announced on (trigger `lease_slots_freed`).
+pub const SLOT_FREED_CHANNEL: &str = "credpool_slot_freed";
+/// The channel a changed pool is announced on (trigger `pool_versions_changed`).
+pub const POOL_CHANGED_CHANNEL: &str = "credpool_pool_changed";
+
+/// At most this many freed slots are announced in one statement.
+const ANNOUNCE_BATCH: usize = 512;
+
+/// Where the listening connection comes from. On a multi-host target it follows the writable
+/// server like the service's pool (a standby cannot LISTEN): each (re)connection starts at the
+/// server the service uses now, and checks and searches by itself (`crate::store::failover`).
+#[derive(Debug, Clone)]
+pub enum ListenTarget {
+    /// A connection to the same server(s) with the same options as this pool's (direct mode),
+    /// in a pool of its own ([`Db::sibling`]) so that it never takes one of the service's
+    /// connections.
+    SameAs(Db),
+    /// This URL (`--db-listen-url`: a direct connection when the service talks to a pooler); one
+    /// host or several, like `DATABASE_URL`.
+    Url(String),
+    /// No listening connection: waiters wake on their timers and on this process's own releases
+    /// only.
+    None,
+}
+
+type PoolKey = (ProviderName, PoolName);
+
+/// A freed slot's pool and credential: the woken waiter tries that credential first.
+pub type Hint = (PoolName, KeyId);
+
+/// The waiters of one service process, and its listening connection. Shared (`Arc`).
+#[derive(Debug)]
+pub struct Waits {
+    pools: Mutex<HashMap<PoolKey, BTreeMap<u64, Arc<Waiter>>>>,
+    next_ticket: AtomicU64,
+    views: Arc<CandidateViews>,
+    target: ListenTarget,
+    /// Set once the listener task has been started.
+    started: AtomicBool,
+    /// Told when the listener first connects (or gives up its first try).
+    first_connect: watch::Sender<bool>,
+    /// Dropped with the waits: stops the listener task.
+    _stop: watch::Sender<()>,
+    stop: watch::Receiver<()>,
+    /// Set (for good) at the end of a shutdown's drain: waiting is over for everybody, and each
+    /// waiter answers with what it has now. A watch channel rather than a notification: a
+    /// waiter that starts waiting after it was set sees it at once.
+    stopped: watch::Sender<bool>,
+    /// This process's name in its announcements (random), so that its listener skips them.
+    instance: String,
+    /// Sends this process's announcements of freed slots; `None`: nobody is told.
+    announcements: Option<mpsc::UnboundedSender<String>>,
+}
+
+/// One waiting allocation.
+#[derive(Debug)]
+struct Waiter {
+    model: ModelName,
+    notify: Notify,
+    /// Woken by a freed slot and not yet back to waiting: a second freed slot goes to the next
+    /// waiter. (A wake-up for everybody does not set it: it claims no particular slot, so a slot
+    /// freed meanwhile still goes to the longest-waiting waiter.)
+    woken: AtomicBool,
+    /// The pool and credential whose freed slot woke it, tried first.
+    hint: Mutex<Option<Hint>>,
+}
+
+impl Waiter {
+    fn wake(&self, hint: Option<Hint>) {
+        if let Some(hint) = hint {
+            *self.hint.lock().unwrap_or_else(|p| p.into_inner()) = Some(hint);
+            self.woken.store(true, Ordering::SeqCst);
+        }
+        self.notify.notify_one();
+    }
+}
+
+/// A notification payload (both channels; `key_id` only on `credpool_slot_freed`, `from` only
+/// on a service process's own announcements).
+#[derive(Debug, Deserialize)]
+struct Announcement {
+    provider: ProviderName,
+    pool: PoolName,
+    key_id: Option<KeyId>,
+    from: Option<String>,
+}
+
+impl Waits {
+    /// Waits over `views` (to tell which waiters a freed credential can serve), listening through
+    /// `target` once the first allocation waits, and announcing this process's freed slots
+    /// through `announce_on` (`None`: to nobody else; tests). Call within a Tokio runtime.
+    pub fn new(
+        views: Arc<CandidateViews>,
+        target: ListenTarget,
+        announce_on: Option<Db>,
+    ) -> Arc<Self> {
+        let (stop_tx, stop_rx) = watch::channel(());
+        let announcements = announce_on.map(|db| {
+            let (sender, receiver) = mpsc::unbounded_channel();
+            tokio::spawn(announce(db, receiver));
+            sender
+        });
+        Arc::new(Self {
+            pools: Mutex::new(HashMap::new()),
+            next_ticket: AtomicU64::new(0),
+            views,
+            target,
+            started: AtomicBool::new(false),
+            first_connect: watch::channel(false).0,
+            _stop: stop_tx,
+            stop: stop_rx,
+            stopped: watch::channel(false).0,
+            instance: format!("{:016x}", rand::random::<u64>()),
+            announcements,
+        })
+    }
+
+    /// Ends every wait, now and from now on: each waiting allocation answers with its last
+    /// result (a 429 with `Retry-After`) instead of waiting on. The service calls it when its
+    /// shutdown drain time is over, so that waiters get an answer rather than a reset connection.
+    pub fn stop_waiting(&self) {
+        self.stopped.send_replace(true);
+    }
+
+    /// Resolves once [`Waits::stop_waiting`] has been called (at once if it was).
+    pub async fn waiting_stopped(&self) {
+        let mut stopped = self.stopped.subscribe();
+        // the sender lives as long as `self`, so this cannot fail while anyone awaits it
+        let _ = stopped.wait_for(|stopped| *stopped).await;
+    }
+
+    /// Registers a waiter for `model` in every pool of `pools` (the request's pool sequence),
+    /// behind every waiter already there. It leaves the queues when the registration is dropped.
+    /// Starts the listening connection the first time, waiting up to `connect_within` for it.
+    pub async fn register(
+        self: &Arc<Self>,
+        provider: &ProviderName,
+        pools: &[PoolName],
+        model: &ModelName,
+        connect_within: Duration,
+    ) -> Registration {
+        self.start_listener(connect_within).await;
+        let ticket = self.next_ticket.fetch_add(1, Ordering::SeqCst);
+        let waiter = Arc::new(Waiter {
+            model: model.clone(),
+            notify: Notify::new(),
+            woken: AtomicBool::new(false),
+            hint: Mutex::new(None),
+        });
+        let keys: Vec<PoolKey> = pools
+            .iter()
+            .map(|p| (provider.clone(), p.clone()))
+            .collect();
+        {
+            let mut queues = self.pools.lock().unwrap_or_else(|p| p.into_inner());
+            for key in &keys {
+                queues
+                    .entry(key.clone())
+                    .or_default()
+                    .insert(ticket, waiter.clone());
+            }
+        }
+        crate::telemetry::waiters(1);
+        Registration {
+            waits: self.clone(),
+            provider: provider.clone(),
+            keys,
+            ticket,
+            waiter,
+        }
+    }
+
+    /// A slot of `key_id` in `provider`/`pool` was freed: wakes the longest-waiting waiter of the
+    /// pool that is not awake and whose model the credential serves (unknown: any).
+    pub fn slot_freed(&self, provider: &ProviderName, pool: &PoolName, key_id: &KeyId) {
+        let queues = self.pools.lock().unwrap_or_else(|p| p.into_inner());
+        let Some(queue) = queues.get(&(provider.clone(), pool.clone())) else {
+            return;
+        };
+        let chosen = queue.values().find(|w| {
+            !w.woken.load(Ordering::SeqCst)
+                && self.views.serves(provider, pool, key_id, &w.model) != Some(false)
+        });
+        if let Some(waiter) = chosen {
+            waiter.wake(Some((pool.clone(), key_id.clone())));
+        }
+    }
+
+    /// `provider`/`pool` changed (or may have: `None` for every pool): wakes all its waiters.
+    pub fn pool_changed(&self, pool: Option<(&ProviderName, &PoolName)>) {
+        let queues = self.pools.lock().unwrap_or_else(|p| p.into_inner());
+        for (key, queue) in queues.iter() {
+            if pool.is_none_or(|(provider, pool)| key.0 == *provider && key.1 == *pool) {
+                for waiter in queue.values() {
+                    waiter.wake(None);
+                }
+            }
+        }
+    }
+
+    /// A release by this process freed a slot, and has committed: wakes a waiter here at once,
+    /// and announces the slot to every other process (on `credpool_slot_freed`, from a task of
+    /// its own that sends whatever was freed meanwhile in one statement; this process's listener
+    /// skips it). If the announcement is lost (this process stops first, or the database is
+    /// unreachable), the other processes' waiters wake on their timers.
+    pub fn released_here(&self, provider: &ProviderName, pool: &PoolName, key_id: &KeyId) {
+        self.slot_freed(provider, pool, key_id);
+        if let Some(announcements) = &self.announcements {
+            let announcement = serde_json::json!({
+                "provider": provider.as_str(),
+                "pool": pool.as_str(),
+                "key_id": key_id.as_str(),
+                "from": self.instance,
+            });
+            // the receiver ends only with the runtime
+            let _ = announcements.send(announcement.to_string());
+        }
+    }
+
+    async fn start_listener(self: &Arc<Self>, connect_within: Duration) {
+        if matches!(self.target, ListenTarget::None) {
+            return;
+        }
+        if !self.started.swap(true, Ordering::SeqCst) {
+            tokio::spawn(listen(
+                Arc::downgrade(self),
+                self.target.clone(),
+                self.first_connect.clone(),
+                self.stop.clone(),
+            ));
+        }
+        let mut connected = self.first_connect.subscribe();
+        let _ = tokio::time::timeout(connect_within, connected.wait_for(|done| *done)).await;
+    }
+
+    fn remove(&self, keys: &[PoolKey], ticket: u64) {
+        let mut queues = self.pools.lock().unwrap_or_else(|p| p.into_inner());
+        for key in keys {
+            if let Some(queue) = queues.get_mut(key) {
+                queue.remove(&ticket);
+                if queue.is_empty() {
+                    queues.remove(key);
+                }
+            }
+        }
+        crate::telemetry::waiters(-1);
+    }
+}
+
+/// A waiter's place in the queues of its pools; dropping it leaves them, and hands a wake-up it
+/// has not used to the next waiter.
+#[derive(Debug)]
+pub struct Registration {
+    waits: Arc<Waits>,
+    provider: ProviderName,
+    keys: Vec<PoolKey>,
+    ticket: u64,
+    waiter: Arc<Waiter>,
+}
+
+impl Registration {
+    /// Waits until woken; returns the pool and credential whose freed slot woke it, if that is
+    /// why, and marks the waiter awake no more (a slot freed from now on may wake it again).
+    pub async fn woken(&self) -> Option<Hint> {
+        self.waiter.notify.notified().await;
+        self.take_hint()
+    }
+
+    /// The hint left by a wake-up that came while the waiter was busy, if any; marks it waiting.
+    pub fn take_hint(&self) -> Option<Hint> {
+        self.waiter.woken.store(false, Ordering::SeqCst);
+        self.waiter
+            .hint
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .take()
+    }
+}
+
+impl Registration {
+    /// A hint this waiter took but did not use (it was served from another pool first): the
+    /// freed slot goes to the next waiter. Call after dropping the registration.
+    pub fn pass_on(waits: &Waits, provider: &ProviderName, hint: Hint) {
+        waits.slot_freed(provider, &hint.0, &hint.1);
+    }
+}
+
+impl Drop for Registration {
+    fn drop(&mut self) {
+        self.waits.remove(&self.keys, self.ticket);
+        // woken by a freed slot, and leaving before it looked: the slot is somebody else's now
+        let unused = self
+            .waiter
+            .woken
+            .swap(false, Ordering::SeqCst)
+            .then(|| {
+                self.waiter
+                    .hint
+                    .lock()
+                    .unwrap_or_else(|p| p.into_inner())
+                    .take()
+            })
+            .flatten();
+        if let Some(hint) = unused {
+            Self::pass_on(&self.waits, &self.provider, hint);
+        }
+    }
+}
+
+/// The announcing task: sends what `announcements` receives, up to [`ANNOUNCE_BATCH`] per
+/// statement (`credpool_announce_freed`), until every sender is gone.
+async fn announce(db: Db, mut announcements: mpsc::UnboundedReceiver<String>) {
+    let mut batch = Vec::with_capacity(ANNOUNCE_BATCH);
+    while announcements.recv_many(&mut batch, ANNOUNCE_BATCH).await > 0 {
+        let sent = async {
+            let mut work = db.work().await?;
+            sqlx::query_scalar!("SELECT credpool_announce_freed($1)", &batch[..])
+                .fetch_one(&mut *work)
+                .await?;
+            work.done().await
+        };
+        if let Err(error) = sent.await {
+            tracing::warn!(error = %error, slots = batch.len(),
+                "waiting allocations: cannot announce freed slots; other processes' waiters wake on their timers");
+        }
+        batch.clear();
+    }
+}
+
+/// The listener task: one connection, LISTEN on both channels, dispatch to the waits; on a lost
+/// connection wake everybody (notifications may have been missed) and reconnect with backoff.
+/// Ends when the waits are dropped.
+async fn listen(
+    waits: Weak<Waits>,
+    target: ListenTarget,
+    first_connect: watch::Sender<bool>,
+    mut stop: watch::Receiver<()>,
+) {
+    let mut backoff = Duration::from_millis(100);
+    loop {
+        // the listener, and the pool it came from (kept while it listens: on a multi-host
+        // target, dropping it would stop the pool's search for the writable server)
+        let connected = async {
+            let own = match &target {
+                ListenTarget::SameAs(db) => db.sibling(1),
+                ListenTarget::Url(url) => {
+                    let target = Target::parse(url)
+                        .map_err(|error| sqlx::Error::Configuration(Box::new(error)))?;
+                    let settings = PoolSettings {
+                        max_connections: 1,
+                        acquire_timeout: LISTEN_ACQUIRE_TIMEOUT,
+                    };
+                    Db::connect_lazy(&target, 0, &settings)
+                }
+                ListenTarget::None => return Err(sqlx::Error::PoolClosed),
+            };
+            let mut listener = PgListener::connect_with(own.pool()).await?;
+            listener
+                .listen_all([SLOT_FREED_CHANNEL, POOL_CHANGED_CHANNEL])
+                .await?;
+            Ok::<_, sqlx::Error>((listener, own))
+        };
+        let listener = tokio::select! {
+            _ = stop.changed() => return,
+            connected = connected => connected,
+        };
+        let (mut listener, _own) = match listener {
+            Ok(listener) => listener,
+            Err(error) => {
+                tracing::warn!(error = %error, "waiting allocations: cannot LISTEN; retrying");
+                first_connect.send_replace(true);
+                tokio::select! {
+                    _ = stop.changed() => return,
+                    _ = tokio::time::sleep(backoff) => {}
+                }
+                backoff = (backoff * 2).min(Duration::from_secs(5));
+                continue;
+            }
+        };
+        backoff = Duration::from_millis(100);
+        crate::telemetry::waits_listening(true);
+        tracing::info!("waiting allocations: listening for freed slots");
+        // Anything freed before the LISTEN took effect was missed by the waiters queued so far:
+        // wake them. Only then say the listener is up: a request that was waiting for that to
+        // queue itself looks at the pool once queued, so it misses nothing and need not be woken
+        // (waking it too would set it racing the earlier waiters for the next freed slot).
+        if let Some(waits) = waits.upgrade() {
+            waits.pool_changed(None);
+        }
+        first_connect.send_replace(true);
+        loop {
+            let received = tokio::select! {
+                _ = stop.changed() => return,
+                received = listener.try_recv() => received,
+            };
+            let Some(waits) = waits.upgrade() else { return };
+            match received {
+                Ok(Some(notification)) => {
+                    match serde_json::from_str::<Announcement>(notification.payload()) {
+                        // this process's own release: its waiter was woken at the release
+                        Ok(Announcement {
+                            from: Some(from), ..
+                        }) if from == waits.instance => {}
+                        Ok(Announcement {
+                            provider,
+                            pool,
+                            key_id: Some(key_id),
+                            ..
+                        }) if notification.channel() == SLOT_FREED_CHANNEL => {
+                            waits.slot_freed(&provider, &pool, &key_id)
+                        }
+                        Ok(Announcement { provider, pool, .. }) => {
+                            waits.pool_changed(Some((&provider, &pool)))
+                        }
+                        Err(error) => {
+                            tracing::warn!(channel = notification.channel(), error = %error, "waiting allocations: unreadable notification")
+                        }
+                    }
+                }
+                // the connection was lost: reconnect (a fresh listener) and wake everybody
+                Ok(None) | Err(_) => {
+                    crate::telemetry::waits_listening(false);
+                    if let Err(error) = received {
+                        tracing::warn!(error = %error, "waiting allocations: listening failed; reconnecting");
+                    } else {
+                        tracing::warn!(
+                            "waiting allocations: listening connection lost; reconnecting"
+                        );
+                    }
+                    waits.pool_changed(None);
+                    break;
+                }
+            }
+        }
+        tokio::select! {
+            _ = stop.changed() => return,
+            _ = tokio::time::sleep(backoff) => {}
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::allocator::health::HealthPolicy;
+    use crate::allocator::scoring::ScoringPolicy;
+
+    /// Waits with no listening connection and no views (every credential may serve any model).
+    fn waits() -> Arc<Waits> {
+        let pool = sqlx::postgres::PgPoolOptions::new()
+            .connect_lazy("postgres://nobody@127.0.0.1:1/none")
+            .expect("a lazy pool");
+        let views = CandidateViews::new(
+            crate::store::Db::direct(pool),
+            ScoringPolicy::default(),
+            HealthPolicy::default(),
+        );
+        Waits::new(views, ListenTarget::None, None)
+    }
+
+    fn names() -> (ProviderName, PoolName, ModelName) {
+        (
+            ProviderName::parse("openai").unwrap(),
+            PoolName::default_pool(),
+            ModelName::parse("gpt-4o").unwrap(),
+        )
+    }
+
+    #[tokio::test]
+    async fn freed_slots_go_one_each_to_the_longest_waiting_waiters() {
+        let waits = waits();
+        let (provider, pool, model) = names();
+        let pools = [pool.clone()];
+        let first = waits
+            .register(&provider, &pools, &model, Duration::ZERO)
+            .await;
+        let second = waits
+            .register(&provider, &pools, &model, Duration::ZERO)
+            .await;
+        let third = waits
+            .register(&provider, &pools, &model, Duration::ZERO)
+            .await;
+        let (a, b) = (KeyId::parse("a").unwrap(), KeyId::parse("b").unwrap());
+        waits.slot_freed(&provider, &pool, &a);
+        waits.slot_freed(&provider, &pool, &b);
+        assert_eq!(first.woken().await, Some((pool.clone(), a)));
+        assert_eq!(second.woken().await, Some((pool.clone(), b)));
+        assert_eq!(third.take_hint(), None, "two slots woke three waiters");
+    }
+
+    #[tokio::test]
+    async fn a_slot_freed_right_after_a_wake_up_for_all_still_goes_to_the_first_waiter() {
+        let waits = waits();
+        let (provider, pool, model) = names();
+        let pools = [pool.clone()];
+        let first = waits
+            .register(&provider, &pools, &model, Duration::ZERO)
+            .await;
+        let second = waits
+            .register(&provider, &pools, &model, Duration::ZERO)
+            .await;
+        // the pool changed: everybody looks again; before either has, a slot is freed
+        waits.pool_changed(Some((&provider, &pool)));
+        let a = KeyId::parse("a").unwrap();
+        waits.slot_freed(&provider, &pool, &a);
+        assert_eq!(first.woken().await, Some((pool.clone(), a)));
+        assert_eq!(second.woken().await, None);
+    }
+
+    #[tokio::test]
+    async fn a_waiter_that_leaves_with_an_unused_wake_up_hands_it_to_the_next_waiter() {
+        let waits = waits();
+        let (provider, pool, model) = names();
+        let pools = [pool.clone()];
+        let leaving = waits
+            .register(&provider, &pools, &model, Duration::ZERO)
+            .await;
+        let next = waits
+            .register(&provider, &pools, &model, Duration::ZERO)
+            .await;
+        let a = KeyId::parse("a").unwrap();
+        // the slot is freed while the first waiter's last claim is in flight; it then leaves
+        waits.slot_freed(&provider, &pool, &a);
+        drop(leaving);
+        assert_eq!(next.woken().await, Some((pool.clone(), a)));
+
+        // a waiter that took its wake-up and used it hands nothing on
+        let third = waits
+            .register(&provider, &pools, &model, Duration::ZERO)
+            .await;
+        let b = KeyId::parse("b").unwrap();
+        waits.slot_freed(&provider, &pool, &b);
+        assert_eq!(next.woken().await, Some((pool.clone(), b)));
+        drop(next);
+        assert_eq!(third.take_hint(), None, "a used wake-up was handed on");
+    }
+
+    #[tokio::test]
+    async fn stopping_the_waits_releases_current_and_later_waiters_at_once() {
+        let waits = waits();
+        let before = tokio::spawn({
+            let waits = waits.clone();
+            async move { waits.waiting_stopped().await }
+        });
+        tokio::task::yield_now().await;
+        assert!(!before.is_finished(), "stopped before stop_waiting");
+        waits.stop_waiting();
+        before.await.unwrap();
+        // a waiter that comes later does not wait at all (the test hangs if it did)
+        waits.waiting_stopped().await;
+    }
+
+    #[tokio::test]
+    async fn a_waiter_leaves_every_queue_when_dropped() {
+        let waits = waits();
+        let (provider, pool, model) = names();
+        let both = [PoolName::parse("vip").unwrap(), pool.clone()];
+        let gone = waits
+            .register(&provider, &both, &model, Duration::ZERO)
+            .await;
+        let staying = waits
+            .register(
+                &provider,
+                std::slice::from_ref(&pool),
+                &model,
+                Duration::ZERO,
+            )
+            .await;
+        drop(gone);
+        let a = KeyId::parse("a").unwrap();
+        waits.slot_freed(&provider, &pool, &a);
+        assert_eq!(staying.woken().await, Some((pool, a)));
+        assert!(
+            waits.pools.lock().unwrap().len() == 1,
+            "the vip queue was not removed"
+        );
+    }
+}

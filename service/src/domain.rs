@@ -1,0 +1,526 @@
+//! Domain values: validated newtypes for every id and name that crosses the API, so a handler
+//! cannot hold an unvalidated value. Each type validates in `parse` and deserializes through it.
+//!
+//! Character sets (documented in README "Names"):
+//! - `key_id`: 1..=128 characters from `A-Z a-z 0-9 . _ : @ -`, starting with a letter or digit.
+//! - provider and pool: 1..=64 characters from `a-z 0-9 . _ -`, starting with a letter or digit.
+//! - model: 1..=200 characters from `A-Z a-z 0-9 . _ : / @ + -`.
+//! - holder: 1..=200 characters, no control characters.
+
+use std::fmt;
+
+use serde::{Deserialize, Serialize};
+use uuid::Uuid;
+
+/// A value that failed validation: which field and why. The message never echoes the value,
+/// so it is safe to return to clients and to log.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("invalid {field}: {reason}")]
+pub struct InvalidValue {
+    /// The field name as the API spells it (`key_id`, `provider`, ...).
+    pub field: &'static str,
+    /// What a valid value looks like.
+    pub reason: String,
+}
+
+impl InvalidValue {
+    pub(crate) fn new(field: &'static str, reason: impl Into<String>) -> Self {
+        Self {
+            field,
+            reason: reason.into(),
+        }
+    }
+}
+
+fn check_name(
+    field: &'static str,
+    value: &str,
+    max_len: usize,
+    allowed: impl Fn(char) -> bool,
+    rule: &str,
+) -> Result<(), InvalidValue> {
+    let len = value.chars().count();
+    if len == 0 || len > max_len {
+        return Err(InvalidValue::new(
+            field,
+            format!("must be 1 to {max_len} characters"),
+        ));
+    }
+    if !value.chars().all(allowed) {
+        return Err(InvalidValue::new(field, format!("may contain only {rule}")));
+    }
+    Ok(())
+}
+
+fn starts_alphanumeric(field: &'static str, value: &str) -> Result<(), InvalidValue> {
+    if value.starts_with(|c: char| c.is_ascii_alphanumeric()) {
+        Ok(())
+    } else {
+        Err(InvalidValue::new(
+            field,
+            "must start with a letter or a digit",
+        ))
+    }
+}
+
+macro_rules! string_newtype {
+    ($(#[$doc:meta])* $name:ident, $field:literal, $pattern:literal, |$v:ident| $check:expr) => {
+        $(#[$doc])*
+        #[derive(Debug, Clone, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
+        #[serde(try_from = "String", into = "String")]
+        pub struct $name(String);
+
+        impl $name {
+            /// Validates `value`; the error names the field and the rule, never the value.
+            pub fn parse(value: impl Into<String>) -> Result<Self, InvalidValue> {
+                let $v: String = value.into();
+                $check?;
+                Ok(Self($v))
+            }
+
+            /// The validated value.
+            pub fn as_str(&self) -> &str {
+                &self.0
+            }
+
+            /// The API field name this value travels under.
+            pub const FIELD: &'static str = $field;
+        }
+
+        impl TryFrom<String> for $name {
+            type Error = InvalidValue;
+            fn try_from(value: String) -> Result<Self, Self::Error> {
+                Self::parse(value)
+            }
+        }
+
+        impl From<$name> for String {
+            fn from(value: $name) -> String {
+                value.0
+            }
+        }
+
+        impl fmt::Display for $name {
+            fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+                f.write_str(&self.0)
+            }
+        }
+
+        impl utoipa::PartialSchema for $name {
+            /// A string matching the type's rule (the same rule `parse` checks).
+            fn schema() -> utoipa::openapi::RefOr<utoipa::openapi::schema::Schema> {
+                utoipa::openapi::ObjectBuilder::new()
+                    .schema_type(utoipa::openapi::schema::Type::String)
+                    .pattern(Some($pattern))
+                    .into()
+            }
+        }
+
+        impl utoipa::ToSchema for $name {}
+    };
+}
+
+string_newtype!(
+    /// The operator's id of one credential (`key_01HZX...`): 1..=128 characters from
+    /// `A-Z a-z 0-9 . _ : @ -`, starting with a letter or digit.
+    KeyId,
+    "key_id",
+    "^[A-Za-z0-9][A-Za-z0-9._:@-]{0,127}$",
+    |v| check_name("key_id", &v, 128, |c| c.is_ascii_alphanumeric() || "._:@-".contains(c), "letters, digits and . _ : @ -")
+        .and_then(|()| starts_alphanumeric("key_id", &v))
+);
+
+string_newtype!(
+    /// An upstream provider (`openai`, `anthropic`, ...): 1..=64 characters from `a-z 0-9 . _ -`,
+    /// starting with a letter or digit.
+    ProviderName,
+    "provider",
+    "^[a-z0-9][a-z0-9._-]{0,63}$",
+    |v| check_lower_name("provider", &v)
+);
+
+string_newtype!(
+    /// A pool of credentials within a provider (`default`, `vip`, ...): 1..=64 characters from
+    /// `a-z 0-9 . _ -`, starting with a letter or digit.
+    PoolName,
+    "pool",
+    "^[a-z0-9][a-z0-9._-]{0,63}$",
+    |v| check_lower_name("pool", &v)
+);
+
+string_newtype!(
+    /// A model name (`gpt-4o`, `claude-3-5-sonnet@20240620`): 1..=200 characters from
+    /// `A-Z a-z 0-9 . _ : / @ + -`.
+    ModelName,
+    "model",
+    "^[A-Za-z0-9._:/@+-]{1,200}$",
+    |v| check_name("model", &v, 200, |c| c.is_ascii_alphanumeric() || "._:/@+-".contains(c), "letters, digits and . _ : / @ + -")
+);
+
+string_newtype!(
+    /// The executor that holds a lease, as it names itself (`worker-7`): 1..=200 characters,
+    /// no control characters. Recorded on the lease and in the trail.
+    Holder,
+    "holder",
+    "^[^\\u0000-\\u001f\\u007f-\\u009f]{1,200}$",
+    |v| check_name("holder", &v, 200, |c| !c.is_control(), "printable characters")
+);
+
+string_newtype!(
+    /// A client's idempotency key for one allocation (`7f9c0c1e-...`): 1..=128 characters from
+    /// `A-Z a-z 0-9 . _ : -`. A retry with the same request_id and parameters gets the same
+    /// lease while it lives (docs/executor-protocol.md).
+    RequestId,
+    "request_id",
+    "^[A-Za-z0-9._:-]{1,128}$",
+    |v| check_name("request_id", &v, 128, |c| c.is_ascii_alphanumeric() || "._:-".contains(c), "letters, digits and . _ : -")
+);
+
+fn check_lower_name(field: &'static str, value: &str) -> Result<(), InvalidValue> {
+    check_name(
+        field,
+        value,
+        64,
+        |c| c.is_ascii_lowercase() || c.is_ascii_digit() || "._-".contains(c),
+        "lowercase letters, digits and . _ -",
+    )?;
+    starts_alphanumeric(field, value)
+}
+
+impl PoolName {
+    /// The pool every other pool may fall back to (`default`).
+    pub fn default_pool() -> Self {
+        Self("default".to_owned())
+    }
+
+    /// The pool sequence an allocation tries, in order (docs/design.md "The protocol", step 1):
+    /// `vip` tries `vip` then `default`; every other pool, `default` included, only itself.
+    pub fn sequence(&self) -> Vec<PoolName> {
+        if self.0 == "vip" {
+            vec![self.clone(), Self::default_pool()]
+        } else {
+            vec![self.clone()]
+        }
+    }
+}
+
+impl Default for PoolName {
+    fn default() -> Self {
+        Self::default_pool()
+    }
+}
+
+/// The id of one lease: 128 random bits, shown as 32 lowercase hex digits. Unguessable, so it
+/// doubles as the executor's proof that it holds the lease.
+#[derive(Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(try_from = "String", into = "String")]
+pub struct LeaseId(Uuid);
+
+impl LeaseId {
+    /// A fresh id from the operating system's random source (all 128 bits random, unlike a
+    /// version-4 UUID's 122).
+    pub fn generate() -> Self {
+        Self(Uuid::from_u128(rand::random::<u128>()))
+    }
+
+    /// Parses exactly 32 hexadecimal digits (either case).
+    pub fn parse(value: &str) -> Result<Self, InvalidValue> {
+        if value.len() != 32 || !value.bytes().all(|b| b.is_ascii_hexdigit()) {
+            return Err(InvalidValue::new(
+                "lease_id",
+                "must be 32 hexadecimal digits",
+            ));
+        }
+        let bits = u128::from_str_radix(value, 16)
+            .map_err(|_| InvalidValue::new("lease_id", "must be 32 hexadecimal digits"))?;
+        Ok(Self(Uuid::from_u128(bits)))
+    }
+
+    /// The id as stored in PostgreSQL (`uuid` column).
+    pub fn as_uuid(&self) -> Uuid {
+        self.0
+    }
+}
+
+impl From<Uuid> for LeaseId {
+    fn from(value: Uuid) -> Self {
+        Self(value)
+    }
+}
+
+impl TryFrom<String> for LeaseId {
+    type Error = InvalidValue;
+    fn try_from(value: String) -> Result<Self, Self::Error> {
+        Self::parse(&value)
+    }
+}
+
+impl From<LeaseId> for String {
+    fn from(value: LeaseId) -> String {
+        value.to_string()
+    }
+}
+
+impl fmt::Display for LeaseId {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "{}", self.0.simple())
+    }
+}
+
+impl utoipa::PartialSchema for LeaseId {
+    /// 32 hexadecimal digits.
+    fn schema() -> utoipa::openapi::RefOr<utoipa::openapi::schema::Schema> {
+        utoipa::openapi::ObjectBuilder::new()
+            .schema_type(utoipa::openapi::schema::Type::String)
+            .pattern(Some("^[0-9a-fA-F]{32}$"))
+            .into()
+    }
+}
+
+impl utoipa::ToSchema for LeaseId {}
+
+impl fmt::Debug for LeaseId {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "LeaseId({self})")
+    }
+}
+
+/// A credential's health (never its occupancy). See docs/design.md "Vocabulary" and the SQL
+/// function `credential_usable` for which states may be leased.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, utoipa::ToSchema)]
+#[serde(rename_all = "snake_case")]
+pub enum Status {
+    /// Usable.
+    Available,
+    /// Told to back off by the provider; usable again once `cooldown_until` passes.
+    RateLimited,
+    /// Resting after repeated failures; usable again once `cooldown_until` passes.
+    Cooldown,
+    /// Loaded but not yet cleared for traffic.
+    Pending,
+    /// Taken out of traffic (by an operator or an auth error).
+    Disabled,
+    /// Out of quota.
+    Exhausted,
+}
+
+impl Status {
+    /// Every status, in the order of docs/design.md.
+    pub const ALL: [Status; 6] = [
+        Status::Available,
+        Status::RateLimited,
+        Status::Cooldown,
+        Status::Pending,
+        Status::Disabled,
+        Status::Exhausted,
+    ];
+
+    /// Parses the stored spelling.
+    pub fn parse(value: &str) -> Result<Self, InvalidValue> {
+        Status::ALL
+            .into_iter()
+            .find(|s| s.as_str() == value)
+            .ok_or_else(|| InvalidValue::new("status", "must be one of available, rate_limited, cooldown, pending, disabled, exhausted"))
+    }
+
+    /// The spelling stored in `credentials.status`.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Status::Available => "available",
+            Status::RateLimited => "rate_limited",
+            Status::Cooldown => "cooldown",
+            Status::Pending => "pending",
+            Status::Disabled => "disabled",
+            Status::Exhausted => "exhausted",
+        }
+    }
+}
+
+/// What the executor reports about its upstream call when it releases a lease.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, utoipa::ToSchema)]
+#[serde(rename_all = "snake_case")]
+pub enum Outcome {
+    /// The call succeeded.
+    Success,
+    /// The call failed for a reason other than those below.
+    Failure,
+    /// The provider rate-limited the call (HTTP 429 upstream).
+    RateLimited,
+    /// The provider rejected the credential.
+    AuthError,
+    /// The credential's quota is used up.
+    QuotaExhausted,
+}
+
+impl Outcome {
+    /// The spelling stored in `lease_events.outcome`.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Outcome::Success => "success",
+            Outcome::Failure => "failure",
+            Outcome::RateLimited => "rate_limited",
+            Outcome::AuthError => "auth_error",
+            Outcome::QuotaExhausted => "quota_exhausted",
+        }
+    }
+}
+
+/// A lease length in whole seconds, validated against the service's maximum.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct LeaseSeconds(u32);
+
+impl LeaseSeconds {
+    /// The lease length when a request names none: 35 seconds (a 30-second upstream call plus
+    /// time to report).
+    pub const DEFAULT: LeaseSeconds = LeaseSeconds(35);
+
+    /// Accepts 1..=`max` seconds.
+    pub fn parse(value: u64, max: u32) -> Result<Self, InvalidValue> {
+        match u32::try_from(value) {
+            Ok(v) if (1..=max).contains(&v) => Ok(Self(v)),
+            _ => Err(InvalidValue::new(
+                "lease_seconds",
+                format!("must be an integer from 1 to {max}"),
+            )),
+        }
+    }
+
+    /// [`LeaseSeconds::DEFAULT`], or `max` when the service allows less than that.
+    pub fn default_within(max: u32) -> Self {
+        Self(Self::DEFAULT.0.min(max).max(1))
+    }
+
+    /// The length in seconds.
+    pub fn get(self) -> u32 {
+        self.0
+    }
+}
+
+/// Credential material handed to the executor with a lease (a JSON object such as
+/// `{"api_key": "sk-..."}`). Its `Debug` output is redacted so it cannot reach a log by accident.
+#[derive(Clone, PartialEq, Serialize)]
+#[serde(transparent)]
+pub struct Secret(serde_json::Value);
+
+impl Secret {
+    /// Accepts any JSON object; the error never echoes the value.
+    pub fn parse(value: serde_json::Value) -> Result<Self, InvalidValue> {
+        if value.is_object() {
+            Ok(Self(value))
+        } else {
+            Err(InvalidValue::new("secret", "must be a JSON object"))
+        }
+    }
+
+    /// The material itself, for storage and for the executor that holds the lease.
+    pub fn expose(&self) -> &serde_json::Value {
+        &self.0
+    }
+}
+
+impl<'de> Deserialize<'de> for Secret {
+    fn deserialize<D: serde::Deserializer<'de>>(deserializer: D) -> Result<Self, D::Error> {
+        // Deserialize as any JSON value first so that a type error can never quote the material.
+        let value = serde_json::Value::deserialize(deserializer)?;
+        Secret::parse(value).map_err(serde::de::Error::custom)
+    }
+}
+
+impl utoipa::PartialSchema for Secret {
+    /// Any JSON object.
+    fn schema() -> utoipa::openapi::RefOr<utoipa::openapi::schema::Schema> {
+        utoipa::openapi::ObjectBuilder::new()
+            .schema_type(utoipa::openapi::schema::Type::Object)
+            .description(Some(
+                "credential material: any JSON object, e.g. {\"api_key\": \"sk-...\"}",
+            ))
+            .into()
+    }
+}
+
+impl utoipa::ToSchema for Secret {}
+
+impl fmt::Debug for Secret {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str("Secret(<redacted>)")
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn key_id_accepts_documented_characters_and_rejects_others() {
+        assert!(KeyId::parse("key_01HZX:prod@eu-1.a").is_ok());
+        assert!(KeyId::parse("").is_err());
+        assert!(KeyId::parse("-leading-dash").is_err());
+        assert!(KeyId::parse("has space").is_err());
+        assert!(KeyId::parse("semi;colon").is_err());
+        assert!(KeyId::parse("x".repeat(128)).is_ok());
+        assert!(KeyId::parse("x".repeat(129)).is_err());
+    }
+
+    #[test]
+    fn provider_and_pool_are_lowercase_names() {
+        assert!(ProviderName::parse("openai").is_ok());
+        assert!(ProviderName::parse("OpenAI").is_err());
+        assert!(PoolName::parse("vip").is_ok());
+        assert!(PoolName::parse("x".repeat(65)).is_err());
+        assert!(PoolName::parse("a'b").is_err());
+    }
+
+    #[test]
+    fn invalid_value_message_never_echoes_the_value() {
+        let err = KeyId::parse("sk-secret value").unwrap_err();
+        assert!(!err.to_string().contains("sk-secret"), "{err}");
+    }
+
+    #[test]
+    fn vip_falls_back_to_default_and_default_never_borrows_from_vip() {
+        let vip = PoolName::parse("vip").unwrap();
+        let names = |p: &PoolName| {
+            p.sequence()
+                .iter()
+                .map(|p| p.to_string())
+                .collect::<Vec<_>>()
+        };
+        assert_eq!(names(&vip), ["vip", "default"]);
+        assert_eq!(names(&PoolName::default_pool()), ["default"]);
+        assert_eq!(names(&PoolName::parse("batch").unwrap()), ["batch"]);
+    }
+
+    #[test]
+    fn lease_id_round_trips_as_32_lowercase_hex() {
+        let id = LeaseId::generate();
+        let shown = id.to_string();
+        assert_eq!(shown.len(), 32);
+        assert!(
+            shown
+                .bytes()
+                .all(|b| b.is_ascii_digit() || (b'a'..=b'f').contains(&b))
+        );
+        assert_eq!(LeaseId::parse(&shown).unwrap(), id);
+        assert_eq!(LeaseId::parse(&shown.to_uppercase()).unwrap(), id);
+        assert!(LeaseId::parse(&shown[..31]).is_err());
+        assert!(LeaseId::parse("g0000000000000000000000000000000").is_err());
+        assert!(LeaseId::parse("+0000000000000000000000000000000").is_err());
+    }
+
+    #[test]
+    fn lease_seconds_range_is_inclusive() {
+        assert!(LeaseSeconds::parse(0, 3600).is_err());
+        assert_eq!(LeaseSeconds::parse(1, 3600).unwrap().get(), 1);
+        assert_eq!(LeaseSeconds::parse(3600, 3600).unwrap().get(), 3600);
+        assert!(LeaseSeconds::parse(3601, 3600).is_err());
+        assert!(LeaseSeconds::parse(u64::MAX, 3600).is_err());
+    }
+
+    #[test]
+    fn secret_debug_is_redacted_and_type_errors_do_not_quote_it() {
+        let secret = Secret::parse(serde_json::json!({"api_key": "sk-live-123"})).unwrap();
+        assert_eq!(format!("{secret:?}"), "Secret(<redacted>)");
+        let err = serde_json::from_str::<Secret>(r#""sk-live-123""#).unwrap_err();
+        assert!(!err.to_string().contains("sk-live"), "{err}");
+    }
+}

@@ -1,0 +1,380 @@
+//! Executor routes (`X-Internal-Key`): allocate, renew, release.
+
+use axum::Json;
+use axum::extract::State;
+use axum::response::{IntoResponse, Response};
+use serde::{Deserialize, Serialize};
+use std::time::Duration;
+use time::OffsetDateTime;
+use utoipa_axum::router::OpenApiRouter;
+use utoipa_axum::routes;
+
+use super::{AllocationOutcome, ApiError, ApiJson, AppState, ErrorBody, ExecutorKey};
+use crate::allocator::AllocateRequest;
+use crate::domain::{
+    Holder, InvalidValue, KeyId, LeaseId, LeaseSeconds, ModelName, Outcome, PoolName, ProviderName,
+    RequestId, Secret,
+};
+use crate::store::leases::{LeaseRef, NotReleased, ReleaseRequest};
+
+/// The allocate route, for the allocation counter.
+pub(super) const ALLOCATE_ROUTE: &str = "/api/internal/allocate-key";
+
+pub(super) fn routes() -> OpenApiRouter<AppState> {
+    OpenApiRouter::new()
+        .routes(routes!(allocate))
+        .routes(routes!(release))
+        .routes(routes!(renew))
+}
+
+/// `POST /api/internal/allocate-key` body.
+#[derive(Debug, Deserialize, utoipa::ToSchema)]
+#[serde(deny_unknown_fields)]
+struct AllocateBody {
+    provider: ProviderName,
+    /// A model name, or an alias an operator mapped.
+    model: ModelName,
+    /// Default `default`; `vip` falls back to `default`.
+    #[serde(default)]
+    #[schema(default = "default")]
+    pool: PoolName,
+    /// Lease length in seconds, 1..=`--max-lease-seconds` (default 3600); default 35.
+    #[schema(minimum = 1, maximum = 86400)]
+    lease_seconds: Option<u64>,
+    /// The executor's name for itself, kept on the lease and in the audit trail.
+    holder: Option<Holder>,
+    /// An idempotency key the client chose (1..=128 of `A-Z a-z 0-9 . _ : -`; a UUID fits): a
+    /// retry with the same request_id and the same parameters, while the lease lives, gets the
+    /// same lease instead of a second slot; with other parameters, 409 `request_id_conflict`.
+    request_id: Option<RequestId>,
+    /// Milliseconds to wait for a slot when every candidate is busy (default 0: answer 429 at
+    /// once); values above the service's cap (`--max-wait-ms`, default 30000) wait the cap.
+    #[schema(minimum = 0)]
+    wait_ms: Option<u64>,
+    /// The tokens the call expects to use, 0..=10^9 (default 0): reserved in the credential's
+    /// token windows from the grant until the release reports its `usage`.
+    #[schema(minimum = 0, maximum = 1_000_000_000)]
+    tokens: Option<u64>,
+}
+
+/// The allocation a body asks for, under the service's longest lease and longest wait.
+fn allocate_request(
+    body: AllocateBody,
+    max_lease_seconds: u32,
+    max_wait: Duration,
+) -> Result<AllocateRequest, ApiError> {
+    Ok(AllocateRequest {
+        lease_seconds: lease_seconds(body.lease_seconds, max_lease_seconds)?,
+        provider: body.provider,
+        model: body.model,
+        pool: body.pool,
+        holder: body.holder,
+        request_id: body.request_id,
+        wait: Duration::from_millis(body.wait_ms.unwrap_or(0)).min(max_wait),
+        tokens: tokens(body.tokens, "tokens")?.unwrap_or(0),
+    })
+}
+
+/// A token count as the API takes it: 0..=10^9.
+fn tokens(given: Option<u64>, field: &'static str) -> Result<Option<u64>, ApiError> {
+    match given {
+        Some(n) if n > crate::allocator::windows::MAX_COUNT => Err(InvalidValue::new(
+            field,
+            format!(
+                "must be an integer from 0 to {}",
+                crate::allocator::windows::MAX_COUNT
+            ),
+        )
+        .into()),
+        other => Ok(other),
+    }
+}
+
+/// Parses an allocate body as `POST /api/internal/allocate-key` does once its headers are
+/// checked: the JSON (unknown fields refused, every name validated), then the lease length under
+/// `max_lease_seconds` and the wait under `max_wait`. A bad body is the handler's 400
+/// `invalid_request`. Public for the request-parsing benchmark.
+pub fn parse_allocate(
+    body: &[u8],
+    max_lease_seconds: u32,
+    max_wait: Duration,
+) -> Result<AllocateRequest, ApiError> {
+    let body: AllocateBody = serde_json::from_slice(body)
+        .map_err(|error| ApiError::InvalidRequest(error.to_string()))?;
+    allocate_request(body, max_lease_seconds, max_wait)
+}
+
+/// A granted lease.
+#[derive(Debug, Serialize, utoipa::ToSchema)]
+struct AllocateResponse {
+    key_id: KeyId,
+    lease_id: LeaseId,
+    provider: ProviderName,
+    /// The pool that served (after a `vip` -> `default` fallback, `default`).
+    pool: PoolName,
+    /// The model name as this credential serves it (an alias resolved).
+    provider_model: String,
+    /// When the lease stops counting unless renewed (database clock).
+    #[serde(with = "time::serde::rfc3339")]
+    lease_until: OffsetDateTime,
+    /// The lease's length in seconds as granted: the request's `lease_seconds`, or the service's
+    /// default (35, or `--max-lease-seconds` when that is lower). A renewal without
+    /// `lease_seconds` extends by this much; renew well within it (a client renews every third).
+    #[schema(minimum = 1, maximum = 86400)]
+    lease_seconds: u32,
+    /// True for the single probe lease of a credential back from a cooldown: report its outcome.
+    probe: bool,
+    /// The fencing token (a positive integer): strictly greater than the fence of every earlier
+    /// lease of this credential. Pass it upstream where the upstream can refuse stale writers,
+    /// and with renew and release.
+    fence: i64,
+    /// The credential material, as the operator stored it.
+    credential: Secret,
+}
+
+fn lease_seconds(requested: Option<u64>, max: u32) -> Result<LeaseSeconds, ApiError> {
+    match requested {
+        None => Ok(LeaseSeconds::default_within(max)),
+        Some(seconds) => Ok(LeaseSeconds::parse(seconds, max)?),
+    }
+}
+
+/// Leases a credential: the best free one of the pool (`vip` falls back to `default`) that
+/// serves the model.
+#[utoipa::path(post, path = "/api/internal/allocate-key", tag = "executor",
+    request_body = AllocateBody,
+    security(("internal_key" = [])),
+    responses(
+        (status = 200, description = "leased: use it, then release", body = AllocateResponse),
+        (status = 400, description = "`invalid_request`", body = ErrorBody),
+        (status = 401, description = "`unauthorized`: missing or wrong key", body = ErrorBody),
+        (status = 404, description = "`pool_not_found`: no credentials for the provider and pool", body = ErrorBody),
+        (status = 409, description = "`model_not_supported`, `no_usable_credentials` (every credential that serves the model waits for an operator), `request_id_conflict` (the request_id holds a live lease granted for other parameters), or `tokens_exceed_budget` (the `tokens` estimate is larger than a token window of every credential that serves the model)", body = ErrorBody),
+        (status = 413, description = "`payload_too_large`", body = ErrorBody),
+        (status = 415, description = "`unsupported_media_type`", body = ErrorBody),
+        (status = 429, description = "`pool_exhausted`: candidates exist but none is free now (or none freed within `wait_ms`)", body = ErrorBody,
+         headers(("Retry-After" = u64, description = "whole seconds (>= 1) until the earliest lease or cooldown among the candidates ends"))),
+        (status = 500, description = "`internal_error`", body = ErrorBody),
+        (status = 503, description = "`store_unavailable`: PostgreSQL unreachable or too slow", body = ErrorBody),
+    ))]
+#[tracing::instrument(skip_all, fields(provider = %body.provider, pool = %body.pool, model = %body.model))]
+async fn allocate(
+    State(state): State<AppState>,
+    _key: ExecutorKey,
+    ApiJson(body): ApiJson<AllocateBody>,
+) -> Result<Response, ApiError> {
+    let request = allocate_request(body, state.max_lease_seconds, state.max_wait)?;
+    let outcome = |served_pool: &str, result| AllocationOutcome {
+        provider: request.provider.to_string(),
+        pool: request.pool.to_string(),
+        served_pool: served_pool.to_owned(),
+        result,
+    };
+    // the request timeout bounds the work; a waiting request gets its wait on top
+    let allocated = tokio::time::timeout(
+        state.request_timeout + request.wait,
+        state.allocator.allocate(&request),
+    )
+    .await
+    .map_err(|_| ApiError::Timeout)?;
+    let (mut response, labels) = match allocated {
+        Ok(lease) => {
+            let labels = outcome(lease.pool.as_str(), "leased");
+            let body = AllocateResponse {
+                key_id: lease.key_id,
+                lease_id: lease.lease_id,
+                provider: lease.provider,
+                pool: lease.pool,
+                provider_model: lease.provider_model,
+                lease_until: lease.lease_until,
+                lease_seconds: request.lease_seconds.get(),
+                probe: lease.probe,
+                fence: lease.fence,
+                credential: lease.credential,
+            };
+            (Json(body).into_response(), labels)
+        }
+        Err(error) => {
+            let labels = outcome("", error.result());
+            (ApiError::from(error).into_response(), labels)
+        }
+    };
+    response.extensions_mut().insert(labels);
+    Ok(response)
+}
+
+/// `POST /api/internal/release-key` body.
+#[derive(Debug, Deserialize, utoipa::ToSchema)]
+#[serde(deny_unknown_fields)]
+struct ReleaseBody {
+    provider: ProviderName,
+    /// The pool that served the lease.
+    pool: PoolName,
+    key_id: KeyId,
+    lease_id: LeaseId,
+    /// The lease's fence, from the allocate answer: a lease with another fence is not released
+    /// (`mismatch`).
+    #[schema(minimum = 1)]
+    fence: Option<u64>,
+    /// What happened upstream; drives the credential's health.
+    outcome: Option<Outcome>,
+    /// The provider's Retry-After in whole seconds, passed on with `rate_limited` or
+    /// `quota_exhausted`; 0 means "use the default"; at most [`MAX_RETRY_AFTER_SECONDS`].
+    retry_after_seconds: Option<u32>,
+    /// What the call really used: `{"tokens": N}` (0..=10^9) replaces the lease's reservation in
+    /// its credential's token windows (also for a lease that had expired, once).
+    usage: Option<UsageBody>,
+}
+
+/// A release's `usage`.
+#[derive(Debug, Deserialize, utoipa::ToSchema)]
+#[serde(deny_unknown_fields)]
+struct UsageBody {
+    /// Tokens used (prompt and completion together, as the provider counts them against its
+    /// token limit).
+    #[schema(minimum = 0, maximum = 1_000_000_000)]
+    tokens: u64,
+}
+
+/// The longest rest a release may ask for: 31 days in seconds (a monthly quota's reset). Longer
+/// values are a caller's bug, not a provider's answer, and would rest a credential for decades.
+pub const MAX_RETRY_AFTER_SECONDS: u32 = 31 * 86_400;
+
+/// `{"released":true}` or `{"released":false,"reason":...}`.
+#[derive(Debug, Serialize, utoipa::ToSchema)]
+struct ReleaseResponse {
+    released: bool,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    reason: Option<NotReleased>,
+}
+
+/// Releases a lease and reports the outcome of the upstream call.
+#[utoipa::path(post, path = "/api/internal/release-key", tag = "executor",
+    request_body = ReleaseBody,
+    security(("internal_key" = [])),
+    responses(
+        (status = 200, description = "`released: true`, or `released: false` with `reason` `mismatch`, `expired` or `not_found` (nothing released)", body = ReleaseResponse),
+        (status = 400, description = "`invalid_request`", body = ErrorBody),
+        (status = 401, description = "`unauthorized`", body = ErrorBody),
+        (status = 413, description = "`payload_too_large`", body = ErrorBody),
+        (status = 415, description = "`unsupported_media_type`", body = ErrorBody),
+        (status = 503, description = "`store_unavailable`", body = ErrorBody),
+    ))]
+#[tracing::instrument(skip_all, fields(key_id = %body.key_id, lease_id = %body.lease_id))]
+async fn release(
+    State(state): State<AppState>,
+    _key: ExecutorKey,
+    ApiJson(body): ApiJson<ReleaseBody>,
+) -> Result<Json<ReleaseResponse>, ApiError> {
+    if body
+        .retry_after_seconds
+        .is_some_and(|s| s > MAX_RETRY_AFTER_SECONDS)
+    {
+        return Err(InvalidValue::new(
+            "retry_after_seconds",
+            format!("must be an integer from 0 to {MAX_RETRY_AFTER_SECONDS} (31 days)"),
+        )
+        .into());
+    }
+    let request = ReleaseRequest {
+        lease: LeaseRef {
+            key_id: body.key_id,
+            provider: body.provider,
+            pool: body.pool,
+            lease_id: body.lease_id,
+            fence: fence(body.fence)?,
+        },
+        outcome: body.outcome,
+        retry_after_seconds: body.retry_after_seconds,
+        usage_tokens: tokens(body.usage.map(|u| u.tokens), "usage.tokens")?,
+    };
+    let result = state.allocator.release(request.clone()).await?;
+    let reason = result.released.err();
+    crate::telemetry::release(
+        reason.is_none(),
+        match reason {
+            None => "",
+            Some(NotReleased::Mismatch) => "mismatch",
+            Some(NotReleased::Expired) => "expired",
+            Some(NotReleased::NotFound) => "not_found",
+        },
+    );
+    tracing::info!(released = reason.is_none(), reason = ?reason, outcome = ?request.outcome, "release");
+    Ok(Json(ReleaseResponse {
+        released: reason.is_none(),
+        reason,
+    }))
+}
+
+/// A fence from a request body: fences are positive and fit PostgreSQL's bigint.
+fn fence(given: Option<u64>) -> Result<Option<i64>, ApiError> {
+    given
+        .map(|f| {
+            i64::try_from(f)
+                .ok()
+                .filter(|f| *f >= 1)
+                .ok_or_else(|| InvalidValue::new("fence", "must be an integer from 1 to 2^63-1"))
+        })
+        .transpose()
+        .map_err(ApiError::from)
+}
+
+/// `POST /api/internal/renew-lease` body.
+#[derive(Debug, Deserialize, utoipa::ToSchema)]
+#[serde(deny_unknown_fields)]
+struct RenewBody {
+    provider: ProviderName,
+    /// The pool that served the lease.
+    pool: PoolName,
+    key_id: KeyId,
+    lease_id: LeaseId,
+    /// The lease's fence, from the allocate answer: a lease with another fence is not renewed
+    /// (410 `lease_lost`).
+    #[schema(minimum = 1)]
+    fence: Option<u64>,
+    /// 1..=`--max-lease-seconds` from now (database clock); default 35.
+    #[schema(minimum = 1, maximum = 86400)]
+    lease_seconds: Option<u64>,
+}
+
+#[derive(Debug, Serialize, utoipa::ToSchema)]
+struct RenewResponse {
+    /// The new end of the lease (database clock).
+    #[serde(with = "time::serde::rfc3339")]
+    lease_until: OffsetDateTime,
+}
+
+/// Extends a lease that has not expired. Never brings back an expired one.
+#[utoipa::path(post, path = "/api/internal/renew-lease", tag = "executor",
+    request_body = RenewBody,
+    security(("internal_key" = [])),
+    responses(
+        (status = 200, description = "renewed", body = RenewResponse),
+        (status = 400, description = "`invalid_request`", body = ErrorBody),
+        (status = 401, description = "`unauthorized`", body = ErrorBody),
+        (status = 410, description = "`lease_lost`: expired, unknown, released or mismatched; stop using the credential", body = ErrorBody),
+        (status = 413, description = "`payload_too_large`", body = ErrorBody),
+        (status = 415, description = "`unsupported_media_type`", body = ErrorBody),
+        (status = 503, description = "`store_unavailable`", body = ErrorBody),
+    ))]
+#[tracing::instrument(skip_all, fields(key_id = %body.key_id, lease_id = %body.lease_id))]
+async fn renew(
+    State(state): State<AppState>,
+    _key: ExecutorKey,
+    ApiJson(body): ApiJson<RenewBody>,
+) -> Result<Json<RenewResponse>, ApiError> {
+    let seconds = lease_seconds(body.lease_seconds, state.max_lease_seconds)?;
+    let lease = LeaseRef {
+        key_id: body.key_id,
+        provider: body.provider,
+        pool: body.pool,
+        lease_id: body.lease_id,
+        fence: fence(body.fence)?,
+    };
+    let renewed = state.allocator.renew(lease, seconds).await?;
+    crate::telemetry::renewal(renewed.is_some());
+    match renewed {
+        Some(lease_until) => Ok(Json(RenewResponse { lease_until })),
+        None => Err(ApiError::LeaseLost),
+    }
+}

@@ -1,0 +1,591 @@
+//! The HTTP surface: [`app`] builds the router from one module per audience (executors,
+//! operators); [`ApiError`] is the one error type of every route, rendered as
+//! `{"error":{"code","message"}}` with a stable snake_case code.
+
+mod admin;
+mod dashboard;
+mod executor;
+mod ops;
+
+pub use executor::parse_allocate;
+
+use std::fmt;
+use std::sync::Arc;
+use std::time::Duration;
+
+use axum::extract::rejection::JsonRejection;
+use axum::extract::{FromRequest, FromRequestParts, Request};
+use axum::http::request::Parts;
+use axum::http::{HeaderMap, HeaderValue, StatusCode, header};
+use axum::response::{IntoResponse, Response};
+use axum::{Json, Router};
+use serde::de::DeserializeOwned;
+use subtle::ConstantTimeEq;
+
+use crate::allocator::{AllocateError, Allocator};
+use crate::domain::InvalidValue;
+
+/// Largest request body accepted, in bytes; larger bodies get 413 `payload_too_large`.
+pub const MAX_BODY_BYTES: usize = 256 * 1024;
+
+/// The service's own API keys: executors present the internal key in `X-Internal-Key`, operators
+/// the admin key in `X-Admin-Key`. `Debug` never shows them.
+#[derive(Clone)]
+pub struct ApiKeys {
+    internal: Arc<str>,
+    admin: Arc<str>,
+}
+
+impl ApiKeys {
+    /// The two keys must differ, so that one can never stand in for the other.
+    pub fn new(internal: String, admin: String) -> Result<Self, &'static str> {
+        if internal.is_empty() || admin.is_empty() {
+            return Err("the internal and admin keys must not be empty");
+        }
+        if internal == admin {
+            return Err("the internal and admin keys must differ");
+        }
+        Ok(Self {
+            internal: internal.into(),
+            admin: admin.into(),
+        })
+    }
+}
+
+impl fmt::Debug for ApiKeys {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str("ApiKeys(<redacted>)")
+    }
+}
+
+/// Everything a handler needs. Cheap to clone.
+#[derive(Debug, Clone)]
+pub struct AppState {
+    /// Grants leases.
+    pub allocator: Allocator,
+    /// The database, for the operator routes and readiness.
+    pub db: crate::store::Db,
+    /// The service's API keys.
+    pub keys: ApiKeys,
+    /// Longest lease (and renewal) an executor may ask for, in seconds.
+    pub max_lease_seconds: u32,
+    /// How outcome reports change health.
+    pub health: crate::allocator::health::HealthPolicy,
+    /// Seals and opens credential secrets.
+    pub keyring: Arc<crate::secrets::Keyring>,
+    /// The longest a request may take before it is answered 503 (a waiting allocate: plus its
+    /// wait).
+    pub request_timeout: Duration,
+    /// The longest an allocate may wait for a slot (`wait_ms` is capped to it).
+    pub max_wait: Duration,
+    /// Set when the service starts to shut down.
+    pub shutting_down: ShuttingDown,
+}
+
+/// Whether the service has begun to shut down (SIGINT/SIGTERM; [`crate::startup`]): from then on
+/// `/readyz` answers 503 `shutting_down`, so that load balancers and Kubernetes stop routing to
+/// this process, while every other route is served as before until the listener closes, and
+/// HTTP/1 responses carry `Connection: close` so that clients move their keep-alive connections
+/// elsewhere before then. Cheap to clone; every clone is the same flag.
+#[derive(Debug, Clone, Default)]
+pub struct ShuttingDown(Arc<std::sync::atomic::AtomicBool>);
+
+impl ShuttingDown {
+    /// Marks the service as shutting down (for good).
+    pub fn begin(&self) {
+        self.0.store(true, std::sync::atomic::Ordering::SeqCst);
+    }
+
+    /// Whether [`ShuttingDown::begin`] was called.
+    pub fn is_set(&self) -> bool {
+        self.0.load(std::sync::atomic::Ordering::SeqCst)
+    }
+}
+
+/// The OpenAPI document of every route, generated from the handlers' annotations.
+pub fn openapi() -> utoipa::openapi::OpenApi {
+    routes().split_for_parts().1
+}
+
+#[derive(utoipa::OpenApi)]
+#[openapi(
+    info(
+        title = "credpool",
+        description = "Leases upstream credentials to executors under per-credential concurrency limits. Executors authenticate with X-Internal-Key, operators with X-Admin-Key.",
+    ),
+    components(schemas(ErrorBody)),
+    modifiers(&SecuritySchemes),
+    tags(
+        (name = "executor", description = "Allocate, renew and release leases (X-Internal-Key)"),
+        (name = "operator", description = "Manage credentials and leases (X-Admin-Key)"),
+        (name = "operations", description = "Health, readiness, metrics and this document (no key)"),
+    )
+)]
+struct ApiDoc;
+
+/// The two API keys, as OpenAPI security schemes.
+struct SecuritySchemes;
+
+impl utoipa::Modify for SecuritySchemes {
+    fn modify(&self, openapi: &mut utoipa::openapi::OpenApi) {
+        use utoipa::openapi::security::{ApiKey, ApiKeyValue, SecurityScheme};
+        let components = openapi.components.get_or_insert_with(Default::default);
+        components.add_security_scheme(
+            "internal_key",
+            SecurityScheme::ApiKey(ApiKey::Header(ApiKeyValue::with_description(
+                "X-Internal-Key",
+                "the executor key (CREDPOOL_INTERNAL_KEY)",
+            ))),
+        );
+        components.add_security_scheme(
+            "admin_key",
+            SecurityScheme::ApiKey(ApiKey::Header(ApiKeyValue::with_description(
+                "X-Admin-Key",
+                "the operator key (CREDPOOL_ADMIN_KEY); the executor key gets 403",
+            ))),
+        );
+    }
+}
+
+fn routes() -> utoipa_axum::router::OpenApiRouter<AppState> {
+    use utoipa::OpenApi;
+    utoipa_axum::router::OpenApiRouter::with_openapi(ApiDoc::openapi())
+        .merge(executor::routes())
+        .merge(admin::routes())
+        .merge(ops::routes())
+}
+
+/// The whole router: executor routes under `/api/internal`, operator routes under `/api/admin`,
+/// the operator dashboard under `/dashboard`, `/livez`, `/readyz`, `/healthz`, `/metrics` and
+/// `/openapi.json`, and JSON errors for unknown routes and
+/// methods. Every request gets an id (`X-Request-Id`, taken from the request or generated, echoed
+/// in the response and on every log line of the request), the caller's W3C trace context on its
+/// span when it sent a valid `traceparent`, a latency sample, and an answer within
+/// `request_timeout` (else 503).
+pub fn app(state: AppState) -> Router {
+    let (router, mut api) = routes().split_for_parts();
+    ops::document_openapi_route(&mut api);
+    let api = Arc::new(api);
+    let request_id = axum::http::HeaderName::from_static("x-request-id");
+    router
+        .route(
+            "/openapi.json",
+            axum::routing::get(move || {
+                let api = api.clone();
+                async move { Json(api.as_ref().clone()) }
+            }),
+        )
+        .merge(dashboard::routes())
+        .fallback(|| async { ApiError::RouteNotFound })
+        .method_not_allowed_fallback(|| async { ApiError::MethodNotAllowed })
+        .layer(axum::extract::DefaultBodyLimit::max(MAX_BODY_BYTES))
+        .layer(axum::middleware::from_fn_with_state(state.clone(), observe))
+        .layer(tower_http::catch_panic::CatchPanicLayer::custom(|_panic| {
+            ApiError::Internal.into_response()
+        }))
+        .layer(
+            tower_http::trace::TraceLayer::new_for_http()
+                .make_span_with(request_span)
+                .on_failure(failure_log(state.shutting_down.clone())),
+        )
+        .layer(tower_http::request_id::PropagateRequestIdLayer::new(
+            request_id.clone(),
+        ))
+        .layer(tower_http::request_id::SetRequestIdLayer::new(
+            request_id,
+            tower_http::request_id::MakeRequestUuid,
+        ))
+        .with_state(state)
+}
+
+/// The span of one request, on every log line it writes: method, path, request id, and the
+/// caller's trace (`trace_id`, `parent_span_id`) when it sent a valid W3C `traceparent` (a
+/// malformed one is ignored), so that a gateway's trace continues through credpool's logs.
+fn request_span(request: &Request) -> tracing::Span {
+    let id = request
+        .headers()
+        .get("x-request-id")
+        .and_then(|v| v.to_str().ok())
+        .unwrap_or_default();
+    let span = tracing::info_span!(
+        "request",
+        method = %request.method(),
+        uri = %request.uri().path(),
+        request_id = %id,
+        trace_id = tracing::field::Empty,
+        parent_span_id = tracing::field::Empty,
+    );
+    if let Some(parent) = crate::telemetry::trace_parent(request.headers()) {
+        span.record("trace_id", parent.trace_id.as_str());
+        span.record("parent_span_id", parent.parent_span_id.as_str());
+    }
+    span
+}
+
+/// How a 5xx response is logged: as an error (tower-http's default), except while the service
+/// shuts down, when `/readyz` answers 503 `shutting_down` on purpose to every probe: then at
+/// debug level, so that a routine rolling update writes no error lines. (Store failures and
+/// panics are logged where they happen, at error level, either way.)
+fn failure_log(
+    shutting_down: ShuttingDown,
+) -> impl Fn(tower_http::classify::ServerErrorsFailureClass, Duration, &tracing::Span) + Clone {
+    move |class, latency, _span| {
+        let latency_ms = latency.as_millis() as u64;
+        if shutting_down.is_set() {
+            tracing::debug!(classification = %class, latency_ms, "response failed");
+        } else {
+            tracing::error!(classification = %class, latency_ms, "response failed");
+        }
+    }
+}
+
+/// What an allocation ended as, attached to its response for [`observe`] to count.
+#[derive(Debug, Clone)]
+pub(crate) struct AllocationOutcome {
+    provider: String,
+    pool: String,
+    served_pool: String,
+    result: &'static str,
+}
+
+/// Times every request, answers 503 when it takes longer than the request timeout, counts
+/// allocations by result (also those refused before the handler ran: bad requests, bad keys), and
+/// while the service shuts down asks HTTP/1 clients to close the connection after the response.
+async fn observe(
+    axum::extract::State(state): axum::extract::State<AppState>,
+    matched: Option<axum::extract::MatchedPath>,
+    request: Request,
+    next: axum::middleware::Next,
+) -> Response {
+    let started = std::time::Instant::now();
+    let route = matched
+        .map(|m| m.as_str().to_owned())
+        .unwrap_or_else(|| "unmatched".into());
+    // allocate bounds itself (its wait comes on top of the request timeout)
+    let http1 = request.version() <= axum::http::Version::HTTP_11;
+    let timeout = if route == executor::ALLOCATE_ROUTE {
+        state.request_timeout + state.max_wait
+    } else {
+        state.request_timeout
+    };
+    let mut response = match tokio::time::timeout(timeout, next.run(request)).await {
+        Ok(response) => response,
+        Err(_) => {
+            tracing::error!(route = %route, timeout_ms = state.request_timeout.as_millis() as u64, "request timed out");
+            ApiError::Timeout.into_response()
+        }
+    };
+    if http1 && state.shutting_down.is_set() {
+        // the next request opens a new connection, which the load balancer sends elsewhere
+        response
+            .headers_mut()
+            .insert(header::CONNECTION, HeaderValue::from_static("close"));
+    }
+    let status = response.status();
+    crate::telemetry::request(route.clone(), status.as_u16(), started.elapsed());
+    if route == executor::ALLOCATE_ROUTE {
+        match response.extensions().get::<AllocationOutcome>() {
+            Some(o) => crate::telemetry::allocation(&o.provider, &o.pool, &o.served_pool, o.result),
+            None => {
+                let result = match status {
+                    StatusCode::UNAUTHORIZED => "unauthorized",
+                    StatusCode::SERVICE_UNAVAILABLE => "store_unavailable",
+                    s if s.is_server_error() => "internal_error",
+                    _ => "bad_request",
+                };
+                crate::telemetry::allocation("", "", "", result);
+            }
+        }
+    }
+    response
+}
+
+/// Every error an API route can answer with. The doc of each variant gives its status and code.
+#[derive(Debug, thiserror::Error)]
+pub enum ApiError {
+    /// 400 `invalid_request`: malformed body, wrong types, unknown or missing fields, values out
+    /// of range. Changes nothing.
+    #[error("{0}")]
+    InvalidRequest(String),
+    /// 401 `unauthorized`: the key header is missing or wrong.
+    #[error("missing or wrong API key")]
+    Unauthorized,
+    /// 403 `forbidden`: a valid key, but not the one this route needs (the executor key on an
+    /// operator route).
+    #[error("this key may not use this route")]
+    Forbidden,
+    /// 404 `pool_not_found`: no credentials at all for the provider and pool.
+    #[error("no credentials for this provider and pool")]
+    PoolNotFound,
+    /// 404 `credential_not_found`: no credential with this key_id (operator routes).
+    #[error("no credential with this key_id")]
+    CredentialNotFound,
+    /// 404 `route_not_found`.
+    #[error("no such route")]
+    RouteNotFound,
+    /// 405 `method_not_allowed`.
+    #[error("method not allowed on this route")]
+    MethodNotAllowed,
+    /// 409 `model_not_supported`: the pool has credentials but none serves the model.
+    #[error("no credential in this pool serves the model")]
+    ModelNotSupported,
+    /// 409 `no_usable_credentials`: every credential that serves the model waits for an operator
+    /// (disabled, pending, exhausted without a retry_after, or cooling down with no known end).
+    #[error(
+        "every credential that serves the model waits for an operator (disabled, pending, exhausted, or cooling down with no known end)"
+    )]
+    NoUsableCredentials,
+    /// 409 `request_id_conflict`: the allocate's `request_id` holds a live lease granted for other
+    /// parameters.
+    #[error("this request_id holds a live lease granted for other parameters")]
+    RequestIdConflict,
+    /// 409 `tokens_exceed_budget`: the allocate's `tokens` estimate is larger than a token window
+    /// of every credential that serves the model: no wait can make room for it.
+    #[error(
+        "the tokens estimate is larger than a token window of every credential that serves the model"
+    )]
+    TokensExceedBudget,
+    /// 410 `lease_lost`: renewal of a lease that is expired, unknown, released or mismatched.
+    /// Stop using the credential.
+    #[error("the lease is expired, unknown, released or does not match; stop using the credential")]
+    LeaseLost,
+    /// 413 `payload_too_large`: body over [`MAX_BODY_BYTES`].
+    #[error("request body too large")]
+    PayloadTooLarge,
+    /// 415 `unsupported_media_type`: the body is not `Content-Type: application/json`.
+    #[error("expected Content-Type: application/json")]
+    UnsupportedMediaType,
+    /// 429 `pool_exhausted` with `Retry-After`: candidates exist but none is free now.
+    #[error(
+        "every candidate credential is busy or cooling down; retry after {retry_after_seconds} s"
+    )]
+    PoolExhausted {
+        /// Whole seconds, at least 1.
+        retry_after_seconds: u64,
+    },
+    /// 500 `internal_error`: a bug (a handler panicked). Logged; changes nothing the request had
+    /// not committed.
+    #[error("internal error")]
+    Internal,
+    /// 503 `store_unavailable`: the request did not finish within the request timeout (the store
+    /// is slow or unreachable).
+    #[error("the request timed out waiting for the store; retry")]
+    Timeout,
+    /// 503 `store_unavailable`: PostgreSQL failed or did not answer in time. Logged once here;
+    /// the client never sees SQL or driver text.
+    #[error("the store is unavailable; retry")]
+    StoreUnavailable(#[source] sqlx::Error),
+}
+
+impl ApiError {
+    /// The HTTP status and the stable error code.
+    pub fn status_and_code(&self) -> (StatusCode, &'static str) {
+        match self {
+            ApiError::InvalidRequest(_) => (StatusCode::BAD_REQUEST, "invalid_request"),
+            ApiError::Unauthorized => (StatusCode::UNAUTHORIZED, "unauthorized"),
+            ApiError::Forbidden => (StatusCode::FORBIDDEN, "forbidden"),
+            ApiError::PoolNotFound => (StatusCode::NOT_FOUND, "pool_not_found"),
+            ApiError::RouteNotFound => (StatusCode::NOT_FOUND, "route_not_found"),
+            ApiError::CredentialNotFound => (StatusCode::NOT_FOUND, "credential_not_found"),
+            ApiError::MethodNotAllowed => (StatusCode::METHOD_NOT_ALLOWED, "method_not_allowed"),
+            ApiError::ModelNotSupported => (StatusCode::CONFLICT, "model_not_supported"),
+            ApiError::NoUsableCredentials => (StatusCode::CONFLICT, "no_usable_credentials"),
+            ApiError::RequestIdConflict => (StatusCode::CONFLICT, "request_id_conflict"),
+            ApiError::TokensExceedBudget => (StatusCode::CONFLICT, "tokens_exceed_budget"),
+            ApiError::LeaseLost => (StatusCode::GONE, "lease_lost"),
+            ApiError::PayloadTooLarge => (StatusCode::PAYLOAD_TOO_LARGE, "payload_too_large"),
+            ApiError::UnsupportedMediaType => {
+                (StatusCode::UNSUPPORTED_MEDIA_TYPE, "unsupported_media_type")
+            }
+            ApiError::PoolExhausted { .. } => (StatusCode::TOO_MANY_REQUESTS, "pool_exhausted"),
+            ApiError::Internal => (StatusCode::INTERNAL_SERVER_ERROR, "internal_error"),
+            ApiError::StoreUnavailable(_) | ApiError::Timeout => {
+                (StatusCode::SERVICE_UNAVAILABLE, "store_unavailable")
+            }
+        }
+    }
+}
+
+impl IntoResponse for ApiError {
+    fn into_response(self) -> Response {
+        let (status, code) = self.status_and_code();
+        match &self {
+            ApiError::StoreUnavailable(source) => {
+                tracing::error!(error = %source, "store unavailable");
+            }
+            ApiError::PoolExhausted { .. } => tracing::debug!(code, "no capacity"),
+            ApiError::Internal => tracing::error!("request handler panicked"),
+            _ => tracing::debug!(code, message = %self, "request refused"),
+        }
+        let body = serde_json::json!({"error": {"code": code, "message": self.to_string()}});
+        let mut response = (status, Json(body)).into_response();
+        if let ApiError::PoolExhausted {
+            retry_after_seconds,
+        } = self
+        {
+            response
+                .headers_mut()
+                .insert(header::RETRY_AFTER, HeaderValue::from(retry_after_seconds));
+        }
+        response
+    }
+}
+
+impl From<sqlx::Error> for ApiError {
+    fn from(error: sqlx::Error) -> Self {
+        ApiError::StoreUnavailable(error)
+    }
+}
+
+impl From<InvalidValue> for ApiError {
+    fn from(error: InvalidValue) -> Self {
+        ApiError::InvalidRequest(error.to_string())
+    }
+}
+
+impl From<AllocateError> for ApiError {
+    fn from(error: AllocateError) -> Self {
+        match error {
+            AllocateError::PoolNotFound => ApiError::PoolNotFound,
+            AllocateError::ModelNotSupported => ApiError::ModelNotSupported,
+            AllocateError::NoUsableCredentials => ApiError::NoUsableCredentials,
+            AllocateError::RequestIdConflict => ApiError::RequestIdConflict,
+            AllocateError::TokensExceedBudget => ApiError::TokensExceedBudget,
+            AllocateError::PoolExhausted {
+                retry_after_seconds,
+            } => ApiError::PoolExhausted {
+                retry_after_seconds,
+            },
+            AllocateError::Store(e) => ApiError::StoreUnavailable(e),
+            AllocateError::SecretUnreadable { key_id, error } => {
+                tracing::error!(key_id = %key_id, error = %error, "a credential's secret cannot be opened; check the master keys");
+                ApiError::Internal
+            }
+        }
+    }
+}
+
+/// The error body of every route: `{"error": {"code": "...", "message": "..."}}`.
+#[derive(Debug, serde::Serialize, utoipa::ToSchema)]
+pub struct ErrorBody {
+    /// The error.
+    pub error: ErrorDetail,
+}
+
+/// A stable snake_case code and a human-readable message.
+#[derive(Debug, serde::Serialize, utoipa::ToSchema)]
+pub struct ErrorDetail {
+    /// Stable, snake_case: `invalid_request`, `unauthorized`, `forbidden`, `pool_not_found`,
+    /// `credential_not_found`, `route_not_found`, `method_not_allowed`, `model_not_supported`,
+    /// `no_usable_credentials`, `request_id_conflict`, `tokens_exceed_budget`, `lease_lost`,
+    /// `payload_too_large`, `unsupported_media_type`,
+    /// `pool_exhausted`, `internal_error`, `store_unavailable`, `not_ready`, `shutting_down`.
+    pub code: String,
+    /// What happened, for people.
+    pub message: String,
+}
+
+/// `axum::Json`, with rejections in the API's error shape.
+pub struct ApiJson<T>(pub T);
+
+impl<S: Send + Sync, T: DeserializeOwned> FromRequest<S> for ApiJson<T> {
+    type Rejection = ApiError;
+
+    async fn from_request(req: Request, state: &S) -> Result<Self, Self::Rejection> {
+        match Json::<T>::from_request(req, state).await {
+            Ok(Json(value)) => Ok(ApiJson(value)),
+            Err(JsonRejection::MissingJsonContentType(_)) => Err(ApiError::UnsupportedMediaType),
+            Err(JsonRejection::BytesRejection(r))
+                if r.status() == StatusCode::PAYLOAD_TOO_LARGE =>
+            {
+                Err(ApiError::PayloadTooLarge)
+            }
+            Err(rejection) => Err(rejected(rejection.body_text())),
+        }
+    }
+}
+
+/// Longest message a malformed request gets back, in characters. serde's messages quote what
+/// they could not take (an unknown field's name, a string where a number belongs); without a
+/// bound, a 256 KiB body came back whole in the answer and in the debug log.
+const MAX_REJECTION_CHARS: usize = 1024;
+
+/// 400 `invalid_request` with an extractor's rejection text, cut to [`MAX_REJECTION_CHARS`].
+fn rejected(mut text: String) -> ApiError {
+    if let Some((cut, _)) = text.char_indices().nth(MAX_REJECTION_CHARS) {
+        text.truncate(cut);
+        text.push_str("...");
+    }
+    ApiError::InvalidRequest(text)
+}
+
+/// `axum::extract::Query`, with rejections in the API's error shape.
+pub struct ApiQuery<T>(pub T);
+
+impl<S: Send + Sync, T: DeserializeOwned> FromRequestParts<S> for ApiQuery<T> {
+    type Rejection = ApiError;
+
+    async fn from_request_parts(parts: &mut Parts, state: &S) -> Result<Self, Self::Rejection> {
+        match axum::extract::Query::<T>::from_request_parts(parts, state).await {
+            Ok(axum::extract::Query(value)) => Ok(ApiQuery(value)),
+            Err(rejection) => Err(rejected(rejection.body_text())),
+        }
+    }
+}
+
+/// `axum::extract::Path`, with rejections in the API's error shape (a path parameter that is not
+/// UTF-8 after percent-decoding is 400 `invalid_request`, like any other bad id).
+pub struct ApiPath<T>(pub T);
+
+impl<S: Send + Sync, T: DeserializeOwned + Send> FromRequestParts<S> for ApiPath<T> {
+    type Rejection = ApiError;
+
+    async fn from_request_parts(parts: &mut Parts, state: &S) -> Result<Self, Self::Rejection> {
+        match axum::extract::Path::<T>::from_request_parts(parts, state).await {
+            Ok(axum::extract::Path(value)) => Ok(ApiPath(value)),
+            Err(rejection) => Err(rejected(rejection.body_text())),
+        }
+    }
+}
+
+fn key_matches(headers: &HeaderMap, name: &str, expected: &str) -> bool {
+    headers
+        .get(name)
+        .is_some_and(|given| given.as_bytes().ct_eq(expected.as_bytes()).into())
+}
+
+/// Proof that the request carries the executor key (`X-Internal-Key`); otherwise 401.
+pub struct ExecutorKey;
+
+impl FromRequestParts<AppState> for ExecutorKey {
+    type Rejection = ApiError;
+
+    async fn from_request_parts(parts: &mut Parts, state: &AppState) -> Result<Self, ApiError> {
+        if key_matches(&parts.headers, "x-internal-key", &state.keys.internal) {
+            Ok(ExecutorKey)
+        } else {
+            Err(ApiError::Unauthorized)
+        }
+    }
+}
+
+/// Proof that the request carries the operator key (`X-Admin-Key`). The executor key, in either
+/// header, gets 403; a missing or wrong key 401.
+pub struct AdminKey;
+
+impl FromRequestParts<AppState> for AdminKey {
+    type Rejection = ApiError;
+
+    async fn from_request_parts(parts: &mut Parts, state: &AppState) -> Result<Self, ApiError> {
+        let headers = &parts.headers;
+        if key_matches(headers, "x-admin-key", &state.keys.admin) {
+            Ok(AdminKey)
+        } else if key_matches(headers, "x-admin-key", &state.keys.internal)
+            || key_matches(headers, "x-internal-key", &state.keys.internal)
+        {
+            Err(ApiError::Forbidden)
+        } else {
+            Err(ApiError::Unauthorized)
+        }
+    }
+}

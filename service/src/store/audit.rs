@@ -1,0 +1,175 @@
+//! Questions answered from the audit trail alone (the SQL functions of `sql/audit.sql`;
+//! docs/audit.md shows each query).
+
+use sqlx::PgExecutor;
+
+use super::Db;
+use time::OffsetDateTime;
+
+/// One credential's line of the oversell proof (SQL function `credpool_oversell_check`).
+#[derive(Debug, Clone, serde::Serialize)]
+pub struct OversellRow {
+    /// The credential.
+    pub key_id: String,
+    /// Its limit now (`None` if it has been deleted).
+    pub max_concurrent_uses: Option<i32>,
+    /// Leases granted in the range.
+    pub leases: i64,
+    /// The most leases it held at one moment.
+    pub peak: i64,
+    /// Grants that left more leases held than its limit at that moment allowed. Anything but 0
+    /// is an oversell.
+    pub grants_over_limit: i64,
+    /// When the first such grant happened.
+    #[serde(with = "time::serde::rfc3339::option")]
+    pub first_violation_at: Option<OffsetDateTime>,
+}
+
+/// The oversell proof over `[since, until)`, from the audit trail alone (see the SQL function
+/// `credpool_oversell_check` for the exact rule).
+#[tracing::instrument(skip(executor), err(level = "debug"))]
+pub async fn oversell_check(
+    executor: impl PgExecutor<'_>,
+    since: OffsetDateTime,
+    until: OffsetDateTime,
+) -> Result<Vec<OversellRow>, sqlx::Error> {
+    let rows = sqlx::query!(
+        r#"
+        SELECT key_id AS "key_id!", max_concurrent_uses, leases AS "leases!", peak AS "peak!",
+               grants_over_limit AS "grants_over_limit!", first_violation_at
+        FROM credpool_oversell_check($1, $2)
+        "#,
+        since,
+        until,
+    )
+    .fetch_all(executor)
+    .await?;
+    Ok(rows
+        .into_iter()
+        .map(|r| OversellRow {
+            key_id: r.key_id,
+            max_concurrent_uses: r.max_concurrent_uses,
+            leases: r.leases,
+            peak: r.peak,
+            grants_over_limit: r.grants_over_limit,
+            first_violation_at: r.first_violation_at,
+        })
+        .collect())
+}
+
+/// One credential's and window's line of the window proof (SQL function `credpool_window_check`).
+#[derive(Debug, Clone, serde::Serialize)]
+pub struct WindowRow {
+    /// The credential.
+    pub key_id: String,
+    /// `requests` or `tokens`.
+    pub kind: String,
+    /// The window's length in seconds.
+    pub seconds: i32,
+    /// Its count (the largest in effect over the range).
+    pub window_count: i64,
+    /// Grants in the range under this window.
+    pub grants: i64,
+    /// The most the window had charged after a grant.
+    pub peak: i64,
+    /// Grants after which the window had charged more than its count. Anything but 0 is a grant
+    /// over a rate window.
+    pub grants_over_window: i64,
+    /// When the first such grant happened.
+    #[serde(with = "time::serde::rfc3339::option")]
+    pub first_violation_at: Option<OffsetDateTime>,
+}
+
+/// The window proof over `[since, until)`, from the audit trail alone (see the SQL function
+/// `credpool_window_check` for the exact rule).
+#[tracing::instrument(skip(executor), err(level = "debug"))]
+pub async fn window_check(
+    executor: impl PgExecutor<'_>,
+    since: OffsetDateTime,
+    until: OffsetDateTime,
+) -> Result<Vec<WindowRow>, sqlx::Error> {
+    let rows = sqlx::query!(
+        r#"
+        SELECT key_id AS "key_id!", kind AS "kind!", seconds AS "seconds!",
+               window_count AS "window_count!", grants AS "grants!", peak AS "peak!",
+               grants_over_window AS "grants_over_window!", first_violation_at
+        FROM credpool_window_check($1, $2)
+        ORDER BY key_id, kind, seconds
+        "#,
+        since,
+        until,
+    )
+    .fetch_all(executor)
+    .await?;
+    Ok(rows
+        .into_iter()
+        .map(|r| WindowRow {
+            key_id: r.key_id,
+            kind: r.kind,
+            seconds: r.seconds,
+            window_count: r.window_count,
+            grants: r.grants,
+            peak: r.peak,
+            grants_over_window: r.grants_over_window,
+            first_violation_at: r.first_violation_at,
+        })
+        .collect())
+}
+
+/// Leases among `key_ids` granted in `[since, until)` that ended by expiry (SQL function
+/// `credpool_lease_lifetimes`).
+pub async fn expired_without_release(
+    executor: impl PgExecutor<'_>,
+    since: OffsetDateTime,
+    until: OffsetDateTime,
+    key_ids: &[String],
+) -> Result<i64, sqlx::Error> {
+    sqlx::query_scalar!(
+        r#"
+        SELECT count(*) AS "count!"
+        FROM credpool_lease_lifetimes($1, $2)
+        WHERE ended_by = 'expired' AND key_id = ANY ($3) AND granted_at >= $1
+        "#,
+        since,
+        until,
+        key_ids,
+    )
+    .fetch_one(executor)
+    .await
+}
+
+/// Renewals of leases on `key_ids` recorded in [since, until).
+pub async fn renewals(
+    executor: impl PgExecutor<'_>,
+    since: OffsetDateTime,
+    until: OffsetDateTime,
+    key_ids: &[String],
+) -> Result<i64, sqlx::Error> {
+    sqlx::query_scalar!(
+        r#"
+        SELECT count(*) AS "count!"
+        FROM lease_events
+        WHERE event = 'renewed' AND key_id = ANY ($3) AND at >= $1 AND at < $2
+        "#,
+        since,
+        until,
+        key_ids,
+    )
+    .fetch_one(executor)
+    .await
+}
+
+/// The database clock.
+pub async fn database_now(executor: impl PgExecutor<'_>) -> Result<OffsetDateTime, sqlx::Error> {
+    sqlx::query_scalar!(r#"SELECT now() AS "now!""#)
+        .fetch_one(executor)
+        .await
+}
+
+/// The database clock, read on a connection of `db` (see [`database_now`]).
+pub async fn now(db: &Db) -> Result<OffsetDateTime, sqlx::Error> {
+    let mut work = db.work().await?;
+    let now = database_now(&mut *work).await?;
+    work.done().await?;
+    Ok(now)
+}

@@ -1,0 +1,87 @@
+//! Resealing secrets under the current master key, and which keys sealed them.
+
+use super::{Actor, audit};
+use crate::domain::KeyId;
+use crate::secrets::Keyring;
+use crate::store::Db;
+use crate::store::leases::decoded;
+
+/// Seals under the keyring's current key every secret still stored as plaintext (written before
+/// secrets were sealed) and, unless `plaintext_only`, every secret sealed under an older master
+/// key; in batches of 500, one transaction each. Returns how many were resealed. Audited
+/// `secret_resealed`.
+pub async fn reseal(
+    db: &Db,
+    keyring: &Keyring,
+    plaintext_only: bool,
+    actor: &Actor,
+) -> Result<usize, sqlx::Error> {
+    let mut resealed = 0;
+    let mut after = String::new();
+    loop {
+        let mut tx = db.begin().await?;
+        let rows = sqlx::query!(
+            r#"
+            SELECT key_id, secret, secret_ciphertext
+            FROM credentials
+            WHERE key_id > $1
+            ORDER BY key_id
+            LIMIT 500
+            FOR UPDATE
+            "#,
+            after
+        )
+        .fetch_all(&mut *tx)
+        .await?;
+        let Some(last) = rows.last() else { break };
+        after = last.key_id.clone();
+        for row in rows {
+            let key_id = decoded(KeyId::parse(row.key_id))?;
+            let secret = match (row.secret, row.secret_ciphertext) {
+                (Some(plain), _) => decoded(crate::domain::Secret::parse(plain))?,
+                (None, Some(sealed)) if !plaintext_only && !keyring.is_current(&sealed) => keyring
+                    .open(&key_id, &sealed)
+                    .map_err(|e| sqlx::Error::Decode(Box::new(e)))?,
+                _ => continue,
+            };
+            let sealed = keyring.seal(&key_id, &secret);
+            sqlx::query!(
+                "UPDATE credentials SET secret = NULL, secret_ciphertext = $2 WHERE key_id = $1",
+                key_id.as_str(),
+                &sealed
+            )
+            .execute(&mut *tx)
+            .await?;
+            let details = serde_json::json!({"master_key": keyring.current().fingerprint()});
+            audit(
+                &mut tx,
+                &key_id,
+                "secret_resealed",
+                actor,
+                "secret sealed under the current master key",
+                details,
+            )
+            .await?;
+            resealed += 1;
+        }
+        tx.commit().await?;
+    }
+    Ok(resealed)
+}
+
+/// Master key fingerprints (hex) that sealed secrets need, with how many credentials need each.
+pub async fn sealing_keys(db: &Db) -> Result<Vec<(String, i64)>, sqlx::Error> {
+    let mut work = db.work().await?;
+    let rows = sqlx::query!(
+        r#"
+        SELECT encode(substring(secret_ciphertext FROM 4 FOR 8), 'hex') AS "fingerprint!", count(*) AS "count!"
+        FROM credentials
+        WHERE secret_ciphertext IS NOT NULL
+        GROUP BY 1
+        "#
+    )
+    .fetch_all(&mut *work)
+    .await?;
+    work.done().await?;
+    Ok(rows.into_iter().map(|r| (r.fingerprint, r.count)).collect())
+}

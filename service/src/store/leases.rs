@@ -1,0 +1,602 @@
+//! Lease state from Rust: each transition is one call of its SQL function (`sql/lease.sql`, which
+//! says what each keeps and in which order it takes its locks): the claim, release with the
+//! outcome's effect on health, renewal, and fitting a credential's slots to its limit.
+
+use std::collections::HashMap;
+
+use sqlx::{PgConnection, PgExecutor};
+
+use super::{Conn, Db};
+use time::OffsetDateTime;
+
+use crate::allocator::health::{self, Health, HealthPolicy, Report};
+use crate::domain::{
+    Holder, KeyId, LeaseId, LeaseSeconds, ModelName, Outcome, PoolName, ProviderName, RequestId,
+};
+
+/// Values read back from the database passed the same validation on the way in (and the
+/// table's CHECK constraints); a failure here is a decode error, not bad input.
+pub(crate) fn decoded<T>(value: Result<T, crate::domain::InvalidValue>) -> Result<T, sqlx::Error> {
+    value.map_err(|e| sqlx::Error::Decode(Box::new(e)))
+}
+
+/// What the claim needs besides the ranked candidates.
+#[derive(Debug, Clone)]
+pub struct ClaimRequest<'a> {
+    /// Candidate key ids, best first.
+    pub ranked: &'a [KeyId],
+    /// The provider requested.
+    pub provider: &'a ProviderName,
+    /// The pool being tried (one step of the pool sequence).
+    pub pool: &'a PoolName,
+    /// The model requested.
+    pub model: &'a ModelName,
+    /// The id the new lease will carry.
+    pub lease_id: LeaseId,
+    /// The executor's name for itself, if it gave one.
+    pub holder: Option<&'a Holder>,
+    /// The lease length.
+    pub lease_seconds: LeaseSeconds,
+    /// The client's idempotency key, if it gave one: the claim then answers with the lease the
+    /// request already holds instead of taking a second slot.
+    pub request: Option<&'a RequestKey>,
+    /// The tokens the lease reserves in its credential's token windows (the allocate's estimate;
+    /// 0: none).
+    pub tokens: u64,
+}
+
+/// An allocation's idempotency key: the client's `request_id` and a digest of the parameters it
+/// came with, so that a retry with other parameters is told apart (409 `request_id_conflict`).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct RequestKey {
+    /// The client's key.
+    pub id: RequestId,
+    /// SHA-256 (hex) of the request's provider, pool asked for, model, lease_seconds, holder and
+    /// token estimate.
+    pub digest: String,
+}
+
+impl RequestKey {
+    /// The key of a request with these parameters (`tokens`: its token estimate; a request
+    /// without one digests as it did before estimates existed).
+    pub fn new(
+        id: RequestId,
+        provider: &ProviderName,
+        pool: &PoolName,
+        model: &ModelName,
+        lease_seconds: LeaseSeconds,
+        holder: Option<&Holder>,
+        tokens: u64,
+    ) -> Self {
+        use sha2::Digest;
+        // unambiguous: every field is length-prefixed
+        let mut hasher = sha2::Sha256::new();
+        let tokens = (tokens > 0).then(|| tokens.to_string());
+        for field in [
+            provider.as_str(),
+            pool.as_str(),
+            model.as_str(),
+            &lease_seconds.get().to_string(),
+            holder.map_or("\u{0}", Holder::as_str),
+        ]
+        .into_iter()
+        .chain(tokens.as_deref())
+        {
+            hasher.update((field.len() as u64).to_be_bytes());
+            hasher.update(field.as_bytes());
+        }
+        Self {
+            id,
+            digest: hex::encode(hasher.finalize()),
+        }
+    }
+}
+
+/// A lease the claim statement granted.
+#[derive(Debug, Clone)]
+pub struct GrantedLease {
+    /// The credential leased.
+    pub key_id: KeyId,
+    /// The lease's id.
+    pub lease_id: LeaseId,
+    /// When it was granted (database clock).
+    pub granted_at: OffsetDateTime,
+    /// When the lease stops counting (database clock).
+    pub lease_until: OffsetDateTime,
+    /// Whether it is the single probe lease of a credential back from a cooldown.
+    pub probe: bool,
+    /// The model name as this credential serves it (after alias mapping).
+    pub provider_model: String,
+    /// The credential material, sealed ([`crate::secrets::Keyring::open`] opens it).
+    pub sealed_secret: Vec<u8>,
+    /// Whether the claim reused the slot of an expired lease (ending it in the trail).
+    pub pruned_expired: bool,
+    /// The pool the lease is in: the pool claimed from, or for a replay the pool that served the
+    /// request's first attempt.
+    pub pool: PoolName,
+    /// The lease's fencing token: strictly increasing per credential with each grant, never
+    /// reused (`lease_fence_seq`).
+    pub fence: i64,
+    /// The lease was granted to an earlier attempt of the same request (same `request_id` and
+    /// parameters); this claim took no slot.
+    pub replayed: bool,
+}
+
+/// What one run of the claim statement found.
+#[derive(Debug, Clone)]
+pub struct ClaimResult {
+    /// The pool's version when the statement ran; compare with the candidate view's.
+    pub pool_version: Option<i64>,
+    /// The lease, if a slot was free (or the request already held one).
+    pub granted: Option<GrantedLease>,
+    /// The request's `request_id` holds a live lease granted for other parameters.
+    pub conflict: bool,
+    /// Another transaction is claiming for the same `request_id` right now (a retry that overtook
+    /// its first attempt): nothing was done; claim again in a moment to get that attempt's answer.
+    pub in_flight: bool,
+    /// Nothing was granted, but a candidate with window room and a free slot had its windows held
+    /// by another transaction at that moment: claiming again soon may succeed.
+    pub window_busy: bool,
+    /// When nothing was granted: the earliest moment a candidate may serve the claim (a slot, a
+    /// cooldown or a window frees), on the database clock; `None` when nothing known ends.
+    pub frees_at: Option<OffsetDateTime>,
+    /// What holds that candidate back: `slots`, `cooldown`, `requests_window`, `tokens_window`.
+    pub held_by: Option<String>,
+}
+
+/// Runs the claim for one request: [`claim_slots`] with a group of one.
+pub async fn claim_slot(
+    executor: impl PgExecutor<'_>,
+    request: &ClaimRequest<'_>,
+) -> Result<ClaimResult, sqlx::Error> {
+    claim_slots(executor, std::slice::from_ref(request))
+        .await?
+        .pop()
+        .ok_or(sqlx::Error::RowNotFound)
+}
+
+/// Runs the claim (SQL function `credpool_claim` in `sql/lease.sql`; read its comment for why it
+/// cannot oversell and never waits for a lock) for each request, in order, in ONE statement: a
+/// group of claims costs one round trip. Returns one result per request, in the same order.
+#[tracing::instrument(skip_all, fields(claims = requests.len()), err(level = "debug"))]
+pub async fn claim_slots(
+    executor: impl PgExecutor<'_>,
+    requests: &[ClaimRequest<'_>],
+) -> Result<Vec<ClaimResult>, sqlx::Error> {
+    let claims: Vec<serde_json::Value> = requests
+        .iter()
+        .map(|request| {
+            serde_json::json!({
+                "ranked": request.ranked.iter().map(KeyId::as_str).collect::<Vec<_>>(),
+                "provider": request.provider.as_str(),
+                "pool": request.pool.as_str(),
+                "model": request.model.as_str(),
+                "lease_id": request.lease_id.as_uuid(),
+                "holder": request.holder.map(Holder::as_str),
+                "lease_seconds": i32::try_from(request.lease_seconds.get()).unwrap_or(i32::MAX),
+                "request_id": request.request.map(|r| r.id.as_str()),
+                "request_digest": request.request.map(|r| r.digest.as_str()),
+                "tokens": request.tokens,
+            })
+        })
+        .collect();
+    let rows = sqlx::query!(
+        r#"
+        SELECT claim AS "claim!", pool_version, key_id, lease_id, lease_pool, granted_at,
+               lease_until, probe, provider_model, sealed_secret, pruned_expired, fence, request,
+               frees_at, held_by
+        FROM credpool_claim($1)
+        ORDER BY claim
+        "#,
+        serde_json::Value::Array(claims),
+    )
+    .fetch_all(executor)
+    .await?;
+    if rows.len() != requests.len() {
+        return Err(sqlx::Error::Protocol(format!(
+            "credpool_claim returned {} rows for {} claims",
+            rows.len(),
+            requests.len()
+        )));
+    }
+    rows.into_iter()
+        .zip(requests)
+        .map(|(row, request)| {
+            let granted = match (
+                row.key_id,
+                row.lease_id,
+                row.granted_at,
+                row.lease_until,
+                row.sealed_secret,
+                row.lease_pool,
+                row.fence,
+            ) {
+                (
+                    Some(key_id),
+                    Some(lease_id),
+                    Some(granted_at),
+                    Some(lease_until),
+                    Some(sealed_secret),
+                    Some(pool),
+                    Some(fence),
+                ) => Some(GrantedLease {
+                    key_id: decoded(KeyId::parse(key_id))?,
+                    lease_id: LeaseId::from(lease_id),
+                    granted_at,
+                    lease_until,
+                    probe: row.probe.unwrap_or(false),
+                    provider_model: row
+                        .provider_model
+                        .unwrap_or_else(|| request.model.as_str().to_owned()),
+                    sealed_secret,
+                    pruned_expired: row.pruned_expired.unwrap_or(false),
+                    pool: decoded(PoolName::parse(pool))?,
+                    fence,
+                    replayed: row.request.as_deref() == Some("replayed"),
+                }),
+                _ => None,
+            };
+            Ok(ClaimResult {
+                pool_version: row.pool_version,
+                granted,
+                conflict: row.request.as_deref() == Some("conflict"),
+                in_flight: row.request.as_deref() == Some("in_flight"),
+                window_busy: row.request.as_deref() == Some("window_busy"),
+                frees_at: row.frees_at,
+                held_by: row.held_by,
+            })
+        })
+        .collect()
+}
+
+/// Brings a credential's slot rows in line with its limit and drain state (SQL function
+/// `credpool_fit_slots`; see its comment). Runs in the caller's transaction, which must not hold
+/// a slot row of another credential (the lock order: all slot rows before any credential row).
+#[tracing::instrument(skip(executor), err(level = "debug"))]
+pub async fn fit_slots(executor: impl PgExecutor<'_>, key_id: &KeyId) -> Result<(), sqlx::Error> {
+    sqlx::query!("SELECT credpool_fit_slots($1)", key_id.as_str())
+        .execute(executor)
+        .await?;
+    Ok(())
+}
+
+/// The four values that name a lease in release and renew (docs/design.md "The protocol", step 4).
+#[derive(Debug, Clone)]
+pub struct LeaseRef {
+    /// The credential the lease is on.
+    pub key_id: KeyId,
+    /// The provider the lease was granted from.
+    pub provider: ProviderName,
+    /// The pool the lease was granted from (the pool that served, after any fallback).
+    pub pool: PoolName,
+    /// The lease.
+    pub lease_id: LeaseId,
+    /// The lease's fencing token, if the executor gave it: a lease whose fence differs is not
+    /// this executor's (release answers `mismatch`, renewal `lease_lost`).
+    pub fence: Option<i64>,
+}
+
+/// Why a release released nothing.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize, utoipa::ToSchema)]
+#[serde(rename_all = "snake_case")]
+pub enum NotReleased {
+    /// The lease exists, but the key_id, provider, pool or fence given do not match it.
+    Mismatch,
+    /// The lease's lease_until has passed; its slot is already free for others.
+    Expired,
+    /// No such lease: never granted, already released, or its slot was reused after expiry.
+    NotFound,
+}
+
+/// An executor's release: which lease, and what happened upstream.
+#[derive(Debug, Clone)]
+pub struct ReleaseRequest {
+    /// The lease, by its four values.
+    pub lease: LeaseRef,
+    /// What happened upstream, if the executor says.
+    pub outcome: Option<Outcome>,
+    /// The provider's `Retry-After`, in whole seconds, if the executor passed it on.
+    pub retry_after_seconds: Option<u32>,
+    /// The tokens the call really used, if the executor says: they replace the lease's
+    /// reservation in its credential's token windows.
+    pub usage_tokens: Option<u64>,
+}
+
+/// What a release did.
+#[derive(Debug, Clone)]
+pub struct ReleaseResult {
+    /// `Ok` when the lease was released; otherwise why nothing was.
+    pub released: Result<(), NotReleased>,
+    /// The credential's health after the outcome was applied (also when the lease had expired:
+    /// the call happened), for the caller's candidate view.
+    pub health: Option<(KeyId, Health)>,
+    /// When a usage replaced the reservation: the lease's grant time and usage - reservation, for
+    /// the caller's view of the windows.
+    pub usage: Option<(OffsetDateTime, i64)>,
+}
+
+/// Releases a lease if all four of its values (and the fence, when given) match and it has not
+/// expired: frees its slot, writes a `released` trail row with the outcome, and applies the
+/// outcome to the credential's health ([`crate::allocator::health::apply`]), all in one transaction. A lease
+/// that has already expired releases nothing, but its outcome still counts for health, once
+/// (`outcome_after_expiry`). A mismatch or an unknown lease changes nothing.
+#[tracing::instrument(skip(db, policy), err(level = "debug"))]
+pub async fn release(
+    db: &Db,
+    request: &ReleaseRequest,
+    policy: &HealthPolicy,
+) -> Result<ReleaseResult, sqlx::Error> {
+    let mut conn = db.acquire().await?;
+    release_on(&mut conn, request, policy).await
+}
+
+/// [`release`] on a connection the caller holds (a group worker giving back a departed caller's
+/// lease; the unbatched baseline of `credpool bench`).
+pub async fn release_on(
+    conn: &mut Conn<'_>,
+    request: &ReleaseRequest,
+    policy: &HealthPolicy,
+) -> Result<ReleaseResult, sqlx::Error> {
+    let mut tx = conn.begin().await?;
+    let staged = release_group_in(&mut tx, &[request], policy, false)
+        .await?
+        .pop()
+        .ok_or(sqlx::Error::RowNotFound)?;
+    tx.commit().await?;
+    Ok(staged.committed(conn).await)
+}
+
+/// A release done inside a transaction that has not committed yet.
+#[derive(Debug)]
+pub struct StagedRelease {
+    result: ReleaseResult,
+    /// The freed slot's credential, when it was over a lowered limit: it may now be back under.
+    refit: Option<KeyId>,
+}
+
+impl StagedRelease {
+    /// What the release did (final once its transaction commits).
+    pub fn result(&self) -> &ReleaseResult {
+        &self.result
+    }
+
+    /// After the transaction has committed: refits the credential if the release freed a slot
+    /// that was over a lowered limit, and returns the result.
+    ///
+    /// The refit runs in its own transaction, after the release's: credpool_fit_slots locks every
+    /// slot row of the credential in ascending order, which a transaction already holding some
+    /// slot rows must not do (the lock order). It is done here rather than left to the next
+    /// allocation so that capacity returns whichever replica, or whose stale view, comes next; if
+    /// this process stops first, the cleanup pass refits it (`credpool_refit_over_limit`). The
+    /// release itself has committed, so a failure here is logged, not reported.
+    pub async fn committed(self, conn: &mut Conn<'_>) -> ReleaseResult {
+        if let Some(key_id) = self.refit {
+            let refitted = async {
+                let mut tx = conn.begin().await?;
+                fit_slots(&mut *tx, &key_id).await?;
+                tx.commit().await
+            };
+            if let Err(error) = refitted.await {
+                tracing::warn!(key_id = %key_id, error = %error, "refit after release failed");
+            }
+        }
+        self.result
+    }
+}
+
+/// The work of [`release`] for one lease or a group (the allocator's groups) inside the caller's
+/// transaction, in two statements whatever their number: `credpool_release` ends the leases (or
+/// says why not) and returns, under their rows' locks, the health of the credentials whose
+/// outcomes count; then the new health, computed here ([`crate::allocator::health::apply`], several reports on
+/// one credential one after the other, in request order), is written by `credpool_write_health`.
+/// Both follow the lock order of `sql/lease.sql`, so groups never deadlock one another.
+///
+/// `caller_announces`: the caller announces the slots freed by `released` results once the
+/// transaction has committed ([`crate::allocator::waiting::Waits::released_here`]), and the transaction
+/// sends no notification for them; otherwise the `lease_slots_freed` trigger sends one each, at
+/// commit.
+///
+/// Returns one result per request, in the order of `requests`.
+pub async fn release_group_in(
+    tx: &mut PgConnection,
+    requests: &[&ReleaseRequest],
+    policy: &HealthPolicy,
+    caller_announces: bool,
+) -> Result<Vec<StagedRelease>, sqlx::Error> {
+    let releases: Vec<serde_json::Value> = requests
+        .iter()
+        .map(|r| {
+            serde_json::json!({
+                "lease_id": r.lease.lease_id.as_uuid(),
+                "key_id": r.lease.key_id.as_str(),
+                "provider": r.lease.provider.as_str(),
+                "pool": r.lease.pool.as_str(),
+                "fence": r.lease.fence,
+                "outcome": r.outcome.map(Outcome::as_str),
+                "usage_tokens": r.usage_tokens,
+            })
+        })
+        .collect();
+    let rows = sqlx::query!(
+        r#"
+        SELECT release AS "release!", verdict AS "verdict!", key_id, probe AS "probe!",
+               refit AS "refit!", usage_granted_at, usage_delta, counted AS "counted!", status,
+               status_reason, cooldown_until,
+               health_successes, health_failures, health_rate_limits, health_decayed_at,
+               recent_failures, cooldowns_in_a_row, last_success_at, recovered_at,
+               db_now AS "db_now!"
+        FROM credpool_release($1, $2)
+        ORDER BY release
+        "#,
+        serde_json::Value::Array(releases),
+        caller_announces,
+    )
+    .fetch_all(&mut *tx)
+    .await?;
+    if rows.len() != requests.len() {
+        return Err(sqlx::Error::Protocol(format!(
+            "credpool_release returned {} rows for {} releases",
+            rows.len(),
+            requests.len()
+        )));
+    }
+
+    let mut current: HashMap<String, (Health, OffsetDateTime)> = HashMap::new();
+    let mut staged = Vec::with_capacity(rows.len());
+    let mut reports = Vec::new();
+    for (i, row) in rows.into_iter().enumerate() {
+        let key_id = row.key_id.map(|k| decoded(KeyId::parse(k))).transpose()?;
+        let released = match row.verdict.as_str() {
+            "released" => Ok(()),
+            "mismatch" => Err(NotReleased::Mismatch),
+            "expired" => Err(NotReleased::Expired),
+            _ => Err(NotReleased::NotFound),
+        };
+        if row.counted
+            && let (Some(key_id), Some(status)) = (&key_id, row.status)
+        {
+            let health = Health {
+                status: decoded(crate::domain::Status::parse(&status))?,
+                status_reason: row.status_reason,
+                cooldown_until: row.cooldown_until,
+                successes: row.health_successes.unwrap_or(0.0),
+                failures: row.health_failures.unwrap_or(0.0),
+                rate_limits: row.health_rate_limits.unwrap_or(0.0),
+                decayed_at: row.health_decayed_at,
+                recent_failures: row.recent_failures.unwrap_or_default(),
+                cooldowns_in_a_row: row.cooldowns_in_a_row.unwrap_or(0),
+                last_success_at: row.last_success_at,
+                recovered_at: row.recovered_at,
+            };
+            current
+                .entry(key_id.as_str().to_owned())
+                .or_insert((health, row.db_now));
+            reports.push((i, key_id.clone(), row.probe));
+        }
+        staged.push(StagedRelease {
+            result: ReleaseResult {
+                released,
+                health: None,
+                usage: row.usage_granted_at.zip(row.usage_delta),
+            },
+            refit: key_id.filter(|_| row.refit),
+        });
+    }
+
+    let mut transitions = Vec::new();
+    for (i, key_id, probe) in reports {
+        let request = requests[i];
+        let Some(outcome) = request.outcome else {
+            continue;
+        };
+        let Some((health, db_now)) = current.get_mut(key_id.as_str()) else {
+            continue;
+        };
+        let report = Report {
+            outcome,
+            retry_after_seconds: request.retry_after_seconds,
+            probe,
+        };
+        let (next, transition) = health::apply(health, report, *db_now, policy);
+        if let Some(t) = transition {
+            tracing::info!(key_id = %key_id, old = t.old_status.as_str(), new = t.new_status.as_str(), reason = %t.reason, "credential health changed");
+            transitions.push(serde_json::json!({
+                "key_id": key_id.as_str(),
+                "old_status": t.old_status.as_str(),
+                "new_status": t.new_status.as_str(),
+                "reason": t.reason,
+                "cooldown_until": next.cooldown_until.map(rfc3339),
+                "lease_id": request.lease.lease_id.as_uuid(),
+                "at": next.decayed_at.map(rfc3339),
+            }));
+        }
+        *health = next.clone();
+        staged[i].result.health = Some((key_id, next));
+    }
+    if !current.is_empty() {
+        let next: Vec<serde_json::Value> = current
+            .iter()
+            .map(|(key_id, (h, _))| {
+                serde_json::json!({
+                    "key_id": key_id,
+                    "status": h.status.as_str(),
+                    "status_reason": h.status_reason,
+                    "cooldown_until": h.cooldown_until.map(rfc3339),
+                    "health_successes": h.successes,
+                    "health_failures": h.failures,
+                    "health_rate_limits": h.rate_limits,
+                    "health_decayed_at": h.decayed_at.map(rfc3339),
+                    "recent_failures": h.recent_failures.iter().copied().map(rfc3339).collect::<Vec<_>>(),
+                    "cooldowns_in_a_row": h.cooldowns_in_a_row,
+                    "last_success_at": h.last_success_at.map(rfc3339),
+                    "recovered_at": h.recovered_at.map(rfc3339),
+                })
+            })
+            .collect();
+        sqlx::query_scalar!(
+            "SELECT credpool_write_health($1, $2)",
+            serde_json::Value::Array(next),
+            serde_json::Value::Array(transitions),
+        )
+        .fetch_one(&mut *tx)
+        .await?;
+    }
+    Ok(staged)
+}
+
+/// `at` as RFC 3339 text, for timestamps passed to PostgreSQL inside JSON.
+fn rfc3339(at: OffsetDateTime) -> String {
+    at.format(&time::format_description::well_known::Rfc3339)
+        .unwrap_or_default()
+}
+
+/// Renews leases (SQL function `credpool_renew`): each live lease named by all of its values gets
+/// `lease_until = now + lease_seconds` (database clock) and a `renewed` trail row, in ONE
+/// statement for the whole group. Returns, per renewal in order, the new lease_until, or `None`
+/// when the lease is lost (expired, unknown, released, or named with a wrong
+/// key_id/provider/pool/fence). Never resurrects an expired lease.
+#[tracing::instrument(skip_all, fields(renewals = renewals.len()), err(level = "debug"))]
+pub async fn renew_group(
+    executor: impl PgExecutor<'_>,
+    renewals: &[(&LeaseRef, LeaseSeconds)],
+) -> Result<Vec<Option<OffsetDateTime>>, sqlx::Error> {
+    let body: Vec<serde_json::Value> = renewals
+        .iter()
+        .map(|(lease, seconds)| {
+            serde_json::json!({
+                "lease_id": lease.lease_id.as_uuid(),
+                "key_id": lease.key_id.as_str(),
+                "provider": lease.provider.as_str(),
+                "pool": lease.pool.as_str(),
+                "fence": lease.fence,
+                "lease_seconds": i32::try_from(seconds.get()).unwrap_or(i32::MAX),
+            })
+        })
+        .collect();
+    let rows = sqlx::query!(
+        r#"SELECT renewal AS "renewal!", lease_until FROM credpool_renew($1) ORDER BY renewal"#,
+        serde_json::Value::Array(body),
+    )
+    .fetch_all(executor)
+    .await?;
+    if rows.len() != renewals.len() {
+        return Err(sqlx::Error::Protocol(format!(
+            "credpool_renew returned {} rows for {} renewals",
+            rows.len(),
+            renewals.len()
+        )));
+    }
+    Ok(rows.into_iter().map(|r| r.lease_until).collect())
+}
+
+/// [`renew_group`] for one lease.
+pub async fn renew(
+    executor: impl PgExecutor<'_>,
+    lease: &LeaseRef,
+    lease_seconds: LeaseSeconds,
+) -> Result<Option<OffsetDateTime>, sqlx::Error> {
+    Ok(renew_group(executor, &[(lease, lease_seconds)])
+        .await?
+        .pop()
+        .flatten())
+}

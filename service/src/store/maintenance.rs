@@ -1,0 +1,235 @@
+//! Scheduling the cleanup functions of `sql/maintenance.sql` (`credpool_maintenance`: reap expired
+//! leases, record ended cooldowns, purge old audit rows): with pg_cron when it is installed
+//! (`credpool cron install`), else by each service process, one replica per tick.
+
+use std::time::Duration;
+
+use serde::Serialize;
+use sqlx::postgres::PgConnectOptions;
+use sqlx::{ConnectOptions, Connection};
+
+use super::Db;
+
+/// A transaction-scoped advisory lock key for the in-process scheduler ("credpool" in ASCII):
+/// held only for the duration of one pass's transaction, so it works through PgBouncer in
+/// transaction pooling mode, and only one replica runs each tick.
+const MAINTENANCE_LOCK: i64 = 0x6372_6564_706f_6f6c;
+
+/// What one maintenance pass did.
+#[derive(Debug, Clone, Default, Serialize, serde::Deserialize, PartialEq, Eq)]
+pub struct MaintenanceReport {
+    /// Expired leases ended in the trail and freed.
+    pub expired_leases_reaped: i64,
+    /// Ended cooldowns recorded.
+    pub cooldowns_recorded: i64,
+    /// Audit rows past retention deleted.
+    pub audit_rows_purged: i64,
+}
+
+/// Why a pass did not run.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Skipped {
+    /// pg_cron runs the functions for this database.
+    PgCron,
+    /// Another replica holds the maintenance lock this tick.
+    OtherReplica,
+}
+
+/// One in-process pass, in one transaction under the maintenance advisory lock: skipped when
+/// pg_cron is scheduled for this database or another replica is running it now. `db`: a
+/// [`Db`], or a `&PgPool` for a direct connection.
+pub async fn run_pass(
+    db: impl Into<Db>,
+    retention: Duration,
+) -> Result<Result<MaintenanceReport, Skipped>, sqlx::Error> {
+    let mut tx = db.into().begin().await?;
+    let cron: bool = sqlx::query_scalar!(
+        r#"SELECT EXISTS (SELECT 1 FROM maintenance_schedule WHERE scheduler = 'pg_cron') AS "cron!""#
+    )
+    .fetch_one(&mut *tx)
+    .await?;
+    if cron {
+        return Ok(Err(Skipped::PgCron));
+    }
+    let locked: bool = sqlx::query_scalar!(
+        r#"SELECT pg_try_advisory_xact_lock($1) AS "locked!""#,
+        MAINTENANCE_LOCK
+    )
+    .fetch_one(&mut *tx)
+    .await?;
+    if !locked {
+        return Ok(Err(Skipped::OtherReplica));
+    }
+    let report = run_functions(&mut tx, retention).await?;
+    tx.commit().await?;
+    Ok(Ok(report))
+}
+
+/// One pass of the cleanup functions (`credpool_maintenance`) on `conn`, without the scheduling
+/// checks of [`run_pass`].
+pub async fn run_functions(
+    conn: &mut sqlx::PgConnection,
+    retention: Duration,
+) -> Result<MaintenanceReport, sqlx::Error> {
+    let report = sqlx::query_scalar!(
+        r#"SELECT credpool_maintenance(make_interval(secs => $1)) AS "report!""#,
+        retention.as_secs_f64()
+    )
+    .fetch_one(&mut *conn)
+    .await?;
+    serde_json::from_value(report).map_err(|e| sqlx::Error::Decode(Box::new(e)))
+}
+
+/// Runs the in-process scheduler until the pool closes: a pass every `interval`, logging what it
+/// did. Used only where pg_cron is not scheduled (each pass checks).
+pub fn spawn_scheduler(
+    db: Db,
+    interval: Duration,
+    retention: Duration,
+) -> tokio::task::JoinHandle<()> {
+    tokio::spawn(async move {
+        let mut ticker = tokio::time::interval(interval);
+        ticker.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        loop {
+            ticker.tick().await;
+            if db.pool().is_closed() {
+                return;
+            }
+            match run_pass(&db, retention).await {
+                Ok(Ok(report)) if report != MaintenanceReport::default() => {
+                    crate::telemetry::expired("reaper", report.expired_leases_reaped.max(0) as u64);
+                    tracing::info!(
+                        reaped = report.expired_leases_reaped,
+                        cooldowns = report.cooldowns_recorded,
+                        purged = report.audit_rows_purged,
+                        "maintenance pass"
+                    );
+                }
+                Ok(_) => {}
+                Err(error) => tracing::warn!(error = %error, "maintenance pass failed"),
+            }
+        }
+    })
+}
+
+/// The pg_cron jobs credpool schedules: (name suffix, schedule, SQL).
+pub fn cron_jobs(retention: Duration) -> Vec<(&'static str, &'static str, String)> {
+    vec![(
+        "maintenance",
+        "* * * * *",
+        format!(
+            "SELECT credpool_maintenance(make_interval(secs => {}))",
+            retention.as_secs()
+        ),
+    )]
+}
+
+/// Why pg_cron could not be used.
+#[derive(Debug, thiserror::Error)]
+pub enum CronError {
+    /// The server does not preload pg_cron.
+    #[error(
+        "pg_cron is not loaded on this server: install it (Debian: postgresql-15-cron), add it to \
+         shared_preload_libraries, restart PostgreSQL; or let `credpool serve` run the cleanup itself"
+    )]
+    NotLoaded,
+    /// A database error.
+    #[error(transparent)]
+    Sql(#[from] sqlx::Error),
+}
+
+/// Where pg_cron lives: its database (`cron.database_name`) and whether that is this one.
+async fn cron_database(db: &Db) -> Result<(String, String), CronError> {
+    let mut work = db.work().await?;
+    let row = sqlx::query!(
+        r#"
+        SELECT current_database() AS "current!",
+               current_setting('cron.database_name', true) AS cron_database
+        "#
+    )
+    .fetch_one(&mut *work)
+    .await?;
+    work.done().await?;
+    match row.cron_database {
+        Some(name) if !name.is_empty() => Ok((row.current, name)),
+        _ => Err(CronError::NotLoaded),
+    }
+}
+
+/// Schedules the cleanup with pg_cron, idempotently (named jobs are replaced): creates the
+/// extension in pg_cron's database (`cron.database_name`, connecting there with the same
+/// credentials when it is not this database), schedules the jobs to run in this database, and
+/// records that pg_cron now owns the schedule (so services stop running it themselves).
+/// Returns the job names. `db`: a [`Db`], or a `&PgPool` for a direct connection.
+pub async fn install_cron(
+    db: impl Into<Db>,
+    options: &PgConnectOptions,
+    retention: Duration,
+) -> Result<Vec<String>, CronError> {
+    let db = db.into();
+    let (current, cron_db) = cron_database(&db).await?;
+    // pg_cron's objects exist only where it is installed: these statements are checked at run
+    // time, not against the development database.
+    // one transaction: the jobs are replaced all at once (and this works through a pooler)
+    let mut conn = options.clone().database(&cron_db).connect().await?;
+    let mut tx = conn.begin().await?;
+    sqlx::query("CREATE EXTENSION IF NOT EXISTS pg_cron")
+        .execute(&mut *tx)
+        .await?;
+    let mut names = Vec::new();
+    for (suffix, schedule, command) in cron_jobs(retention) {
+        let name = format!("credpool:{current}:{suffix}");
+        sqlx::query("SELECT cron.unschedule(jobid) FROM cron.job WHERE jobname = $1")
+            .bind(&name)
+            .fetch_all(&mut *tx)
+            .await?;
+        sqlx::query("SELECT cron.schedule_in_database($1, $2, $3, $4)")
+            .bind(&name)
+            .bind(schedule)
+            .bind(command)
+            .bind(&current)
+            .fetch_one(&mut *tx)
+            .await?;
+        names.push(name);
+    }
+    tx.commit().await?;
+    conn.close().await?;
+    let mut tx = db.begin().await?;
+    sqlx::query!(
+        "INSERT INTO maintenance_schedule (scheduler) VALUES ('pg_cron') ON CONFLICT DO NOTHING"
+    )
+    .execute(&mut *tx)
+    .await?;
+    tx.commit().await?;
+    Ok(names)
+}
+
+/// Removes credpool's pg_cron jobs for this database and hands the schedule back to the services.
+pub async fn uninstall_cron(db: &Db, options: &PgConnectOptions) -> Result<usize, CronError> {
+    let (current, cron_db) = cron_database(db).await?;
+    let mut conn = options.clone().database(&cron_db).connect().await?;
+    let mut tx = conn.begin().await?;
+    let removed = sqlx::query("SELECT cron.unschedule(jobid) FROM cron.job WHERE jobname LIKE $1")
+        .bind(format!("credpool:{current}:%"))
+        .fetch_all(&mut *tx)
+        .await?
+        .len();
+    tx.commit().await?;
+    conn.close().await?;
+    let mut tx = db.begin().await?;
+    sqlx::query!("DELETE FROM maintenance_schedule WHERE scheduler = 'pg_cron'")
+        .execute(&mut *tx)
+        .await?;
+    tx.commit().await?;
+    Ok(removed)
+}
+
+/// Whether the server preloads pg_cron.
+pub async fn cron_loaded(db: &Db) -> Result<bool, sqlx::Error> {
+    match cron_database(db).await {
+        Ok(_) => Ok(true),
+        Err(CronError::NotLoaded) => Ok(false),
+        Err(CronError::Sql(e)) => Err(e),
+    }
+}

@@ -1,0 +1,304 @@
+-- The audit trail: append-only, and what is read from it (lease lifetimes, the oversell proof,
+-- utilization). The trail tables are `lease_events` and `credential_events`; rows are inserted in
+-- the same statement or transaction as the state change they record, never edited, and removed
+-- only by retention (sql/maintenance.sql).
+--
+-- Repeatable: the one current definition of each object below. credpool applies this file after
+-- the versioned migrations whenever its content changes (src/store/schema.rs), in one transaction;
+-- every statement here must be safe to run again.
+
+-- The trails are append-only: rows are inserted, and later removed only by retention; never edited.
+CREATE OR REPLACE FUNCTION lease_events_forbid_update() RETURNS trigger
+LANGUAGE plpgsql AS $$
+BEGIN
+    RAISE EXCEPTION '% is append-only', TG_TABLE_NAME
+        USING ERRCODE = 'insufficient_privilege';
+END;
+$$;
+
+DROP TRIGGER IF EXISTS lease_events_append_only ON lease_events;
+CREATE TRIGGER lease_events_append_only
+    BEFORE UPDATE ON lease_events
+    FOR EACH ROW EXECUTE FUNCTION lease_events_forbid_update();
+
+DROP TRIGGER IF EXISTS credential_events_append_only ON credential_events;
+CREATE TRIGGER credential_events_append_only
+    BEFORE UPDATE ON credential_events
+    FOR EACH ROW EXECUTE FUNCTION lease_events_forbid_update();
+
+-- Leases in flight now: per credential, with holder and time left.
+CREATE OR REPLACE VIEW active_leases AS
+SELECT s.key_id, s.provider, s.pool, s.slot,
+       replace(s.lease_id::text, '-', '') AS lease_id,
+       s.holder, s.granted_at, s.lease_until,
+       round(extract(epoch FROM s.lease_until - now()), 1) AS seconds_left,
+       s.probe
+FROM lease_slots s
+WHERE s.lease_id IS NOT NULL AND s.lease_until > now();
+
+-- One row per lease whose life overlaps [p_since, p_until), rebuilt from the trail alone: when
+-- it was granted and how it ended (`released`, `force_released`, `expired`, or NULL while still
+-- held), the outcome, the renewals and how long it was held. A lease's end is its release, or
+-- else the last lease_until it was granted or renewed to. Leases granted up to a day before
+-- p_since are considered (a lease held longer than a day through renewals is missed by a window
+-- that starts after its first day). With p_key_id, one credential (index lease_events_key_id_at_idx).
+CREATE OR REPLACE FUNCTION credpool_lease_lifetimes(p_since timestamptz, p_until timestamptz, p_key_id text DEFAULT NULL)
+RETURNS TABLE (
+    lease_id text, key_id text, provider text, pool text, slot integer, holder text,
+    granted_at timestamptz, ended_at timestamptz, ended_by text, outcome text, renewals bigint,
+    held_seconds numeric)
+LANGUAGE sql STABLE AS $$
+    -- One pass over the trail since a day before p_since, grouped by lease, keeping the leases
+    -- whose grant is in the range: no join of the trail with itself, so the plan cannot turn
+    -- quadratic when the planner's statistics are stale (a trail that grew by a burst since its
+    -- last ANALYZE: a nested loop over the grants took 169 s for 60,000 leases). A lease's events
+    -- all come at or after its grant, so the time bound loses none of a kept lease's events.
+    WITH lives AS (
+        SELECT e.lease_id,
+               min(e.key_id) AS key_id, min(e.provider) AS provider, min(e.pool) AS pool,
+               min(e.slot) AS slot, min(e.holder) AS holder,
+               min(e.at) FILTER (WHERE e.event = 'granted') AS granted_at,
+               min(e.at) FILTER (WHERE e.event IN ('released', 'force_released')) AS released_at,
+               min(e.event) FILTER (WHERE e.event IN ('released', 'force_released')) AS released_by,
+               max(e.lease_until) FILTER (WHERE e.event IN ('granted', 'renewed')) AS last_until,
+               min(e.outcome) FILTER (WHERE e.outcome IS NOT NULL) AS outcome,
+               count(*) FILTER (WHERE e.event = 'renewed') AS renewals
+        FROM lease_events e
+        WHERE e.at >= p_since - interval '1 day'
+          AND (p_key_id IS NULL OR e.key_id = p_key_id)
+        GROUP BY e.lease_id
+        HAVING min(e.at) FILTER (WHERE e.event = 'granted') < p_until
+    )
+    SELECT replace(l.lease_id::text, '-', ''), l.key_id, l.provider, l.pool, l.slot, l.holder,
+           l.granted_at,
+           CASE WHEN l.released_at IS NOT NULL THEN l.released_at
+                WHEN l.last_until <= now() THEN l.last_until END,
+           CASE WHEN l.released_at IS NOT NULL THEN l.released_by
+                WHEN l.last_until <= now() THEN 'expired' END,
+           l.outcome, l.renewals,
+           round(extract(epoch FROM least(coalesce(l.released_at, l.last_until), now()) - l.granted_at), 3)
+    FROM lives l
+    WHERE l.granted_at < p_until
+      AND coalesce(l.released_at, l.last_until) > p_since
+$$;
+
+-- The oversell proof, from the trail alone: for every credential with leases granted in
+-- [p_since, p_until), how many, the most leases held at one moment, and every grant that took a
+-- credential beyond its limit at that moment. The limit at a moment is the one its latest
+-- `created` / `updated` audit row set (else the current one), looked up per grant through
+-- credential_events_configuration_idx (a range join against every limit period let the planner
+-- choose a nested loop over grants x periods: 10.7 s for 25,000 grants on 1,000 credentials).
+-- Lowering a limit under load revokes nothing, so more leases than a lowered limit may be held for
+-- a while; what may never happen is a GRANT that leaves more leases held than the limit allows —
+-- `grants_over_limit` counts those. At equal times an end sorts before a start: a slot handed
+-- straight from one lease to the next does not count twice.
+CREATE OR REPLACE FUNCTION credpool_oversell_check(p_since timestamptz, p_until timestamptz)
+RETURNS TABLE (
+    key_id text, max_concurrent_uses integer, leases bigint, peak bigint, grants_over_limit bigint,
+    first_violation_at timestamptz)
+LANGUAGE sql STABLE AS $$
+    WITH lives AS (
+        SELECT * FROM credpool_lease_lifetimes(p_since, p_until)
+    ),
+    edges AS (
+        SELECT l.key_id, l.granted_at AS at, 1 AS delta FROM lives l
+        UNION ALL
+        SELECT l.key_id, coalesce(l.ended_at, 'infinity'::timestamptz), -1 FROM lives l
+    ),
+    running AS (
+        SELECT e.key_id, e.at, e.delta,
+               sum(e.delta) OVER (PARTITION BY e.key_id ORDER BY e.at, e.delta
+                                  ROWS UNBOUNDED PRECEDING) AS held
+        FROM edges e
+    ),
+    grants AS (
+        SELECT r.key_id, r.at, r.held,
+               coalesce(
+                   (SELECT (ce.details -> 'new' ->> 'max_concurrent_uses')::integer
+                    FROM credential_events ce
+                    WHERE ce.key_id = r.key_id
+                      AND ce.event IN ('created', 'updated')
+                      AND ce.at <= r.at
+                    ORDER BY ce.at DESC
+                    LIMIT 1),
+                   (SELECT c.max_concurrent_uses FROM credentials c WHERE c.key_id = r.key_id)
+               ) AS limit_then
+        FROM running r
+        WHERE r.delta = 1 AND r.at >= p_since AND r.at < p_until
+    )
+    SELECT g.key_id,
+           (SELECT c.max_concurrent_uses FROM credentials c WHERE c.key_id = g.key_id),
+           count(*),
+           max(g.held),
+           count(*) FILTER (WHERE g.held > g.limit_then),
+           min(g.at) FILTER (WHERE g.held > g.limit_then)
+    FROM grants g
+    GROUP BY g.key_id
+    ORDER BY g.key_id
+$$;
+
+-- Utilization per credential and hour, for every credential that exists now: lease-seconds held
+-- / slot-seconds available (its current limit x the seconds of the hour inside [p_since,
+-- p_until)). Sum both columns over a pool for the pool's utilization.
+CREATE OR REPLACE FUNCTION credpool_utilization(p_since timestamptz, p_until timestamptz)
+RETURNS TABLE (key_id text, provider text, pool text, hour timestamptz, lease_seconds numeric,
+               slot_seconds numeric, utilization numeric)
+LANGUAGE sql STABLE AS $$
+    WITH lives AS (
+        SELECT l.key_id, l.granted_at, coalesce(l.ended_at, now()) AS ended_at
+        FROM credpool_lease_lifetimes(p_since, p_until) l
+    ),
+    hours AS (
+        SELECT h AS hour, greatest(h, p_since) AS from_at, least(h + interval '1 hour', p_until) AS to_at
+        FROM generate_series(date_trunc('hour', p_since), p_until - interval '1 microsecond', interval '1 hour') h
+    ),
+    held AS (
+        SELECT l.key_id, h.hour,
+               sum(extract(epoch FROM least(l.ended_at, h.to_at) - greatest(l.granted_at, h.from_at))) AS lease_seconds
+        FROM lives l
+        JOIN hours h ON l.granted_at < h.to_at AND l.ended_at > h.from_at
+        GROUP BY l.key_id, h.hour
+    )
+    SELECT c.key_id, c.provider, c.pool, h.hour,
+           round(coalesce(held.lease_seconds, 0), 1),
+           round(c.max_concurrent_uses * extract(epoch FROM h.to_at - h.from_at), 1),
+           round(coalesce(held.lease_seconds, 0)
+                 / nullif(c.max_concurrent_uses * extract(epoch FROM h.to_at - h.from_at), 0), 4)
+    FROM credentials c
+    CROSS JOIN hours h
+    LEFT JOIN held ON held.key_id = c.key_id AND held.hour = h.hour
+    ORDER BY h.hour, c.key_id
+$$;
+
+-- The rate windows credential `p_key_id` had in force at `p_at`, from the trail: what its latest
+-- `created` / `updated` row at or before `p_at` set; else what the first such row after `p_at`
+-- replaced (its `old`); else its current rate_limits (no change recorded since). A configuration
+-- row without `rate_limits` (written before rate windows existed) means no windows: `[]`, never
+-- the windows set later. Rows are dated when the change took effect (the operator's transaction
+-- writes them after its locks, at clock_timestamp()), so a grant is judged by the windows it was
+-- admitted under. Index credential_events_configuration_idx serves both look-ups.
+CREATE OR REPLACE FUNCTION credpool_rate_limits_at(p_key_id text, p_at timestamptz) RETURNS jsonb
+LANGUAGE sql STABLE AS $$
+    SELECT coalesce(
+        (SELECT coalesce(ce.details -> 'new' -> 'rate_limits', '[]')
+         FROM credential_events ce
+         WHERE ce.key_id = p_key_id AND ce.event IN ('created', 'updated') AND ce.at <= p_at
+         ORDER BY ce.at DESC, ce.event_id DESC
+         LIMIT 1),
+        (SELECT CASE WHEN ce.event = 'updated' THEN coalesce(ce.details -> 'old' -> 'rate_limits', '[]') END
+         FROM credential_events ce
+         WHERE ce.key_id = p_key_id AND ce.event IN ('created', 'updated') AND ce.at > p_at
+         ORDER BY ce.at, ce.event_id
+         LIMIT 1),
+        (SELECT c.rate_limits FROM credentials c WHERE c.key_id = p_key_id),
+        '[]')
+$$;
+
+-- The window proof, from the trail alone. The rule it checks, for every grant in [p_since,
+-- p_until) on a credential that had rate windows at that moment (credpool_rate_limits_at), and
+-- every such window of length S and count N: what the grants of the credential in (at - S, at]
+-- had charged, as credpool could know it when it granted, is at most N. Each grant charges one
+-- for `requests`; for `tokens`, the usage its release (or late report) reported if that report
+-- came before this grant, else its reservation — that is, the grant itself and every grant whose
+-- usage was not known yet count their reservation. A usage above the reservation counts from the
+-- moment it was reported, so a grant admitted after it without room is caught; a usage reported
+-- later never counts against an earlier grant. (What upstream consumed may take a window over N
+-- after a grant — usage above the estimate — but no grant is made into a window without room.)
+-- `grants_over_window` counts the grants that break the rule: it must be 0. `peak` is the most
+-- a window had charged at a grant. One row per credential and window with grants in the range.
+--
+-- Exact with respect to the claim: a claim decides on the credential's lease_windows row, locked,
+-- whose buckets cover (at - S, at] and more, holding every earlier grant's reservation and every
+-- usage reported by a release that committed before the claim took the lock; a release dates its
+-- report (`at`) after taking the row's lock, and a claim reads its `at` with the row version it
+-- decides on (after the lock, when a release changed the row since the claim's snapshot), so a
+-- usage a claim counted is dated before its grant, and one it did not count after.
+--
+-- One pass per window length and kind, over the grants since p_since - S: a running sum over
+-- edges per credential (a grant's charge counts from its grant until S later; a reported
+-- difference usage - reservation from its report until its grant is S old), no join of the trail
+-- with itself. At equal times the edges that end sort first, then the grants (all grants at one
+-- moment count each other), then the reports (a report at the very moment of a grant was not
+-- known to it).
+CREATE OR REPLACE FUNCTION credpool_window_check(p_since timestamptz, p_until timestamptz)
+RETURNS TABLE (key_id text, kind text, seconds integer, window_count bigint, grants bigint,
+               peak bigint, grants_over_window bigint, first_violation_at timestamptz)
+LANGUAGE plpgsql STABLE AS $$
+DECLARE
+    v_spec record;
+BEGIN
+    FOR v_spec IN
+        SELECT DISTINCT CASE WHEN l ? 'requests' THEN 'requests' ELSE 'tokens' END AS kind,
+               (l ->> 'seconds')::integer AS seconds
+        FROM (SELECT c.rate_limits AS limits FROM credentials c
+              UNION ALL
+              SELECT ce.details -> 'new' -> 'rate_limits' FROM credential_events ce
+              WHERE ce.event IN ('created', 'updated') AND ce.at < p_until
+                AND jsonb_typeof(ce.details -> 'new' -> 'rate_limits') = 'array'
+              UNION ALL
+              SELECT ce.details -> 'old' -> 'rate_limits' FROM credential_events ce
+              WHERE ce.event = 'updated' AND ce.at >= p_since
+                AND jsonb_typeof(ce.details -> 'old' -> 'rate_limits') = 'array') AS configs,
+             jsonb_array_elements(configs.limits) AS l
+    LOOP
+        RETURN QUERY EXECUTE format($q$
+            WITH grants AS (
+                SELECT g.key_id, g.lease_id, g.at,
+                       CASE %1$L WHEN 'requests' THEN 1 ELSE coalesce(g.tokens, 0) END AS charge
+                FROM lease_events g
+                WHERE g.event = 'granted'
+                  AND g.at >= %3$L::timestamptz - %5$L::interval AND g.at < %4$L::timestamptz
+            ),
+            -- usage - reservation, from the moment it was reported while the grant is in the window
+            reports AS (
+                SELECT g.key_id, g.at AS granted_at, u.at AS reported_at, u.tokens - g.charge AS delta
+                FROM grants g
+                CROSS JOIN LATERAL (
+                    SELECT e.at, e.tokens FROM lease_events e
+                    WHERE e.lease_id = g.lease_id AND e.tokens IS NOT NULL
+                      AND e.event IN ('released', 'outcome_after_expiry')
+                    ORDER BY e.at
+                    LIMIT 1) u
+                WHERE %1$L = 'tokens'
+                  AND u.at < g.at + %5$L::interval AND u.at < %4$L::timestamptz
+                  AND u.tokens <> g.charge
+            ),
+            edges AS (
+                SELECT g.key_id, g.at, 1 AS ord, g.charge AS amount FROM grants g
+                UNION ALL
+                SELECT g.key_id, g.at + %5$L::interval, 0, -g.charge FROM grants g
+                WHERE g.at + %5$L::interval < %4$L::timestamptz
+                UNION ALL
+                SELECT r.key_id, r.reported_at, 2, r.delta FROM reports r
+                UNION ALL
+                SELECT r.key_id, r.granted_at + %5$L::interval, 0, -r.delta FROM reports r
+                WHERE r.granted_at + %5$L::interval < %4$L::timestamptz
+            ),
+            running AS (
+                SELECT e.key_id, e.at, e.ord,
+                       sum(e.amount) OVER (PARTITION BY e.key_id ORDER BY e.at, e.ord
+                                           RANGE UNBOUNDED PRECEDING) AS charged
+                FROM edges e
+            ),
+            -- MATERIALIZED: the windows in force are looked up once per grant, not once per use
+            judged AS MATERIALIZED (
+                SELECT r.key_id, r.at, r.charged,
+                       (SELECT (l ->> %1$L)::bigint
+                        FROM jsonb_array_elements(credpool_rate_limits_at(r.key_id, r.at)) AS l
+                        WHERE l ? %1$L AND (l ->> 'seconds')::integer = %2$s
+                        LIMIT 1) AS window_count
+                FROM running r
+                WHERE r.ord = 1 AND r.at >= %3$L::timestamptz
+            )
+            SELECT j.key_id, %1$L::text, %2$s::integer, max(j.window_count), count(*),
+                   max(j.charged)::bigint,
+                   count(*) FILTER (WHERE j.charged > j.window_count),
+                   min(j.at) FILTER (WHERE j.charged > j.window_count)
+            FROM judged j
+            WHERE j.window_count IS NOT NULL
+            GROUP BY j.key_id
+            ORDER BY j.key_id
+        $q$, v_spec.kind, v_spec.seconds, p_since, p_until, make_interval(secs => v_spec.seconds));
+    END LOOP;
+END;
+$$;

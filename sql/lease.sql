@@ -1,0 +1,1169 @@
+-- Lease state: every transition of a lease, each defined once, with the invariant it keeps.
+--
+-- Repeatable: the one current definition of each object below. credpool applies this file after
+-- the versioned migrations whenever its content changes (service/src/store/schema.rs), in one transaction;
+-- every statement here must be safe to run again. `git log -p sql/lease.sql` is the history of
+-- the claim.
+--
+-- The tables (versioned migrations): `credentials` (configuration and health), `lease_slots` (one
+-- row per concurrency slot; a lease lives inside the slot row that holds it), `lease_requests`
+-- (request ids), `lease_events` (the append-only trail).
+--
+-- Transitions, and which function is the one way to make each:
+--   claim         credpool_claim          a free slot gets a lease (or a request replays its own)
+--   renew         credpool_renew          a live lease gets a later lease_until
+--   end           credpool_end_leases     leases leave their slots, with their trail rows: released,
+--                                         expired (release, reaper, refit) or force_released
+--   release       credpool_release        the executor's release: end, or tell why not
+--   health        credpool_write_health   outcome reports applied to credentials (the state
+--                                         machine itself is pure Rust, service/src/allocator/health.rs)
+--   fit           credpool_fit_slots      a credential's slot rows brought in line with its limit
+--                                         and drain state
+--   force release credpool_force_release  an operator ends leases
+--   reap          credpool_reap_expired_leases, credpool_refit_over_limit   cleanup passes
+-- Nothing else writes lease_slots.
+--
+-- Lock order (docs/design.md, "Lock order", says why no cycle can form). A transaction takes its
+-- row locks in this order, each kind in ONE statement, sorted:
+--   1. lease_slots rows, ascending (key_id, slot). Claims take theirs with SKIP LOCKED and never
+--      wait.
+--   2. lease_windows rows, ascending key_id (claims: SKIP LOCKED, with their slot row).
+--   3. lease_events rows that unique indexes guard (one release / one late report per lease),
+--      ascending lease_id.
+--   4. credentials rows, ascending key_id.
+-- pool_versions rows are per backend and never contended; lease_requests rows are written only
+-- under their request_id's advisory lock, taken with a try-lock.
+--
+-- Clocks. A decision is made on the database clock, and on one reading of it: the claim and the
+-- reaper never wait for a lock, so they decide on statement_timestamp(); a transition that may
+-- wait for a row lock reads clock_timestamp() after its locks are taken (now() and
+-- statement_timestamp() are stale after a wait).
+
+-- DESIGN "Vocabulary": status says health only. `available` is usable; `rate_limited`, `cooldown`
+-- and `exhausted` are usable once cooldown_until has passed (opportunistic recovery) and not
+-- usable with an unknown cooldown_until; `pending` and `disabled` are not usable. `at` is the
+-- decision clock of the caller.
+CREATE OR REPLACE FUNCTION credential_usable(status text, cooldown_until timestamptz, at timestamptz)
+RETURNS boolean
+LANGUAGE sql IMMUTABLE PARALLEL SAFE AS $$
+    SELECT status = 'available'
+        OR (status IN ('rate_limited', 'cooldown', 'exhausted')
+            AND cooldown_until IS NOT NULL
+            AND cooldown_until <= at)
+$$;
+
+-- When a credential that is not usable at `at` becomes usable on its own: the end of its cooldown;
+-- NULL when it is usable now or needs an operator. Same rule as credential_usable.
+CREATE OR REPLACE FUNCTION credential_recovers_at(status text, cooldown_until timestamptz, at timestamptz)
+RETURNS timestamptz
+LANGUAGE sql IMMUTABLE PARALLEL SAFE AS $$
+    SELECT CASE
+        WHEN status IN ('rate_limited', 'cooldown', 'exhausted') AND cooldown_until > at THEN cooldown_until
+    END
+$$;
+
+-- A pause point for tests that widen a race window on purpose. Does nothing (returns true) unless
+-- the setting credpool.test_hooks names `p_point`; then it waits for the shared advisory lock
+-- of that point, which the test holds while it steps another transaction.
+CREATE OR REPLACE FUNCTION credpool_test_hook(p_point text) RETURNS boolean
+LANGUAGE plpgsql AS $$
+BEGIN
+    IF position(p_point IN coalesce(current_setting('credpool.test_hooks', true), '')) > 0 THEN
+        PERFORM pg_advisory_xact_lock_shared(hashtextextended('credpool.test_hook:' || p_point, 0));
+    END IF;
+    RETURN true;
+END;
+$$;
+
+-- The trail rows of leases that end: element i of each array is the i-th lease's. `p_events[i]`
+-- is released, expired or force_released; `p_at[i]` when it took effect (an expired lease's own
+-- lease_until); `p_outcomes`, `p_reasons`, `p_actors`, `p_tokens` (the usage its release
+-- reported) may be NULL as a whole. Writes lease_events only; the caller holds the slot rows'
+-- locks.
+DROP FUNCTION IF EXISTS credpool_record_lease_end(lease_slots, text, timestamptz, text, text, text, bigint);
+CREATE OR REPLACE FUNCTION credpool_record_lease_ends(
+    p_slots lease_slots[], p_events text[], p_at timestamptz[], p_outcomes text[] DEFAULT NULL,
+    p_reasons text[] DEFAULT NULL, p_actors text[] DEFAULT NULL, p_tokens bigint[] DEFAULT NULL)
+RETURNS void
+LANGUAGE plpgsql AS $$
+BEGIN
+    INSERT INTO lease_events
+        (event, lease_id, key_id, provider, pool, slot, holder, outcome, lease_until, at, reason,
+         actor, tokens)
+    SELECT p_events[i], (p_slots[i]).lease_id, (p_slots[i]).key_id, (p_slots[i]).provider,
+           (p_slots[i]).pool, (p_slots[i]).slot, (p_slots[i]).holder, p_outcomes[i],
+           (p_slots[i]).lease_until, p_at[i], p_reasons[i], p_actors[i], p_tokens[i]
+    FROM generate_subscripts(p_slots, 1) AS i;
+END;
+$$;
+
+-- END: the one way leases leave their slots, any number at once (element i of each array is the
+-- i-th lease's: the slot row as the caller read it, and the trail row's values as for
+-- credpool_record_lease_ends). Clears every lease column of each slot row (the slot keeps its
+-- number, its last grant time and its gates) and writes the trail rows, in two statements
+-- however many leases end. Only where the slot still holds that lease: ending twice ends once.
+-- The caller has locked the slot rows (in the lock order) and decided, on its own clock, that the
+-- leases end now. A freed slot announces itself (trigger lease_slots_freed). Returns the leases
+-- it ended.
+DROP FUNCTION IF EXISTS credpool_end_lease(lease_slots, text, timestamptz, text, text, text, bigint);
+CREATE OR REPLACE FUNCTION credpool_end_leases(
+    p_slots lease_slots[], p_events text[], p_at timestamptz[], p_outcomes text[] DEFAULT NULL,
+    p_reasons text[] DEFAULT NULL, p_actors text[] DEFAULT NULL, p_tokens bigint[] DEFAULT NULL)
+RETURNS uuid[]
+LANGUAGE plpgsql
+SET enable_seqscan = off SET enable_bitmapscan = off SET enable_hashjoin = off
+SET enable_mergejoin = off SET enable_material = off SET jit = off
+AS $$
+DECLARE
+    v_ended integer[];
+BEGIN
+    WITH cleared AS (
+        UPDATE lease_slots s
+        SET lease_id = NULL, provider = NULL, pool = NULL, holder = NULL, granted_at = NULL,
+            lease_until = NULL, probe = false, fence = NULL, reserved_tokens = NULL
+        FROM generate_subscripts(p_slots, 1) AS i
+        WHERE s.key_id = (p_slots[i]).key_id AND s.slot = (p_slots[i]).slot
+          AND s.lease_id = (p_slots[i]).lease_id
+        RETURNING i
+    )
+    SELECT array_agg(i ORDER BY i) INTO v_ended FROM cleared;
+    IF v_ended IS NULL THEN
+        RETURN '{}';
+    END IF;
+    IF cardinality(v_ended) = cardinality(p_slots) THEN
+        PERFORM credpool_record_lease_ends(p_slots, p_events, p_at, p_outcomes, p_reasons,
+                                           p_actors, p_tokens);
+    ELSE
+        PERFORM credpool_record_lease_ends(
+            ARRAY(SELECT p_slots[i] FROM unnest(v_ended) AS i),
+            ARRAY(SELECT p_events[i] FROM unnest(v_ended) AS i),
+            ARRAY(SELECT p_at[i] FROM unnest(v_ended) AS i),
+            ARRAY(SELECT p_outcomes[i] FROM unnest(v_ended) AS i),
+            ARRAY(SELECT p_reasons[i] FROM unnest(v_ended) AS i),
+            ARRAY(SELECT p_actors[i] FROM unnest(v_ended) AS i),
+            ARRAY(SELECT p_tokens[i] FROM unnest(v_ended) AS i));
+    END IF;
+    RETURN ARRAY(SELECT (p_slots[i]).lease_id FROM unnest(v_ended) AS i);
+END;
+$$;
+
+-- Whether credential `c` may serve a claim for (provider, pool, model) at `p_at`: it is in the
+-- pool, serves the model (directly or through an alias), is usable and is not drained.
+CREATE OR REPLACE FUNCTION credpool_may_serve(
+    c credentials, p_provider text, p_pool text, p_model text, p_at timestamptz)
+RETURNS boolean
+LANGUAGE sql IMMUTABLE PARALLEL SAFE AS $$
+    SELECT c.provider = p_provider
+       AND c.pool = p_pool
+       AND (p_model = ANY (c.models) OR c.model_aliases ? p_model)
+       AND credential_usable(c.status, c.cooldown_until, p_at)
+       AND NOT c.draining
+$$;
+
+-- Whether slot `s` of a credential whose status is `p_status` is free for a claim at `p_at`: its
+-- lease slot is empty or its lease has expired, and its gates are open. A credential back from a
+-- cooldown (usable, status not yet `available`) is half-open: only its slot 0 can be claimed, so
+-- it serves a single probe lease at a time.
+CREATE OR REPLACE FUNCTION credpool_slot_open(s lease_slots, p_status text, p_at timestamptz)
+RETURNS boolean
+LANGUAGE sql IMMUTABLE PARALLEL SAFE AS $$
+    SELECT (p_status = 'available' OR s.slot = 0)
+       AND NOT s.over_limit
+       AND NOT s.draining
+       AND (s.lease_id IS NULL OR s.lease_until <= p_at)
+$$;
+
+-- When credential `c` (its windows `w`, or NULL) may next serve a claim reserving `p_tokens`,
+-- judged at `p_at`: `at`, the latest of the end of its cooldown, the moment one of its slots
+-- frees, and the moment its windows admit the claim (`p_at` when it may serve now; NULL when
+-- nothing known ends: it waits for an operator, is over a lowered limit or draining, or a window
+-- can never hold the reservation), and `held_by`, which of those it is: 'slots', 'cooldown',
+-- 'requests_window' or 'tokens_window'. For the Retry-After of a claim that granted nothing.
+DROP FUNCTION IF EXISTS credpool_frees_at(credentials, lease_windows, bigint, timestamptz);
+CREATE FUNCTION credpool_frees_at(c credentials, w lease_windows, p_tokens bigint, p_at timestamptz,
+    OUT at timestamptz, OUT held_by text)
+LANGUAGE plpgsql STABLE AS $$
+DECLARE
+    v_usable timestamptz;
+    v_slot timestamptz;
+    v_window timestamptz := p_at;
+BEGIN
+    v_usable := CASE WHEN credential_usable(c.status, c.cooldown_until, p_at) THEN p_at
+                     ELSE credential_recovers_at(c.status, c.cooldown_until, p_at) END;
+    IF v_usable IS NULL THEN
+        RETURN;
+    END IF;
+    SELECT CASE WHEN bool_or(credpool_slot_open(s, c.status, greatest(p_at, v_usable))) THEN p_at
+                ELSE min(s.lease_until) FILTER (
+                         WHERE s.lease_until > p_at AND NOT s.over_limit AND NOT s.draining
+                           AND (c.status = 'available' OR s.slot = 0)) END
+    INTO v_slot
+    FROM lease_slots s
+    WHERE s.key_id = c.key_id;
+    IF v_slot IS NULL THEN
+        RETURN;
+    END IF;
+    IF w.key_id IS NOT NULL THEN
+        v_window := nullif(credpool_window_frees_at(w, p_at, p_tokens), 'infinity');
+        IF v_window IS NULL THEN
+            RETURN;
+        END IF;
+    END IF;
+    at := greatest(v_usable, v_slot, v_window);
+    held_by := CASE
+        WHEN v_window = at AND v_window > p_at THEN credpool_window_holding(w, p_at, p_tokens) || '_window'
+        WHEN v_usable = at AND v_usable > p_at THEN 'cooldown'
+        ELSE 'slots' END;
+END;
+$$;
+
+-- BEGIN: the one way a lease begins, inside a claim statement that holds the slot row's lock
+-- (and, for a credential with rate windows, its lease_windows row's). Ends the expired lease the
+-- slot still carries in the trail (`expired`, at its own lease_until), writes the lease into the
+-- slot (granted_at = `p_at`), charges the credential's windows when `p_charge_windows`, writes
+-- the request_id's row, the `granted` trail row and, for a probe, `probe_granted`. Returns the
+-- slot as granted.
+CREATE OR REPLACE FUNCTION credpool_begin_lease(
+    p_slot lease_slots, p_lease_id uuid, p_provider text, p_pool text, p_holder text,
+    p_lease_seconds integer, p_at timestamptz, p_tokens bigint, p_request_id text,
+    p_request_digest text, p_status text, p_cooldown_until timestamptz, p_charge_windows boolean)
+RETURNS lease_slots
+LANGUAGE plpgsql AS $$
+DECLARE
+    v_granted lease_slots;
+BEGIN
+    IF p_slot.lease_id IS NOT NULL THEN
+        PERFORM credpool_record_lease_ends(ARRAY[p_slot], ARRAY['expired'], ARRAY[p_slot.lease_until]);
+    END IF;
+    UPDATE lease_slots s
+    SET lease_id = p_lease_id, provider = p_provider, pool = p_pool, holder = p_holder,
+        granted_at = p_at, lease_until = p_at + make_interval(secs => p_lease_seconds),
+        last_granted_at = p_at, probe = p_status <> 'available',
+        fence = nextval('lease_fence_seq'), reserved_tokens = p_tokens
+    WHERE s.key_id = p_slot.key_id AND s.slot = p_slot.slot
+    RETURNING s.* INTO v_granted;
+    IF p_charge_windows THEN
+        UPDATE lease_windows w
+        SET (bucket_ids, bucket_charged) =
+            (SELECT x.bucket_ids, x.bucket_charged FROM credpool_window_charge(w, p_at, p_tokens) x)
+        WHERE w.key_id = p_slot.key_id AND cardinality(w.window_kinds) > 0;
+    END IF;
+    IF p_request_id IS NOT NULL THEN
+        INSERT INTO lease_requests AS r (request_id, request_digest, lease_id, key_id, granted_at)
+        VALUES (p_request_id, p_request_digest, p_lease_id, p_slot.key_id, p_at)
+        ON CONFLICT ON CONSTRAINT lease_requests_pkey DO UPDATE
+        SET request_digest = EXCLUDED.request_digest, lease_id = EXCLUDED.lease_id,
+            key_id = EXCLUDED.key_id, granted_at = EXCLUDED.granted_at;
+    END IF;
+    IF v_granted.probe THEN
+        INSERT INTO credential_events
+            (key_id, event, old_status, new_status, reason, cooldown_until, lease_id, at)
+        VALUES (v_granted.key_id, 'probe_granted', p_status, p_status,
+                'cooldown ended; single probe lease granted', p_cooldown_until, p_lease_id, p_at);
+    END IF;
+    INSERT INTO lease_events
+        (event, lease_id, key_id, provider, pool, slot, holder, lease_until, at, fence, tokens)
+    VALUES ('granted', p_lease_id, v_granted.key_id, p_provider, p_pool, v_granted.slot, p_holder,
+            v_granted.lease_until, p_at, v_granted.fence, p_tokens);
+    RETURN v_granted;
+END;
+$$;
+
+-- CLAIM (DESIGN "The protocol", step 1), for one request or for a group.
+--
+-- p_claims jsonb: an array of claims, each {"ranked": [key_id, ...] (best first, the Rust
+-- scoring), "provider", "pool", "model" (a model or alias), "lease_id" (the new lease's uuid),
+-- "holder" (or null), "lease_seconds", "tokens" (the reservation for token windows; 0 or absent:
+-- none), and optionally "request_id" with "request_digest"}. Returns one row per claim, `claim` =
+-- its 1-based position: the pool's version (NULL when the pool never had a credential), so the
+-- caller learns whether its candidate view is stale, and the lease, NULL when no candidate could
+-- serve. `request` is NULL, 'replayed' (the request_id's live lease, granted to an earlier attempt
+-- with the same parameters: no slot taken), 'conflict' (its live lease was granted for other
+-- parameters), 'in_flight' (another transaction is claiming for the same request_id right now)
+-- or 'window_busy' (nothing granted, but a candidate with window room and a free slot was held by
+-- another transaction at that moment): for the last two, claim again in a moment. `frees_at`,
+-- when nothing was granted: the earliest moment a candidate may serve it, and `held_by` what holds
+-- that candidate back (credpool_frees_at), for the answer's Retry-After, a waiting request's
+-- timer and the held-back metric.
+--
+-- Each claim is ONE statement, run in array order; a group of claims is one call: one round
+-- trip and, outside an explicit transaction, one commit. A later claim sees the earlier claims'
+-- writes; a volatile function takes a new snapshot per statement, so each claim also sees what
+-- other transactions committed before it ran.
+--
+-- The statement takes the first candidate, in array order, that may serve the request
+-- (credpool_may_serve) and has a free slot (credpool_slot_open) and, if it has rate windows, room
+-- in every window (credpool_window_room, sql/windows.sql); it locks that slot row (and the
+-- credential's lease_windows row) and begins the lease in the same statement (credpool_begin_lease:
+-- the expired lease it replaces ended in the trail, the lease in the slot, the windows charged,
+-- the request_id's row, the `granted` trail row).
+--
+-- Why this cannot oversell: capacity is not counted, it is the set of slot rows, and a lease
+-- exists only inside the slot row that holds it. Every condition that decides whether a grant may
+-- happen is on a row this statement locks: whether the slot is free, whether its credential is
+-- over a lowered limit, draining or has rate windows (credpool_fit_slots writes those gates into
+-- every slot row under the rows' locks), and how much room its windows have (its lease_windows
+-- row). Under READ COMMITTED, when FOR UPDATE meets a row that another transaction changed after
+-- this statement's snapshot, PostgreSQL re-evaluates the WHERE clause against the newest version
+-- of the locked rows (EvalPlanQual): a slot that a concurrent claim has just filled, a window a
+-- concurrent claim has just charged, a slot a refit has just closed, no longer passes and is
+-- passed over. SKIP LOCKED passes over rows another transaction holds right now, so concurrent
+-- claims spread over the free slots instead of queueing. Two transactions can never both hold
+-- one slot row's lock, so each slot carries at most one unexpired lease; nor one lease_windows
+-- row's, so each window charge sees every charge before it. (The trap in DESIGN — lock the
+-- credential, count its leases in a subquery — fails because the count reads the statement's
+-- snapshot, which EvalPlanQual does not refresh for rows other than the locked ones. The
+-- credential row's health columns are read from the snapshot too: a cooldown reported while the
+-- claim runs may let this one grant through, never a grant over a limit or a window.)
+--
+-- Two statements, one for each shape of candidate list: a claim none of whose candidates has
+-- windows locks only the slot row (a credential without windows must not make concurrent claims
+-- queue on one row), and passes over a slot whose `windowed` gate says its credential has windows
+-- now; a claim with a candidate that has windows locks that credential's lease_windows row with
+-- the slot row (candidates without windows in the same list lock their empty row too).
+--
+-- Locks: the slot row (and the lease_windows row), with SKIP LOCKED; request ids' advisory locks
+-- with a try-lock. The call never waits for a lock, so any number of claims can share a
+-- transaction without ever being part of a deadlock.
+--
+-- Clock: statement_timestamp(), the start of the call, decides usability, expiry and window room
+-- (a lease that expires while the call runs is treated as still held). granted_at is
+-- clock_timestamp(), read once per claim when the slot row is read, which for a slot freed after
+-- the snapshot is after the lock: the slot was freed by a transaction that committed before this
+-- claim saw it free, so the trail never shows two leases of one slot overlapping.
+--
+-- Plans: index probes whatever the planner's statistics say (a pool just loaded, never analyzed):
+-- one primary-key probe per candidate into credentials (the LATERAL ... LIMIT 1 keeps the planner
+-- from scanning the pool through its (provider, pool) index), lease_windows and lease_slots, and
+-- the function's settings rule out the scans, joins and materializations that read whole tables
+-- (a generic plan, which PL/pgSQL uses from a statement's sixth run on, would otherwise read the
+-- slots table once into memory rather than probe it per candidate when it has no statistics).
+DROP FUNCTION IF EXISTS credpool_claim(jsonb);
+CREATE FUNCTION credpool_claim(p_claims jsonb)
+RETURNS TABLE (claim integer, pool_version bigint, key_id text, lease_id uuid, lease_pool text,
+               granted_at timestamptz, lease_until timestamptz, probe boolean,
+               provider_model text, sealed_secret bytea, pruned_expired boolean, fence bigint,
+               request text, frees_at timestamptz, held_by text)
+LANGUAGE plpgsql
+SET enable_seqscan = off SET enable_bitmapscan = off SET enable_hashjoin = off
+SET enable_mergejoin = off SET enable_material = off SET jit = off
+AS $$
+#variable_conflict use_column
+DECLARE
+    v_now timestamptz := statement_timestamp();
+    -- the request ids whose advisory lock this call holds
+    v_requests text[];
+    -- the candidates of the call that have rate windows (read once; the slots' `windowed` gate
+    -- covers a credential given windows since)
+    v_windowed_keys text[];
+    -- pool versions read by this call, "provider/pool" -> version
+    v_pools text[] := '{}';
+    v_versions bigint[] := '{}';
+    v_pool integer;
+    q record;
+    prior record;
+    v_claimed record;
+    v_frees record;
+    v_windowed boolean;
+BEGIN
+    SELECT coalesce(array_agg(ids.request_id), '{}') INTO v_requests
+    FROM (SELECT DISTINCT e ->> 'request_id' AS request_id
+          FROM jsonb_array_elements(p_claims) AS e
+          WHERE e ->> 'request_id' IS NOT NULL) AS ids
+    WHERE pg_try_advisory_xact_lock(hashtextextended('credpool.request_id:' || ids.request_id, 0));
+    SELECT coalesce(array_agg(c.key_id), '{}') INTO v_windowed_keys
+    FROM credentials c
+    WHERE c.key_id = ANY (ARRAY(SELECT jsonb_array_elements_text(e -> 'ranked')
+                                FROM jsonb_array_elements(p_claims) AS e))
+      AND c.rate_limits <> '[]'::jsonb;
+
+    FOR q IN
+        SELECT e.n::integer AS claim,
+               ARRAY(SELECT jsonb_array_elements_text(e.c -> 'ranked')) AS ranked,
+               e.c ->> 'provider' AS provider, e.c ->> 'pool' AS pool, e.c ->> 'model' AS model,
+               (e.c ->> 'lease_id')::uuid AS lease_id, e.c ->> 'holder' AS holder,
+               (e.c ->> 'lease_seconds')::integer AS lease_seconds,
+               coalesce((e.c ->> 'tokens')::bigint, 0) AS tokens,
+               e.c ->> 'request_id' AS request_id, e.c ->> 'request_digest' AS request_digest
+        FROM jsonb_array_elements(p_claims) WITH ORDINALITY AS e (c, n)
+        ORDER BY e.n
+    LOOP
+        claim := q.claim;
+        v_pool := array_position(v_pools, q.provider || '/' || q.pool);
+        IF v_pool IS NULL THEN
+            v_pools := v_pools || (q.provider || '/' || q.pool);
+            v_versions := v_versions || credpool_pool_version(q.provider, q.pool);
+            v_pool := cardinality(v_pools);
+        END IF;
+        pool_version := v_versions[v_pool];
+        key_id := NULL; lease_id := NULL; lease_pool := NULL; granted_at := NULL;
+        lease_until := NULL; probe := NULL; provider_model := NULL; sealed_secret := NULL;
+        pruned_expired := NULL; fence := NULL; request := NULL; frees_at := NULL; held_by := NULL;
+
+        IF q.request_id IS NOT NULL THEN
+            IF NOT q.request_id = ANY (v_requests) THEN
+                request := 'in_flight';
+                RETURN NEXT;
+                CONTINUE;
+            END IF;
+            -- the lease this request_id already holds, if it is live
+            SELECT s.key_id, s.lease_id, s.pool, s.granted_at, s.lease_until, s.probe, s.fence,
+                   r.request_digest = q.request_digest AS same_request, c.secret_ciphertext,
+                   coalesce(c.model_aliases ->> q.model, q.model) AS provider_model
+            INTO prior
+            FROM lease_requests r
+            JOIN lease_slots s ON s.key_id = r.key_id AND s.lease_id = r.lease_id
+            JOIN credentials c ON c.key_id = s.key_id
+            WHERE r.request_id = q.request_id AND s.lease_until > v_now;
+            IF FOUND THEN
+                IF prior.same_request THEN
+                    key_id := prior.key_id; lease_id := prior.lease_id; lease_pool := prior.pool;
+                    granted_at := prior.granted_at; lease_until := prior.lease_until;
+                    probe := prior.probe; provider_model := prior.provider_model;
+                    sealed_secret := prior.secret_ciphertext; pruned_expired := false;
+                    fence := prior.fence; request := 'replayed';
+                ELSE
+                    request := 'conflict';
+                END IF;
+                RETURN NEXT;
+                CONTINUE;
+            END IF;
+        END IF;
+
+        v_windowed := q.ranked && v_windowed_keys;
+        IF NOT v_windowed THEN
+            SELECT claimed.secret_ciphertext, claimed.provider_model,
+                   (claimed.s).lease_id IS NOT NULL AS pruned, g.*
+            INTO v_claimed
+            FROM (
+                SELECT s, c.status, c.cooldown_until, c.secret_ciphertext,
+                       coalesce(c.model_aliases ->> q.model, q.model) AS provider_model,
+                       clock_timestamp() AS at
+                FROM unnest(q.ranked) WITH ORDINALITY AS r (key_id, rank)
+                CROSS JOIN LATERAL (
+                    SELECT * FROM credentials c WHERE c.key_id = r.key_id LIMIT 1
+                ) c
+                JOIN lease_slots s ON s.key_id = c.key_id
+                WHERE (SELECT credpool_test_hook('claim.before_lock'))
+                  AND credpool_may_serve(c, q.provider, q.pool, q.model, v_now)
+                  AND credpool_slot_open(s, c.status, v_now)
+                  AND NOT s.windowed
+                ORDER BY r.rank, s.slot
+                LIMIT 1
+                FOR UPDATE OF s SKIP LOCKED
+            ) AS claimed
+            CROSS JOIN LATERAL credpool_begin_lease(
+                claimed.s, q.lease_id, q.provider, q.pool, q.holder, q.lease_seconds, claimed.at,
+                q.tokens, q.request_id, q.request_digest, claimed.status, claimed.cooldown_until,
+                false) AS g;
+        ELSE
+            SELECT claimed.secret_ciphertext, claimed.provider_model,
+                   (claimed.s).lease_id IS NOT NULL AS pruned, g.*
+            INTO v_claimed
+            FROM (
+                SELECT s, c.status, c.cooldown_until, c.secret_ciphertext,
+                       coalesce(c.model_aliases ->> q.model, q.model) AS provider_model,
+                       clock_timestamp() AS at
+                FROM unnest(q.ranked) WITH ORDINALITY AS r (key_id, rank)
+                CROSS JOIN LATERAL (
+                    SELECT * FROM credentials c WHERE c.key_id = r.key_id LIMIT 1
+                ) c
+                JOIN lease_windows w ON w.key_id = c.key_id
+                JOIN lease_slots s ON s.key_id = c.key_id
+                WHERE (SELECT credpool_test_hook('claim.before_lock'))
+                  AND credpool_may_serve(c, q.provider, q.pool, q.model, v_now)
+                  AND credpool_slot_open(s, c.status, v_now)
+                  AND credpool_window_room(w, v_now, q.tokens)
+                ORDER BY r.rank, s.slot
+                LIMIT 1
+                FOR UPDATE OF w, s SKIP LOCKED
+            ) AS claimed
+            CROSS JOIN LATERAL credpool_begin_lease(
+                claimed.s, q.lease_id, q.provider, q.pool, q.holder, q.lease_seconds, claimed.at,
+                q.tokens, q.request_id, q.request_digest, claimed.status, claimed.cooldown_until,
+                true) AS g;
+        END IF;
+        IF FOUND THEN
+            key_id := v_claimed.key_id; lease_id := v_claimed.lease_id; lease_pool := q.pool;
+            granted_at := v_claimed.granted_at; lease_until := v_claimed.lease_until;
+            probe := v_claimed.probe; provider_model := v_claimed.provider_model;
+            sealed_secret := v_claimed.secret_ciphertext; pruned_expired := v_claimed.pruned;
+            fence := v_claimed.fence;
+            RETURN NEXT;
+            CONTINUE;
+        END IF;
+        -- Nothing granted: when may a candidate serve it (read now)? With windows, a candidate
+        -- whose window row another transaction held was passed over without knowing whether that
+        -- transaction will leave room: if, read now, one may serve at once, say so (the caller
+        -- claims again).
+        SELECT f.at, f.held_by INTO v_frees
+        FROM unnest(q.ranked) AS r (key_id)
+        JOIN credentials c ON c.key_id = r.key_id
+        LEFT JOIN lease_windows w ON w.key_id = c.key_id
+        CROSS JOIN LATERAL credpool_frees_at(c, w, q.tokens, v_now) AS f
+        WHERE c.provider = q.provider AND c.pool = q.pool
+          AND (q.model = ANY (c.models) OR c.model_aliases ? q.model)
+          AND NOT c.draining AND f.at IS NOT NULL
+        ORDER BY f.at
+        LIMIT 1;
+        frees_at := v_frees.at;
+        held_by := v_frees.held_by;
+        IF v_windowed AND v_frees.at <= v_now THEN
+            request := 'window_busy';
+        END IF;
+        RETURN NEXT;
+    END LOOP;
+END;
+$$;
+
+-- RENEW, for one lease or a group: p_renewals jsonb is an array of {"lease_id", "key_id",
+-- "provider", "pool", "fence" (or null), "lease_seconds"}. A live lease named by all of its values
+-- gets lease_until = now + lease_seconds and a `renewed` trail row. Returns one row per renewal, in
+-- order: the new lease_until, or NULL when the lease is lost (expired, released, unknown, or named
+-- with another key_id, provider, pool or fence). Never resurrects an expired lease, even if its
+-- slot is still free: expiry is judged after the slot row's lock is taken, on clock_timestamp().
+-- Locks: the named leases' slot rows, ascending (key_id, slot), in one statement.
+DROP FUNCTION IF EXISTS credpool_renew(jsonb);
+CREATE FUNCTION credpool_renew(p_renewals jsonb)
+RETURNS TABLE (renewal integer, lease_until timestamptz)
+LANGUAGE plpgsql
+SET enable_seqscan = off SET enable_bitmapscan = off SET enable_hashjoin = off
+SET enable_mergejoin = off SET enable_material = off SET jit = off
+AS $$
+#variable_conflict use_column
+DECLARE
+    v_now timestamptz;
+BEGIN
+    PERFORM 1
+    FROM lease_slots s
+    WHERE s.key_id = ANY (ARRAY(SELECT e ->> 'key_id' FROM jsonb_array_elements(p_renewals) AS e))
+      AND s.lease_id = ANY (ARRAY(SELECT (e ->> 'lease_id')::uuid FROM jsonb_array_elements(p_renewals) AS e))
+    ORDER BY s.key_id, s.slot
+    FOR UPDATE;
+    v_now := clock_timestamp();
+
+    RETURN QUERY
+    WITH wanted AS (
+        SELECT *
+        FROM ROWS FROM (jsonb_to_recordset(p_renewals) AS (
+                 lease_id uuid, key_id text, provider text, pool text, fence bigint, lease_seconds integer))
+             WITH ORDINALITY AS w (lease_id, key_id, provider, pool, fence, lease_seconds, n)
+    ),
+    renewed AS (
+        UPDATE lease_slots s
+        SET lease_until = v_now + make_interval(secs => w.lease_seconds)
+        FROM (SELECT DISTINCT ON (wanted.lease_id) * FROM wanted ORDER BY wanted.lease_id, wanted.n) AS w
+        WHERE s.lease_id = w.lease_id AND s.key_id = w.key_id AND s.provider = w.provider
+          AND s.pool = w.pool AND (w.fence IS NULL OR s.fence = w.fence)
+          AND s.lease_until > v_now
+        RETURNING s.key_id, s.slot, s.lease_id, s.provider, s.pool, s.holder, s.lease_until, s.fence
+    ),
+    trail AS (
+        INSERT INTO lease_events (event, lease_id, key_id, provider, pool, slot, holder, lease_until, at)
+        SELECT 'renewed', lease_id, key_id, provider, pool, slot, holder, lease_until, v_now
+        FROM renewed
+    )
+    SELECT w.n::integer, r.lease_until
+    FROM wanted w
+    LEFT JOIN renewed r
+        ON r.lease_id = w.lease_id AND r.key_id = w.key_id AND r.provider = w.provider
+       AND r.pool = w.pool AND (w.fence IS NULL OR r.fence = w.fence)
+    ORDER BY w.n;
+END;
+$$;
+
+-- USAGE: the tokens a call really used replace its reservation in the token windows of its
+-- credential (a lease granted at `p_granted_at`; `p_delta` = usage - reservation). The caller
+-- holds the lease_windows row's lock.
+CREATE OR REPLACE FUNCTION credpool_charge_usage(p_key_id text, p_granted_at timestamptz, p_delta bigint)
+RETURNS void
+LANGUAGE plpgsql AS $$
+BEGIN
+    UPDATE lease_windows w
+    SET (bucket_ids, bucket_charged) =
+        (SELECT x.bucket_ids, x.bucket_charged FROM credpool_window_adjust(w, p_granted_at, p_delta) x)
+    WHERE w.key_id = p_key_id AND p_delta <> 0 AND 'tokens' = ANY (w.window_kinds);
+END;
+$$;
+
+-- RELEASE, for one lease or a group: p_releases jsonb is an array of {"lease_id", "key_id",
+-- "provider", "pool", "fence" (or null), "outcome" (or null), "usage_tokens" (or null)}. For
+-- each, in the slot row's lock:
+--   * live and named by all of its values: ended as `released` with the outcome (verdict
+--     'released');
+--   * named by all of its values but expired: ended as `expired` at its own lease_until if it still
+--     sits in its slot (verdict 'expired');
+--   * in a slot but named with another key_id, provider, pool or fence: nothing (verdict
+--     'mismatch');
+--   * in no slot (never granted, released, reaped, reused): nothing (verdict 'not_found').
+-- An outcome or a usage for an expired or ended lease that was granted with the values given is
+-- recorded once as `outcome_after_expiry` (unique index lease_events_one_report_per_lease:
+-- retries count once); the outcome still counts for health. A usage (tokens the call really used)
+-- replaces the lease's reservation in its credential's token windows, once.
+--
+-- Returns one row per release, in order: the verdict; the credential (key_id); whether the lease
+-- was a probe; `refit`: the slot was over a lowered limit, so the credential may be back under it
+-- (the caller runs credpool_fit_slots in a transaction of its own once this one has committed);
+-- `usage_granted_at`, `usage_delta`: when a usage replaced a reservation, the lease's grant time
+-- and usage - reservation (for the caller's view of the windows); `counted`: the outcome is to be
+-- applied to health. For counted rows, the credential's health
+-- columns, read under its row lock, and db_now, the clock after that lock: the caller computes
+-- the new health (service/src/allocator/health.rs) and writes it with credpool_write_health in
+-- the same transaction.
+--
+-- Locks, in the lock order: the named leases' slot rows, ascending (key_id, slot), in one
+-- statement; the lease_windows rows of the credentials named with a usage, ascending key_id;
+-- trail rows guarded by unique indexes, ascending lease_id; then the credential rows of counted
+-- outcomes, ascending key_id, in one statement. Decision clock: clock_timestamp() after the slot
+-- locks (`released` rows carry it as `at`).
+--
+-- p_caller_announces: the caller announces the slots its `released` rows freed once its
+-- transaction has committed (credpool_announce_freed), so nothing in this transaction sends a
+-- notification for them. A slot freed as `expired` is not announced at all: it was claimable
+-- from its lease_until on, and waiters keep a timer for that moment.
+DROP FUNCTION IF EXISTS credpool_release(jsonb);
+DROP FUNCTION IF EXISTS credpool_release(jsonb, boolean);
+CREATE FUNCTION credpool_release(p_releases jsonb, p_caller_announces boolean DEFAULT false)
+RETURNS TABLE (release integer, verdict text, key_id text, probe boolean, refit boolean,
+               usage_granted_at timestamptz, usage_delta bigint,
+               counted boolean, status text, status_reason text, cooldown_until timestamptz,
+               health_successes double precision, health_failures double precision,
+               health_rate_limits double precision, health_decayed_at timestamptz,
+               recent_failures timestamptz[], cooldowns_in_a_row integer,
+               last_success_at timestamptz, recovered_at timestamptz, db_now timestamptz)
+LANGUAGE plpgsql
+SET enable_seqscan = off SET enable_bitmapscan = off SET enable_hashjoin = off
+SET enable_mergejoin = off SET enable_material = off SET jit = off
+AS $$
+#variable_conflict use_column
+DECLARE
+    v_now timestamptz;
+    v_health_now timestamptz;
+    -- one element per release, in request order (n): what it asked and what it found
+    v_n integer[];
+    v_lease uuid[];
+    v_asked_key text[];
+    v_provider text[];
+    v_pool text[];
+    v_fence bigint[];
+    v_outcome text[];
+    v_usage bigint[];
+    v_slot lease_slots[];
+    v_verdict text[];
+    -- and what it did
+    v_key text[];
+    v_probe boolean[];
+    v_refit boolean[];
+    v_counted boolean[];
+    v_usage_at timestamptz[];
+    v_usage_delta bigint[];
+    v_late record;
+    i integer;
+BEGIN
+    IF p_caller_announces THEN
+        -- the caller announces the released slots after its commit (credpool_announce_freed):
+        -- no NOTIFY from this transaction (see lease_slots_notify_freed)
+        PERFORM set_config('credpool.caller_announces_freed', 'on', true);
+    END IF;
+    PERFORM 1
+    FROM lease_slots s
+    WHERE s.key_id = ANY (ARRAY(SELECT e ->> 'key_id' FROM jsonb_array_elements(p_releases) AS e))
+      AND s.lease_id = ANY (ARRAY(SELECT (e ->> 'lease_id')::uuid FROM jsonb_array_elements(p_releases) AS e))
+    ORDER BY s.key_id, s.slot
+    FOR UPDATE;
+    PERFORM 1
+    FROM lease_windows w
+    WHERE w.key_id = ANY (ARRAY(SELECT e ->> 'key_id' FROM jsonb_array_elements(p_releases) AS e
+                                WHERE e ->> 'usage_tokens' IS NOT NULL))
+    ORDER BY w.key_id
+    FOR UPDATE;
+    v_now := clock_timestamp();
+
+    -- The verdicts, in one statement. A lease named twice in one call is ended by the first
+    -- request (in order) that names it by all of its values; the others find it gone.
+    SELECT array_agg(j.n ORDER BY j.n), array_agg(j.lease_id ORDER BY j.n),
+           array_agg(j.key_id ORDER BY j.n), array_agg(j.provider ORDER BY j.n),
+           array_agg(j.pool ORDER BY j.n), array_agg(j.fence ORDER BY j.n),
+           array_agg(j.outcome ORDER BY j.n), array_agg(j.usage_tokens ORDER BY j.n),
+           array_agg(j.slot_row ORDER BY j.n),
+           array_agg(CASE
+                         WHEN j.found AND j.matches AND j.nth = 1 THEN
+                             CASE WHEN (j.slot_row).lease_until > v_now THEN 'released'
+                                  ELSE 'expired' END
+                         WHEN j.found AND NOT j.matches THEN 'mismatch'
+                         ELSE 'not_found'
+                     END ORDER BY j.n)
+    INTO v_n, v_lease, v_asked_key, v_provider, v_pool, v_fence, v_outcome, v_usage, v_slot,
+         v_verdict
+    FROM (
+        SELECT w.n::integer AS n, w.lease_id, w.key_id, w.provider, w.pool, w.fence, w.outcome,
+               w.usage_tokens, s AS slot_row,
+               -- in a slot of the credential named, or (named with another key_id) of its own,
+               -- which its `granted` row in the trail names
+               s.lease_id IS NOT NULL
+                   OR EXISTS (SELECT 1
+                              FROM lease_events g
+                              JOIN lease_slots o ON o.key_id = g.key_id AND o.lease_id = g.lease_id
+                              WHERE g.lease_id = w.lease_id AND g.event = 'granted') AS found,
+               coalesce(s.provider = w.provider AND s.pool = w.pool
+                        AND (w.fence IS NULL OR s.fence = w.fence), false) AS matches,
+               row_number() OVER (
+                   PARTITION BY w.lease_id,
+                                coalesce(s.provider = w.provider AND s.pool = w.pool
+                                         AND (w.fence IS NULL OR s.fence = w.fence), false)
+                   ORDER BY w.n) AS nth
+        FROM ROWS FROM (jsonb_to_recordset(p_releases) AS (
+                 lease_id uuid, key_id text, provider text, pool text, fence bigint, outcome text,
+                 usage_tokens bigint))
+             WITH ORDINALITY AS w (lease_id, key_id, provider, pool, fence, outcome, usage_tokens, n)
+        LEFT JOIN lease_slots s ON s.key_id = w.key_id AND s.lease_id = w.lease_id
+    ) AS j;
+
+    -- Every lease that ends, in one call: released now, or found expired in its slot.
+    PERFORM credpool_end_leases(
+        ARRAY(SELECT v_slot[k] FROM generate_subscripts(v_n, 1) AS k
+              WHERE v_verdict[k] IN ('released', 'expired') ORDER BY k),
+        ARRAY(SELECT v_verdict[k] FROM generate_subscripts(v_n, 1) AS k
+              WHERE v_verdict[k] IN ('released', 'expired') ORDER BY k),
+        ARRAY(SELECT CASE WHEN v_verdict[k] = 'released' THEN v_now ELSE (v_slot[k]).lease_until END
+              FROM generate_subscripts(v_n, 1) AS k
+              WHERE v_verdict[k] IN ('released', 'expired') ORDER BY k),
+        ARRAY(SELECT CASE WHEN v_verdict[k] = 'released' THEN v_outcome[k] END
+              FROM generate_subscripts(v_n, 1) AS k
+              WHERE v_verdict[k] IN ('released', 'expired') ORDER BY k),
+        NULL,
+        NULL,
+        ARRAY(SELECT CASE WHEN v_verdict[k] = 'released' THEN v_usage[k] END
+              FROM generate_subscripts(v_n, 1) AS k
+              WHERE v_verdict[k] IN ('released', 'expired') ORDER BY k));
+
+    -- What each did for health and the windows: a released outcome counts, and its usage replaces
+    -- its reservation; an outcome or usage for a lease that had ended counts once, as a late
+    -- report (after the ends above, so a release and a late report of one lease in one call
+    -- meet the unique index in that order).
+    v_key := '{}'; v_probe := '{}'; v_refit := '{}'; v_counted := '{}';
+    v_usage_at := '{}'; v_usage_delta := '{}';
+    FOR i IN 1 .. coalesce(cardinality(v_n), 0) LOOP
+        v_key[i] := CASE WHEN v_verdict[i] IN ('released', 'expired') THEN v_asked_key[i] END;
+        v_probe[i] := v_verdict[i] = 'released' AND (v_slot[i]).probe;
+        v_refit[i] := v_verdict[i] IN ('released', 'expired') AND (v_slot[i]).over_limit;
+        v_counted[i] := v_verdict[i] = 'released' AND v_outcome[i] IS NOT NULL;
+        v_usage_at[i] := NULL;
+        v_usage_delta[i] := NULL;
+        IF v_verdict[i] = 'released' AND v_usage[i] IS NOT NULL THEN
+            v_usage_at[i] := (v_slot[i]).granted_at;
+            v_usage_delta[i] := v_usage[i] - coalesce((v_slot[i]).reserved_tokens, 0);
+            PERFORM credpool_charge_usage(v_asked_key[i], v_usage_at[i], v_usage_delta[i]);
+        ELSIF v_verdict[i] IN ('expired', 'not_found')
+              AND (v_outcome[i] IS NOT NULL OR v_usage[i] IS NOT NULL) THEN
+            INSERT INTO lease_events
+                (event, lease_id, key_id, provider, pool, slot, holder, outcome, lease_until, at,
+                 tokens)
+            SELECT 'outcome_after_expiry', g.lease_id, g.key_id, g.provider, g.pool, g.slot, g.holder,
+                   v_outcome[i],
+                   (SELECT max(e.lease_until) FROM lease_events e WHERE e.lease_id = v_lease[i]),
+                   v_now, v_usage[i]
+            FROM lease_events g
+            WHERE g.lease_id = v_lease[i] AND g.event = 'granted'
+              AND g.key_id = v_asked_key[i] AND g.provider = v_provider[i] AND g.pool = v_pool[i]
+              AND (v_fence[i] IS NULL OR g.fence IS NULL OR g.fence = v_fence[i])
+            LIMIT 1
+            ON CONFLICT (lease_id) WHERE event IN ('released', 'outcome_after_expiry') DO NOTHING
+            RETURNING (SELECT g2.at FROM lease_events g2
+                       WHERE g2.lease_id = v_lease[i] AND g2.event = 'granted' LIMIT 1) AS granted_at,
+                      (SELECT g2.tokens FROM lease_events g2
+                       WHERE g2.lease_id = v_lease[i] AND g2.event = 'granted' LIMIT 1) AS reserved
+            INTO v_late;
+            IF FOUND THEN
+                v_key[i] := v_asked_key[i];
+                v_counted[i] := v_outcome[i] IS NOT NULL;
+                IF v_usage[i] IS NOT NULL THEN
+                    v_usage_at[i] := v_late.granted_at;
+                    v_usage_delta[i] := v_usage[i] - coalesce(v_late.reserved, 0);
+                    PERFORM credpool_charge_usage(v_asked_key[i], v_usage_at[i], v_usage_delta[i]);
+                END IF;
+            END IF;
+        END IF;
+    END LOOP;
+
+    PERFORM 1
+    FROM credentials c
+    WHERE c.key_id = ANY (ARRAY(SELECT k FROM unnest(v_key, v_counted) AS x (k, counted) WHERE x.counted))
+    ORDER BY c.key_id
+    FOR NO KEY UPDATE;
+    v_health_now := clock_timestamp();
+
+    RETURN QUERY
+    SELECT v.n, v.verdict, v.key_id, v.probe, v.refit, v.usage_at, v.usage_delta,
+           v.counted AND c.key_id IS NOT NULL,
+           c.status, c.status_reason, c.cooldown_until, c.health_successes, c.health_failures,
+           c.health_rate_limits, c.health_decayed_at, c.recent_failures, c.cooldowns_in_a_row,
+           c.last_success_at, c.recovered_at, v_health_now
+    FROM unnest(v_n, v_verdict, v_key, v_probe, v_refit, v_counted, v_usage_at, v_usage_delta)
+         AS v (n, verdict, key_id, probe, refit, counted, usage_at, usage_delta)
+    LEFT JOIN credentials c ON c.key_id = v.key_id AND v.counted
+    ORDER BY v.n;
+END;
+$$;
+
+-- HEALTH: writes the health that applying outcome reports produced (service/src/allocator/health.rs computes it
+-- from the rows credpool_release returned) and the status transitions to credential_events, in
+-- one statement. p_next: [{"key_id", "status", "status_reason", "cooldown_until",
+-- "health_successes", "health_failures", "health_rate_limits", "health_decayed_at",
+-- "recent_failures", "cooldowns_in_a_row", "last_success_at", "recovered_at"}]; p_transitions:
+-- [{"key_id", "old_status", "new_status", "reason", "cooldown_until", "lease_id", "at"}]. The
+-- caller holds the credential rows' locks (credpool_release took them, ascending key_id). A
+-- credential deleted meanwhile is skipped, with its transitions.
+CREATE OR REPLACE FUNCTION credpool_write_health(p_next jsonb, p_transitions jsonb) RETURNS integer
+LANGUAGE plpgsql
+SET enable_seqscan = off SET enable_bitmapscan = off SET enable_hashjoin = off
+SET enable_mergejoin = off SET enable_material = off SET jit = off
+AS $$
+DECLARE
+    v_updated integer;
+BEGIN
+    WITH next AS (
+        SELECT *
+        FROM jsonb_to_recordset(p_next) AS n (
+            key_id text, status text, status_reason text, cooldown_until timestamptz,
+            health_successes double precision, health_failures double precision,
+            health_rate_limits double precision, health_decayed_at timestamptz,
+            recent_failures timestamptz[], cooldowns_in_a_row integer,
+            last_success_at timestamptz, recovered_at timestamptz)
+    ),
+    updated AS (
+        UPDATE credentials c
+        SET status = n.status, status_reason = n.status_reason,
+            cooldown_until = n.cooldown_until, health_successes = n.health_successes,
+            health_failures = n.health_failures, health_rate_limits = n.health_rate_limits,
+            health_decayed_at = n.health_decayed_at, recent_failures = n.recent_failures,
+            cooldowns_in_a_row = n.cooldowns_in_a_row, last_success_at = n.last_success_at,
+            recovered_at = n.recovered_at
+        FROM next n
+        WHERE c.key_id = n.key_id
+        RETURNING c.key_id
+    ),
+    transitions AS (
+        INSERT INTO credential_events
+            (key_id, event, old_status, new_status, reason, cooldown_until, lease_id, at)
+        SELECT t.key_id, 'status_changed', t.old_status, t.new_status, t.reason, t.cooldown_until,
+               t.lease_id, coalesce(t.at, statement_timestamp())
+        FROM jsonb_to_recordset(p_transitions) AS t (
+            key_id text, old_status text, new_status text, reason text,
+            cooldown_until timestamptz, lease_id uuid, at timestamptz)
+        WHERE t.key_id IN (SELECT key_id FROM updated)
+        RETURNING 1
+    )
+    SELECT count(*)::integer INTO v_updated FROM updated;
+    RETURN v_updated;
+END;
+$$;
+
+-- What a new window of `p_kind` and `p_seconds` has counted at `p_now`, from the trail: the
+-- grants of the credential in the buckets it counts (a grant's tokens: the usage its release
+-- reported, else its reservation), as the 17 bucket numbers and charges of its ring (an empty
+-- bucket holds number 0, older than any).
+CREATE OR REPLACE FUNCTION credpool_seed_window(
+    p_key_id text, p_kind text, p_seconds integer, p_now timestamptz,
+    OUT ids bigint[], OUT charged bigint[])
+LANGUAGE sql STABLE AS $$
+    WITH grants AS (
+        SELECT credpool_window_bucket(g.at, p_seconds) AS bucket,
+               CASE p_kind WHEN 'requests' THEN 1
+                   ELSE coalesce((SELECT e.tokens FROM lease_events e
+                                  WHERE e.lease_id = g.lease_id AND e.tokens IS NOT NULL
+                                    AND e.event IN ('released', 'outcome_after_expiry')
+                                  LIMIT 1), g.tokens, 0) END AS amount
+        FROM lease_events g
+        WHERE g.key_id = p_key_id AND g.event = 'granted'
+          AND g.at >= p_now - make_interval(secs => p_seconds * 17.0 / 16)
+    ),
+    buckets AS (
+        SELECT bucket, sum(amount)::bigint AS amount
+        FROM grants
+        WHERE bucket >= credpool_window_bucket(p_now, p_seconds) - 16
+        GROUP BY bucket
+    )
+    SELECT array_agg(coalesce(b.bucket, 0) ORDER BY ring.slot),
+           array_agg(coalesce(b.amount, 0) ORDER BY ring.slot)
+    FROM generate_series(0, 16) AS ring (slot)
+    LEFT JOIN buckets b ON b.bucket % 17 = ring.slot
+$$;
+
+-- Brings a credential's lease_windows row in line with its rate_limits (see credpool_fit_slots,
+-- which calls it holding the row's lock). Returns whether the credential has windows.
+CREATE OR REPLACE FUNCTION credpool_fit_windows(p_key_id text, p_rate_limits jsonb, p_now timestamptz)
+RETURNS boolean
+LANGUAGE plpgsql AS $$
+DECLARE
+    v_old lease_windows;
+    v_config record;
+    v_ids bigint[] := '{}';
+    v_charged bigint[] := '{}';
+    v_seed record;
+    v_kept integer;
+BEGIN
+    SELECT * INTO v_old FROM lease_windows WHERE key_id = p_key_id;
+    IF NOT FOUND THEN
+        INSERT INTO lease_windows (key_id) VALUES (p_key_id) RETURNING * INTO v_old;
+    END IF;
+    v_config := credpool_window_config(p_rate_limits);
+    IF (v_old.window_kinds, v_old.window_counts, v_old.window_seconds)
+       IS NOT DISTINCT FROM (v_config.kinds, v_config.counts, v_config.seconds) THEN
+        RETURN cardinality(v_config.kinds) > 0;
+    END IF;
+    FOR i IN 1 .. coalesce(cardinality(v_config.kinds), 0) LOOP
+        v_kept := NULL;
+        FOR j IN 1 .. coalesce(cardinality(v_old.window_kinds), 0) LOOP
+            IF v_old.window_kinds[j] = v_config.kinds[i]
+               AND v_old.window_seconds[j] = v_config.seconds[i] THEN
+                v_kept := j;
+                EXIT;
+            END IF;
+        END LOOP;
+        IF v_kept IS NOT NULL THEN
+            v_ids := v_ids || v_old.bucket_ids[(v_kept - 1) * 17 + 1 : v_kept * 17];
+            v_charged := v_charged || v_old.bucket_charged[(v_kept - 1) * 17 + 1 : v_kept * 17];
+        ELSE
+            v_seed := credpool_seed_window(p_key_id, v_config.kinds[i], v_config.seconds[i], p_now);
+            v_ids := v_ids || v_seed.ids;
+            v_charged := v_charged || v_seed.charged;
+        END IF;
+    END LOOP;
+    UPDATE lease_windows
+    SET window_kinds = v_config.kinds, window_counts = v_config.counts,
+        window_seconds = v_config.seconds, bucket_ids = v_ids, bucket_charged = v_charged
+    WHERE key_id = p_key_id;
+    RETURN cardinality(v_config.kinds) > 0;
+END;
+$$;
+
+-- FIT: brings a credential's slot rows in line with its max_concurrent_uses, its drain state and
+-- its rate windows, in the caller's transaction. Called after every change of the limit, of
+-- draining or of the windows, after a release freed a slot that was over a lowered limit, and by
+-- the cleanup pass for credentials back under their limit.
+--
+-- Locks, in the lock order: every slot row of the credential, ascending slot, then its
+-- lease_windows row, then the credential row. The in-flight count is exact: it is taken after the
+-- locks, on clock_timestamp() read after them, and nobody else can fill or free a slot while
+-- they are held.
+--
+-- Afterwards, with in-flight <= limit: the slot rows are exactly 0..limit-1, every live lease sits
+-- in one of them (a lease at or above the new limit moves into a free lower number: its slot's
+-- key changes by UPDATE, so a release or renewal waiting for the row follows it), no slot is over
+-- the limit. With in-flight > limit (lowered under load): every free slot row is deleted and
+-- every remaining one is marked over_limit, so no lease is granted until in-flight falls under the
+-- limit and this function runs again. Lowering the limit revokes nothing. Either way every slot
+-- row carries the credential's `draining` and `windowed` (it has rate windows). Expired leases
+-- found on the way are ended (`expired`). A change of the over-limit state moves the pool's
+-- version.
+--
+-- Windows: the lease_windows row follows the credential's rate_limits. A window kept (same kind
+-- and length) keeps what it counted; a new one starts from the trail (the grants of its last
+-- length, with their usage where a release reported one, else their reservation), so a window set
+-- on a busy credential holds at once.
+CREATE OR REPLACE FUNCTION credpool_fit_slots(p_key_id text) RETURNS void
+LANGUAGE plpgsql AS $$
+DECLARE
+    v_limit integer;
+    v_draining boolean;
+    v_provider text;
+    v_pool text;
+    v_now timestamptz;
+    v_live integer;
+    v_was_over boolean;
+    v_rate_limits jsonb;
+    v_windowed boolean;
+    r record;
+BEGIN
+    PERFORM 1 FROM lease_slots WHERE key_id = p_key_id ORDER BY slot FOR UPDATE;
+    PERFORM 1 FROM lease_windows WHERE key_id = p_key_id FOR UPDATE;
+    SELECT max_concurrent_uses, draining, provider, pool, rate_limits
+    INTO v_limit, v_draining, v_provider, v_pool, v_rate_limits
+    FROM credentials WHERE key_id = p_key_id FOR UPDATE;
+    IF NOT FOUND THEN
+        RETURN;
+    END IF;
+    PERFORM credpool_test_hook('fit.locked');
+    v_now := clock_timestamp();
+    v_windowed := credpool_fit_windows(p_key_id, v_rate_limits, v_now);
+
+    PERFORM credpool_end_leases(array_agg(s ORDER BY s.slot), array_agg('expired'::text),
+                                array_agg(s.lease_until ORDER BY s.slot))
+    FROM lease_slots s
+    WHERE s.key_id = p_key_id AND s.lease_id IS NOT NULL AND s.lease_until <= v_now;
+
+    SELECT count(*) FILTER (WHERE lease_id IS NOT NULL), coalesce(bool_or(over_limit), false)
+    INTO v_live, v_was_over
+    FROM lease_slots WHERE key_id = p_key_id;
+
+    IF v_live > v_limit THEN
+        DELETE FROM lease_slots WHERE key_id = p_key_id AND lease_id IS NULL;
+        UPDATE lease_slots SET over_limit = true, draining = v_draining, windowed = v_windowed
+        WHERE key_id = p_key_id
+          AND (NOT over_limit OR draining IS DISTINCT FROM v_draining
+               OR windowed IS DISTINCT FROM v_windowed);
+        IF NOT v_was_over THEN
+            PERFORM credpool_bump_pool_version(v_provider, v_pool);
+        END IF;
+        PERFORM credpool_test_hook('fit.done');
+        RETURN;
+    END IF;
+
+    -- Numbers below the limit that no live lease holds, lowest first, paired with the live leases
+    -- at or above the limit: the free rows there make way, the leases move in.
+    WITH movers AS (
+        SELECT slot, row_number() OVER (ORDER BY slot) AS n
+        FROM lease_slots
+        WHERE key_id = p_key_id AND slot >= v_limit AND lease_id IS NOT NULL
+    ),
+    targets AS (
+        SELECT g AS slot, row_number() OVER (ORDER BY g) AS n
+        FROM generate_series(0, v_limit - 1) AS g
+        WHERE NOT EXISTS (SELECT 1 FROM lease_slots s
+                          WHERE s.key_id = p_key_id AND s.slot = g AND s.lease_id IS NOT NULL)
+    )
+    DELETE FROM lease_slots s
+    USING movers JOIN targets USING (n)
+    WHERE s.key_id = p_key_id AND s.slot = targets.slot AND s.lease_id IS NULL;
+
+    WITH movers AS (
+        SELECT slot, row_number() OVER (ORDER BY slot) AS n
+        FROM lease_slots
+        WHERE key_id = p_key_id AND slot >= v_limit AND lease_id IS NOT NULL
+    ),
+    targets AS (
+        SELECT g AS slot, row_number() OVER (ORDER BY g) AS n
+        FROM generate_series(0, v_limit - 1) AS g
+        WHERE NOT EXISTS (SELECT 1 FROM lease_slots s
+                          WHERE s.key_id = p_key_id AND s.slot = g AND s.lease_id IS NOT NULL)
+    )
+    UPDATE lease_slots s
+    SET slot = targets.slot
+    FROM movers JOIN targets USING (n)
+    WHERE s.key_id = p_key_id AND s.slot = movers.slot;
+
+    DELETE FROM lease_slots WHERE key_id = p_key_id AND slot >= v_limit;
+    INSERT INTO lease_slots (key_id, slot, draining, windowed)
+    SELECT p_key_id, g, v_draining, v_windowed FROM generate_series(0, v_limit - 1) AS g
+    ON CONFLICT ON CONSTRAINT lease_slots_pkey DO NOTHING;
+    UPDATE lease_slots SET over_limit = false, draining = v_draining, windowed = v_windowed
+    WHERE key_id = p_key_id
+      AND (over_limit OR draining IS DISTINCT FROM v_draining OR windowed IS DISTINCT FROM v_windowed);
+    IF v_was_over THEN
+        PERFORM credpool_bump_pool_version(v_provider, v_pool);
+    END IF;
+    PERFORM credpool_test_hook('fit.done');
+END;
+$$;
+
+-- FORCE RELEASE: an operator ends leases: one (p_lease_id), or every live lease of a credential
+-- (p_key_id), each as `force_released` with the operator's reason and name. Returns the leases
+-- ended. Locks: the slot rows concerned, ascending (key_id, slot); decision clock:
+-- clock_timestamp() after them (`at` of the trail rows).
+DROP FUNCTION IF EXISTS credpool_force_release(text, uuid, text, text);
+CREATE FUNCTION credpool_force_release(p_key_id text, p_lease_id uuid, p_reason text, p_actor text)
+RETURNS TABLE (lease_id uuid, key_id text, holder text)
+LANGUAGE plpgsql AS $$
+#variable_conflict use_column
+DECLARE
+    v_now timestamptz;
+    v_slots lease_slots[];
+    v_ended uuid[];
+BEGIN
+    IF p_lease_id IS NOT NULL THEN
+        -- the lease's credential, when not given: its `granted` row in the trail names it
+        SELECT array_agg(s) INTO v_slots
+        FROM (SELECT s FROM lease_slots s
+              WHERE s.lease_id = p_lease_id
+                AND s.key_id = coalesce(p_key_id,
+                                        (SELECT g.key_id FROM lease_events g
+                                         WHERE g.lease_id = p_lease_id AND g.event = 'granted'
+                                         LIMIT 1))
+              FOR UPDATE) AS locked;
+    ELSE
+        SELECT array_agg(s ORDER BY (s).slot) INTO v_slots
+        FROM (SELECT s FROM lease_slots s WHERE s.key_id = p_key_id ORDER BY s.slot FOR UPDATE) AS locked;
+    END IF;
+    v_now := clock_timestamp();
+    v_slots := ARRAY(SELECT x FROM unnest(v_slots) AS x
+                     WHERE x.lease_id IS NOT NULL AND x.lease_until > v_now);
+    v_ended := credpool_end_leases(
+        v_slots,
+        array_fill('force_released'::text, ARRAY[cardinality(v_slots)]),
+        array_fill(v_now, ARRAY[cardinality(v_slots)]),
+        NULL,
+        array_fill(p_reason, ARRAY[cardinality(v_slots)]),
+        array_fill(p_actor, ARRAY[cardinality(v_slots)]));
+    RETURN QUERY
+    SELECT x.lease_id, x.key_id, x.holder
+    FROM unnest(v_slots) AS x
+    WHERE x.lease_id = ANY (v_ended)
+    ORDER BY x.slot;
+END;
+$$;
+
+-- REAP: ends up to p_batch expired leases (`expired`, at their own lease_until) and frees their
+-- slots. Correctness never depends on it (a claim treats an expired lease as free and reuses its
+-- slot); it keeps the trail complete and "leases in flight" honest. Never waits: SKIP LOCKED,
+-- deciding on statement_timestamp(). Returns how many leases it ended.
+CREATE OR REPLACE FUNCTION credpool_reap_expired_leases(p_batch integer DEFAULT 1000) RETURNS integer
+LANGUAGE plpgsql AS $$
+DECLARE
+    v_slots lease_slots[];
+BEGIN
+    SELECT array_agg(locked.s ORDER BY (locked.s).key_id, (locked.s).slot) INTO v_slots
+    FROM (SELECT s
+          FROM lease_slots s
+          WHERE s.lease_id IS NOT NULL AND s.lease_until <= statement_timestamp()
+          ORDER BY s.lease_until
+          LIMIT p_batch
+          FOR UPDATE SKIP LOCKED) AS locked;
+    IF v_slots IS NULL THEN
+        RETURN 0;
+    END IF;
+    RETURN cardinality(credpool_end_leases(
+        v_slots,
+        array_fill('expired'::text, ARRAY[cardinality(v_slots)]),
+        ARRAY(SELECT x.lease_until FROM unnest(v_slots) AS x)));
+END;
+$$;
+
+-- REFIT, in the cleanup pass: fits the slots of up to p_batch credentials that are over a lowered
+-- limit with fewer leases in flight than the limit (their releases normally refit them at once;
+-- this catches a service that stopped in between). Never waits: a credential whose slot rows or
+-- row another transaction holds is left for the next pass (its slots are closed to claims anyway).
+-- Returns how many credentials it fitted.
+CREATE OR REPLACE FUNCTION credpool_refit_over_limit(p_batch integer DEFAULT 100) RETURNS integer
+LANGUAGE plpgsql AS $$
+DECLARE
+    v_fitted integer := 0;
+    r record;
+BEGIN
+    FOR r IN
+        SELECT c.key_id
+        FROM credentials c
+        WHERE EXISTS (SELECT 1 FROM lease_slots s WHERE s.key_id = c.key_id AND s.over_limit)
+          AND (SELECT count(*) FROM lease_slots s
+               WHERE s.key_id = c.key_id AND s.lease_id IS NOT NULL
+                 AND s.lease_until > statement_timestamp()) < c.max_concurrent_uses
+        ORDER BY c.key_id
+        LIMIT p_batch
+    LOOP
+        -- all or nothing, without waiting: every slot row, the windows row and the credential row,
+        -- or skip it
+        IF (SELECT count(*) FROM (SELECT 1 FROM lease_slots s WHERE s.key_id = r.key_id
+                                  ORDER BY s.slot FOR UPDATE SKIP LOCKED) locked)
+           = (SELECT count(*) FROM lease_slots s WHERE s.key_id = r.key_id)
+           AND (SELECT count(*) FROM (SELECT 1 FROM lease_windows w WHERE w.key_id = r.key_id
+                                      FOR UPDATE SKIP LOCKED) locked)
+               = (SELECT count(*) FROM lease_windows w WHERE w.key_id = r.key_id)
+           AND EXISTS (SELECT 1 FROM credentials c WHERE c.key_id = r.key_id FOR UPDATE SKIP LOCKED)
+        THEN
+            PERFORM credpool_fit_slots(r.key_id);
+            v_fitted := v_fitted + 1;
+        END IF;
+    END LOOP;
+    RETURN v_fitted;
+END;
+$$;

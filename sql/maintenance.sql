@@ -1,0 +1,117 @@
+-- The cleanup pass that pg_cron (or, without it, the service itself) runs every minute, and its
+-- parts. Every function here is safe to run concurrently with itself and with allocation: it
+-- never waits behind a claim (SKIP LOCKED, or no row lock at all), works in bounded batches,
+-- returns how much it did, and doing it twice does nothing more the second time.
+--
+-- Repeatable: the one current definition of each object below. credpool applies this file after
+-- the versioned migrations whenever its content changes (service/src/store/schema.rs), in one transaction;
+-- every statement here must be safe to run again. It comes after sql/lease.sql and
+-- sql/pools.sql, whose functions it calls.
+
+-- Records, once per cooldown, that a credential's cooldown has ended (`cooldown_ended`). The
+-- credential is usable again from that moment without this job (credential_usable); it stays
+-- half-open — its next lease is a single probe, and its status returns to `available` when the
+-- probe succeeds — so this job does not change the status, it makes the recovery visible in the
+-- trail. Returns how many credentials it recorded.
+CREATE OR REPLACE FUNCTION credpool_recover_cooldowns(p_batch integer DEFAULT 1000) RETURNS integer
+LANGUAGE sql AS $$
+    WITH due AS (
+        SELECT c.key_id, c.status, c.cooldown_until
+        FROM credentials c
+        WHERE c.status IN ('rate_limited', 'cooldown', 'exhausted')
+          AND c.cooldown_until <= now()
+          AND NOT EXISTS (
+              SELECT 1 FROM credential_events e
+              WHERE e.key_id = c.key_id AND e.event = 'cooldown_ended'
+                AND e.cooldown_until = c.cooldown_until)
+        ORDER BY c.cooldown_until
+        LIMIT p_batch
+        FOR UPDATE SKIP LOCKED
+    ),
+    recorded AS (
+        INSERT INTO credential_events (key_id, event, old_status, new_status, reason, cooldown_until, at)
+        SELECT key_id, 'cooldown_ended', status, status,
+               'cooldown ended: usable again, half-open (the next lease is a single probe)',
+               cooldown_until, now()
+        FROM due
+        RETURNING 1
+    )
+    SELECT count(*)::integer FROM recorded
+$$;
+
+-- Deletes up to p_batch rows of each trail older than p_retention. Never touches the history of
+-- a lease that still holds a slot. Returns how many rows it deleted.
+CREATE OR REPLACE FUNCTION credpool_purge_audit(p_retention interval DEFAULT '30 days', p_batch integer DEFAULT 10000)
+RETURNS integer
+LANGUAGE plpgsql AS $$
+DECLARE
+    v_leases integer;
+    v_credentials integer;
+BEGIN
+    WITH doomed AS (
+        SELECT e.event_id
+        FROM lease_events e
+        WHERE e.at < now() - p_retention
+          AND NOT EXISTS (SELECT 1 FROM lease_slots s
+                          WHERE s.key_id = e.key_id AND s.lease_id = e.lease_id)
+        ORDER BY e.at
+        LIMIT p_batch
+    )
+    DELETE FROM lease_events WHERE event_id IN (SELECT event_id FROM doomed);
+    GET DIAGNOSTICS v_leases = ROW_COUNT;
+
+    WITH doomed AS (
+        SELECT event_id FROM credential_events
+        WHERE at < now() - p_retention
+        ORDER BY at
+        LIMIT p_batch
+    )
+    DELETE FROM credential_events WHERE event_id IN (SELECT event_id FROM doomed);
+    GET DIAGNOSTICS v_credentials = ROW_COUNT;
+    RETURN v_leases + v_credentials;
+END;
+$$;
+
+-- Deletes up to p_batch request ids whose lease has ended (it no longer holds a slot, or has
+-- expired) and that were granted more than p_keep ago: such a request_id is free already (a retry
+-- would get a new lease), the row is only storage. Each row is deleted under its request_id's
+-- advisory lock, taken with a try-lock like a claim's, so a claim writing the row is never waited
+-- for, and never waits. Returns how many rows it deleted.
+CREATE OR REPLACE FUNCTION credpool_purge_requests(p_keep interval DEFAULT '1 hour', p_batch integer DEFAULT 10000)
+RETURNS integer
+LANGUAGE sql AS $$
+    WITH doomed AS (
+        SELECT r.request_id
+        FROM lease_requests r
+        WHERE r.granted_at < now() - p_keep
+          AND NOT EXISTS (SELECT 1 FROM lease_slots s
+                          WHERE s.key_id = r.key_id AND s.lease_id = r.lease_id
+                            AND s.lease_until > now())
+        ORDER BY r.granted_at
+        LIMIT p_batch
+    ),
+    deleted AS (
+        DELETE FROM lease_requests r
+        USING doomed
+        WHERE r.request_id = doomed.request_id
+          -- again on the row as it is when locked: a claim that granted it anew meanwhile wins
+          AND r.granted_at < now() - p_keep
+          AND pg_try_advisory_xact_lock(hashtextextended('credpool.request_id:' || r.request_id, 0))
+        RETURNING 1
+    )
+    SELECT count(*)::integer FROM deleted
+$$;
+
+-- One maintenance pass, as the schedulers run it: reap expired leases, refit credentials back
+-- under a lowered limit, record ended cooldowns, purge old audit rows and request ids, fold the
+-- pool versions of exited backends.
+CREATE OR REPLACE FUNCTION credpool_maintenance(p_retention interval DEFAULT '30 days') RETURNS jsonb
+LANGUAGE sql AS $$
+    SELECT jsonb_build_object(
+        'expired_leases_reaped', credpool_reap_expired_leases(1000),
+        'credentials_refitted', credpool_refit_over_limit(100),
+        'cooldowns_recorded', credpool_recover_cooldowns(1000),
+        'audit_rows_purged', credpool_purge_audit(p_retention, 10000),
+        'request_ids_purged', credpool_purge_requests('1 hour', 10000),
+        'pool_versions_folded', credpool_compact_pool_versions())
+$$;

@@ -1,0 +1,156 @@
+-- Pool versions and the notifications that wake waiting allocations.
+--
+-- Repeatable: the one current definition of each object below. credpool applies this file after
+-- the versioned migrations whenever its content changes (service/src/store/schema.rs), in one transaction;
+-- every statement here must be safe to run again.
+
+-- A service keeps a view of each pool's candidates; the claim returns the pool's version so the
+-- service learns that its view is stale from the statement it runs anyway. The version moves with
+-- every committed change to who may be leased (membership, models, limit, status, cooldown,
+-- draining, rate windows, a refit under a lowered limit). Occupancy and the decaying health counters do not
+-- move it: they only steer ranking, and a periodic refresh catches up with them.
+--
+-- A pool's version is the sum of its pool_versions rows, one per backend (see the table's
+-- comment): the bump below touches only the row of the calling backend, which no concurrent
+-- transaction can hold, so it never waits and adds no lock to the lock order (docs/design.md).
+--
+-- (PL/pgSQL rather than SQL here and in the other functions a claim or a release calls: a SQL
+-- function that cannot be inlined is planned again at every call, a PL/pgSQL one keeps its plans.)
+CREATE OR REPLACE FUNCTION credpool_bump_pool_version(p_provider text, p_pool text) RETURNS void
+LANGUAGE plpgsql AS $$
+BEGIN
+    INSERT INTO pool_versions AS v (provider, pool, backend, version)
+    VALUES (p_provider, p_pool, pg_backend_pid(), 1)
+    ON CONFLICT ON CONSTRAINT pool_versions_pkey DO UPDATE SET version = v.version + 1;
+END;
+$$;
+
+-- The version of one pool: NULL when the pool never had a credential.
+CREATE OR REPLACE FUNCTION credpool_pool_version(p_provider text, p_pool text) RETURNS bigint
+LANGUAGE plpgsql STABLE AS $$
+BEGIN
+    RETURN (SELECT sum(v.version)::bigint FROM pool_versions v
+            WHERE v.provider = p_provider AND v.pool = p_pool);
+END;
+$$;
+
+-- Folds the rows of backends that have exited into row 0 of their pool, so the table stays as
+-- small as the set of live backends. The sum of every pool is unchanged (one transaction). A row
+-- whose backend number a new backend has taken again is locked by it (SKIP LOCKED passes over
+-- it) or folded before the new backend bumps it (which then inserts a fresh row). Row 0 is
+-- written only here, and the maintenance pass runs one at a time. Returns the rows folded.
+CREATE OR REPLACE FUNCTION credpool_compact_pool_versions() RETURNS integer
+LANGUAGE sql AS $$
+    WITH gone AS (
+        SELECT v.provider, v.pool, v.backend
+        FROM pool_versions v
+        WHERE v.backend <> 0
+          AND NOT EXISTS (SELECT 1 FROM pg_stat_activity a WHERE a.pid = v.backend)
+        ORDER BY v.provider, v.pool, v.backend
+        FOR UPDATE SKIP LOCKED
+    ),
+    folded AS (
+        DELETE FROM pool_versions v
+        USING gone
+        WHERE (v.provider, v.pool, v.backend) = (gone.provider, gone.pool, gone.backend)
+        RETURNING v.provider, v.pool, v.version
+    ),
+    base AS (
+        INSERT INTO pool_versions AS v (provider, pool, backend, version)
+        SELECT provider, pool, 0, sum(version) FROM folded GROUP BY provider, pool
+        ON CONFLICT ON CONSTRAINT pool_versions_pkey DO UPDATE SET version = v.version + EXCLUDED.version
+    )
+    SELECT count(*)::integer FROM folded
+$$;
+
+CREATE OR REPLACE FUNCTION credentials_bump_pool_version() RETURNS trigger
+LANGUAGE plpgsql AS $$
+BEGIN
+    IF TG_OP IN ('UPDATE', 'DELETE') THEN
+        PERFORM credpool_bump_pool_version(OLD.provider, OLD.pool);
+    END IF;
+    IF TG_OP = 'INSERT' OR (TG_OP = 'UPDATE' AND (NEW.provider, NEW.pool) IS DISTINCT FROM (OLD.provider, OLD.pool)) THEN
+        PERFORM credpool_bump_pool_version(NEW.provider, NEW.pool);
+    END IF;
+    RETURN NULL;
+END;
+$$;
+
+DROP TRIGGER IF EXISTS credentials_membership_changed ON credentials;
+CREATE TRIGGER credentials_membership_changed
+    AFTER INSERT OR DELETE ON credentials
+    FOR EACH ROW EXECUTE FUNCTION credentials_bump_pool_version();
+
+DROP TRIGGER IF EXISTS credentials_selection_changed ON credentials;
+CREATE TRIGGER credentials_selection_changed
+    AFTER UPDATE ON credentials
+    FOR EACH ROW
+    WHEN ((OLD.provider, OLD.pool, OLD.models, OLD.model_aliases, OLD.max_concurrent_uses,
+           OLD.status, OLD.cooldown_until, OLD.draining, OLD.rate_limits)
+          IS DISTINCT FROM
+          (NEW.provider, NEW.pool, NEW.models, NEW.model_aliases, NEW.max_concurrent_uses,
+           NEW.status, NEW.cooldown_until, NEW.draining, NEW.rate_limits))
+    EXECUTE FUNCTION credentials_bump_pool_version();
+
+-- Notifications for waiting allocations (`wait_ms`). Each service process LISTENs on one
+-- connection; channel names and payloads are documented in docs/executor-protocol.md.
+--   credpool_slot_freed   {"provider","pool","key_id","slot"}: a slot's lease ended (force
+--                         release, reaper, refit, a release by an older service process); sent
+--                         at commit, one per slot. An executor's release through the service is
+--                         announced by the releasing process itself, after its commit
+--                         (credpool_announce_freed, payload {"provider","pool","key_id","from"}):
+--                         a NOTIFY takes a database-wide lock from its transaction's commit until
+--                         the commit is flushed, so release transactions that notified committed
+--                         one at a time instead of sharing a WAL flush.
+--   credpool_pool_changed {"provider","pool"}: the pool's version moved: every waiter of the
+--                         pool looks again.
+-- A lease that expires while nothing frees its slot sends nothing at that moment: waiters know
+-- when each lease and each cooldown ends and set their own timers for it.
+CREATE OR REPLACE FUNCTION lease_slots_notify_freed() RETURNS trigger
+LANGUAGE plpgsql AS $$
+BEGIN
+    -- set by credpool_release(…, p_caller_announces => true) for the rest of its transaction
+    IF current_setting('credpool.caller_announces_freed', true) = 'on' THEN
+        RETURN NULL;
+    END IF;
+    PERFORM pg_notify('credpool_slot_freed', json_build_object(
+        'provider', OLD.provider, 'pool', OLD.pool, 'key_id', OLD.key_id, 'slot', OLD.slot)::text);
+    RETURN NULL;
+END;
+$$;
+
+DROP TRIGGER IF EXISTS lease_slots_freed ON lease_slots;
+CREATE TRIGGER lease_slots_freed
+    AFTER UPDATE ON lease_slots
+    FOR EACH ROW
+    WHEN (OLD.lease_id IS NOT NULL AND NEW.lease_id IS NULL)
+    EXECUTE FUNCTION lease_slots_notify_freed();
+
+-- Sends the announcements of slots freed by a service process's committed releases, one
+-- notification each, on credpool_slot_freed. Its transaction holds nothing that needs to be
+-- durable (notifications never are), so it does not wait for a WAL flush while it holds the
+-- notification lock (synchronous_commit off, for this transaction only).
+CREATE OR REPLACE FUNCTION credpool_announce_freed(p_announcements text[]) RETURNS integer
+LANGUAGE plpgsql AS $$
+BEGIN
+    PERFORM set_config('synchronous_commit', 'off', true);
+    PERFORM pg_notify('credpool_slot_freed', a) FROM unnest(p_announcements) AS a;
+    RETURN coalesce(cardinality(p_announcements), 0);
+END;
+$$;
+
+CREATE OR REPLACE FUNCTION pool_versions_notify_changed() RETURNS trigger
+LANGUAGE plpgsql AS $$
+BEGIN
+    PERFORM pg_notify('credpool_pool_changed', json_build_object(
+        'provider', NEW.provider, 'pool', NEW.pool)::text);
+    RETURN NULL;
+END;
+$$;
+
+DROP TRIGGER IF EXISTS pool_versions_changed ON pool_versions;
+CREATE TRIGGER pool_versions_changed
+    AFTER INSERT OR UPDATE ON pool_versions
+    FOR EACH ROW
+    WHEN (NEW.backend <> 0)
+    EXECUTE FUNCTION pool_versions_notify_changed();

@@ -1,0 +1,200 @@
+//! The operator commands (`keys`, `leases`, `pools`, `audit`, `cron`, `maintenance`, `env`),
+//! which `operator.rs` runs straight against the database.
+
+use std::path::PathBuf;
+
+use clap::{Args, Subcommand};
+
+use credpool::config::{DatabaseArgs, SecretArgs};
+
+/// `credpool audit ...`.
+#[derive(Debug, Clone, Args)]
+pub struct AuditArgs {
+    /// Shared settings.
+    #[command(flatten)]
+    pub cli: CliArgs,
+
+    /// What to ask.
+    #[command(subcommand)]
+    pub command: AuditCommand,
+}
+
+/// The `credpool audit` subcommands.
+#[derive(Debug, Clone, Subcommand)]
+pub enum AuditCommand {
+    /// The oversell proof: from the trail alone, each credential's most simultaneous leases over
+    /// the range next to its limit; exits non-zero if any grant ever exceeded a limit.
+    Verify {
+        /// Start of the range, RFC 3339 (default: 24 hours before --until).
+        #[arg(long)]
+        since: Option<String>,
+        /// End of the range, RFC 3339 (default: now).
+        #[arg(long)]
+        until: Option<String>,
+    },
+}
+
+/// `credpool cron ...`.
+#[derive(Debug, Clone, Args)]
+pub struct CronArgs {
+    /// Shared settings.
+    #[command(flatten)]
+    pub cli: CliArgs,
+
+    /// What to do.
+    #[command(subcommand)]
+    pub command: CronCommand,
+}
+
+/// The `credpool cron` subcommands.
+#[derive(Debug, Clone, Subcommand)]
+pub enum CronCommand {
+    /// Schedule the cleanup in pg_cron (idempotent); services then stop running it themselves.
+    Install {
+        /// Days of audit history to keep.
+        #[arg(long, env = "CREDPOOL_AUDIT_RETENTION_DAYS", default_value_t = 30)]
+        audit_retention_days: u64,
+    },
+    /// Remove credpool's pg_cron jobs; services run the cleanup again.
+    Uninstall,
+}
+
+/// `credpool maintenance`.
+#[derive(Debug, Clone, Args)]
+pub struct MaintenanceRunArgs {
+    /// Shared settings.
+    #[command(flatten)]
+    pub cli: CliArgs,
+
+    /// Days of audit history to keep.
+    #[arg(long, env = "CREDPOOL_AUDIT_RETENTION_DAYS", default_value_t = 30)]
+    pub audit_retention_days: u64,
+}
+
+/// `credpool env`.
+#[derive(Debug, Clone, Args)]
+pub struct EnvArgs {
+    /// Data directory of the embedded default, where `credpool serve` keeps the keys it
+    /// generated. Default: /var/lib/credpool for root, else ~/.local/share/credpool.
+    #[arg(long, env = "CREDPOOL_DATA_DIR")]
+    pub data_dir: Option<PathBuf>,
+}
+
+/// What every operator command takes.
+#[derive(Debug, Clone, Args)]
+pub struct CliArgs {
+    /// Database settings.
+    #[command(flatten)]
+    pub db: DatabaseArgs,
+
+    /// Master keys (for commands that seal or open secrets).
+    #[command(flatten)]
+    pub secrets: SecretArgs,
+
+    /// Print JSON instead of a table.
+    #[arg(long, global = true)]
+    pub json: bool,
+
+    /// Who you are, for the audit trail (default `cli:<login name>`).
+    #[arg(long, env = "CREDPOOL_OPERATOR", global = true)]
+    pub operator: Option<String>,
+}
+
+/// `credpool keys ...`.
+#[derive(Debug, Clone, Args)]
+pub struct KeysArgs {
+    /// Shared settings.
+    #[command(flatten)]
+    pub cli: CliArgs,
+
+    /// What to do.
+    #[command(subcommand)]
+    pub command: KeysCommand,
+}
+
+/// The `credpool keys` subcommands.
+#[derive(Debug, Clone, Subcommand)]
+pub enum KeysCommand {
+    /// Create or update credentials from FILE (a JSON array or JSON lines; `-` for stdin), each
+    /// like the PUT body plus its `key_id`. Validated as a whole first; written in one
+    /// transaction, or not at all.
+    Import {
+        /// The file, or `-`.
+        file: PathBuf,
+    },
+    /// List credentials.
+    List {
+        /// Only this provider.
+        #[arg(long)]
+        provider: Option<String>,
+        /// Only this pool.
+        #[arg(long)]
+        pool: Option<String>,
+        /// Only this status.
+        #[arg(long)]
+        status: Option<String>,
+    },
+    /// Take a credential out of traffic (status `disabled`).
+    Disable {
+        /// The credential.
+        key_id: String,
+        /// Why.
+        #[arg(long)]
+        reason: Option<String>,
+    },
+    /// Put a credential back into traffic (status `available`; clears cooldown and draining).
+    Enable {
+        /// The credential.
+        key_id: String,
+    },
+    /// No new leases on a credential while its current ones finish.
+    Drain {
+        /// The credential.
+        key_id: String,
+        /// Why.
+        #[arg(long)]
+        reason: Option<String>,
+    },
+    /// Set a credential's rate windows: WINDOWS is a JSON list like
+    /// '[{"requests": 500, "seconds": 60}, {"tokens": 30000, "seconds": 60}]' (`[]` removes them).
+    /// A window kept (same kind and length) keeps what it has counted.
+    RateLimits {
+        /// The credential.
+        key_id: String,
+        /// The windows, as JSON.
+        windows: String,
+    },
+    /// Delete a credential (its in-flight leases are force-released; history stays).
+    Rm {
+        /// The credential.
+        key_id: String,
+    },
+    /// Reseal every secret under the current master key (after adding a new key and listing the
+    /// old one in CREDPOOL_PREVIOUS_MASTER_KEYS).
+    Reencrypt,
+}
+
+/// `credpool leases ...`.
+#[derive(Debug, Clone, Args)]
+pub struct LeasesArgs {
+    /// Shared settings.
+    #[command(flatten)]
+    pub cli: CliArgs,
+
+    /// What to do.
+    #[command(subcommand)]
+    pub command: LeasesCommand,
+}
+
+/// The `credpool leases` subcommands.
+#[derive(Debug, Clone, Subcommand)]
+pub enum LeasesCommand {
+    /// Force-release every in-flight lease of a credential.
+    ReleaseAll {
+        /// The credential.
+        key_id: String,
+        /// Why (recorded with each released lease).
+        #[arg(long)]
+        reason: String,
+    },
+}

@@ -1,0 +1,593 @@
+//! The operator commands (`credpool keys`, `credpool leases`, `credpool pools`): the same
+//! library functions as the operator API, straight against the database (`DATABASE_URL` or the
+//! embedded default), with human-readable tables or `--json`.
+
+use std::collections::HashSet;
+use std::io::Read;
+
+use anyhow::{Context, bail};
+use comfy_table::{Table, presets::UTF8_BORDERS_ONLY};
+use serde::Serialize;
+
+use std::process::ExitCode;
+
+use time::OffsetDateTime;
+use time::format_description::well_known::Rfc3339;
+
+use crate::config::{
+    AuditArgs, AuditCommand, CliArgs, CronArgs, CronCommand, KeysArgs, KeysCommand, LeasesArgs,
+    LeasesCommand, MaintenanceRunArgs,
+};
+use credpool::allocator::health::HealthPolicy;
+use credpool::allocator::windows::RateLimits;
+use credpool::database::Database;
+use credpool::domain::{KeyId, PoolName, ProviderName, Status};
+use credpool::startup::{check_secret_config, prepare_keyring};
+use credpool::store::credentials::{
+    self, Actor, CredentialInput, ListFilter, Patch, PatchOutcome, StateChange,
+};
+use credpool::store::{audit, maintenance};
+
+fn actor(cli: &CliArgs) -> anyhow::Result<Actor> {
+    let name = match &cli.operator {
+        Some(name) => name.clone(),
+        None => format!(
+            "cli:{}",
+            std::env::var("USER")
+                .or_else(|_| std::env::var("LOGNAME"))
+                .unwrap_or_else(|_| "unknown".into())
+        ),
+    };
+    Actor::parse(name).map_err(anyhow::Error::msg)
+}
+
+fn print_json(value: &impl Serialize) -> anyhow::Result<()> {
+    println!("{}", serde_json::to_string_pretty(value)?);
+    Ok(())
+}
+
+/// A table in the style of every CLI listing, with this header.
+pub(crate) fn table(header: &[&str]) -> Table {
+    let mut table = Table::new();
+    table
+        .load_style(UTF8_BORDERS_ONLY)
+        .set_header(header.to_vec());
+    table
+}
+
+/// Runs a command on an open database, then closes it whatever happened.
+async fn with_database<T>(
+    cli: &CliArgs,
+    f: impl AsyncFnOnce(&Database) -> anyhow::Result<T>,
+) -> anyhow::Result<T> {
+    let database = Database::open(&cli.db).await?;
+    let result = f(&database).await;
+    database.close().await;
+    result
+}
+
+/// `credpool keys ...`.
+pub async fn keys(args: KeysArgs) -> anyhow::Result<()> {
+    let cli = &args.cli;
+    let actor = actor(cli)?;
+    let policy = HealthPolicy::default();
+    match &args.command {
+        KeysCommand::Import { file } => {
+            check_secret_config(&cli.secrets, &cli.db)?;
+            let text = read_input(file)?;
+            let inputs = parse_import(&text)?;
+            with_database(cli, async |db| {
+                let keyring = prepare_keyring(&cli.secrets, db).await?;
+                let specs = inputs
+                    .into_iter()
+                    .map(|(key_id, input)| input.into_spec(key_id, &keyring))
+                    .collect::<Result<Vec<_>, _>>()
+                    .map_err(anyhow::Error::msg)?;
+                let (created, updated) = credentials::import(&db.pool, &specs, &actor).await?;
+                if cli.json {
+                    print_json(&serde_json::json!({"created": created, "updated": updated}))
+                } else {
+                    println!(
+                        "imported {} credentials: {created} created, {updated} updated",
+                        specs.len()
+                    );
+                    Ok(())
+                }
+            })
+            .await
+        }
+        KeysCommand::List {
+            provider,
+            pool,
+            status,
+        } => {
+            let filter = ListFilter {
+                provider: provider
+                    .clone()
+                    .map(ProviderName::parse)
+                    .transpose()
+                    .map_err(anyhow::Error::msg)?,
+                pool: pool
+                    .clone()
+                    .map(PoolName::parse)
+                    .transpose()
+                    .map_err(anyhow::Error::msg)?,
+                status: status
+                    .as_deref()
+                    .map(Status::parse)
+                    .transpose()
+                    .map_err(anyhow::Error::msg)?,
+                after: None,
+                limit: 1000,
+            };
+            with_database(cli, async |db| {
+                let mut all = Vec::new();
+                let mut filter = filter;
+                loop {
+                    let page = credentials::list(&db.pool, &filter, &policy).await?;
+                    let full = page.len() == filter.limit as usize;
+                    filter.after = page
+                        .last()
+                        .map(|k| KeyId::parse(k.key_id.clone()))
+                        .transpose()
+                        .map_err(anyhow::Error::msg)?;
+                    all.extend(page);
+                    if !full {
+                        break;
+                    }
+                }
+                if cli.json {
+                    return print_json(&all);
+                }
+                let mut out = table(&[
+                    "key_id",
+                    "provider",
+                    "pool",
+                    "status",
+                    "in flight / limit",
+                    "cooldown until",
+                    "success rate",
+                    "draining",
+                    "rate windows (used / count)",
+                ]);
+                for k in &all {
+                    out.add_row(vec![
+                        k.key_id.clone(),
+                        k.provider.clone(),
+                        k.pool.clone(),
+                        k.status.clone(),
+                        format!("{} / {}", k.in_flight, k.max_concurrent_uses),
+                        k.cooldown_until.map(|t| t.to_string()).unwrap_or_default(),
+                        format!("{:.0}%", k.health.success_rate * 100.0),
+                        if k.draining {
+                            "yes".into()
+                        } else {
+                            String::new()
+                        },
+                        k.windows
+                            .iter()
+                            .map(ToString::to_string)
+                            .collect::<Vec<_>>()
+                            .join(", "),
+                    ]);
+                }
+                println!("{out}");
+                Ok(())
+            })
+            .await
+        }
+        KeysCommand::Disable { key_id, reason } => {
+            change_state(cli, key_id, StateChange::Disable, reason.clone(), &actor).await
+        }
+        KeysCommand::Enable { key_id } => {
+            change_state(cli, key_id, StateChange::Enable, None, &actor).await
+        }
+        KeysCommand::Drain { key_id, reason } => {
+            change_state(cli, key_id, StateChange::Drain, reason.clone(), &actor).await
+        }
+        KeysCommand::RateLimits { key_id, windows } => {
+            let windows: serde_json::Value = serde_json::from_str(windows)
+                .context("WINDOWS must be JSON, like '[{\"requests\": 500, \"seconds\": 60}]'")?;
+            let rate_limits = RateLimits::from_json(windows).map_err(anyhow::Error::msg)?;
+            let patch = Patch {
+                rate_limits: Some(rate_limits),
+                ..Patch::default()
+            };
+            apply_patch(cli, key_id, &patch, &actor).await
+        }
+        KeysCommand::Rm { key_id } => {
+            let key_id = KeyId::parse(key_id.clone()).map_err(anyhow::Error::msg)?;
+            with_database(cli, async |db| {
+                let Some(released) = credentials::delete(&db.pool, &key_id, &actor).await? else {
+                    bail!("no credential {key_id}");
+                };
+                if cli.json {
+                    print_json(&serde_json::json!({"deleted": key_id.as_str(), "force_released": released}))
+                } else {
+                    println!("deleted {key_id} ({} in-flight leases force-released)", released.len());
+                    Ok(())
+                }
+            })
+            .await
+        }
+        KeysCommand::Reencrypt => {
+            check_secret_config(&cli.secrets, &cli.db)?;
+            with_database(cli, async |db| {
+                let keyring = prepare_keyring(&cli.secrets, db).await?;
+                let resealed = credentials::reseal(&db.pool, &keyring, false, &actor).await?;
+                let fingerprint = keyring.current().fingerprint();
+                if cli.json {
+                    print_json(
+                        &serde_json::json!({"resealed": resealed, "master_key": fingerprint}),
+                    )
+                } else {
+                    println!("resealed {resealed} secrets under master key {fingerprint}");
+                    Ok(())
+                }
+            })
+            .await
+        }
+    }
+}
+
+async fn change_state(
+    cli: &CliArgs,
+    key_id: &str,
+    state: StateChange,
+    reason: Option<String>,
+    actor: &Actor,
+) -> anyhow::Result<()> {
+    let patch = Patch {
+        state: Some(state),
+        reason,
+        ..Patch::default()
+    };
+    apply_patch(cli, key_id, &patch, actor).await
+}
+
+async fn apply_patch(
+    cli: &CliArgs,
+    key_id: &str,
+    patch: &Patch,
+    actor: &Actor,
+) -> anyhow::Result<()> {
+    let key_id = KeyId::parse(key_id.to_owned()).map_err(anyhow::Error::msg)?;
+    with_database(cli, async |db| {
+        match credentials::patch(&db.pool, &key_id, patch, actor, &HealthPolicy::default()).await? {
+            PatchOutcome::Changed(detail) => {
+                if cli.json {
+                    print_json(&detail)
+                } else {
+                    let windows = detail
+                        .rate_limits
+                        .windows()
+                        .iter()
+                        .map(|w| w.describe())
+                        .collect::<Vec<_>>();
+                    println!(
+                        "{key_id}: status {}{}{}",
+                        detail.status,
+                        if detail.draining { ", draining" } else { "" },
+                        if windows.is_empty() {
+                            String::new()
+                        } else {
+                            format!(", rate windows: {}", windows.join(", "))
+                        }
+                    );
+                    Ok(())
+                }
+            }
+            PatchOutcome::Invalid(invalid) => bail!("{invalid}"),
+            PatchOutcome::NotFound => bail!("no credential {key_id}"),
+        }
+    })
+    .await
+}
+
+/// `credpool leases ...`.
+pub async fn leases(args: LeasesArgs) -> anyhow::Result<()> {
+    let cli = &args.cli;
+    let actor = actor(cli)?;
+    match &args.command {
+        LeasesCommand::ReleaseAll { key_id, reason } => {
+            let key_id = KeyId::parse(key_id.clone()).map_err(anyhow::Error::msg)?;
+            if reason.trim().is_empty() {
+                bail!("--reason must not be empty");
+            }
+            with_database(cli, async |db| {
+                let Some(released) =
+                    credentials::release_all(&db.pool, &key_id, reason, &actor).await?
+                else {
+                    bail!("no credential {key_id}");
+                };
+                if cli.json {
+                    print_json(&serde_json::json!({"released": released.len(), "leases": released}))
+                } else {
+                    println!("{key_id}: {} leases force-released", released.len());
+                    Ok(())
+                }
+            })
+            .await
+        }
+    }
+}
+
+/// `credpool pools`.
+pub async fn pools(cli: CliArgs) -> anyhow::Result<()> {
+    with_database(&cli, async |db| {
+        let pools = credentials::pools(&db.pool).await?;
+        if cli.json {
+            return print_json(&pools);
+        }
+        let mut out = table(&[
+            "provider",
+            "pool",
+            "credentials",
+            "by status",
+            "draining",
+            "cooling down",
+            "slots",
+            "in flight",
+        ]);
+        for p in &pools {
+            let by_status = p
+                .by_status
+                .iter()
+                .map(|(status, n)| format!("{status} {n}"))
+                .collect::<Vec<_>>()
+                .join(", ");
+            out.add_row(vec![
+                p.provider.clone(),
+                p.pool.clone(),
+                p.credentials.to_string(),
+                by_status,
+                p.draining.to_string(),
+                p.cooling_down.to_string(),
+                p.total_slots.to_string(),
+                p.in_flight.to_string(),
+            ]);
+        }
+        println!("{out}");
+        Ok(())
+    })
+    .await
+}
+
+/// `credpool audit ...`; the exit code is non-zero when the proof finds an oversell.
+pub async fn audit(args: AuditArgs) -> anyhow::Result<ExitCode> {
+    let cli = &args.cli;
+    match &args.command {
+        AuditCommand::Verify { since, until } => {
+            let parse = |label: &str,
+                         text: &Option<String>|
+             -> anyhow::Result<Option<OffsetDateTime>> {
+                text.as_deref()
+                    .map(|t| {
+                        OffsetDateTime::parse(t, &Rfc3339).with_context(|| {
+                            format!("--{label} must be an RFC 3339 time, like 2026-11-29T14:02:00Z")
+                        })
+                    })
+                    .transpose()
+            };
+            let (since, until) = (parse("since", since)?, parse("until", until)?);
+            with_database(cli, async |db| {
+                let mut work = db.pool.work().await?;
+                let until = match until {
+                    Some(until) => until,
+                    None => audit::database_now(&mut *work).await?,
+                };
+                let since = since.unwrap_or(until - time::Duration::days(1));
+                let rows = audit::oversell_check(&mut *work, since, until).await?;
+                let windows = audit::window_check(&mut *work, since, until).await?;
+                work.done().await?;
+                let over_limit: i64 = rows.iter().map(|r| r.grants_over_limit).sum();
+                let over_window: i64 = windows.iter().map(|r| r.grants_over_window).sum();
+                let violations = over_limit + over_window;
+                if cli.json {
+                    print_json(&serde_json::json!({"since": since.format(&Rfc3339)?, "until": until.format(&Rfc3339)?,
+                                                   "credentials": rows, "grants_over_limit": over_limit,
+                                                   "windows": windows, "grants_over_window": over_window}))?;
+                } else {
+                    let mut out = table(&["key_id", "limit", "leases", "peak", "grants over limit", "first at"]);
+                    for r in &rows {
+                        out.add_row(vec![
+                            r.key_id.clone(),
+                            r.max_concurrent_uses.map(|l| l.to_string()).unwrap_or_else(|| "(deleted)".into()),
+                            r.leases.to_string(),
+                            r.peak.to_string(),
+                            r.grants_over_limit.to_string(),
+                            r.first_violation_at.map(|t| t.to_string()).unwrap_or_default(),
+                        ]);
+                    }
+                    println!("{out}");
+                    println!(
+                        "{} credentials with leases between {} and {}: {}",
+                        rows.len(),
+                        since.format(&Rfc3339)?,
+                        until.format(&Rfc3339)?,
+                        if over_limit == 0 {
+                            "no grant ever exceeded a limit".to_owned()
+                        } else {
+                            format!("{over_limit} grants exceeded a limit")
+                        }
+                    );
+                    if !windows.is_empty() {
+                        let mut out = table(&["key_id", "window", "grants", "peak", "grants over window", "first at"]);
+                        for r in &windows {
+                            out.add_row(vec![
+                                r.key_id.clone(),
+                                format!("{} {} / {} s", r.window_count, r.kind, r.seconds),
+                                r.grants.to_string(),
+                                r.peak.to_string(),
+                                r.grants_over_window.to_string(),
+                                r.first_violation_at.map(|t| t.to_string()).unwrap_or_default(),
+                            ]);
+                        }
+                        println!("{out}");
+                        println!(
+                            "rate windows: {}",
+                            if over_window == 0 {
+                                "no grant ever exceeded a window".to_owned()
+                            } else {
+                                format!("{over_window} grants exceeded a window")
+                            }
+                        );
+                    }
+                }
+                Ok(if violations == 0 { ExitCode::SUCCESS } else { ExitCode::FAILURE })
+            })
+            .await
+        }
+    }
+}
+
+/// `credpool cron ...`.
+pub async fn cron(args: CronArgs) -> anyhow::Result<()> {
+    let cli = &args.cli;
+    with_database(cli, async |db| match &args.command {
+        CronCommand::Install {
+            audit_retention_days,
+        } => {
+            let retention = std::time::Duration::from_secs(audit_retention_days * 86_400);
+            let jobs = maintenance::install_cron(&db.pool, &db.options, retention).await?;
+            if cli.json {
+                print_json(&serde_json::json!({"installed": jobs}))
+            } else {
+                println!("scheduled in pg_cron: {}", jobs.join(", "));
+                Ok(())
+            }
+        }
+        CronCommand::Uninstall => {
+            let removed = maintenance::uninstall_cron(&db.pool, &db.options).await?;
+            if cli.json {
+                print_json(&serde_json::json!({"removed": removed}))
+            } else {
+                println!("removed {removed} pg_cron jobs; credpool services run the cleanup again");
+                Ok(())
+            }
+        }
+    })
+    .await
+}
+
+/// `credpool maintenance`: one pass now, whoever else runs them (the functions are safe to run
+/// concurrently).
+pub async fn maintenance(args: MaintenanceRunArgs) -> anyhow::Result<()> {
+    let cli = &args.cli;
+    let retention = std::time::Duration::from_secs(args.audit_retention_days * 86_400);
+    with_database(cli, async |db| {
+        let mut work = db.pool.work().await?;
+        let report = maintenance::run_functions(&mut work, retention).await?;
+        work.done().await?;
+        if cli.json {
+            print_json(&report)
+        } else {
+            println!(
+                "reaped {} expired leases, recorded {} ended cooldowns, purged {} audit rows",
+                report.expired_leases_reaped, report.cooldowns_recorded, report.audit_rows_purged
+            );
+            Ok(())
+        }
+    })
+    .await
+}
+
+fn read_input(file: &std::path::Path) -> anyhow::Result<String> {
+    let mut text = String::new();
+    if file.as_os_str() == "-" {
+        std::io::stdin()
+            .read_to_string(&mut text)
+            .context("reading stdin")?;
+    } else {
+        text =
+            std::fs::read_to_string(file).with_context(|| format!("reading {}", file.display()))?;
+    }
+    Ok(text)
+}
+
+/// Parses an import file — a JSON array, or one JSON object per line — and validates every entry
+/// before anything is written. Every problem is reported (with its entry number), never a secret.
+pub fn parse_import(text: &str) -> anyhow::Result<Vec<(KeyId, CredentialInput)>> {
+    let trimmed = text.trim_start();
+    let raw: Vec<(usize, Result<CredentialInput, String>)> = if trimmed.starts_with('[') {
+        let values: Vec<serde_json::Value> = serde_json::from_str(trimmed)
+            .map_err(|e| anyhow::anyhow!("the file is not a JSON array: {e}"))?;
+        values
+            .into_iter()
+            .enumerate()
+            .map(|(i, v)| (i + 1, serde_json::from_value(v).map_err(|e| e.to_string())))
+            .collect()
+    } else {
+        text.lines()
+            .enumerate()
+            .filter(|(_, line)| !line.trim().is_empty())
+            .map(|(i, line)| (i + 1, serde_json::from_str(line).map_err(|e| e.to_string())))
+            .collect()
+    };
+    let mut problems = Vec::new();
+    let mut seen = HashSet::new();
+    let mut entries = Vec::new();
+    for (number, entry) in raw {
+        match entry {
+            Err(error) => problems.push(format!("entry {number}: {error}")),
+            Ok(input) => match input.key_id.clone() {
+                None => problems.push(format!("entry {number}: missing field `key_id`")),
+                Some(key_id) if !seen.insert(key_id.clone()) => {
+                    problems.push(format!("entry {number}: key_id {key_id} appears twice"))
+                }
+                Some(key_id) => {
+                    if let Err(invalid) = credentials::check_models(&input.models, &input.aliases)
+                        .and_then(|()| {
+                            credentials::check_limit(input.max_concurrent_uses).map(|_| ())
+                        })
+                    {
+                        problems.push(format!("entry {number} ({key_id}): {invalid}"));
+                    }
+                    entries.push((key_id, input));
+                }
+            },
+        }
+    }
+    if !problems.is_empty() {
+        bail!(
+            "nothing imported; {} problem(s):\n  {}",
+            problems.len(),
+            problems.join("\n  ")
+        );
+    }
+    if entries.is_empty() {
+        bail!("nothing to import: the file holds no entries");
+    }
+    Ok(entries)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn import_accepts_an_array_or_json_lines() {
+        let one = r#"{"key_id":"a","provider":"openai","models":["gpt-4o"],"max_concurrent_uses":1,"secret":{"api_key":"sk-1"}}"#;
+        let two = r#"{"key_id":"b","provider":"openai","models":["gpt-4o"],"max_concurrent_uses":2,"secret":{"api_key":"sk-2"}}"#;
+        assert_eq!(parse_import(&format!("{one}\n\n{two}\n")).unwrap().len(), 2);
+        assert_eq!(parse_import(&format!("[{one}, {two}]")).unwrap().len(), 2);
+    }
+
+    #[test]
+    fn import_reports_every_problem_and_never_a_secret() {
+        let text = [
+            r#"{"key_id":"a","provider":"openai","models":["gpt-4o"],"max_concurrent_uses":0,"secret":{"api_key":"sk-secret-a"}}"#,
+            r#"{"key_id":"a","provider":"openai","models":["gpt-4o"],"max_concurrent_uses":1,"secret":{"api_key":"sk-secret-b"}}"#,
+            r#"{"provider":"openai","models":["gpt-4o"],"max_concurrent_uses":1,"secret":"sk-secret-c"}"#,
+            r#"not json sk-secret-d"#,
+        ]
+        .join("\n");
+        let error = parse_import(&text).unwrap_err().to_string();
+        assert!(error.contains("4 problem(s)"), "{error}");
+        assert!(
+            error.contains("entry 1 (a)") && error.contains("appears twice"),
+            "{error}"
+        );
+        assert!(!error.contains("sk-secret"), "{error}");
+    }
+}

@@ -1,0 +1,761 @@
+//! The lease-state transitions under the races they must survive, each window widened on purpose:
+//! transactions stepped by hand on separate connections, or paused inside the SQL functions at a
+//! test hook (`credpool_test_hook`, which waits for an advisory lock the test holds). Each of these
+//! failed before the lease state was defined once (sql/lease.sql): deadlocks between release
+//! groups across pools and between an import and a release, a request_id claim waiting for a
+//! refit, a grant over a lowered limit, a claim waiting for a row lock. Plus: the claim reads
+//! only its candidates whatever the planner's statistics, and a database migrated by the previous
+//! release upgrades cleanly.
+
+use std::time::Duration;
+
+use credpool::store::{self, Db};
+use reqwest::StatusCode;
+use serde_json::{Value, json};
+use sqlx::{Connection, Executor, PgConnection, Row};
+
+use credpool_test_support::*;
+
+use crate::BIN;
+
+/// A connection of the test's own to the app's database.
+async fn connect(app: &TestApp) -> PgConnection {
+    PgConnection::connect_with(&app.database.options)
+        .await
+        .expect("test connection")
+}
+
+async fn backend_pid(conn: &mut PgConnection) -> i32 {
+    sqlx::query_scalar("SELECT pg_backend_pid()")
+        .fetch_one(conn)
+        .await
+        .unwrap()
+}
+
+/// Waits until backend `pid` waits for a lock (a row lock, or a test hook's advisory lock).
+async fn until_waiting(app: &TestApp, pid: i32) {
+    for _ in 0..2000 {
+        let waiting: Option<String> =
+            sqlx::query_scalar("SELECT wait_event_type FROM pg_stat_activity WHERE pid = $1")
+                .bind(pid)
+                .fetch_optional(&app.db)
+                .await
+                .unwrap()
+                .flatten();
+        if waiting.as_deref() == Some("Lock") {
+            return;
+        }
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    panic!("backend {pid} never waited for a lock");
+}
+
+/// Deadlocks PostgreSQL has detected in the app's database so far.
+async fn deadlocks(app: &TestApp) -> i64 {
+    sqlx::query_scalar("SELECT deadlocks FROM pg_stat_database WHERE datname = current_database()")
+        .fetch_one(&app.db)
+        .await
+        .unwrap()
+}
+
+/// Holds a test hook closed (see `credpool_test_hook`) until [`Hook::open`].
+struct Hook {
+    conn: PgConnection,
+    point: &'static str,
+}
+
+impl Hook {
+    async fn close(app: &TestApp, point: &'static str) -> Self {
+        let mut conn = connect(app).await;
+        sqlx::query("SELECT pg_advisory_lock(hashtextextended('credpool.test_hook:' || $1, 0))")
+            .bind(point)
+            .execute(&mut conn)
+            .await
+            .unwrap();
+        Self { conn, point }
+    }
+
+    async fn open(mut self) {
+        sqlx::query("SELECT pg_advisory_unlock(hashtextextended('credpool.test_hook:' || $1, 0))")
+            .bind(self.point)
+            .execute(&mut self.conn)
+            .await
+            .unwrap();
+    }
+}
+
+/// A connection whose SQL functions stop at `points` while their hooks are closed.
+async fn hooked(app: &TestApp, points: &str) -> PgConnection {
+    let mut conn = connect(app).await;
+    sqlx::query("SELECT set_config('credpool.test_hooks', $1, false)")
+        .bind(points)
+        .execute(&mut conn)
+        .await
+        .unwrap();
+    conn
+}
+
+/// One claim over `ranked` as the service sends it to `credpool_claim`.
+fn claim_body(ranked: &[&str], pool: &str, request_id: Option<&str>) -> Value {
+    json!([{
+        "ranked": ranked, "provider": "openai", "pool": pool, "model": "gpt-4o",
+        "lease_id": uuid::Uuid::new_v4(), "holder": "test", "lease_seconds": 600,
+        "request_id": request_id, "request_digest": request_id.map(|_| "digest"),
+    }])
+}
+
+async fn lease(app: &TestApp, pool: &str) -> Value {
+    let response = app
+        .allocate(
+            json!({"provider": "openai", "model": "gpt-4o", "pool": pool, "lease_seconds": 600}),
+        )
+        .await;
+    json_body(response, StatusCode::OK).await
+}
+
+#[tokio::test]
+async fn health_changes_in_two_pools_in_opposite_orders_never_wait_for_each_other() {
+    // A release group writes the health of every credential its outcomes changed, in one
+    // statement; with a version row per pool, two groups whose credentials interleave across two
+    // pools took those rows in opposite orders and deadlocked (a rate-limit storm did it).
+    let app = TestApp::spawn().await;
+    for (key, pool) in [("a1", "pa"), ("a2", "pa"), ("b1", "pb"), ("b2", "pb")] {
+        app.put_key(key, "openai", pool, &["gpt-4o"], 4).await;
+    }
+    let before = deadlocks(&app).await;
+    let rest = "UPDATE credentials SET status = 'rate_limited',
+                    cooldown_until = now() + interval '1 second' WHERE key_id = $1";
+    let mut first = connect(&app).await;
+    let mut second = connect(&app).await;
+    for conn in [&mut first, &mut second] {
+        conn.execute("SET lock_timeout = '2s'").await.unwrap();
+        conn.execute("BEGIN").await.unwrap();
+    }
+    sqlx::query(rest)
+        .bind("a1")
+        .execute(&mut first)
+        .await
+        .unwrap();
+    sqlx::query(rest)
+        .bind("b2")
+        .execute(&mut second)
+        .await
+        .unwrap();
+    let crossing = tokio::spawn(async move {
+        sqlx::query(rest).bind("b1").execute(&mut first).await?;
+        first.execute("COMMIT").await?;
+        Ok::<_, sqlx::Error>(())
+    });
+    sqlx::query(rest)
+        .bind("a2")
+        .execute(&mut second)
+        .await
+        .expect("the second writer waited for the first one's pool version");
+    second.execute("COMMIT").await.unwrap();
+    crossing
+        .await
+        .unwrap()
+        .expect("the first writer waited for the second one's pool version");
+    assert_eq!(deadlocks(&app).await, before);
+    // both pools moved on: the versions tell every view
+    let versions: Vec<(String, i64)> = sqlx::query_as(
+        "SELECT pool, credpool_pool_version('openai', pool) FROM (VALUES ('pa'), ('pb')) p (pool)",
+    )
+    .fetch_all(&app.db)
+    .await
+    .unwrap();
+    for (pool, version) in versions {
+        assert!(
+            version >= 4,
+            "{pool}: version {version} after 2 creations and 2 changes"
+        );
+    }
+}
+
+#[tokio::test]
+async fn an_import_and_a_release_group_never_deadlock() {
+    // The import below waits for a slot of `ky` that the test holds. Before, it held `kx`'s
+    // credential row and its pool's version row while waiting, and a release on `ky` reporting a
+    // rate limit waited for that version row: once the test let go, the import wanted the
+    // release's slot and the two deadlocked. Now an import takes every slot row before any
+    // credential row, and pool versions are never waited for.
+    let app = TestApp::spawn().await;
+    app.put_key("kx", "openai", "default", &["gpt-4o"], 2).await;
+    app.put_key("ky", "openai", "default", &["gpt-4o"], 2).await;
+    // both of ky's slots leased; the one in slot 1 is released below
+    sqlx::query("UPDATE credentials SET status = 'disabled' WHERE key_id = 'kx'")
+        .execute(&app.db)
+        .await
+        .unwrap();
+    let mut by_slot = std::collections::HashMap::new();
+    for _ in 0..2 {
+        let leased = lease(&app, "default").await;
+        let slot: i32 =
+            sqlx::query_scalar("SELECT slot FROM lease_slots WHERE lease_id = $1::uuid")
+                .bind(leased["lease_id"].as_str().unwrap())
+                .fetch_one(&app.db)
+                .await
+                .unwrap();
+        by_slot.insert(slot, leased);
+    }
+    let released = by_slot.remove(&1).expect("a lease in slot 1");
+    let held = 0;
+    let before = deadlocks(&app).await;
+
+    let mut blocker = connect(&app).await;
+    blocker.execute("BEGIN").await.unwrap();
+    sqlx::query("SELECT 1 FROM lease_slots WHERE key_id = 'ky' AND slot = $1 FOR UPDATE")
+        .bind(held)
+        .execute(&mut blocker)
+        .await
+        .unwrap();
+
+    let import_db = Db::direct(app.database.pool(2).await);
+    let specs: Vec<_> = ["kx", "ky"]
+        .iter()
+        .map(|key| {
+            let input: credpool::store::credentials::CredentialInput =
+                serde_json::from_value(json!({
+                    "provider": "openai", "pool": "default", "models": ["gpt-4o"],
+                    "max_concurrent_uses": 2, "status": "available",
+                    "secret": {"api_key": format!("sk-test-{key}")},
+                }))
+                .unwrap();
+            input
+                .into_spec(credpool::domain::KeyId::parse(*key).unwrap(), &keyring())
+                .unwrap()
+        })
+        .collect();
+    let actor = credpool::store::credentials::Actor::parse("test").unwrap();
+    let import =
+        tokio::spawn(async move { store::credentials::import(&import_db, &specs, &actor).await });
+    // the import waits for the slot the test holds
+    for _ in 0..2000 {
+        let waiting: i64 = sqlx::query_scalar(
+            "SELECT count(*) FROM pg_stat_activity
+             WHERE datname = current_database() AND wait_event_type = 'Lock'",
+        )
+        .fetch_one(&app.db)
+        .await
+        .unwrap();
+        if waiting > 0 {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+
+    let release = {
+        let app_release = app.release(release_body(&released, "rate_limited"));
+        tokio::time::timeout(Duration::from_secs(20), app_release)
+    };
+    let response = release.await.expect("the release hung");
+    let body = json_body(response, StatusCode::OK).await;
+    assert_eq!(body["released"], true, "{body}");
+    blocker.execute("COMMIT").await.unwrap();
+    let (created, updated) = import.await.unwrap().expect("the import failed");
+    assert_eq!((created, updated), (0, 2));
+    // the service's connections close, so their backends report what they saw
+    let mut app = app;
+    app.stop();
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    assert_eq!(deadlocks(&app).await, before);
+}
+
+#[tokio::test]
+async fn a_claim_for_a_request_id_whose_lease_expired_does_not_wait_for_a_refit() {
+    // A claim transaction that holds one slot of a credential, then claims for a request_id
+    // whose earlier lease expired in another slot of it, while a refit of the credential holds
+    // that other slot and waits for the first: before, the claim cleared the request_id with a
+    // plain UPDATE of that slot and the two deadlocked. Now request ids live in their own table
+    // and the claim writes no slot it did not claim.
+    let app = TestApp::spawn().await;
+    app.put_key("kb", "openai", "default", &["gpt-4o"], 4).await;
+    let mut leases = Vec::new();
+    for i in 0..4 {
+        let response = app
+            .allocate(json!({
+                "provider": "openai", "model": "gpt-4o", "lease_seconds": 600,
+                "request_id": if i == 1 { Some("req-expired") } else { None },
+            }))
+            .await;
+        leases.push(json_body(response, StatusCode::OK).await);
+    }
+    let mut slots = Vec::new();
+    for lease in &leases {
+        let slot: i32 =
+            sqlx::query_scalar("SELECT slot FROM lease_slots WHERE lease_id = $1::uuid")
+                .bind(lease["lease_id"].as_str().unwrap())
+                .fetch_one(&app.db)
+                .await
+                .unwrap();
+        slots.push(slot);
+    }
+    let expired_slot = slots[1];
+    // the request's lease runs out; the highest slot of the others is released (free)
+    sqlx::query(
+        "UPDATE lease_slots SET granted_at = now() - interval '2 seconds',
+             lease_until = now() - interval '1 second'
+         WHERE lease_id = $1::uuid",
+    )
+    .bind(leases[1]["lease_id"].as_str().unwrap())
+    .execute(&app.db)
+    .await
+    .unwrap();
+    let (freed_at, free_slot) = slots
+        .iter()
+        .enumerate()
+        .filter(|(i, _)| *i != 1)
+        .map(|(i, slot)| (i, *slot))
+        .max_by_key(|(_, slot)| *slot)
+        .unwrap();
+    assert!(
+        free_slot > expired_slot,
+        "slots were not handed out in order: {slots:?}"
+    );
+    let freed = leases[freed_at].clone();
+    let body = json_body(
+        app.release(release_body(&freed, "success")).await,
+        StatusCode::OK,
+    )
+    .await;
+    assert_eq!(body["released"], true);
+
+    // the claim group takes the free slot while the expired one is held by somebody else
+    let mut holder = connect(&app).await;
+    holder.execute("BEGIN").await.unwrap();
+    sqlx::query("SELECT 1 FROM lease_slots WHERE key_id = 'kb' AND slot = $1 FOR UPDATE")
+        .bind(expired_slot)
+        .execute(&mut holder)
+        .await
+        .unwrap();
+    let mut group = connect(&app).await;
+    group.execute("SET lock_timeout = '3s'").await.unwrap();
+    group.execute("BEGIN").await.unwrap();
+    let taken: Option<i64> = sqlx::query_scalar("SELECT fence FROM credpool_claim($1)")
+        .bind(claim_body(&["kb"], "default", None))
+        .fetch_one(&mut group)
+        .await
+        .unwrap();
+    assert!(
+        taken.is_some(),
+        "the group's first claim found no free slot"
+    );
+    holder.execute("COMMIT").await.unwrap();
+
+    // a refit locks kb's slots in order: it gets the expired one and waits for the group's
+    let mut refit = connect(&app).await;
+    let refit_pid = backend_pid(&mut refit).await;
+    let refitting = tokio::spawn(async move {
+        refit.execute("BEGIN").await?;
+        sqlx::query("SELECT credpool_fit_slots('kb')")
+            .execute(&mut refit)
+            .await?;
+        refit.execute("COMMIT").await?;
+        Ok::<_, sqlx::Error>(())
+    });
+    until_waiting(&app, refit_pid).await;
+
+    // the group's next claim is for the request whose lease expired in the refit's slot
+    let row = sqlx::query("SELECT fence, request FROM credpool_claim($1)")
+        .bind(claim_body(&["kb"], "default", Some("req-expired")))
+        .fetch_one(&mut group)
+        .await
+        .expect("the request_id claim waited for the refit");
+    let request: Option<String> = row.get("request");
+    assert_eq!(request, None, "the expired lease was replayed");
+    group.execute("COMMIT").await.unwrap();
+    refitting.await.unwrap().expect("the refit failed");
+}
+
+#[tokio::test]
+async fn a_claim_that_read_before_a_limit_was_lowered_grants_nothing_over_it() {
+    // The refit of a lowered limit decides while a lease is still live (so the credential is
+    // over its limit) and is held before it commits; the lease then runs out; a claim reads its
+    // snapshot before the refit commits and locks the slot after. Before, "over limit" was on
+    // the credential row, which the claim read from its stale snapshot, and it granted over the
+    // new limit. Now it is on the slot row the claim locks.
+    let app = TestApp::spawn().await;
+    app.put_key("kl", "openai", "default", &["gpt-4o"], 3).await;
+    let short = lease(&app, "default").await;
+    lease(&app, "default").await;
+    lease(&app, "default").await;
+    sqlx::query(
+        "UPDATE lease_slots SET lease_until = clock_timestamp() + interval '1500 milliseconds'
+         WHERE lease_id = $1::uuid",
+    )
+    .bind(short["lease_id"].as_str().unwrap())
+    .execute(&app.db)
+    .await
+    .unwrap();
+
+    let fit_hook = Hook::close(&app, "fit.done").await;
+    let claim_hook = Hook::close(&app, "claim.before_lock").await;
+    let mut refit = hooked(&app, "fit.done").await;
+    let refit_pid = backend_pid(&mut refit).await;
+    let refitting = tokio::spawn(async move {
+        refit.execute("BEGIN").await?;
+        sqlx::query("UPDATE credentials SET max_concurrent_uses = 1 WHERE key_id = 'kl'")
+            .execute(&mut refit)
+            .await?;
+        sqlx::query("SELECT credpool_fit_slots('kl')")
+            .execute(&mut refit)
+            .await?;
+        refit.execute("COMMIT").await?;
+        Ok::<_, sqlx::Error>(())
+    });
+    until_waiting(&app, refit_pid).await;
+    // the short lease runs out while the refit, which judged it live, has not committed
+    loop {
+        let left: f64 = sqlx::query_scalar(
+            "SELECT extract(epoch FROM lease_until - clock_timestamp())::float8
+             FROM lease_slots WHERE lease_id = $1::uuid",
+        )
+        .bind(short["lease_id"].as_str().unwrap())
+        .fetch_one(&app.db)
+        .await
+        .unwrap();
+        if left < -0.05 {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    let mut claim = hooked(&app, "claim.before_lock").await;
+    let claim_pid = backend_pid(&mut claim).await;
+    let claiming = tokio::spawn(async move {
+        sqlx::query_scalar::<_, Option<String>>("SELECT key_id FROM credpool_claim($1)")
+            .bind(claim_body(&["kl"], "default", None))
+            .fetch_one(&mut claim)
+            .await
+    });
+    until_waiting(&app, claim_pid).await;
+    fit_hook.open().await;
+    refitting.await.unwrap().expect("the refit failed");
+    claim_hook.open().await;
+    let granted = claiming.await.unwrap().expect("the claim failed");
+    assert_eq!(granted, None, "a lease was granted over the lowered limit");
+    assert!(app.in_flight("kl").await <= 2);
+    let (ok, report) = audit_verify(BIN, &app.database).await;
+    assert!(ok, "{report}");
+}
+
+#[tokio::test]
+async fn a_claim_never_waits_for_a_lock() {
+    // Everything a claim could touch is locked by another transaction; claims, with and without
+    // a request_id (one whose lease expired, one in flight elsewhere), still answer at once.
+    let app = TestApp::spawn().await;
+    app.put_key("kw", "openai", "default", &["gpt-4o"], 2).await;
+    let response = app
+        .allocate(json!({"provider": "openai", "model": "gpt-4o", "request_id": "req-old"}))
+        .await;
+    let old = json_body(response, StatusCode::OK).await;
+    sqlx::query(
+        "UPDATE lease_slots SET granted_at = now() - interval '2 seconds',
+             lease_until = now() - interval '1 second' WHERE lease_id = $1::uuid",
+    )
+    .bind(old["lease_id"].as_str().unwrap())
+    .execute(&app.db)
+    .await
+    .unwrap();
+
+    let mut holder = connect(&app).await;
+    holder.execute("BEGIN").await.unwrap();
+    for statement in [
+        "SELECT 1 FROM lease_slots FOR UPDATE",
+        "SELECT 1 FROM credentials FOR UPDATE",
+        "SELECT 1 FROM lease_requests FOR UPDATE",
+        "SELECT 1 FROM pool_versions FOR UPDATE",
+        "SELECT pg_advisory_xact_lock(hashtextextended('credpool.request_id:req-busy', 0))",
+    ] {
+        holder.execute(statement).await.unwrap();
+    }
+    let mut claim = connect(&app).await;
+    claim.execute("SET lock_timeout = '500ms'").await.unwrap();
+    for (request_id, expected) in [
+        (None, None),
+        (Some("req-old"), None),
+        (Some("req-new"), None),
+        (Some("req-busy"), Some("in_flight")),
+    ] {
+        let row = sqlx::query("SELECT key_id, request FROM credpool_claim($1)")
+            .bind(claim_body(&["kw"], "default", request_id))
+            .fetch_one(&mut claim)
+            .await
+            .unwrap_or_else(|e| panic!("claim with request_id {request_id:?} waited: {e}"));
+        let key: Option<String> = row.get("key_id");
+        let request: Option<String> = row.get("request");
+        assert_eq!(key, None, "a slot locked elsewhere was granted");
+        assert_eq!(request.as_deref(), expected, "request_id {request_id:?}");
+    }
+    holder.execute("COMMIT").await.unwrap();
+    // and once the locks are gone the request whose lease expired gets a new one
+    let row = sqlx::query("SELECT key_id, request FROM credpool_claim($1)")
+        .bind(claim_body(&["kw"], "default", Some("req-old")))
+        .fetch_one(&mut claim)
+        .await
+        .unwrap();
+    let key: Option<String> = row.get("key_id");
+    assert_eq!(key.as_deref(), Some("kw"));
+}
+
+/// Seq scans and rows read, per table, by this transaction so far.
+async fn reads(conn: &mut PgConnection) -> Vec<(String, i64, i64)> {
+    sqlx::query_as(
+        "SELECT relname::text, seq_scan, coalesce(seq_tup_read, 0) + coalesce(idx_tup_fetch, 0)
+         FROM pg_stat_xact_user_tables
+         WHERE relname IN ('credentials', 'lease_slots', 'lease_requests', 'pool_versions', 'lease_events')
+         ORDER BY relname",
+    )
+    .fetch_all(conn)
+    .await
+    .unwrap()
+}
+
+#[tokio::test]
+async fn the_claim_release_and_renewal_read_only_their_rows_whatever_the_statistics() {
+    // 10,000 credentials of limit 4 in one pool: never analyzed, then analyzed while the tables
+    // were tiny (stale), then analyzed now. Each time 20 claims over 8 candidates, their renewals
+    // and releases must do no sequential scan and read O(candidates) rows, not O(pool).
+    let app = TestApp::spawn().await;
+    for table in [
+        "credentials",
+        "lease_slots",
+        "lease_events",
+        "lease_requests",
+    ] {
+        app.db
+            .execute(sqlx::AssertSqlSafe(format!(
+                "ALTER TABLE {table} SET (autovacuum_enabled = false)"
+            )))
+            .await
+            .unwrap();
+    }
+    app.put_key("seed", "openai", "big", &["gpt-4o"], 4).await;
+    for phase in ["never-analyzed", "stale", "fresh"] {
+        match phase {
+            "stale" => {
+                app.db.execute("ANALYZE").await.unwrap();
+            }
+            "fresh" => {
+                app.db
+                    .execute("ANALYZE credentials, lease_slots")
+                    .await
+                    .unwrap();
+            }
+            _ => {}
+        }
+        if phase != "fresh" {
+            let start = if phase == "stale" { 5000 } else { 0 };
+            sqlx::query(
+                "INSERT INTO credentials (key_id, provider, pool, models, max_concurrent_uses, secret_ciphertext)
+                 SELECT 'big-' || g, 'openai', 'big', '{gpt-4o}', 4, '\\x00'::bytea
+                 FROM generate_series($1::int, $1::int + 4999) g",
+            )
+            .bind(start)
+            .execute(&app.db)
+            .await
+            .unwrap();
+            sqlx::query(
+                "SELECT credpool_fit_slots('big-' || g) FROM generate_series($1::int, $1::int + 4999) g",
+            )
+            .bind(start)
+            .execute(&app.db)
+            .await
+            .unwrap();
+        }
+        let mut conn = connect(&app).await;
+        conn.execute("BEGIN").await.unwrap();
+        let mut leases = Vec::new();
+        for i in 0..20 {
+            let ranked: Vec<String> = (0..8)
+                .map(|j| format!("big-{}", (i * 97 + j * 13) % 10_000))
+                .collect();
+            let ranked: Vec<&str> = ranked.iter().map(String::as_str).collect();
+            let row = sqlx::query("SELECT key_id, lease_id, fence FROM credpool_claim($1)")
+                .bind(claim_body(
+                    &ranked,
+                    "big",
+                    Some(&format!("plan-{phase}-{i}")),
+                ))
+                .fetch_one(&mut conn)
+                .await
+                .unwrap();
+            let key: String = row.get("key_id");
+            let lease: uuid::Uuid = row.get("lease_id");
+            leases.push((key, lease));
+        }
+        let renewals: Vec<Value> = leases
+            .iter()
+            .map(|(key, lease)| json!({"lease_id": lease, "key_id": key, "provider": "openai", "pool": "big", "fence": null, "lease_seconds": 60}))
+            .collect();
+        let renewed: Vec<Option<time::OffsetDateTime>> =
+            sqlx::query_scalar("SELECT lease_until FROM credpool_renew($1)")
+                .bind(Value::Array(renewals))
+                .fetch_all(&mut conn)
+                .await
+                .unwrap();
+        assert!(renewed.iter().all(Option::is_some));
+        let releases: Vec<Value> = leases
+            .iter()
+            .map(|(key, lease)| json!({"lease_id": lease, "key_id": key, "provider": "openai", "pool": "big", "fence": null, "outcome": "success"}))
+            .collect();
+        let verdicts: Vec<String> = sqlx::query_scalar("SELECT verdict FROM credpool_release($1)")
+            .bind(Value::Array(releases))
+            .fetch_all(&mut conn)
+            .await
+            .unwrap();
+        assert!(verdicts.iter().all(|v| v == "released"), "{verdicts:?}");
+        for (table, seq_scans, rows) in reads(&mut conn).await {
+            assert_eq!(seq_scans, 0, "{phase}: a sequential scan of {table}");
+            // 20 claims x 8 candidates x (1 credential + 4 slots), renewals and releases by id
+            assert!(
+                rows < 2_000,
+                "{phase}: {rows} rows of {table} read for 20 leases"
+            );
+        }
+        conn.execute("ROLLBACK").await.unwrap();
+    }
+}
+
+#[tokio::test]
+async fn a_database_migrated_by_the_previous_release_upgrades_cleanly() {
+    // The schema as the previous release left it (migrations up to the executor protocol, whose
+    // functions it defined), with live state in it: leases, a request_id, a credential over a
+    // lowered limit, a drained one.
+    let server = TestDatabase::create_empty().await;
+    let pool = server.pool(2).await;
+    store::MIGRATOR.run_to(20261130000006, &pool).await.unwrap();
+    pool.execute(
+        "INSERT INTO credentials (key_id, provider, pool, models, max_concurrent_uses, secret_ciphertext)
+         VALUES ('up-a', 'openai', 'default', '{gpt-4o}', 2, '\\x00'),
+                ('up-over', 'openai', 'default', '{gpt-4o}', 3, '\\x00'),
+                ('up-drained', 'openai', 'default', '{gpt-4o}', 1, '\\x00');
+         SELECT credpool_fit_slots(k) FROM unnest('{up-a,up-over,up-drained}'::text[]) k;",
+    )
+    .await
+    .unwrap();
+    let claim = |ranked: &str, request: Option<&str>| {
+        json!([{"ranked": [ranked], "provider": "openai", "pool": "default", "model": "gpt-4o",
+                "lease_id": uuid::Uuid::new_v4(), "holder": "old", "lease_seconds": 600,
+                "request_id": request, "request_digest": request.map(|_| "digest")}])
+    };
+    let mut old_leases = Vec::new();
+    for (ranked, request) in [
+        ("up-a", Some("req-upgrade")),
+        ("up-over", None),
+        ("up-over", None),
+    ] {
+        let row = sqlx::query("SELECT key_id, lease_id, fence FROM credpool_claim($1)")
+            .bind(claim(ranked, request))
+            .fetch_one(&pool)
+            .await
+            .unwrap();
+        let lease: uuid::Uuid = row.get("lease_id");
+        let fence: i64 = row.get("fence");
+        old_leases.push((ranked, lease, fence));
+    }
+    pool.execute(
+        "UPDATE credentials SET max_concurrent_uses = 1 WHERE key_id = 'up-over';
+         SELECT credpool_fit_slots('up-over');
+         UPDATE credentials SET draining = true WHERE key_id = 'up-drained';",
+    )
+    .await
+    .unwrap();
+    let version_before: i64 = sqlx::query_scalar(
+        "SELECT version FROM pool_versions WHERE provider = 'openai' AND pool = 'default'",
+    )
+    .fetch_one(&pool)
+    .await
+    .unwrap();
+
+    store::migrate(&pool).await.expect("the upgrade failed");
+
+    // the gates moved onto the slot rows
+    let gates: Vec<(String, bool, bool)> = sqlx::query_as(
+        "SELECT key_id, bool_and(over_limit), bool_and(draining) FROM lease_slots
+         WHERE key_id IN ('up-over', 'up-drained') GROUP BY key_id ORDER BY key_id",
+    )
+    .fetch_all(&pool)
+    .await
+    .unwrap();
+    assert_eq!(
+        gates,
+        vec![
+            ("up-drained".to_owned(), false, true),
+            ("up-over".to_owned(), true, false)
+        ]
+    );
+    // the pool's version only grows
+    let version_after: i64 =
+        sqlx::query_scalar("SELECT credpool_pool_version('openai', 'default')")
+            .fetch_one(&pool)
+            .await
+            .unwrap();
+    assert!(version_after >= version_before);
+    // the request_id still names its lease: a retry replays it
+    let row = sqlx::query("SELECT lease_id, request FROM credpool_claim($1)")
+        .bind(claim("up-a", Some("req-upgrade")))
+        .fetch_one(&pool)
+        .await
+        .unwrap();
+    let replayed: Option<uuid::Uuid> = row.get("lease_id");
+    let request: Option<String> = row.get("request");
+    assert_eq!(
+        (replayed, request.as_deref()),
+        (Some(old_leases[0].1), Some("replayed"))
+    );
+    // nothing is granted on the drained or the over-limit credential
+    for ranked in ["up-drained", "up-over"] {
+        let granted: Option<String> = sqlx::query_scalar("SELECT key_id FROM credpool_claim($1)")
+            .bind(claim(ranked, None))
+            .fetch_one(&pool)
+            .await
+            .unwrap();
+        assert_eq!(granted, None, "{ranked} granted after the upgrade");
+    }
+    // leases granted before the upgrade renew and release with their fences
+    for (key, lease, fence) in &old_leases {
+        let body = json!([{"lease_id": lease, "key_id": key, "provider": "openai", "pool": "default", "fence": fence, "lease_seconds": 60}]);
+        let renewed: Option<time::OffsetDateTime> =
+            sqlx::query_scalar("SELECT lease_until FROM credpool_renew($1)")
+                .bind(body)
+                .fetch_one(&pool)
+                .await
+                .unwrap();
+        assert!(renewed.is_some(), "{key}: lease lost in the upgrade");
+        let body = json!([{"lease_id": lease, "key_id": key, "provider": "openai", "pool": "default", "fence": fence, "outcome": null}]);
+        let (verdict, refit): (String, bool) =
+            sqlx::query_as("SELECT verdict, refit FROM credpool_release($1)")
+                .bind(body)
+                .fetch_one(&pool)
+                .await
+                .unwrap();
+        assert_eq!(verdict, "released", "{key}");
+        if refit {
+            pool.execute(sqlx::AssertSqlSafe(format!(
+                "SELECT credpool_fit_slots('{key}')"
+            )))
+            .await
+            .unwrap();
+        }
+    }
+    // released back under its limit, the over-limit credential serves again, one lease at most
+    let granted: Option<String> = sqlx::query_scalar("SELECT key_id FROM credpool_claim($1)")
+        .bind(claim("up-over", None))
+        .fetch_one(&pool)
+        .await
+        .unwrap();
+    assert_eq!(granted.as_deref(), Some("up-over"));
+    let slots: i64 =
+        sqlx::query_scalar("SELECT count(*) FROM lease_slots WHERE key_id = 'up-over'")
+            .fetch_one(&pool)
+            .await
+            .unwrap();
+    assert_eq!(slots, 1);
+    // and a second migrate changes nothing
+    assert!(
+        store::migrations_up_to_date(&mut pool.acquire().await.unwrap())
+            .await
+            .unwrap()
+    );
+    pool.close().await;
+}

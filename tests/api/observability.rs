@@ -1,0 +1,342 @@
+//! What a Prometheus scrape of a fresh process shows (every metric described, every series known
+//! in advance at zero, build and process metrics), and the documents built on the metrics
+//! (docs/metrics.md, the Grafana dashboard, the alerting rules) naming only metrics that exist.
+
+use std::collections::{BTreeMap, BTreeSet};
+
+use credpool::telemetry::{self, Kind, METRICS};
+use serde_json::{Value, json};
+
+use credpool_test_support::*;
+
+use crate::BIN;
+
+/// The `process_*` series of `metrics-process` on Linux.
+const PROCESS_METRICS: [&str; 8] = [
+    "process_cpu_seconds_total",
+    "process_open_fds",
+    "process_max_fds",
+    "process_virtual_memory_bytes",
+    "process_virtual_memory_max_bytes",
+    "process_resident_memory_bytes",
+    "process_start_time_seconds",
+    "process_threads",
+];
+
+/// Every sample of a Prometheus text page: (name, labels) -> value.
+fn samples(page: &str) -> BTreeMap<(String, BTreeMap<String, String>), f64> {
+    let mut out = BTreeMap::new();
+    for line in page
+        .lines()
+        .filter(|l| !l.is_empty() && !l.starts_with('#'))
+    {
+        let (series, value) = line.rsplit_once(' ').unwrap();
+        let value: f64 = value.parse().unwrap_or_else(|_| panic!("{line}"));
+        let (name, labels) = match series.split_once('{') {
+            Some((name, rest)) => {
+                let mut labels = BTreeMap::new();
+                let rest = rest.strip_suffix('}').unwrap();
+                // label values here hold no commas or quotes (bounded, known values)
+                for pair in rest.split(',').filter(|p| !p.is_empty()) {
+                    let (k, v) = pair.split_once('=').unwrap();
+                    labels.insert(k.to_owned(), v.trim_matches('"').to_owned());
+                }
+                (name.to_owned(), labels)
+            }
+            None => (series.to_owned(), BTreeMap::new()),
+        };
+        out.insert((name, labels), value);
+    }
+    out
+}
+
+fn labels(pairs: &[(&str, &str)]) -> BTreeMap<String, String> {
+    pairs
+        .iter()
+        .map(|(k, v)| (k.to_string(), v.to_string()))
+        .collect()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_fresh_process_describes_every_metric_and_shows_the_series_known_in_advance_at_zero() {
+    let database = TestDatabase::create().await;
+    let env = keyed_env(&database);
+    // a first process stores credentials in three pools, then stops
+    let first = ServeProcess::start(BIN, &env, &[]).await;
+    let client = client();
+    for (key, provider, pool) in [
+        ("m-a", "openai", "default"),
+        ("m-v", "openai", "vip"),
+        ("m-b", "anthropic", "batch"),
+    ] {
+        let put = client
+            .put(format!("{}/api/admin/keys/{key}", first.base))
+            .header("x-admin-key", ADMIN_KEY)
+            .json(
+                &json!({"provider": provider, "pool": pool, "models": ["gpt-4o"],
+                          "max_concurrent_uses": 2, "secret": {"api_key": "sk-metrics"}}),
+            )
+            .send()
+            .await
+            .unwrap();
+        assert!(put.status().is_success());
+    }
+    assert!(first.terminate().await.success());
+
+    // the second process's very first scrape, before any request was served
+    let serve = ServeProcess::start(BIN, &env, &[]).await;
+    let page = client
+        .get(format!("{}/metrics", serve.base))
+        .send()
+        .await
+        .unwrap()
+        .text()
+        .await
+        .unwrap();
+    let samples = samples(&page);
+    let value = |name: &str, pairs: &[(&str, &str)]| {
+        samples
+            .get(&(name.to_owned(), labels(pairs)))
+            .copied()
+            .unwrap_or_else(|| panic!("no {name}{pairs:?} in the first scrape:\n{page}"))
+    };
+
+    // every metric has a # HELP line (credpool's own: with its unit)
+    let types: BTreeSet<&str> = page
+        .lines()
+        .filter_map(|l| l.strip_prefix("# TYPE "))
+        .map(|l| l.split(' ').next().unwrap())
+        .collect();
+    for name in &types {
+        let help = page
+            .lines()
+            .find(|l| l.starts_with(&format!("# HELP {name} ")))
+            .unwrap_or_else(|| panic!("{name} has no # HELP line"));
+        if name.starts_with("credpool_") {
+            assert!(help.contains(" Unit: "), "{help}");
+        }
+    }
+    // every counter and gauge is there from the start (histograms come with their first sample)
+    for metric in METRICS.iter().filter(|m| m.kind != Kind::Histogram) {
+        assert!(
+            types.contains(metric.name),
+            "{} missing at start",
+            metric.name
+        );
+    }
+    for name in PROCESS_METRICS {
+        assert!(types.contains(name), "{name} missing");
+    }
+    assert!(value("process_resident_memory_bytes", &[]) > 0.0);
+    assert!(value("process_open_fds", &[]) > 0.0);
+
+    // allocations: every result of every pool known at start, at zero; `leased` per served pool
+    for (provider, pool) in [
+        ("openai", "default"),
+        ("openai", "vip"),
+        ("anthropic", "batch"),
+    ] {
+        for result in telemetry::ALLOCATION_RESULTS
+            .iter()
+            .filter(|r| **r != "leased")
+        {
+            let series = [
+                ("provider", provider),
+                ("pool", pool),
+                ("served_pool", ""),
+                ("result", result),
+            ];
+            assert_eq!(value(telemetry::ALLOCATIONS, &series), 0.0);
+        }
+    }
+    for (provider, pool, served) in [
+        ("openai", "default", "default"),
+        ("openai", "vip", "vip"),
+        ("openai", "vip", "default"),
+        ("anthropic", "batch", "batch"),
+    ] {
+        let series = [
+            ("provider", provider),
+            ("pool", pool),
+            ("served_pool", served),
+            ("result", "leased"),
+        ];
+        assert_eq!(value(telemetry::ALLOCATIONS, &series), 0.0);
+    }
+    for result in telemetry::REFUSED_RESULTS {
+        let series = [
+            ("provider", ""),
+            ("pool", ""),
+            ("served_pool", ""),
+            ("result", result),
+        ];
+        assert_eq!(value(telemetry::ALLOCATIONS, &series), 0.0);
+    }
+    // releases, renewals, expiries: every result and reason
+    assert_eq!(
+        value(
+            telemetry::RELEASES,
+            &[("result", "released"), ("reason", "")]
+        ),
+        0.0
+    );
+    for reason in ["mismatch", "expired", "not_found"] {
+        let series = [("result", "not_released"), ("reason", reason)];
+        assert_eq!(value(telemetry::RELEASES, &series), 0.0);
+    }
+    for result in ["renewed", "lost"] {
+        assert_eq!(value(telemetry::RENEWALS, &[("result", result)]), 0.0);
+    }
+    for source in ["claim", "reaper"] {
+        assert_eq!(value(telemetry::LEASES_EXPIRED, &[("source", source)]), 0.0);
+    }
+    assert_eq!(value(telemetry::DB_ACQUIRE_TIMEOUTS, &[]), 0.0);
+    assert_eq!(value(telemetry::WAITERS, &[]), 0.0);
+    // the pools' gauges were read at start-up
+    assert_eq!(value(telemetry::STORE_UP, &[]), 1.0);
+    let pool = [("provider", "openai"), ("pool", "vip")];
+    assert_eq!(value(telemetry::SLOTS_FREE, &pool), 2.0);
+    assert_eq!(value(telemetry::LEASES_IN_FLIGHT, &pool), 0.0);
+    let available = [
+        ("provider", "openai"),
+        ("pool", "vip"),
+        ("status", "available"),
+    ];
+    assert_eq!(value(telemetry::CREDENTIALS, &available), 1.0);
+
+    // build info: the package version and the commit it was built from
+    let build = samples
+        .keys()
+        .find(|(name, _)| name == telemetry::BUILD_INFO)
+        .map(|(_, labels)| labels.clone())
+        .expect("credpool_build_info");
+    assert_eq!(build["version"], env!("CARGO_PKG_VERSION"));
+    let commit = &build["git_commit"];
+    assert!(!commit.is_empty());
+    let head = std::process::Command::new("git")
+        .args(["rev-parse", "HEAD"])
+        .current_dir(env!("CARGO_MANIFEST_DIR"))
+        .output()
+        .ok()
+        .filter(|o| o.status.success())
+        .map(|o| String::from_utf8_lossy(&o.stdout).trim().to_owned());
+    match head {
+        // built here, from this checkout (unless the build named another commit)
+        Some(head) if std::env::var_os("CREDPOOL_GIT_COMMIT").is_none() => {
+            assert_eq!(commit, &head)
+        }
+        _ => {}
+    }
+    assert!(serve.terminate().await.success());
+}
+
+/// The metric names a text mentions (`credpool_*`, `process_*`).
+fn metric_names(text: &str) -> BTreeSet<String> {
+    text.split(|c: char| !(c.is_ascii_alphanumeric() || c == '_'))
+        .filter(|t| t.starts_with("credpool_") || t.starts_with("process_"))
+        .map(str::to_owned)
+        .collect()
+}
+
+/// Every series name credpool exports: its metrics (histograms with their `_bucket`, `_sum`
+/// and `_count` series) and the process metrics.
+fn exported() -> BTreeSet<String> {
+    let mut names: BTreeSet<String> = PROCESS_METRICS.iter().map(|n| n.to_string()).collect();
+    for metric in METRICS {
+        names.insert(metric.name.to_owned());
+        if metric.kind == Kind::Histogram {
+            for suffix in ["_bucket", "_sum", "_count"] {
+                names.insert(format!("{}{suffix}", metric.name));
+            }
+        }
+    }
+    names
+}
+
+fn doc(path: &str) -> String {
+    std::fs::read_to_string(format!("{}/{path}", env!("CARGO_MANIFEST_DIR")))
+        .unwrap_or_else(|e| panic!("{path}: {e}"))
+}
+
+/// Every `expr` of a Grafana dashboard, however deep.
+fn exprs(value: &Value, out: &mut Vec<String>) {
+    match value {
+        Value::Object(map) => {
+            for (key, value) in map {
+                match (key.as_str(), value) {
+                    ("expr" | "query", Value::String(expr)) => out.push(expr.clone()),
+                    _ => exprs(value, out),
+                }
+            }
+        }
+        Value::Array(items) => items.iter().for_each(|v| exprs(v, out)),
+        _ => {}
+    }
+}
+
+#[test]
+fn the_metrics_list_the_dashboard_and_the_alerts_name_only_exported_metrics() {
+    let exported = exported();
+
+    // docs/metrics.md lists every metric, and nothing else
+    let list = doc("docs/metrics.md");
+    for metric in METRICS {
+        assert!(
+            list.contains(&format!("`{}`", metric.name)),
+            "docs/metrics.md does not list {}",
+            metric.name
+        );
+        for label in metric.labels {
+            assert!(
+                list.contains(&format!("`{label}`")),
+                "docs/metrics.md does not name the label {label} of {}",
+                metric.name
+            );
+        }
+    }
+    let unknown: Vec<_> = metric_names(&list)
+        .into_iter()
+        .filter(|n| !exported.contains(n))
+        .collect();
+    assert!(unknown.is_empty(), "docs/metrics.md names {unknown:?}");
+
+    // the dashboard: valid JSON, every query on exported metrics
+    let dashboard: Value = serde_json::from_str(&doc("docs/grafana-dashboard.json")).unwrap();
+    let mut queries = Vec::new();
+    exprs(&dashboard, &mut queries);
+    assert!(queries.len() >= 10, "only {} queries", queries.len());
+    let used: BTreeSet<String> = queries.iter().flat_map(|q| metric_names(q)).collect();
+    let unknown: Vec<_> = used.iter().filter(|n| !exported.contains(*n)).collect();
+    assert!(unknown.is_empty(), "the dashboard queries {unknown:?}");
+    for needed in [
+        telemetry::ALLOCATIONS,
+        telemetry::SLOTS_FREE,
+        telemetry::CREDENTIALS,
+        telemetry::STORE_UP,
+        "credpool_request_duration_seconds_bucket",
+        "process_resident_memory_bytes",
+    ] {
+        assert!(
+            used.contains(needed),
+            "the dashboard does not show {needed}"
+        );
+    }
+
+    // the alerting rules: the three the runbook names, on exported metrics
+    let alerts = doc("docs/alerts.yml");
+    for alert in [
+        "CredpoolStoreDown",
+        "CredpoolPoolSaturated",
+        "CredpoolCredentialDisabled",
+    ] {
+        assert!(
+            alerts.contains(&format!("alert: {alert}")),
+            "no {alert} rule"
+        );
+    }
+    let unknown: Vec<_> = metric_names(&alerts)
+        .into_iter()
+        .filter(|n| !exported.contains(n))
+        .collect();
+    assert!(unknown.is_empty(), "docs/alerts.yml names {unknown:?}");
+}
