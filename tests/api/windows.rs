@@ -551,6 +551,47 @@ async fn a_window_lowered_while_a_claim_commits_judges_that_grant_by_the_window_
 }
 
 #[tokio::test]
+async fn a_window_row_held_longer_than_a_few_claims_take_is_waited_for_not_answered_429() {
+    // A claim passes over a window row another transaction holds (a claim group committing) and
+    // tries again while, read now, that window has room. Under load such a commit takes tens of
+    // milliseconds: the request must keep trying, not answer 429 while the window and a slot are
+    // free. The test holds the row for 300 ms.
+    let app = window_app().await;
+    put_windowed(
+        &app,
+        "held",
+        "default",
+        2,
+        json!([{"requests": 10, "seconds": 60}]),
+    )
+    .await;
+    json_body(
+        app.allocate(json!({"provider": "openai", "model": "gpt-4o"}))
+            .await,
+        StatusCode::OK,
+    )
+    .await;
+    let mut holder = app.db.begin().await.unwrap();
+    sqlx::query("SELECT 1 FROM lease_windows WHERE key_id = 'held' FOR UPDATE")
+        .execute(&mut *holder)
+        .await
+        .unwrap();
+    let allocate = tokio::spawn(
+        app.client
+            .post(app.url("/api/internal/allocate-key"))
+            .header("x-internal-key", INTERNAL_KEY)
+            .json(&json!({"provider": "openai", "model": "gpt-4o"}))
+            .send(),
+    );
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    holder.commit().await.unwrap();
+    let lease = json_body(allocate.await.unwrap().unwrap(), StatusCode::OK).await;
+    assert_eq!(lease["key_id"], "held");
+    let (grants, over) = window_proof(&app).await;
+    assert_eq!((grants, over), (2, 0));
+}
+
+#[tokio::test]
 async fn usage_reported_above_the_estimate_counts_against_every_grant_after_the_report() {
     // The proof judges each grant by what credpool could know when it granted: the usage of
     // earlier grants if already reported, else their reservations.

@@ -176,9 +176,11 @@ impl From<AllocateError> for Refusal {
 /// How long a claim waits before it tries again when another attempt of its request is in flight.
 const IN_FLIGHT_PAUSE: Duration = Duration::from_millis(5);
 
-/// How many times a claim is made again when a candidate's windows were held by another
-/// transaction.
-const WINDOW_BUSY_RETRIES: usize = 8;
+/// How long a request keeps claiming again while a candidate's windows are held by another
+/// transaction: that transaction is a claim group committing, which takes milliseconds alone and
+/// tens of milliseconds under load, so a bound in attempts would answer 429 while a window still
+/// had room; the request timeout bounds it too.
+const WINDOW_BUSY_PATIENCE: Duration = Duration::from_secs(1);
 
 /// How long the first waiting request waits for the listening connection to come up.
 const LISTEN_CONNECT_WAIT: Duration = Duration::from_secs(1);
@@ -290,17 +292,17 @@ impl Allocator {
     /// pause, until that attempt has committed and can be answered; the request timeout bounds it.
     ///
     /// A claim that found a candidate's windows held by another transaction (`window_busy`) is
-    /// made again too, a few times: that transaction commits within milliseconds and may or may
-    /// not leave room.
+    /// made again too, for up to a second: that transaction commits within milliseconds and may
+    /// or may not leave room.
     async fn claim(&self, claim: &ClaimRequest<'_>) -> Result<ClaimResult, AllocateError> {
-        let mut busy = 0;
+        let started = Instant::now();
         loop {
             let result = self.groups.claim(claim).await?;
-            let again = result.in_flight || (result.window_busy && busy < WINDOW_BUSY_RETRIES);
+            let again = result.in_flight
+                || (result.window_busy && started.elapsed() < WINDOW_BUSY_PATIENCE);
             if !again {
                 return Ok(result);
             }
-            busy += usize::from(result.window_busy);
             tokio::time::sleep(IN_FLIGHT_PAUSE).await;
         }
     }
