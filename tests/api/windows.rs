@@ -101,6 +101,30 @@ async fn release_all(app: &TestApp, leases: &[Value]) {
     }
 }
 
+/// One allocate of gpt-4o from openai's default pool, which must be granted: the lease.
+async fn grant(app: &TestApp) -> Value {
+    json_body(
+        app.allocate(json!({"provider": "openai", "model": "gpt-4o"}))
+            .await,
+        StatusCode::OK,
+    )
+    .await
+}
+
+/// A transaction holding the row lock `locking_select` takes (another transaction in progress,
+/// as the test needs it), until the test commits it.
+async fn hold_row<'a>(
+    app: &'a TestApp,
+    locking_select: &'static str,
+) -> sqlx::Transaction<'a, sqlx::Postgres> {
+    let mut holder = app.db.begin().await.unwrap();
+    sqlx::query(locking_select)
+        .execute(&mut *holder)
+        .await
+        .unwrap();
+    holder
+}
+
 async fn window_proof(app: &TestApp) -> (i64, i64) {
     sqlx::query_as(
         "SELECT coalesce(sum(grants), 0)::int8, coalesce(sum(grants_over_window), 0)::int8
@@ -428,14 +452,7 @@ async fn grants_made_before_a_credential_had_windows_are_not_judged_by_the_windo
     .unwrap();
     let mut leases = Vec::new();
     for _ in 0..5 {
-        leases.push(
-            json_body(
-                app.allocate(json!({"provider": "openai", "model": "gpt-4o"}))
-                    .await,
-                StatusCode::OK,
-            )
-            .await,
-        );
+        leases.push(grant(&app).await);
     }
     release_all(&app, &leases).await;
     let changed = json_body(
@@ -505,20 +522,15 @@ async fn a_window_lowered_while_a_claim_commits_judges_that_grant_by_the_window_
     )
     .await;
     for _ in 0..2 {
-        json_body(
-            app.allocate(json!({"provider": "openai", "model": "gpt-4o"}))
-                .await,
-            StatusCode::OK,
-        )
-        .await;
+        grant(&app).await;
     }
     // a transaction holds slot 0 (a release in progress, say): the change queues behind it,
     // after its own transaction has begun
-    let mut holder = app.db.begin().await.unwrap();
-    sqlx::query("SELECT 1 FROM lease_slots WHERE key_id = 'lowered' AND slot = 0 FOR UPDATE")
-        .execute(&mut *holder)
-        .await
-        .unwrap();
+    let holder = hold_row(
+        &app,
+        "SELECT 1 FROM lease_slots WHERE key_id = 'lowered' AND slot = 0 FOR UPDATE",
+    )
+    .await;
     let change = tokio::spawn(
         app.client
             .patch(app.url("/api/admin/keys/lowered"))
@@ -528,12 +540,7 @@ async fn a_window_lowered_while_a_claim_commits_judges_that_grant_by_the_window_
     );
     until_a_transaction_waits_for_a_lock(&app).await;
     // meanwhile a third grant, which the window of 3 admits (slot 2 is not locked yet)
-    json_body(
-        app.allocate(json!({"provider": "openai", "model": "gpt-4o"}))
-            .await,
-        StatusCode::OK,
-    )
-    .await;
+    grant(&app).await;
     holder.commit().await.unwrap();
     let changed = json_body(change.await.unwrap().unwrap(), StatusCode::OK).await;
     assert_eq!(
@@ -565,17 +572,12 @@ async fn a_window_row_held_longer_than_a_few_claims_take_is_waited_for_not_answe
         json!([{"requests": 10, "seconds": 60}]),
     )
     .await;
-    json_body(
-        app.allocate(json!({"provider": "openai", "model": "gpt-4o"}))
-            .await,
-        StatusCode::OK,
+    grant(&app).await;
+    let holder = hold_row(
+        &app,
+        "SELECT 1 FROM lease_windows WHERE key_id = 'held' FOR UPDATE",
     )
     .await;
-    let mut holder = app.db.begin().await.unwrap();
-    sqlx::query("SELECT 1 FROM lease_windows WHERE key_id = 'held' FOR UPDATE")
-        .execute(&mut *holder)
-        .await
-        .unwrap();
     let allocate = tokio::spawn(
         app.client
             .post(app.url("/api/internal/allocate-key"))
