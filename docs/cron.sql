@@ -7,8 +7,10 @@
 --   * cron.database_name names the database pg_cron lives in (default: postgres). The extension
 --     can only be created there. Jobs for credpool's database are scheduled from there with
 --     cron.schedule_in_database. If credpool's database IS cron.database_name, the same works.
---   * pg_cron runs jobs by connecting to the server (or, with cron.use_background_workers = on,
---     in background workers); the job's user needs to be able to connect to credpool's database.
+--   * pg_cron runs jobs by connecting to the server; the job's user needs to be able to connect
+--     to credpool's database. The job is a CALL of a procedure that commits after each step, which
+--     needs that mode: with cron.use_background_workers = on, pg_cron cannot run it (a procedure
+--     there may not commit), so let `credpool serve` run the cleanup instead.
 --
 -- Replace credpool_db with credpool's database name, and 30 days with your audit retention.
 
@@ -19,17 +21,21 @@ SELECT cron.unschedule(jobid) FROM cron.job WHERE jobname = 'credpool:credpool_d
 SELECT cron.schedule_in_database(
     'credpool:credpool_db:maintenance',
     '* * * * *',                                    -- every minute
-    'SELECT credpool_maintenance(make_interval(secs => 2592000))',   -- 30 days
+    'CALL credpool_maintenance(make_interval(secs => 2592000))',   -- 30 days
     'credpool_db');
 
 -- 2. In credpool's database: tell the credpool services that pg_cron runs the cleanup, so they stop
 --    running it themselves.
 INSERT INTO maintenance_schedule (scheduler) VALUES ('pg_cron') ON CONFLICT DO NOTHING;
 
--- What credpool_maintenance does each minute (each part also callable alone):
+-- What credpool_maintenance does each minute, each step in a transaction of its own
+-- (credpool_maintenance_step; each part also callable alone):
 --   credpool_reap_expired_leases(1000)   end expired leases in the trail, free their slots
+--   credpool_refit_over_limit(100)       refit credentials back under a lowered limit
 --   credpool_recover_cooldowns(1000)     record ended cooldowns (credential_events 'cooldown_ended')
 --   credpool_purge_audit(retention, 10000)  delete audit rows older than the retention
+--   credpool_purge_requests('1 hour', 10000)  delete request ids whose lease has ended
+--   credpool_compact_pool_versions()     fold the pool versions of exited backends
 -- Each is safe to run concurrently with itself and with allocation, and idempotent.
 --
 -- Check the runs:

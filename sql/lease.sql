@@ -21,15 +21,18 @@
 --                                         and drain state
 --   force release credpool_force_release  an operator ends leases
 --   reap          credpool_reap_expired_leases, credpool_refit_over_limit   cleanup passes
+--   lock          credpool_lock_credentials   every lock an operator's change of a credential needs
+--   gate          trigger credentials_config_version: a change of what a claim decides on reaches
+--                 every slot row of the credential (config_version)
 -- Nothing else writes lease_slots.
 --
 -- Lock order (docs/design.md, "Lock order", says why no cycle can form). A transaction takes its
 -- row locks in this order, each kind in ONE statement, sorted:
 --   1. lease_slots rows, ascending (key_id, slot). Claims take theirs with SKIP LOCKED and never
---      wait.
+--      wait. A change of a credential takes every slot row of it (credpool_lock_credentials).
 --   2. lease_windows rows, ascending key_id (claims: SKIP LOCKED, with their slot row).
 --   3. lease_events rows that unique indexes guard (one release / one late report per lease),
---      ascending lease_id.
+--      ascending lease_id (a release group writes its late reports in that order).
 --   4. credentials rows, ascending key_id.
 -- pool_versions rows are per backend and never contended; lease_requests rows are written only
 -- under their request_id's advisory lock, taken with a try-lock.
@@ -75,6 +78,89 @@ BEGIN
 END;
 $$;
 
+-- LOCK, for an operator's change of credentials `p_key_ids` (and for FIT): every slot row of
+-- each, ascending (key_id, slot), then their lease_windows rows, then the credential rows, each
+-- kind in one statement: the lock order. "Every slot row" includes rows that a fit which held
+-- them inserted while this call waited: a statement's snapshot does not see rows committed after
+-- it started, so the rows are read again afterwards, and if any is not among those locked the
+-- locks are given back (the block is a subtransaction: its row locks end with it) and taken
+-- again, so that no slot row is ever locked after a credential row or out of order. Returns how
+-- many of the credentials exist.
+CREATE OR REPLACE FUNCTION credpool_lock_credentials(p_key_ids text[]) RETURNS integer
+LANGUAGE plpgsql AS $$
+DECLARE
+    v_locked text[];
+    v_present text[];
+    v_found integer;
+BEGIN
+    LOOP
+        BEGIN
+            SELECT coalesce(array_agg(format('%s/%s', l.key_id, l.slot) ORDER BY l.key_id, l.slot), '{}')
+            INTO v_locked
+            FROM (SELECT s.key_id, s.slot FROM lease_slots s
+                  WHERE s.key_id = ANY (p_key_ids)
+                  ORDER BY s.key_id, s.slot
+                  FOR UPDATE) AS l;
+            PERFORM credpool_test_hook('lock.slots_locked');
+            SELECT coalesce(array_agg(format('%s/%s', s.key_id, s.slot) ORDER BY s.key_id, s.slot), '{}')
+            INTO v_present
+            FROM lease_slots s
+            WHERE s.key_id = ANY (p_key_ids);
+            IF v_locked <> v_present THEN
+                RAISE EXCEPTION 'slot rows changed while they were locked' USING ERRCODE = 'CPL01';
+            END IF;
+            EXIT;
+        EXCEPTION WHEN SQLSTATE 'CPL01' THEN
+            NULL;
+        END;
+    END LOOP;
+    PERFORM 1 FROM lease_windows w WHERE w.key_id = ANY (p_key_ids) ORDER BY w.key_id FOR UPDATE;
+    SELECT count(*)::integer INTO v_found
+    FROM (SELECT 1 FROM credentials c WHERE c.key_id = ANY (p_key_ids) ORDER BY c.key_id FOR UPDATE) AS l;
+    RETURN v_found;
+END;
+$$;
+
+-- GATES: a change of what a claim decides on (see CLAIM) moves the credential's configuration
+-- version, and writes it into every slot row of the credential in the same transaction. Health
+-- written from outcome reports (credpool_write_health, which sets credpool.health_write for its
+-- own run) does not: it holds a slot row and then the credential row, and writing the other slot
+-- rows after the credential row would break the lock order; the claim reads health from its
+-- snapshot by design. Every other writer of credentials locks the slot rows first
+-- (credpool_lock_credentials), so the slot update below never waits.
+CREATE OR REPLACE FUNCTION credentials_config_changed() RETURNS trigger
+LANGUAGE plpgsql AS $$
+BEGIN
+    IF TG_WHEN = 'BEFORE' THEN
+        NEW.config_version := OLD.config_version + 1;
+        RETURN NEW;
+    END IF;
+    UPDATE lease_slots s SET config_version = NEW.config_version
+    WHERE s.key_id = NEW.key_id AND s.config_version <> NEW.config_version;
+    RETURN NULL;
+END;
+$$;
+
+DROP TRIGGER IF EXISTS credentials_config_version ON credentials;
+CREATE TRIGGER credentials_config_version
+    BEFORE UPDATE ON credentials
+    FOR EACH ROW
+    WHEN ((OLD.provider, OLD.pool, OLD.models, OLD.model_aliases, OLD.max_concurrent_uses,
+           OLD.draining, OLD.rate_limits, OLD.secret, OLD.secret_ciphertext)
+          IS DISTINCT FROM
+          (NEW.provider, NEW.pool, NEW.models, NEW.model_aliases, NEW.max_concurrent_uses,
+           NEW.draining, NEW.rate_limits, NEW.secret, NEW.secret_ciphertext)
+          OR ((OLD.status, OLD.cooldown_until) IS DISTINCT FROM (NEW.status, NEW.cooldown_until)
+              AND current_setting('credpool.health_write', true) IS DISTINCT FROM 'on'))
+    EXECUTE FUNCTION credentials_config_changed();
+
+DROP TRIGGER IF EXISTS credentials_config_to_slots ON credentials;
+CREATE TRIGGER credentials_config_to_slots
+    AFTER UPDATE ON credentials
+    FOR EACH ROW
+    WHEN (OLD.config_version IS DISTINCT FROM NEW.config_version)
+    EXECUTE FUNCTION credentials_config_changed();
+
 -- The trail rows of leases that end: element i of each array is the i-th lease's. `p_events[i]`
 -- is released, expired or force_released; `p_at[i]` when it took effect (an expired lease's own
 -- lease_until); `p_outcomes`, `p_reasons`, `p_actors`, `p_tokens` (the usage its release
@@ -102,6 +188,10 @@ $$;
 -- credpool_record_lease_ends). Clears every lease column of each slot row (the slot keeps its
 -- number, its last grant time and its gates) and writes the trail rows, in two statements
 -- however many leases end. Only where the slot still holds that lease: ending twice ends once.
+-- A row within a lowered limit (over_limit, not surplus) that frees while a surplus row of its
+-- credential still holds a lease becomes surplus too: opened now, it would grant while the
+-- surplus lease still counts (FIT says why rows within the limit may otherwise reopen on their
+-- own). Such a row is over_limit, so the caller refits the credential (RELEASE's `refit`).
 -- The caller has locked the slot rows (in the lock order) and decided, on its own clock, that the
 -- leases end now. A freed slot announces itself (trigger lease_slots_freed). Returns the leases
 -- it ended.
@@ -120,7 +210,12 @@ BEGIN
     WITH cleared AS (
         UPDATE lease_slots s
         SET lease_id = NULL, provider = NULL, pool = NULL, holder = NULL, granted_at = NULL,
-            lease_until = NULL, probe = false, fence = NULL, reserved_tokens = NULL
+            lease_until = NULL, probe = false, fence = NULL, reserved_tokens = NULL,
+            surplus = s.surplus
+                      OR (s.over_limit
+                          AND EXISTS (SELECT 1 FROM lease_slots o
+                                      WHERE o.key_id = s.key_id AND o.surplus
+                                        AND o.lease_id IS NOT NULL AND o.slot <> s.slot))
         FROM generate_subscripts(p_slots, 1) AS i
         WHERE s.key_id = (p_slots[i]).key_id AND s.slot = (p_slots[i]).slot
           AND s.lease_id = (p_slots[i]).lease_id
@@ -161,14 +256,15 @@ LANGUAGE sql IMMUTABLE PARALLEL SAFE AS $$
 $$;
 
 -- Whether slot `s` of a credential whose status is `p_status` is free for a claim at `p_at`: its
--- lease slot is empty or its lease has expired, and its gates are open. A credential back from a
--- cooldown (usable, status not yet `available`) is half-open: only its slot 0 can be claimed, so
--- it serves a single probe lease at a time.
+-- lease slot is empty or its lease has expired, and its gates are open (not a surplus row of a
+-- lowered limit, not draining). A credential back from a cooldown (usable, status not yet
+-- `available`) is half-open: only its slot 0 can be claimed, so it serves a single probe lease
+-- at a time.
 CREATE OR REPLACE FUNCTION credpool_slot_open(s lease_slots, p_status text, p_at timestamptz)
 RETURNS boolean
 LANGUAGE sql IMMUTABLE PARALLEL SAFE AS $$
     SELECT (p_status = 'available' OR s.slot = 0)
-       AND NOT s.over_limit
+       AND NOT s.surplus
        AND NOT s.draining
        AND (s.lease_id IS NULL OR s.lease_until <= p_at)
 $$;
@@ -195,7 +291,7 @@ BEGIN
     END IF;
     SELECT CASE WHEN bool_or(credpool_slot_open(s, c.status, greatest(p_at, v_usable))) THEN p_at
                 ELSE min(s.lease_until) FILTER (
-                         WHERE s.lease_until > p_at AND NOT s.over_limit AND NOT s.draining
+                         WHERE s.lease_until > p_at AND NOT s.surplus AND NOT s.draining
                            AND (c.status = 'available' OR s.slot = 0)) END
     INTO v_slot
     FROM lease_slots s
@@ -280,8 +376,9 @@ $$;
 -- serve. `request` is NULL, 'replayed' (the request_id's live lease, granted to an earlier attempt
 -- with the same parameters: no slot taken), 'conflict' (its live lease was granted for other
 -- parameters), 'in_flight' (another transaction is claiming for the same request_id right now)
--- or 'window_busy' (nothing granted, but a candidate with window room and a free slot was held by
--- another transaction at that moment): for the last two, claim again in a moment. `frees_at`,
+-- or 'busy' (nothing granted, but a candidate that may serve at once, read after the claim, was
+-- held by another transaction or changed by one at that moment): for the last two, claim again
+-- in a moment. `frees_at`,
 -- when nothing was granted: the earliest moment a candidate may serve it, and `held_by` what holds
 -- that candidate back (credpool_frees_at), for the answer's Retry-After, a waiting request's
 -- timer and the held-back metric.
@@ -312,9 +409,22 @@ $$;
 -- one slot row's lock, so each slot carries at most one unexpired lease; nor one lease_windows
 -- row's, so each window charge sees every charge before it. (The trap in DESIGN — lock the
 -- credential, count its leases in a subquery — fails because the count reads the statement's
--- snapshot, which EvalPlanQual does not refresh for rows other than the locked ones. The
--- credential row's health columns are read from the snapshot too: a cooldown reported while the
--- claim runs may let this one grant through, never a grant over a limit or a window.)
+-- snapshot, which EvalPlanQual does not refresh for rows other than the locked ones.)
+--
+-- The credential row is read from the snapshot, not locked (locking it would make every claim on
+-- a credential queue on one row). What the claim decides on it — provider, pool, models and
+-- aliases, the secret it hands out, an operator's status — is gated through the slot row: every
+-- change of those moves credentials.config_version and, in the same transaction, writes the new
+-- version into every slot row of the credential (trigger credentials_config_version, below). The
+-- claim grants only where `s.config_version = c.config_version`. A change committed after the
+-- claim's snapshot and before its lock changed the slot row, so EvalPlanQual re-checks it: the
+-- locked row's new version against the snapshot's old credential row, unequal, and the candidate
+-- is passed over (the caller claims again and reads the new configuration). A change still in
+-- progress holds the slot rows (operators lock all of them first), so SKIP LOCKED passes over
+-- them; a change that starts after the lock waits for this claim's commit, and the grant comes
+-- before it. Only health written from outcome reports (a cooldown, a status an outcome sets) is
+-- read from the snapshot without a gate: a report committed while the claim runs may let this one
+-- grant through, never a grant over a limit or a window.
 --
 -- Two statements, one for each shape of candidate list: a claim none of whose candidates has
 -- windows locks only the slot row (a credential without windows must not make concurrent claims
@@ -447,6 +557,7 @@ BEGIN
                 WHERE (SELECT credpool_test_hook('claim.before_lock'))
                   AND credpool_may_serve(c, q.provider, q.pool, q.model, v_now)
                   AND credpool_slot_open(s, c.status, v_now)
+                  AND s.config_version = c.config_version
                   AND NOT s.windowed
                 ORDER BY r.rank, s.slot
                 LIMIT 1
@@ -473,6 +584,7 @@ BEGIN
                 WHERE (SELECT credpool_test_hook('claim.before_lock'))
                   AND credpool_may_serve(c, q.provider, q.pool, q.model, v_now)
                   AND credpool_slot_open(s, c.status, v_now)
+                  AND s.config_version = c.config_version
                   AND credpool_window_room(w, v_now, q.tokens)
                 ORDER BY r.rank, s.slot
                 LIMIT 1
@@ -492,10 +604,10 @@ BEGIN
             RETURN NEXT;
             CONTINUE;
         END IF;
-        -- Nothing granted: when may a candidate serve it (read now)? With windows, a candidate
-        -- whose window row another transaction held was passed over without knowing whether that
-        -- transaction will leave room: if, read now, one may serve at once, say so (the caller
-        -- claims again).
+        -- Nothing granted: when may a candidate serve it (read now)? A candidate whose slot or
+        -- window row another transaction held (a concurrent claim, the reaper, an operator's
+        -- change) was passed over without knowing what that transaction leaves: if, read now,
+        -- one may serve at once, say so (the caller claims again).
         SELECT f.at, f.held_by INTO v_frees
         FROM unnest(q.ranked) AS r (key_id)
         JOIN credentials c ON c.key_id = r.key_id
@@ -508,8 +620,8 @@ BEGIN
         LIMIT 1;
         frees_at := v_frees.at;
         held_by := v_frees.held_by;
-        IF v_windowed AND v_frees.at <= v_now THEN
-            request := 'window_busy';
+        IF v_frees.at <= v_now THEN
+            request := 'busy';
         END IF;
         RETURN NEXT;
     END LOOP;
@@ -522,6 +634,11 @@ $$;
 -- order: the new lease_until, or NULL when the lease is lost (expired, released, unknown, or named
 -- with another key_id, provider, pool or fence). Never resurrects an expired lease, even if its
 -- slot is still free: expiry is judged after the slot row's lock is taken, on clock_timestamp().
+-- A lease in a surplus row (over a lowered limit, see FIT) is renewed at most to the earliest
+-- lease_until of its credential's rows within the limit, so it never outlives them: each of
+-- those rows reopens when its lease ends, and by then no surplus lease counts. (Read from this
+-- statement's snapshot: those ends only move later, and a row leaves that set only by FIT, which
+-- needs this lease's row, or by END, which then closes it while this lease is held.)
 -- Locks: the named leases' slot rows, ascending (key_id, slot), in one statement.
 DROP FUNCTION IF EXISTS credpool_renew(jsonb);
 CREATE FUNCTION credpool_renew(p_renewals jsonb)
@@ -551,7 +668,12 @@ BEGIN
     ),
     renewed AS (
         UPDATE lease_slots s
-        SET lease_until = v_now + make_interval(secs => w.lease_seconds)
+        SET lease_until = CASE
+                WHEN NOT s.surplus THEN v_now + make_interval(secs => w.lease_seconds)
+                ELSE least(v_now + make_interval(secs => w.lease_seconds),
+                           (SELECT min(o.lease_until) FROM lease_slots o
+                            WHERE o.key_id = s.key_id AND NOT o.surplus AND o.lease_id IS NOT NULL))
+            END
         FROM (SELECT DISTINCT ON (wanted.lease_id) * FROM wanted ORDER BY wanted.lease_id, wanted.n) AS w
         WHERE s.lease_id = w.lease_id AND s.key_id = w.key_id AND s.provider = w.provider
           AND s.pool = w.pool AND (w.fence IS NULL OR s.fence = w.fence)
@@ -741,9 +863,14 @@ BEGIN
     -- its reservation; an outcome or usage for a lease that had ended counts once, as a late
     -- report (after the ends above, so a release and a late report of one lease in one call
     -- meet the unique index in that order).
-    v_key := '{}'; v_probe := '{}'; v_refit := '{}'; v_counted := '{}';
-    v_usage_at := '{}'; v_usage_delta := '{}';
-    FOR i IN 1 .. coalesce(cardinality(v_n), 0) LOOP
+    v_key := array_fill(NULL::text, ARRAY[coalesce(cardinality(v_n), 0)]);
+    v_probe := array_fill(NULL::boolean, ARRAY[coalesce(cardinality(v_n), 0)]);
+    v_refit := v_probe; v_counted := v_probe;
+    v_usage_at := array_fill(NULL::timestamptz, ARRAY[coalesce(cardinality(v_n), 0)]);
+    v_usage_delta := array_fill(NULL::bigint, ARRAY[coalesce(cardinality(v_n), 0)]);
+    -- in ascending lease_id (the lock order of the trail's unique indexes: two groups reporting
+    -- the same leases wait for each other's trail rows in one order)
+    FOR i IN SELECT k FROM generate_subscripts(v_n, 1) AS k ORDER BY v_lease[k], k LOOP
         v_key[i] := CASE WHEN v_verdict[i] IN ('released', 'expired') THEN v_asked_key[i] END;
         v_probe[i] := v_verdict[i] = 'released' AND (v_slot[i]).probe;
         v_refit[i] := v_verdict[i] IN ('released', 'expired') AND (v_slot[i]).over_limit;
@@ -816,6 +943,7 @@ $$;
 -- credential deleted meanwhile is skipped, with its transitions.
 CREATE OR REPLACE FUNCTION credpool_write_health(p_next jsonb, p_transitions jsonb) RETURNS integer
 LANGUAGE plpgsql
+SET credpool.health_write = 'on'
 SET enable_seqscan = off SET enable_bitmapscan = off SET enable_hashjoin = off
 SET enable_mergejoin = off SET enable_material = off SET jit = off
 AS $$
@@ -943,20 +1071,25 @@ $$;
 -- draining or of the windows, after a release freed a slot that was over a lowered limit, and by
 -- the cleanup pass for credentials back under their limit.
 --
--- Locks, in the lock order: every slot row of the credential, ascending slot, then its
--- lease_windows row, then the credential row. The in-flight count is exact: it is taken after the
--- locks, on clock_timestamp() read after them, and nobody else can fill or free a slot while
--- they are held.
+-- Locks, in the lock order (credpool_lock_credentials): every slot row of the credential,
+-- ascending slot, then its lease_windows row, then the credential row. The in-flight count is
+-- exact: it is taken after the locks, on clock_timestamp() read after them, and nobody else can
+-- fill or free a slot while they are held.
 --
 -- Afterwards, with in-flight <= limit: the slot rows are exactly 0..limit-1, every live lease sits
 -- in one of them (a lease at or above the new limit moves into a free lower number: its slot's
 -- key changes by UPDATE, so a release or renewal waiting for the row follows it), no slot is over
 -- the limit. With in-flight > limit (lowered under load): every free slot row is deleted and
--- every remaining one is marked over_limit, so no lease is granted until in-flight falls under the
--- limit and this function runs again. Lowering the limit revokes nothing. Either way every slot
--- row carries the credential's `draining` and `windowed` (it has rate windows). Expired leases
--- found on the way are ended (`expired`). A change of the over-limit state moves the pool's
--- version.
+-- every remaining one is marked over_limit; the `limit` rows whose leases end last stay within
+-- the limit, the others are `surplus` (never claimed; gone at the next fit). A row within the
+-- limit reopens to claims on its own when its lease ends (expiry on the database clock: nothing
+-- has to run), and exactly back up to the limit: every surplus lease ends no later than every
+-- lease within the limit (ranked so here; RENEW caps a surplus lease at them; END closes a row
+-- within the limit that frees while a surplus lease is held), so when k of those rows have
+-- reopened, at most limit - k leases count. Lowering the limit revokes nothing. Either way every
+-- slot row carries the credential's `draining`, `windowed` (it has rate windows) and
+-- configuration version. Expired leases found on the way are ended (`expired`). A change of the
+-- over-limit state moves the pool's version.
 --
 -- Windows: the lease_windows row follows the credential's rate_limits. A window kept (same kind
 -- and length) keeps what it counted; a new one starts from the trail (the grants of its last
@@ -969,21 +1102,19 @@ DECLARE
     v_draining boolean;
     v_provider text;
     v_pool text;
+    v_version bigint;
     v_now timestamptz;
     v_live integer;
     v_was_over boolean;
     v_rate_limits jsonb;
     v_windowed boolean;
-    r record;
 BEGIN
-    PERFORM 1 FROM lease_slots WHERE key_id = p_key_id ORDER BY slot FOR UPDATE;
-    PERFORM 1 FROM lease_windows WHERE key_id = p_key_id FOR UPDATE;
-    SELECT max_concurrent_uses, draining, provider, pool, rate_limits
-    INTO v_limit, v_draining, v_provider, v_pool, v_rate_limits
-    FROM credentials WHERE key_id = p_key_id FOR UPDATE;
-    IF NOT FOUND THEN
+    IF credpool_lock_credentials(ARRAY[p_key_id]) = 0 THEN
         RETURN;
     END IF;
+    SELECT max_concurrent_uses, draining, provider, pool, rate_limits, config_version
+    INTO v_limit, v_draining, v_provider, v_pool, v_rate_limits, v_version
+    FROM credentials WHERE key_id = p_key_id;
     PERFORM credpool_test_hook('fit.locked');
     v_now := clock_timestamp();
     v_windowed := credpool_fit_windows(p_key_id, v_rate_limits, v_now);
@@ -999,10 +1130,15 @@ BEGIN
 
     IF v_live > v_limit THEN
         DELETE FROM lease_slots WHERE key_id = p_key_id AND lease_id IS NULL;
-        UPDATE lease_slots SET over_limit = true, draining = v_draining, windowed = v_windowed
-        WHERE key_id = p_key_id
-          AND (NOT over_limit OR draining IS DISTINCT FROM v_draining
-               OR windowed IS DISTINCT FROM v_windowed);
+        UPDATE lease_slots s
+        SET over_limit = true, surplus = r.rank > v_limit, draining = v_draining,
+            windowed = v_windowed, config_version = v_version
+        FROM (SELECT slot, row_number() OVER (ORDER BY lease_until DESC, slot) AS rank
+              FROM lease_slots WHERE key_id = p_key_id) AS r
+        WHERE s.key_id = p_key_id AND s.slot = r.slot
+          AND (NOT s.over_limit OR s.surplus IS DISTINCT FROM (r.rank > v_limit)
+               OR s.draining IS DISTINCT FROM v_draining OR s.windowed IS DISTINCT FROM v_windowed
+               OR s.config_version IS DISTINCT FROM v_version);
         IF NOT v_was_over THEN
             PERFORM credpool_bump_pool_version(v_provider, v_pool);
         END IF;
@@ -1044,12 +1180,15 @@ BEGIN
     WHERE s.key_id = p_key_id AND s.slot = movers.slot;
 
     DELETE FROM lease_slots WHERE key_id = p_key_id AND slot >= v_limit;
-    INSERT INTO lease_slots (key_id, slot, draining, windowed)
-    SELECT p_key_id, g, v_draining, v_windowed FROM generate_series(0, v_limit - 1) AS g
+    INSERT INTO lease_slots (key_id, slot, draining, windowed, config_version)
+    SELECT p_key_id, g, v_draining, v_windowed, v_version FROM generate_series(0, v_limit - 1) AS g
     ON CONFLICT ON CONSTRAINT lease_slots_pkey DO NOTHING;
-    UPDATE lease_slots SET over_limit = false, draining = v_draining, windowed = v_windowed
+    UPDATE lease_slots
+    SET over_limit = false, surplus = false, draining = v_draining, windowed = v_windowed,
+        config_version = v_version
     WHERE key_id = p_key_id
-      AND (over_limit OR draining IS DISTINCT FROM v_draining OR windowed IS DISTINCT FROM v_windowed);
+      AND (over_limit OR draining IS DISTINCT FROM v_draining OR windowed IS DISTINCT FROM v_windowed
+           OR config_version IS DISTINCT FROM v_version);
     IF v_was_over THEN
         PERFORM credpool_bump_pool_version(v_provider, v_pool);
     END IF;
@@ -1059,35 +1198,34 @@ $$;
 
 -- FORCE RELEASE: an operator ends leases: one (p_lease_id), or every live lease of a credential
 -- (p_key_id), each as `force_released` with the operator's reason and name. Returns the leases
--- ended. Locks: the slot rows concerned, ascending (key_id, slot); decision clock:
--- clock_timestamp() after them (`at` of the trail rows).
+-- ended. Locks the whole credential first (credpool_lock_credentials: every slot row, the windows
+-- row, the credential row), so that a credential over a lowered limit is refitted in the same
+-- transaction and reopens at once. Decision clock: clock_timestamp() after the locks (`at` of the
+-- trail rows).
 DROP FUNCTION IF EXISTS credpool_force_release(text, uuid, text, text);
 CREATE FUNCTION credpool_force_release(p_key_id text, p_lease_id uuid, p_reason text, p_actor text)
 RETURNS TABLE (lease_id uuid, key_id text, holder text)
 LANGUAGE plpgsql AS $$
 #variable_conflict use_column
 DECLARE
+    v_key text := p_key_id;
     v_now timestamptz;
     v_slots lease_slots[];
     v_ended uuid[];
 BEGIN
-    IF p_lease_id IS NOT NULL THEN
+    IF v_key IS NULL THEN
         -- the lease's credential, when not given: its `granted` row in the trail names it
-        SELECT array_agg(s) INTO v_slots
-        FROM (SELECT s FROM lease_slots s
-              WHERE s.lease_id = p_lease_id
-                AND s.key_id = coalesce(p_key_id,
-                                        (SELECT g.key_id FROM lease_events g
-                                         WHERE g.lease_id = p_lease_id AND g.event = 'granted'
-                                         LIMIT 1))
-              FOR UPDATE) AS locked;
-    ELSE
-        SELECT array_agg(s ORDER BY (s).slot) INTO v_slots
-        FROM (SELECT s FROM lease_slots s WHERE s.key_id = p_key_id ORDER BY s.slot FOR UPDATE) AS locked;
+        SELECT g.key_id INTO v_key
+        FROM lease_events g WHERE g.lease_id = p_lease_id AND g.event = 'granted' LIMIT 1;
+    END IF;
+    IF v_key IS NULL OR credpool_lock_credentials(ARRAY[v_key]) = 0 THEN
+        RETURN;
     END IF;
     v_now := clock_timestamp();
-    v_slots := ARRAY(SELECT x FROM unnest(v_slots) AS x
-                     WHERE x.lease_id IS NOT NULL AND x.lease_until > v_now);
+    v_slots := ARRAY(SELECT s FROM lease_slots s
+                     WHERE s.key_id = v_key AND s.lease_id IS NOT NULL AND s.lease_until > v_now
+                       AND (p_lease_id IS NULL OR s.lease_id = p_lease_id)
+                     ORDER BY s.slot);
     v_ended := credpool_end_leases(
         v_slots,
         array_fill('force_released'::text, ARRAY[cardinality(v_slots)]),
@@ -1095,6 +1233,9 @@ BEGIN
         NULL,
         array_fill(p_reason, ARRAY[cardinality(v_slots)]),
         array_fill(p_actor, ARRAY[cardinality(v_slots)]));
+    IF EXISTS (SELECT 1 FROM unnest(v_slots) AS x WHERE x.over_limit) THEN
+        PERFORM credpool_fit_slots(v_key);
+    END IF;
     RETURN QUERY
     SELECT x.lease_id, x.key_id, x.holder
     FROM unnest(v_slots) AS x
@@ -1106,7 +1247,9 @@ $$;
 -- REAP: ends up to p_batch expired leases (`expired`, at their own lease_until) and frees their
 -- slots. Correctness never depends on it (a claim treats an expired lease as free and reuses its
 -- slot); it keeps the trail complete and "leases in flight" honest. Never waits: SKIP LOCKED,
--- deciding on statement_timestamp(). Returns how many leases it ended.
+-- deciding on statement_timestamp(). Leaves the rows within a lowered limit (over_limit, not
+-- surplus) to claims and to REFIT: ended here, END would close them while a surplus row still
+-- holds its (expired) lease. Returns how many leases it ended.
 CREATE OR REPLACE FUNCTION credpool_reap_expired_leases(p_batch integer DEFAULT 1000) RETURNS integer
 LANGUAGE plpgsql AS $$
 DECLARE
@@ -1116,6 +1259,7 @@ BEGIN
     FROM (SELECT s
           FROM lease_slots s
           WHERE s.lease_id IS NOT NULL AND s.lease_until <= statement_timestamp()
+            AND (s.surplus OR NOT s.over_limit)
           ORDER BY s.lease_until
           LIMIT p_batch
           FOR UPDATE SKIP LOCKED) AS locked;
@@ -1131,8 +1275,9 @@ $$;
 
 -- REFIT, in the cleanup pass: fits the slots of up to p_batch credentials that are over a lowered
 -- limit with fewer leases in flight than the limit (their releases normally refit them at once;
--- this catches a service that stopped in between). Never waits: a credential whose slot rows or
--- row another transaction holds is left for the next pass (its slots are closed to claims anyway).
+-- this catches a service that stopped in between, and removes the surplus rows once their leases
+-- have ended). Never waits: a credential whose slot rows or row another transaction holds is left
+-- for the next pass (its rows within the limit reopen on their own meanwhile).
 -- Returns how many credentials it fitted.
 CREATE OR REPLACE FUNCTION credpool_refit_over_limit(p_batch integer DEFAULT 100) RETURNS integer
 LANGUAGE plpgsql AS $$

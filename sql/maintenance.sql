@@ -102,16 +102,56 @@ LANGUAGE sql AS $$
     SELECT count(*)::integer FROM deleted
 $$;
 
--- One maintenance pass, as the schedulers run it: reap expired leases, refit credentials back
--- under a lowered limit, record ended cooldowns, purge old audit rows and request ids, fold the
--- pool versions of exited backends.
-CREATE OR REPLACE FUNCTION credpool_maintenance(p_retention interval DEFAULT '30 days') RETURNS jsonb
-LANGUAGE sql AS $$
-    SELECT jsonb_build_object(
-        'expired_leases_reaped', credpool_reap_expired_leases(1000),
-        'credentials_refitted', credpool_refit_over_limit(100),
-        'cooldowns_recorded', credpool_recover_cooldowns(1000),
-        'audit_rows_purged', credpool_purge_audit(p_retention, 10000),
-        'request_ids_purged', credpool_purge_requests('1 hour', 10000),
-        'pool_versions_folded', credpool_compact_pool_versions())
+-- The steps of one maintenance pass, in order: reap expired leases, refit credentials back under
+-- a lowered limit, record ended cooldowns, purge old audit rows and request ids, fold the pool
+-- versions of exited backends. Step `p_step` (1-based) runs and returns its name and how much it
+-- did; past the last step, both are NULL. Each step is meant to be its own transaction
+-- (credpool_maintenance, and the service's own scheduler, commit after each), so that the row
+-- locks of one step are gone before the next starts: a long audit purge never holds the slot rows
+-- the reaper ended, and no claim passes over a free slot, or answers 429, because a cleanup pass
+-- is running. A step that another session is running right now (the same advisory lock, tried,
+-- never waited for) is skipped: `done` is NULL.
+CREATE OR REPLACE FUNCTION credpool_maintenance_step(p_step integer, p_retention interval,
+    OUT name text, OUT done integer)
+LANGUAGE plpgsql AS $$
+BEGIN
+    name := (ARRAY['expired_leases_reaped', 'credentials_refitted', 'cooldowns_recorded',
+                   'audit_rows_purged', 'request_ids_purged', 'pool_versions_folded'])[p_step];
+    IF name IS NULL THEN
+        RETURN;
+    END IF;
+    IF NOT pg_try_advisory_xact_lock(hashtextextended('credpool.maintenance:' || name, 0)) THEN
+        RETURN;
+    END IF;
+    done := CASE name
+        WHEN 'expired_leases_reaped' THEN credpool_reap_expired_leases(1000)
+        WHEN 'credentials_refitted' THEN credpool_refit_over_limit(100)
+        WHEN 'cooldowns_recorded' THEN credpool_recover_cooldowns(1000)
+        WHEN 'audit_rows_purged' THEN credpool_purge_audit(p_retention, 10000)
+        WHEN 'request_ids_purged' THEN credpool_purge_requests('1 hour', 10000)
+        WHEN 'pool_versions_folded' THEN credpool_compact_pool_versions()
+    END;
+END;
+$$;
+
+-- One maintenance pass, as pg_cron runs it (`CALL credpool_maintenance(...)`, alone in its
+-- command, so that it may commit): every step of credpool_maintenance_step, each committed before
+-- the next. `report`: what each step did, {"expired_leases_reaped": n, ...}.
+DROP FUNCTION IF EXISTS credpool_maintenance(interval);
+CREATE OR REPLACE PROCEDURE credpool_maintenance(p_retention interval DEFAULT '30 days',
+    INOUT report jsonb DEFAULT NULL)
+LANGUAGE plpgsql AS $$
+DECLARE
+    v_step record;
+    i integer := 1;
+BEGIN
+    report := '{}';
+    LOOP
+        SELECT * INTO v_step FROM credpool_maintenance_step(i, p_retention);
+        EXIT WHEN v_step.name IS NULL;
+        report := report || jsonb_build_object(v_step.name, coalesce(v_step.done, 0));
+        COMMIT;
+        i := i + 1;
+    END LOOP;
+END;
 $$;

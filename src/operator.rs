@@ -476,9 +476,10 @@ pub async fn maintenance(args: MaintenanceRunArgs) -> anyhow::Result<()> {
     let cli = &args.cli;
     let retention = std::time::Duration::from_secs(args.audit_retention_days * 86_400);
     with_database(cli, async |db| {
-        let mut work = db.pool.work().await?;
-        let report = maintenance::run_functions(&mut work, retention).await?;
-        work.done().await?;
+        // a step another session runs right now is skipped: its work is being done
+        let report = maintenance::run_steps(&db.pool, retention)
+            .await?
+            .unwrap_or_default();
         if cli.json {
             print_json(&report)
         } else {

@@ -336,16 +336,18 @@ async fn the_in_process_scheduler_runs_on_one_replica_and_steps_aside_for_pg_cro
     tokio::time::sleep(Duration::from_millis(1_200)).await;
     let retention = Duration::from_secs(30 * 86_400);
 
-    // another replica holds this tick's lock
+    // another replica is running this tick's first step (the reaper) right now
     let mut other = sqlx::PgConnection::connect_with(&app.database.options)
         .await
         .unwrap();
     let mut tx = other.begin().await.unwrap();
-    // the key of store::maintenance's lock: "credpool" in ASCII
-    let locked: bool = sqlx::query_scalar("SELECT pg_try_advisory_xact_lock(7165901439157366636)")
-        .fetch_one(&mut *tx)
-        .await
-        .unwrap();
+    // the lock of that step (credpool_maintenance_step)
+    let locked: bool = sqlx::query_scalar(
+        "SELECT pg_try_advisory_xact_lock(hashtextextended('credpool.maintenance:expired_leases_reaped', 0))",
+    )
+    .fetch_one(&mut *tx)
+    .await
+    .unwrap();
     assert!(locked);
     assert_eq!(
         maintenance::run_pass(&app.db, retention).await.unwrap(),

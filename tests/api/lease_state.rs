@@ -19,13 +19,13 @@ use credpool_test_support::*;
 use crate::BIN;
 
 /// A connection of the test's own to the app's database.
-async fn connect(app: &TestApp) -> PgConnection {
+pub(crate) async fn connect(app: &TestApp) -> PgConnection {
     PgConnection::connect_with(&app.database.options)
         .await
         .expect("test connection")
 }
 
-async fn backend_pid(conn: &mut PgConnection) -> i32 {
+pub(crate) async fn backend_pid(conn: &mut PgConnection) -> i32 {
     sqlx::query_scalar("SELECT pg_backend_pid()")
         .fetch_one(conn)
         .await
@@ -33,7 +33,7 @@ async fn backend_pid(conn: &mut PgConnection) -> i32 {
 }
 
 /// Waits until backend `pid` waits for a lock (a row lock, or a test hook's advisory lock).
-async fn until_waiting(app: &TestApp, pid: i32) {
+pub(crate) async fn until_waiting(app: &TestApp, pid: i32) {
     for _ in 0..2000 {
         let waiting: Option<String> =
             sqlx::query_scalar("SELECT wait_event_type FROM pg_stat_activity WHERE pid = $1")
@@ -51,7 +51,7 @@ async fn until_waiting(app: &TestApp, pid: i32) {
 }
 
 /// Deadlocks PostgreSQL has detected in the app's database so far.
-async fn deadlocks(app: &TestApp) -> i64 {
+pub(crate) async fn deadlocks(app: &TestApp) -> i64 {
     sqlx::query_scalar("SELECT deadlocks FROM pg_stat_database WHERE datname = current_database()")
         .fetch_one(&app.db)
         .await
@@ -59,13 +59,13 @@ async fn deadlocks(app: &TestApp) -> i64 {
 }
 
 /// Holds a test hook closed (see `credpool_test_hook`) until [`Hook::open`].
-struct Hook {
+pub(crate) struct Hook {
     conn: PgConnection,
     point: &'static str,
 }
 
 impl Hook {
-    async fn close(app: &TestApp, point: &'static str) -> Self {
+    pub(crate) async fn close(app: &TestApp, point: &'static str) -> Self {
         let mut conn = connect(app).await;
         sqlx::query("SELECT pg_advisory_lock(hashtextextended('credpool.test_hook:' || $1, 0))")
             .bind(point)
@@ -75,7 +75,7 @@ impl Hook {
         Self { conn, point }
     }
 
-    async fn open(mut self) {
+    pub(crate) async fn open(mut self) {
         sqlx::query("SELECT pg_advisory_unlock(hashtextextended('credpool.test_hook:' || $1, 0))")
             .bind(self.point)
             .execute(&mut self.conn)
@@ -85,7 +85,7 @@ impl Hook {
 }
 
 /// A connection whose SQL functions stop at `points` while their hooks are closed.
-async fn hooked(app: &TestApp, points: &str) -> PgConnection {
+pub(crate) async fn hooked(app: &TestApp, points: &str) -> PgConnection {
     let mut conn = connect(app).await;
     sqlx::query("SELECT set_config('credpool.test_hooks', $1, false)")
         .bind(points)
@@ -96,7 +96,7 @@ async fn hooked(app: &TestApp, points: &str) -> PgConnection {
 }
 
 /// One claim over `ranked` as the service sends it to `credpool_claim`.
-fn claim_body(ranked: &[&str], pool: &str, request_id: Option<&str>) -> Value {
+pub(crate) fn claim_body(ranked: &[&str], pool: &str, request_id: Option<&str>) -> Value {
     json!([{
         "ranked": ranked, "provider": "openai", "pool": pool, "model": "gpt-4o",
         "lease_id": uuid::Uuid::new_v4(), "holder": "test", "lease_seconds": 600,

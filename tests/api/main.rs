@@ -14,6 +14,8 @@ mod cli;
 mod client;
 mod dashboard;
 mod executor_protocol;
+mod gates;
+mod handover;
 mod lease_state;
 mod observability;
 mod operations;

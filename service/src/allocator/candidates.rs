@@ -104,10 +104,11 @@ impl RankRow {
     }
 
     /// Slots this view believes free at `now`: one (slot 0) at most while the credential is
-    /// recovering, none while it is over its limit.
+    /// recovering; while it is over a lowered limit, none until the first lease within the limit
+    /// ends (its row then reopens: `credpool_fit_slots`), one after.
     pub fn free_slots(&self, now: f64) -> i64 {
         if self.over_limit {
-            0
+            i64::from(now >= self.next_lease_end)
         } else if !self.available && self.usable(now) {
             i64::from(self.slot0_free)
         } else {

@@ -267,6 +267,15 @@ impl Operation for Claim {
             let Some(granted) = output.granted else {
                 return;
             };
+            if self.request.is_some() {
+                // A retry of the same request_id may be waiting for this very lease (its first
+                // attempt timed out on the client's side): given back, the retry would be answered
+                // with a lease the server had already ended while the first attempt's caller may
+                // still use the credential upstream. It stays the request's until lease_until.
+                tracing::info!(lease_id = %granted.lease_id,
+                    "lease of a departed caller kept for a retry of its request_id");
+                return;
+            }
             let release = ReleaseRequest {
                 lease: LeaseRef {
                     key_id: granted.key_id,

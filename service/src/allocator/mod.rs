@@ -176,11 +176,12 @@ impl From<AllocateError> for Refusal {
 /// How long a claim waits before it tries again when another attempt of its request is in flight.
 const IN_FLIGHT_PAUSE: Duration = Duration::from_millis(5);
 
-/// How long a request keeps claiming again while a candidate's windows are held by another
-/// transaction: that transaction is a claim group committing, which takes milliseconds alone and
-/// tens of milliseconds under load, so a bound in attempts would answer 429 while a window still
-/// had room; the request timeout bounds it too.
-const WINDOW_BUSY_PATIENCE: Duration = Duration::from_secs(1);
+/// How long a request keeps claiming again while a candidate that may serve at once is held by
+/// another transaction (a claim group committing, a window row, the reaper's short transaction, an
+/// operator's change): that transaction takes milliseconds alone and tens of milliseconds under
+/// load, so a bound in attempts would answer 429 while a slot or a window still had room; the
+/// request timeout bounds it too.
+const BUSY_PATIENCE: Duration = Duration::from_secs(1);
 
 /// How long the first waiting request waits for the listening connection to come up.
 const LISTEN_CONNECT_WAIT: Duration = Duration::from_secs(1);
@@ -291,15 +292,15 @@ impl Allocator {
     /// flight (`in_flight`: a client's retry overtook its first attempt) is made again after a
     /// pause, until that attempt has committed and can be answered; the request timeout bounds it.
     ///
-    /// A claim that found a candidate's windows held by another transaction (`window_busy`) is
-    /// made again too, for up to a second: that transaction commits within milliseconds and may
-    /// or may not leave room.
+    /// A claim that passed over a candidate another transaction held or changed at that moment
+    /// (`busy`: a concurrent claim, a window row, the reaper, an operator's change) is made again
+    /// too, for up to a second: that transaction commits within milliseconds and may or may not
+    /// leave room.
     async fn claim(&self, claim: &ClaimRequest<'_>) -> Result<ClaimResult, AllocateError> {
         let started = Instant::now();
         loop {
             let result = self.groups.claim(claim).await?;
-            let again = result.in_flight
-                || (result.window_busy && started.elapsed() < WINDOW_BUSY_PATIENCE);
+            let again = result.in_flight || (result.busy && started.elapsed() < BUSY_PATIENCE);
             if !again {
                 return Ok(result);
             }
@@ -383,9 +384,13 @@ impl Allocator {
             if let Some(unused) = unused {
                 Registration::pass_on(&self.waits, &request.provider, unused);
             }
-            let wake_at = frees_in
+            let mut wake_at = frees_in
                 .map_or(deadline, |d| Instant::now() + d.max(MIN_WAIT_STEP))
                 .min(deadline);
+            if registration.first_in_line() {
+                // the floor under a freed slot whose announcement never came
+                wake_at = wake_at.min(Instant::now() + waiting::RECHECK_EVERY);
+            }
             hint = tokio::select! {
                 hint = registration.woken() => hint,
                 () = tokio::time::sleep_until(wake_at.into()) => registration.take_hint(),

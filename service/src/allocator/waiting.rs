@@ -1,7 +1,7 @@
 //! Bounded waiting for a slot (`wait_ms` on allocate; docs/executor-protocol.md).
 //!
 //! An allocation that finds every candidate busy may wait, up to its `wait_ms`, for a slot to free
-//! up. It waits without polling the database:
+//! up. It waits without polling the database, but for one floor (below):
 //! - **Notifications.** `credpool_slot_freed` tells that a lease's slot was freed, from every
 //!   replica: an executor's release is announced by the process that released it, right after
 //!   its group committed (its own waiters are woken directly; [`Waits::released_here`]), and
@@ -13,6 +13,9 @@
 //! - **Timers.** A lease that runs out, or a cooldown that ends, changes no row at that moment, so
 //!   nothing is sent: each waiter also sleeps until the moment its last attempt said something
 //!   ends (the `Retry-After` it would have been given, to the millisecond).
+//! - **Recheck.** The longest-waiting waiter of each pool in each process claims again every
+//!   [`RECHECK_EVERY`] however quiet it is: a release announced by a process that stopped between
+//!   its commit and its announcement reaches every waiter that way.
 //!
 //! Waiters are served roughly in arrival order: a freed slot wakes ONE waiter of its pool, the
 //! longest-waiting one that is not already awake and whose model the freed credential serves
@@ -28,7 +31,8 @@
 //!
 //! A waiter whose caller goes away is dropped with the request (its registration removes itself),
 //! so it never takes a slot afterwards; a caller gone while its claim is in flight has the lease
-//! given back at once ([`super::groups`]). When the service's shutdown drain is over,
+//! given back at once ([`super::groups`]), unless the request carries a `request_id` (a retry of
+//! it may be waiting for that very lease). When the service's shutdown drain is over,
 //! [`Waits::stop_waiting`] ends every wait: each waiter answers 429 at once.
 
 use std::collections::{BTreeMap, HashMap};
@@ -55,6 +59,15 @@ pub const POOL_CHANGED_CHANNEL: &str = "credpool_pool_changed";
 
 /// At most this many freed slots are announced in one statement.
 const ANNOUNCE_BATCH: usize = 512;
+
+/// How often the longest-waiting waiter of a pool claims again without being told of a freed slot:
+/// the floor under announcements that never came (their sender stopped right after its commit).
+pub const RECHECK_EVERY: Duration = Duration::from_secs(1);
+
+/// The first and the longest pause between two attempts to send announcements the database did
+/// not take; attempts go on for about a minute, then the recheck is what is left.
+const ANNOUNCE_RETRY: (Duration, Duration) = (Duration::from_millis(50), Duration::from_secs(5));
+const ANNOUNCE_ATTEMPTS: u32 = 20;
 
 /// Where the listening connection comes from. On a multi-host target it follows the writable
 /// server like the service's pool (a standby cannot LISTEN): each (re)connection starts at the
@@ -250,9 +263,11 @@ impl Waits {
 
     /// A release by this process freed a slot, and has committed: wakes a waiter here at once,
     /// and announces the slot to every other process (on `credpool_slot_freed`, from a task of
-    /// its own that sends whatever was freed meanwhile in one statement; this process's listener
-    /// skips it). If the announcement is lost (this process stops first, or the database is
-    /// unreachable), the other processes' waiters wake on their timers.
+    /// its own that sends whatever was freed meanwhile in one statement, and sends it again with
+    /// backoff while the database does not take it; this process's listener skips it). Should
+    /// the announcement never be sent (this process stops between the commit and the
+    /// announcement), the longest-waiting waiter of each pool in every process claims again every
+    /// [`RECHECK_EVERY`] on its own, so a freed slot is never left unclaimed longer than that.
     pub fn released_here(&self, provider: &ProviderName, pool: &PoolName, key_id: &KeyId) {
         self.slot_freed(provider, pool, key_id);
         if let Some(announcements) = &self.announcements {
@@ -316,6 +331,18 @@ impl Registration {
         self.take_hint()
     }
 
+    /// Whether this waiter has waited longest in one of its pools here: the one that claims
+    /// again every [`RECHECK_EVERY`] whatever it was told (see [`Waits::released_here`]).
+    pub fn first_in_line(&self) -> bool {
+        let queues = self.waits.pools.lock().unwrap_or_else(|p| p.into_inner());
+        self.keys.iter().any(|key| {
+            queues
+                .get(key)
+                .and_then(|queue| queue.keys().next())
+                .is_some_and(|first| *first == self.ticket)
+        })
+    }
+
     /// The hint left by a wake-up that came while the waiter was busy, if any; marks it waiting.
     pub fn take_hint(&self) -> Option<Hint> {
         self.waiter.woken.store(false, Ordering::SeqCst);
@@ -362,16 +389,26 @@ impl Drop for Registration {
 async fn announce(db: Db, mut announcements: mpsc::UnboundedReceiver<String>) {
     let mut batch = Vec::with_capacity(ANNOUNCE_BATCH);
     while announcements.recv_many(&mut batch, ANNOUNCE_BATCH).await > 0 {
-        let sent = async {
-            let mut work = db.work().await?;
-            sqlx::query_scalar!("SELECT credpool_announce_freed($1)", &batch[..])
-                .fetch_one(&mut *work)
-                .await?;
-            work.done().await
-        };
-        if let Err(error) = sent.await {
-            tracing::warn!(error = %error, slots = batch.len(),
-                "waiting allocations: cannot announce freed slots; other processes' waiters wake on their timers");
+        let mut pause = ANNOUNCE_RETRY.0;
+        for attempt in 1..=ANNOUNCE_ATTEMPTS {
+            let sent = async {
+                let mut work = db.work().await?;
+                sqlx::query_scalar!("SELECT credpool_announce_freed($1)", &batch[..])
+                    .fetch_one(&mut *work)
+                    .await?;
+                work.done().await
+            };
+            match sent.await {
+                Ok(()) => break,
+                Err(error) if attempt < ANNOUNCE_ATTEMPTS => {
+                    tracing::warn!(error = %error, slots = batch.len(), attempt,
+                        "waiting allocations: cannot announce freed slots yet; trying again");
+                    tokio::time::sleep(pause).await;
+                    pause = (pause * 2).min(ANNOUNCE_RETRY.1);
+                }
+                Err(error) => tracing::warn!(error = %error, slots = batch.len(),
+                    "waiting allocations: cannot announce freed slots; other processes' waiters find them on their recheck"),
+            }
         }
         batch.clear();
     }

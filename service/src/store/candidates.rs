@@ -65,7 +65,8 @@ pub struct CredentialFacts {
     /// Its health.
     pub health: Health,
     /// Its slots are over a lowered limit: more leases were in flight than the limit when they were
-    /// last fit (claims skip it until a refit).
+    /// last fit. Its rows within the limit reopen as their leases end (the earliest of those ends
+    /// is [`Self::next_lease_end`]); its surplus rows never do.
     pub slots_over_limit: bool,
     /// Drained by an operator: no new leases.
     pub draining: bool,
@@ -73,7 +74,8 @@ pub struct CredentialFacts {
     pub in_flight: i64,
     /// Whether slot 0 is free (the probe slot of a recovering credential).
     pub slot0_free: bool,
-    /// The earliest end among its unexpired leases.
+    /// The earliest end among its unexpired leases (not counting surplus rows of a lowered
+    /// limit, which never reopen).
     pub next_lease_end: Option<OffsetDateTime>,
     /// When its latest lease was granted.
     pub last_used_at: Option<OffsetDateTime>,
@@ -149,7 +151,7 @@ pub async fn load_pool(
                count(s.lease_id) FILTER (WHERE s.lease_until > now()) AS "in_flight!",
                coalesce(bool_or(s.slot = 0 AND (s.lease_id IS NULL OR s.lease_until <= now())), false)
                    AS "slot0_free!",
-               min(s.lease_until) FILTER (WHERE s.lease_until > now()) AS next_lease_end,
+               min(s.lease_until) FILTER (WHERE s.lease_until > now() AND NOT s.surplus) AS next_lease_end,
                w.window_kinds AS "window_kinds?", w.window_counts AS "window_counts?",
                w.window_seconds AS "window_seconds?", w.bucket_ids AS "bucket_ids?",
                w.bucket_charged AS "bucket_charged?"

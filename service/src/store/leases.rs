@@ -134,9 +134,10 @@ pub struct ClaimResult {
     /// Another transaction is claiming for the same `request_id` right now (a retry that overtook
     /// its first attempt): nothing was done; claim again in a moment to get that attempt's answer.
     pub in_flight: bool,
-    /// Nothing was granted, but a candidate with window room and a free slot had its windows held
-    /// by another transaction at that moment: claiming again soon may succeed.
-    pub window_busy: bool,
+    /// Nothing was granted, but a candidate that may serve at once (read after the claim) was held
+    /// or changed by another transaction at that moment (a concurrent claim, the reaper, an
+    /// operator's change): claiming again soon may succeed.
+    pub busy: bool,
     /// When nothing was granted: the earliest moment a candidate may serve the claim (a slot, a
     /// cooldown or a window frees), on the database clock; `None` when nothing known ends.
     pub frees_at: Option<OffsetDateTime>,
@@ -146,10 +147,10 @@ pub struct ClaimResult {
 
 /// Runs the claim for one request: [`claim_slots`] with a group of one.
 pub async fn claim_slot(
-    executor: impl PgExecutor<'_>,
+    conn: &mut PgConnection,
     request: &ClaimRequest<'_>,
 ) -> Result<ClaimResult, sqlx::Error> {
-    claim_slots(executor, std::slice::from_ref(request))
+    claim_slots(conn, std::slice::from_ref(request))
         .await?
         .pop()
         .ok_or(sqlx::Error::RowNotFound)
@@ -158,9 +159,15 @@ pub async fn claim_slot(
 /// Runs the claim (SQL function `credpool_claim` in `sql/lease.sql`; read its comment for why it
 /// cannot oversell and never waits for a lock) for each request, in order, in ONE statement: a
 /// group of claims costs one round trip. Returns one result per request, in the same order.
+///
+/// A lease the statement granted (or replayed) that cannot be turned into an answer — a column
+/// unexpectedly NULL, a value that does not parse — is given back at once (force released, as
+/// actor `credpool`, see [`give_back_unanswerable`]) rather than stranded until its lease_until,
+/// and its request is answered as if nothing had been granted; the error is logged (no secret in
+/// it).
 #[tracing::instrument(skip_all, fields(claims = requests.len()), err(level = "debug"))]
 pub async fn claim_slots(
-    executor: impl PgExecutor<'_>,
+    conn: &mut PgConnection,
     requests: &[ClaimRequest<'_>],
 ) -> Result<Vec<ClaimResult>, sqlx::Error> {
     let claims: Vec<serde_json::Value> = requests
@@ -190,7 +197,7 @@ pub async fn claim_slots(
         "#,
         serde_json::Value::Array(claims),
     )
-    .fetch_all(executor)
+    .fetch_all(&mut *conn)
     .await?;
     if rows.len() != requests.len() {
         return Err(sqlx::Error::Protocol(format!(
@@ -199,54 +206,85 @@ pub async fn claim_slots(
             requests.len()
         )));
     }
-    rows.into_iter()
+    let mut unanswerable = Vec::new();
+    let results = rows
+        .into_iter()
         .zip(requests)
         .map(|(row, request)| {
-            let granted = match (
-                row.key_id,
-                row.lease_id,
-                row.granted_at,
-                row.lease_until,
-                row.sealed_secret,
-                row.lease_pool,
-                row.fence,
-            ) {
-                (
-                    Some(key_id),
-                    Some(lease_id),
-                    Some(granted_at),
-                    Some(lease_until),
-                    Some(sealed_secret),
-                    Some(pool),
-                    Some(fence),
-                ) => Some(GrantedLease {
-                    key_id: decoded(KeyId::parse(key_id))?,
+            let granted = || -> Result<Option<GrantedLease>, String> {
+                let Some(lease_id) = row.lease_id else {
+                    return Ok(None);
+                };
+                let missing = |column: &str| format!("{column} is NULL");
+                Ok(Some(GrantedLease {
+                    key_id: KeyId::parse(row.key_id.clone().ok_or_else(|| missing("key_id"))?)
+                        .map_err(|e| e.to_string())?,
                     lease_id: LeaseId::from(lease_id),
-                    granted_at,
-                    lease_until,
+                    granted_at: row.granted_at.ok_or_else(|| missing("granted_at"))?,
+                    lease_until: row.lease_until.ok_or_else(|| missing("lease_until"))?,
                     probe: row.probe.unwrap_or(false),
                     provider_model: row
                         .provider_model
+                        .clone()
                         .unwrap_or_else(|| request.model.as_str().to_owned()),
-                    sealed_secret,
+                    sealed_secret: row
+                        .sealed_secret
+                        .clone()
+                        .ok_or_else(|| missing("the sealed secret"))?,
                     pruned_expired: row.pruned_expired.unwrap_or(false),
-                    pool: decoded(PoolName::parse(pool))?,
-                    fence,
+                    pool: PoolName::parse(row.lease_pool.clone().ok_or_else(|| missing("pool"))?)
+                        .map_err(|e| e.to_string())?,
+                    fence: row.fence.ok_or_else(|| missing("fence"))?,
                     replayed: row.request.as_deref() == Some("replayed"),
-                }),
-                _ => None,
+                }))
             };
-            Ok(ClaimResult {
+            let granted = match granted() {
+                Ok(granted) => granted,
+                Err(why) => {
+                    unanswerable.push((row.key_id.clone(), row.lease_id, why));
+                    None
+                }
+            };
+            ClaimResult {
                 pool_version: row.pool_version,
                 granted,
                 conflict: row.request.as_deref() == Some("conflict"),
                 in_flight: row.request.as_deref() == Some("in_flight"),
-                window_busy: row.request.as_deref() == Some("window_busy"),
+                busy: row.request.as_deref() == Some("busy"),
                 frees_at: row.frees_at,
                 held_by: row.held_by,
-            })
+            }
         })
-        .collect()
+        .collect();
+    for (key_id, lease_id, why) in unanswerable {
+        give_back_unanswerable(&mut *conn, key_id.as_deref(), lease_id, &why).await?;
+    }
+    Ok(results)
+}
+
+/// Gives back a lease that was granted but cannot be answered (see [`claim_slots`]): force
+/// released in the trail with the reason "granted but could not be answered" and actor
+/// `credpool`, so that its slot frees now and the trail says why.
+async fn give_back_unanswerable(
+    conn: &mut PgConnection,
+    key_id: Option<&str>,
+    lease_id: Option<uuid::Uuid>,
+    why: &str,
+) -> Result<(), sqlx::Error> {
+    tracing::error!(
+        key_id,
+        ?lease_id,
+        why,
+        "a granted lease could not be answered; giving it back"
+    );
+    sqlx::query!(
+        "SELECT lease_id FROM credpool_force_release($1, $2, 'granted but could not be answered', 'credpool')",
+        key_id,
+        lease_id,
+    )
+    .fetch_all(&mut *conn)
+    .await?;
+    Ok(())
 }
 
 /// Brings a credential's slot rows in line with its limit and drain state (SQL function

@@ -10,13 +10,9 @@ use sqlx::{ConnectOptions, Connection};
 
 use super::Db;
 
-/// A transaction-scoped advisory lock key for the in-process scheduler ("credpool" in ASCII):
-/// held only for the duration of one pass's transaction, so it works through PgBouncer in
-/// transaction pooling mode, and only one replica runs each tick.
-const MAINTENANCE_LOCK: i64 = 0x6372_6564_706f_6f6c;
-
 /// What one maintenance pass did.
 #[derive(Debug, Clone, Default, Serialize, serde::Deserialize, PartialEq, Eq)]
+#[serde(default)]
 pub struct MaintenanceReport {
     /// Expired leases ended in the trail and freed.
     pub expired_leases_reaped: i64,
@@ -36,49 +32,58 @@ pub enum Skipped {
     OtherReplica,
 }
 
-/// One in-process pass, in one transaction under the maintenance advisory lock: skipped when
-/// pg_cron is scheduled for this database or another replica is running it now. `db`: a
-/// [`Db`], or a `&PgPool` for a direct connection.
+/// One in-process pass: skipped when pg_cron is scheduled for this database, or when another
+/// replica is running the pass's first step right now. `db`: a [`Db`], or a `&PgPool` for a
+/// direct connection.
 pub async fn run_pass(
     db: impl Into<Db>,
     retention: Duration,
 ) -> Result<Result<MaintenanceReport, Skipped>, sqlx::Error> {
-    let mut tx = db.into().begin().await?;
+    let db = db.into();
+    let mut work = db.work().await?;
     let cron: bool = sqlx::query_scalar!(
         r#"SELECT EXISTS (SELECT 1 FROM maintenance_schedule WHERE scheduler = 'pg_cron') AS "cron!""#
     )
-    .fetch_one(&mut *tx)
+    .fetch_one(&mut *work)
     .await?;
+    work.done().await?;
     if cron {
         return Ok(Err(Skipped::PgCron));
     }
-    let locked: bool = sqlx::query_scalar!(
-        r#"SELECT pg_try_advisory_xact_lock($1) AS "locked!""#,
-        MAINTENANCE_LOCK
-    )
-    .fetch_one(&mut *tx)
-    .await?;
-    if !locked {
-        return Ok(Err(Skipped::OtherReplica));
-    }
-    let report = run_functions(&mut tx, retention).await?;
-    tx.commit().await?;
-    Ok(Ok(report))
+    run_steps(&db, retention).await
 }
 
-/// One pass of the cleanup functions (`credpool_maintenance`) on `conn`, without the scheduling
-/// checks of [`run_pass`].
-pub async fn run_functions(
-    conn: &mut sqlx::PgConnection,
+/// One pass of the cleanup steps (`credpool_maintenance_step`), without the pg_cron check of
+/// [`run_pass`]. Each step is its own transaction, committed before the next starts, so a long
+/// step (an audit purge) never holds the row locks of an earlier one (the slot rows the reaper
+/// ended). Skipped as a whole when another session runs the first step right now.
+pub async fn run_steps(
+    db: &Db,
     retention: Duration,
-) -> Result<MaintenanceReport, sqlx::Error> {
-    let report = sqlx::query_scalar!(
-        r#"SELECT credpool_maintenance(make_interval(secs => $1)) AS "report!""#,
-        retention.as_secs_f64()
-    )
-    .fetch_one(&mut *conn)
-    .await?;
-    serde_json::from_value(report).map_err(|e| sqlx::Error::Decode(Box::new(e)))
+) -> Result<Result<MaintenanceReport, Skipped>, sqlx::Error> {
+    let mut report = serde_json::Map::new();
+    for step in 1.. {
+        let mut tx = db.begin().await?;
+        let row = sqlx::query!(
+            r#"SELECT name, done FROM credpool_maintenance_step($1::integer, make_interval(secs => $2))"#,
+            step,
+            retention.as_secs_f64()
+        )
+        .fetch_one(&mut *tx)
+        .await?;
+        tx.commit().await?;
+        let Some(name) = row.name else { break };
+        match row.done {
+            Some(done) => {
+                report.insert(name, done.into());
+            }
+            None if step == 1 => return Ok(Err(Skipped::OtherReplica)),
+            None => {}
+        }
+    }
+    serde_json::from_value(serde_json::Value::Object(report))
+        .map(Ok)
+        .map_err(|e| sqlx::Error::Decode(Box::new(e)))
 }
 
 /// Runs the in-process scheduler until the pool closes: a pass every `interval`, logging what it
@@ -119,7 +124,7 @@ pub fn cron_jobs(retention: Duration) -> Vec<(&'static str, &'static str, String
         "maintenance",
         "* * * * *",
         format!(
-            "SELECT credpool_maintenance(make_interval(secs => {}))",
+            "CALL credpool_maintenance(make_interval(secs => {}))",
             retention.as_secs()
         ),
     )]

@@ -60,29 +60,18 @@ impl Actor {
     }
 }
 
-/// Locks the slot rows of `key_ids`, then their windows rows, then their credential rows, each
-/// kind in one statement in ascending order: the lock order of `sql/lease.sql`. Returns how many
-/// of the credentials exist.
+/// Locks every slot row of `key_ids` (including rows a concurrent fit inserted while this waited),
+/// then their windows rows, then their credential rows, each kind in ascending order: the lock
+/// order of `sql/lease.sql` (`credpool_lock_credentials`). Returns how many of the credentials
+/// exist.
 async fn lock_credentials(conn: &mut PgConnection, key_ids: &[&str]) -> Result<usize, sqlx::Error> {
-    sqlx::query!(
-        "SELECT slot FROM lease_slots WHERE key_id = ANY ($1) ORDER BY key_id, slot FOR UPDATE",
-        key_ids as &[&str]
-    )
-    .fetch_all(&mut *conn)
-    .await?;
-    sqlx::query!(
-        "SELECT key_id FROM lease_windows WHERE key_id = ANY ($1) ORDER BY key_id FOR UPDATE",
-        key_ids as &[&str]
-    )
-    .fetch_all(&mut *conn)
-    .await?;
     let found = sqlx::query_scalar!(
-        r#"SELECT 1 AS "one!" FROM credentials WHERE key_id = ANY ($1) ORDER BY key_id FOR UPDATE"#,
+        r#"SELECT credpool_lock_credentials($1) AS "found!""#,
         key_ids as &[&str]
     )
-    .fetch_all(&mut *conn)
+    .fetch_one(&mut *conn)
     .await?;
-    Ok(found.len())
+    Ok(usize::try_from(found).unwrap_or(0))
 }
 
 /// [`lock_credentials`] for one credential: whether it exists.

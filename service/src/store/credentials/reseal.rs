@@ -1,6 +1,6 @@
 //! Resealing secrets under the current master key, and which keys sealed them.
 
-use super::{Actor, audit};
+use super::{Actor, audit, lock_credentials};
 use crate::domain::KeyId;
 use crate::secrets::Keyring;
 use crate::store::Db;
@@ -20,21 +20,29 @@ pub async fn reseal(
     let mut after = String::new();
     loop {
         let mut tx = db.begin().await?;
-        let rows = sqlx::query!(
-            r#"
-            SELECT key_id, secret, secret_ciphertext
-            FROM credentials
-            WHERE key_id > $1
-            ORDER BY key_id
-            LIMIT 500
-            FOR UPDATE
-            "#,
+        // a new secret is a gate of the claim (trigger credentials_config_version writes the
+        // version into the slot rows): lock in the lock order, slot rows first
+        let batch = sqlx::query_scalar!(
+            r#"SELECT key_id AS "key_id!" FROM credentials WHERE key_id > $1 ORDER BY key_id LIMIT 500"#,
             after
         )
         .fetch_all(&mut *tx)
         .await?;
-        let Some(last) = rows.last() else { break };
-        after = last.key_id.clone();
+        let Some(last) = batch.last() else { break };
+        after = last.clone();
+        let batch: Vec<&str> = batch.iter().map(String::as_str).collect();
+        lock_credentials(&mut tx, &batch).await?;
+        let rows = sqlx::query!(
+            r#"
+            SELECT key_id, secret, secret_ciphertext
+            FROM credentials
+            WHERE key_id = ANY ($1)
+            ORDER BY key_id
+            "#,
+            &batch as &[&str]
+        )
+        .fetch_all(&mut *tx)
+        .await?;
         for row in rows {
             let key_id = decoded(KeyId::parse(row.key_id))?;
             let secret = match (row.secret, row.secret_ciphertext) {

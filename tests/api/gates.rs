@@ -1,0 +1,583 @@
+//! Gates on the locked row (docs/design.md, "Gate on the locked row" and "Lock order"): an
+//! operator's change that has committed is never granted past, a lowered limit reopens when the
+//! leases over it end, and operator transactions, releases and late reports take their locks in
+//! one order. Each window is held open on purpose: a claim paused between its snapshot and its
+//! lock (test hook `claim.before_lock`), transactions stepped by hand on connections of the test's
+//! own. Every test here failed before the claim required the slot row's configuration version,
+//! before lowered limits kept rows within the limit, and before operators locked every slot row.
+
+use std::time::Duration;
+
+use reqwest::StatusCode;
+use serde_json::{Value, json};
+use sqlx::{Executor, Row};
+
+use credpool_test_support::*;
+
+use crate::BIN;
+use crate::lease_state::{
+    Hook, backend_pid, claim_body, connect, deadlocks, hooked, until_waiting,
+};
+
+/// An operator's request with the admin key.
+async fn admin(app: &TestApp, method: reqwest::Method, path: &str, body: Value) -> StatusCode {
+    app.client
+        .request(method, app.url(path))
+        .header("x-admin-key", ADMIN_KEY)
+        .header("x-operator", "alice")
+        .json(&body)
+        .send()
+        .await
+        .expect("admin request")
+        .status()
+}
+
+async fn allocate(app: &TestApp, model: &str, pool: &str, lease_seconds: u32) -> reqwest::Response {
+    app.allocate(json!({"provider": "openai", "model": model, "pool": pool,
+                        "lease_seconds": lease_seconds}))
+        .await
+}
+
+/// How the operator changes credential `k` (provider openai, pool default, models gpt-4o and
+/// gpt-4o-mini, alias `fast` -> gpt-4o, limit 2, one lease held) while a claim for `model` in
+/// `default` waits between its snapshot and its lock.
+enum Change {
+    Patch(Value),
+    Delete,
+    Put(Value),
+    /// Any writer of the columns, as `credpool keys reseal` writes a new ciphertext.
+    Sql(&'static str),
+}
+
+async fn apply(app: &TestApp, change: &Change) {
+    let status = match change {
+        Change::Patch(body) => {
+            admin(
+                app,
+                reqwest::Method::PATCH,
+                "/api/admin/keys/k",
+                body.clone(),
+            )
+            .await
+        }
+        Change::Delete => admin(app, reqwest::Method::DELETE, "/api/admin/keys/k", json!({})).await,
+        Change::Put(body) => app.put_key_raw("k", body.clone()).await.status(),
+        Change::Sql(sql) => {
+            sqlx::query(sqlx::AssertSqlSafe(*sql))
+                .execute(&app.db)
+                .await
+                .expect("the operator's SQL");
+            StatusCode::OK
+        }
+    };
+    assert!(status.is_success(), "the change answered {status}");
+}
+
+fn spec(pool: &str, limit: u32, secret: &str) -> Value {
+    json!({"provider": "openai", "pool": pool, "models": ["gpt-4o", "gpt-4o-mini"],
+           "aliases": {"fast": "gpt-4o"}, "max_concurrent_uses": limit,
+           "secret": {"api_key": secret}})
+}
+
+#[tokio::test]
+async fn no_claim_grants_on_a_configuration_replaced_after_its_snapshot() {
+    // (what changes, the model the paused claim asks for, whether a grant on the NEW
+    // configuration is still right for it)
+    let changes: Vec<(&str, Change, &str, bool)> = vec![
+        (
+            "disable",
+            Change::Patch(json!({"state": "disable"})),
+            "gpt-4o",
+            false,
+        ),
+        (
+            "drain",
+            Change::Patch(json!({"state": "drain"})),
+            "gpt-4o",
+            false,
+        ),
+        (
+            "pool move",
+            Change::Patch(json!({"pool": "vip"})),
+            "gpt-4o",
+            false,
+        ),
+        (
+            "model list",
+            Change::Patch(json!({"models": ["gpt-4o-mini"], "aliases": {}})),
+            "gpt-4o",
+            false,
+        ),
+        (
+            "alias",
+            Change::Patch(json!({"aliases": {}})),
+            "fast",
+            false,
+        ),
+        (
+            "limit lowered",
+            Change::Patch(json!({"max_concurrent_uses": 1})),
+            "gpt-4o",
+            false,
+        ),
+        ("delete", Change::Delete, "gpt-4o", false),
+        (
+            "PUT, new secret",
+            Change::Put(spec("default", 2, "sk-new")),
+            "gpt-4o",
+            true,
+        ),
+        (
+            "PUT, new pool",
+            Change::Put(spec("vip", 2, "sk-old")),
+            "gpt-4o",
+            false,
+        ),
+        (
+            "new ciphertext by any writer",
+            Change::Sql(
+                "UPDATE credentials SET secret_ciphertext = secret_ciphertext || '\\x00'::bytea",
+            ),
+            "gpt-4o",
+            true,
+        ),
+    ];
+    let mut granted_past = Vec::new();
+    for (name, change, model, new_is_fine) in changes {
+        let app = TestApp::spawn().await;
+        assert!(
+            app.put_key_raw("k", spec("default", 2, "sk-old"))
+                .await
+                .status()
+                .is_success()
+        );
+        json_body(
+            allocate(&app, "gpt-4o", "default", 600).await,
+            StatusCode::OK,
+        )
+        .await;
+
+        let hook = Hook::close(&app, "claim.before_lock").await;
+        let mut claim = hooked(&app, "claim.before_lock").await;
+        let pid = backend_pid(&mut claim).await;
+        let mut body = claim_body(&["k"], "default", None);
+        body[0]["model"] = json!(model);
+        let claiming = tokio::spawn(async move {
+            sqlx::query("SELECT key_id, sealed_secret FROM credpool_claim($1)")
+                .bind(body)
+                .fetch_one(&mut claim)
+                .await
+                .map(|row| {
+                    (
+                        row.get::<Option<String>, _>(0),
+                        row.get::<Option<Vec<u8>>, _>(1),
+                    )
+                })
+        });
+        until_waiting(&app, pid).await;
+        // the paused claim holds no row lock: the change commits while it waits
+        apply(&app, &change).await;
+        hook.open().await;
+        let (granted, sealed) = claiming.await.unwrap().expect("the claim failed");
+        let current: Option<Vec<u8>> =
+            sqlx::query_scalar("SELECT secret_ciphertext FROM credentials WHERE key_id = 'k'")
+                .fetch_optional(&app.db)
+                .await
+                .unwrap()
+                .flatten();
+        match granted {
+            None => {}
+            Some(_) if new_is_fine && sealed == current => {}
+            Some(_) if new_is_fine => granted_past.push(format!("{name}: the replaced secret")),
+            Some(key) => granted_past.push(format!("{name}: granted {key}")),
+        }
+        let (ok, report) = audit_verify(BIN, &app.database).await;
+        assert!(ok, "{name}: {report}");
+    }
+    assert!(
+        granted_past.is_empty(),
+        "granted on a replaced configuration: {granted_past:?}"
+    );
+}
+
+#[tokio::test]
+async fn a_disable_during_a_claim_through_the_service_is_never_granted_past() {
+    // The same race through the service: the service's claim answers 200 only on a credential
+    // that is still enabled when it is granted; after the PATCH has answered, never.
+    let app = TestApp::spawn().await;
+    app.put_key("k", "openai", "default", &["gpt-4o"], 4).await;
+    app.put_key("other", "openai", "default", &["gpt-4o"], 4)
+        .await;
+    let hook = Hook::close(&app, "claim.before_lock").await;
+    let mut claim = hooked(&app, "claim.before_lock").await;
+    let pid = backend_pid(&mut claim).await;
+    let claiming = tokio::spawn(async move {
+        sqlx::query_scalar::<_, Option<String>>("SELECT key_id FROM credpool_claim($1)")
+            .bind(claim_body(&["k", "other"], "default", None))
+            .fetch_one(&mut claim)
+            .await
+    });
+    until_waiting(&app, pid).await;
+    let status = admin(
+        &app,
+        reqwest::Method::PATCH,
+        "/api/admin/keys/k",
+        json!({"state": "disable"}),
+    )
+    .await;
+    assert_eq!(status, StatusCode::OK);
+    hook.open().await;
+    // passed over the disabled credential, served by the next in its ranked order
+    assert_eq!(claiming.await.unwrap().unwrap().as_deref(), Some("other"));
+    for _ in 0..3 {
+        let lease = json_body(
+            allocate(&app, "gpt-4o", "default", 600).await,
+            StatusCode::OK,
+        )
+        .await;
+        assert_eq!(lease["key_id"], "other");
+    }
+}
+
+/// `n` simultaneous allocations of gpt-4o from `default`: how many were granted.
+async fn granted_of(app: &TestApp, n: usize) -> usize {
+    let answers =
+        futures::future::join_all((0..n).map(|_| allocate(app, "gpt-4o", "default", 600))).await;
+    let mut granted = 0;
+    for answer in answers {
+        match answer.status() {
+            StatusCode::OK => granted += 1,
+            StatusCode::TOO_MANY_REQUESTS => {}
+            other => panic!("allocate answered {other}"),
+        }
+    }
+    granted
+}
+
+#[tokio::test]
+async fn a_lowered_limit_reopens_when_the_leases_over_it_end_without_maintenance() {
+    // Limit 3 -> 1 while three 2-second leases are held; the holders crash. Nothing runs the
+    // cleanup pass (the in-process app has no scheduler). Once the last of them has ended, on the
+    // database clock, the credential grants again: exactly its new limit.
+    let app = TestApp::spawn().await;
+    app.put_key("k", "openai", "default", &["gpt-4o"], 3).await;
+    for _ in 0..3 {
+        json_body(allocate(&app, "gpt-4o", "default", 2).await, StatusCode::OK).await;
+    }
+    let status = admin(
+        &app,
+        reqwest::Method::PATCH,
+        "/api/admin/keys/k",
+        json!({"max_concurrent_uses": 1}),
+    )
+    .await;
+    assert_eq!(status, StatusCode::OK);
+    assert_eq!(
+        granted_of(&app, 3).await,
+        0,
+        "granted over the lowered limit"
+    );
+    let last_end: f64 = sqlx::query_scalar(
+        "SELECT extract(epoch FROM max(lease_until) - clock_timestamp())::float8
+         FROM lease_slots WHERE key_id = 'k'",
+    )
+    .fetch_one(&app.db)
+    .await
+    .unwrap();
+    tokio::time::sleep(Duration::from_secs_f64(last_end.max(0.0) + 0.3)).await;
+    assert_eq!(
+        granted_of(&app, 3).await,
+        1,
+        "not exactly the new limit once the leases ended"
+    );
+    assert_eq!(app.in_flight("k").await, 1);
+    let (ok, report) = audit_verify(BIN, &app.database).await;
+    assert!(ok, "{report}");
+}
+
+#[tokio::test]
+async fn a_force_release_over_a_lowered_limit_reopens_at_once() {
+    let app = TestApp::spawn().await;
+    app.put_key("k", "openai", "default", &["gpt-4o"], 3).await;
+    for _ in 0..3 {
+        json_body(
+            allocate(&app, "gpt-4o", "default", 600).await,
+            StatusCode::OK,
+        )
+        .await;
+    }
+    let status = admin(
+        &app,
+        reqwest::Method::PATCH,
+        "/api/admin/keys/k",
+        json!({"max_concurrent_uses": 2}),
+    )
+    .await;
+    assert_eq!(status, StatusCode::OK);
+    assert_eq!(granted_of(&app, 3).await, 0);
+    let status = admin(
+        &app,
+        reqwest::Method::POST,
+        "/api/admin/keys/k/release-all",
+        json!({"reason": "limit lowered by the provider"}),
+    )
+    .await;
+    assert_eq!(status, StatusCode::OK);
+    assert_eq!(
+        granted_of(&app, 4).await,
+        2,
+        "not exactly the new limit after the force release"
+    );
+}
+
+#[tokio::test]
+async fn a_lease_over_a_lowered_limit_is_never_renewed_past_the_leases_within_it() {
+    // Limit 2 -> 1: the lease that ends last keeps the row within the limit; the other, renewed
+    // for longer, ends no later than it, so the row reopens only when nothing over the limit is
+    // held; and an executor's release within the limit while the other is held reopens nothing.
+    let app = TestApp::spawn().await;
+    app.put_key("k", "openai", "default", &["gpt-4o"], 2).await;
+    let short = json_body(
+        allocate(&app, "gpt-4o", "default", 30).await,
+        StatusCode::OK,
+    )
+    .await;
+    let long = json_body(
+        allocate(&app, "gpt-4o", "default", 60).await,
+        StatusCode::OK,
+    )
+    .await;
+    let status = admin(
+        &app,
+        reqwest::Method::PATCH,
+        "/api/admin/keys/k",
+        json!({"max_concurrent_uses": 1}),
+    )
+    .await;
+    assert_eq!(status, StatusCode::OK);
+    let mut renewal = release_body(&short, "success");
+    renewal.as_object_mut().unwrap().remove("outcome");
+    renewal["lease_seconds"] = json!(600);
+    let renewed = json_body(app.renew(renewal).await, StatusCode::OK).await;
+    let until = |v: &Value| {
+        time::OffsetDateTime::parse(
+            v["lease_until"].as_str().unwrap(),
+            &time::format_description::well_known::Rfc3339,
+        )
+        .unwrap()
+    };
+    assert!(until(&renewed) <= until(&long), "{renewed} outlives {long}");
+    // the lease within the limit ends early: its row closes while the surplus lease is held
+    let released = json_body(
+        app.release(release_body(&long, "success")).await,
+        StatusCode::OK,
+    )
+    .await;
+    assert_eq!(released["released"], true);
+    assert_eq!(
+        granted_of(&app, 2).await,
+        0,
+        "granted while the surplus lease was held"
+    );
+    let released = json_body(
+        app.release(release_body(&short, "success")).await,
+        StatusCode::OK,
+    )
+    .await;
+    assert_eq!(released["released"], true);
+    assert_eq!(granted_of(&app, 2).await, 1);
+}
+
+#[tokio::test]
+async fn a_release_all_that_waited_for_a_raised_limit_locks_the_new_slots_before_the_credential() {
+    // A release-all queues behind a refit that raises the limit (its snapshot has no slot 1), and
+    // an executor's release with an outcome of a lease on the new slot runs meanwhile, holding
+    // that slot and waiting for the credential row. Before, the release-all locked the slot rows
+    // its snapshot knew, then the credential row, then the new slot: a deadlock, 503 to both.
+    let app = TestApp::spawn().await;
+    app.put_key("k", "openai", "default", &["gpt-4o"], 1).await;
+    json_body(
+        allocate(&app, "gpt-4o", "default", 600).await,
+        StatusCode::OK,
+    )
+    .await;
+    let before = deadlocks(&app).await;
+
+    let mut fit = connect(&app).await;
+    fit.execute("BEGIN").await.unwrap();
+    sqlx::query("UPDATE credentials SET max_concurrent_uses = 2 WHERE key_id = 'k'")
+        .execute(&mut fit)
+        .await
+        .unwrap();
+    sqlx::query("SELECT credpool_fit_slots('k')")
+        .execute(&mut fit)
+        .await
+        .unwrap();
+    // someone holds the credential row next (queued behind the refit)
+    let mut holder = connect(&app).await;
+    let holder_pid = backend_pid(&mut holder).await;
+    let holding = tokio::spawn(async move {
+        holder.execute("BEGIN").await?;
+        sqlx::query("SELECT 1 FROM credentials WHERE key_id = 'k' FOR NO KEY UPDATE")
+            .execute(&mut holder)
+            .await?;
+        Ok::<_, sqlx::Error>(holder)
+    });
+    until_waiting(&app, holder_pid).await;
+    let release_all = {
+        let client = app.client.clone();
+        let url = app.url("/api/admin/keys/k/release-all");
+        tokio::spawn(async move {
+            client
+                .post(url)
+                .header("x-admin-key", ADMIN_KEY)
+                .json(&json!({"reason": "test"}))
+                .send()
+                .await
+                .unwrap()
+                .status()
+        })
+    };
+    wait_for_lock_waiters(&app, 2).await;
+    fit.execute("COMMIT").await.unwrap();
+    let mut holder = holding.await.unwrap().unwrap();
+    // the release-all now waits for the credential row (or, fixed, holds every slot row)
+    wait_for_lock_waiters(&app, 1).await;
+    let answer = allocate(&app, "gpt-4o", "default", 600).await;
+    let executor = if answer.status() == StatusCode::OK {
+        let lease = json_body(answer, StatusCode::OK).await;
+        let mut executor = connect(&app).await;
+        let executor_pid = backend_pid(&mut executor).await;
+        let body = json!([{"lease_id": lease["lease_id"], "key_id": "k", "provider": "openai",
+                           "pool": "default", "fence": null, "outcome": "success",
+                           "usage_tokens": null}]);
+        let releasing = tokio::spawn(async move {
+            executor.execute("BEGIN").await?;
+            sqlx::query("SELECT verdict FROM credpool_release($1)")
+                .bind(body)
+                .fetch_all(&mut executor)
+                .await?;
+            executor.execute("COMMIT").await?;
+            Ok::<_, sqlx::Error>(())
+        });
+        until_waiting(&app, executor_pid).await;
+        Some(releasing)
+    } else {
+        // fixed: the release-all holds the new slot too, so nothing could be granted on it
+        assert_eq!(answer.status(), StatusCode::TOO_MANY_REQUESTS);
+        None
+    };
+    holder.execute("COMMIT").await.unwrap();
+    assert_eq!(
+        release_all.await.unwrap(),
+        StatusCode::OK,
+        "the release-all failed"
+    );
+    if let Some(releasing) = executor {
+        releasing
+            .await
+            .unwrap()
+            .expect("the executor's release failed");
+    }
+    assert_eq!(deadlocks(&app).await, before, "a deadlock was detected");
+}
+
+/// Waits until `n` backends of the app's database wait for a lock.
+pub(crate) async fn wait_for_lock_waiters(app: &TestApp, n: i64) {
+    for _ in 0..2000 {
+        let waiting: i64 = sqlx::query_scalar(
+            "SELECT count(*) FROM pg_stat_activity
+             WHERE datname = current_database() AND wait_event_type = 'Lock'",
+        )
+        .fetch_one(&app.db)
+        .await
+        .unwrap();
+        if waiting >= n {
+            return;
+        }
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    panic!("never {n} backends waiting for a lock");
+}
+
+#[tokio::test]
+async fn late_reports_of_the_same_leases_in_opposite_orders_never_deadlock() {
+    // Two leases end (the reaper ended them); two release groups report outcomes for both, in
+    // opposite orders. Each late report inserts a trail row that a unique index guards, so the
+    // second group waits for the first's; written in request order, the first group (having
+    // reported `a`) waits for `b` while the second (having reported `b`) waits for `a`.
+    let app = TestApp::spawn().await;
+    app.put_key("ka", "openai", "default", &["gpt-4o"], 1).await;
+    app.put_key("kb", "openai", "default", &["gpt-4o"], 1).await;
+    let a = json_body(
+        allocate(&app, "gpt-4o", "default", 600).await,
+        StatusCode::OK,
+    )
+    .await;
+    let b = json_body(
+        allocate(&app, "gpt-4o", "default", 600).await,
+        StatusCode::OK,
+    )
+    .await;
+    sqlx::query(
+        "UPDATE lease_slots SET granted_at = now() - interval '2 seconds',
+                lease_until = now() - interval '1 second'
+         WHERE lease_id IS NOT NULL",
+    )
+    .execute(&app.db)
+    .await
+    .unwrap();
+    sqlx::query("SELECT credpool_reap_expired_leases()")
+        .execute(&app.db)
+        .await
+        .unwrap();
+    let report = |lease: &Value| {
+        json!({"lease_id": lease["lease_id"], "key_id": lease["key_id"], "provider": "openai",
+               "pool": "default", "fence": null, "outcome": "failure", "usage_tokens": null})
+    };
+    let before = deadlocks(&app).await;
+    let mut first = connect(&app).await;
+    first.execute("BEGIN").await.unwrap();
+    // the first group has reported `a` (lower lease_id first, whichever of the two it is)
+    let (low, high) = if a["lease_id"].as_str() < b["lease_id"].as_str() {
+        (&a, &b)
+    } else {
+        (&b, &a)
+    };
+    sqlx::query("SELECT verdict FROM credpool_release($1)")
+        .bind(json!([report(low)]))
+        .fetch_all(&mut first)
+        .await
+        .unwrap();
+    let mut second = connect(&app).await;
+    let second_pid = backend_pid(&mut second).await;
+    let body = json!([report(high), report(low)]);
+    let reporting = tokio::spawn(async move {
+        second.execute("BEGIN").await?;
+        sqlx::query("SELECT verdict FROM credpool_release($1)")
+            .bind(body)
+            .fetch_all(&mut second)
+            .await?;
+        second.execute("COMMIT").await?;
+        Ok::<_, sqlx::Error>(())
+    });
+    until_waiting(&app, second_pid).await;
+    let finished = sqlx::query("SELECT verdict FROM credpool_release($1)")
+        .bind(json!([report(high)]))
+        .fetch_all(&mut first)
+        .await;
+    finished.expect("the first group's report failed");
+    first.execute("COMMIT").await.unwrap();
+    reporting
+        .await
+        .unwrap()
+        .expect("the second group's report failed");
+    assert_eq!(deadlocks(&app).await, before);
+    let reports: i64 = sqlx::query_scalar(
+        "SELECT count(*) FROM lease_events WHERE event = 'outcome_after_expiry'",
+    )
+    .fetch_one(&app.db)
+    .await
+    .unwrap();
+    assert_eq!(reports, 2, "each late report counts once");
+}
