@@ -25,6 +25,7 @@
 //! redis baselines keep no trail); the command exits non-zero if any grant exceeded a limit or
 //! if there was any error.
 
+mod cpu;
 mod redis_lua;
 mod server_time;
 mod simple_sql;
@@ -84,6 +85,8 @@ pub struct ModeReport {
     pub errors: u64,
     /// What the mode cost the server (PostgreSQL or Redis), when that could be measured.
     pub server_time: Option<ServerTime>,
+    /// CPU per completed cycle in the measured window, per process group (Linux).
+    pub cpu: Option<cpu::CpuPerCycle>,
 }
 
 /// Latency percentiles in milliseconds.
@@ -622,6 +625,13 @@ async fn run_mode(
     let window = Window::starting_now(Duration::from_secs(args.warmup_seconds), measured);
     plan.progress.store(0, Ordering::Relaxed);
     let progress = progress_bar(name, args, plan, window);
+    // CPU readings at the measured window's start and end
+    let cpu_window = tokio::spawn(async move {
+        tokio::time::sleep_until(window.measured_from.into()).await;
+        let before = cpu::read();
+        tokio::time::sleep_until(window.until.into()).await;
+        before.zip(cpu::read())
+    });
     let tasks: Vec<_> = (0..args.executors)
         .map(|index| {
             let (plan, mode) = (plan.clone(), mode.clone());
@@ -633,6 +643,9 @@ async fn run_mode(
         total.merge(&task.await?);
     }
     progress.abort();
+    let cpu = cpu_window.await?.and_then(|(before, after)| {
+        cpu::per_cycle(before, after, total.cycles, args.url.is_some())
+    });
     let report = ModeReport {
         mode: name,
         cycles_per_second: total.cycles as f64 / measured.as_secs_f64(),
@@ -641,6 +654,7 @@ async fn run_mode(
         exhausted: total.exhausted,
         errors: total.errors,
         server_time: None,
+        cpu,
     };
     Ok((report, total.all_cycles))
 }
@@ -943,6 +957,7 @@ fn print_report(
         "release p50/p90/p99/max ms",
         "429",
         "errors",
+        "CPU µs/cycle: service / PostgreSQL / Redis / generator",
     ]);
     let fmt =
         |p: &Percentiles| format!("{:.2} / {:.2} / {:.2} / {:.1}", p.p50, p.p90, p.p99, p.max);
@@ -954,6 +969,20 @@ fn print_report(
             fmt(&report.release_ms),
             report.exhausted.to_string(),
             report.errors.to_string(),
+            report.cpu.map_or_else(
+                || "-".to_owned(),
+                |c| {
+                    let service = match (report.mode, c.service_us) {
+                        ("credpool", Some(us)) => format!("{us:.0}"),
+                        ("credpool", None) => "(in generator)".to_owned(),
+                        _ => "-".to_owned(),
+                    };
+                    format!(
+                        "{service} / {:.0} / {:.0} / {:.0}",
+                        c.postgres_us, c.redis_us, c.generator_us
+                    )
+                },
+            ),
         ]);
     }
     let hot = if args.hot_spot == 0 {

@@ -364,7 +364,11 @@ async fn a_claim_for_a_request_id_whose_lease_expired_does_not_wait_for_a_refit(
     // not replayed; nothing granted while the refit holds the slot, which read now is free: the
     // caller is told to claim again
     let request: Option<String> = row.get("request");
-    assert_eq!(request.as_deref(), Some("busy"), "the expired lease was replayed");
+    assert_eq!(
+        request.as_deref(),
+        Some("busy"),
+        "the expired lease was replayed"
+    );
     group.execute("COMMIT").await.unwrap();
     refitting.await.unwrap().expect("the refit failed");
 }
