@@ -201,9 +201,10 @@ async fn no_claim_grants_on_a_configuration_replaced_after_its_snapshot() {
 }
 
 #[tokio::test]
-async fn a_disable_during_a_claim_through_the_service_is_never_granted_past() {
-    // The same race through the service: the service's claim answers 200 only on a credential
-    // that is still enabled when it is granted; after the PATCH has answered, never.
+async fn a_claim_paused_while_its_first_candidate_is_disabled_takes_the_next() {
+    // The disable commits (through the operator API) while the claim waits between its snapshot
+    // and its lock: the claim passes over the disabled credential to the next in its ranked
+    // order, and the service never leases the disabled one afterwards.
     let app = TestApp::spawn().await;
     app.put_key("k", "openai", "default", &["gpt-4o"], 4).await;
     app.put_key("other", "openai", "default", &["gpt-4o"], 4)
