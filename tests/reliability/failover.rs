@@ -366,7 +366,9 @@ impl Engine {
                 })
             }
             _ if std::env::var_os("CREDPOOL_TEST_SKIP_FAILOVER").is_some() => {
-                eprintln!("skipped: CREDPOOL_TEST_SKIP_FAILOVER is set");
+                report_skipped(
+                    "CREDPOOL_TEST_SKIP_FAILOVER is set and pg_auto_failover is not installed",
+                );
                 None
             }
             _ => panic!(
