@@ -461,6 +461,9 @@ pub async fn serve(args: ServeArgs) -> anyhow::Result<()> {
     check_secret_config(&args.secrets, &args.db)?;
     let database = Database::open(&args.db).await?;
     database.check_replication().await;
+    database
+        .schedule_cleanup_in_pg_cron(args.maintenance.retention())
+        .await;
     let result = serve_on(&args, keys, &database).await;
     database.close().await;
     result
