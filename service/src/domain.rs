@@ -388,7 +388,10 @@ impl LeaseSeconds {
             Ok(v) if (1..=max).contains(&v) => Ok(Self(v)),
             _ => Err(InvalidValue::new(
                 "lease_seconds",
-                format!("must be an integer from 1 to {max}"),
+                format!(
+                    "must be an integer from 1 to {max} (the service's --max-lease-seconds \
+                     raises the maximum)"
+                ),
             )),
         }
     }
