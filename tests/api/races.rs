@@ -133,7 +133,7 @@ async fn statement_race(limit: u32) {
                         tokens: 0,
                     };
                     barrier.wait().await;
-                    let claimed = leases::claim_slot(&mut *conn, &request).await.unwrap();
+                    let claimed = leases::claim_slot(&mut conn, &request).await.unwrap();
                     (conn, claimed.granted.is_some())
                 })
             })
