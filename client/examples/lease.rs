@@ -1,5 +1,6 @@
 //! One lease, start to end: allocate a credential, use it in an upstream call while the client
-//! renews the lease, and release it with the call's outcome. README's Rust example, whole.
+//! renews the lease, and release it with the call's outcome. The Rust example of the book's
+//! "Clients" chapter, which includes this file.
 //!
 //! Against a service that holds a credential for openai/gpt-4o in pool `default` (README
 //! Quickstart, steps 3 to 5):
