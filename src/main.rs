@@ -18,12 +18,14 @@ use tracing_subscriber::EnvFilter;
 #[tokio::main]
 async fn main() -> ExitCode {
     let cli = Cli::parse();
-    // the demo and the bench print their own summaries; per-lease log lines would bury them
+    // The service logs what it does; every other command prints its answer on stdout and says
+    // nothing on stderr unless something is wrong (the demo and the bench print summaries that
+    // per-lease log lines would bury).
     let default_filter = match cli.command {
-        Command::Demo(_) => "warn",
+        Command::Serve(_) => "credpool=info,warn",
         // the bench's own bulk statements (history, the oversell proof) are slow by design
         Command::Bench(_) => "warn,sqlx::query=error",
-        _ => "credpool=info,warn",
+        _ => "warn",
     };
     let filter =
         EnvFilter::try_from_default_env().unwrap_or_else(|_| EnvFilter::new(default_filter));

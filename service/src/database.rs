@@ -109,29 +109,33 @@ impl Database {
             )
             .through_transaction_pooler(statement_timeout),
         };
-        let database = Database {
+        Ok(Database {
             pool,
             embedded,
             data_dir,
             options,
-        };
-        // The embedded default preloads pg_cron when the machine has it: let it run the cleanup.
-        if database
+        })
+    }
+
+    /// On the embedded default, when the machine has pg_cron (which the cluster then preloads),
+    /// schedules the cleanup there, keeping `retention` of audit history; elsewhere does nothing
+    /// (`credpool cron install` schedules it on a server of your own). `credpool serve` calls it
+    /// at start-up; the other commands do not, so a read-only command changes nothing. A failure
+    /// is logged: the service then runs the cleanup itself.
+    pub async fn schedule_cleanup_in_pg_cron(&self, retention: Duration) {
+        if !self
             .embedded
             .as_ref()
             .is_some_and(EmbeddedCluster::has_pg_cron)
         {
-            let retention = Duration::from_secs(30 * 86_400);
-            match store::maintenance::install_cron(&database.pool, &database.options, retention)
-                .await
-            {
-                Ok(_) => tracing::info!("cleanup scheduled in pg_cron"),
-                Err(error) => {
-                    tracing::warn!(error = %error, "could not schedule the cleanup in pg_cron; the service runs it")
-                }
+            return;
+        }
+        match store::maintenance::install_cron(&self.pool, &self.options, retention).await {
+            Ok(_) => tracing::info!("cleanup scheduled in pg_cron"),
+            Err(error) => {
+                tracing::warn!(error = %error, "could not schedule the cleanup in pg_cron; the service runs it")
             }
         }
-        Ok(database)
     }
 
     /// Logs a warning when the server has standbys but none synchronous, or commits that do not

@@ -1,7 +1,7 @@
 //! Domain values: validated newtypes for every id and name that crosses the API, so a handler
 //! cannot hold an unvalidated value. Each type validates in `parse` and deserializes through it.
 //!
-//! Character sets (documented in README "Names"):
+//! Character sets (documented in docs/src/operating.md, "Names"):
 //! - `key_id`: 1..=128 characters from `A-Z a-z 0-9 . _ : @ -`, starting with a letter or digit.
 //! - provider and pool: 1..=64 characters from `a-z 0-9 . _ -`, starting with a letter or digit.
 //! - model: 1..=200 characters from `A-Z a-z 0-9 . _ : / @ + -`.
@@ -388,7 +388,10 @@ impl LeaseSeconds {
             Ok(v) if (1..=max).contains(&v) => Ok(Self(v)),
             _ => Err(InvalidValue::new(
                 "lease_seconds",
-                format!("must be an integer from 1 to {max}"),
+                format!(
+                    "must be an integer from 1 to {max} (the service's --max-lease-seconds \
+                     raises the maximum)"
+                ),
             )),
         }
     }

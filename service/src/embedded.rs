@@ -270,7 +270,8 @@ impl EmbeddedCluster {
         };
 
         if cluster.connect_to("postgres").await.is_ok() {
-            tracing::info!(data_dir = %data_dir.display(), "embedded PostgreSQL already running; reusing it");
+            // the usual case for every command next to a running `serve`: nothing to report
+            tracing::debug!(data_dir = %data_dir.display(), "embedded PostgreSQL already running; reusing it");
         } else {
             if !pgdata.join("PG_VERSION").is_file() {
                 initdb(&bin, &pgdata, user.as_ref())?;

@@ -1,7 +1,7 @@
 //! credpool leases upstream credentials (LLM API keys, OAuth tokens, browser sessions) to
 //! executors, never more at once than each credential allows. PostgreSQL is the one source of
 //! truth: every capacity decision, every lease and every audit row lives there. See
-//! docs/design.md for the protocol and README.md for the API.
+//! docs/design.md for the protocol and the book (docs/src) for the API.
 //!
 //! # Layout
 //! - [`domain`]: validated newtypes (`KeyId`, `LeaseId`, `PoolName`, ...), status and outcome.

@@ -255,11 +255,12 @@ fn embedded_keys(args: &ServeArgs, data_dir: &Path) -> anyhow::Result<ApiKeys> {
 fn load_or_generate_keys(dir: &Path, args: &ServeArgs) -> anyhow::Result<StoredKeys> {
     let path = dir.join(KEYS_FILE);
     // how to print the keys again from another shell
+    let program = own_command();
     let env_command = if dir == embedded::default_data_dir() {
-        "credpool env".to_owned()
+        format!("{program} env")
     } else {
         format!(
-            "credpool env --data-dir {}",
+            "{program} env --data-dir {}",
             shell_word(&dir.display().to_string())
         )
     };
@@ -288,6 +289,24 @@ fn load_or_generate_keys(dir: &Path, args: &ServeArgs) -> anyhow::Result<StoredK
         export_lines(&keys)
     );
     Ok(keys)
+}
+
+/// How another shell runs this binary: `credpool` when that is what `PATH` finds, else this
+/// binary's path (`cargo run -- serve` runs `target/.../credpool`, which is not on `PATH` until
+/// `cargo install` puts it there).
+fn own_command() -> String {
+    let Ok(exe) = std::env::current_exe().and_then(|exe| exe.canonicalize()) else {
+        return "credpool".to_owned();
+    };
+    let on_path = std::env::var_os("PATH").and_then(|paths| {
+        std::env::split_paths(&paths)
+            .map(|dir| dir.join("credpool"))
+            .find(|candidate| candidate.is_file())
+    });
+    match on_path.and_then(|found| found.canonicalize().ok()) {
+        Some(found) if found == exe => "credpool".to_owned(),
+        _ => shell_word(&exe.display().to_string()),
+    }
 }
 
 fn read_keys(path: &Path) -> anyhow::Result<StoredKeys> {
@@ -461,6 +480,9 @@ pub async fn serve(args: ServeArgs) -> anyhow::Result<()> {
     check_secret_config(&args.secrets, &args.db)?;
     let database = Database::open(&args.db).await?;
     database.check_replication().await;
+    database
+        .schedule_cleanup_in_pg_cron(args.maintenance.retention())
+        .await;
     let result = serve_on(&args, keys, &database).await;
     database.close().await;
     result

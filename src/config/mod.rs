@@ -1,5 +1,5 @@
 //! Command line and configuration: every setting is a flag and an environment variable (clap
-//! with `env`); `credpool --help` and README list them with defaults and units.
+//! with `env`); `credpool --help` and the book's "Configuration" (docs/src/configuration.md) list them with defaults and units.
 //!
 //! One file per command family: `serve.rs` (the service: listener, limits, scoring, health,
 //! cleanup), `operator.rs` (the operator commands: keys, leases, pools, audit, cron,

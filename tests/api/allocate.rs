@@ -4,7 +4,7 @@
 use std::time::Duration;
 
 use reqwest::StatusCode;
-use serde_json::json;
+use serde_json::{Value, json};
 
 use credpool_test_support::*;
 
@@ -122,6 +122,75 @@ async fn unknown_provider_or_pool_is_pool_not_found() {
         "pool_not_found",
     )
     .await;
+}
+
+#[tokio::test]
+async fn refusals_name_what_was_asked_and_read_as_the_apis_own_sentences() {
+    let mut options = AppOptions::default();
+    options.settings.max_lease_seconds = 600;
+    let app = TestApp::spawn_with(options).await;
+    app.put_key("key-a", "openai", "default", &["gpt-4o"], 1)
+        .await;
+    let message = |body: Value| body["error"]["message"].as_str().unwrap().to_owned();
+
+    // a 404 names the provider and the pool asked for
+    let missing = assert_error(
+        app.allocate(gpt4o("batch")).await,
+        StatusCode::NOT_FOUND,
+        "pool_not_found",
+    )
+    .await;
+    assert_eq!(
+        message(missing),
+        "no credentials for provider openai in pool batch"
+    );
+
+    // a range error says which setting raises the limit
+    let too_long = assert_error(
+        app.allocate(json!({"provider": "openai", "model": "gpt-4o", "lease_seconds": 601}))
+            .await,
+        StatusCode::BAD_REQUEST,
+        "invalid_request",
+    )
+    .await;
+    let too_long = message(too_long);
+    assert!(
+        too_long.contains("from 1 to 600") && too_long.contains("--max-lease-seconds"),
+        "{too_long}"
+    );
+
+    // a body serde refuses: its words, not the framework's lead-in
+    let unknown = assert_error(
+        app.allocate(json!({"provider": "openai", "model": "gpt-4o", "surprise": true}))
+            .await,
+        StatusCode::BAD_REQUEST,
+        "invalid_request",
+    )
+    .await;
+    let unknown = message(unknown);
+    assert!(
+        unknown.starts_with("invalid request body: ")
+            && unknown.contains("unknown field `surprise`"),
+        "{unknown}"
+    );
+    let not_json = app
+        .client
+        .post(app.url("/api/internal/allocate-key"))
+        .header("x-internal-key", INTERNAL_KEY)
+        .header("content-type", "application/json")
+        .body("not json")
+        .send()
+        .await
+        .unwrap();
+    let not_json =
+        message(assert_error(not_json, StatusCode::BAD_REQUEST, "invalid_request").await);
+    assert!(
+        not_json.starts_with("the body is not valid JSON: "),
+        "{not_json}"
+    );
+    for text in [&unknown, &not_json] {
+        assert!(!text.contains("Failed to"), "{text}");
+    }
 }
 
 #[tokio::test]

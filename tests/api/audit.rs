@@ -374,7 +374,7 @@ async fn the_in_process_scheduler_runs_on_one_replica_and_steps_aside_for_pg_cro
 #[tokio::test]
 async fn pg_cron_runs_the_cleanup_in_a_cluster_that_preloads_it() {
     if std::env::var_os("CREDPOOL_TEST_SKIP_PG_CRON").is_some() {
-        eprintln!("skipped: CREDPOOL_TEST_SKIP_PG_CRON is set");
+        report_skipped("CREDPOOL_TEST_SKIP_PG_CRON is set");
         return;
     }
     let bin = credpool::embedded::find_binaries(None).expect("PostgreSQL server binaries");

@@ -39,10 +39,10 @@ async fn every_baseline_completes_cycles_without_errors_next_to_credpool() {
     if redis.is_some() {
         baselines.push("redis");
     } else {
-        eprintln!(
-            "SKIPPED the redis baseline: no Redis answers at {} (set CREDPOOL_TEST_REDIS_URL)",
+        report_skipped(&format!(
+            "the redis baseline: no Redis answers at {} (set CREDPOOL_TEST_REDIS_URL)",
             redis_url()
-        );
+        ));
     }
     let output = tokio::time::timeout(
         Duration::from_secs(120),

@@ -317,10 +317,14 @@ fn browser_binaries() -> (&'static str, &'static str) {
     (chromium, chromedriver)
 }
 
-/// chromedriver on a free port, ended when dropped.
+/// chromedriver on a free port, ended when dropped, with chromium's profile and every temporary
+/// file of both in a directory of their own that goes with it: left to themselves they leave
+/// `org.chromium.Chromium.*` directories in /tmp after every run.
 struct ChromeDriver {
+    // declared first, so dropped first: chromedriver ends before its directory is removed
     _child: tokio::process::Child,
     url: String,
+    dir: tempfile::TempDir,
 }
 
 impl ChromeDriver {
@@ -330,8 +334,14 @@ impl ChromeDriver {
             .local_addr()
             .unwrap()
             .port();
+        let dir = tempfile::Builder::new()
+            .prefix("credpool-chromium-")
+            .tempdir()
+            .unwrap();
         let child = tokio::process::Command::new(binary)
             .arg(format!("--port={port}"))
+            // chromium inherits it and keeps its temporary files there
+            .env("TMPDIR", dir.path())
             .stdout(std::process::Stdio::null())
             .stderr(std::process::Stdio::null())
             .kill_on_drop(true)
@@ -346,7 +356,11 @@ impl ChromeDriver {
             );
             tokio::time::sleep(Duration::from_millis(100)).await;
         }
-        Self { _child: child, url }
+        Self {
+            _child: child,
+            url,
+            dir,
+        }
     }
 
     async fn browser(&self, chromium: &str) -> Client {
@@ -356,7 +370,8 @@ impl ChromeDriver {
             json!({
                 "binary": chromium,
                 "args": ["--headless=new", "--no-sandbox", "--disable-gpu",
-                         "--disable-dev-shm-usage", "--window-size=1440,1200"],
+                         "--disable-dev-shm-usage", "--window-size=1440,1200",
+                         format!("--user-data-dir={}", self.dir.path().join("profile").display())],
             }),
         );
         ClientBuilder::new(hyper_util::client::legacy::connect::HttpConnector::new())

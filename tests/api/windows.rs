@@ -1,4 +1,4 @@
-//! Rate windows (README "Rate windows"): requests and token windows per credential, exact across
+//! Rate windows (docs/src/executor-api.md, "Rate windows"): requests and token windows per credential, exact across
 //! replicas, decided in the same claim. Races of 64 simultaneous allocates, also through two
 //! service processes; reservations and usage above and below them; 429 with the moment a window
 //! frees versus 409 for an estimate no window can hold; waiters served when a window frees; the

@@ -366,7 +366,9 @@ impl Engine {
                 })
             }
             _ if std::env::var_os("CREDPOOL_TEST_SKIP_FAILOVER").is_some() => {
-                eprintln!("skipped: CREDPOOL_TEST_SKIP_FAILOVER is set");
+                report_skipped(
+                    "CREDPOOL_TEST_SKIP_FAILOVER is set and pg_auto_failover is not installed",
+                );
                 None
             }
             _ => panic!(
@@ -475,8 +477,16 @@ impl Formation {
             .prefix("credpool-failover-")
             .tempdir_in("/tmp")
             .unwrap();
+        // pg_autoctl keeps its pid files in XDG_RUNTIME_DIR only when that directory exists;
+        // otherwise in /tmp/pg_autoctl/<pgdata>, which would outlive the test
+        let run = dir.path().join("run");
+        std::fs::create_dir(&run).unwrap();
+        std::fs::set_permissions(&run, std::os::unix::fs::PermissionsExt::from_mode(0o700))
+            .unwrap();
         if let Some(user) = &engine.user {
-            nix::unistd::chown(dir.path(), Some(user.uid), Some(user.gid)).unwrap();
+            for path in [dir.path(), run.as_path()] {
+                nix::unistd::chown(path, Some(user.uid), Some(user.gid)).unwrap();
+            }
         }
         let keeper = |name: &str| Keeper {
             name: name.to_owned(),

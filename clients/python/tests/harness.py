@@ -202,7 +202,7 @@ class Admin:
 
 
 def peak_from_trail(database_url: str, key_id: str) -> int:
-    """The most leases ``key_id`` ever held at once, from the audit trail alone: README "How a
+    """The most leases ``key_id`` ever held at once, from the audit trail alone: the book's "How a
     lease is claimed", the peak-concurrency query, for one credential."""
     key = key_id.replace("'", "''")
     sql = f"""

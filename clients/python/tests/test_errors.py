@@ -29,7 +29,8 @@ from credpool import (
 )
 from harness import Admin, FakeCredpool, Service, error_response
 
-#: README "Errors": every code the API answers with, its status and the class it maps to.
+#: The book's "Errors" (docs/src/executor-api.md): every code the API answers with, its status
+#: and the class it maps to.
 #: (``credential_not_found`` is an operator-route code, mapped all the same.)
 CODES = [
     (400, "invalid_request", credpool.InvalidRequest),

@@ -13,8 +13,8 @@ use crate::store::PoolSettings;
 #[derive(Debug, Clone, Args)]
 pub struct DatabaseArgs {
     /// PostgreSQL URL (`postgres://user:pass@host:5432/db`), or several hosts of which credpool
-    /// uses the writable one (`postgres://user@db1:5432,db2:5432/db`, libpq's form; README,
-    /// "Running it highly available"). Without it, credpool starts its embedded default: a
+    /// uses the writable one (`postgres://user@db1:5432,db2:5432/db`, libpq's form;
+    /// docs/src/high-availability.md). Without it, credpool starts its embedded default: a
     /// private PostgreSQL cluster in --data-dir.
     #[arg(long, env = "DATABASE_URL", hide_env_values = true)]
     pub database_url: Option<String>,

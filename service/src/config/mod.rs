@@ -1,5 +1,5 @@
 //! The service's configuration: every setting is a flag and an environment variable (clap with
-//! `env`); `credpool --help` and README list them with defaults and units.
+//! `env`); `credpool --help` and the book's "Configuration" (docs/src/configuration.md) list them with defaults and units.
 //!
 //! `serve.rs` holds the service's settings (listener, limits, scoring, health, cleanup),
 //! `database.rs` the database and master-key settings every command that reaches the database

@@ -196,7 +196,9 @@ async fn allocate(
         }
         Err(error) => {
             let labels = outcome("", error.result());
-            (ApiError::from(error).into_response(), labels)
+            let error =
+                ApiError::from_allocate(error, request.provider.as_str(), request.pool.as_str());
+            (error.into_response(), labels)
         }
     };
     response.extensions_mut().insert(labels);

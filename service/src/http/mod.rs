@@ -13,7 +13,7 @@ use std::fmt;
 use std::sync::Arc;
 use std::time::Duration;
 
-use axum::extract::rejection::JsonRejection;
+use axum::extract::rejection::{JsonRejection, PathRejection, QueryRejection};
 use axum::extract::{FromRequest, FromRequestParts, Request};
 use axum::http::request::Parts;
 use axum::http::{HeaderMap, HeaderValue, StatusCode, header};
@@ -314,9 +314,14 @@ pub enum ApiError {
     /// operator route).
     #[error("this key may not use this route")]
     Forbidden,
-    /// 404 `pool_not_found`: no credentials at all for the provider and pool.
-    #[error("no credentials for this provider and pool")]
-    PoolNotFound,
+    /// 404 `pool_not_found`: no credentials at all for the provider and pool (as asked for).
+    #[error("no credentials for provider {provider} in pool {pool}")]
+    PoolNotFound {
+        /// The provider the request named.
+        provider: String,
+        /// The pool the request named.
+        pool: String,
+    },
     /// 404 `credential_not_found`: no credential with this key_id (operator routes).
     #[error("no credential with this key_id")]
     CredentialNotFound,
@@ -384,7 +389,7 @@ impl ApiError {
             ApiError::InvalidRequest(_) => (StatusCode::BAD_REQUEST, "invalid_request"),
             ApiError::Unauthorized => (StatusCode::UNAUTHORIZED, "unauthorized"),
             ApiError::Forbidden => (StatusCode::FORBIDDEN, "forbidden"),
-            ApiError::PoolNotFound => (StatusCode::NOT_FOUND, "pool_not_found"),
+            ApiError::PoolNotFound { .. } => (StatusCode::NOT_FOUND, "pool_not_found"),
             ApiError::RouteNotFound => (StatusCode::NOT_FOUND, "route_not_found"),
             ApiError::CredentialNotFound => (StatusCode::NOT_FOUND, "credential_not_found"),
             ApiError::MethodNotAllowed => (StatusCode::METHOD_NOT_ALLOWED, "method_not_allowed"),
@@ -443,10 +448,14 @@ impl From<InvalidValue> for ApiError {
     }
 }
 
-impl From<AllocateError> for ApiError {
-    fn from(error: AllocateError) -> Self {
+impl ApiError {
+    /// The answer to an allocate of `provider` and `pool` that failed with `error`.
+    pub fn from_allocate(error: AllocateError, provider: &str, pool: &str) -> Self {
         match error {
-            AllocateError::PoolNotFound => ApiError::PoolNotFound,
+            AllocateError::PoolNotFound => ApiError::PoolNotFound {
+                provider: provider.to_owned(),
+                pool: pool.to_owned(),
+            },
             AllocateError::ModelNotSupported => ApiError::ModelNotSupported,
             AllocateError::NoUsableCredentials => ApiError::NoUsableCredentials,
             AllocateError::RequestIdConflict => ApiError::RequestIdConflict,
@@ -500,8 +509,25 @@ impl<S: Send + Sync, T: DeserializeOwned> FromRequest<S> for ApiJson<T> {
             {
                 Err(ApiError::PayloadTooLarge)
             }
+            Err(JsonRejection::JsonSyntaxError(e)) => Err(rejected(format!(
+                "the body is not valid JSON: {}",
+                cause(&e)
+            ))),
+            Err(JsonRejection::JsonDataError(e)) => {
+                Err(rejected(format!("invalid request body: {}", cause(&e))))
+            }
             Err(rejection) => Err(rejected(rejection.body_text())),
         }
+    }
+}
+
+/// What an extractor's rejection says without the framework's lead-in ("Failed to deserialize
+/// the JSON body into the target type: "): serde's own words, with the path to the field that
+/// failed (`usage.tokens: invalid type: ...`), or a message of our own domain types.
+fn cause(rejection: &dyn std::error::Error) -> String {
+    match rejection.source() {
+        Some(source) => source.to_string(),
+        None => rejection.to_string(),
     }
 }
 
@@ -528,6 +554,9 @@ impl<S: Send + Sync, T: DeserializeOwned> FromRequestParts<S> for ApiQuery<T> {
     async fn from_request_parts(parts: &mut Parts, state: &S) -> Result<Self, Self::Rejection> {
         match axum::extract::Query::<T>::from_request_parts(parts, state).await {
             Ok(axum::extract::Query(value)) => Ok(ApiQuery(value)),
+            Err(QueryRejection::FailedToDeserializeQueryString(e)) => {
+                Err(rejected(format!("invalid query string: {}", cause(&e))))
+            }
             Err(rejection) => Err(rejected(rejection.body_text())),
         }
     }
@@ -543,6 +572,10 @@ impl<S: Send + Sync, T: DeserializeOwned + Send> FromRequestParts<S> for ApiPath
     async fn from_request_parts(parts: &mut Parts, state: &S) -> Result<Self, Self::Rejection> {
         match axum::extract::Path::<T>::from_request_parts(parts, state).await {
             Ok(axum::extract::Path(value)) => Ok(ApiPath(value)),
+            // the kind alone: "invalid key_id: ...", not "Invalid URL: invalid key_id: ..."
+            Err(PathRejection::FailedToDeserializePathParams(e)) => {
+                Err(rejected(e.kind().to_string()))
+            }
             Err(rejection) => Err(rejected(rejection.body_text())),
         }
     }

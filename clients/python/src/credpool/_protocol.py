@@ -61,7 +61,7 @@ HELD_AT_LEAST = 0.1
 #: The longest ``wait`` a lease request may ask for; longer ones are cut to this (24 h).
 MAX_WAIT = 86_400.0
 
-#: The outcomes a release may report (README "Release, with the outcome").
+#: The outcomes a release may report (docs/src/executor-api.md, "Release, with the outcome").
 OUTCOMES = frozenset({"success", "failure", "rate_limited", "auth_error", "quota_exhausted"})
 
 #: The outcomes that may carry a ``retry_after``.
