@@ -82,7 +82,7 @@ impl Default for GroupSettings {
     /// The wait: under load each commit waits for its WAL flush anyway, and a group that leaves
     /// with the one or two operations queued at that instant makes more, smaller commits than the
     /// flushes can keep up with; gathering for 300 µs made a 64-executor benchmark a third
-    /// faster (README, "Performance"). Without other groups in flight there is no queue to wait
+    /// faster (docs/src/performance.md). Without other groups in flight there is no queue to wait
     /// for, so a lone request is not delayed.
     fn default() -> Self {
         Self {
