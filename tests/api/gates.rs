@@ -38,6 +38,22 @@ async fn allocate(app: &TestApp, model: &str, pool: &str, lease_seconds: u32) ->
         .await
 }
 
+/// A lease of gpt-4o from `default` for `lease_seconds`; panics unless granted.
+async fn leased(app: &TestApp, lease_seconds: u32) -> Value {
+    json_body(
+        allocate(app, "gpt-4o", "default", lease_seconds).await,
+        StatusCode::OK,
+    )
+    .await
+}
+
+/// Sets credential `k`'s limit through the operator API; panics unless it answers 200.
+async fn set_limit(app: &TestApp, limit: u32) {
+    let body = json!({"max_concurrent_uses": limit});
+    let status = admin(app, reqwest::Method::PATCH, "/api/admin/keys/k", body).await;
+    assert_eq!(status, StatusCode::OK);
+}
+
 /// How the operator changes credential `k` (provider openai, pool default, models gpt-4o and
 /// gpt-4o-mini, alias `fast` -> gpt-4o, limit 2, one lease held) while a claim for `model` in
 /// `default` waits between its snapshot and its lock.
@@ -151,11 +167,7 @@ async fn no_claim_grants_on_a_configuration_replaced_after_its_snapshot() {
                 .status()
                 .is_success()
         );
-        json_body(
-            allocate(&app, "gpt-4o", "default", 600).await,
-            StatusCode::OK,
-        )
-        .await;
+        leased(&app, 600).await;
 
         let hook = Hook::close(&app, "claim.before_lock").await;
         let mut claim = hooked(&app, "claim.before_lock").await;
@@ -231,11 +243,7 @@ async fn a_claim_paused_while_its_first_candidate_is_disabled_takes_the_next() {
     // passed over the disabled credential, served by the next in its ranked order
     assert_eq!(claiming.await.unwrap().unwrap().as_deref(), Some("other"));
     for _ in 0..3 {
-        let lease = json_body(
-            allocate(&app, "gpt-4o", "default", 600).await,
-            StatusCode::OK,
-        )
-        .await;
+        let lease = leased(&app, 600).await;
         assert_eq!(lease["key_id"], "other");
     }
 }
@@ -263,16 +271,9 @@ async fn a_lowered_limit_reopens_when_the_leases_over_it_end_without_maintenance
     let app = TestApp::spawn().await;
     app.put_key("k", "openai", "default", &["gpt-4o"], 3).await;
     for _ in 0..3 {
-        json_body(allocate(&app, "gpt-4o", "default", 2).await, StatusCode::OK).await;
+        leased(&app, 2).await;
     }
-    let status = admin(
-        &app,
-        reqwest::Method::PATCH,
-        "/api/admin/keys/k",
-        json!({"max_concurrent_uses": 1}),
-    )
-    .await;
-    assert_eq!(status, StatusCode::OK);
+    set_limit(&app, 1).await;
     assert_eq!(
         granted_of(&app, 3).await,
         0,
@@ -301,20 +302,9 @@ async fn a_force_release_over_a_lowered_limit_reopens_at_once() {
     let app = TestApp::spawn().await;
     app.put_key("k", "openai", "default", &["gpt-4o"], 3).await;
     for _ in 0..3 {
-        json_body(
-            allocate(&app, "gpt-4o", "default", 600).await,
-            StatusCode::OK,
-        )
-        .await;
+        leased(&app, 600).await;
     }
-    let status = admin(
-        &app,
-        reqwest::Method::PATCH,
-        "/api/admin/keys/k",
-        json!({"max_concurrent_uses": 2}),
-    )
-    .await;
-    assert_eq!(status, StatusCode::OK);
+    set_limit(&app, 2).await;
     assert_eq!(granted_of(&app, 3).await, 0);
     let status = admin(
         &app,
@@ -338,24 +328,9 @@ async fn a_lease_over_a_lowered_limit_is_never_renewed_past_the_leases_within_it
     // held; and an executor's release within the limit while the other is held reopens nothing.
     let app = TestApp::spawn().await;
     app.put_key("k", "openai", "default", &["gpt-4o"], 2).await;
-    let short = json_body(
-        allocate(&app, "gpt-4o", "default", 30).await,
-        StatusCode::OK,
-    )
-    .await;
-    let long = json_body(
-        allocate(&app, "gpt-4o", "default", 60).await,
-        StatusCode::OK,
-    )
-    .await;
-    let status = admin(
-        &app,
-        reqwest::Method::PATCH,
-        "/api/admin/keys/k",
-        json!({"max_concurrent_uses": 1}),
-    )
-    .await;
-    assert_eq!(status, StatusCode::OK);
+    let short = leased(&app, 30).await;
+    let long = leased(&app, 60).await;
+    set_limit(&app, 1).await;
     let mut renewal = release_body(&short, "success");
     renewal.as_object_mut().unwrap().remove("outcome");
     renewal["lease_seconds"] = json!(600);
@@ -397,11 +372,7 @@ async fn a_release_all_that_waited_for_a_raised_limit_locks_the_new_slots_before
     // its snapshot knew, then the credential row, then the new slot: a deadlock, 503 to both.
     let app = TestApp::spawn().await;
     app.put_key("k", "openai", "default", &["gpt-4o"], 1).await;
-    json_body(
-        allocate(&app, "gpt-4o", "default", 600).await,
-        StatusCode::OK,
-    )
-    .await;
+    leased(&app, 600).await;
     let before = deadlocks(&app).await;
 
     let mut fit = connect(&app).await;
@@ -510,16 +481,8 @@ async fn late_reports_of_the_same_leases_in_opposite_orders_never_deadlock() {
     let app = TestApp::spawn().await;
     app.put_key("ka", "openai", "default", &["gpt-4o"], 1).await;
     app.put_key("kb", "openai", "default", &["gpt-4o"], 1).await;
-    let a = json_body(
-        allocate(&app, "gpt-4o", "default", 600).await,
-        StatusCode::OK,
-    )
-    .await;
-    let b = json_body(
-        allocate(&app, "gpt-4o", "default", 600).await,
-        StatusCode::OK,
-    )
-    .await;
+    let a = leased(&app, 600).await;
+    let b = leased(&app, 600).await;
     sqlx::query(
         "UPDATE lease_slots SET granted_at = now() - interval '2 seconds',
                 lease_until = now() - interval '1 second'
