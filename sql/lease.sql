@@ -27,7 +27,8 @@
 -- Nothing else writes lease_slots.
 --
 -- Lock order (docs/design.md, "Lock order", says why no cycle can form). A transaction takes its
--- row locks in this order, each kind in ONE statement, sorted:
+-- row locks in this order, each kind in ONE statement, sorted (an operator's change first takes
+-- its credentials' operator locks, advisory, ascending: credpool_lock_credentials):
 --   1. lease_slots rows, ascending (key_id, slot). Claims take theirs with SKIP LOCKED and never
 --      wait. A change of a credential takes every slot row of it (credpool_lock_credentials).
 --   2. lease_windows rows, ascending key_id (claims: SKIP LOCKED, with their slot row).
@@ -78,14 +79,25 @@ BEGIN
 END;
 $$;
 
--- LOCK, for an operator's change of credentials `p_key_ids` (and for FIT): every slot row of
--- each, ascending (key_id, slot), then their lease_windows rows, then the credential rows, each
--- kind in one statement: the lock order. "Every slot row" includes rows that a fit which held
+-- LOCK, for an operator's change of credentials `p_key_ids` (and for FIT): first the credentials'
+-- operator locks (transaction-scoped advisory locks, one per bucket of key ids, ascending bucket:
+-- a credential that does not exist yet has no row to lock, and two transactions creating the same
+-- key would otherwise meet only at the INSERT, the second then writing slot rows after a
+-- credential row), then every slot row of each, ascending (key_id, slot), then their
+-- lease_windows rows, then the credential rows, each kind in one statement: the lock order.
+-- Nobody waits for an operator lock while holding a row lock (REFIT tries it before its rows), and
+-- claims and releases never take one. 64 buckets keep a large import's advisory locks well within
+-- PostgreSQL's lock table; two operators' changes of keys in one bucket wait for each other. "Every slot row" includes rows that a fit which held
 -- them inserted while this call waited: a statement's snapshot does not see rows committed after
 -- it started, so the rows are read again afterwards, and if any is not among those locked the
 -- locks are given back (the block is a subtransaction: its row locks end with it) and taken
 -- again, so that no slot row is ever locked after a credential row or out of order. Returns how
 -- many of the credentials exist.
+CREATE OR REPLACE FUNCTION credpool_operator_lock(p_key_id text) RETURNS bigint
+LANGUAGE sql IMMUTABLE PARALLEL SAFE AS $$
+    SELECT hashtextextended('credpool.operator:' || (abs(hashtext(p_key_id)) % 64)::text, 0)
+$$;
+
 CREATE OR REPLACE FUNCTION credpool_lock_credentials(p_key_ids text[]) RETURNS integer
 LANGUAGE plpgsql AS $$
 DECLARE
@@ -93,6 +105,9 @@ DECLARE
     v_present text[];
     v_found integer;
 BEGIN
+    PERFORM pg_advisory_xact_lock(b.bucket)
+    FROM (SELECT DISTINCT credpool_operator_lock(k) AS bucket FROM unnest(p_key_ids) AS k) AS b
+    ORDER BY b.bucket;
     LOOP
         BEGIN
             SELECT coalesce(array_agg(format('%s/%s', l.key_id, l.slot) ORDER BY l.key_id, l.slot), '{}')
@@ -135,6 +150,7 @@ BEGIN
         NEW.config_version := OLD.config_version + 1;
         RETURN NEW;
     END IF;
+    PERFORM credpool_test_hook('config.before_slots');
     UPDATE lease_slots s SET config_version = NEW.config_version
     WHERE s.key_id = NEW.key_id AND s.config_version <> NEW.config_version;
     RETURN NULL;
@@ -1295,9 +1311,10 @@ BEGIN
         ORDER BY c.key_id
         LIMIT p_batch
     LOOP
-        -- all or nothing, without waiting: every slot row, the windows row and the credential row,
-        -- or skip it
-        IF (SELECT count(*) FROM (SELECT 1 FROM lease_slots s WHERE s.key_id = r.key_id
+        -- all or nothing, without waiting: the operator lock (before any row: FIT takes it), every
+        -- slot row, the windows row and the credential row, or skip it
+        IF pg_try_advisory_xact_lock(credpool_operator_lock(r.key_id))
+           AND (SELECT count(*) FROM (SELECT 1 FROM lease_slots s WHERE s.key_id = r.key_id
                                   ORDER BY s.slot FOR UPDATE SKIP LOCKED) locked)
            = (SELECT count(*) FROM lease_slots s WHERE s.key_id = r.key_id)
            AND (SELECT count(*) FROM (SELECT 1 FROM lease_windows w WHERE w.key_id = r.key_id

@@ -545,3 +545,84 @@ async fn late_reports_of_the_same_leases_in_opposite_orders_never_deadlock() {
     .unwrap();
     assert_eq!(reports, 2, "each late report counts once");
 }
+
+#[tokio::test]
+async fn two_puts_creating_one_key_never_write_its_slot_rows_after_its_credential_row() {
+    // The first PUT of a new key is held before its commit (`fit.done`); a second PUT of the same
+    // key queues behind it; once the first commits, the second is held where its update of the
+    // credential row writes the new configuration into the slot rows (`config.before_slots`);
+    // meanwhile an executor's release with an outcome holds a slot row of the key and waits for
+    // the credential row. Before the operator lock, the second PUT had locked no slot row (the key
+    // did not exist when it looked), so it then waited for that slot: a deadlock, 503.
+    let database = TestDatabase::create().await;
+    sqlx::query(sqlx::AssertSqlSafe(format!(
+        "ALTER DATABASE \"{}\" SET credpool.test_hooks = 'fit.done,config.before_slots'",
+        database.name
+    )))
+    .execute(&database.pool(1).await)
+    .await
+    .unwrap();
+    let app = TestApp::spawn_on(database, AppOptions::default()).await;
+    let before = deadlocks(&app).await;
+    let put = |secret: &'static str| {
+        let client = app.client.clone();
+        let url = app.url("/api/admin/keys/new");
+        tokio::spawn(async move {
+            client
+                .put(url)
+                .header("x-admin-key", ADMIN_KEY)
+                .json(&spec("default", 2, secret))
+                .send()
+                .await
+                .unwrap()
+                .status()
+        })
+    };
+    let fit_hook = Hook::close(&app, "fit.done").await;
+    let first = put("sk-first");
+    wait_for_lock_waiters(&app, 1).await;
+    let second = put("sk-second");
+    wait_for_lock_waiters(&app, 2).await;
+    let slots_hook = Hook::close(&app, "config.before_slots").await;
+    fit_hook.open().await;
+    assert_eq!(first.await.unwrap(), StatusCode::CREATED);
+    // the second PUT waits at its slot update
+    wait_for_lock_waiters(&app, 1).await;
+    let answer = allocate(&app, "gpt-4o", "default", 600).await;
+    let releasing = if answer.status() == StatusCode::OK {
+        let lease = json_body(answer, StatusCode::OK).await;
+        let mut executor = connect(&app).await;
+        let executor_pid = backend_pid(&mut executor).await;
+        let body = json!([{"lease_id": lease["lease_id"], "key_id": "new", "provider": "openai",
+                           "pool": "default", "fence": null, "outcome": "success",
+                           "usage_tokens": null}]);
+        let releasing = tokio::spawn(async move {
+            executor.execute("BEGIN").await?;
+            sqlx::query("SELECT verdict FROM credpool_release($1)")
+                .bind(body)
+                .fetch_all(&mut executor)
+                .await?;
+            executor.execute("COMMIT").await?;
+            Ok::<_, sqlx::Error>(())
+        });
+        until_waiting(&app, executor_pid).await;
+        Some(releasing)
+    } else {
+        // the second PUT holds every slot row of the key while it waits: nothing to lease
+        assert_eq!(answer.status(), StatusCode::TOO_MANY_REQUESTS);
+        None
+    };
+    slots_hook.open().await;
+    assert_eq!(
+        second.await.unwrap(),
+        StatusCode::OK,
+        "the second PUT failed"
+    );
+    if let Some(releasing) = releasing {
+        releasing
+            .await
+            .unwrap()
+            .expect("the executor's release failed");
+    }
+    assert_eq!(deadlocks(&app).await, before, "a deadlock was detected");
+}
