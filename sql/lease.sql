@@ -79,25 +79,27 @@ BEGIN
 END;
 $$;
 
--- LOCK, for an operator's change of credentials `p_key_ids` (and for FIT): first the credentials'
--- operator locks (transaction-scoped advisory locks, one per bucket of key ids, ascending bucket:
--- a credential that does not exist yet has no row to lock, and two transactions creating the same
--- key would otherwise meet only at the INSERT, the second then writing slot rows after a
--- credential row), then every slot row of each, ascending (key_id, slot), then their
--- lease_windows rows, then the credential rows, each kind in one statement: the lock order.
--- Nobody waits for an operator lock while holding a row lock (REFIT tries it before its rows), and
--- claims and releases never take one. 64 buckets keep a large import's advisory locks well within
--- PostgreSQL's lock table; two operators' changes of keys in one bucket wait for each other. "Every slot row" includes rows that a fit which held
--- them inserted while this call waited: a statement's snapshot does not see rows committed after
--- it started, so the rows are read again afterwards, and if any is not among those locked the
--- locks are given back (the block is a subtransaction: its row locks end with it) and taken
--- again, so that no slot row is ever locked after a credential row or out of order. Returns how
--- many of the credentials exist.
+-- The operator lock of key `p_key_id` (see LOCK): a transaction-scoped advisory lock key, one of
+-- 64 buckets over the key ids.
 CREATE OR REPLACE FUNCTION credpool_operator_lock(p_key_id text) RETURNS bigint
 LANGUAGE sql IMMUTABLE PARALLEL SAFE AS $$
     SELECT hashtextextended('credpool.operator:' || (abs(hashtext(p_key_id)) % 64)::text, 0)
 $$;
 
+-- LOCK, for an operator's change of credentials `p_key_ids` (and for FIT), in the lock order:
+--   * their operator locks (credpool_operator_lock), ascending: a credential that does not exist
+--     yet has no row to lock, and two transactions creating the same key would otherwise meet
+--     only at the INSERT, the second then writing slot rows after a credential row. Nobody waits
+--     for one while holding a row lock (REFIT only tries it, before its rows); claims and releases
+--     never take one. 64 buckets keep a large import's advisory locks well within PostgreSQL's
+--     lock table; operators' changes of two keys in one bucket wait for each other;
+--   * every slot row of each, ascending (key_id, slot), including rows that a fit which held them
+--     inserted while this call waited: a statement's snapshot does not see rows committed after
+--     it started, so the rows are read again afterwards, and if any is not among those locked the
+--     locks are given back (the block is a subtransaction: its row locks end with it) and taken
+--     again, so that no slot row is ever locked after a credential row or out of order;
+--   * their lease_windows rows, then the credential rows, each kind in one statement.
+-- Returns how many of the credentials exist.
 CREATE OR REPLACE FUNCTION credpool_lock_credentials(p_key_ids text[]) RETURNS integer
 LANGUAGE plpgsql AS $$
 DECLARE
@@ -116,7 +118,6 @@ BEGIN
                   WHERE s.key_id = ANY (p_key_ids)
                   ORDER BY s.key_id, s.slot
                   FOR UPDATE) AS l;
-            PERFORM credpool_test_hook('lock.slots_locked');
             SELECT coalesce(array_agg(format('%s/%s', s.key_id, s.slot) ORDER BY s.key_id, s.slot), '{}')
             INTO v_present
             FROM lease_slots s
