@@ -375,12 +375,15 @@ async fn a_release_all_that_waited_for_a_raised_limit_locks_the_new_slots_before
     leased(&app, 600).await;
     let before = deadlocks(&app).await;
 
-    let mut fit = connect(&app).await;
-    fit.execute("BEGIN").await.unwrap();
+    // the limit is raised (committed), and the refit that follows is held before its commit; the
+    // refit only locks the credential row (no new version of it), so a transaction queued
+    // behind it on that row is first in line when it commits
     sqlx::query("UPDATE credentials SET max_concurrent_uses = 2 WHERE key_id = 'k'")
-        .execute(&mut fit)
+        .execute(&app.db)
         .await
         .unwrap();
+    let mut fit = connect(&app).await;
+    fit.execute("BEGIN").await.unwrap();
     sqlx::query("SELECT credpool_fit_slots('k')")
         .execute(&mut fit)
         .await
@@ -415,30 +418,8 @@ async fn a_release_all_that_waited_for_a_raised_limit_locks_the_new_slots_before
     let mut holder = holding.await.unwrap().unwrap();
     // the release-all now waits for the credential row (or, fixed, holds every slot row)
     wait_for_lock_waiters(&app, 1).await;
-    let answer = allocate(&app, "gpt-4o", "default", 600).await;
-    let executor = if answer.status() == StatusCode::OK {
-        let lease = json_body(answer, StatusCode::OK).await;
-        let mut executor = connect(&app).await;
-        let executor_pid = backend_pid(&mut executor).await;
-        let body = json!([{"lease_id": lease["lease_id"], "key_id": "k", "provider": "openai",
-                           "pool": "default", "fence": null, "outcome": "success",
-                           "usage_tokens": null}]);
-        let releasing = tokio::spawn(async move {
-            executor.execute("BEGIN").await?;
-            sqlx::query("SELECT verdict FROM credpool_release($1)")
-                .bind(body)
-                .fetch_all(&mut executor)
-                .await?;
-            executor.execute("COMMIT").await?;
-            Ok::<_, sqlx::Error>(())
-        });
-        until_waiting(&app, executor_pid).await;
-        Some(releasing)
-    } else {
-        // fixed: the release-all holds the new slot too, so nothing could be granted on it
-        assert_eq!(answer.status(), StatusCode::TOO_MANY_REQUESTS);
-        None
-    };
+    // fixed: the release-all holds the new slot too, so nothing can be granted on it
+    let executor = release_held_at_the_credential_row(&app, "k").await;
     holder.execute("COMMIT").await.unwrap();
     assert_eq!(
         release_all.await.unwrap(),
@@ -452,6 +433,39 @@ async fn a_release_all_that_waited_for_a_raised_limit_locks_the_new_slots_before
             .expect("the executor's release failed");
     }
     assert_eq!(deadlocks(&app).await, before, "a deadlock was detected");
+}
+
+/// Leases gpt-4o from `default` and, if granted (it must be on `key_id`), releases it with an
+/// outcome in a transaction of the test's own, returned once that release waits for a lock (the
+/// credential row, which it takes after the lease's slot row). `None` (after asserting a 429)
+/// when every slot of the pool is held by a transaction that locked them all.
+async fn release_held_at_the_credential_row(
+    app: &TestApp,
+    key_id: &str,
+) -> Option<tokio::task::JoinHandle<Result<(), sqlx::Error>>> {
+    let answer = allocate(app, "gpt-4o", "default", 600).await;
+    if answer.status() != StatusCode::OK {
+        assert_eq!(answer.status(), StatusCode::TOO_MANY_REQUESTS);
+        return None;
+    }
+    let lease = json_body(answer, StatusCode::OK).await;
+    assert_eq!(lease["key_id"], key_id);
+    let mut executor = connect(app).await;
+    let executor_pid = backend_pid(&mut executor).await;
+    let body = json!([{"lease_id": lease["lease_id"], "key_id": key_id, "provider": "openai",
+                       "pool": "default", "fence": null, "outcome": "success",
+                       "usage_tokens": null}]);
+    let releasing = tokio::spawn(async move {
+        executor.execute("BEGIN").await?;
+        sqlx::query("SELECT verdict FROM credpool_release($1)")
+            .bind(body)
+            .fetch_all(&mut executor)
+            .await?;
+        executor.execute("COMMIT").await?;
+        Ok::<_, sqlx::Error>(())
+    });
+    until_waiting(app, executor_pid).await;
+    Some(releasing)
 }
 
 /// Waits until `n` backends of the app's database wait for a lock.
@@ -588,30 +602,8 @@ async fn two_puts_creating_one_key_never_write_its_slot_rows_after_its_credentia
     assert_eq!(first.await.unwrap(), StatusCode::CREATED);
     // the second PUT waits at its slot update
     wait_for_lock_waiters(&app, 1).await;
-    let answer = allocate(&app, "gpt-4o", "default", 600).await;
-    let releasing = if answer.status() == StatusCode::OK {
-        let lease = json_body(answer, StatusCode::OK).await;
-        let mut executor = connect(&app).await;
-        let executor_pid = backend_pid(&mut executor).await;
-        let body = json!([{"lease_id": lease["lease_id"], "key_id": "new", "provider": "openai",
-                           "pool": "default", "fence": null, "outcome": "success",
-                           "usage_tokens": null}]);
-        let releasing = tokio::spawn(async move {
-            executor.execute("BEGIN").await?;
-            sqlx::query("SELECT verdict FROM credpool_release($1)")
-                .bind(body)
-                .fetch_all(&mut executor)
-                .await?;
-            executor.execute("COMMIT").await?;
-            Ok::<_, sqlx::Error>(())
-        });
-        until_waiting(&app, executor_pid).await;
-        Some(releasing)
-    } else {
-        // the second PUT holds every slot row of the key while it waits: nothing to lease
-        assert_eq!(answer.status(), StatusCode::TOO_MANY_REQUESTS);
-        None
-    };
+    // fixed: the second PUT holds every slot row of the key while it waits: nothing to lease
+    let releasing = release_held_at_the_credential_row(&app, "new").await;
     slots_hook.open().await;
     assert_eq!(
         second.await.unwrap(),
