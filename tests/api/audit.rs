@@ -298,24 +298,8 @@ async fn a_limit_lowered_while_a_claim_commits_judges_that_grant_by_the_limit_it
             .json(&json!({"max_concurrent_uses": 2}))
             .send(),
     );
-    let deadline = std::time::Instant::now() + Duration::from_secs(10);
-    loop {
-        let waiting: i64 = sqlx::query_scalar(
-            "SELECT count(*) FROM pg_stat_activity
-             WHERE datname = current_database() AND wait_event_type = 'Lock'",
-        )
-        .fetch_one(&app.db)
-        .await
-        .unwrap();
-        if waiting > 0 {
-            break;
-        }
-        assert!(
-            std::time::Instant::now() < deadline,
-            "the change never queued"
-        );
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
+    // the change queues behind the held transaction
+    crate::lease_state::wait_for_lock_waiters(&app, 1).await;
     // meanwhile a third lease, within the limit of 3 (slot 2 is not locked yet)
     lease(&app, 600).await;
     holder.commit().await.unwrap();

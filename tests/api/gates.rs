@@ -16,7 +16,8 @@ use credpool_test_support::*;
 
 use crate::BIN;
 use crate::lease_state::{
-    Hook, backend_pid, claim_body, connect, deadlocks, hooked, until_waiting,
+    Hook, app_with_hooks, backend_pid, claim_body, connect, deadlocks, hooked, until_waiting,
+    wait_for_lock_waiters,
 };
 
 /// An operator's request with the admin key.
@@ -468,24 +469,6 @@ async fn release_held_at_the_credential_row(
     Some(releasing)
 }
 
-/// Waits until `n` backends of the app's database wait for a lock.
-pub(crate) async fn wait_for_lock_waiters(app: &TestApp, n: i64) {
-    for _ in 0..2000 {
-        let waiting: i64 = sqlx::query_scalar(
-            "SELECT count(*) FROM pg_stat_activity
-             WHERE datname = current_database() AND wait_event_type = 'Lock'",
-        )
-        .fetch_one(&app.db)
-        .await
-        .unwrap();
-        if waiting >= n {
-            return;
-        }
-        tokio::time::sleep(Duration::from_millis(5)).await;
-    }
-    panic!("never {n} backends waiting for a lock");
-}
-
 #[tokio::test]
 async fn late_reports_of_the_same_leases_in_opposite_orders_never_deadlock() {
     // Two leases end (the reaper ended them); two release groups report outcomes for both, in
@@ -568,15 +551,7 @@ async fn two_puts_creating_one_key_never_write_its_slot_rows_after_its_credentia
     // meanwhile an executor's release with an outcome holds a slot row of the key and waits for
     // the credential row. Before the operator lock, the second PUT had locked no slot row (the key
     // did not exist when it looked), so it then waited for that slot: a deadlock, 503.
-    let database = TestDatabase::create().await;
-    sqlx::query(sqlx::AssertSqlSafe(format!(
-        "ALTER DATABASE \"{}\" SET credpool.test_hooks = 'fit.done,config.before_slots'",
-        database.name
-    )))
-    .execute(&database.pool(1).await)
-    .await
-    .unwrap();
-    let app = TestApp::spawn_on(database, AppOptions::default()).await;
+    let app = app_with_hooks("fit.done,config.before_slots").await;
     let before = deadlocks(&app).await;
     let put = |secret: &'static str| {
         let client = app.client.clone();

@@ -14,8 +14,7 @@ use sqlx::Executor;
 
 use credpool_test_support::*;
 
-use crate::gates::wait_for_lock_waiters;
-use crate::lease_state::{Hook, connect};
+use crate::lease_state::{Hook, app_with_hooks, connect, wait_for_lock_waiters};
 
 fn gpt4o(lease_seconds: u32) -> serde_json::Value {
     json!({"provider": "openai", "model": "gpt-4o", "lease_seconds": lease_seconds})
@@ -28,15 +27,7 @@ async fn a_lease_granted_under_a_request_id_is_kept_for_the_retry_of_a_departed_
     // Before, the service gave that lease back at once (the caller was gone) and the retry with
     // the same request_id got a second lease, while the first attempt's caller might still be
     // using the credential upstream.
-    let database = TestDatabase::create().await;
-    sqlx::query(sqlx::AssertSqlSafe(format!(
-        "ALTER DATABASE \"{}\" SET credpool.test_hooks = 'claim.before_lock'",
-        database.name
-    )))
-    .execute(&database.pool(1).await)
-    .await
-    .unwrap();
-    let app = TestApp::spawn_on(database, AppOptions::default()).await;
+    let app = app_with_hooks("claim.before_lock").await;
     app.put_key("k", "openai", "default", &["gpt-4o"], 2).await;
     let hook = Hook::close(&app, "claim.before_lock").await;
     let mut body = gpt4o(600);

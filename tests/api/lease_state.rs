@@ -50,6 +50,39 @@ pub(crate) async fn until_waiting(app: &TestApp, pid: i32) {
     panic!("backend {pid} never waited for a lock");
 }
 
+/// Waits until `n` backends of the app's database wait for a lock.
+pub(crate) async fn wait_for_lock_waiters(app: &TestApp, n: i64) {
+    for _ in 0..2000 {
+        let waiting: i64 = sqlx::query_scalar(
+            "SELECT count(*) FROM pg_stat_activity
+             WHERE datname = current_database() AND wait_event_type = 'Lock'",
+        )
+        .fetch_one(&app.db)
+        .await
+        .unwrap();
+        if waiting >= n {
+            return;
+        }
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    panic!("never {n} backends waiting for a lock");
+}
+
+/// The app on a fresh database every connection of which (the app's and the test's) stops at
+/// the test hooks `points` while they are closed ([`Hook`]): for a window inside a transaction
+/// the service itself runs.
+pub(crate) async fn app_with_hooks(points: &str) -> TestApp {
+    let database = TestDatabase::create().await;
+    sqlx::query(sqlx::AssertSqlSafe(format!(
+        "ALTER DATABASE \"{}\" SET credpool.test_hooks = '{points}'",
+        database.name
+    )))
+    .execute(&database.pool(1).await)
+    .await
+    .unwrap();
+    TestApp::spawn_on(database, AppOptions::default()).await
+}
+
 /// Deadlocks PostgreSQL has detected in the app's database so far.
 pub(crate) async fn deadlocks(app: &TestApp) -> i64 {
     sqlx::query_scalar("SELECT deadlocks FROM pg_stat_database WHERE datname = current_database()")

@@ -418,21 +418,7 @@ async fn rate_limits_are_set_shown_changed_and_validated_over_http() {
 /// Waits until a transaction on the app's database queues for a row lock (an operator's change
 /// behind a transaction the test holds).
 async fn until_a_transaction_waits_for_a_lock(app: &TestApp) {
-    let deadline = Instant::now() + Duration::from_secs(10);
-    loop {
-        let waiting: i64 = sqlx::query_scalar(
-            "SELECT count(*) FROM pg_stat_activity
-             WHERE datname = current_database() AND wait_event_type = 'Lock'",
-        )
-        .fetch_one(&app.db)
-        .await
-        .unwrap();
-        if waiting > 0 {
-            return;
-        }
-        assert!(Instant::now() < deadline, "nothing queued for a row lock");
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
+    crate::lease_state::wait_for_lock_waiters(app, 1).await;
 }
 
 #[tokio::test]

@@ -210,8 +210,9 @@ pub async fn claim_slots(
     let results = rows
         .into_iter()
         .zip(requests)
-        .map(|(row, request)| {
-            let granted = || -> Result<Option<GrantedLease>, String> {
+        .map(|(mut row, request)| {
+            // the granted row's owned parts are moved out, not copied (the claim's hot path)
+            let mut granted = || -> Result<Option<GrantedLease>, String> {
                 let Some(lease_id) = row.lease_id else {
                     return Ok(None);
                 };
@@ -225,14 +226,14 @@ pub async fn claim_slots(
                     probe: row.probe.unwrap_or(false),
                     provider_model: row
                         .provider_model
-                        .clone()
+                        .take()
                         .unwrap_or_else(|| request.model.as_str().to_owned()),
                     sealed_secret: row
                         .sealed_secret
-                        .clone()
+                        .take()
                         .ok_or_else(|| missing("the sealed secret"))?,
                     pruned_expired: row.pruned_expired.unwrap_or(false),
-                    pool: PoolName::parse(row.lease_pool.clone().ok_or_else(|| missing("pool"))?)
+                    pool: PoolName::parse(row.lease_pool.take().ok_or_else(|| missing("pool"))?)
                         .map_err(|e| e.to_string())?,
                     fence: row.fence.ok_or_else(|| missing("fence"))?,
                     replayed: row.request.as_deref() == Some("replayed"),
@@ -241,7 +242,7 @@ pub async fn claim_slots(
             let granted = match granted() {
                 Ok(granted) => granted,
                 Err(why) => {
-                    unanswerable.push((row.key_id.clone(), row.lease_id, why));
+                    unanswerable.push((row.key_id.take(), row.lease_id, why));
                     None
                 }
             };
