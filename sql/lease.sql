@@ -220,6 +220,7 @@ RETURNS uuid[]
 LANGUAGE plpgsql
 SET enable_seqscan = off SET enable_bitmapscan = off SET enable_hashjoin = off
 SET enable_mergejoin = off SET enable_material = off SET jit = off
+SET plan_cache_mode = force_generic_plan
 AS $$
 DECLARE
     v_ended integer[];
@@ -330,109 +331,64 @@ BEGIN
 END;
 $$;
 
--- BEGIN: the one way a lease begins, inside a claim statement that holds the slot row's lock
--- (and, for a credential with rate windows, its lease_windows row's). Ends the expired lease the
--- slot still carries in the trail (`expired`, at its own lease_until), writes the lease into the
--- slot (granted_at = `p_at`), charges the credential's windows when `p_charge_windows`, writes
--- the request_id's row, the `granted` trail row and, for a probe, `probe_granted`. Returns the
--- slot as granted.
-CREATE OR REPLACE FUNCTION credpool_begin_lease(
-    p_slot lease_slots, p_lease_id uuid, p_provider text, p_pool text, p_holder text,
-    p_lease_seconds integer, p_at timestamptz, p_tokens bigint, p_request_id text,
-    p_request_digest text, p_status text, p_cooldown_until timestamptz, p_charge_windows boolean)
-RETURNS lease_slots
-LANGUAGE plpgsql AS $$
-DECLARE
-    v_granted lease_slots;
-BEGIN
-    IF p_slot.lease_id IS NOT NULL THEN
-        PERFORM credpool_record_lease_ends(ARRAY[p_slot], ARRAY['expired'], ARRAY[p_slot.lease_until]);
-    END IF;
-    UPDATE lease_slots s
-    SET lease_id = p_lease_id, provider = p_provider, pool = p_pool, holder = p_holder,
-        granted_at = p_at, lease_until = p_at + make_interval(secs => p_lease_seconds),
-        last_granted_at = p_at, probe = p_status <> 'available',
-        fence = nextval('lease_fence_seq'), reserved_tokens = p_tokens
-    WHERE s.key_id = p_slot.key_id AND s.slot = p_slot.slot
-    RETURNING s.* INTO v_granted;
-    IF p_charge_windows THEN
-        UPDATE lease_windows w
-        SET (bucket_ids, bucket_charged) =
-            (SELECT x.bucket_ids, x.bucket_charged FROM credpool_window_charge(w, p_at, p_tokens) x)
-        WHERE w.key_id = p_slot.key_id AND cardinality(w.window_kinds) > 0;
-    END IF;
-    IF p_request_id IS NOT NULL THEN
-        INSERT INTO lease_requests AS r (request_id, request_digest, lease_id, key_id, granted_at)
-        VALUES (p_request_id, p_request_digest, p_lease_id, p_slot.key_id, p_at)
-        ON CONFLICT ON CONSTRAINT lease_requests_pkey DO UPDATE
-        SET request_digest = EXCLUDED.request_digest, lease_id = EXCLUDED.lease_id,
-            key_id = EXCLUDED.key_id, granted_at = EXCLUDED.granted_at;
-    END IF;
-    IF v_granted.probe THEN
-        INSERT INTO credential_events
-            (key_id, event, old_status, new_status, reason, cooldown_until, lease_id, at)
-        VALUES (v_granted.key_id, 'probe_granted', p_status, p_status,
-                'cooldown ended; single probe lease granted', p_cooldown_until, p_lease_id, p_at);
-    END IF;
-    INSERT INTO lease_events
-        (event, lease_id, key_id, provider, pool, slot, holder, lease_until, at, fence, tokens)
-    VALUES ('granted', p_lease_id, v_granted.key_id, p_provider, p_pool, v_granted.slot, p_holder,
-            v_granted.lease_until, p_at, v_granted.fence, p_tokens);
-    RETURN v_granted;
-END;
-$$;
-
 -- CLAIM (DESIGN "The protocol", step 1), for one request or for a group.
 --
 -- p_claims jsonb: an array of claims, each {"ranked": [key_id, ...] (best first, the Rust
 -- scoring), "provider", "pool", "model" (a model or alias), "lease_id" (the new lease's uuid),
 -- "holder" (or null), "lease_seconds", "tokens" (the reservation for token windows; 0 or absent:
 -- none), and optionally "request_id" with "request_digest"}. Returns one row per claim, `claim` =
--- its 1-based position: the pool's version (NULL when the pool never had a credential), so the
--- caller learns whether its candidate view is stale, and the lease, NULL when no candidate could
--- serve. `request` is NULL, 'replayed' (the request_id's live lease, granted to an earlier attempt
--- with the same parameters: no slot taken), 'conflict' (its live lease was granted for other
--- parameters), 'in_flight' (another transaction is claiming for the same request_id right now)
--- or 'busy' (nothing granted, but a candidate that may serve at once, read after the claim, was
--- held by another transaction or changed by one at that moment): for the last two, claim again
--- in a moment. `frees_at`,
--- when nothing was granted: the earliest moment a candidate may serve it, and `held_by` what holds
--- that candidate back (credpool_frees_at), for the answer's Retry-After, a waiting request's
--- timer and the held-back metric.
+-- its 1-based position: the pool's version (NULL when the pool never had a credential), read
+-- before any candidate, so the caller learns whether its candidate view is stale, and the lease,
+-- NULL when no candidate could serve. `request` is NULL, 'replayed' (the request_id's live lease,
+-- granted to an earlier attempt with the same parameters: no slot taken), 'conflict' (its live
+-- lease was granted for other parameters), 'in_flight' (another transaction is claiming for the
+-- same request_id right now) or 'busy' (nothing granted, but a candidate that may serve at once,
+-- read after the claim, was held by another transaction or changed by one at that moment): for
+-- the last two, claim again in a moment. `frees_at`, when nothing was granted: the earliest
+-- moment a candidate may serve it, and `held_by` what holds that candidate back
+-- (credpool_frees_at), for the answer's Retry-After, a waiting request's timer and the held-back
+-- metric.
 --
--- Each claim is ONE statement, run in array order; a group of claims is one call: one round
--- trip and, outside an explicit transaction, one commit. A later claim sees the earlier claims'
--- writes; a volatile function takes a new snapshot per statement, so each claim also sees what
--- other transactions committed before it ran.
---
--- The statement takes the first candidate, in array order, that may serve the request
--- (credpool_may_serve) and has a free slot (credpool_slot_open) and, if it has rate windows, room
--- in every window (credpool_window_room, sql/windows.sql); it locks that slot row (and the
--- credential's lease_windows row) and begins the lease in the same statement (credpool_begin_lease:
--- the expired lease it replaces ended in the trail, the lease in the slot, the windows charged,
--- the request_id's row, the `granted` trail row).
+-- A group of claims is one call: one round trip and, outside an explicit transaction, one commit.
+-- Its claims are decided together, in rounds, each round two statements whatever the number of
+-- claims: PICK takes, for every claim still open, the first candidate in its own ranked order that
+-- may serve it (credpool_may_serve) and has a free slot (credpool_slot_open) and, if it has rate
+-- windows, room in every window (credpool_window_room, sql/windows.sql), and locks that slot row
+-- (and the credential's lease_windows row); of the claims that picked one credential, the first
+-- in array order wins it, the others are open again in the next round. GRANT then begins the
+-- winners' leases (the expired lease a slot still carries ended in the trail, the lease in the
+-- slot, the windows charged, the request_id's row, the `granted` trail row, `probe_granted` for a
+-- probe). Each round is a new statement, so it sees the grants of the rounds before it (and what
+-- other transactions committed meanwhile); a credential is granted at most once per round, so
+-- every grant and every window charge is decided on the slot and window rows as the grants before
+-- it left them: the same as claiming one after the other, in array order, at a fraction of the
+-- statements. A claim that picked nothing is not granted. Every round grants at least one claim,
+-- so there are at most as many rounds as claims, and in practice one or two.
 --
 -- Why this cannot oversell: capacity is not counted, it is the set of slot rows, and a lease
 -- exists only inside the slot row that holds it. Every condition that decides whether a grant may
--- happen is on a row this statement locks: whether the slot is free, whether its credential is
--- over a lowered limit, draining or has rate windows (credpool_fit_slots writes those gates into
--- every slot row under the rows' locks), and how much room its windows have (its lease_windows
--- row). Under READ COMMITTED, when FOR UPDATE meets a row that another transaction changed after
--- this statement's snapshot, PostgreSQL re-evaluates the WHERE clause against the newest version
--- of the locked rows (EvalPlanQual): a slot that a concurrent claim has just filled, a window a
--- concurrent claim has just charged, a slot a refit has just closed, no longer passes and is
--- passed over. SKIP LOCKED passes over rows another transaction holds right now, so concurrent
--- claims spread over the free slots instead of queueing. Two transactions can never both hold
--- one slot row's lock, so each slot carries at most one unexpired lease; nor one lease_windows
--- row's, so each window charge sees every charge before it. (The trap in DESIGN — lock the
--- credential, count its leases in a subquery — fails because the count reads the statement's
--- snapshot, which EvalPlanQual does not refresh for rows other than the locked ones.)
+-- happen is on a row PICK locks: whether the slot is free, whether its credential is over a
+-- lowered limit, draining or has rate windows (credpool_fit_slots writes those gates into every
+-- slot row under the rows' locks), and how much room its windows have (its lease_windows row).
+-- Under READ COMMITTED, when FOR UPDATE meets a row that another transaction changed after this
+-- statement's snapshot, PostgreSQL re-evaluates the WHERE clause against the newest version of the
+-- locked rows (EvalPlanQual): a slot that a concurrent claim has just filled, a window a concurrent
+-- claim has just charged, a slot a refit has just closed, no longer passes and is passed over.
+-- SKIP LOCKED passes over rows another transaction holds right now, so concurrent claims spread
+-- over the free slots instead of queueing. Two transactions can never both hold one slot row's
+-- lock, so each slot carries at most one unexpired lease; nor one lease_windows row's, so each
+-- window charge sees every charge before it. (The trap in DESIGN — lock the credential, count its
+-- leases in a subquery — fails because the count reads the statement's snapshot, which
+-- EvalPlanQual does not refresh for rows other than the locked ones.) Within one PICK, the claims
+-- of this call do not see each other (one snapshot, and a transaction's own locks do not make it
+-- skip a row): two of them may pick the same slot, which is why only one claim per credential
+-- wins a round.
 --
 -- The credential row is read from the snapshot, not locked (locking it would make every claim on
 -- a credential queue on one row). What the claim decides on it — provider, pool, models and
 -- aliases, the secret it hands out, an operator's status — is gated through the slot row: every
 -- change of those moves credentials.config_version and, in the same transaction, writes the new
--- version into every slot row of the credential (trigger credentials_config_version, below). The
+-- version into every slot row of the credential (trigger credentials_config_version, above). The
 -- claim grants only where `s.config_version = c.config_version`. A change committed after the
 -- claim's snapshot and before its lock changed the slot row, so EvalPlanQual re-checks it: the
 -- locked row's new version against the snapshot's old credential row, unequal, and the candidate
@@ -443,7 +399,7 @@ $$;
 -- read from the snapshot without a gate: a report committed while the claim runs may let this one
 -- grant through, never a grant over a limit or a window.
 --
--- Two statements, one for each shape of candidate list: a claim none of whose candidates has
+-- Two shapes of pick, one for each shape of candidate list: a claim none of whose candidates has
 -- windows locks only the slot row (a credential without windows must not make concurrent claims
 -- queue on one row), and passes over a slot whose `windowed` gate says its credential has windows
 -- now; a claim with a candidate that has windows locks that credential's lease_windows row with
@@ -455,7 +411,7 @@ $$;
 --
 -- Clock: statement_timestamp(), the start of the call, decides usability, expiry and window room
 -- (a lease that expires while the call runs is treated as still held). granted_at is
--- clock_timestamp(), read once per claim when the slot row is read, which for a slot freed after
+-- clock_timestamp(), read once per claim when its slot row is read, which for a slot freed after
 -- the snapshot is after the lock: the slot was freed by a transaction that committed before this
 -- claim saw it free, so the trail never shows two leases of one slot overlapping.
 --
@@ -466,6 +422,8 @@ $$;
 -- (a generic plan, which PL/pgSQL uses from a statement's sixth run on, would otherwise read the
 -- slots table once into memory rather than probe it per candidate when it has no statistics).
 DROP FUNCTION IF EXISTS credpool_claim(jsonb);
+DROP FUNCTION IF EXISTS credpool_begin_lease(lease_slots, uuid, text, text, text, integer,
+    timestamptz, bigint, text, text, text, timestamptz, boolean);
 CREATE FUNCTION credpool_claim(p_claims jsonb)
 RETURNS TABLE (claim integer, pool_version bigint, key_id text, lease_id uuid, lease_pool text,
                granted_at timestamptz, lease_until timestamptz, probe boolean,
@@ -474,174 +432,288 @@ RETURNS TABLE (claim integer, pool_version bigint, key_id text, lease_id uuid, l
 LANGUAGE plpgsql
 SET enable_seqscan = off SET enable_bitmapscan = off SET enable_hashjoin = off
 SET enable_mergejoin = off SET enable_material = off SET jit = off
+SET plan_cache_mode = force_generic_plan
 AS $$
 #variable_conflict use_column
 DECLARE
     v_now timestamptz := statement_timestamp();
-    -- the request ids whose advisory lock this call holds
+    v_count integer := jsonb_array_length(p_claims);
+    -- the claims, element n = claim n
+    v_ranked jsonb[];
+    v_provider text[];
+    v_pool text[];
+    v_model text[];
+    v_lease uuid[];
+    v_holder text[];
+    v_seconds integer[];
+    v_tokens bigint[];
+    v_request_id text[];
+    v_digest text[];
+    v_windowed boolean[];
+    v_pool_version bigint[];
+    -- claims answered before any pick (request ids), and their `request`
+    v_done boolean[];
+    v_request text[];
+    -- the claims the next round picks for
+    v_open integer[];
+    -- one round's winners (claim order): the claim, its slot row as picked, what the grant and
+    -- the answer need of its credential
+    w_claim integer[];
+    w_slot lease_slots[];
+    w_status text[];
+    w_cooldown timestamptz[];
+    w_at timestamptz[];
+    w_charge boolean[];
+    w_secret bytea[];
+    w_model text[];
+    -- every lease the call answers with (granted, or replayed): the claim, the slot row as
+    -- granted, the sealed secret and the provider's model handed out, whether an expired lease
+    -- was ended to make room
+    g_claim integer[] := '{}';
+    g_slot lease_slots[] := '{}';
+    g_secret bytea[] := '{}';
+    g_model text[] := '{}';
+    g_pruned boolean[] := '{}';
     v_requests text[];
-    -- the candidates of the call that have rate windows (read once; the slots' `windowed` gate
-    -- covers a credential given windows since)
     v_windowed_keys text[];
-    -- pool versions read by this call, "provider/pool" -> version
-    v_pools text[] := '{}';
-    v_versions bigint[] := '{}';
-    v_pool integer;
     q record;
     prior record;
-    v_claimed record;
-    v_frees record;
-    v_windowed boolean;
 BEGIN
-    SELECT coalesce(array_agg(ids.request_id), '{}') INTO v_requests
-    FROM (SELECT DISTINCT e ->> 'request_id' AS request_id
-          FROM jsonb_array_elements(p_claims) AS e
-          WHERE e ->> 'request_id' IS NOT NULL) AS ids
-    WHERE pg_try_advisory_xact_lock(hashtextextended('credpool.request_id:' || ids.request_id, 0));
+    IF v_count = 0 THEN
+        RETURN;
+    END IF;
+    SELECT array_agg(e.c -> 'ranked' ORDER BY e.n), array_agg(e.c ->> 'provider' ORDER BY e.n),
+           array_agg(e.c ->> 'pool' ORDER BY e.n), array_agg(e.c ->> 'model' ORDER BY e.n),
+           array_agg((e.c ->> 'lease_id')::uuid ORDER BY e.n),
+           array_agg(e.c ->> 'holder' ORDER BY e.n),
+           array_agg((e.c ->> 'lease_seconds')::integer ORDER BY e.n),
+           array_agg(coalesce((e.c ->> 'tokens')::bigint, 0) ORDER BY e.n),
+           array_agg(e.c ->> 'request_id' ORDER BY e.n),
+           array_agg(e.c ->> 'request_digest' ORDER BY e.n)
+    INTO v_ranked, v_provider, v_pool, v_model, v_lease, v_holder, v_seconds, v_tokens,
+         v_request_id, v_digest
+    FROM jsonb_array_elements(p_claims) WITH ORDINALITY AS e (c, n);
+
+    -- each claim's pool version, read before any candidate; which claims have a candidate with
+    -- windows (the slots' `windowed` gate covers a credential given windows since)
+    SELECT array_agg(pv.version ORDER BY k.n) INTO v_pool_version
+    FROM generate_subscripts(v_provider, 1) AS k (n)
+    JOIN (SELECT p.provider, p.pool, credpool_pool_version(p.provider, p.pool) AS version
+          FROM (SELECT DISTINCT provider, pool FROM unnest(v_provider, v_pool) AS u (provider, pool)) AS p
+         ) AS pv
+      ON pv.provider = v_provider[k.n] AND pv.pool = v_pool[k.n];
     SELECT coalesce(array_agg(c.key_id), '{}') INTO v_windowed_keys
     FROM credentials c
-    WHERE c.key_id = ANY (ARRAY(SELECT jsonb_array_elements_text(e -> 'ranked')
-                                FROM jsonb_array_elements(p_claims) AS e))
+    WHERE c.key_id = ANY (ARRAY(SELECT jsonb_array_elements_text(r) FROM unnest(v_ranked) AS r))
       AND c.rate_limits <> '[]'::jsonb;
+    v_windowed := ARRAY(SELECT ARRAY(SELECT jsonb_array_elements_text(v_ranked[k])) && v_windowed_keys
+                        FROM generate_subscripts(v_ranked, 1) AS k ORDER BY k);
 
-    FOR q IN
-        SELECT e.n::integer AS claim,
-               ARRAY(SELECT jsonb_array_elements_text(e.c -> 'ranked')) AS ranked,
-               e.c ->> 'provider' AS provider, e.c ->> 'pool' AS pool, e.c ->> 'model' AS model,
-               (e.c ->> 'lease_id')::uuid AS lease_id, e.c ->> 'holder' AS holder,
-               (e.c ->> 'lease_seconds')::integer AS lease_seconds,
-               coalesce((e.c ->> 'tokens')::bigint, 0) AS tokens,
-               e.c ->> 'request_id' AS request_id, e.c ->> 'request_digest' AS request_digest
-        FROM jsonb_array_elements(p_claims) WITH ORDINALITY AS e (c, n)
-        ORDER BY e.n
-    LOOP
-        claim := q.claim;
-        v_pool := array_position(v_pools, q.provider || '/' || q.pool);
-        IF v_pool IS NULL THEN
-            v_pools := v_pools || (q.provider || '/' || q.pool);
-            v_versions := v_versions || credpool_pool_version(q.provider, q.pool);
-            v_pool := cardinality(v_pools);
-        END IF;
-        pool_version := v_versions[v_pool];
-        key_id := NULL; lease_id := NULL; lease_pool := NULL; granted_at := NULL;
-        lease_until := NULL; probe := NULL; provider_model := NULL; sealed_secret := NULL;
-        pruned_expired := NULL; fence := NULL; request := NULL; frees_at := NULL; held_by := NULL;
-
-        IF q.request_id IS NOT NULL THEN
-            IF NOT q.request_id = ANY (v_requests) THEN
-                request := 'in_flight';
-                RETURN NEXT;
+    -- Request ids: a claim whose request_id another transaction is claiming for right now is
+    -- 'in_flight'; one whose request_id has a live lease replays it (or is a 'conflict'); of the
+    -- claims of this call that name one request_id, the first claims and the others are
+    -- 'in_flight' (claimed again, they replay its lease).
+    v_done := array_fill(false, ARRAY[v_count]);
+    v_request := array_fill(NULL::text, ARRAY[v_count]);
+    IF EXISTS (SELECT 1 FROM unnest(v_request_id) AS r WHERE r IS NOT NULL) THEN
+        SELECT coalesce(array_agg(ids.request_id), '{}') INTO v_requests
+        FROM (SELECT DISTINCT r AS request_id FROM unnest(v_request_id) AS r WHERE r IS NOT NULL) AS ids
+        WHERE pg_try_advisory_xact_lock(hashtextextended('credpool.request_id:' || ids.request_id, 0));
+        FOR q IN SELECT k AS n FROM generate_subscripts(v_request_id, 1) AS k
+                 WHERE v_request_id[k] IS NOT NULL ORDER BY k LOOP
+            IF NOT v_request_id[q.n] = ANY (v_requests)
+               OR v_request_id[q.n] = ANY (v_request_id[:q.n - 1]) THEN
+                v_request[q.n] := 'in_flight';
+                v_done[q.n] := true;
                 CONTINUE;
             END IF;
-            -- the lease this request_id already holds, if it is live
-            SELECT s.key_id, s.lease_id, s.pool, s.granted_at, s.lease_until, s.probe, s.fence,
-                   r.request_digest = q.request_digest AS same_request, c.secret_ciphertext,
-                   coalesce(c.model_aliases ->> q.model, q.model) AS provider_model
+            SELECT s, r.request_digest = v_digest[q.n] AS same_request, c.secret_ciphertext,
+                   coalesce(c.model_aliases ->> v_model[q.n], v_model[q.n]) AS provider_model
             INTO prior
             FROM lease_requests r
             JOIN lease_slots s ON s.key_id = r.key_id AND s.lease_id = r.lease_id
             JOIN credentials c ON c.key_id = s.key_id
-            WHERE r.request_id = q.request_id AND s.lease_until > v_now;
+            WHERE r.request_id = v_request_id[q.n] AND s.lease_until > v_now;
             IF FOUND THEN
+                v_done[q.n] := true;
                 IF prior.same_request THEN
-                    key_id := prior.key_id; lease_id := prior.lease_id; lease_pool := prior.pool;
-                    granted_at := prior.granted_at; lease_until := prior.lease_until;
-                    probe := prior.probe; provider_model := prior.provider_model;
-                    sealed_secret := prior.secret_ciphertext; pruned_expired := false;
-                    fence := prior.fence; request := 'replayed';
+                    v_request[q.n] := 'replayed';
+                    g_claim := g_claim || q.n;
+                    g_slot := g_slot || prior.s;
+                    g_secret := g_secret || prior.secret_ciphertext;
+                    g_model := g_model || prior.provider_model;
+                    g_pruned := g_pruned || false;
                 ELSE
-                    request := 'conflict';
+                    v_request[q.n] := 'conflict';
                 END IF;
-                RETURN NEXT;
-                CONTINUE;
             END IF;
-        END IF;
+        END LOOP;
+    END IF;
 
-        v_windowed := q.ranked && v_windowed_keys;
-        IF NOT v_windowed THEN
-            SELECT claimed.secret_ciphertext, claimed.provider_model,
-                   (claimed.s).lease_id IS NOT NULL AS pruned, g.*
-            INTO v_claimed
+    v_open := ARRAY(SELECT k FROM generate_subscripts(v_done, 1) AS k WHERE NOT v_done[k] ORDER BY k);
+    WHILE cardinality(v_open) > 0 LOOP
+        -- PICK: each open claim's first candidate with room, locked; the first claim (in array
+        -- order) that picked a credential wins it, the others are open again
+        SELECT coalesce(array_agg(p.n ORDER BY p.n) FILTER (WHERE p.first), '{}'),
+               array_agg(p.s ORDER BY p.n) FILTER (WHERE p.first),
+               array_agg(p.status ORDER BY p.n) FILTER (WHERE p.first),
+               array_agg(p.cooldown_until ORDER BY p.n) FILTER (WHERE p.first),
+               array_agg(p.at ORDER BY p.n) FILTER (WHERE p.first),
+               array_agg(p.windowed ORDER BY p.n) FILTER (WHERE p.first),
+               array_agg(p.secret_ciphertext ORDER BY p.n) FILTER (WHERE p.first),
+               array_agg(p.provider_model ORDER BY p.n) FILTER (WHERE p.first),
+               coalesce(array_agg(p.n ORDER BY p.n) FILTER (WHERE NOT p.first), '{}')
+        INTO w_claim, w_slot, w_status, w_cooldown, w_at, w_charge, w_secret, w_model, v_open
+        FROM (
+            SELECT o.*, row_number() OVER (PARTITION BY (o.s).key_id ORDER BY o.n) = 1 AS first
             FROM (
-                SELECT s, c.status, c.cooldown_until, c.secret_ciphertext,
-                       coalesce(c.model_aliases ->> q.model, q.model) AS provider_model,
-                       clock_timestamp() AS at
-                FROM unnest(q.ranked) WITH ORDINALITY AS r (key_id, rank)
+                SELECT q.n, x.*, false AS windowed
+                FROM unnest(v_open) AS q (n)
                 CROSS JOIN LATERAL (
-                    SELECT * FROM credentials c WHERE c.key_id = r.key_id LIMIT 1
-                ) c
-                JOIN lease_slots s ON s.key_id = c.key_id
-                WHERE (SELECT credpool_test_hook('claim.before_lock'))
-                  AND credpool_may_serve(c, q.provider, q.pool, q.model, v_now)
-                  AND credpool_slot_open(s, c.status, v_now)
-                  AND s.config_version = c.config_version
-                  AND NOT s.windowed
-                ORDER BY r.rank, s.slot
-                LIMIT 1
-                FOR UPDATE OF s SKIP LOCKED
-            ) AS claimed
-            CROSS JOIN LATERAL credpool_begin_lease(
-                claimed.s, q.lease_id, q.provider, q.pool, q.holder, q.lease_seconds, claimed.at,
-                q.tokens, q.request_id, q.request_digest, claimed.status, claimed.cooldown_until,
-                false) AS g;
-        ELSE
-            SELECT claimed.secret_ciphertext, claimed.provider_model,
-                   (claimed.s).lease_id IS NOT NULL AS pruned, g.*
-            INTO v_claimed
-            FROM (
-                SELECT s, c.status, c.cooldown_until, c.secret_ciphertext,
-                       coalesce(c.model_aliases ->> q.model, q.model) AS provider_model,
-                       clock_timestamp() AS at
-                FROM unnest(q.ranked) WITH ORDINALITY AS r (key_id, rank)
+                    SELECT s, c.status, c.cooldown_until, c.secret_ciphertext,
+                           coalesce(c.model_aliases ->> v_model[q.n], v_model[q.n]) AS provider_model,
+                           clock_timestamp() AS at
+                    FROM jsonb_array_elements_text(v_ranked[q.n]) WITH ORDINALITY AS r (key_id, rank)
+                    CROSS JOIN LATERAL (
+                        SELECT * FROM credentials c WHERE c.key_id = r.key_id LIMIT 1
+                    ) c
+                    JOIN lease_slots s ON s.key_id = c.key_id
+                    WHERE (SELECT credpool_test_hook('claim.before_lock'))
+                      AND credpool_may_serve(c, v_provider[q.n], v_pool[q.n], v_model[q.n], v_now)
+                      AND credpool_slot_open(s, c.status, v_now)
+                      AND s.config_version = c.config_version
+                      AND NOT s.windowed
+                    ORDER BY r.rank, s.slot
+                    LIMIT 1
+                    FOR UPDATE OF s SKIP LOCKED
+                ) AS x
+                WHERE NOT v_windowed[q.n]
+                UNION ALL
+                SELECT q.n, x.*, true AS windowed
+                FROM unnest(v_open) AS q (n)
                 CROSS JOIN LATERAL (
-                    SELECT * FROM credentials c WHERE c.key_id = r.key_id LIMIT 1
-                ) c
-                JOIN lease_windows w ON w.key_id = c.key_id
-                JOIN lease_slots s ON s.key_id = c.key_id
-                WHERE (SELECT credpool_test_hook('claim.before_lock'))
-                  AND credpool_may_serve(c, q.provider, q.pool, q.model, v_now)
-                  AND credpool_slot_open(s, c.status, v_now)
-                  AND s.config_version = c.config_version
-                  AND credpool_window_room(w, v_now, q.tokens)
-                ORDER BY r.rank, s.slot
-                LIMIT 1
-                FOR UPDATE OF w, s SKIP LOCKED
-            ) AS claimed
-            CROSS JOIN LATERAL credpool_begin_lease(
-                claimed.s, q.lease_id, q.provider, q.pool, q.holder, q.lease_seconds, claimed.at,
-                q.tokens, q.request_id, q.request_digest, claimed.status, claimed.cooldown_until,
-                true) AS g;
+                    SELECT s, c.status, c.cooldown_until, c.secret_ciphertext,
+                           coalesce(c.model_aliases ->> v_model[q.n], v_model[q.n]) AS provider_model,
+                           clock_timestamp() AS at
+                    FROM jsonb_array_elements_text(v_ranked[q.n]) WITH ORDINALITY AS r (key_id, rank)
+                    CROSS JOIN LATERAL (
+                        SELECT * FROM credentials c WHERE c.key_id = r.key_id LIMIT 1
+                    ) c
+                    JOIN lease_windows w ON w.key_id = c.key_id
+                    JOIN lease_slots s ON s.key_id = c.key_id
+                    WHERE (SELECT credpool_test_hook('claim.before_lock'))
+                      AND credpool_may_serve(c, v_provider[q.n], v_pool[q.n], v_model[q.n], v_now)
+                      AND credpool_slot_open(s, c.status, v_now)
+                      AND s.config_version = c.config_version
+                      AND credpool_window_room(w, v_now, v_tokens[q.n])
+                    ORDER BY r.rank, s.slot
+                    LIMIT 1
+                    FOR UPDATE OF w, s SKIP LOCKED
+                ) AS x
+                WHERE v_windowed[q.n]
+            ) AS o
+        ) AS p;
+        EXIT WHEN cardinality(w_claim) = 0;
+
+        -- GRANT: the expired leases the winners' slots still carry end in the trail (at their
+        -- own lease_until); then every winner's lease begins, in one statement
+        IF EXISTS (SELECT 1 FROM unnest(w_slot) AS s WHERE s.lease_id IS NOT NULL) THEN
+            PERFORM credpool_record_lease_ends(
+                ARRAY(SELECT s FROM unnest(w_slot) AS s WHERE s.lease_id IS NOT NULL),
+                ARRAY(SELECT 'expired' FROM unnest(w_slot) AS s WHERE s.lease_id IS NOT NULL),
+                ARRAY(SELECT s.lease_until FROM unnest(w_slot) AS s WHERE s.lease_id IS NOT NULL));
         END IF;
-        IF FOUND THEN
-            key_id := v_claimed.key_id; lease_id := v_claimed.lease_id; lease_pool := q.pool;
-            granted_at := v_claimed.granted_at; lease_until := v_claimed.lease_until;
-            probe := v_claimed.probe; provider_model := v_claimed.provider_model;
-            sealed_secret := v_claimed.secret_ciphertext; pruned_expired := v_claimed.pruned;
-            fence := v_claimed.fence;
-            RETURN NEXT;
-            CONTINUE;
-        END IF;
-        -- Nothing granted: when may a candidate serve it (read now)? A candidate whose slot or
-        -- window row another transaction held (a concurrent claim, the reaper, an operator's
-        -- change) was passed over without knowing what that transaction leaves: if, read now,
-        -- one may serve at once, say so (the caller claims again).
-        SELECT f.at, f.held_by INTO v_frees
-        FROM unnest(q.ranked) AS r (key_id)
+        WITH won AS (
+            SELECT w_claim[i] AS n, (w_slot[i]).key_id, (w_slot[i]).slot,
+                   (w_slot[i]).lease_id IS NOT NULL AS pruned, w_status[i] AS status,
+                   w_cooldown[i] AS cooldown_until, w_at[i] AS at, w_charge[i] AS charge,
+                   w_secret[i] AS secret, w_model[i] AS model,
+                   v_lease[w_claim[i]] AS lease_id, v_provider[w_claim[i]] AS provider,
+                   v_pool[w_claim[i]] AS pool, v_holder[w_claim[i]] AS holder,
+                   v_seconds[w_claim[i]] AS seconds, v_tokens[w_claim[i]] AS tokens,
+                   v_request_id[w_claim[i]] AS request_id, v_digest[w_claim[i]] AS request_digest
+            FROM generate_subscripts(w_claim, 1) AS i
+        ),
+        granted AS (
+            UPDATE lease_slots s
+            SET lease_id = won.lease_id, provider = won.provider, pool = won.pool,
+                holder = won.holder, granted_at = won.at,
+                lease_until = won.at + make_interval(secs => won.seconds),
+                last_granted_at = won.at, probe = won.status <> 'available',
+                fence = nextval('lease_fence_seq'), reserved_tokens = won.tokens
+            FROM won
+            WHERE s.key_id = won.key_id AND s.slot = won.slot
+            RETURNING won.n, s, won.status, won.cooldown_until, won.request_id, won.request_digest,
+                      won.secret, won.model, won.pruned
+        ),
+        charged AS (
+            UPDATE lease_windows lw
+            SET (bucket_ids, bucket_charged) =
+                (SELECT x.bucket_ids, x.bucket_charged
+                 FROM credpool_window_charge(lw, won.at, won.tokens) AS x)
+            FROM won
+            WHERE won.charge AND lw.key_id = won.key_id AND cardinality(lw.window_kinds) > 0
+        ),
+        requests AS (
+            INSERT INTO lease_requests AS r (request_id, request_digest, lease_id, key_id, granted_at)
+            SELECT g.request_id, g.request_digest, (g.s).lease_id, (g.s).key_id, (g.s).granted_at
+            FROM granted g
+            WHERE g.request_id IS NOT NULL
+            ON CONFLICT ON CONSTRAINT lease_requests_pkey DO UPDATE
+            SET request_digest = EXCLUDED.request_digest, lease_id = EXCLUDED.lease_id,
+                key_id = EXCLUDED.key_id, granted_at = EXCLUDED.granted_at
+        ),
+        probes AS (
+            INSERT INTO credential_events
+                (key_id, event, old_status, new_status, reason, cooldown_until, lease_id, at)
+            SELECT (g.s).key_id, 'probe_granted', g.status, g.status,
+                   'cooldown ended; single probe lease granted', g.cooldown_until, (g.s).lease_id,
+                   (g.s).granted_at
+            FROM granted g
+            WHERE (g.s).probe
+        ),
+        trail AS (
+            INSERT INTO lease_events
+                (event, lease_id, key_id, provider, pool, slot, holder, lease_until, at, fence, tokens)
+            SELECT 'granted', (g.s).lease_id, (g.s).key_id, (g.s).provider, (g.s).pool, (g.s).slot,
+                   (g.s).holder, (g.s).lease_until, (g.s).granted_at, (g.s).fence,
+                   (g.s).reserved_tokens
+            FROM granted g
+        )
+        SELECT g_claim || array_agg(g.n ORDER BY g.n), g_slot || array_agg(g.s ORDER BY g.n),
+               g_secret || array_agg(g.secret ORDER BY g.n), g_model || array_agg(g.model ORDER BY g.n),
+               g_pruned || array_agg(g.pruned ORDER BY g.n)
+        INTO g_claim, g_slot, g_secret, g_model, g_pruned
+        FROM granted g;
+    END LOOP;
+
+    -- The answers, in claim order. Nothing granted: when may a candidate serve it (read now)? A
+    -- candidate whose slot or window row another transaction held (a concurrent claim, the
+    -- reaper, an operator's change) was passed over without knowing what that transaction
+    -- leaves: if, read now, one may serve at once, say so ('busy': the caller claims again).
+    RETURN QUERY
+    SELECT k.n, v_pool_version[k.n], (g_slot[g.i]).key_id, (g_slot[g.i]).lease_id,
+           (g_slot[g.i]).pool, (g_slot[g.i]).granted_at, (g_slot[g.i]).lease_until,
+           (g_slot[g.i]).probe, g_model[g.i], g_secret[g.i], g_pruned[g.i], (g_slot[g.i]).fence,
+           CASE WHEN v_request[k.n] IS NOT NULL THEN v_request[k.n]
+                WHEN g.i IS NULL AND f.at <= v_now THEN 'busy' END,
+           f.at, f.held_by
+    FROM generate_subscripts(v_done, 1) AS k (n)
+    CROSS JOIN LATERAL (SELECT array_position(g_claim, k.n) AS i) AS g
+    LEFT JOIN LATERAL (
+        SELECT f.at, f.held_by
+        FROM jsonb_array_elements_text(v_ranked[k.n]) AS r (key_id)
         JOIN credentials c ON c.key_id = r.key_id
         LEFT JOIN lease_windows w ON w.key_id = c.key_id
-        CROSS JOIN LATERAL credpool_frees_at(c, w, q.tokens, v_now) AS f
-        WHERE c.provider = q.provider AND c.pool = q.pool
-          AND (q.model = ANY (c.models) OR c.model_aliases ? q.model)
+        CROSS JOIN LATERAL credpool_frees_at(c, w, v_tokens[k.n], v_now) AS f
+        WHERE g.i IS NULL AND NOT v_done[k.n]
+          AND c.provider = v_provider[k.n] AND c.pool = v_pool[k.n]
+          AND (v_model[k.n] = ANY (c.models) OR c.model_aliases ? v_model[k.n])
           AND NOT c.draining AND f.at IS NOT NULL
         ORDER BY f.at
-        LIMIT 1;
-        frees_at := v_frees.at;
-        held_by := v_frees.held_by;
-        IF v_frees.at <= v_now THEN
-            request := 'busy';
-        END IF;
-        RETURN NEXT;
-    END LOOP;
+        LIMIT 1
+    ) AS f ON true
+    ORDER BY k.n;
 END;
 $$;
 
@@ -663,6 +735,7 @@ RETURNS TABLE (renewal integer, lease_until timestamptz)
 LANGUAGE plpgsql
 SET enable_seqscan = off SET enable_bitmapscan = off SET enable_hashjoin = off
 SET enable_mergejoin = off SET enable_material = off SET jit = off
+SET plan_cache_mode = force_generic_plan
 AS $$
 #variable_conflict use_column
 DECLARE
@@ -773,6 +846,7 @@ RETURNS TABLE (release integer, verdict text, key_id text, probe boolean, refit 
 LANGUAGE plpgsql
 SET enable_seqscan = off SET enable_bitmapscan = off SET enable_hashjoin = off
 SET enable_mergejoin = off SET enable_material = off SET jit = off
+SET plan_cache_mode = force_generic_plan
 AS $$
 #variable_conflict use_column
 DECLARE
@@ -963,6 +1037,7 @@ LANGUAGE plpgsql
 SET credpool.health_write = 'on'
 SET enable_seqscan = off SET enable_bitmapscan = off SET enable_hashjoin = off
 SET enable_mergejoin = off SET enable_material = off SET jit = off
+SET plan_cache_mode = force_generic_plan
 AS $$
 DECLARE
     v_updated integer;

@@ -20,7 +20,7 @@ use crate::allocator::waiting::{ListenTarget, Waits};
 use crate::config::{DatabaseArgs, SecretArgs, ServeArgs, ServiceSettings};
 use crate::database::Database;
 use crate::embedded;
-use crate::http::{self, ApiKeys, AppState, ShuttingDown};
+use crate::http::{self, ApiKeys, AppState, Shared, ShuttingDown};
 use crate::secrets::{Keyring, MasterKey};
 use crate::store::{self, credentials::Actor};
 
@@ -68,7 +68,7 @@ impl Application {
             }
         };
         let waits = Waits::new(views.clone(), listen, Some(db.clone()));
-        let state = AppState {
+        let state = AppState::new(Shared {
             allocator: Allocator::new(
                 Groups::start(db.clone(), settings.groups),
                 views,
@@ -85,7 +85,7 @@ impl Application {
             request_timeout: settings.request_timeout,
             max_wait: settings.max_wait,
             shutting_down: ShuttingDown::default(),
-        };
+        });
         // the pools there are now: their series exist (at zero) from the first scrape on
         crate::telemetry::sample_pools(&state.db).await;
         Ok(Self { listener, state })

@@ -58,9 +58,30 @@ impl fmt::Debug for ApiKeys {
     }
 }
 
-/// Everything a handler needs. Cheap to clone.
+/// Everything a handler needs ([`Shared`]), behind one reference count: axum clones the state
+/// for every request and every extractor and middleware that asks for it, so a clone must not
+/// copy or count each part.
 #[derive(Debug, Clone)]
-pub struct AppState {
+pub struct AppState(Arc<Shared>);
+
+impl AppState {
+    /// The state every route reads.
+    pub fn new(shared: Shared) -> Self {
+        Self(Arc::new(shared))
+    }
+}
+
+impl std::ops::Deref for AppState {
+    type Target = Shared;
+
+    fn deref(&self) -> &Shared {
+        &self.0
+    }
+}
+
+/// The parts of [`AppState`].
+#[derive(Debug)]
+pub struct Shared {
     /// Grants leases.
     pub allocator: Allocator,
     /// The database, for the operator routes and readiness.
