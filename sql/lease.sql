@@ -432,7 +432,7 @@ RETURNS TABLE (claim integer, pool_version bigint, key_id text, lease_id uuid, l
 LANGUAGE plpgsql
 SET enable_seqscan = off SET enable_bitmapscan = off SET enable_hashjoin = off
 SET enable_mergejoin = off SET enable_material = off SET jit = off
-SET plan_cache_mode = force_generic_plan
+SET plan_cache_mode = force_generic_plan SET join_collapse_limit = 1 SET from_collapse_limit = 1
 AS $$
 #variable_conflict use_column
 DECLARE

@@ -168,14 +168,20 @@ impl Tally {
 struct Window {
     measured_from: Instant,
     until: Instant,
+    /// When executors may drop their connections: after the CPU reading at `until` (a database
+    /// backend that exits before it is read takes its CPU time with it, and the baselines' one
+    /// connection per executor would then count for nothing).
+    release_connections: Instant,
 }
 
 impl Window {
     fn starting_now(warmup: Duration, measured: Duration) -> Self {
         let measured_from = Instant::now() + warmup;
+        let until = measured_from + measured;
         Self {
             measured_from,
-            until: measured_from + measured,
+            until,
+            release_connections: until + Duration::from_millis(500),
         }
     }
 }
@@ -721,6 +727,7 @@ async fn drive(plan: &Plan, window: Window, mut allocator: impl Allocator) -> Ta
     loop {
         let started = Instant::now();
         if started >= window.until {
+            tokio::time::sleep_until(window.release_connections.into()).await;
             return tally;
         }
         let measured = started >= window.measured_from;

@@ -799,3 +799,54 @@ async fn a_database_migrated_by_the_previous_release_upgrades_cleanly() {
     );
     pool.close().await;
 }
+
+#[tokio::test]
+async fn one_group_of_claims_over_the_same_credentials_fills_each_exactly_to_its_limit() {
+    // A group's claims are decided together (PICK: every claim locks the first free slot of its
+    // own ranking, all from one snapshot, so several pick the same slot; one winner per
+    // credential per round, the others pick again). Nine claims that all rank `r1` (limit 3)
+    // first, then `r2` (limit 2), then `r3` (limit 1), in one call: six grants, each slot once,
+    // the first three claims on r1, the next two on r2, the sixth on r3, three with nothing.
+    let app = TestApp::spawn().await;
+    for (key, limit) in [("r1", 3), ("r2", 2), ("r3", 1)] {
+        app.put_key(key, "openai", "rounds", &["gpt-4o"], limit)
+            .await;
+    }
+    let claims: Vec<Value> = (0..9)
+        .map(|_| claim_body(&["r1", "r2", "r3"], "rounds", None)[0].clone())
+        .collect();
+    let mut conn = connect(&app).await;
+    let rows = sqlx::query(
+        "SELECT claim, key_id, fence, frees_at, held_by FROM credpool_claim($1) ORDER BY claim",
+    )
+    .bind(Value::Array(claims))
+    .fetch_all(&mut conn)
+    .await
+    .unwrap();
+    let granted: Vec<Option<String>> = rows.iter().map(|r| r.get("key_id")).collect();
+    let expected = ["r1", "r1", "r1", "r2", "r2", "r3"]
+        .into_iter()
+        .map(|k| Some(k.to_owned()))
+        .chain(std::iter::repeat_n(None, 3))
+        .collect::<Vec<_>>();
+    assert_eq!(granted, expected);
+    // the claims left without a slot learn when one frees, and why
+    for row in &rows[6..] {
+        let held_by: Option<String> = row.get("held_by");
+        assert_eq!(held_by.as_deref(), Some("slots"));
+        assert!(
+            row.get::<Option<time::OffsetDateTime>, _>("frees_at")
+                .is_some()
+        );
+    }
+    // each slot holds one lease, and the trail has one grant per lease
+    let (leases, slots_used, grants): (i64, i64, i64) = sqlx::query_as(
+        "SELECT count(lease_id), count(DISTINCT (key_id, slot)) FILTER (WHERE lease_id IS NOT NULL),
+                (SELECT count(*) FROM lease_events WHERE event = 'granted' AND pool = 'rounds')
+         FROM lease_slots WHERE key_id IN ('r1', 'r2', 'r3')",
+    )
+    .fetch_one(&mut conn)
+    .await
+    .unwrap();
+    assert_eq!((leases, slots_used, grants), (6, 6, 6));
+}
