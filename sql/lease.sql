@@ -454,8 +454,10 @@ DECLARE
     -- claims answered before any pick (request ids), and their `request`
     v_done boolean[];
     v_request text[];
-    -- the claims the next round picks for
+    -- the claims the next round picks for (at first: every claim)
     v_open integer[];
+    -- whether a winner of this round ends an expired lease to take its slot
+    v_pruned boolean;
     -- one round's winners (claim order): the claim, its slot row as picked, what the grant and
     -- the answer need of its credential
     w_claim integer[];
@@ -475,39 +477,41 @@ DECLARE
     g_model text[] := '{}';
     g_pruned boolean[] := '{}';
     v_requests text[];
-    v_windowed_keys text[];
     q record;
     prior record;
 BEGIN
     IF v_count = 0 THEN
         RETURN;
     END IF;
-    SELECT array_agg(e.c -> 'ranked' ORDER BY e.n), array_agg(e.c ->> 'provider' ORDER BY e.n),
-           array_agg(e.c ->> 'pool' ORDER BY e.n), array_agg(e.c ->> 'model' ORDER BY e.n),
-           array_agg((e.c ->> 'lease_id')::uuid ORDER BY e.n),
-           array_agg(e.c ->> 'holder' ORDER BY e.n),
-           array_agg((e.c ->> 'lease_seconds')::integer ORDER BY e.n),
-           array_agg(coalesce((e.c ->> 'tokens')::bigint, 0) ORDER BY e.n),
-           array_agg(e.c ->> 'request_id' ORDER BY e.n),
-           array_agg(e.c ->> 'request_digest' ORDER BY e.n)
+    -- The claims, read once, in one statement (the aggregates read its rows in claim order): each
+    -- claim's pool version, read before any candidate, and whether a candidate of it has rate
+    -- windows (the slots' `windowed` gate covers a credential given windows since).
+    WITH e AS (
+        SELECT x.n::integer AS n, x.c, x.c ->> 'provider' AS provider, x.c ->> 'pool' AS pool
+        FROM jsonb_array_elements(p_claims) WITH ORDINALITY AS x (c, n)
+    ),
+    pv AS (
+        SELECT d.provider, d.pool, credpool_pool_version(d.provider, d.pool) AS version
+        FROM (SELECT DISTINCT e.provider, e.pool FROM e) AS d
+    )
+    SELECT array_agg(o.c -> 'ranked'), array_agg(o.provider), array_agg(o.pool),
+           array_agg(o.c ->> 'model'), array_agg((o.c ->> 'lease_id')::uuid),
+           array_agg(o.c ->> 'holder'), array_agg((o.c ->> 'lease_seconds')::integer),
+           array_agg(coalesce((o.c ->> 'tokens')::bigint, 0)), array_agg(o.c ->> 'request_id'),
+           array_agg(o.c ->> 'request_digest'), array_agg(o.version), array_agg(o.windowed),
+           array_agg(o.n)
     INTO v_ranked, v_provider, v_pool, v_model, v_lease, v_holder, v_seconds, v_tokens,
-         v_request_id, v_digest
-    FROM jsonb_array_elements(p_claims) WITH ORDINALITY AS e (c, n);
-
-    -- each claim's pool version, read before any candidate; which claims have a candidate with
-    -- windows (the slots' `windowed` gate covers a credential given windows since)
-    SELECT array_agg(pv.version ORDER BY k.n) INTO v_pool_version
-    FROM generate_subscripts(v_provider, 1) AS k (n)
-    JOIN (SELECT p.provider, p.pool, credpool_pool_version(p.provider, p.pool) AS version
-          FROM (SELECT DISTINCT provider, pool FROM unnest(v_provider, v_pool) AS u (provider, pool)) AS p
-         ) AS pv
-      ON pv.provider = v_provider[k.n] AND pv.pool = v_pool[k.n];
-    SELECT coalesce(array_agg(c.key_id), '{}') INTO v_windowed_keys
-    FROM credentials c
-    WHERE c.key_id = ANY (ARRAY(SELECT jsonb_array_elements_text(r) FROM unnest(v_ranked) AS r))
-      AND c.rate_limits <> '[]'::jsonb;
-    v_windowed := ARRAY(SELECT ARRAY(SELECT jsonb_array_elements_text(v_ranked[k])) && v_windowed_keys
-                        FROM generate_subscripts(v_ranked, 1) AS k ORDER BY k);
+         v_request_id, v_digest, v_pool_version, v_windowed, v_open
+    FROM (
+        SELECT e.n, e.c, e.provider, e.pool, pv.version,
+               EXISTS (SELECT 1
+                       FROM jsonb_array_elements_text(e.c -> 'ranked') AS r (key_id)
+                       JOIN credentials c ON c.key_id = r.key_id
+                       WHERE c.rate_limits <> '[]'::jsonb) AS windowed
+        FROM e
+        JOIN pv ON pv.provider = e.provider AND pv.pool = e.pool
+        ORDER BY e.n
+    ) AS o;
 
     -- Request ids: a claim whose request_id another transaction is claiming for right now is
     -- 'in_flight'; one whose request_id has a live lease replays it (or is a 'conflict'); of the
@@ -515,7 +519,7 @@ BEGIN
     -- 'in_flight' (claimed again, they replay its lease).
     v_done := array_fill(false, ARRAY[v_count]);
     v_request := array_fill(NULL::text, ARRAY[v_count]);
-    IF EXISTS (SELECT 1 FROM unnest(v_request_id) AS r WHERE r IS NOT NULL) THEN
+    IF array_remove(v_request_id, NULL) <> '{}' THEN
         SELECT coalesce(array_agg(ids.request_id), '{}') INTO v_requests
         FROM (SELECT DISTINCT r AS request_id FROM unnest(v_request_id) AS r WHERE r IS NOT NULL) AS ids
         WHERE pg_try_advisory_xact_lock(hashtextextended('credpool.request_id:' || ids.request_id, 0));
@@ -550,20 +554,24 @@ BEGIN
         END LOOP;
     END IF;
 
-    v_open := ARRAY(SELECT k FROM generate_subscripts(v_done, 1) AS k WHERE NOT v_done[k] ORDER BY k);
+    IF true = ANY (v_done) THEN
+        v_open := ARRAY(SELECT k FROM generate_subscripts(v_done, 1) AS k WHERE NOT v_done[k] ORDER BY k);
+    END IF;
     WHILE cardinality(v_open) > 0 LOOP
         -- PICK: each open claim's first candidate with room, locked; the first claim (in array
         -- order) that picked a credential wins it, the others are open again
-        SELECT coalesce(array_agg(p.n ORDER BY p.n) FILTER (WHERE p.first), '{}'),
-               array_agg(p.s ORDER BY p.n) FILTER (WHERE p.first),
-               array_agg(p.status ORDER BY p.n) FILTER (WHERE p.first),
-               array_agg(p.cooldown_until ORDER BY p.n) FILTER (WHERE p.first),
-               array_agg(p.at ORDER BY p.n) FILTER (WHERE p.first),
-               array_agg(p.windowed ORDER BY p.n) FILTER (WHERE p.first),
-               array_agg(p.secret_ciphertext ORDER BY p.n) FILTER (WHERE p.first),
-               array_agg(p.provider_model ORDER BY p.n) FILTER (WHERE p.first),
-               coalesce(array_agg(p.n ORDER BY p.n) FILTER (WHERE NOT p.first), '{}')
-        INTO w_claim, w_slot, w_status, w_cooldown, w_at, w_charge, w_secret, w_model, v_open
+        SELECT coalesce(array_agg(p.n) FILTER (WHERE p.first), '{}'),
+               array_agg(p.s) FILTER (WHERE p.first),
+               array_agg(p.status) FILTER (WHERE p.first),
+               array_agg(p.cooldown_until) FILTER (WHERE p.first),
+               array_agg(p.at) FILTER (WHERE p.first),
+               array_agg(p.windowed) FILTER (WHERE p.first),
+               array_agg(p.secret_ciphertext) FILTER (WHERE p.first),
+               array_agg(p.provider_model) FILTER (WHERE p.first),
+               coalesce(array_agg(p.n) FILTER (WHERE NOT p.first), '{}'),
+               coalesce(bool_or((p.s).lease_id IS NOT NULL) FILTER (WHERE p.first), false)
+        INTO w_claim, w_slot, w_status, w_cooldown, w_at, w_charge, w_secret, w_model, v_open,
+             v_pruned
         FROM (
             SELECT o.*, row_number() OVER (PARTITION BY (o.s).key_id ORDER BY o.n) = 1 AS first
             FROM (
@@ -612,12 +620,13 @@ BEGIN
                 ) AS x
                 WHERE v_windowed[q.n]
             ) AS o
+            ORDER BY o.n
         ) AS p;
         EXIT WHEN cardinality(w_claim) = 0;
 
         -- GRANT: the expired leases the winners' slots still carry end in the trail (at their
         -- own lease_until); then every winner's lease begins, in one statement
-        IF EXISTS (SELECT 1 FROM unnest(w_slot) AS s WHERE s.lease_id IS NOT NULL) THEN
+        IF v_pruned THEN
             PERFORM credpool_record_lease_ends(
                 ARRAY(SELECT s FROM unnest(w_slot) AS s WHERE s.lease_id IS NOT NULL),
                 ARRAY(SELECT 'expired' FROM unnest(w_slot) AS s WHERE s.lease_id IS NOT NULL),
@@ -892,20 +901,19 @@ BEGIN
     FOR UPDATE;
     v_now := clock_timestamp();
 
-    -- The verdicts, in one statement. A lease named twice in one call is ended by the first
-    -- request (in order) that names it by all of its values; the others find it gone.
-    SELECT array_agg(j.n ORDER BY j.n), array_agg(j.lease_id ORDER BY j.n),
-           array_agg(j.key_id ORDER BY j.n), array_agg(j.provider ORDER BY j.n),
-           array_agg(j.pool ORDER BY j.n), array_agg(j.fence ORDER BY j.n),
-           array_agg(j.outcome ORDER BY j.n), array_agg(j.usage_tokens ORDER BY j.n),
-           array_agg(j.slot_row ORDER BY j.n),
+    -- The verdicts, in one statement (the aggregates read its rows in request order). A lease
+    -- named twice in one call is ended by the first request (in order) that names it by all of
+    -- its values; the others find it gone.
+    SELECT array_agg(j.n), array_agg(j.lease_id), array_agg(j.key_id), array_agg(j.provider),
+           array_agg(j.pool), array_agg(j.fence), array_agg(j.outcome), array_agg(j.usage_tokens),
+           array_agg(j.slot_row),
            array_agg(CASE
                          WHEN j.found AND j.matches AND j.nth = 1 THEN
                              CASE WHEN (j.slot_row).lease_until > v_now THEN 'released'
                                   ELSE 'expired' END
                          WHEN j.found AND NOT j.matches THEN 'mismatch'
                          ELSE 'not_found'
-                     END ORDER BY j.n)
+                     END)
     INTO v_n, v_lease, v_asked_key, v_provider, v_pool, v_fence, v_outcome, v_usage, v_slot,
          v_verdict
     FROM (
@@ -930,6 +938,7 @@ BEGIN
                  usage_tokens bigint))
              WITH ORDINALITY AS w (lease_id, key_id, provider, pool, fence, outcome, usage_tokens, n)
         LEFT JOIN lease_slots s ON s.key_id = w.key_id AND s.lease_id = w.lease_id
+        ORDER BY w.n
     ) AS j;
 
     -- Every lease that ends, in one call: released now, or found expired in its slot.

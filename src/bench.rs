@@ -197,6 +197,8 @@ struct Plan {
     request_ids: bool,
     /// Cycles completed in the current mode so far, for the progress bar.
     progress: AtomicU64,
+    /// The PostgreSQL server's postmaster, when it runs on this machine (for the CPU split).
+    postmaster: Option<u32>,
 }
 
 impl Plan {
@@ -313,6 +315,11 @@ async fn run_on(
             hold: Duration::from_millis(args.hold_ms),
             request_ids: args.request_ids,
             progress: AtomicU64::new(0),
+            postmaster: sqlx::query_scalar::<_, i32>("SELECT pg_backend_pid()")
+                .fetch_one(db.pool())
+                .await
+                .ok()
+                .and_then(|backend| cpu::postmaster_of(backend.try_into().ok()?)),
         });
 
         let since = audit::now(db).await?;
@@ -632,11 +639,12 @@ async fn run_mode(
     plan.progress.store(0, Ordering::Relaxed);
     let progress = progress_bar(name, args, plan, window);
     // CPU readings at the measured window's start and end
+    let postmaster = plan.postmaster;
     let cpu_window = tokio::spawn(async move {
         tokio::time::sleep_until(window.measured_from.into()).await;
-        let before = cpu::read();
+        let before = cpu::read(postmaster);
         tokio::time::sleep_until(window.until.into()).await;
-        before.zip(cpu::read())
+        before.zip(cpu::read(postmaster))
     });
     let tasks: Vec<_> = (0..args.executors)
         .map(|index| {

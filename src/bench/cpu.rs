@@ -2,12 +2,14 @@
 //! the service, PostgreSQL, Redis and this load generator, each as `utime + stime` over the
 //! measured window divided by the cycles completed in it.
 //!
-//! Processes are told apart by their command name: `postgres` (the postmaster, every backend and
-//! the background processes: the sum is the server's whole cost), `redis-server`, and `credpool`
-//! other than this process (every service process on the machine, replicas included). A process
-//! that exits during the window takes its CPU time with it; the service's and the baselines'
-//! connections stay open for a whole run, so their backends are counted. Elsewhere than Linux
-//! nothing is read.
+//! Processes are told apart by their command name: `redis-server`, and `credpool` other than this
+//! process (every service process on the machine, replicas included). PostgreSQL is the server
+//! the run uses: its postmaster and every process the postmaster started (backends and background
+//! processes: the sum is the server's whole cost), found through the postmaster's process id, plus
+//! the CPU of its children that have exited (the postmaster's `cutime + cstime`), so a backend that
+//! ends during the window (a closed connection, an autovacuum worker) still counts, and another
+//! PostgreSQL server on the same machine does not. When the server is not on this machine, every
+//! `postgres` process is counted. Elsewhere than Linux nothing is read.
 
 /// Clock ticks per second of `/proc/<pid>/stat`'s `utime` and `stime`: USER_HZ, which Linux
 /// exports to user space as 100 on every architecture it supports today.
@@ -35,8 +37,9 @@ pub struct CpuPerCycle {
     pub generator_us: f64,
 }
 
-/// Reads every process's CPU time now; `None` where `/proc` cannot be read.
-pub fn read() -> Option<CpuReading> {
+/// Reads every process's CPU time now; `None` where `/proc` cannot be read. `postmaster`: the
+/// process id of the PostgreSQL server's postmaster ([`postmaster_of`]), when it runs here.
+pub fn read(postmaster: Option<u32>) -> Option<CpuReading> {
     let own = std::process::id();
     let mut reading = CpuReading::default();
     for entry in std::fs::read_dir("/proc").ok()?.flatten() {
@@ -50,32 +53,66 @@ pub fn read() -> Option<CpuReading> {
         let Ok(stat) = std::fs::read_to_string(entry.path().join("stat")) else {
             continue; // exited meanwhile
         };
-        let Some((comm, seconds)) = parse_stat(&stat) else {
+        let Some(stat) = parse_stat(&stat) else {
             continue;
         };
-        match comm {
-            _ if pid == own => reading.generator += seconds,
-            "postgres" => reading.postgres += seconds,
-            "redis-server" => reading.redis += seconds,
-            "credpool" => reading.service += seconds,
+        let server = match postmaster {
+            Some(postmaster) => pid == postmaster || stat.parent == postmaster,
+            None => stat.comm == "postgres",
+        };
+        match stat.comm {
+            _ if pid == own => reading.generator += stat.seconds,
+            "postgres" if server => {
+                reading.postgres += stat.seconds;
+                if Some(pid) == postmaster {
+                    reading.postgres += stat.exited_children_seconds;
+                }
+            }
+            "redis-server" => reading.redis += stat.seconds,
+            "credpool" => reading.service += stat.seconds,
             _ => {}
         }
     }
     Some(reading)
 }
 
-/// The command name and `utime + stime` in seconds of one `/proc/<pid>/stat` line. The name
-/// sits in parentheses and may itself contain spaces and parentheses: the fields after it start
-/// after the LAST `)`.
-fn parse_stat(stat: &str) -> Option<(&str, f64)> {
+/// The postmaster of the backend with process id `backend` (its parent), when that backend runs
+/// on this machine (Linux).
+pub fn postmaster_of(backend: u32) -> Option<u32> {
+    let stat = std::fs::read_to_string(format!("/proc/{backend}/stat")).ok()?;
+    let stat = parse_stat(&stat)?;
+    (stat.comm == "postgres").then_some(stat.parent)
+}
+
+/// What [`read`] takes from one `/proc/<pid>/stat` line.
+#[derive(Debug)]
+struct Stat<'a> {
+    /// The command name.
+    comm: &'a str,
+    /// The parent's process id.
+    parent: u32,
+    /// `utime + stime`, in seconds.
+    seconds: f64,
+    /// `cutime + cstime`, in seconds: the CPU of children that have exited and been waited for.
+    exited_children_seconds: f64,
+}
+
+/// One `/proc/<pid>/stat` line. The name sits in parentheses and may itself contain spaces and
+/// parentheses: the fields after it start after the LAST `)`.
+fn parse_stat(stat: &str) -> Option<Stat<'_>> {
     let open = stat.find('(')?;
     let close = stat.rfind(')')?;
     let comm = stat.get(open + 1..close)?;
     let fields: Vec<&str> = stat.get(close + 1..)?.split_whitespace().collect();
-    // fields[0] is the state (field 3 of proc(5)); utime and stime are fields 14 and 15
-    let utime: f64 = fields.get(11)?.parse().ok()?;
-    let stime: f64 = fields.get(12)?.parse().ok()?;
-    Some((comm, (utime + stime) / TICKS_PER_SECOND))
+    // fields[0] is the state (field 3 of proc(5)); the parent is field 4, utime, stime, cutime
+    // and cstime are fields 14 to 17
+    let field = |n: usize| -> Option<f64> { fields.get(n - 3)?.parse().ok() };
+    Some(Stat {
+        comm,
+        parent: fields.get(1)?.parse().ok()?,
+        seconds: (field(14)? + field(15)?) / TICKS_PER_SECOND,
+        exited_children_seconds: (field(16)? + field(17)?) / TICKS_PER_SECOND,
+    })
 }
 
 /// The CPU per cycle between two readings, for `cycles` completed cycles; `separate_service`:
@@ -103,12 +140,14 @@ mod tests {
     use super::*;
 
     #[test]
-    fn a_stat_line_gives_its_name_and_cpu_seconds_even_with_parentheses_in_the_name() {
+    fn a_stat_line_gives_its_name_parent_and_cpu_seconds_even_with_parentheses_in_the_name() {
         let line = "4242 (post gres) (x)) S 1 4242 4242 0 -1 4194560 100 0 0 0 250 50 0 0 20 0 1 0 \
                     100 1000 10 18446744073709551615 1 1 0 0 0 0 0 0 0 0 0 0 17 0 0 0 0 0 0";
-        let (comm, seconds) = parse_stat(line).unwrap();
-        assert_eq!(comm, "post gres) (x)");
-        assert!((seconds - 3.0).abs() < 1e-9, "{seconds}");
+        let stat = parse_stat(line).unwrap();
+        assert_eq!(stat.comm, "post gres) (x)");
+        assert_eq!(stat.parent, 1);
+        assert!((stat.seconds - 3.0).abs() < 1e-9, "{stat:?}");
+        assert!(stat.exited_children_seconds.abs() < 1e-9, "{stat:?}");
     }
 
     #[test]
