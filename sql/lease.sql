@@ -438,7 +438,8 @@ AS $$
 DECLARE
     v_now timestamptz := statement_timestamp();
     v_count integer := jsonb_array_length(p_claims);
-    -- the claims, element n = claim n
+    -- the claims; v_number: each one's place in p_claims (the answer's `claim`)
+    v_number integer[];
     v_ranked jsonb[];
     v_provider text[];
     v_pool text[];
@@ -454,7 +455,7 @@ DECLARE
     -- claims answered before any pick (request ids), and their `request`
     v_done boolean[];
     v_request text[];
-    -- the claims the next round picks for (at first: every claim)
+    -- the claims the next round picks for
     v_open integer[];
     -- whether a winner of this round ends an expired lease to take its slot
     v_pruned boolean;
@@ -483,9 +484,11 @@ BEGIN
     IF v_count = 0 THEN
         RETURN;
     END IF;
-    -- The claims, read once, in one statement (the aggregates read its rows in claim order): each
-    -- claim's pool version, read before any candidate, and whether a candidate of it has rate
-    -- windows (the slots' `windowed` gate covers a credential given windows since).
+    -- The claims, read once, in one statement: each claim's pool version, read before any
+    -- candidate, and whether a candidate of it has rate windows (the slots' `windowed` gate covers
+    -- a credential given windows since). From here on a claim is its position in these arrays
+    -- (its place in p_claims, as the rows are read in that order); the answer names each by
+    -- v_number, so it never depends on that order.
     WITH e AS (
         SELECT x.n::integer AS n, x.c, x.c ->> 'provider' AS provider, x.c ->> 'pool' AS pool
         FROM jsonb_array_elements(p_claims) WITH ORDINALITY AS x (c, n)
@@ -501,7 +504,7 @@ BEGIN
            array_agg(o.c ->> 'request_digest'), array_agg(o.version), array_agg(o.windowed),
            array_agg(o.n)
     INTO v_ranked, v_provider, v_pool, v_model, v_lease, v_holder, v_seconds, v_tokens,
-         v_request_id, v_digest, v_pool_version, v_windowed, v_open
+         v_request_id, v_digest, v_pool_version, v_windowed, v_number
     FROM (
         SELECT e.n, e.c, e.provider, e.pool, pv.version,
                EXISTS (SELECT 1
@@ -554,9 +557,7 @@ BEGIN
         END LOOP;
     END IF;
 
-    IF true = ANY (v_done) THEN
-        v_open := ARRAY(SELECT k FROM generate_subscripts(v_done, 1) AS k WHERE NOT v_done[k] ORDER BY k);
-    END IF;
+    v_open := ARRAY(SELECT k FROM generate_subscripts(v_done, 1) AS k WHERE NOT v_done[k] ORDER BY k);
     WHILE cardinality(v_open) > 0 LOOP
         -- PICK: each open claim's first candidate with room, locked; the first claim (in array
         -- order) that picked a credential wins it, the others are open again
@@ -701,7 +702,7 @@ BEGIN
     -- reaper, an operator's change) was passed over without knowing what that transaction
     -- leaves: if, read now, one may serve at once, say so ('busy': the caller claims again).
     RETURN QUERY
-    SELECT k.n, v_pool_version[k.n], (g_slot[g.i]).key_id, (g_slot[g.i]).lease_id,
+    SELECT v_number[k.n], v_pool_version[k.n], (g_slot[g.i]).key_id, (g_slot[g.i]).lease_id,
            (g_slot[g.i]).pool, (g_slot[g.i]).granted_at, (g_slot[g.i]).lease_until,
            (g_slot[g.i]).probe, g_model[g.i], g_secret[g.i], g_pruned[g.i], (g_slot[g.i]).fence,
            CASE WHEN v_request[k.n] IS NOT NULL THEN v_request[k.n]
