@@ -507,9 +507,13 @@ BEGIN
          v_request_id, v_digest, v_pool_version, v_windowed, v_number
     FROM (
         SELECT e.n, e.c, e.provider, e.pool, pv.version,
+               -- (a probe per candidate: LIMIT 1 keeps the planner from reading credentials
+               -- in search of the few with windows)
                EXISTS (SELECT 1
                        FROM jsonb_array_elements_text(e.c -> 'ranked') AS r (key_id)
-                       JOIN credentials c ON c.key_id = r.key_id
+                       CROSS JOIN LATERAL (
+                           SELECT c.rate_limits FROM credentials c WHERE c.key_id = r.key_id LIMIT 1
+                       ) AS c
                        WHERE c.rate_limits <> '[]'::jsonb) AS windowed
         FROM e
         JOIN pv ON pv.provider = e.provider AND pv.pool = e.pool
