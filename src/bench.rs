@@ -478,6 +478,7 @@ async fn load_credentials(
                 .map_err(anyhow::Error::msg)?,
             status: Some(Status::Available),
             rate_limits: args.rate_limits.clone().unwrap_or_default(),
+            oauth: None,
         });
     }
     match args.create_by {

@@ -70,7 +70,7 @@ fn reason(raw: &str) -> Result<String, ApiError> {
     responses(
         (status = 200, description = "updated", body = CredentialDetail),
         (status = 201, description = "created", body = CredentialDetail),
-        (status = 400, description = "`invalid_request`", body = ErrorBody),
+        (status = 400, description = "`invalid_request`; `token_url_not_allowed`: an OAuth `token_url` that is neither https nor http on a loopback address", body = ErrorBody),
         (status = 401, description = "`unauthorized`: missing or wrong key", body = ErrorBody),
         (status = 403, description = "`forbidden`: the executor key", body = ErrorBody),
         (status = 503, description = "`store_unavailable`", body = ErrorBody),
@@ -85,6 +85,10 @@ async fn put_key(
     ApiJson(body): ApiJson<CredentialInput>,
 ) -> Result<(StatusCode, Json<CredentialDetail>), ApiError> {
     let key_id = key_id(raw_key_id)?;
+    if let Some(oauth) = &body.oauth {
+        crate::oauth::check_token_url(&oauth.token_url)
+            .map_err(|e| ApiError::TokenUrlNotAllowed(e.to_string()))?;
+    }
     let spec = body.into_spec(key_id, &state.keyring)?;
     let (detail, created) = credentials::upsert(&state.db, &spec, &actor, &state.health).await?;
     tracing::info!(created, actor = actor.as_str(), "credential stored");

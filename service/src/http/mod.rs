@@ -69,6 +69,12 @@ impl AppState {
     pub fn new(shared: Shared) -> Self {
         Self(Arc::new(shared))
     }
+
+    /// A handle that stops upgrading once every clone of this state is dropped: background
+    /// tasks (the OAuth refresher) end with the application.
+    pub fn downgrade(&self) -> std::sync::Weak<Shared> {
+        Arc::downgrade(&self.0)
+    }
 }
 
 impl std::ops::Deref for AppState {
@@ -328,6 +334,10 @@ pub enum ApiError {
     /// of range. Changes nothing.
     #[error("{0}")]
     InvalidRequest(String),
+    /// 400 `token_url_not_allowed`: an OAuth credential's `token_url` is neither https nor http on
+    /// a loopback address. Changes nothing.
+    #[error("{0}")]
+    TokenUrlNotAllowed(String),
     /// 401 `unauthorized`: the key header is missing or wrong.
     #[error("missing or wrong API key")]
     Unauthorized,
@@ -408,6 +418,7 @@ impl ApiError {
     pub fn status_and_code(&self) -> (StatusCode, &'static str) {
         match self {
             ApiError::InvalidRequest(_) => (StatusCode::BAD_REQUEST, "invalid_request"),
+            ApiError::TokenUrlNotAllowed(_) => (StatusCode::BAD_REQUEST, "token_url_not_allowed"),
             ApiError::Unauthorized => (StatusCode::UNAUTHORIZED, "unauthorized"),
             ApiError::Forbidden => (StatusCode::FORBIDDEN, "forbidden"),
             ApiError::PoolNotFound { .. } => (StatusCode::NOT_FOUND, "pool_not_found"),

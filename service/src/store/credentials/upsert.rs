@@ -54,8 +54,8 @@ async fn upsert_in(
         r#"
         INSERT INTO credentials
             (key_id, provider, pool, models, model_aliases, max_concurrent_uses, status,
-             secret_ciphertext, rate_limits)
-        VALUES ($1, $2, $3, $4, $5, $6, COALESCE($7, 'available'), $8, $9)
+             secret_ciphertext, rate_limits, token_expires_at)
+        VALUES ($1, $2, $3, $4, $5, $6, COALESCE($7, 'available'), $8, $9, $10)
         ON CONFLICT ON CONSTRAINT credentials_pkey DO UPDATE
         SET provider = EXCLUDED.provider,
             pool = EXCLUDED.pool,
@@ -67,6 +67,7 @@ async fn upsert_in(
             cooldown_until = CASE WHEN $7::text IS NULL THEN credentials.cooldown_until END,
             secret = NULL,
             secret_ciphertext = EXCLUDED.secret_ciphertext,
+            token_expires_at = EXCLUDED.token_expires_at,
             updated_at = now()
         RETURNING (xmax = 0) AS "created!"
         "#,
@@ -79,9 +80,11 @@ async fn upsert_in(
         spec.status.map(Status::as_str),
         &spec.sealed_secret,
         spec.rate_limits.to_json(),
+        spec.oauth.as_ref().map(|o| o.token_expires_at),
     )
     .fetch_one(&mut *conn)
     .await?;
+    crate::store::oauth::store_config(&mut *conn, &spec.key_id, spec.oauth.as_ref()).await?;
     fit_slots(&mut *conn, &spec.key_id).await?;
     let new = configuration(conn, &spec.key_id).await?;
     let (event, reason) = if created {
