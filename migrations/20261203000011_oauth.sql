@@ -39,3 +39,12 @@ CREATE TABLE oauth_credentials (
     CONSTRAINT oauth_credentials_refreshing_pair
         CHECK ((refreshing_holder IS NULL) = (refreshing_until IS NULL))
 );
+
+-- The refresher's trail rows: `token_refreshed` and `token_refresh_failed`, with the generation in
+-- `details` (never a token).
+ALTER TABLE credential_events
+    DROP CONSTRAINT credential_events_event_known,
+    ADD CONSTRAINT credential_events_event_known CHECK (
+        event IN ('status_changed', 'probe_granted', 'cooldown_ended', 'created', 'updated',
+                  'deleted', 'leases_released', 'secret_resealed', 'token_refreshed',
+                  'token_refresh_failed'));

@@ -84,14 +84,14 @@ pub struct OAuthSpec {
 
 /// Whether `url` may be a token endpoint: https, or http on a loopback host. The error names the
 /// rule, never more of the URL than the operator sent.
-pub fn check_token_url(url: &str) -> Result<reqwest::Url, InvalidValue> {
+pub fn check_token_url(url: &str) -> Result<url::Url, InvalidValue> {
     let refuse = || {
         InvalidValue::new(
             "oauth.token_url",
             "must be an https URL, or http on a loopback address (127.0.0.1, ::1, localhost)",
         )
     };
-    let parsed = reqwest::Url::parse(url).map_err(|_| refuse())?;
+    let parsed = url::Url::parse(url).map_err(|_| refuse())?;
     if !parsed.username().is_empty() || parsed.password().is_some() {
         return Err(refuse());
     }
@@ -262,16 +262,32 @@ struct TokenError {
 /// The access token's lifetime when the answer has no `expires_in`, in seconds.
 const DEFAULT_EXPIRES_IN: u64 = 3600;
 
+/// The largest token endpoint answer read, in bytes.
+const MAX_ANSWER_BYTES: usize = 64 * 1024;
+
+type HttpsClient = hyper_util::client::legacy::Client<
+    hyper_rustls::HttpsConnector<hyper_util::client::legacy::connect::HttpConnector>,
+    http_body_util::Full<bytes::Bytes>,
+>;
+
 /// The refresher of one service process: finds tokens due, takes their refresh in PostgreSQL,
 /// calls the token endpoint, and writes the answer.
-#[derive(Debug)]
 pub struct Refresher {
     db: Db,
     keyring: Arc<Keyring>,
-    http: reqwest::Client,
+    http: HttpsClient,
     settings: OAuthSettings,
     /// This process's name on the markers it takes.
     holder: uuid::Uuid,
+}
+
+impl std::fmt::Debug for Refresher {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Refresher")
+            .field("holder", &self.holder)
+            .field("settings", &self.settings)
+            .finish_non_exhaustive()
+    }
 }
 
 impl Refresher {
@@ -286,13 +302,17 @@ impl Refresher {
             roots: webpki_roots::TLS_SERVER_ROOTS.to_vec(),
         })
         .with_no_client_auth();
-        let http = reqwest::Client::builder()
-            .tls_backend_preconfigured(tls)
-            .timeout(settings.call_timeout)
-            .connect_timeout(settings.call_timeout)
-            .redirect(reqwest::redirect::Policy::none())
-            .build()
-            .expect("the token endpoint client builds");
+        // https for any host, http for the loopback hosts check_token_url admits (it redirects
+        // nowhere: hyper's client does not follow redirects)
+        let connector = hyper_rustls::HttpsConnectorBuilder::new()
+            .with_tls_config(tls)
+            .https_or_http()
+            .enable_http1()
+            .build();
+        let http = hyper_util::client::legacy::Client::builder(
+            hyper_util::rt::TokioExecutor::new(),
+        )
+        .build(connector);
         Self {
             db,
             keyring,
@@ -442,24 +462,36 @@ impl Refresher {
         if let Some(scope) = &taken.scope {
             form.push(("scope", scope));
         }
-        let response = self
-            .http
-            .post(&taken.token_url)
-            .header(reqwest::header::ACCEPT, "application/json")
-            .form(&form)
-            .send()
-            .await
-            .map_err(|e| {
-                RefreshError::Failed(if e.is_timeout() {
-                    "the token endpoint did not answer in time".to_owned()
-                } else {
-                    "the token endpoint could not be reached".to_owned()
-                })
+        let body = serde_urlencoded::to_string(&form)
+            .map_err(|_| RefreshError::Failed("the refresh form did not encode".to_owned()))?;
+        let request = http::Request::post(taken.token_url.as_str())
+            .header(http::header::CONTENT_TYPE, "application/x-www-form-urlencoded")
+            .header(http::header::ACCEPT, "application/json")
+            .body(http_body_util::Full::new(bytes::Bytes::from(body)))
+            .map_err(|_| RefreshError::Failed("the token_url is not a valid request URI".to_owned()))?;
+        let exchange = async {
+            let response = self.http.request(request).await.map_err(|_| {
+                RefreshError::Failed("the token endpoint could not be reached".to_owned())
             })?;
-        let status = response.status();
-        let body = response.bytes().await.map_err(|_| {
-            RefreshError::Failed(format!("the token endpoint's answer ({status}) was cut off"))
-        })?;
+            let status = response.status();
+            let body = http_body_util::BodyExt::collect(http_body_util::Limited::new(
+                response.into_body(),
+                MAX_ANSWER_BYTES,
+            ))
+            .await
+            .map_err(|_| {
+                RefreshError::Failed(format!(
+                    "the token endpoint's answer ({status}) was cut off or too large"
+                ))
+            })?
+            .to_bytes();
+            Ok::<_, RefreshError>((status, body))
+        };
+        let (status, body) = tokio::time::timeout(self.settings.call_timeout, exchange)
+            .await
+            .map_err(|_| {
+                RefreshError::Failed("the token endpoint did not answer in time".to_owned())
+            })??;
         if status.is_success() {
             let answer: TokenAnswer = serde_json::from_slice(&body).map_err(|_| {
                 RefreshError::Failed(
