@@ -309,10 +309,9 @@ impl Refresher {
             .https_or_http()
             .enable_http1()
             .build();
-        let http = hyper_util::client::legacy::Client::builder(
-            hyper_util::rt::TokioExecutor::new(),
-        )
-        .build(connector);
+        let http =
+            hyper_util::client::legacy::Client::builder(hyper_util::rt::TokioExecutor::new())
+                .build(connector);
         Self {
             db,
             keyring,
@@ -357,9 +356,14 @@ impl Refresher {
     /// whether it wrote a new access token.
     #[tracing::instrument(skip(self), fields(generation))]
     async fn refresh(&self, key_id: &KeyId, generation: i64) -> Result<bool, sqlx::Error> {
-        let Some(taken) =
-            store::take_refresh(&self.db, key_id, generation, self.holder, self.settings.claim_for)
-                .await?
+        let Some(taken) = store::take_refresh(
+            &self.db,
+            key_id,
+            generation,
+            self.holder,
+            self.settings.claim_for,
+        )
+        .await?
         else {
             return Ok(false);
         };
@@ -465,10 +469,15 @@ impl Refresher {
         let body = serde_urlencoded::to_string(&form)
             .map_err(|_| RefreshError::Failed("the refresh form did not encode".to_owned()))?;
         let request = http::Request::post(taken.token_url.as_str())
-            .header(http::header::CONTENT_TYPE, "application/x-www-form-urlencoded")
+            .header(
+                http::header::CONTENT_TYPE,
+                "application/x-www-form-urlencoded",
+            )
             .header(http::header::ACCEPT, "application/json")
             .body(http_body_util::Full::new(bytes::Bytes::from(body)))
-            .map_err(|_| RefreshError::Failed("the token_url is not a valid request URI".to_owned()))?;
+            .map_err(|_| {
+                RefreshError::Failed("the token_url is not a valid request URI".to_owned())
+            })?;
         let exchange = async {
             let response = self.http.request(request).await.map_err(|_| {
                 RefreshError::Failed("the token endpoint could not be reached".to_owned())
@@ -495,7 +504,8 @@ impl Refresher {
         if status.is_success() {
             let answer: TokenAnswer = serde_json::from_slice(&body).map_err(|_| {
                 RefreshError::Failed(
-                    "the token endpoint's answer has no access_token (not RFC 6749 JSON)".to_owned(),
+                    "the token endpoint's answer has no access_token (not RFC 6749 JSON)"
+                        .to_owned(),
                 )
             })?;
             if answer.access_token.is_empty() {

@@ -59,12 +59,17 @@ impl Mock {
     }
 }
 
-async fn token(State(mock): State<Arc<Mock>>, Form(form): Form<HashMap<String, String>>) -> axum::response::Response {
+async fn token(
+    State(mock): State<Arc<Mock>>,
+    Form(form): Form<HashMap<String, String>>,
+) -> axum::response::Response {
     mock.calls.fetch_add(1, Ordering::SeqCst);
     mock.forms.lock().unwrap().push(form.clone());
     let mode = *mock.mode.lock().unwrap();
     match mode {
-        Mode::Unavailable => return (axum::http::StatusCode::SERVICE_UNAVAILABLE, "down").into_response(),
+        Mode::Unavailable => {
+            return (axum::http::StatusCode::SERVICE_UNAVAILABLE, "down").into_response();
+        }
         Mode::InvalidGrant => {
             return (
                 axum::http::StatusCode::BAD_REQUEST,
@@ -77,7 +82,9 @@ async fn token(State(mock): State<Arc<Mock>>, Form(form): Form<HashMap<String, S
     let presented = form.get("refresh_token").cloned().unwrap_or_default();
     let n = {
         let mut current = mock.current.lock().unwrap();
-        if form.get("grant_type").map(String::as_str) != Some("refresh_token") || presented != *current {
+        if form.get("grant_type").map(String::as_str) != Some("refresh_token")
+            || presented != *current
+        {
             mock.stale.fetch_add(1, Ordering::SeqCst);
             return (
                 axum::http::StatusCode::BAD_REQUEST,
@@ -179,7 +186,10 @@ async fn allocate(app: &TestApp, lease_seconds: u32) -> reqwest::Response {
 /// A lease of `k`; returns its access token.
 async fn leased_token(app: &TestApp) -> String {
     let lease = json_body(allocate(app, 5).await, StatusCode::OK).await;
-    let token = lease["credential"]["access_token"].as_str().unwrap().to_owned();
+    let token = lease["credential"]["access_token"]
+        .as_str()
+        .unwrap()
+        .to_owned();
     assert_eq!(
         lease["credential"].as_object().unwrap().len(),
         2,
@@ -236,13 +246,25 @@ async fn refresh_events(app: &TestApp) -> Vec<(String, i64)> {
 async fn a_token_due_is_refreshed_once_before_it_expires_and_the_next_refresh_uses_the_rotated_token()
  {
     let app = app().await;
-    let (mock, url) = mock_endpoint(Mode::Ok { delay: Duration::ZERO }, 3600).await;
+    let (mock, url) = mock_endpoint(
+        Mode::Ok {
+            delay: Duration::ZERO,
+        },
+        3600,
+    )
+    .await;
     // expires in 60 s, refreshed from 59 s before: due within a second
     let stored = json_body(put_oauth(&app, &url, 60, 59).await, StatusCode::CREATED).await;
     assert_eq!(stored["oauth"]["generation"], 1);
-    let original_expiry: String = stored["oauth"]["token_expires_at"].as_str().unwrap().to_owned();
+    let original_expiry: String = stored["oauth"]["token_expires_at"]
+        .as_str()
+        .unwrap()
+        .to_owned();
 
-    until("the first refresh", || async { generation(&app).await == 2 }).await;
+    until("the first refresh", || async {
+        generation(&app).await == 2
+    })
+    .await;
     assert_eq!(leased_token(&app).await, "at-1");
     // the new token lives an hour: nothing more to refresh, however many passes run
     tokio::time::sleep(Duration::from_millis(500)).await;
@@ -259,7 +281,10 @@ async fn a_token_due_is_refreshed_once_before_it_expires_and_the_next_refresh_us
     // due again (at-1 lives 3600 s, at-2 will live 7200 s): the refresh presents the rotated
     // refresh token
     set_refresh_before(&app, 3650).await;
-    until("the second refresh", || async { generation(&app).await == 3 }).await;
+    until("the second refresh", || async {
+        generation(&app).await == 3
+    })
+    .await;
     assert_eq!(leased_token(&app).await, "at-2");
     tokio::time::sleep(Duration::from_millis(500)).await;
     assert_eq!(mock.calls(), 2);
@@ -271,15 +296,30 @@ async fn a_token_due_is_refreshed_once_before_it_expires_and_the_next_refresh_us
     assert_eq!(forms[0]["client_secret"], "cs-do-not-leak");
     assert_eq!(mock.stale.load(Ordering::SeqCst), 0);
     let events = refresh_events(&app).await;
-    assert_eq!(events[..2], [("token_refreshed".to_owned(), 2), ("token_refreshed".to_owned(), 3)]);
+    assert_eq!(
+        events[..2],
+        [
+            ("token_refreshed".to_owned(), 2),
+            ("token_refreshed".to_owned(), 3)
+        ]
+    );
 }
 
 #[tokio::test]
 async fn replicas_and_concurrent_refreshers_make_one_token_call_per_generation() {
     let app = app().await;
     // slow answers: every refresher's pass overlaps the call in flight
-    let (mock, url) = mock_endpoint(Mode::Ok { delay: Duration::from_millis(200) }, 3600).await;
-    assert_eq!(put_oauth(&app, &url, 3600, 0).await.status(), StatusCode::CREATED);
+    let (mock, url) = mock_endpoint(
+        Mode::Ok {
+            delay: Duration::from_millis(200),
+        },
+        3600,
+    )
+    .await;
+    assert_eq!(
+        put_oauth(&app, &url, 3600, 0).await.status(),
+        StatusCode::CREATED
+    );
     // three more service processes' worth of refreshers (apps on the same database) ...
     let mut options = AppOptions::default();
     options.settings.oauth = fast();
@@ -301,7 +341,10 @@ async fn replicas_and_concurrent_refreshers_make_one_token_call_per_generation()
             }
         }));
     }
-    until("five refreshes", || async { mock.issued.load(Ordering::SeqCst) >= 5 }).await;
+    until("five refreshes", || async {
+        mock.issued.load(Ordering::SeqCst) >= 5
+    })
+    .await;
     set_refresh_before(&app, 0).await;
     stop.store(true, Ordering::SeqCst);
     for task in tasks {
@@ -312,13 +355,22 @@ async fn replicas_and_concurrent_refreshers_make_one_token_call_per_generation()
     drop(replicas);
 
     let issued = mock.issued.load(Ordering::SeqCst);
-    assert_eq!(mock.stale.load(Ordering::SeqCst), 0, "a rotated refresh token was used twice");
-    assert_eq!(mock.calls(), issued, "every token call was the one of its generation");
+    assert_eq!(
+        mock.stale.load(Ordering::SeqCst),
+        0,
+        "a rotated refresh token was used twice"
+    );
+    assert_eq!(
+        mock.calls(),
+        issued,
+        "every token call was the one of its generation"
+    );
     let generation = generation(&app).await;
     assert_eq!(generation, 1 + issued as i64);
     let events = refresh_events(&app).await;
-    let expected: Vec<(String, i64)> =
-        (2..=generation).map(|g| ("token_refreshed".to_owned(), g)).collect();
+    let expected: Vec<(String, i64)> = (2..=generation)
+        .map(|g| ("token_refreshed".to_owned(), g))
+        .collect();
     assert_eq!(events, expected);
     let detail = admin_get(&app, "/api/admin/keys/k").await;
     assert_eq!(detail["status"], "available");
@@ -343,7 +395,10 @@ async fn a_failing_token_endpoint_leaves_the_valid_token_serving_and_one_refresh
     let app = app().await;
     let (mock, url) = mock_endpoint(Mode::Unavailable, 3600).await;
     // at-0 expires in 100 s and is due; at-1 will live 3600 s and not be
-    assert_eq!(put_oauth(&app, &url, 100, 200).await.status(), StatusCode::CREATED);
+    assert_eq!(
+        put_oauth(&app, &url, 100, 200).await.status(),
+        StatusCode::CREATED
+    );
     until("retried failures", || async { mock.calls() >= 3 }).await;
     for _ in 0..3 {
         assert_eq!(leased_token(&app).await, "at-0");
@@ -352,13 +407,23 @@ async fn a_failing_token_endpoint_leaves_the_valid_token_serving_and_one_refresh
     assert_eq!(detail["status"], "available");
     assert_eq!(detail["oauth"]["generation"], 1);
     assert!(
-        detail["oauth"]["last_error"].as_str().unwrap().contains("503"),
+        detail["oauth"]["last_error"]
+            .as_str()
+            .unwrap()
+            .contains("503"),
         "{detail}"
     );
     let events = refresh_events(&app).await;
-    assert!(events.iter().all(|e| *e == ("token_refresh_failed".to_owned(), 1)), "{events:?}");
+    assert!(
+        events
+            .iter()
+            .all(|e| *e == ("token_refresh_failed".to_owned(), 1)),
+        "{events:?}"
+    );
 
-    mock.set(Mode::Ok { delay: Duration::ZERO });
+    mock.set(Mode::Ok {
+        delay: Duration::ZERO,
+    });
     until("the refresh", || async { generation(&app).await == 2 }).await;
     tokio::time::sleep(Duration::from_millis(300)).await;
     assert_eq!(mock.issued.load(Ordering::SeqCst), 1);
@@ -372,23 +437,53 @@ async fn a_failing_token_endpoint_leaves_the_valid_token_serving_and_one_refresh
 async fn invalid_grant_disables_the_credential_until_an_operator_puts_a_new_secret() {
     let app = app().await;
     let (mock, url) = mock_endpoint(Mode::InvalidGrant, 3600).await;
-    assert_eq!(put_oauth(&app, &url, 3600, 7200).await.status(), StatusCode::CREATED);
+    assert_eq!(
+        put_oauth(&app, &url, 3600, 7200).await.status(),
+        StatusCode::CREATED
+    );
     until("the credential disabled", || async {
         admin_get(&app, "/api/admin/keys/k").await["status"] == "disabled"
     })
     .await;
-    assert_error(allocate(&app, 5).await, StatusCode::CONFLICT, "no_usable_credentials").await;
+    assert_error(
+        allocate(&app, 5).await,
+        StatusCode::CONFLICT,
+        "no_usable_credentials",
+    )
+    .await;
     let detail = admin_get(&app, "/api/admin/keys/k").await;
-    assert!(detail["status_reason"].as_str().unwrap().contains("invalid_grant"), "{detail}");
-    assert!(detail["oauth"]["last_error"].as_str().unwrap().contains("invalid_grant"), "{detail}");
+    assert!(
+        detail["status_reason"]
+            .as_str()
+            .unwrap()
+            .contains("invalid_grant"),
+        "{detail}"
+    );
+    assert!(
+        detail["oauth"]["last_error"]
+            .as_str()
+            .unwrap()
+            .contains("invalid_grant"),
+        "{detail}"
+    );
     // no retry of a rejected refresh token
     tokio::time::sleep(Duration::from_millis(500)).await;
     assert_eq!(mock.calls(), 1);
-    assert_eq!(refresh_events(&app).await, [("token_refresh_failed".to_owned(), 1)]);
-    assert!(sample_labelled(&app.metrics().await, "credpool_oauth_refreshes_total{result=\"invalid_grant\"}") >= 1.0);
+    assert_eq!(
+        refresh_events(&app).await,
+        [("token_refresh_failed".to_owned(), 1)]
+    );
+    assert!(
+        sample_labelled(
+            &app.metrics().await,
+            "credpool_oauth_refreshes_total{result=\"invalid_grant\"}"
+        ) >= 1.0
+    );
 
     // the operator authorizes again: a new secret, and the credential is back
-    mock.set(Mode::Ok { delay: Duration::ZERO });
+    mock.set(Mode::Ok {
+        delay: Duration::ZERO,
+    });
     let response = app
         .put_key_raw(
             "k",
@@ -416,11 +511,20 @@ fn sample_labelled(page: &str, series: &str) -> f64 {
 #[tokio::test]
 async fn no_refresh_token_or_client_secret_in_any_answer_or_trail_row() {
     let app = app().await;
-    let (mock, url) = mock_endpoint(Mode::Ok { delay: Duration::ZERO }, 3600).await;
+    let (mock, url) = mock_endpoint(
+        Mode::Ok {
+            delay: Duration::ZERO,
+        },
+        3600,
+    )
+    .await;
     let mut seen = Vec::new();
     let put = put_oauth(&app, &url, 3600, 7200).await;
     seen.push(put.text().await.unwrap());
-    until("a refresh", || async { mock.issued.load(Ordering::SeqCst) >= 2 }).await;
+    until("a refresh", || async {
+        mock.issued.load(Ordering::SeqCst) >= 2
+    })
+    .await;
     set_refresh_before(&app, 0).await;
     let lease = allocate(&app, 5).await;
     seen.push(lease.text().await.unwrap());
@@ -446,7 +550,10 @@ async fn no_refresh_token_or_client_secret_in_any_answer_or_trail_row() {
     assert!(seen[1].contains("\"access_token\":\"at-"), "{}", seen[1]);
     for text in &seen {
         assert!(!text.contains("rtok-"), "a refresh token leaked: {text}");
-        assert!(!text.contains("cs-do-not-leak"), "the client secret leaked: {text}");
+        assert!(
+            !text.contains("cs-do-not-leak"),
+            "the client secret leaked: {text}"
+        );
     }
 }
 
@@ -455,14 +562,27 @@ async fn a_credential_whose_token_expires_before_lease_until_is_not_granted() {
     let app = app().await;
     let (mock, url) = mock_endpoint(Mode::Unavailable, 3600).await;
     // expires in 30 s; not due for a refresh
-    assert_eq!(put_oauth(&app, &url, 30, 0).await.status(), StatusCode::CREATED);
+    assert_eq!(
+        put_oauth(&app, &url, 30, 0).await.status(),
+        StatusCode::CREATED
+    );
     let detail = admin_get(&app, "/api/admin/keys/k").await;
-    let expires_at = OffsetDateTime::parse(detail["oauth"]["token_expires_at"].as_str().unwrap(), &Rfc3339).unwrap();
+    let expires_at = OffsetDateTime::parse(
+        detail["oauth"]["token_expires_at"].as_str().unwrap(),
+        &Rfc3339,
+    )
+    .unwrap();
 
-    assert_error(allocate(&app, 120).await, StatusCode::TOO_MANY_REQUESTS, "pool_exhausted").await;
+    assert_error(
+        allocate(&app, 120).await,
+        StatusCode::TOO_MANY_REQUESTS,
+        "pool_exhausted",
+    )
+    .await;
     assert_eq!(app.in_flight("k").await, 0);
     let lease = json_body(allocate(&app, 10).await, StatusCode::OK).await;
-    let lease_until = OffsetDateTime::parse(lease["lease_until"].as_str().unwrap(), &Rfc3339).unwrap();
+    let lease_until =
+        OffsetDateTime::parse(lease["lease_until"].as_str().unwrap(), &Rfc3339).unwrap();
     assert!(lease_until <= expires_at, "{lease_until} > {expires_at}");
     assert_eq!(lease["credential"]["access_token"], "at-0");
     assert_eq!(mock.calls(), 0);
@@ -471,8 +591,17 @@ async fn a_credential_whose_token_expires_before_lease_until_is_not_granted() {
 #[tokio::test]
 async fn a_token_url_that_is_neither_https_nor_loopback_http_is_refused() {
     let app = app().await;
-    for url in ["http://auth.example.com/token", "http://10.1.2.3/token", "file:///etc/passwd"] {
-        assert_error(put_oauth(&app, url, 3600, 0).await, StatusCode::BAD_REQUEST, "token_url_not_allowed").await;
+    for url in [
+        "http://auth.example.com/token",
+        "http://10.1.2.3/token",
+        "file:///etc/passwd",
+    ] {
+        assert_error(
+            put_oauth(&app, url, 3600, 0).await,
+            StatusCode::BAD_REQUEST,
+            "token_url_not_allowed",
+        )
+        .await;
     }
     let missing = app
         .client

@@ -151,7 +151,11 @@ async fn still_ours(
     )
     .fetch_optional(&mut *conn)
     .await?;
-    Ok(row.is_some_and(|r| r.generation == taken.generation && r.refreshing_holder == Some(holder)))
+    Ok(
+        row.is_some_and(|r| {
+            r.generation == taken.generation && r.refreshing_holder == Some(holder)
+        }),
+    )
 }
 
 /// Writes a refreshed access token (sealed as executors receive it), its expiry, the (rotated)
@@ -235,10 +239,12 @@ pub async fn write_failure(
         if !still_ours(&mut tx, key_id, taken, holder).await? {
             return Ok(());
         }
-        let old_status =
-            sqlx::query_scalar!("SELECT status FROM credentials WHERE key_id = $1", key_id.as_str())
-                .fetch_one(&mut *tx)
-                .await?;
+        let old_status = sqlx::query_scalar!(
+            "SELECT status FROM credentials WHERE key_id = $1",
+            key_id.as_str()
+        )
+        .fetch_one(&mut *tx)
+        .await?;
         sqlx::query!(
             r#"
             UPDATE credentials
