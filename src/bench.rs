@@ -492,6 +492,7 @@ async fn load_credentials(
                     spec,
                     actor,
                     &credpool::allocator::health::HealthPolicy::default(),
+                    None,
                 )
                 .await?;
             }

@@ -622,3 +622,40 @@ async fn a_token_url_that_is_neither_https_nor_loopback_http_is_refused() {
         .await;
     assert_error(response, StatusCode::BAD_REQUEST, "invalid_request").await;
 }
+
+#[tokio::test]
+async fn a_put_whose_if_match_generation_moved_answers_412_and_changes_nothing() {
+    let app = app().await;
+    let (_mock, url) = mock_endpoint(Mode::Unavailable, 3600).await;
+    assert_eq!(put_oauth(&app, &url, 3600, 0).await.status(), StatusCode::CREATED);
+    let put_if = |generation: &'static str, access_token: &'static str| {
+        let (app, url) = (&app, url.clone());
+        async move {
+            app.client
+                .put(app.url("/api/admin/keys/k"))
+                .header("x-admin-key", ADMIN_KEY)
+                .header("if-match", generation)
+                .json(&json!({
+                    "provider": "openai", "models": ["gpt-4o"], "max_concurrent_uses": 4,
+                    "secret": {"access_token": access_token, "refresh_token": "rtok-outside",
+                               "expires_at": rfc3339(OffsetDateTime::now_utc() + time::Duration::hours(1))},
+                    "oauth": {"token_url": url, "client_id": "client-1", "refresh_before_seconds": 0},
+                }))
+                .send()
+                .await
+                .unwrap()
+        }
+    };
+    // an outside refresher that read generation 2, which never was: refused, nothing changed
+    assert_error(put_if("2", "at-stale").await, StatusCode::PRECONDITION_FAILED, "generation_moved").await;
+    assert_eq!(generation(&app).await, 1);
+    assert_eq!(leased_token(&app).await, "at-0");
+    // the one that read generation 1 stores its token: generation 2
+    let stored = json_body(put_if("\"1\"", "at-outside").await, StatusCode::OK).await;
+    assert_eq!(stored["oauth"]["generation"], 2);
+    assert_eq!(leased_token(&app).await, "at-outside");
+    // a second refresher that also read generation 1 can no longer roll it back
+    assert_error(put_if("1", "at-rollback").await, StatusCode::PRECONDITION_FAILED, "generation_moved").await;
+    assert_eq!(leased_token(&app).await, "at-outside");
+    assert_error(put_if("soon", "at-x").await, StatusCode::BAD_REQUEST, "invalid_request").await;
+}

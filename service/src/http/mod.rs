@@ -385,6 +385,11 @@ pub enum ApiError {
     /// Stop using the credential.
     #[error("the lease is expired, unknown, released or does not match; stop using the credential")]
     LeaseLost,
+    /// 412 `generation_moved`: a PUT with `If-Match: <generation>` found the credential's OAuth
+    /// token at another generation (refreshed since, or not an OAuth credential). Changes
+    /// nothing.
+    #[error("the credential's token generation is not the one If-Match names; read it again")]
+    GenerationMoved,
     /// 413 `payload_too_large`: body over [`MAX_BODY_BYTES`].
     #[error("request body too large")]
     PayloadTooLarge,
@@ -430,6 +435,7 @@ impl ApiError {
             ApiError::RequestIdConflict => (StatusCode::CONFLICT, "request_id_conflict"),
             ApiError::TokensExceedBudget => (StatusCode::CONFLICT, "tokens_exceed_budget"),
             ApiError::LeaseLost => (StatusCode::GONE, "lease_lost"),
+            ApiError::GenerationMoved => (StatusCode::PRECONDITION_FAILED, "generation_moved"),
             ApiError::PayloadTooLarge => (StatusCode::PAYLOAD_TOO_LARGE, "payload_too_large"),
             ApiError::UnsupportedMediaType => {
                 (StatusCode::UNSUPPORTED_MEDIA_TYPE, "unsupported_media_type")

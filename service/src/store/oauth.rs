@@ -312,6 +312,20 @@ pub async fn write_failure(
     Ok(())
 }
 
+/// The token generation of OAuth credential `key_id`, its row locked (`None`: not an OAuth
+/// credential). The caller holds the credential's locks (the lock order puts this row last).
+pub(crate) async fn locked_generation(
+    conn: &mut sqlx::PgConnection,
+    key_id: &KeyId,
+) -> Result<Option<i64>, sqlx::Error> {
+    sqlx::query_scalar!(
+        "SELECT generation FROM oauth_credentials WHERE key_id = $1 FOR UPDATE",
+        key_id.as_str()
+    )
+    .fetch_optional(&mut *conn)
+    .await
+}
+
 /// Stores an operator's OAuth configuration and grant for `key_id` (PUT), or removes it
 /// (`None`: the credential is not OAuth any more). A new grant is a new access token:
 /// generation + 1, and any refresh in progress loses its marker (its write is refused). The

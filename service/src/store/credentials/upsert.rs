@@ -15,14 +15,28 @@ use crate::store::leases::fit_slots;
 /// audits it (`created` / `updated`, old and new configuration; the secret only as "replaced").
 /// Returns the stored credential and whether it was created. Lowering the limit revokes no lease
 /// (see `credpool_fit_slots`).
+///
+/// `if_generation` (`If-Match` on PUT, for refreshers outside credpool): store only if the
+/// credential is an OAuth credential whose token generation is still this one, judged under the
+/// credential's locks; otherwise change nothing and return `None`, so that two refreshers can
+/// never roll back a rotated token.
 #[tracing::instrument(skip_all, fields(key_id = %spec.key_id), err(level = "debug"))]
 pub async fn upsert(
     db: &Db,
     spec: &CredentialSpec,
     actor: &Actor,
     policy: &HealthPolicy,
-) -> Result<(CredentialDetail, bool), sqlx::Error> {
+    if_generation: Option<i64>,
+) -> Result<Option<(CredentialDetail, bool)>, sqlx::Error> {
     let mut tx = db.begin().await?;
+    if let Some(expected) = if_generation {
+        lock_credential(&mut tx, &spec.key_id).await?;
+        let generation =
+            crate::store::oauth::locked_generation(&mut tx, &spec.key_id).await?;
+        if generation != Some(expected) {
+            return Ok(None);
+        }
+    }
     let created = upsert_in(&mut tx, spec, actor).await?;
     let detail = details(
         &mut tx,
@@ -37,7 +51,7 @@ pub async fn upsert(
     .pop()
     .ok_or(sqlx::Error::RowNotFound)?;
     tx.commit().await?;
-    Ok((detail, created))
+    Ok(Some((detail, created)))
 }
 
 async fn upsert_in(
