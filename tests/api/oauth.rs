@@ -659,3 +659,30 @@ async fn a_put_whose_if_match_generation_moved_answers_412_and_changes_nothing()
     assert_eq!(leased_token(&app).await, "at-outside");
     assert_error(put_if("soon", "at-x").await, StatusCode::BAD_REQUEST, "invalid_request").await;
 }
+
+#[tokio::test]
+async fn reencrypting_under_a_new_master_key_reseals_the_oauth_grant_too() {
+    use credpool::secrets::{Keyring, MasterKey};
+    let app = app().await;
+    let (_mock, url) = mock_endpoint(Mode::Unavailable, 3600).await;
+    assert_eq!(put_oauth(&app, &url, 3600, 0).await.status(), StatusCode::CREATED);
+    let old = MasterKey::parse(MASTER_KEY).unwrap();
+    let ring = Keyring::new(MasterKey::generate(), vec![old]);
+    let db: credpool::store::Db = app.database.pool(2).await.into();
+    let actor = credpool::store::credentials::Actor::parse("cli:test").unwrap();
+    let resealed = credpool::store::credentials::reseal(&db, &ring, false, &actor)
+        .await
+        .unwrap();
+    assert_eq!(resealed, 2, "the access token and the grant");
+    let sealed: Vec<u8> =
+        sqlx::query_scalar("SELECT refresh_ciphertext FROM oauth_credentials WHERE key_id = 'k'")
+            .fetch_one(&app.db)
+            .await
+            .unwrap();
+    assert!(ring.is_current(&sealed));
+    let key_id = credpool::domain::KeyId::parse("k").unwrap();
+    let grant = ring.open_oauth(&key_id, &sealed).unwrap();
+    assert_eq!(grant.expose()["refresh_token"], "rtok-0");
+    let needed = credpool::store::credentials::sealing_keys(&db).await.unwrap();
+    assert_eq!(needed, [(ring.current().fingerprint(), 2)]);
+}
