@@ -627,7 +627,10 @@ async fn a_token_url_that_is_neither_https_nor_loopback_http_is_refused() {
 async fn a_put_whose_if_match_generation_moved_answers_412_and_changes_nothing() {
     let app = app().await;
     let (_mock, url) = mock_endpoint(Mode::Unavailable, 3600).await;
-    assert_eq!(put_oauth(&app, &url, 3600, 0).await.status(), StatusCode::CREATED);
+    assert_eq!(
+        put_oauth(&app, &url, 3600, 0).await.status(),
+        StatusCode::CREATED
+    );
     let put_if = |generation: &'static str, access_token: &'static str| {
         let (app, url) = (&app, url.clone());
         async move {
@@ -647,7 +650,12 @@ async fn a_put_whose_if_match_generation_moved_answers_412_and_changes_nothing()
         }
     };
     // an outside refresher that read generation 2, which never was: refused, nothing changed
-    assert_error(put_if("2", "at-stale").await, StatusCode::PRECONDITION_FAILED, "generation_moved").await;
+    assert_error(
+        put_if("2", "at-stale").await,
+        StatusCode::PRECONDITION_FAILED,
+        "generation_moved",
+    )
+    .await;
     assert_eq!(generation(&app).await, 1);
     assert_eq!(leased_token(&app).await, "at-0");
     // the one that read generation 1 stores its token: generation 2
@@ -655,9 +663,19 @@ async fn a_put_whose_if_match_generation_moved_answers_412_and_changes_nothing()
     assert_eq!(stored["oauth"]["generation"], 2);
     assert_eq!(leased_token(&app).await, "at-outside");
     // a second refresher that also read generation 1 can no longer roll it back
-    assert_error(put_if("1", "at-rollback").await, StatusCode::PRECONDITION_FAILED, "generation_moved").await;
+    assert_error(
+        put_if("1", "at-rollback").await,
+        StatusCode::PRECONDITION_FAILED,
+        "generation_moved",
+    )
+    .await;
     assert_eq!(leased_token(&app).await, "at-outside");
-    assert_error(put_if("soon", "at-x").await, StatusCode::BAD_REQUEST, "invalid_request").await;
+    assert_error(
+        put_if("soon", "at-x").await,
+        StatusCode::BAD_REQUEST,
+        "invalid_request",
+    )
+    .await;
 }
 
 #[tokio::test]
@@ -665,7 +683,10 @@ async fn reencrypting_under_a_new_master_key_reseals_the_oauth_grant_too() {
     use credpool::secrets::{Keyring, MasterKey};
     let app = app().await;
     let (_mock, url) = mock_endpoint(Mode::Unavailable, 3600).await;
-    assert_eq!(put_oauth(&app, &url, 3600, 0).await.status(), StatusCode::CREATED);
+    assert_eq!(
+        put_oauth(&app, &url, 3600, 0).await.status(),
+        StatusCode::CREATED
+    );
     let old = MasterKey::parse(MASTER_KEY).unwrap();
     let ring = Keyring::new(MasterKey::generate(), vec![old]);
     let db: credpool::store::Db = app.database.pool(2).await.into();
@@ -683,6 +704,8 @@ async fn reencrypting_under_a_new_master_key_reseals_the_oauth_grant_too() {
     let key_id = credpool::domain::KeyId::parse("k").unwrap();
     let grant = ring.open_oauth(&key_id, &sealed).unwrap();
     assert_eq!(grant.expose()["refresh_token"], "rtok-0");
-    let needed = credpool::store::credentials::sealing_keys(&db).await.unwrap();
+    let needed = credpool::store::credentials::sealing_keys(&db)
+        .await
+        .unwrap();
     assert_eq!(needed, [(ring.current().fingerprint(), 2)]);
 }

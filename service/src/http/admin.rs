@@ -74,8 +74,11 @@ fn if_match_generation(headers: &axum::http::HeaderMap) -> Result<Option<i64>, A
         .filter(|g| *g >= 1)
         .map(Some)
         .ok_or_else(|| {
-            InvalidValue::new("If-Match", "must be an OAuth token generation (an integer from 1)")
-                .into()
+            InvalidValue::new(
+                "If-Match",
+                "must be an OAuth token generation (an integer from 1)",
+            )
+            .into()
         })
 }
 

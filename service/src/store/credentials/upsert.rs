@@ -31,8 +31,7 @@ pub async fn upsert(
     let mut tx = db.begin().await?;
     if let Some(expected) = if_generation {
         lock_credential(&mut tx, &spec.key_id).await?;
-        let generation =
-            crate::store::oauth::locked_generation(&mut tx, &spec.key_id).await?;
+        let generation = crate::store::oauth::locked_generation(&mut tx, &spec.key_id).await?;
         if generation != Some(expected) {
             return Ok(None);
         }
