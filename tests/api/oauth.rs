@@ -709,3 +709,31 @@ async fn reencrypting_under_a_new_master_key_reseals_the_oauth_grant_too() {
         .unwrap();
     assert_eq!(needed, [(ring.current().fingerprint(), 2)]);
 }
+
+#[tokio::test]
+async fn the_pools_summary_says_when_the_earliest_token_expires() {
+    let app = app().await;
+    let (_mock, url) = mock_endpoint(Mode::Unavailable, 3600).await;
+    assert_eq!(
+        put_oauth(&app, &url, 600, 0).await.status(),
+        StatusCode::CREATED
+    );
+    app.put_key("plain", "openai", "other", &["gpt-4o"], 1)
+        .await;
+    let pools = admin_get(&app, "/api/admin/pools").await;
+    let pools = pools
+        .as_array()
+        .or_else(|| pools["pools"].as_array())
+        .unwrap()
+        .clone();
+    let of = |pool: &str| {
+        pools
+            .iter()
+            .find(|p| p["pool"] == pool)
+            .unwrap_or_else(|| panic!("no pool {pool}: {pools:?}"))["oauth_expires_in_seconds"]
+            .clone()
+    };
+    let seconds = of("default").as_f64().unwrap();
+    assert!(seconds > 500.0 && seconds <= 600.0, "{seconds}");
+    assert_eq!(of("other"), Value::Null);
+}

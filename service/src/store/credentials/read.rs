@@ -394,6 +394,9 @@ pub struct PoolSummary {
     pub total_slots: i64,
     /// Unexpired leases.
     pub in_flight: i64,
+    /// Seconds until the earliest access token of its OAuth credentials (not disabled) expires
+    /// (negative: already expired); `null` without OAuth credentials.
+    pub oauth_expires_in_seconds: Option<f64>,
 }
 
 /// Every (provider, pool) with its counts, in order.
@@ -411,7 +414,9 @@ pub async fn pools(db: &Db) -> Result<Vec<PoolSummary>, sqlx::Error> {
                                   AND NOT credpool_window_room(w, now(), 0)) AS "windows_full!",
                sum(c.max_concurrent_uses)::int8 AS "total_slots!",
                coalesce(sum(s.in_flight), 0)::int8 AS "in_flight!",
-               array_agg(c.status) AS "statuses!"
+               array_agg(c.status) AS "statuses!",
+               extract(epoch FROM min(c.token_expires_at) FILTER (WHERE c.status <> 'disabled')
+                                  - now())::float8 AS oauth_expires_in_seconds
         FROM credentials c
         LEFT JOIN (
             SELECT key_id, count(*) AS in_flight
@@ -445,6 +450,7 @@ pub async fn pools(db: &Db) -> Result<Vec<PoolSummary>, sqlx::Error> {
                 windows_full: r.windows_full,
                 total_slots: r.total_slots,
                 in_flight: r.in_flight,
+                oauth_expires_in_seconds: r.oauth_expires_in_seconds,
             }
         })
         .collect())
