@@ -35,6 +35,8 @@
 --   3. lease_events rows that unique indexes guard (one release / one late report per lease),
 --      ascending lease_id (a release group writes its late reports in that order).
 --   4. credentials rows, ascending key_id.
+--   5. oauth_credentials rows, ascending key_id (the OAuth refresher, service/src/oauth.rs, and
+--      an operator's PUT; the refresher's marker takes this row alone, in its own transaction).
 -- pool_versions rows are per backend and never contended; lease_requests rows are written only
 -- under their request_id's advisory lock, taken with a try-lock.
 --
@@ -163,10 +165,10 @@ CREATE TRIGGER credentials_config_version
     BEFORE UPDATE ON credentials
     FOR EACH ROW
     WHEN ((OLD.provider, OLD.pool, OLD.models, OLD.model_aliases, OLD.max_concurrent_uses,
-           OLD.draining, OLD.rate_limits, OLD.secret, OLD.secret_ciphertext)
+           OLD.draining, OLD.rate_limits, OLD.secret, OLD.secret_ciphertext, OLD.token_expires_at)
           IS DISTINCT FROM
           (NEW.provider, NEW.pool, NEW.models, NEW.model_aliases, NEW.max_concurrent_uses,
-           NEW.draining, NEW.rate_limits, NEW.secret, NEW.secret_ciphertext)
+           NEW.draining, NEW.rate_limits, NEW.secret, NEW.secret_ciphertext, NEW.token_expires_at)
           OR ((OLD.status, OLD.cooldown_until) IS DISTINCT FROM (NEW.status, NEW.cooldown_until)
               AND current_setting('credpool.health_write', true) IS DISTINCT FROM 'on'))
     EXECUTE FUNCTION credentials_config_changed();
@@ -271,6 +273,15 @@ LANGUAGE sql IMMUTABLE PARALLEL SAFE AS $$
        AND (p_model = ANY (c.models) OR c.model_aliases ? p_model)
        AND credential_usable(c.status, c.cooldown_until, p_at)
        AND NOT c.draining
+$$;
+
+-- Whether credential `c`'s access token is still valid at `p_until` (the end of the lease a
+-- claim would grant): always for a credential that is not OAuth (token_expires_at NULL). An OAuth
+-- credential whose token would expire first is passed over until its refresh lands (issue 28).
+CREATE OR REPLACE FUNCTION credpool_token_lasts(c credentials, p_until timestamptz)
+RETURNS boolean
+LANGUAGE sql IMMUTABLE PARALLEL SAFE AS $$
+    SELECT c.token_expires_at IS NULL OR c.token_expires_at >= p_until
 $$;
 
 -- Whether slot `s` of a credential whose status is `p_status` is free for a claim at `p_at`: its
@@ -399,6 +410,15 @@ $$;
 -- read from the snapshot without a gate: a report committed while the claim runs may let this one
 -- grant through, never a grant over a limit or a window.
 --
+-- OAuth (issue 28): a credential whose access token expires before the lease would end
+-- (credentials.token_expires_at < the call's clock + lease_seconds) is passed over, and left out
+-- of `frees_at` (it waits for its refresh, not for a slot; the caller does not claim it again at
+-- once). The expiry is a column of the credential row, read from the snapshot like the secret it
+-- belongs to, and gated the same way: a refresh writes a new secret and expiry together, which
+-- moves config_version into every slot row. A winner's lease_until is never later than its
+-- token's expiry: `at` (read when the slot row is read) may be a little after the call's clock,
+-- so the grant takes the earlier of the two.
+--
 -- Two shapes of pick, one for each shape of candidate list: a claim none of whose candidates has
 -- windows locks only the slot row (a credential without windows must not make concurrent claims
 -- queue on one row), and passes over a slot whose `windowed` gate says its credential has windows
@@ -469,6 +489,7 @@ DECLARE
     w_charge boolean[];
     w_secret bytea[];
     w_model text[];
+    w_token timestamptz[];
     -- every lease the call answers with (granted, or replayed): the claim, the slot row as
     -- granted, the sealed secret and the provider's model handed out, whether an expired lease
     -- was ended to make room
@@ -573,10 +594,11 @@ BEGIN
                array_agg(p.windowed) FILTER (WHERE p.first),
                array_agg(p.secret_ciphertext) FILTER (WHERE p.first),
                array_agg(p.provider_model) FILTER (WHERE p.first),
+               array_agg(p.token_expires_at) FILTER (WHERE p.first),
                coalesce(array_agg(p.n) FILTER (WHERE NOT p.first), '{}'),
                coalesce(bool_or((p.s).lease_id IS NOT NULL) FILTER (WHERE p.first), false)
-        INTO w_claim, w_slot, w_status, w_cooldown, w_at, w_charge, w_secret, w_model, v_open,
-             v_pruned
+        INTO w_claim, w_slot, w_status, w_cooldown, w_at, w_charge, w_secret, w_model, w_token,
+             v_open, v_pruned
         FROM (
             SELECT o.*, row_number() OVER (PARTITION BY (o.s).key_id ORDER BY o.n) = 1 AS first
             FROM (
@@ -585,7 +607,7 @@ BEGIN
                 CROSS JOIN LATERAL (
                     SELECT s, c.status, c.cooldown_until, c.secret_ciphertext,
                            coalesce(c.model_aliases ->> v_model[q.n], v_model[q.n]) AS provider_model,
-                           clock_timestamp() AS at
+                           clock_timestamp() AS at, c.token_expires_at
                     FROM jsonb_array_elements_text(v_ranked[q.n]) WITH ORDINALITY AS r (key_id, rank)
                     CROSS JOIN LATERAL (
                         SELECT * FROM credentials c WHERE c.key_id = r.key_id LIMIT 1
@@ -595,6 +617,7 @@ BEGIN
                       AND credpool_may_serve(c, v_provider[q.n], v_pool[q.n], v_model[q.n], v_now)
                       AND credpool_slot_open(s, c.status, v_now)
                       AND s.config_version = c.config_version
+                      AND credpool_token_lasts(c, v_now + make_interval(secs => v_seconds[q.n]))
                       AND NOT s.windowed
                     ORDER BY r.rank, s.slot
                     LIMIT 1
@@ -607,7 +630,7 @@ BEGIN
                 CROSS JOIN LATERAL (
                     SELECT s, c.status, c.cooldown_until, c.secret_ciphertext,
                            coalesce(c.model_aliases ->> v_model[q.n], v_model[q.n]) AS provider_model,
-                           clock_timestamp() AS at
+                           clock_timestamp() AS at, c.token_expires_at
                     FROM jsonb_array_elements_text(v_ranked[q.n]) WITH ORDINALITY AS r (key_id, rank)
                     CROSS JOIN LATERAL (
                         SELECT * FROM credentials c WHERE c.key_id = r.key_id LIMIT 1
@@ -618,6 +641,7 @@ BEGIN
                       AND credpool_may_serve(c, v_provider[q.n], v_pool[q.n], v_model[q.n], v_now)
                       AND credpool_slot_open(s, c.status, v_now)
                       AND s.config_version = c.config_version
+                      AND credpool_token_lasts(c, v_now + make_interval(secs => v_seconds[q.n]))
                       AND credpool_window_room(w, v_now, v_tokens[q.n])
                     ORDER BY r.rank, s.slot
                     LIMIT 1
@@ -641,7 +665,7 @@ BEGIN
             SELECT w_claim[i] AS n, (w_slot[i]).key_id, (w_slot[i]).slot,
                    (w_slot[i]).lease_id IS NOT NULL AS pruned, w_status[i] AS status,
                    w_cooldown[i] AS cooldown_until, w_at[i] AS at, w_charge[i] AS charge,
-                   w_secret[i] AS secret, w_model[i] AS model,
+                   w_secret[i] AS secret, w_model[i] AS model, w_token[i] AS token_expires_at,
                    v_lease[w_claim[i]] AS lease_id, v_provider[w_claim[i]] AS provider,
                    v_pool[w_claim[i]] AS pool, v_holder[w_claim[i]] AS holder,
                    v_seconds[w_claim[i]] AS seconds, v_tokens[w_claim[i]] AS tokens,
@@ -652,7 +676,7 @@ BEGIN
             UPDATE lease_slots s
             SET lease_id = won.lease_id, provider = won.provider, pool = won.pool,
                 holder = won.holder, granted_at = won.at,
-                lease_until = won.at + make_interval(secs => won.seconds),
+                lease_until = least(won.at + make_interval(secs => won.seconds), won.token_expires_at),
                 last_granted_at = won.at, probe = won.status <> 'available',
                 fence = nextval('lease_fence_seq'), reserved_tokens = won.tokens
             FROM won
@@ -724,6 +748,7 @@ BEGIN
           AND c.provider = v_provider[k.n] AND c.pool = v_pool[k.n]
           AND (v_model[k.n] = ANY (c.models) OR c.model_aliases ? v_model[k.n])
           AND NOT c.draining AND f.at IS NOT NULL
+          AND credpool_token_lasts(c, v_now + make_interval(secs => v_seconds[k.n]))
         ORDER BY f.at
         LIMIT 1
     ) AS f ON true

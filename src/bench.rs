@@ -491,6 +491,7 @@ async fn load_credentials(
                 .map_err(anyhow::Error::msg)?,
             status: Some(Status::Available),
             rate_limits: args.rate_limits.clone().unwrap_or_default(),
+            oauth: None,
         });
     }
     match args.create_by {
@@ -504,6 +505,7 @@ async fn load_credentials(
                     spec,
                     actor,
                     &credpool::allocator::health::HealthPolicy::default(),
+                    None,
                 )
                 .await?;
             }

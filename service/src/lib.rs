@@ -19,7 +19,8 @@
 //! - [`startup`]: binding and serving; [`database`]: `DATABASE_URL` or the embedded default;
 //!   [`embedded`]: the private PostgreSQL cluster launcher; [`config`]: the service's flags and
 //!   environment variables; [`secrets`]: sealing credential material; [`telemetry`]: metrics
-//!   and trace context.
+//!   and trace context; [`oauth`]: OAuth credentials, their access tokens refreshed by one
+//!   writer per generation.
 //!
 //! The `credpool` command (the repository's root package) runs this library's service and
 //! carries the tooling around it: the operator commands, the demo fleet and the load generator.
@@ -30,6 +31,7 @@ pub mod database;
 pub mod domain;
 pub mod embedded;
 pub mod http;
+pub mod oauth;
 pub mod secrets;
 pub mod startup;
 pub mod store;

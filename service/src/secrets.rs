@@ -132,6 +132,22 @@ impl Keyring {
 
     /// Seals `secret` for the credential `key_id` under the current key, with a fresh nonce.
     pub fn seal(&self, key_id: &KeyId, secret: &Secret) -> Vec<u8> {
+        self.seal_with(key_id.as_str().as_bytes(), secret)
+    }
+
+    /// Seals the OAuth grant material of `key_id` (refresh token, client secret): associated
+    /// data `<key_id>/oauth`, so that it never opens as the secret executors receive, and the
+    /// executors' secret never opens as it.
+    pub fn seal_oauth(&self, key_id: &KeyId, secret: &Secret) -> Vec<u8> {
+        self.seal_with(oauth_aad(key_id).as_bytes(), secret)
+    }
+
+    /// Opens what [`Keyring::seal_oauth`] sealed for `key_id`.
+    pub fn open_oauth(&self, key_id: &KeyId, sealed: &[u8]) -> Result<Secret, SecretsError> {
+        self.open_with(oauth_aad(key_id).as_bytes(), sealed)
+    }
+
+    fn seal_with(&self, aad: &[u8], secret: &Secret) -> Vec<u8> {
         let plaintext = Zeroizing::new(serde_json::to_vec(secret.expose()).unwrap_or_default());
         let nonce_bytes: [u8; NONCE_LEN] = rand::random();
         let nonce = XNonce::from(nonce_bytes);
@@ -142,7 +158,7 @@ impl Keyring {
                 &nonce,
                 Payload {
                     msg: &plaintext,
-                    aad: key_id.as_str().as_bytes(),
+                    aad,
                 },
             )
             .expect("XChaCha20-Poly1305 encryption of an in-memory buffer cannot fail");
@@ -156,6 +172,10 @@ impl Keyring {
 
     /// Opens a secret sealed for `key_id`.
     pub fn open(&self, key_id: &KeyId, sealed: &[u8]) -> Result<Secret, SecretsError> {
+        self.open_with(key_id.as_str().as_bytes(), sealed)
+    }
+
+    fn open_with(&self, aad: &[u8], sealed: &[u8]) -> Result<Secret, SecretsError> {
         let fingerprint = sealed_fingerprint(sealed)?;
         let key = self
             .keys()
@@ -172,7 +192,7 @@ impl Keyring {
                     &XNonce::from(nonce_bytes),
                     Payload {
                         msg: &sealed[HEADER_LEN..],
-                        aad: key_id.as_str().as_bytes(),
+                        aad,
                     },
                 )
                 .map_err(|_| SecretsError::Forged)?,
@@ -192,6 +212,10 @@ impl Keyring {
     pub fn knows(&self, sealed: &[u8]) -> bool {
         sealed_fingerprint(sealed).is_ok_and(|f| self.keys().any(|k| k.fingerprint == f))
     }
+}
+
+fn oauth_aad(key_id: &KeyId) -> String {
+    format!("{}/oauth", key_id.as_str())
 }
 
 fn sealed_fingerprint(sealed: &[u8]) -> Result<[u8; FINGERPRINT_LEN], SecretsError> {
@@ -237,6 +261,19 @@ mod tests {
         let ring = Keyring::new(MasterKey::generate(), vec![]);
         let sealed = ring.seal(&key_id("a"), &secret());
         assert_eq!(ring.open(&key_id("b"), &sealed), Err(SecretsError::Forged));
+    }
+
+    #[test]
+    fn oauth_material_and_the_executors_secret_never_open_as_each_other() {
+        let ring = Keyring::new(MasterKey::generate(), vec![]);
+        let grant = ring.seal_oauth(&key_id("a"), &secret());
+        assert_eq!(ring.open_oauth(&key_id("a"), &grant).unwrap(), secret());
+        assert_eq!(ring.open(&key_id("a"), &grant), Err(SecretsError::Forged));
+        let lease_secret = ring.seal(&key_id("a"), &secret());
+        assert_eq!(
+            ring.open_oauth(&key_id("a"), &lease_secret),
+            Err(SecretsError::Forged)
+        );
     }
 
     #[test]

@@ -86,6 +86,13 @@ impl Application {
             max_wait: settings.max_wait,
             shutting_down: ShuttingDown::default(),
         });
+        // the OAuth refresher runs in every replica; PostgreSQL picks one writer per generation
+        crate::oauth::Refresher::new(
+            state.db.clone(),
+            state.keyring.clone(),
+            settings.oauth.clone(),
+        )
+        .spawn(state.downgrade());
         // the pools there are now: their series exist (at zero) from the first scrape on
         crate::telemetry::sample_pools(&state.db).await;
         Ok(Self { listener, state })

@@ -27,6 +27,9 @@ pub const REQUEST_SECONDS: &str = "credpool_request_duration_seconds";
 pub const RELEASES: &str = "credpool_releases_total";
 /// Renewals by `result` (`renewed`, `lost`).
 pub const RENEWALS: &str = "credpool_renewals_total";
+/// OAuth access token refreshes this process ran, by `result` (`refreshed`, `superseded`,
+/// `failed`, `invalid_grant`).
+pub const OAUTH_REFRESHES: &str = "credpool_oauth_refreshes_total";
 /// Leases that ended by expiry, by `source`: `claim` (a claim reused the slot), `reaper` (the
 /// cleanup this service ran).
 pub const LEASES_EXPIRED: &str = "credpool_leases_expired_total";
@@ -165,6 +168,13 @@ pub const METRICS: &[Metric] = &[
         labels: &["result"],
         unit: "renewals",
         help: "Renewal requests by result: renewed, or lost (410: the lease had expired or ended).",
+    },
+    Metric {
+        name: OAUTH_REFRESHES,
+        kind: Kind::Counter,
+        labels: &["result"],
+        unit: "refreshes",
+        help: "OAuth access token refreshes this process ran, by result: refreshed, superseded (the generation moved while the call ran; nothing written), failed (retried with backoff) or invalid_grant (the refresh token was rejected; the credential is disabled until an operator PUTs a new secret).",
     },
     Metric {
         name: LEASES_EXPIRED,
@@ -368,6 +378,9 @@ fn zero_series() {
     for result in ["renewed", "lost"] {
         counter!(RENEWALS, "result" => result).absolute(0);
     }
+    for result in ["refreshed", "superseded", "failed", "invalid_grant"] {
+        counter!(OAUTH_REFRESHES, "result" => result).absolute(0);
+    }
     for source in ["claim", "reaper"] {
         counter!(LEASES_EXPIRED, "source" => source).absolute(0);
     }
@@ -458,6 +471,11 @@ pub fn held_back(
 pub fn release(released: bool, reason: &'static str) {
     let result = if released { "released" } else { "not_released" };
     counter!(RELEASES, "result" => result, "reason" => reason).increment(1);
+}
+
+/// Counts an OAuth refresh by `result` (see [`OAUTH_REFRESHES`]).
+pub fn oauth_refresh(result: &'static str) {
+    counter!(OAUTH_REFRESHES, "result" => result).increment(1);
 }
 
 /// Records a renewal.

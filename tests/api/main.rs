@@ -17,6 +17,7 @@ mod executor_protocol;
 mod gates;
 mod handover;
 mod lease_state;
+mod oauth;
 mod observability;
 mod operations;
 mod operator;

@@ -220,6 +220,7 @@ impl ServiceArgs {
             listen_url: self.db_listen_url.clone(),
             scoring: self.scoring.policy(),
             health: self.health.policy(),
+            oauth: crate::oauth::OAuthSettings::default(),
         }
     }
 }
@@ -246,6 +247,8 @@ pub struct ServiceSettings {
     pub scoring: ScoringPolicy,
     /// How outcome reports change health.
     pub health: HealthPolicy,
+    /// How OAuth access tokens are refreshed (the defaults; no flags yet).
+    pub oauth: crate::oauth::OAuthSettings,
 }
 
 impl Default for ServiceSettings {
@@ -263,6 +266,7 @@ impl Default for ServiceSettings {
             listen_url: None,
             scoring: ScoringPolicy::default(),
             health: HealthPolicy::default(),
+            oauth: crate::oauth::OAuthSettings::default(),
         }
     }
 }

@@ -61,16 +61,38 @@ fn reason(raw: &str) -> Result<String, ApiError> {
     Ok(raw.to_owned())
 }
 
+/// `If-Match: <generation>` (or `"<generation>"`): the OAuth token generation a PUT replaces.
+fn if_match_generation(headers: &axum::http::HeaderMap) -> Result<Option<i64>, ApiError> {
+    let Some(value) = headers.get(axum::http::header::IF_MATCH) else {
+        return Ok(None);
+    };
+    value
+        .to_str()
+        .ok()
+        .map(|v| v.trim().trim_matches('"'))
+        .and_then(|v| v.parse::<i64>().ok())
+        .filter(|g| *g >= 1)
+        .map(Some)
+        .ok_or_else(|| {
+            InvalidValue::new(
+                "If-Match",
+                "must be an OAuth token generation (an integer from 1)",
+            )
+            .into()
+        })
+}
+
 /// Creates (201) or updates (200) a credential. The response is the stored credential without its
 /// secret; no route ever returns a secret except to the executor that holds a lease.
 #[utoipa::path(put, path = "/api/admin/keys/{key_id}", tag = "operator",
     request_body = CredentialInput,
     security(("admin_key" = [])),
-    params(("X-Operator" = Option<String>, Header, description = "who you are, for the audit trail (default `admin-key`)"), ("key_id" = KeyId, Path, description = "the credential")),
+    params(("X-Operator" = Option<String>, Header, description = "who you are, for the audit trail (default `admin-key`)"), ("If-Match" = Option<i64>, Header, description = "OAuth: the token generation this PUT replaces; 412 `generation_moved` when it moved"), ("key_id" = KeyId, Path, description = "the credential")),
     responses(
         (status = 200, description = "updated", body = CredentialDetail),
+        (status = 412, description = "`generation_moved`: If-Match names another generation", body = ErrorBody),
         (status = 201, description = "created", body = CredentialDetail),
-        (status = 400, description = "`invalid_request`", body = ErrorBody),
+        (status = 400, description = "`invalid_request`; `token_url_not_allowed`: an OAuth `token_url` that is neither https nor http on a loopback address", body = ErrorBody),
         (status = 401, description = "`unauthorized`: missing or wrong key", body = ErrorBody),
         (status = 403, description = "`forbidden`: the executor key", body = ErrorBody),
         (status = 503, description = "`store_unavailable`", body = ErrorBody),
@@ -82,11 +104,20 @@ async fn put_key(
     State(state): State<AppState>,
     Operator(actor): Operator,
     ApiPath(raw_key_id): ApiPath<String>,
+    headers: axum::http::HeaderMap,
     ApiJson(body): ApiJson<CredentialInput>,
 ) -> Result<(StatusCode, Json<CredentialDetail>), ApiError> {
     let key_id = key_id(raw_key_id)?;
+    let if_generation = if_match_generation(&headers)?;
+    if let Some(oauth) = &body.oauth {
+        crate::oauth::check_token_url(&oauth.token_url)
+            .map_err(|e| ApiError::TokenUrlNotAllowed(e.to_string()))?;
+    }
     let spec = body.into_spec(key_id, &state.keyring)?;
-    let (detail, created) = credentials::upsert(&state.db, &spec, &actor, &state.health).await?;
+    let (detail, created) =
+        credentials::upsert(&state.db, &spec, &actor, &state.health, if_generation)
+            .await?
+            .ok_or(ApiError::GenerationMoved)?;
     tracing::info!(created, actor = actor.as_str(), "credential stored");
     let status = if created {
         StatusCode::CREATED

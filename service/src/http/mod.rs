@@ -69,6 +69,12 @@ impl AppState {
     pub fn new(shared: Shared) -> Self {
         Self(Arc::new(shared))
     }
+
+    /// A handle that stops upgrading once every clone of this state is dropped: background
+    /// tasks (the OAuth refresher) end with the application.
+    pub fn downgrade(&self) -> std::sync::Weak<Shared> {
+        Arc::downgrade(&self.0)
+    }
 }
 
 impl std::ops::Deref for AppState {
@@ -328,6 +334,10 @@ pub enum ApiError {
     /// of range. Changes nothing.
     #[error("{0}")]
     InvalidRequest(String),
+    /// 400 `token_url_not_allowed`: an OAuth credential's `token_url` is neither https nor http on
+    /// a loopback address. Changes nothing.
+    #[error("{0}")]
+    TokenUrlNotAllowed(String),
     /// 401 `unauthorized`: the key header is missing or wrong.
     #[error("missing or wrong API key")]
     Unauthorized,
@@ -375,6 +385,11 @@ pub enum ApiError {
     /// Stop using the credential.
     #[error("the lease is expired, unknown, released or does not match; stop using the credential")]
     LeaseLost,
+    /// 412 `generation_moved`: a PUT with `If-Match: <generation>` found the credential's OAuth
+    /// token at another generation (refreshed since, or not an OAuth credential). Changes
+    /// nothing.
+    #[error("the credential's token generation is not the one If-Match names; read it again")]
+    GenerationMoved,
     /// 413 `payload_too_large`: body over [`MAX_BODY_BYTES`].
     #[error("request body too large")]
     PayloadTooLarge,
@@ -408,6 +423,7 @@ impl ApiError {
     pub fn status_and_code(&self) -> (StatusCode, &'static str) {
         match self {
             ApiError::InvalidRequest(_) => (StatusCode::BAD_REQUEST, "invalid_request"),
+            ApiError::TokenUrlNotAllowed(_) => (StatusCode::BAD_REQUEST, "token_url_not_allowed"),
             ApiError::Unauthorized => (StatusCode::UNAUTHORIZED, "unauthorized"),
             ApiError::Forbidden => (StatusCode::FORBIDDEN, "forbidden"),
             ApiError::PoolNotFound { .. } => (StatusCode::NOT_FOUND, "pool_not_found"),
@@ -419,6 +435,7 @@ impl ApiError {
             ApiError::RequestIdConflict => (StatusCode::CONFLICT, "request_id_conflict"),
             ApiError::TokensExceedBudget => (StatusCode::CONFLICT, "tokens_exceed_budget"),
             ApiError::LeaseLost => (StatusCode::GONE, "lease_lost"),
+            ApiError::GenerationMoved => (StatusCode::PRECONDITION_FAILED, "generation_moved"),
             ApiError::PayloadTooLarge => (StatusCode::PAYLOAD_TOO_LARGE, "payload_too_large"),
             ApiError::UnsupportedMediaType => {
                 (StatusCode::UNSUPPORTED_MEDIA_TYPE, "unsupported_media_type")

@@ -39,6 +39,7 @@ pub mod dashboard;
 pub mod failover;
 pub mod leases;
 pub mod maintenance;
+pub mod oauth;
 pub mod schema;
 pub mod target;
 

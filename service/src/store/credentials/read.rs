@@ -97,6 +97,34 @@ pub struct CredentialDetail {
     /// When its configuration last changed.
     #[serde(with = "time::serde::rfc3339")]
     pub updated_at: OffsetDateTime,
+    /// Its OAuth state, for an OAuth credential (never a token or the client secret).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub oauth: Option<OAuthView>,
+}
+
+/// An OAuth credential as operators see it: its configuration and its access token's state,
+/// never a token or the client secret.
+#[derive(Debug, Clone, Serialize, utoipa::ToSchema)]
+pub struct OAuthView {
+    /// The token endpoint.
+    pub token_url: String,
+    /// The client id.
+    pub client_id: String,
+    /// The scope sent with refreshes.
+    pub scope: Option<String>,
+    /// Seconds before expiry at which the refresh starts.
+    pub refresh_before_seconds: i32,
+    /// When the current access token expires.
+    #[serde(with = "time::serde::rfc3339::option")]
+    pub token_expires_at: Option<OffsetDateTime>,
+    /// +1 per new access token (a refresh, or an operator's PUT).
+    pub generation: i64,
+    /// The last refresh failure (`invalid_grant: ...` when the refresh token was rejected);
+    /// `null` after a successful refresh or a PUT.
+    pub last_error: Option<String>,
+    /// When the last refresh landed.
+    #[serde(with = "time::serde::rfc3339::option")]
+    pub refreshed_at: Option<OffsetDateTime>,
 }
 
 /// One rate window of a credential now.
@@ -193,9 +221,14 @@ pub(super) async fn details(
                recent_failures, cooldowns_in_a_row, created_at, updated_at, now() AS "db_now!",
                w.window_kinds AS "window_kinds?", w.window_counts AS "window_counts?",
                w.window_seconds AS "window_seconds?", w.bucket_ids AS "bucket_ids?",
-               w.bucket_charged AS "bucket_charged?"
+               w.bucket_charged AS "bucket_charged?",
+               token_expires_at, o.token_url AS "token_url?", o.client_id AS "client_id?",
+               o.scope AS "scope?", o.refresh_before_seconds AS "refresh_before_seconds?",
+               o.generation AS "generation?", o.last_error AS "last_error?",
+               o.refreshed_at AS "refreshed_at?"
         FROM credentials
         LEFT JOIN lease_windows w USING (key_id)
+        LEFT JOIN oauth_credentials o USING (key_id)
         WHERE ($1::text IS NULL OR key_id = $1)
           AND ($2::text IS NULL OR provider = $2)
           AND ($3::text IS NULL OR pool = $3)
@@ -280,6 +313,16 @@ pub(super) async fn details(
                 leases,
                 created_at: r.created_at,
                 updated_at: r.updated_at,
+                oauth: r.token_url.map(|token_url| OAuthView {
+                    token_url,
+                    client_id: r.client_id.unwrap_or_default(),
+                    scope: r.scope,
+                    refresh_before_seconds: r.refresh_before_seconds.unwrap_or_default(),
+                    token_expires_at: r.token_expires_at,
+                    generation: r.generation.unwrap_or_default(),
+                    last_error: r.last_error,
+                    refreshed_at: r.refreshed_at,
+                }),
             })
         })
         .collect()
@@ -351,6 +394,9 @@ pub struct PoolSummary {
     pub total_slots: i64,
     /// Unexpired leases.
     pub in_flight: i64,
+    /// Seconds until the earliest access token of its OAuth credentials (not disabled) expires
+    /// (negative: already expired); `null` without OAuth credentials.
+    pub oauth_expires_in_seconds: Option<f64>,
 }
 
 /// Every (provider, pool) with its counts, in order.
@@ -368,7 +414,9 @@ pub async fn pools(db: &Db) -> Result<Vec<PoolSummary>, sqlx::Error> {
                                   AND NOT credpool_window_room(w, now(), 0)) AS "windows_full!",
                sum(c.max_concurrent_uses)::int8 AS "total_slots!",
                coalesce(sum(s.in_flight), 0)::int8 AS "in_flight!",
-               array_agg(c.status) AS "statuses!"
+               array_agg(c.status) AS "statuses!",
+               extract(epoch FROM min(c.token_expires_at) FILTER (WHERE c.status <> 'disabled')
+                                  - now())::float8 AS oauth_expires_in_seconds
         FROM credentials c
         LEFT JOIN (
             SELECT key_id, count(*) AS in_flight
@@ -402,6 +450,7 @@ pub async fn pools(db: &Db) -> Result<Vec<PoolSummary>, sqlx::Error> {
                 windows_full: r.windows_full,
                 total_slots: r.total_slots,
                 in_flight: r.in_flight,
+                oauth_expires_in_seconds: r.oauth_expires_in_seconds,
             }
         })
         .collect())

@@ -7,9 +7,9 @@ use crate::store::Db;
 use crate::store::leases::decoded;
 
 /// Seals under the keyring's current key every secret still stored as plaintext (written before
-/// secrets were sealed) and, unless `plaintext_only`, every secret sealed under an older master
-/// key; in batches of 500, one transaction each. Returns how many were resealed. Audited
-/// `secret_resealed`.
+/// secrets were sealed) and, unless `plaintext_only`, every secret and every OAuth grant sealed
+/// under an older master key; in batches of 500, one transaction each. Returns how many were
+/// resealed (secrets and grants). Audited `secret_resealed`.
 pub async fn reseal(
     db: &Db,
     keyring: &Keyring,
@@ -72,19 +72,64 @@ pub async fn reseal(
             .await?;
             resealed += 1;
         }
+        // the OAuth grants (refresh token, client secret) of the batch: their rows come after
+        // the credential rows in the lock order; a refresher's write waits for this commit
+        if !plaintext_only {
+            let grants = sqlx::query!(
+                r#"
+                SELECT key_id, refresh_ciphertext FROM oauth_credentials
+                WHERE key_id = ANY ($1)
+                ORDER BY key_id
+                FOR UPDATE
+                "#,
+                &batch as &[&str]
+            )
+            .fetch_all(&mut *tx)
+            .await?;
+            for grant in grants {
+                if keyring.is_current(&grant.refresh_ciphertext) {
+                    continue;
+                }
+                let key_id = decoded(KeyId::parse(grant.key_id))?;
+                let opened = keyring
+                    .open_oauth(&key_id, &grant.refresh_ciphertext)
+                    .map_err(|e| sqlx::Error::Decode(Box::new(e)))?;
+                sqlx::query!(
+                    "UPDATE oauth_credentials SET refresh_ciphertext = $2 WHERE key_id = $1",
+                    key_id.as_str(),
+                    &keyring.seal_oauth(&key_id, &opened)
+                )
+                .execute(&mut *tx)
+                .await?;
+                let details = serde_json::json!({"master_key": keyring.current().fingerprint(),
+                                                 "sealed": "oauth_grant"});
+                audit(
+                    &mut tx,
+                    &key_id,
+                    "secret_resealed",
+                    actor,
+                    "OAuth grant sealed under the current master key",
+                    details,
+                )
+                .await?;
+                resealed += 1;
+            }
+        }
         tx.commit().await?;
     }
     Ok(resealed)
 }
 
-/// Master key fingerprints (hex) that sealed secrets need, with how many credentials need each.
+/// Master key fingerprints (hex) that sealed secrets and OAuth grants need, with how many sealed
+/// values need each.
 pub async fn sealing_keys(db: &Db) -> Result<Vec<(String, i64)>, sqlx::Error> {
     let mut work = db.work().await?;
     let rows = sqlx::query!(
         r#"
-        SELECT encode(substring(secret_ciphertext FROM 4 FOR 8), 'hex') AS "fingerprint!", count(*) AS "count!"
-        FROM credentials
-        WHERE secret_ciphertext IS NOT NULL
+        SELECT encode(substring(sealed FROM 4 FOR 8), 'hex') AS "fingerprint!", count(*) AS "count!"
+        FROM (SELECT secret_ciphertext AS sealed FROM credentials WHERE secret_ciphertext IS NOT NULL
+              UNION ALL
+              SELECT refresh_ciphertext FROM oauth_credentials) AS s
         GROUP BY 1
         "#
     )

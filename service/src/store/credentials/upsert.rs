@@ -15,14 +15,27 @@ use crate::store::leases::fit_slots;
 /// audits it (`created` / `updated`, old and new configuration; the secret only as "replaced").
 /// Returns the stored credential and whether it was created. Lowering the limit revokes no lease
 /// (see `credpool_fit_slots`).
+///
+/// `if_generation` (`If-Match` on PUT, for refreshers outside credpool): store only if the
+/// credential is an OAuth credential whose token generation is still this one, judged under the
+/// credential's locks; otherwise change nothing and return `None`, so that two refreshers can
+/// never roll back a rotated token.
 #[tracing::instrument(skip_all, fields(key_id = %spec.key_id), err(level = "debug"))]
 pub async fn upsert(
     db: &Db,
     spec: &CredentialSpec,
     actor: &Actor,
     policy: &HealthPolicy,
-) -> Result<(CredentialDetail, bool), sqlx::Error> {
+    if_generation: Option<i64>,
+) -> Result<Option<(CredentialDetail, bool)>, sqlx::Error> {
     let mut tx = db.begin().await?;
+    if let Some(expected) = if_generation {
+        lock_credential(&mut tx, &spec.key_id).await?;
+        let generation = crate::store::oauth::locked_generation(&mut tx, &spec.key_id).await?;
+        if generation != Some(expected) {
+            return Ok(None);
+        }
+    }
     let created = upsert_in(&mut tx, spec, actor).await?;
     let detail = details(
         &mut tx,
@@ -37,7 +50,7 @@ pub async fn upsert(
     .pop()
     .ok_or(sqlx::Error::RowNotFound)?;
     tx.commit().await?;
-    Ok((detail, created))
+    Ok(Some((detail, created)))
 }
 
 async fn upsert_in(
@@ -54,8 +67,8 @@ async fn upsert_in(
         r#"
         INSERT INTO credentials
             (key_id, provider, pool, models, model_aliases, max_concurrent_uses, status,
-             secret_ciphertext, rate_limits)
-        VALUES ($1, $2, $3, $4, $5, $6, COALESCE($7, 'available'), $8, $9)
+             secret_ciphertext, rate_limits, token_expires_at)
+        VALUES ($1, $2, $3, $4, $5, $6, COALESCE($7, 'available'), $8, $9, $10)
         ON CONFLICT ON CONSTRAINT credentials_pkey DO UPDATE
         SET provider = EXCLUDED.provider,
             pool = EXCLUDED.pool,
@@ -67,6 +80,7 @@ async fn upsert_in(
             cooldown_until = CASE WHEN $7::text IS NULL THEN credentials.cooldown_until END,
             secret = NULL,
             secret_ciphertext = EXCLUDED.secret_ciphertext,
+            token_expires_at = EXCLUDED.token_expires_at,
             updated_at = now()
         RETURNING (xmax = 0) AS "created!"
         "#,
@@ -79,9 +93,11 @@ async fn upsert_in(
         spec.status.map(Status::as_str),
         &spec.sealed_secret,
         spec.rate_limits.to_json(),
+        spec.oauth.as_ref().map(|o| o.token_expires_at),
     )
     .fetch_one(&mut *conn)
     .await?;
+    crate::store::oauth::store_config(&mut *conn, &spec.key_id, spec.oauth.as_ref()).await?;
     fit_slots(&mut *conn, &spec.key_id).await?;
     let new = configuration(conn, &spec.key_id).await?;
     let (event, reason) = if created {

@@ -5,6 +5,7 @@ use std::collections::BTreeMap;
 
 use crate::allocator::windows::RateLimits;
 use crate::domain::{InvalidValue, KeyId, ModelName, PoolName, ProviderName, Secret, Status};
+use crate::oauth::{OAuthInput, OAuthSpec};
 use crate::secrets::Keyring;
 
 /// A credential's configuration as an operator writes it (`PUT /api/admin/keys/{key_id}`,
@@ -28,8 +29,11 @@ pub struct CredentialSpec {
     pub status: Option<Status>,
     /// Its rate windows (empty: none).
     pub rate_limits: RateLimits,
-    /// The secret, sealed for this key_id.
+    /// The secret, sealed for this key_id (for an OAuth credential: `{"access_token",
+    /// "expires_at"}`, what executors receive).
     pub sealed_secret: Vec<u8>,
+    /// The OAuth configuration and sealed grant; `None`: not an OAuth credential.
+    pub oauth: Option<OAuthSpec>,
 }
 
 /// A credential as an operator submits it: the body of `PUT /api/admin/keys/{key_id}` (where
@@ -58,8 +62,12 @@ pub struct CredentialInput {
     /// "seconds": 60}]` (counts 1..=10^9, seconds 1..=2,678,400). Omitted: none.
     #[serde(default)]
     pub rate_limits: RateLimits,
-    /// The material executors receive with a lease (a JSON object).
+    /// The material executors receive with a lease (a JSON object). For an OAuth credential:
+    /// `{"access_token", "refresh_token", "expires_at"}` (RFC 3339), of which executors receive
+    /// `access_token` and `expires_at` only.
     pub secret: Secret,
+    /// Makes the credential an OAuth credential whose access token credpool refreshes.
+    pub oauth: Option<OAuthInput>,
 }
 
 impl CredentialInput {
@@ -83,8 +91,16 @@ impl CredentialInput {
                 "rate_limited and cooldown come from outcome reports (they need a cooldown end); set available, pending, disabled or exhausted",
             ));
         }
+        let (oauth, sealed_secret) = match self.oauth {
+            Some(oauth) => {
+                let (spec, lease_secret) = oauth.into_spec(&key_id, &self.secret, keyring)?;
+                (Some(spec), keyring.seal(&key_id, &lease_secret))
+            }
+            None => (None, keyring.seal(&key_id, &self.secret)),
+        };
         Ok(CredentialSpec {
-            sealed_secret: keyring.seal(&key_id, &self.secret),
+            sealed_secret,
+            oauth,
             key_id,
             provider: self.provider,
             pool: self.pool,

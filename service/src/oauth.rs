@@ -1,0 +1,589 @@
+//! OAuth credentials (issue 28): an access token that expires, refreshed before it does by
+//! exactly one writer per token generation, however many replicas run.
+//!
+//! What executors receive with a lease is `{"access_token", "expires_at"}`; the refresh token and
+//! the client secret are sealed apart ([`Keyring::seal_oauth`]) and never leave the service.
+//!
+//! The single-writer rule lives in PostgreSQL ([`crate::store::oauth`]): a writer first takes
+//! the refresh of one generation with a marker that expires (one `UPDATE` of the credential's
+//! `oauth_credentials` row, decided on that locked row's newest version, in its own short
+//! transaction), then calls the token endpoint with no transaction open, then writes the new
+//! access token, the rotated refresh token and generation + 1 in one transaction that takes the
+//! credential's locks in the lock order (`credpool_lock_credentials`) and re-reads the generation
+//! and the marker: a writer whose marker was taken over writes nothing. The call's timeout is
+//! shorter than the marker, so a marker only expires under a writer that has stopped.
+//!
+//! Failures while the token is valid are retried with exponential backoff and jitter (the
+//! credential keeps serving); `invalid_grant` disables the credential until an operator PUTs a
+//! new secret.
+
+use std::sync::{Arc, Weak};
+use std::time::Duration;
+
+use serde::Deserialize;
+use time::OffsetDateTime;
+
+use crate::domain::{InvalidValue, KeyId, Secret};
+use crate::secrets::Keyring;
+use crate::store::Db;
+use crate::store::oauth::{self as store, Failure, RefreshTaken};
+
+/// The default of `refresh_before_seconds`: refresh 300 s before the access token expires.
+pub const DEFAULT_REFRESH_BEFORE_SECONDS: u32 = 300;
+/// The largest `refresh_before_seconds` (one day); the database holds the same bound.
+pub const MAX_REFRESH_BEFORE_SECONDS: u32 = 86_400;
+
+/// The `oauth` object of `PUT /api/admin/keys/{key_id}`: how to refresh the credential's access
+/// token (RFC 6749 section 6). Its secret must then be `{"access_token", "refresh_token",
+/// "expires_at"}` (RFC 3339).
+#[derive(Deserialize, utoipa::ToSchema)]
+#[serde(deny_unknown_fields)]
+pub struct OAuthInput {
+    /// The token endpoint: `https://...`, or `http://` on a loopback address (127.0.0.0/8, ::1,
+    /// `localhost`) for tests and local token proxies. Anything else is 400 `token_url_not_allowed`.
+    pub token_url: String,
+    /// Sent as `client_id` with every refresh.
+    pub client_id: String,
+    /// Sent as `client_secret` in the form body when present (client_secret_post). Sealed; never
+    /// returned.
+    pub client_secret: Option<String>,
+    /// Sent as `scope` when present.
+    pub scope: Option<String>,
+    /// Seconds before the access token's expiry at which the refresh starts (0..=86,400,
+    /// default 300).
+    pub refresh_before_seconds: Option<u32>,
+}
+
+impl std::fmt::Debug for OAuthInput {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("OAuthInput")
+            .field("token_url", &self.token_url)
+            .field("client_id", &self.client_id)
+            .field("scope", &self.scope)
+            .field("refresh_before_seconds", &self.refresh_before_seconds)
+            .finish_non_exhaustive()
+    }
+}
+
+/// An OAuth credential's configuration and sealed grant, ready to store.
+#[derive(Debug, Clone)]
+pub struct OAuthSpec {
+    /// The checked token endpoint.
+    pub token_url: String,
+    /// The client id.
+    pub client_id: String,
+    /// The scope sent with refreshes.
+    pub scope: Option<String>,
+    /// Seconds before expiry at which the refresh starts.
+    pub refresh_before_seconds: i32,
+    /// Sealed `{"refresh_token", "client_secret"?}` ([`Keyring::seal_oauth`]).
+    pub sealed_grant: Vec<u8>,
+    /// When the access token expires.
+    pub token_expires_at: OffsetDateTime,
+}
+
+/// Whether `url` may be a token endpoint: https, or http on a loopback host. The error names the
+/// rule, never more of the URL than the operator sent.
+pub fn check_token_url(url: &str) -> Result<url::Url, InvalidValue> {
+    let refuse = || {
+        InvalidValue::new(
+            "oauth.token_url",
+            "must be an https URL, or http on a loopback address (127.0.0.1, ::1, localhost)",
+        )
+    };
+    let parsed = url::Url::parse(url).map_err(|_| refuse())?;
+    if !parsed.username().is_empty() || parsed.password().is_some() {
+        return Err(refuse());
+    }
+    let loopback = match parsed.host() {
+        Some(url::Host::Ipv4(ip)) => ip.is_loopback(),
+        Some(url::Host::Ipv6(ip)) => ip.is_loopback(),
+        Some(url::Host::Domain(name)) => name.eq_ignore_ascii_case("localhost"),
+        None => false,
+    };
+    match parsed.scheme() {
+        "https" if parsed.host().is_some() => Ok(parsed),
+        "http" if loopback => Ok(parsed),
+        _ => Err(refuse()),
+    }
+}
+
+impl OAuthInput {
+    /// Checks the configuration and splits `secret` (`{"access_token", "refresh_token",
+    /// "expires_at"}`) into what executors receive (`{"access_token", "expires_at"}`, returned
+    /// as a [`Secret`]) and the sealed grant. Errors name the field, never its value.
+    pub fn into_spec(
+        self,
+        key_id: &KeyId,
+        secret: &Secret,
+        keyring: &Keyring,
+    ) -> Result<(OAuthSpec, Secret), InvalidValue> {
+        check_token_url(&self.token_url)?;
+        if self.client_id.is_empty() || self.client_id.len() > 512 {
+            return Err(InvalidValue::new(
+                "oauth.client_id",
+                "must be 1 to 512 characters",
+            ));
+        }
+        let refresh_before = self
+            .refresh_before_seconds
+            .unwrap_or(DEFAULT_REFRESH_BEFORE_SECONDS);
+        if refresh_before > MAX_REFRESH_BEFORE_SECONDS {
+            return Err(InvalidValue::new(
+                "oauth.refresh_before_seconds",
+                format!("must be an integer from 0 to {MAX_REFRESH_BEFORE_SECONDS}"),
+            ));
+        }
+        let text = |field: &'static str| {
+            secret
+                .expose()
+                .get(field)
+                .and_then(serde_json::Value::as_str)
+                .filter(|v| !v.is_empty())
+                .ok_or_else(|| {
+                    InvalidValue::new(
+                        "secret",
+                        "an OAuth credential's secret is {\"access_token\", \"refresh_token\", \"expires_at\"} (non-empty strings; expires_at in RFC 3339)",
+                    )
+                })
+        };
+        let access_token = text("access_token")?;
+        let refresh_token = text("refresh_token")?;
+        let expires_at = OffsetDateTime::parse(
+            text("expires_at")?,
+            &time::format_description::well_known::Rfc3339,
+        )
+        .map_err(|_| InvalidValue::new("secret", "expires_at must be an RFC 3339 timestamp"))?;
+        if secret.expose().as_object().is_some_and(|o| o.len() != 3) {
+            return Err(InvalidValue::new(
+                "secret",
+                "an OAuth credential's secret has exactly access_token, refresh_token and expires_at",
+            ));
+        }
+        let grant = grant_secret(refresh_token, self.client_secret.as_deref());
+        let lease_secret = lease_secret(access_token, expires_at);
+        Ok((
+            OAuthSpec {
+                token_url: self.token_url,
+                client_id: self.client_id,
+                scope: self.scope,
+                refresh_before_seconds: i32::try_from(refresh_before).unwrap_or(i32::MAX),
+                sealed_grant: keyring.seal_oauth(key_id, &grant),
+                token_expires_at: expires_at,
+            },
+            lease_secret,
+        ))
+    }
+}
+
+/// What executors receive with a lease of an OAuth credential.
+fn lease_secret(access_token: &str, expires_at: OffsetDateTime) -> Secret {
+    let expires_at = expires_at
+        .format(&time::format_description::well_known::Rfc3339)
+        .unwrap_or_default();
+    Secret::parse(serde_json::json!({"access_token": access_token, "expires_at": expires_at}))
+        .expect("a JSON object")
+}
+
+/// The sealed half: the refresh token and, when configured, the client secret.
+fn grant_secret(refresh_token: &str, client_secret: Option<&str>) -> Secret {
+    let mut grant = serde_json::json!({"refresh_token": refresh_token});
+    if let Some(client_secret) = client_secret {
+        grant["client_secret"] = client_secret.into();
+    }
+    Secret::parse(grant).expect("a JSON object")
+}
+
+/// How the refresher runs. Durations, not counts.
+#[derive(Debug, Clone)]
+pub struct OAuthSettings {
+    /// How often a service looks for access tokens due for a refresh (default 1 s).
+    pub check_every: Duration,
+    /// The whole token endpoint call, connect included (default 10 s). Must be shorter than
+    /// `claim_for`.
+    pub call_timeout: Duration,
+    /// How long a writer's "refresh in progress" marker holds others off (default 30 s): a
+    /// writer that stopped mid-call is replaced after this.
+    pub claim_for: Duration,
+    /// The first retry's delay after a failed refresh (default 1 s); doubles per failure.
+    pub backoff_first: Duration,
+    /// The longest retry delay (default 60 s).
+    pub backoff_max: Duration,
+}
+
+impl Default for OAuthSettings {
+    fn default() -> Self {
+        Self {
+            check_every: Duration::from_secs(1),
+            call_timeout: Duration::from_secs(10),
+            claim_for: Duration::from_secs(30),
+            backoff_first: Duration::from_secs(1),
+            backoff_max: Duration::from_secs(60),
+        }
+    }
+}
+
+/// The delay before the retry that follows `failures` failed attempts in a row (1 or more):
+/// `first * 2^(failures-1)`, at most `max`, scaled by `jitter` in [0.5, 1.0) (full jitter would
+/// allow an immediate retry; half keeps a floor). Pure.
+pub fn backoff(failures: u32, first: Duration, max: Duration, jitter: f64) -> Duration {
+    let exponent = failures.saturating_sub(1).min(30);
+    let delay = first.saturating_mul(1 << exponent).min(max);
+    delay.mul_f64(jitter.clamp(0.5, 1.0))
+}
+
+/// Why a token endpoint call did not give a new access token. The text never carries a token.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum RefreshError {
+    /// The endpoint rejected the refresh token (`{"error": "invalid_grant"}`): retrying cannot
+    /// help; an operator must authorize again.
+    InvalidGrant(String),
+    /// Anything else (timeout, connection, 5xx, another error code, an answer without an access
+    /// token): retried with backoff.
+    Failed(String),
+}
+
+/// A token endpoint's successful answer (RFC 6749 section 5.1).
+#[derive(Deserialize)]
+struct TokenAnswer {
+    access_token: String,
+    /// Seconds; RFC 6749 only recommends it. Absent: 3600.
+    expires_in: Option<u64>,
+    /// Present when the endpoint rotates refresh tokens.
+    refresh_token: Option<String>,
+}
+
+/// A token endpoint's error answer (RFC 6749 section 5.2).
+#[derive(Deserialize)]
+struct TokenError {
+    error: String,
+}
+
+/// The access token's lifetime when the answer has no `expires_in`, in seconds.
+const DEFAULT_EXPIRES_IN: u64 = 3600;
+
+/// The largest token endpoint answer read, in bytes.
+const MAX_ANSWER_BYTES: usize = 64 * 1024;
+
+type HttpsClient = hyper_util::client::legacy::Client<
+    hyper_rustls::HttpsConnector<hyper_util::client::legacy::connect::HttpConnector>,
+    http_body_util::Full<bytes::Bytes>,
+>;
+
+/// The refresher of one service process: finds tokens due, takes their refresh in PostgreSQL,
+/// calls the token endpoint, and writes the answer.
+pub struct Refresher {
+    db: Db,
+    keyring: Arc<Keyring>,
+    http: HttpsClient,
+    settings: OAuthSettings,
+    /// This process's name on the markers it takes.
+    holder: uuid::Uuid,
+}
+
+impl std::fmt::Debug for Refresher {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Refresher")
+            .field("holder", &self.holder)
+            .field("settings", &self.settings)
+            .finish_non_exhaustive()
+    }
+}
+
+impl Refresher {
+    /// A refresher over `db`, opening grants with `keyring`.
+    pub fn new(db: Db, keyring: Arc<Keyring>, settings: OAuthSettings) -> Self {
+        let tls = rustls::ClientConfig::builder_with_provider(Arc::new(
+            rustls::crypto::ring::default_provider(),
+        ))
+        .with_safe_default_protocol_versions()
+        .expect("ring supports the default protocol versions")
+        .with_root_certificates(rustls::RootCertStore {
+            roots: webpki_roots::TLS_SERVER_ROOTS.to_vec(),
+        })
+        .with_no_client_auth();
+        // https for any host, http for the loopback hosts check_token_url admits (it redirects
+        // nowhere: hyper's client does not follow redirects)
+        let connector = hyper_rustls::HttpsConnectorBuilder::new()
+            .with_tls_config(tls)
+            .https_or_http()
+            .enable_http1()
+            .build();
+        let http =
+            hyper_util::client::legacy::Client::builder(hyper_util::rt::TokioExecutor::new())
+                .build(connector);
+        Self {
+            db,
+            keyring,
+            http,
+            settings,
+            holder: uuid::Uuid::new_v4(),
+        }
+    }
+
+    /// Runs [`Refresher::run_once`] every `check_every` until `alive` can no longer be upgraded
+    /// (the application it belongs to was dropped).
+    pub fn spawn<T: Send + Sync + 'static>(self, alive: Weak<T>) -> tokio::task::JoinHandle<()> {
+        tokio::spawn(async move {
+            let mut ticker = tokio::time::interval(self.settings.check_every);
+            ticker.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+            loop {
+                ticker.tick().await;
+                if alive.upgrade().is_none() {
+                    return;
+                }
+                if let Err(error) = self.run_once().await {
+                    tracing::warn!(error = %error, "OAuth refresh pass failed");
+                }
+            }
+        })
+    }
+
+    /// One pass: every credential whose access token is due (within its `refresh_before_seconds`
+    /// of expiring, not disabled, not in backoff, nobody else refreshing it) is refreshed, one
+    /// after the other. Returns how many new access tokens this pass wrote. Errors: the store's.
+    pub async fn run_once(&self) -> Result<usize, sqlx::Error> {
+        let mut written = 0;
+        for (key_id, generation) in store::due(&self.db).await? {
+            if self.refresh(&key_id, generation).await? {
+                written += 1;
+            }
+        }
+        Ok(written)
+    }
+
+    /// Refreshes `key_id`'s token of `generation` if this process takes its refresh. Returns
+    /// whether it wrote a new access token.
+    #[tracing::instrument(skip(self), fields(generation))]
+    async fn refresh(&self, key_id: &KeyId, generation: i64) -> Result<bool, sqlx::Error> {
+        let Some(taken) = store::take_refresh(
+            &self.db,
+            key_id,
+            generation,
+            self.holder,
+            self.settings.claim_for,
+        )
+        .await?
+        else {
+            return Ok(false);
+        };
+        let grant = match self.keyring.open_oauth(key_id, &taken.sealed_grant) {
+            Ok(grant) => grant,
+            Err(error) => {
+                let failure = Failure::Retry {
+                    error: format!("the sealed grant does not open: {error}"),
+                    after: self.settings.backoff_max,
+                };
+                store::write_failure(&self.db, key_id, &taken, self.holder, &failure).await?;
+                return Ok(false);
+            }
+        };
+        match self.call(&taken, &grant).await {
+            Ok((answer, expires_in)) => {
+                let expires_at = taken.started_at
+                    + time::Duration::seconds(i64::try_from(expires_in).unwrap_or(i64::MAX / 2));
+                let refresh_token = answer
+                    .refresh_token
+                    .as_deref()
+                    .or_else(|| grant.expose()["refresh_token"].as_str())
+                    .unwrap_or_default();
+                let client_secret = grant.expose()["client_secret"].as_str();
+                let new_grant = grant_secret(refresh_token, client_secret);
+                let sealed_secret = self
+                    .keyring
+                    .seal(key_id, &lease_secret(&answer.access_token, expires_at));
+                let sealed_grant = self.keyring.seal_oauth(key_id, &new_grant);
+                let written = store::write_token(
+                    &self.db,
+                    key_id,
+                    &taken,
+                    self.holder,
+                    &sealed_secret,
+                    &sealed_grant,
+                    expires_at,
+                )
+                .await?;
+                crate::telemetry::oauth_refresh(if written { "refreshed" } else { "superseded" });
+                if written {
+                    tracing::info!(generation = taken.generation + 1, "access token refreshed");
+                }
+                Ok(written)
+            }
+            Err(RefreshError::InvalidGrant(error)) => {
+                crate::telemetry::oauth_refresh("invalid_grant");
+                tracing::warn!(error = %error, "refresh token rejected; credential disabled");
+                store::write_failure(
+                    &self.db,
+                    key_id,
+                    &taken,
+                    self.holder,
+                    &Failure::InvalidGrant { error },
+                )
+                .await?;
+                Ok(false)
+            }
+            Err(RefreshError::Failed(error)) => {
+                crate::telemetry::oauth_refresh("failed");
+                let failures = u32::try_from(taken.failed_attempts + 1).unwrap_or(u32::MAX);
+                let after = backoff(
+                    failures,
+                    self.settings.backoff_first,
+                    self.settings.backoff_max,
+                    rand::random_range(0.5..1.0),
+                );
+                tracing::info!(error = %error, retry_in_seconds = after.as_secs_f64(), "token refresh failed");
+                store::write_failure(
+                    &self.db,
+                    key_id,
+                    &taken,
+                    self.holder,
+                    &Failure::Retry { error, after },
+                )
+                .await?;
+                Ok(false)
+            }
+        }
+    }
+
+    /// The refresh request (RFC 6749 section 6), form-encoded, client authentication in the body.
+    /// Returns the answer and its lifetime in seconds.
+    async fn call(
+        &self,
+        taken: &RefreshTaken,
+        grant: &Secret,
+    ) -> Result<(TokenAnswer, u64), RefreshError> {
+        let mut form: Vec<(&str, &str)> = vec![
+            ("grant_type", "refresh_token"),
+            (
+                "refresh_token",
+                grant.expose()["refresh_token"].as_str().unwrap_or_default(),
+            ),
+            ("client_id", &taken.client_id),
+        ];
+        if let Some(client_secret) = grant.expose()["client_secret"].as_str() {
+            form.push(("client_secret", client_secret));
+        }
+        if let Some(scope) = &taken.scope {
+            form.push(("scope", scope));
+        }
+        let body = serde_urlencoded::to_string(&form)
+            .map_err(|_| RefreshError::Failed("the refresh form did not encode".to_owned()))?;
+        let request = http::Request::post(taken.token_url.as_str())
+            .header(
+                http::header::CONTENT_TYPE,
+                "application/x-www-form-urlencoded",
+            )
+            .header(http::header::ACCEPT, "application/json")
+            .body(http_body_util::Full::new(bytes::Bytes::from(body)))
+            .map_err(|_| {
+                RefreshError::Failed("the token_url is not a valid request URI".to_owned())
+            })?;
+        let exchange = async {
+            let response = self.http.request(request).await.map_err(|_| {
+                RefreshError::Failed("the token endpoint could not be reached".to_owned())
+            })?;
+            let status = response.status();
+            let body = http_body_util::BodyExt::collect(http_body_util::Limited::new(
+                response.into_body(),
+                MAX_ANSWER_BYTES,
+            ))
+            .await
+            .map_err(|_| {
+                RefreshError::Failed(format!(
+                    "the token endpoint's answer ({status}) was cut off or too large"
+                ))
+            })?
+            .to_bytes();
+            Ok::<_, RefreshError>((status, body))
+        };
+        let (status, body) = tokio::time::timeout(self.settings.call_timeout, exchange)
+            .await
+            .map_err(|_| {
+                RefreshError::Failed("the token endpoint did not answer in time".to_owned())
+            })??;
+        if status.is_success() {
+            let answer: TokenAnswer = serde_json::from_slice(&body).map_err(|_| {
+                RefreshError::Failed(
+                    "the token endpoint's answer has no access_token (not RFC 6749 JSON)"
+                        .to_owned(),
+                )
+            })?;
+            if answer.access_token.is_empty() {
+                return Err(RefreshError::Failed(
+                    "the token endpoint answered an empty access_token".to_owned(),
+                ));
+            }
+            let expires_in = answer.expires_in.unwrap_or(DEFAULT_EXPIRES_IN);
+            return Ok((answer, expires_in));
+        }
+        // only the standard error code is quoted (a closed set of short words), never the body
+        let code = serde_json::from_slice::<TokenError>(&body)
+            .ok()
+            .map(|e| e.error)
+            .filter(|c| c.len() <= 64 && c.bytes().all(|b| b.is_ascii_lowercase() || b == b'_'));
+        match code.as_deref() {
+            Some("invalid_grant") => Err(RefreshError::InvalidGrant(format!(
+                "invalid_grant: the token endpoint rejected the refresh token ({status})"
+            ))),
+            Some(code) => Err(RefreshError::Failed(format!(
+                "the token endpoint answered {status} {code}"
+            ))),
+            None => Err(RefreshError::Failed(format!(
+                "the token endpoint answered {status}"
+            ))),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn token_urls_are_https_or_loopback_http() {
+        assert!(check_token_url("https://auth.example.com/oauth/token").is_ok());
+        assert!(check_token_url("http://127.0.0.1:8080/token").is_ok());
+        assert!(check_token_url("http://[::1]:8080/token").is_ok());
+        assert!(check_token_url("http://localhost/token").is_ok());
+        assert!(check_token_url("http://auth.example.com/token").is_err());
+        assert!(check_token_url("http://10.0.0.1/token").is_err());
+        assert!(check_token_url("ftp://127.0.0.1/token").is_err());
+        assert!(check_token_url("https://user:pw@auth.example.com/token").is_err());
+        assert!(check_token_url("not a url").is_err());
+    }
+
+    #[test]
+    fn backoff_doubles_up_to_the_cap_and_keeps_a_floor() {
+        let (first, max) = (Duration::from_secs(1), Duration::from_secs(60));
+        assert_eq!(backoff(1, first, max, 1.0), Duration::from_secs(1));
+        assert_eq!(backoff(3, first, max, 1.0), Duration::from_secs(4));
+        assert_eq!(backoff(30, first, max, 1.0), Duration::from_secs(60));
+        assert_eq!(backoff(3, first, max, 0.0), Duration::from_secs(2));
+        assert_eq!(backoff(u32::MAX, first, max, 0.75), Duration::from_secs(45));
+    }
+
+    #[test]
+    fn the_secret_splits_into_the_lease_half_and_the_sealed_grant() {
+        let keyring = Keyring::new(crate::secrets::MasterKey::generate(), vec![]);
+        let key_id = KeyId::parse("k").unwrap();
+        let input: OAuthInput = serde_json::from_value(serde_json::json!({
+            "token_url": "https://auth.example.com/token", "client_id": "c",
+            "client_secret": "cs-secret"}))
+        .unwrap();
+        let secret = Secret::parse(serde_json::json!({"access_token": "at-1",
+            "refresh_token": "rt-1", "expires_at": "2030-01-01T00:00:00Z"}))
+        .unwrap();
+        let (spec, lease) = input.into_spec(&key_id, &secret, &keyring).unwrap();
+        assert_eq!(
+            lease.expose(),
+            &serde_json::json!({"access_token": "at-1", "expires_at": "2030-01-01T00:00:00Z"})
+        );
+        assert_eq!(spec.refresh_before_seconds, 300);
+        let grant = keyring.open_oauth(&key_id, &spec.sealed_grant).unwrap();
+        assert_eq!(
+            grant.expose(),
+            &serde_json::json!({"refresh_token": "rt-1", "client_secret": "cs-secret"})
+        );
+        assert!(!format!("{spec:?}").contains("rt-1"));
+    }
+}
