@@ -362,7 +362,8 @@ $$;
 --
 -- A group of claims is one call: one round trip and, outside an explicit transaction, one commit.
 -- Its claims are decided together, in rounds, each round two statements whatever the number of
--- claims: PICK takes, for every claim still open, the first candidate in its own ranked order that
+-- claims (and one more for each thing only some winners need: ending the expired leases their
+-- slots carry, charging windows, request ids' rows, probes' trail rows): PICK takes, for every claim still open, the first candidate in its own ranked order that
 -- may serve it (credpool_may_serve) and has a free slot (credpool_slot_open) and, if it has rate
 -- windows, room in every window (credpool_window_room, sql/windows.sql), and locks that slot row
 -- (and the credential's lease_windows row); of the claims that picked one credential, the first
@@ -477,8 +478,12 @@ DECLARE
     v_request text[];
     -- the claims the next round picks for
     v_open integer[];
-    -- whether a winner of this round ends an expired lease to take its slot
+    -- whether a winner of this round ends an expired lease to take its slot, charges rate
+    -- windows, names a request_id, is a probe
     v_pruned boolean;
+    v_charge boolean;
+    v_requested boolean;
+    v_probed boolean;
     -- one round's winners (claim order): the claim, its slot row as picked, what the grant and
     -- the answer need of its credential
     w_claim integer[];
@@ -596,9 +601,12 @@ BEGIN
                array_agg(p.provider_model) FILTER (WHERE p.first),
                array_agg(p.token_expires_at) FILTER (WHERE p.first),
                coalesce(array_agg(p.n) FILTER (WHERE NOT p.first), '{}'),
-               coalesce(bool_or((p.s).lease_id IS NOT NULL) FILTER (WHERE p.first), false)
+               coalesce(bool_or((p.s).lease_id IS NOT NULL) FILTER (WHERE p.first), false),
+               coalesce(bool_or(p.windowed) FILTER (WHERE p.first), false),
+               coalesce(bool_or(v_request_id[p.n] IS NOT NULL) FILTER (WHERE p.first), false),
+               coalesce(bool_or(p.status <> 'available') FILTER (WHERE p.first), false)
         INTO w_claim, w_slot, w_status, w_cooldown, w_at, w_charge, w_secret, w_model, w_token,
-             v_open, v_pruned
+             v_open, v_pruned, v_charge, v_requested, v_probed
         FROM (
             SELECT o.*, row_number() OVER (PARTITION BY (o.s).key_id ORDER BY o.n) = 1 AS first
             FROM (
@@ -654,7 +662,8 @@ BEGIN
         EXIT WHEN cardinality(w_claim) = 0;
 
         -- GRANT: the expired leases the winners' slots still carry end in the trail (at their
-        -- own lease_until); then every winner's lease begins, in one statement
+        -- own lease_until); then every winner's lease begins (slot row and `granted` trail row),
+        -- in one statement
         IF v_pruned THEN
             PERFORM credpool_record_lease_ends(
                 ARRAY(SELECT s FROM unnest(w_slot) AS s WHERE s.lease_id IS NOT NULL),
@@ -684,32 +693,6 @@ BEGIN
             RETURNING won.n, s, won.status, won.cooldown_until, won.request_id, won.request_digest,
                       won.secret, won.model, won.pruned
         ),
-        charged AS (
-            UPDATE lease_windows lw
-            SET (bucket_ids, bucket_charged) =
-                (SELECT x.bucket_ids, x.bucket_charged
-                 FROM credpool_window_charge(lw, won.at, won.tokens) AS x)
-            FROM won
-            WHERE won.charge AND lw.key_id = won.key_id AND cardinality(lw.window_kinds) > 0
-        ),
-        requests AS (
-            INSERT INTO lease_requests AS r (request_id, request_digest, lease_id, key_id, granted_at)
-            SELECT g.request_id, g.request_digest, (g.s).lease_id, (g.s).key_id, (g.s).granted_at
-            FROM granted g
-            WHERE g.request_id IS NOT NULL
-            ON CONFLICT ON CONSTRAINT lease_requests_pkey DO UPDATE
-            SET request_digest = EXCLUDED.request_digest, lease_id = EXCLUDED.lease_id,
-                key_id = EXCLUDED.key_id, granted_at = EXCLUDED.granted_at
-        ),
-        probes AS (
-            INSERT INTO credential_events
-                (key_id, event, old_status, new_status, reason, cooldown_until, lease_id, at)
-            SELECT (g.s).key_id, 'probe_granted', g.status, g.status,
-                   'cooldown ended; single probe lease granted', g.cooldown_until, (g.s).lease_id,
-                   (g.s).granted_at
-            FROM granted g
-            WHERE (g.s).probe
-        ),
         trail AS (
             INSERT INTO lease_events
                 (event, lease_id, key_id, provider, pool, slot, holder, lease_until, at, fence, tokens)
@@ -718,11 +701,41 @@ BEGIN
                    (g.s).reserved_tokens
             FROM granted g
         )
-        SELECT g_claim || array_agg(g.n ORDER BY g.n), g_slot || array_agg(g.s ORDER BY g.n),
-               g_secret || array_agg(g.secret ORDER BY g.n), g_model || array_agg(g.model ORDER BY g.n),
-               g_pruned || array_agg(g.pruned ORDER BY g.n)
+        SELECT g_claim || array_agg(g.n), g_slot || array_agg(g.s), g_secret || array_agg(g.secret),
+               g_model || array_agg(g.model), g_pruned || array_agg(g.pruned)
         INTO g_claim, g_slot, g_secret, g_model, g_pruned
         FROM granted g;
+        -- what only some winners need, each in a statement of its own run only then (a part of
+        -- the statement above costs its start-up whether or not a row needs it): the windows
+        -- charged, the request ids' rows, the probes' trail rows
+        IF v_charge THEN
+            UPDATE lease_windows lw
+            SET (bucket_ids, bucket_charged) =
+                (SELECT x.bucket_ids, x.bucket_charged
+                 FROM credpool_window_charge(lw, w_at[i], v_tokens[w_claim[i]]) AS x)
+            FROM generate_subscripts(w_claim, 1) AS i
+            WHERE w_charge[i] AND lw.key_id = (w_slot[i]).key_id
+              AND cardinality(lw.window_kinds) > 0;
+        END IF;
+        IF v_requested THEN
+            INSERT INTO lease_requests AS r (request_id, request_digest, lease_id, key_id, granted_at)
+            SELECT v_request_id[w_claim[i]], v_digest[w_claim[i]], v_lease[w_claim[i]],
+                   (w_slot[i]).key_id, w_at[i]
+            FROM generate_subscripts(w_claim, 1) AS i
+            WHERE v_request_id[w_claim[i]] IS NOT NULL
+            ON CONFLICT ON CONSTRAINT lease_requests_pkey DO UPDATE
+            SET request_digest = EXCLUDED.request_digest, lease_id = EXCLUDED.lease_id,
+                key_id = EXCLUDED.key_id, granted_at = EXCLUDED.granted_at;
+        END IF;
+        IF v_probed THEN
+            INSERT INTO credential_events
+                (key_id, event, old_status, new_status, reason, cooldown_until, lease_id, at)
+            SELECT (w_slot[i]).key_id, 'probe_granted', w_status[i], w_status[i],
+                   'cooldown ended; single probe lease granted', w_cooldown[i],
+                   v_lease[w_claim[i]], w_at[i]
+            FROM generate_subscripts(w_claim, 1) AS i
+            WHERE w_status[i] <> 'available';
+        END IF;
     END LOOP;
 
     -- The answers, in claim order. Nothing granted: when may a candidate serve it (read now)? A
