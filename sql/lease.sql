@@ -363,11 +363,13 @@ $$;
 -- A group of claims is one call: one round trip and, outside an explicit transaction, one commit.
 -- Its claims are decided together, in rounds, each round two statements whatever the number of
 -- claims (and one more for each thing only some winners need: ending the expired leases their
--- slots carry, charging windows, request ids' rows, probes' trail rows): PICK takes, for every claim still open, the first candidate in its own ranked order that
--- may serve it (credpool_may_serve) and has a free slot (credpool_slot_open) and, if it has rate
--- windows, room in every window (credpool_window_room, sql/windows.sql), and locks that slot row
--- (and the credential's lease_windows row); of the claims that picked one credential, the first
--- in array order wins it, the others are open again in the next round. GRANT then begins the
+-- slots carry, charging windows, request ids' rows, probes' trail rows). PICK takes, for every
+-- claim still open, the first candidate in its own ranked order that may serve it
+-- (credpool_may_serve), whose token (OAuth) lasts the lease (credpool_token_lasts), and that has
+-- a free slot (credpool_slot_open) and, if it has rate windows, room in every window
+-- (credpool_window_room, sql/windows.sql), and locks that slot row (and the credential's
+-- lease_windows row); of the claims that picked one credential, the first in array order wins
+-- it, the others are open again in the next round. GRANT then begins the
 -- winners' leases (the expired lease a slot still carries ended in the trail, the lease in the
 -- slot, the windows charged, the request_id's row, the `granted` trail row, `probe_granted` for a
 -- probe). Each round is a new statement, so it sees the grants of the rounds before it (and what
@@ -478,10 +480,9 @@ DECLARE
     v_request text[];
     -- the claims the next round picks for
     v_open integer[];
-    -- whether a winner of this round ends an expired lease to take its slot, charges rate
-    -- windows, names a request_id, is a probe
+    -- whether a winner of this round ends an expired lease to take its slot, names a request_id,
+    -- is a probe
     v_pruned boolean;
-    v_charge boolean;
     v_requested boolean;
     v_probed boolean;
     -- one round's winners (claim order): the claim, its slot row as picked, what the grant and
@@ -602,11 +603,10 @@ BEGIN
                array_agg(p.token_expires_at) FILTER (WHERE p.first),
                coalesce(array_agg(p.n) FILTER (WHERE NOT p.first), '{}'),
                coalesce(bool_or((p.s).lease_id IS NOT NULL) FILTER (WHERE p.first), false),
-               coalesce(bool_or(p.windowed) FILTER (WHERE p.first), false),
                coalesce(bool_or(v_request_id[p.n] IS NOT NULL) FILTER (WHERE p.first), false),
                coalesce(bool_or(p.status <> 'available') FILTER (WHERE p.first), false)
         INTO w_claim, w_slot, w_status, w_cooldown, w_at, w_charge, w_secret, w_model, w_token,
-             v_open, v_pruned, v_charge, v_requested, v_probed
+             v_open, v_pruned, v_requested, v_probed
         FROM (
             SELECT o.*, row_number() OVER (PARTITION BY (o.s).key_id ORDER BY o.n) = 1 AS first
             FROM (
@@ -673,12 +673,11 @@ BEGIN
         WITH won AS (
             SELECT w_claim[i] AS n, (w_slot[i]).key_id, (w_slot[i]).slot,
                    (w_slot[i]).lease_id IS NOT NULL AS pruned, w_status[i] AS status,
-                   w_cooldown[i] AS cooldown_until, w_at[i] AS at, w_charge[i] AS charge,
-                   w_secret[i] AS secret, w_model[i] AS model, w_token[i] AS token_expires_at,
-                   v_lease[w_claim[i]] AS lease_id, v_provider[w_claim[i]] AS provider,
-                   v_pool[w_claim[i]] AS pool, v_holder[w_claim[i]] AS holder,
-                   v_seconds[w_claim[i]] AS seconds, v_tokens[w_claim[i]] AS tokens,
-                   v_request_id[w_claim[i]] AS request_id, v_digest[w_claim[i]] AS request_digest
+                   w_at[i] AS at, w_secret[i] AS secret, w_model[i] AS model,
+                   w_token[i] AS token_expires_at, v_lease[w_claim[i]] AS lease_id,
+                   v_provider[w_claim[i]] AS provider, v_pool[w_claim[i]] AS pool,
+                   v_holder[w_claim[i]] AS holder, v_seconds[w_claim[i]] AS seconds,
+                   v_tokens[w_claim[i]] AS tokens
             FROM generate_subscripts(w_claim, 1) AS i
         ),
         granted AS (
@@ -690,8 +689,7 @@ BEGIN
                 fence = nextval('lease_fence_seq'), reserved_tokens = won.tokens
             FROM won
             WHERE s.key_id = won.key_id AND s.slot = won.slot
-            RETURNING won.n, s, won.status, won.cooldown_until, won.request_id, won.request_digest,
-                      won.secret, won.model, won.pruned
+            RETURNING won.n, s, won.secret, won.model, won.pruned
         ),
         trail AS (
             INSERT INTO lease_events
@@ -708,7 +706,7 @@ BEGIN
         -- what only some winners need, each in a statement of its own run only then (a part of
         -- the statement above costs its start-up whether or not a row needs it): the windows
         -- charged, the request ids' rows, the probes' trail rows
-        IF v_charge THEN
+        IF true = ANY (w_charge) THEN
             UPDATE lease_windows lw
             SET (bucket_ids, bucket_charged) =
                 (SELECT x.bucket_ids, x.bucket_charged

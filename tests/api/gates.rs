@@ -151,6 +151,16 @@ async fn no_claim_grants_on_a_configuration_replaced_after_its_snapshot() {
             false,
         ),
         (
+            // an OAuth token that will expire before the paused claim's lease would end: the
+            // claim read the credential before it had an expiry (issue 28)
+            "token expiry moved before lease_until",
+            Change::Sql(
+                "UPDATE credentials SET token_expires_at = clock_timestamp() + interval '1 second'",
+            ),
+            "gpt-4o",
+            false,
+        ),
+        (
             "new ciphertext by any writer",
             Change::Sql(
                 "UPDATE credentials SET secret_ciphertext = secret_ciphertext || '\\x00'::bytea",

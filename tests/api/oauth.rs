@@ -31,6 +31,11 @@ enum Mode {
     InvalidGrant,
 }
 
+/// The mock answers at once.
+const ANSWERS: Mode = Mode::Ok {
+    delay: Duration::ZERO,
+};
+
 struct Mock {
     mode: Mutex<Mode>,
     /// Every call, answered or not.
@@ -246,13 +251,7 @@ async fn refresh_events(app: &TestApp) -> Vec<(String, i64)> {
 async fn a_token_due_is_refreshed_once_before_it_expires_and_the_next_refresh_uses_the_rotated_token()
  {
     let app = app().await;
-    let (mock, url) = mock_endpoint(
-        Mode::Ok {
-            delay: Duration::ZERO,
-        },
-        3600,
-    )
-    .await;
+    let (mock, url) = mock_endpoint(ANSWERS, 3600).await;
     // expires in 60 s, refreshed from 59 s before: due within a second
     let stored = json_body(put_oauth(&app, &url, 60, 59).await, StatusCode::CREATED).await;
     assert_eq!(stored["oauth"]["generation"], 1);
@@ -421,9 +420,7 @@ async fn a_failing_token_endpoint_leaves_the_valid_token_serving_and_one_refresh
         "{events:?}"
     );
 
-    mock.set(Mode::Ok {
-        delay: Duration::ZERO,
-    });
+    mock.set(ANSWERS);
     until("the refresh", || async { generation(&app).await == 2 }).await;
     tokio::time::sleep(Duration::from_millis(300)).await;
     assert_eq!(mock.issued.load(Ordering::SeqCst), 1);
@@ -474,16 +471,14 @@ async fn invalid_grant_disables_the_credential_until_an_operator_puts_a_new_secr
         [("token_refresh_failed".to_owned(), 1)]
     );
     assert!(
-        sample_labelled(
+        sample(
             &app.metrics().await,
             "credpool_oauth_refreshes_total{result=\"invalid_grant\"}"
         ) >= 1.0
     );
 
     // the operator authorizes again: a new secret, and the credential is back
-    mock.set(Mode::Ok {
-        delay: Duration::ZERO,
-    });
+    mock.set(ANSWERS);
     let response = app
         .put_key_raw(
             "k",
@@ -502,22 +497,10 @@ async fn invalid_grant_disables_the_credential_until_an_operator_puts_a_new_secr
     assert_eq!(leased_token(&app).await, "at-new");
 }
 
-fn sample_labelled(page: &str, series: &str) -> f64 {
-    page.lines()
-        .find_map(|l| l.strip_prefix(series)?.strip_prefix(' '))
-        .map_or(0.0, |v| v.parse().unwrap())
-}
-
 #[tokio::test]
 async fn no_refresh_token_or_client_secret_in_any_answer_or_trail_row() {
     let app = app().await;
-    let (mock, url) = mock_endpoint(
-        Mode::Ok {
-            delay: Duration::ZERO,
-        },
-        3600,
-    )
-    .await;
+    let (mock, url) = mock_endpoint(ANSWERS, 3600).await;
     let mut seen = Vec::new();
     let put = put_oauth(&app, &url, 3600, 7200).await;
     seen.push(put.text().await.unwrap());

@@ -18,6 +18,7 @@ use uuid::Uuid;
 use crate::domain::KeyId;
 use crate::oauth::OAuthSpec;
 use crate::store::Db;
+use crate::store::credentials::{self, Actor};
 
 /// Who the trail names for the refresher's events.
 const ACTOR: &str = "oauth-refresher";
@@ -139,12 +140,7 @@ async fn still_ours(
     taken: &RefreshTaken,
     holder: Uuid,
 ) -> Result<bool, sqlx::Error> {
-    sqlx::query_scalar!(
-        r#"SELECT credpool_lock_credentials($1) AS "found!""#,
-        &[key_id.as_str()] as &[&str]
-    )
-    .fetch_one(&mut *conn)
-    .await?;
+    credentials::lock_credential(conn, key_id).await?;
     let row = sqlx::query!(
         "SELECT generation, refreshing_holder FROM oauth_credentials WHERE key_id = $1 FOR UPDATE",
         key_id.as_str(),
@@ -156,6 +152,11 @@ async fn still_ours(
             r.generation == taken.generation && r.refreshing_holder == Some(holder)
         }),
     )
+}
+
+/// The actor the trail names for the refresher's events.
+fn actor() -> Actor {
+    Actor::parse(ACTOR).expect("a valid actor name")
 }
 
 /// Writes a refreshed access token (sealed as executors receive it), its expiry, the (rotated)
@@ -201,19 +202,14 @@ pub async fn write_token(
     )
     .execute(&mut *tx)
     .await?;
-    sqlx::query!(
-        r#"
-        INSERT INTO credential_events (key_id, event, reason, actor, details, at)
-        VALUES ($1, 'token_refreshed', 'access token refreshed', $2,
-                jsonb_build_object('generation', $3::bigint, 'token_expires_at', $4::timestamptz),
-                clock_timestamp())
-        "#,
-        key_id.as_str(),
-        ACTOR,
-        taken.generation + 1,
-        expires_at,
+    credentials::audit(
+        &mut tx,
+        key_id,
+        "token_refreshed",
+        &actor(),
+        "access token refreshed",
+        serde_json::json!({"generation": taken.generation + 1, "token_expires_at": expires_at}),
     )
-    .execute(&mut *tx)
     .await?;
     tx.commit().await?;
     Ok(true)
@@ -256,20 +252,15 @@ pub async fn write_failure(
         )
         .execute(&mut *tx)
         .await?;
-        sqlx::query!(
-            r#"
-            INSERT INTO credential_events
-                (key_id, event, old_status, new_status, reason, actor, details, at)
-            VALUES ($1, 'status_changed', $2, 'disabled', $3, $4,
-                    jsonb_build_object('generation', $5::bigint), clock_timestamp())
-            "#,
-            key_id.as_str(),
-            old_status,
+        credentials::audit(
+            &mut tx,
+            key_id,
+            "status_changed",
+            &actor(),
             error,
-            ACTOR,
-            taken.generation,
+            serde_json::json!({"old": {"status": old_status}, "new": {"status": "disabled"},
+                               "generation": taken.generation}),
         )
-        .execute(&mut *tx)
         .await?;
     }
     let recorded = sqlx::query!(
@@ -293,20 +284,14 @@ pub async fn write_failure(
     if recorded == 0 {
         return Ok(());
     }
-    sqlx::query!(
-        r#"
-        INSERT INTO credential_events (key_id, event, reason, actor, details, at)
-        VALUES ($1, 'token_refresh_failed', $2, $3,
-                jsonb_build_object('generation', $4::bigint, 'retry_in_seconds', $5::float8),
-                clock_timestamp())
-        "#,
-        key_id.as_str(),
+    credentials::audit(
+        &mut tx,
+        key_id,
+        "token_refresh_failed",
+        &actor(),
         error,
-        ACTOR,
-        taken.generation,
-        retry_after,
+        serde_json::json!({"generation": taken.generation, "retry_in_seconds": retry_after}),
     )
-    .execute(&mut *tx)
     .await?;
     tx.commit().await?;
     Ok(())

@@ -75,7 +75,10 @@ async fn lock_credentials(conn: &mut PgConnection, key_ids: &[&str]) -> Result<u
 }
 
 /// [`lock_credentials`] for one credential: whether it exists.
-async fn lock_credential(conn: &mut PgConnection, key_id: &KeyId) -> Result<bool, sqlx::Error> {
+pub(crate) async fn lock_credential(
+    conn: &mut PgConnection,
+    key_id: &KeyId,
+) -> Result<bool, sqlx::Error> {
     Ok(lock_credentials(conn, &[key_id.as_str()]).await? == 1)
 }
 
@@ -99,7 +102,10 @@ async fn configuration(
     .await
 }
 
-async fn audit(
+/// Writes a `credential_events` row for `key_id`: `event`, `reason`, `actor` and `details`, whose
+/// `old` and `new` objects (when present) give the row's old and new status and the new
+/// cooldown. The caller holds the credential's locks.
+pub(crate) async fn audit(
     conn: &mut PgConnection,
     key_id: &KeyId,
     event: &str,
