@@ -30,7 +30,8 @@
 -- row locks in this order, each kind in ONE statement, sorted (an operator's change first takes
 -- its credentials' operator locks, advisory, ascending: credpool_lock_credentials):
 --   1. lease_slots rows, ascending (key_id, slot). Claims take theirs with SKIP LOCKED and never
---      wait. A change of a credential takes every slot row of it (credpool_lock_credentials).
+--      wait. A change of a credential takes every slot row of it (credpool_lock_credentials), and
+--      so does a release group with an `auth_expired` report (RELEASE).
 --   2. lease_windows rows, ascending key_id (claims: SKIP LOCKED, with their slot row).
 --   3. lease_events rows that unique indexes guard (one release / one late report per lease),
 --      ascending lease_id (a release group writes its late reports in that order).
@@ -284,6 +285,26 @@ LANGUAGE sql IMMUTABLE PARALLEL SAFE AS $$
     SELECT c.token_expires_at IS NULL OR c.token_expires_at >= p_until
 $$;
 
+-- When credential `c`'s access token may last a lease that ends at `p_until`, judged at `p_at`:
+-- `p_at` when it lasts already (or the credential is not OAuth); otherwise when its refresh is
+-- expected to have landed: the refresh starts `refresh_before_seconds` before the token expires
+-- (or when a failed attempt's backoff ends, or at once when it is due), and a token call takes
+-- about a second. For the Retry-After of a claim that passed over the credential: the refresh,
+-- not a slot, is what it waits for (`held_by` 'token_refresh'). A token a report rejected
+-- (`auth_expired`, RELEASE) counts as expired, so it is due at once.
+CREATE OR REPLACE FUNCTION credpool_token_refreshed_at(c credentials, p_until timestamptz,
+    p_at timestamptz)
+RETURNS timestamptz
+LANGUAGE sql STABLE AS $$
+    SELECT CASE
+        WHEN credpool_token_lasts(c, p_until) THEN p_at
+        ELSE (SELECT greatest(p_at + interval '1 second', o.next_attempt_at,
+                              c.token_expires_at - make_interval(secs => o.refresh_before_seconds))
+              FROM oauth_credentials o
+              WHERE o.key_id = c.key_id)
+    END
+$$;
+
 -- Whether slot `s` of a credential whose status is `p_status` is free for a claim at `p_at`: its
 -- lease slot is empty or its lease has expired, and its gates are open (not a surplus row of a
 -- lowered limit, not draining). A credential back from a cooldown (usable, status not yet
@@ -414,9 +435,9 @@ $$;
 -- grant through, never a grant over a limit or a window.
 --
 -- OAuth (issue 28): a credential whose access token expires before the lease would end
--- (credentials.token_expires_at < the call's clock + lease_seconds) is passed over, and left out
--- of `frees_at` (it waits for its refresh, not for a slot; the caller does not claim it again at
--- once). The expiry is a column of the credential row, read from the snapshot like the secret it
+-- (credentials.token_expires_at < the call's clock + lease_seconds) is passed over, and its
+-- `frees_at` is when its refresh should land (credpool_token_refreshed_at; it waits for its
+-- refresh, not for a slot, so the caller does not claim it again at once). The expiry is a column of the credential row, read from the snapshot like the secret it
 -- belongs to, and gated the same way: a refresh writes a new secret and expiry together, which
 -- moves config_version into every slot row. A winner's lease_until is never later than its
 -- token's expiry: `at` (read when the slot row is read) may be a little after the call's clock,
@@ -750,17 +771,19 @@ BEGIN
     FROM generate_subscripts(v_done, 1) AS k (n)
     CROSS JOIN LATERAL (SELECT array_position(g_claim, k.n) AS i) AS g
     LEFT JOIN LATERAL (
-        SELECT f.at, f.held_by
+        SELECT greatest(f.at, t.at) AS at,
+               CASE WHEN t.at > f.at THEN 'token_refresh' ELSE f.held_by END AS held_by
         FROM jsonb_array_elements_text(v_ranked[k.n]) AS r (key_id)
         JOIN credentials c ON c.key_id = r.key_id
         LEFT JOIN lease_windows w ON w.key_id = c.key_id
         CROSS JOIN LATERAL credpool_frees_at(c, w, v_tokens[k.n], v_now) AS f
+        CROSS JOIN LATERAL credpool_token_refreshed_at(
+            c, v_now + make_interval(secs => v_seconds[k.n]), v_now) AS t (at)
         WHERE g.i IS NULL AND NOT v_done[k.n]
           AND c.provider = v_provider[k.n] AND c.pool = v_pool[k.n]
           AND (v_model[k.n] = ANY (c.models) OR c.model_aliases ? v_model[k.n])
-          AND NOT c.draining AND f.at IS NOT NULL
-          AND credpool_token_lasts(c, v_now + make_interval(secs => v_seconds[k.n]))
-        ORDER BY f.at
+          AND NOT c.draining AND f.at IS NOT NULL AND t.at IS NOT NULL
+        ORDER BY greatest(f.at, t.at)
         LIMIT 1
     ) AS f ON true
     ORDER BY k.n;
@@ -778,6 +801,13 @@ $$;
 -- those rows reopens when its lease ends, and by then no surplus lease counts. (Read from this
 -- statement's snapshot: those ends only move later, and a row leaves that set only by FIT, which
 -- needs this lease's row, or by END, which then closes it while this lease is held.)
+-- An OAuth credential's lease is renewed at most to the expiry of the access token it holds:
+-- the credential's token_expires_at when the lease was granted on the current generation
+-- (granted_at >= oauth_credentials.generation_at), else its own lease_until (an older token,
+-- whose expiry its lease_until already respects: no extension). So a lease never outlives its
+-- token; the executor sees lease_until come back earlier than it asked and allocates again for
+-- the refreshed token. (Read from this statement's snapshot: a refresh committed after it
+-- began wrote a token this lease does not hold.)
 -- Locks: the named leases' slot rows, ascending (key_id, slot), in one statement.
 DROP FUNCTION IF EXISTS credpool_renew(jsonb);
 CREATE FUNCTION credpool_renew(p_renewals jsonb)
@@ -808,12 +838,21 @@ BEGIN
     ),
     renewed AS (
         UPDATE lease_slots s
-        SET lease_until = CASE
-                WHEN NOT s.surplus THEN v_now + make_interval(secs => w.lease_seconds)
-                ELSE least(v_now + make_interval(secs => w.lease_seconds),
-                           (SELECT min(o.lease_until) FROM lease_slots o
-                            WHERE o.key_id = s.key_id AND NOT o.surplus AND o.lease_id IS NOT NULL))
-            END
+        SET lease_until = least(
+                CASE
+                    WHEN NOT s.surplus THEN v_now + make_interval(secs => w.lease_seconds)
+                    ELSE least(v_now + make_interval(secs => w.lease_seconds),
+                               (SELECT min(o.lease_until) FROM lease_slots o
+                                WHERE o.key_id = s.key_id AND NOT o.surplus AND o.lease_id IS NOT NULL))
+                END,
+                -- OAuth: never past the expiry of the token the lease holds (and never shorter
+                -- than the lease already is, for the token's sake)
+                coalesce((SELECT greatest(s.lease_until,
+                                          CASE WHEN s.granted_at >= o.generation_at
+                                               THEN c.token_expires_at ELSE s.lease_until END)
+                          FROM oauth_credentials o
+                          JOIN credentials c ON c.key_id = o.key_id
+                          WHERE o.key_id = s.key_id), 'infinity'))
         FROM (SELECT DISTINCT ON (wanted.lease_id) * FROM wanted ORDER BY wanted.lease_id, wanted.n) AS w
         WHERE s.lease_id = w.lease_id AND s.key_id = w.key_id AND s.provider = w.provider
           AND s.pool = w.pool AND (w.fence IS NULL OR s.fence = w.fence)
@@ -873,7 +912,13 @@ $$;
 -- the new health (service/src/allocator/health.rs) and writes it with credpool_write_health in
 -- the same transaction.
 --
--- Locks, in the lock order: the named leases' slot rows, ascending (key_id, slot), in one
+-- `auth_expired` on a lease of an OAuth credential's current token generation takes that token
+-- out of traffic and makes its refresh due (below; a `token_rejected` row in
+-- credential_events). `oauth`: the credential is an OAuth credential (for health: `auth_expired`
+-- on any other credential is the provider refusing the key, as `auth_error`).
+--
+-- Locks, in the lock order: with an `auth_expired` report, first every row of the credentials
+-- named (credpool_lock_credentials); the named leases' slot rows, ascending (key_id, slot), in one
 -- statement; the lease_windows rows of the credentials named with a usage, ascending key_id;
 -- trail rows guarded by unique indexes, ascending lease_id; then the credential rows of counted
 -- outcomes, ascending key_id, in one statement. Decision clock: clock_timestamp() after the slot
@@ -892,7 +937,8 @@ RETURNS TABLE (release integer, verdict text, key_id text, probe boolean, refit 
                health_successes double precision, health_failures double precision,
                health_rate_limits double precision, health_decayed_at timestamptz,
                recent_failures timestamptz[], cooldowns_in_a_row integer,
-               last_success_at timestamptz, recovered_at timestamptz, db_now timestamptz)
+               last_success_at timestamptz, recovered_at timestamptz, db_now timestamptz,
+               oauth boolean)
 LANGUAGE plpgsql
 SET enable_seqscan = off SET enable_bitmapscan = off SET enable_hashjoin = off
 SET enable_mergejoin = off SET enable_material = off SET jit = off
@@ -902,6 +948,9 @@ AS $$
 DECLARE
     v_now timestamptz;
     v_health_now timestamptz;
+    v_rejects boolean;
+    -- per release: the grant time of a lease whose `auth_expired` report counts (else NULL)
+    v_rejected_granted_at timestamptz[];
     -- one element per release, in request order (n): what it asked and what it found
     v_n integer[];
     v_lease uuid[];
@@ -927,6 +976,17 @@ BEGIN
         -- the caller announces the released slots after its commit (credpool_announce_freed):
         -- no NOTIFY from this transaction (see lease_slots_notify_freed)
         PERFORM set_config('credpool.caller_announces_freed', 'on', true);
+    END IF;
+    -- An `auth_expired` report may take its token out of traffic, a write of the credential row
+    -- that moves config_version into every slot row of the credential: so every slot row of
+    -- every credential named first, then windows and credential rows, in the lock order
+    -- (credpool_lock_credentials). Rare; a call without such a report locks only its leases' rows.
+    v_rejects := EXISTS (SELECT 1 FROM jsonb_array_elements(p_releases) AS e
+                         WHERE e ->> 'outcome' = 'auth_expired');
+    IF v_rejects THEN
+        PERFORM credpool_lock_credentials(
+            ARRAY(SELECT DISTINCT e ->> 'key_id' FROM jsonb_array_elements(p_releases) AS e
+                  WHERE e ->> 'key_id' IS NOT NULL));
     END IF;
     PERFORM 1
     FROM lease_slots s
@@ -1009,6 +1069,7 @@ BEGIN
     v_refit := v_probe; v_counted := v_probe;
     v_usage_at := array_fill(NULL::timestamptz, ARRAY[coalesce(cardinality(v_n), 0)]);
     v_usage_delta := array_fill(NULL::bigint, ARRAY[coalesce(cardinality(v_n), 0)]);
+    v_rejected_granted_at := v_usage_at;
     -- in ascending lease_id (the lock order of the trail's unique indexes: two groups reporting
     -- the same leases wait for each other's trail rows in one order)
     FOR i IN SELECT k FROM generate_subscripts(v_n, 1) AS k ORDER BY v_lease[k], k LOOP
@@ -1018,6 +1079,9 @@ BEGIN
         v_counted[i] := v_verdict[i] = 'released' AND v_outcome[i] IS NOT NULL;
         v_usage_at[i] := NULL;
         v_usage_delta[i] := NULL;
+        IF v_counted[i] AND v_outcome[i] = 'auth_expired' THEN
+            v_rejected_granted_at[i] := (v_slot[i]).granted_at;
+        END IF;
         IF v_verdict[i] = 'released' AND v_usage[i] IS NOT NULL THEN
             v_usage_at[i] := (v_slot[i]).granted_at;
             v_usage_delta[i] := v_usage[i] - coalesce((v_slot[i]).reserved_tokens, 0);
@@ -1045,6 +1109,9 @@ BEGIN
             IF FOUND THEN
                 v_key[i] := v_asked_key[i];
                 v_counted[i] := v_outcome[i] IS NOT NULL;
+                IF v_outcome[i] = 'auth_expired' THEN
+                    v_rejected_granted_at[i] := v_late.granted_at;
+                END IF;
                 IF v_usage[i] IS NOT NULL THEN
                     v_usage_at[i] := v_late.granted_at;
                     v_usage_delta[i] := v_usage[i] - coalesce(v_late.reserved, 0);
@@ -1053,6 +1120,35 @@ BEGIN
             END IF;
         END IF;
     END LOOP;
+
+    -- `auth_expired` on a lease of the current generation (granted at or after the generation
+    -- began; the rows are locked since the top, so no refresh or PUT is writing meanwhile): the
+    -- token counts as expired from now, so no claim grants it again (credpool_token_lasts, gated
+    -- by config_version) and the refresher finds it due at once, which refreshes it exactly once
+    -- however many reports arrive (the refresh is taken per generation, service/src/oauth.rs).
+    -- A report on a lease of an older generation says nothing about the current token.
+    IF v_rejects THEN
+        WITH rejected AS (
+            SELECT DISTINCT ON (x.key_id) x.key_id, x.lease_id, o.generation
+            FROM unnest(v_key, v_lease, v_rejected_granted_at) AS x (key_id, lease_id, granted_at)
+            JOIN oauth_credentials o ON o.key_id = x.key_id
+            WHERE x.granted_at >= o.generation_at
+            ORDER BY x.key_id, x.granted_at
+        ),
+        expired AS (
+            UPDATE credentials c
+            SET token_expires_at = v_now
+            FROM rejected r
+            WHERE c.key_id = r.key_id AND c.token_expires_at > v_now
+            RETURNING c.key_id
+        )
+        INSERT INTO credential_events (key_id, event, reason, lease_id, actor, details, at)
+        SELECT r.key_id, 'token_rejected',
+               'auth_expired reported: the provider rejected the access token; refresh due now',
+               r.lease_id, 'executor', jsonb_build_object('generation', r.generation), v_now
+        FROM rejected r
+        JOIN expired e ON e.key_id = r.key_id;
+    END IF;
 
     PERFORM 1
     FROM credentials c
@@ -1066,7 +1162,7 @@ BEGIN
            v.counted AND c.key_id IS NOT NULL,
            c.status, c.status_reason, c.cooldown_until, c.health_successes, c.health_failures,
            c.health_rate_limits, c.health_decayed_at, c.recent_failures, c.cooldowns_in_a_row,
-           c.last_success_at, c.recovered_at, v_health_now
+           c.last_success_at, c.recovered_at, v_health_now, c.token_expires_at IS NOT NULL
     FROM unnest(v_n, v_verdict, v_key, v_probe, v_refit, v_counted, v_usage_at, v_usage_delta)
          AS v (n, verdict, key_id, probe, refit, counted, usage_at, usage_delta)
     LEFT JOIN credentials c ON c.key_id = v.key_id AND v.counted

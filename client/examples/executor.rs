@@ -77,6 +77,7 @@ fn outcome_name(outcome: &Outcome) -> &'static str {
         Outcome::Failure => "failure",
         Outcome::RateLimited { .. } => "rate_limited",
         Outcome::AuthError => "auth_error",
+        Outcome::AuthExpired => "auth_expired",
         Outcome::QuotaExhausted { .. } => "quota_exhausted",
     }
 }

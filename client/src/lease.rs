@@ -140,6 +140,11 @@ pub enum Outcome {
     },
     /// The provider rejected the credential.
     AuthError,
+    /// The provider rejected an OAuth access token (an upstream 401 with a leased OAuth token):
+    /// the server takes that token out of traffic and refreshes it once, however many executors
+    /// report it; allocate again for the new token. On a credential that is not OAuth the server
+    /// counts it as [`Outcome::AuthError`].
+    AuthExpired,
     /// The credential's quota is used up. `retry_after` as for [`Outcome::RateLimited`] (for
     /// example until a monthly reset).
     QuotaExhausted {
@@ -158,6 +163,7 @@ impl Outcome {
                 ("rate_limited", retry_after.map(whole_seconds))
             }
             Outcome::AuthError => ("auth_error", None),
+            Outcome::AuthExpired => ("auth_expired", None),
             Outcome::QuotaExhausted { retry_after } => {
                 ("quota_exhausted", retry_after.map(whole_seconds))
             }
@@ -570,6 +576,7 @@ mod tests {
         assert_eq!(Outcome::Success.wire(), ("success", None));
         assert_eq!(Outcome::Failure.wire(), ("failure", None));
         assert_eq!(Outcome::AuthError.wire(), ("auth_error", None));
+        assert_eq!(Outcome::AuthExpired.wire(), ("auth_expired", None));
     }
 
     #[test]

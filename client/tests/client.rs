@@ -714,6 +714,7 @@ async fn finish_sends_each_outcome_and_no_retry_after_unless_given() {
         (Outcome::Success, json!("success"), None),
         (Outcome::Failure, json!("failure"), None),
         (Outcome::AuthError, json!("auth_error"), None),
+        (Outcome::AuthExpired, json!("auth_expired"), None),
         (
             Outcome::RateLimited { retry_after: None },
             json!("rate_limited"),

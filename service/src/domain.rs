@@ -356,6 +356,10 @@ pub enum Outcome {
     RateLimited,
     /// The provider rejected the credential.
     AuthError,
+    /// The provider rejected an OAuth access token (HTTP 401 upstream): the token of the lease's
+    /// generation is taken out of traffic and refreshed once. On a credential that is not OAuth
+    /// it counts as [`Outcome::AuthError`].
+    AuthExpired,
     /// The credential's quota is used up.
     QuotaExhausted,
 }
@@ -368,6 +372,7 @@ impl Outcome {
             Outcome::Failure => "failure",
             Outcome::RateLimited => "rate_limited",
             Outcome::AuthError => "auth_error",
+            Outcome::AuthExpired => "auth_expired",
             Outcome::QuotaExhausted => "quota_exhausted",
         }
     }

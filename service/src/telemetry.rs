@@ -43,6 +43,10 @@ pub const CREDENTIALS: &str = "credpool_credentials";
 pub const CREDENTIALS_COOLING: &str = "credpool_credentials_cooling_down";
 /// Credentials drained per `provider` / `pool` (sampled).
 pub const CREDENTIALS_DRAINING: &str = "credpool_credentials_draining";
+/// Seconds until the earliest OAuth access token (of a credential not disabled) expires, per
+/// `provider` / `pool` (sampled; negative: already expired or rejected; +Inf: the pool has no
+/// OAuth credential in traffic).
+pub const OAUTH_TOKEN_EXPIRES_IN: &str = "credpool_oauth_token_expires_in_seconds";
 /// 1 when the last sample of the per-pool gauges read PostgreSQL, 0 when it failed.
 pub const STORE_UP: &str = "credpool_store_up";
 /// Database connections of this process by `state` (`in_use`, `idle`).
@@ -63,11 +67,17 @@ pub const WAIT_SECONDS: &str = "credpool_allocation_wait_seconds";
 
 /// Allocations answered 429 `pool_exhausted`, by `provider`, `pool` (asked for) and `held_by`:
 /// what held back the candidate that frees first (`slots`, `cooldown`, `requests_window`,
-/// `tokens_window`).
+/// `tokens_window`, `token_refresh`).
 pub const HELD_BACK: &str = "credpool_allocations_held_back_total";
 
 /// What `held_by` of [`HELD_BACK`] can say.
-pub const HELD_BY: [&str; 4] = ["slots", "cooldown", "requests_window", "tokens_window"];
+pub const HELD_BY: [&str; 5] = [
+    "slots",
+    "cooldown",
+    "requests_window",
+    "tokens_window",
+    "token_refresh",
+];
 
 /// Operations per group transaction (the allocator's claim, release and renewal groups), by `kind` (`claim`, `release`,
 /// `renewal`).
@@ -153,7 +163,7 @@ pub const METRICS: &[Metric] = &[
         kind: Kind::Counter,
         labels: &["provider", "pool", "held_by"],
         unit: "requests",
-        help: "Allocate requests answered 429 pool_exhausted, by provider and pool asked for and what held back the candidate that frees first: slots (all leased), cooldown, requests_window or tokens_window (a rate window full).",
+        help: "Allocate requests answered 429 pool_exhausted, by provider and pool asked for and what held back the candidate that frees first: slots (all leased), cooldown, requests_window or tokens_window (a rate window full), token_refresh (an OAuth token waiting for its refresh).",
     },
     Metric {
         name: RELEASES,
@@ -252,6 +262,13 @@ pub const METRICS: &[Metric] = &[
         labels: &["provider", "pool"],
         unit: "credentials",
         help: "Credentials an operator is draining (no new leases) per provider and pool, sampled.",
+    },
+    Metric {
+        name: OAUTH_TOKEN_EXPIRES_IN,
+        kind: Kind::Gauge,
+        labels: &["provider", "pool"],
+        unit: "seconds",
+        help: "Seconds until the earliest OAuth access token of a credential in traffic expires, per provider and pool, sampled (negative: expired or rejected and not yet refreshed; +Inf: no OAuth credential in traffic).",
     },
     Metric {
         name: STORE_UP,
@@ -531,6 +548,8 @@ pub async fn sample_pools(db: &Db) -> bool {
                 gauge!(SLOTS_FREE, &labels).set((p.total_slots - p.in_flight).max(0) as f64);
                 gauge!(CREDENTIALS_COOLING, &labels).set(p.cooling_down as f64);
                 gauge!(CREDENTIALS_DRAINING, &labels).set(p.draining as f64);
+                gauge!(OAUTH_TOKEN_EXPIRES_IN, &labels)
+                    .set(p.oauth_expires_in_seconds.unwrap_or(f64::INFINITY));
                 for status in crate::domain::Status::ALL {
                     let n = p.by_status.get(status.as_str()).copied().unwrap_or(0);
                     gauge!(CREDENTIALS, "provider" => p.provider.clone(), "pool" => p.pool.clone(),

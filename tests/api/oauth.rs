@@ -20,6 +20,8 @@ use time::format_description::well_known::Rfc3339;
 use credpool::oauth::{OAuthSettings, Refresher};
 use credpool_test_support::*;
 
+use crate::BIN;
+
 /// How the mock token endpoint answers.
 #[derive(Clone, Copy, Debug, PartialEq)]
 enum Mode {
@@ -159,10 +161,21 @@ async fn put_oauth(
     expires_in: i64,
     refresh_before: u32,
 ) -> reqwest::Response {
+    put_oauth_limit(app, token_url, expires_in, refresh_before, 4).await
+}
+
+/// [`put_oauth`] with `limit` concurrent leases.
+async fn put_oauth_limit(
+    app: &TestApp,
+    token_url: &str,
+    expires_in: i64,
+    refresh_before: u32,
+    limit: u32,
+) -> reqwest::Response {
     app.put_key_raw(
         "k",
         json!({
-            "provider": "openai", "models": ["gpt-4o"], "max_concurrent_uses": 4,
+            "provider": "openai", "models": ["gpt-4o"], "max_concurrent_uses": limit,
             "secret": {"access_token": "at-0", "refresh_token": "rtok-0",
                        "expires_at": rfc3339(OffsetDateTime::now_utc() + time::Duration::seconds(expires_in))},
             "oauth": {"token_url": token_url, "client_id": "client-1",
@@ -556,12 +569,25 @@ async fn a_credential_whose_token_expires_before_lease_until_is_not_granted() {
     )
     .unwrap();
 
-    assert_error(
-        allocate(&app, 120).await,
-        StatusCode::TOO_MANY_REQUESTS,
-        "pool_exhausted",
-    )
-    .await;
+    // the 429 says when the refresh should land (at the token's expiry, refresh_before 0), not
+    // "at once" or when a slot frees
+    let refused = allocate(&app, 120).await;
+    let retry_after: f64 = refused.headers()["retry-after"]
+        .to_str()
+        .unwrap()
+        .parse()
+        .unwrap();
+    assert!(
+        (20.0..=31.0).contains(&retry_after),
+        "Retry-After {retry_after} s for a token that expires in 30 s"
+    );
+    assert_error(refused, StatusCode::TOO_MANY_REQUESTS, "pool_exhausted").await;
+    assert!(
+        sample(
+            &app.metrics().await,
+            "credpool_allocations_held_back_total{provider=\"openai\",pool=\"default\",held_by=\"token_refresh\"}"
+        ) >= 1.0
+    );
     assert_eq!(app.in_flight("k").await, 0);
     let lease = json_body(allocate(&app, 10).await, StatusCode::OK).await;
     let lease_until =
@@ -694,7 +720,7 @@ async fn reencrypting_under_a_new_master_key_reseals_the_oauth_grant_too() {
 }
 
 #[tokio::test]
-async fn the_pools_summary_says_when_the_earliest_token_expires() {
+async fn the_pools_summary_metrics_and_dashboard_say_when_the_earliest_token_expires() {
     let app = app().await;
     let (_mock, url) = mock_endpoint(Mode::Unavailable, 3600).await;
     assert_eq!(
@@ -719,4 +745,290 @@ async fn the_pools_summary_says_when_the_earliest_token_expires() {
     let seconds = of("default").as_f64().unwrap();
     assert!(seconds > 500.0 && seconds <= 600.0, "{seconds}");
     assert_eq!(of("other"), Value::Null);
+
+    // the gauge, per pool, from a `credpool serve` of the database (its own metrics; sampled at
+    // start-up, then every second)
+    let mut env = keyed_env(&app.database);
+    env.push(("CREDPOOL_METRICS_SAMPLE_SECONDS", "1".to_owned()));
+    let serve = ServeProcess::start(BIN, &env, &[]).await;
+    let page = client()
+        .get(format!("{}/metrics", serve.base))
+        .send()
+        .await
+        .unwrap()
+        .text()
+        .await
+        .unwrap();
+    let gauge = |pool: &str| {
+        sample(
+            &page,
+            &format!(
+                "credpool_oauth_token_expires_in_seconds{{provider=\"openai\",pool=\"{pool}\"}}"
+            ),
+        )
+    };
+    assert!(gauge("default") > 500.0 && gauge("default") <= 600.0);
+    assert_eq!(gauge("other"), f64::INFINITY);
+
+    // the dashboard's credentials table: the token's expiry and generation
+    let fragment = app
+        .client
+        .get(app.url("/dashboard/fragments/credentials"))
+        .header("x-admin-key", ADMIN_KEY)
+        .send()
+        .await
+        .unwrap()
+        .text()
+        .await
+        .unwrap();
+    assert!(fragment.contains("token expires"), "{fragment}");
+    assert!(fragment.contains("(generation 1)"), "{fragment}");
+}
+
+/// Sends `body` to `path` of the service at `base` with the internal key.
+async fn internal(base: &str, path: &str, body: Value) -> reqwest::Response {
+    post_json(
+        &client(),
+        &format!("{base}{path}"),
+        ("x-internal-key", INTERNAL_KEY),
+        body,
+    )
+    .await
+}
+
+/// The `token_rejected` rows of `k`'s trail: their generations.
+async fn rejections(app: &TestApp) -> Vec<i64> {
+    sqlx::query_scalar(
+        "SELECT (details ->> 'generation')::bigint FROM credential_events
+         WHERE key_id = 'k' AND event = 'token_rejected' ORDER BY event_id",
+    )
+    .fetch_all(&app.db)
+    .await
+    .unwrap()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn auth_expired_reports_from_three_processes_make_one_token_call_and_no_lease_gets_the_rejected_token()
+ {
+    let app = app().await;
+    // a slow endpoint: every process's refresher looks while the one call is in flight
+    let (mock, url) = mock_endpoint(
+        Mode::Ok {
+            delay: Duration::from_millis(1500),
+        },
+        3600,
+    )
+    .await;
+    // valid for an hour, refreshed only in its last second: nothing is due but what is reported
+    assert_eq!(
+        put_oauth_limit(&app, &url, 3600, 1, 60).await.status(),
+        StatusCode::CREATED
+    );
+    let env = keyed_env(&app.database);
+    let (a, b, c) = tokio::join!(
+        ServeProcess::start(BIN, &env, &[]),
+        ServeProcess::start(BIN, &env, &[]),
+        ServeProcess::start(BIN, &env, &[])
+    );
+    let bases = [a.base.clone(), b.base.clone(), c.base.clone()];
+    let ask = json!({"provider": "openai", "model": "gpt-4o", "lease_seconds": 300});
+    let mut leases = Vec::new();
+    for i in 0..50 {
+        let lease = json_body(
+            internal(&bases[i % 3], "/api/internal/allocate-key", ask.clone()).await,
+            StatusCode::OK,
+        )
+        .await;
+        assert_eq!(lease["credential"]["access_token"], "at-0");
+        leases.push(lease);
+    }
+
+    // the provider answered 401 to all of them at once: 50 reports over three processes
+    let barrier = Arc::new(tokio::sync::Barrier::new(50));
+    let tasks: Vec<_> = leases
+        .iter()
+        .enumerate()
+        .map(|(i, lease)| {
+            let (base, body, barrier) = (
+                bases[i % 3].clone(),
+                release_body(lease, "auth_expired"),
+                barrier.clone(),
+            );
+            tokio::spawn(async move {
+                barrier.wait().await;
+                internal(&base, "/api/internal/release-key", body).await
+            })
+        })
+        .collect();
+    for task in tasks {
+        let released = json_body(task.await.unwrap(), StatusCode::OK).await;
+        assert_eq!(released["released"], true, "{released}");
+    }
+
+    // from the moment the reports were answered, no lease carries the rejected token
+    let mut refused = 0;
+    for round in 0.. {
+        let response = internal(&bases[round % 3], "/api/internal/allocate-key", ask.clone()).await;
+        if response.status() == StatusCode::TOO_MANY_REQUESTS {
+            refused += 1;
+            assert_error(response, StatusCode::TOO_MANY_REQUESTS, "pool_exhausted").await;
+            assert!(round < 200, "the refresh never landed");
+            tokio::time::sleep(Duration::from_millis(50)).await;
+            continue;
+        }
+        let lease = json_body(response, StatusCode::OK).await;
+        assert_eq!(lease["credential"]["access_token"], "at-1", "{lease}");
+        internal(
+            &bases[0],
+            "/api/internal/release-key",
+            release_body(&lease, "success"),
+        )
+        .await;
+        break;
+    }
+    assert!(
+        refused > 0,
+        "the endpoint takes 1.5 s: some allocate came before the new token"
+    );
+    // every refresher of four processes has looked again meanwhile
+    tokio::time::sleep(Duration::from_millis(2500)).await;
+    assert_eq!(
+        mock.calls(),
+        1,
+        "one token call for the rejected generation"
+    );
+    assert_eq!(mock.stale.load(Ordering::SeqCst), 0);
+    assert_eq!(generation(&app).await, 2);
+    assert_eq!(rejections(&app).await, [1]);
+    for base in &bases {
+        let lease = json_body(
+            internal(base, "/api/internal/allocate-key", ask.clone()).await,
+            StatusCode::OK,
+        )
+        .await;
+        assert_eq!(lease["credential"]["access_token"], "at-1");
+    }
+    let outcomes: i64 = sqlx::query_scalar(
+        "SELECT count(*) FROM lease_events WHERE event = 'released' AND outcome = 'auth_expired'",
+    )
+    .fetch_one(&app.db)
+    .await
+    .unwrap();
+    assert_eq!(outcomes, 50);
+    let detail = admin_get(&app, "/api/admin/keys/k").await;
+    assert_eq!(
+        detail["status"], "available",
+        "a rejected token is not a bad credential"
+    );
+}
+
+#[tokio::test]
+async fn auth_expired_on_a_lease_of_an_older_generation_leaves_the_current_token_serving() {
+    let app = app().await;
+    let (mock, url) = mock_endpoint(ANSWERS, 3600).await;
+    assert_eq!(
+        put_oauth(&app, &url, 120, 0).await.status(),
+        StatusCode::CREATED
+    );
+    let old = json_body(allocate(&app, 60).await, StatusCode::OK).await;
+    assert_eq!(old["credential"]["access_token"], "at-0");
+    // a refresh lands while the lease is held (at-0 expires within 200 s, at-1 not)
+    set_refresh_before(&app, 200).await;
+    until("the refresh", || async { generation(&app).await == 2 }).await;
+    set_refresh_before(&app, 0).await;
+    let current = json_body(allocate(&app, 60).await, StatusCode::OK).await;
+    assert_eq!(current["credential"]["access_token"], "at-1");
+
+    // the old lease's token is rejected: that says nothing about at-1
+    let released = json_body(
+        app.release(release_body(&old, "auth_expired")).await,
+        StatusCode::OK,
+    )
+    .await;
+    assert_eq!(released["released"], true);
+    assert_eq!(rejections(&app).await, Vec::<i64>::new());
+    assert_eq!(leased_token(&app).await, "at-1");
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    assert_eq!(mock.calls(), 1);
+
+    // the current lease's token is rejected: out of traffic, refreshed once
+    json_body(
+        app.release(release_body(&current, "auth_expired")).await,
+        StatusCode::OK,
+    )
+    .await;
+    assert_eq!(rejections(&app).await, [2]);
+    until("the refresh of generation 2", || async {
+        generation(&app).await == 3
+    })
+    .await;
+    assert_eq!(leased_token(&app).await, "at-2");
+    assert_eq!(mock.calls(), 2);
+}
+
+#[tokio::test]
+async fn auth_expired_on_a_credential_that_is_not_oauth_disables_it_like_auth_error() {
+    let app = app().await;
+    app.put_key("plain", "openai", "default", &["gpt-4o"], 2)
+        .await;
+    let lease = json_body(allocate(&app, 30).await, StatusCode::OK).await;
+    json_body(
+        app.release(release_body(&lease, "auth_expired")).await,
+        StatusCode::OK,
+    )
+    .await;
+    let detail = admin_get(&app, "/api/admin/keys/plain").await;
+    assert_eq!(detail["status"], "disabled", "{detail}");
+    assert_error(
+        allocate(&app, 30).await,
+        StatusCode::CONFLICT,
+        "no_usable_credentials",
+    )
+    .await;
+}
+
+#[tokio::test]
+async fn a_renewal_never_extends_a_lease_past_the_expiry_of_the_token_it_holds() {
+    let app = app().await;
+    let (_mock, url) = mock_endpoint(ANSWERS, 3600).await;
+    let stored = json_body(put_oauth(&app, &url, 120, 0).await, StatusCode::CREATED).await;
+    let expires_at = OffsetDateTime::parse(
+        stored["oauth"]["token_expires_at"].as_str().unwrap(),
+        &Rfc3339,
+    )
+    .unwrap();
+    let lease = json_body(allocate(&app, 30).await, StatusCode::OK).await;
+    let until_of = |answer: &Value| {
+        OffsetDateTime::parse(answer["lease_until"].as_str().unwrap(), &Rfc3339).unwrap()
+    };
+    let renew = |seconds: u32| renewal(&lease, seconds);
+
+    // asked for 600 s; the token lasts 120 s
+    let renewed = json_body(app.renew(renew(600)).await, StatusCode::OK).await;
+    assert_eq!(until_of(&renewed), expires_at, "{renewed}");
+    // a shorter renewal is as asked
+    let renewed = json_body(app.renew(renew(20)).await, StatusCode::OK).await;
+    assert!(until_of(&renewed) < expires_at);
+
+    // a refresh lands (at-0 expires within 200 s, at-1 not): the lease holds the old token,
+    // so it is not extended past it
+    set_refresh_before(&app, 200).await;
+    until("the refresh", || async { generation(&app).await == 2 }).await;
+    set_refresh_before(&app, 0).await;
+    let before = until_of(&renewed);
+    let renewed = json_body(app.renew(renew(600)).await, StatusCode::OK).await;
+    assert_eq!(until_of(&renewed), before, "{renewed}");
+    // a lease of the new token renews to the new token's expiry
+    let fresh = json_body(allocate(&app, 30).await, StatusCode::OK).await;
+    assert_eq!(fresh["credential"]["access_token"], "at-1");
+    let renewed = json_body(app.renew(renewal(&fresh, 600)).await, StatusCode::OK).await;
+    assert!(until_of(&renewed) > expires_at, "{renewed}");
+}
+
+/// The renewal of `lease` for `seconds`.
+fn renewal(lease: &Value, seconds: u32) -> Value {
+    let mut body = release_body(lease, "success");
+    body.as_object_mut().unwrap().remove("outcome");
+    body["lease_seconds"] = json!(seconds);
+    body
 }

@@ -111,7 +111,7 @@ async def test_report_error_reports_what_the_exception_stands_for() -> None:
             APIStatusError(429, body={"type": "error", "error": {"type": "rate_limit_error"}}),
             Outcome("rate_limited", None),
         ),
-        (APIStatusError(401), Outcome("auth_error")),
+        (APIStatusError(401), Outcome("auth_expired")),
         (APIStatusError(403), Outcome("failure")),
         (APIStatusError(500), Outcome("failure")),
         (
@@ -169,7 +169,7 @@ def test_real_openai_exceptions() -> None:
             "code": "invalid_api_key",
         },
     )
-    assert outcome_for(auth) == Outcome("auth_error")
+    assert outcome_for(auth) == Outcome("auth_expired")
     server = openai.InternalServerError(
         "Error code: 500", response=_response(openai, 500, {}), body=None
     )
@@ -193,7 +193,7 @@ def test_real_anthropic_exceptions() -> None:
         response=_response(anthropic, 401, {}),
         body=body("authentication_error"),
     )
-    assert outcome_for(auth) == Outcome("auth_error")
+    assert outcome_for(auth) == Outcome("auth_expired")
     billing = anthropic.BadRequestError(
         "Error code: 400", response=_response(anthropic, 400, {}), body=body("billing_error")
     )

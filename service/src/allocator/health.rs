@@ -12,7 +12,12 @@
 //! | failure | counts; the Nth failure within the window -> cooldown for the backoff | the probe's failure -> cooldown for the next, longer backoff; other leases count | counts | counts |
 //! | rate_limited | -> rate_limited until max(cooldown_until, now + retry_after or default) | same, at least the next backoff if it was the probe | same (never shortens) | counts |
 //! | auth_error | -> disabled | -> disabled | -> disabled | -> disabled (stays) |
+//! | auth_expired (OAuth) | stays | stays | stays | stays |
 //! | quota_exhausted | -> exhausted until now + retry_after, or until an operator acts | same | same | disabled stays; pending -> exhausted |
+//!
+//! `auth_expired` on an OAuth credential says its access token was rejected, not the credential:
+//! the release takes that token out of traffic until its refresh (sql/lease.sql, RELEASE), and
+//! health does not change. On any other credential the store applies it as `auth_error`.
 //!
 //! "counts" means the decaying counters (successes, failures, rate limits) and the liveness time
 //! move, and the status does not. `exhausted` without a retry_after stays until an operator acts.
@@ -297,6 +302,8 @@ pub fn apply(
             next.status_reason =
                 Some("auth_error reported: the provider rejected the credential".into());
         }
+        // the token, not the credential: the release took the token out of traffic
+        Outcome::AuthExpired => {}
         Outcome::QuotaExhausted => {
             if health.status != Status::Disabled {
                 next.status = Status::Exhausted;

@@ -24,6 +24,9 @@ pub enum HeldBy {
     RequestsWindow,
     /// A tokens window has no room for the estimate.
     TokensWindow,
+    /// An OAuth access token that would expire before the lease ends (or that an executor
+    /// reported rejected), waiting for its refresh.
+    TokenRefresh,
 }
 
 impl HeldBy {
@@ -34,6 +37,7 @@ impl HeldBy {
             "cooldown" => Some(HeldBy::Cooldown),
             "requests_window" => Some(HeldBy::RequestsWindow),
             "tokens_window" => Some(HeldBy::TokensWindow),
+            "token_refresh" => Some(HeldBy::TokenRefresh),
             _ => None,
         }
     }
@@ -45,6 +49,7 @@ impl HeldBy {
             HeldBy::Cooldown => "cooldown",
             HeldBy::RequestsWindow => "requests_window",
             HeldBy::TokensWindow => "tokens_window",
+            HeldBy::TokenRefresh => "token_refresh",
         }
     }
 }

@@ -234,10 +234,16 @@ struct CredentialView {
     windows: Vec<String>,
     windows_full: bool,
     headroom_sort: f64,
+    /// OAuth credentials: "in 42 min" or "expired 3 s ago", with the generation; absent otherwise.
+    token: Option<String>,
+    /// Seconds until the access token expires (negative: expired); `f64::MAX` without OAuth.
+    token_sort: f64,
+    /// The last refresh failure of an OAuth credential.
+    token_error: Option<String>,
 }
 
 /// Credentials: status, cooldown left, in flight / limit, success rate, last use, recent rate
-/// limits (the decaying counter), and the action buttons.
+/// limits (the decaying counter), rate windows, an OAuth token's expiry, and the action buttons.
 async fn credentials(
     State(state): State<AppState>,
     _admin: AdminKey,
@@ -257,6 +263,11 @@ async fn credentials(
                 .map(|until| seconds_between(now, until))
                 .filter(|left| *left > 0.0);
             let idle = c.last_used_at.map(|at| seconds_between(at, now));
+            let token_left = c
+                .oauth
+                .as_ref()
+                .and_then(|o| o.token_expires_at)
+                .map(|at| seconds_between(now, at));
             let headroom = c
                 .windows
                 .iter()
@@ -276,6 +287,16 @@ async fn credentials(
                 rate_limits_sort: c.health.rate_limits,
                 last_used: idle.map(|s| format!("{} ago", duration(s))),
                 last_used_sort: idle.unwrap_or(f64::MAX),
+                token: c.oauth.as_ref().zip(token_left).map(|(o, left)| {
+                    let when = if left > 0.0 {
+                        format!("in {}", duration(left))
+                    } else {
+                        format!("expired {} ago", duration(-left))
+                    };
+                    format!("{when} (generation {})", o.generation)
+                }),
+                token_sort: token_left.unwrap_or(f64::MAX),
+                token_error: c.oauth.as_ref().and_then(|o| o.last_error.clone()),
                 key_id: c.key_id,
                 provider: c.provider,
                 pool: c.pool,

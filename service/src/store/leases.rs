@@ -463,7 +463,7 @@ pub async fn release_group_in(
                status_reason, cooldown_until,
                health_successes, health_failures, health_rate_limits, health_decayed_at,
                recent_failures, cooldowns_in_a_row, last_success_at, recovered_at,
-               db_now AS "db_now!"
+               db_now AS "db_now!", oauth AS "oauth!"
         FROM credpool_release($1, $2)
         ORDER BY release
         "#,
@@ -510,7 +510,7 @@ pub async fn release_group_in(
             current
                 .entry(key_id.as_str().to_owned())
                 .or_insert((health, row.db_now));
-            reports.push((i, key_id.clone(), row.probe));
+            reports.push((i, key_id.clone(), row.probe, row.oauth));
         }
         staged.push(StagedRelease {
             result: ReleaseResult {
@@ -523,11 +523,15 @@ pub async fn release_group_in(
     }
 
     let mut transitions = Vec::new();
-    for (i, key_id, probe) in reports {
+    for (i, key_id, probe, oauth) in reports {
         let request = requests[i];
-        let Some(outcome) = request.outcome else {
+        let Some(mut outcome) = request.outcome else {
             continue;
         };
+        if outcome == Outcome::AuthExpired && !oauth {
+            // no token to refresh: the provider refused the credential itself
+            outcome = Outcome::AuthError;
+        }
         let Some((health, db_now)) = current.get_mut(key_id.as_str()) else {
             continue;
         };

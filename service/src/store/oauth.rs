@@ -192,7 +192,8 @@ pub async fn write_token(
     sqlx::query!(
         r#"
         UPDATE oauth_credentials
-        SET refresh_ciphertext = $2, generation = generation + 1, refreshing_holder = NULL,
+        SET refresh_ciphertext = $2, generation = generation + 1,
+            generation_at = clock_timestamp(), refreshing_holder = NULL,
             refreshing_until = NULL, failed_attempts = 0, next_attempt_at = '-infinity',
             last_error = NULL, refreshed_at = clock_timestamp()
         WHERE key_id = $1
@@ -313,8 +314,10 @@ pub(crate) async fn locked_generation(
 
 /// Stores an operator's OAuth configuration and grant for `key_id` (PUT), or removes it
 /// (`None`: the credential is not OAuth any more). A new grant is a new access token:
-/// generation + 1, and any refresh in progress loses its marker (its write is refused). The
-/// caller holds the credential's locks and has written `credentials.token_expires_at`.
+/// generation + 1 with `generation_at` read under the locks (every lease granted at or after it
+/// holds the new token, every lease before it an older one: what an `auth_expired` report is
+/// judged by), and any refresh in progress loses its marker (its write is refused). The caller
+/// holds the credential's locks and has written `credentials.token_expires_at`.
 pub(crate) async fn store_config(
     conn: &mut sqlx::PgConnection,
     key_id: &KeyId,
@@ -332,12 +335,14 @@ pub(crate) async fn store_config(
     sqlx::query!(
         r#"
         INSERT INTO oauth_credentials AS o
-            (key_id, token_url, client_id, scope, refresh_before_seconds, refresh_ciphertext)
-        VALUES ($1, $2, $3, $4, $5, $6)
+            (key_id, token_url, client_id, scope, refresh_before_seconds, refresh_ciphertext,
+             generation_at)
+        VALUES ($1, $2, $3, $4, $5, $6, clock_timestamp())
         ON CONFLICT ON CONSTRAINT oauth_credentials_pkey DO UPDATE
         SET token_url = EXCLUDED.token_url, client_id = EXCLUDED.client_id,
             scope = EXCLUDED.scope, refresh_before_seconds = EXCLUDED.refresh_before_seconds,
             refresh_ciphertext = EXCLUDED.refresh_ciphertext, generation = o.generation + 1,
+            generation_at = clock_timestamp(),
             refreshing_holder = NULL, refreshing_until = NULL, failed_attempts = 0,
             next_attempt_at = '-infinity', last_error = NULL
         "#,

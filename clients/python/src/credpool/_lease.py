@@ -217,7 +217,8 @@ class Lease:
         usage_tokens: Optional[int] = None,
     ) -> None:
         """Sets what the release sends: ``outcome`` is one of ``"success"``, ``"failure"``,
-        ``"rate_limited"``, ``"auth_error"``, ``"quota_exhausted"``; ``retry_after`` (seconds, with
+        ``"rate_limited"``, ``"auth_error"``, ``"auth_expired"`` (an OAuth token the provider
+        rejected), ``"quota_exhausted"``; ``retry_after`` (seconds, with
         ``rate_limited`` or ``quota_exhausted`` only) passes on the provider's ``Retry-After``
         (sent in whole seconds, rounded up, at most 31 days; 0 means "the server's default");
         ``usage_tokens`` is the tokens the call really used, for rate windows (sent as

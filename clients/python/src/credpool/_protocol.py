@@ -62,7 +62,9 @@ HELD_AT_LEAST = 0.1
 MAX_WAIT = 86_400.0
 
 #: The outcomes a release may report (docs/src/executor-api.md, "Release, with the outcome").
-OUTCOMES = frozenset({"success", "failure", "rate_limited", "auth_error", "quota_exhausted"})
+OUTCOMES = frozenset(
+    {"success", "failure", "rate_limited", "auth_error", "auth_expired", "quota_exhausted"}
+)
 
 #: The outcomes that may carry a ``retry_after``.
 OUTCOMES_WITH_RETRY_AFTER = frozenset({"rate_limited", "quota_exhausted"})

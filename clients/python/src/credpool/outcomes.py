@@ -16,10 +16,14 @@ quota or billing (openai                 ``quota_exhausted``  the response's ret
 429 / ``RateLimitError``                 ``rate_limited``     ``retry-after-ms`` or
                                                               ``retry-after`` (seconds or an
                                                               HTTP date)
-401 / ``AuthenticationError``            ``auth_error``       -
+401 / ``AuthenticationError``            ``auth_expired``     -
 anything else (5xx, 529 overloaded,      ``failure``          -
 timeouts, 400, 403, your own errors)
 =======================================  ===================  ==================================
+
+A 401 is reported as ``auth_expired``: on an OAuth credential the server takes the rejected access
+token out of traffic and refreshes it once (allocate again for the new one); on any other
+credential it counts as ``auth_error`` (the key was refused: disabled until an operator acts).
 
 A 403 is reported as ``failure``, not ``auth_error``: providers answer 403 for a model or region
 the key may not use as well as for a key they refuse, and ``auth_error`` disables the credential
@@ -61,7 +65,8 @@ class Outcome:
     """An outcome to report: pass it on with ``lease.report(o.outcome, retry_after=o.retry_after)``
     (or call ``lease.report_error(exc)``, which does both steps)."""
 
-    #: ``"success"``, ``"failure"``, ``"rate_limited"``, ``"auth_error"`` or ``"quota_exhausted"``.
+    #: ``"success"``, ``"failure"``, ``"rate_limited"``, ``"auth_error"``, ``"auth_expired"`` or
+    #: ``"quota_exhausted"``.
     outcome: str
     #: Seconds the provider asked to wait, when it said; for ``rate_limited`` and
     #: ``quota_exhausted`` only.
@@ -80,7 +85,7 @@ def outcome_for(error: BaseException) -> Outcome:
     if status == 429 or codes & _RATE_LIMIT_CODES or (status is None and "RateLimitError" in names):
         return Outcome("rate_limited", retry_after_of(error))
     if status == 401 or codes & _AUTH_CODES or (status is None and "AuthenticationError" in names):
-        return Outcome("auth_error")
+        return Outcome("auth_expired")
     return Outcome("failure")
 
 
