@@ -454,6 +454,59 @@ async fn no_secret_reaches_a_log_line_a_metric_or_a_database_row_even_at_trace_l
             .unwrap();
         assert!(response.status().is_success());
     }
+    // an OAuth credential (issue 28), due for its refresh at once, against a token endpoint of
+    // the test's own that rotates the refresh token: neither refresh token, the client secret
+    // nor either access token may reach a log line, a metric or a row
+    let oauth_secrets = [
+        format!("at-leak-{nonce}-0"),
+        format!("rt-leak-{nonce}-0"),
+        format!("cs-leak-{nonce}"),
+        format!("at-leak-{nonce}-1"),
+        format!("rt-leak-{nonce}-1"),
+    ];
+    let answer = json!({"access_token": oauth_secrets[3], "token_type": "Bearer",
+                        "expires_in": 3600, "refresh_token": oauth_secrets[4]});
+    let token_endpoint = axum::Router::new().route(
+        "/token",
+        axum::routing::post(move || {
+            let answer = answer.clone();
+            async move { axum::Json(answer) }
+        }),
+    );
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let token_url = format!("http://{}/token", listener.local_addr().unwrap());
+    tokio::spawn(async move { axum::serve(listener, token_endpoint).await });
+    let expires_at = (time::OffsetDateTime::now_utc() + time::Duration::seconds(100))
+        .format(&time::format_description::well_known::Rfc3339)
+        .unwrap();
+    let response = client
+        .put(url("/api/admin/keys/leak-oauth"))
+        .header("x-admin-key", &admin_key)
+        .json(&json!({"provider": "openai", "pool": "oauth", "models": ["gpt-4o"], "max_concurrent_uses": 2,
+                      "secret": {"access_token": oauth_secrets[0], "refresh_token": oauth_secrets[1],
+                                 "expires_at": expires_at},
+                      "oauth": {"token_url": token_url, "client_id": "leak-client",
+                                "client_secret": oauth_secrets[2], "refresh_before_seconds": 200}}))
+        .send()
+        .await
+        .unwrap();
+    assert!(response.status().is_success());
+    for _ in 0..600 {
+        let detail: Value = client
+            .get(url("/api/admin/keys/leak-oauth"))
+            .header("x-admin-key", &admin_key)
+            .send()
+            .await
+            .unwrap()
+            .json()
+            .await
+            .unwrap();
+        if detail["oauth"]["generation"] == 2 {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+
     // a malformed secret: the 400 must not quote it
     let bad = client
         .put(url("/api/admin/keys/leak-bad"))
@@ -482,6 +535,24 @@ async fn no_secret_reaches_a_log_line_a_metric_or_a_database_row_even_at_trace_l
         leases.push(json_body(lease, StatusCode::OK).await);
     }
     let reference = |l: &Value| json!({"provider": l["provider"], "pool": l["pool"], "key_id": l["key_id"], "lease_id": l["lease_id"]});
+    // a lease of the refreshed token, released as the provider's 401 would have it
+    let oauth_lease = json_body(
+        internal(
+            "/api/internal/allocate-key",
+            json!({"provider": "openai", "pool": "oauth", "model": "gpt-4o", "lease_seconds": 60}),
+        )
+        .await,
+        StatusCode::OK,
+    )
+    .await;
+    assert_eq!(oauth_lease["credential"]["access_token"], oauth_secrets[3]);
+    let mut release = reference(&oauth_lease);
+    release["outcome"] = json!("auth_expired");
+    json_body(
+        internal("/api/internal/release-key", release).await,
+        StatusCode::OK,
+    )
+    .await;
     let mut renew = reference(&leases[0]);
     renew["lease_seconds"] = json!(30);
     json_body(
@@ -510,6 +581,7 @@ async fn no_secret_reaches_a_log_line_a_metric_or_a_database_row_even_at_trace_l
     for path in [
         "/api/admin/keys",
         "/api/admin/keys/leak-0",
+        "/api/admin/keys/leak-oauth",
         "/api/admin/pools",
     ] {
         let text = admin(reqwest::Method::GET, path, None)
@@ -519,7 +591,10 @@ async fn no_secret_reaches_a_log_line_a_metric_or_a_database_row_even_at_trace_l
             .await
             .unwrap();
         assert!(
-            !secrets.iter().any(|s| text.contains(s.as_str())),
+            !secrets
+                .iter()
+                .chain(&oauth_secrets)
+                .any(|s| text.contains(s.as_str())),
             "{path} returned a secret"
         );
     }
@@ -575,9 +650,15 @@ async fn no_secret_reaches_a_log_line_a_metric_or_a_database_row_even_at_trace_l
         logged.contains(&format!("{nonce}{nonce}")),
         "the trace id should be on the log lines"
     );
-    for secret in secrets
-        .iter()
-        .chain([&refresh, &internal_key, &admin_key, &password])
+    assert!(
+        rows.contains("token_refreshed") && rows.contains("token_rejected"),
+        "the OAuth credential was refreshed and its token reported rejected"
+    );
+    for secret in
+        secrets
+            .iter()
+            .chain(&oauth_secrets)
+            .chain([&refresh, &internal_key, &admin_key, &password])
     {
         assert!(
             !logged.contains(secret.as_str()),
