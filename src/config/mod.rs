@@ -151,3 +151,47 @@ mod tests {
         }
     }
 }
+
+#[cfg(test)]
+mod oauth_flags {
+    use super::*;
+    use clap::Parser;
+    use std::time::Duration;
+
+    #[test]
+    fn the_refresher_flags_set_its_settings_and_the_marker_outlasts_the_call() {
+        let cli = Cli::try_parse_from([
+            "credpool",
+            "serve",
+            "--oauth-check-ms",
+            "250",
+            "--oauth-call-timeout-seconds",
+            "20",
+            "--oauth-backoff-max-seconds",
+            "300",
+        ])
+        .unwrap();
+        let Command::Serve(args) = cli.command else {
+            panic!("not serve");
+        };
+        let oauth = args.service.settings().oauth;
+        assert_eq!(oauth.check_every, Duration::from_millis(250));
+        assert_eq!(oauth.call_timeout, Duration::from_secs(20));
+        assert_eq!(oauth.claim_for, Duration::from_secs(60));
+        assert_eq!(oauth.backoff_max, Duration::from_secs(300));
+        assert_eq!(oauth.backoff_first, Duration::from_secs(1));
+
+        let defaults = Cli::try_parse_from(["credpool", "serve"]).unwrap();
+        let Command::Serve(args) = defaults.command else {
+            panic!("not serve");
+        };
+        let oauth = args.service.settings().oauth;
+        assert_eq!(oauth.call_timeout, Duration::from_secs(10));
+        assert_eq!(oauth.claim_for, Duration::from_secs(30));
+        assert_eq!(oauth.check_every, Duration::from_secs(1));
+
+        let too_long =
+            Cli::try_parse_from(["credpool", "serve", "--oauth-call-timeout-seconds", "0"]);
+        assert!(zero.is_err(), "a call timeout of 0 s is refused");
+    }
+}

@@ -190,6 +190,25 @@ pub struct ServiceArgs {
           value_parser = clap::value_parser!(u32).range(1..=256))]
     pub group_transactions: u32,
 
+    /// How often each service process looks for OAuth access tokens due for a refresh, in
+    /// milliseconds.
+    #[arg(long, env = "CREDPOOL_OAUTH_CHECK_MS", default_value_t = crate::oauth::OAuthSettings::default().check_every.as_millis() as u64,
+          value_parser = clap::value_parser!(u64).range(100..=60_000))]
+    pub oauth_check_ms: u64,
+
+    /// The longest a call to an OAuth token endpoint may take, connect included, in seconds. The
+    /// "refresh in progress" marker that keeps other replicas off lasts three times this (at
+    /// least 30 s), so that it only expires under a writer that stopped.
+    #[arg(long, env = "CREDPOOL_OAUTH_CALL_TIMEOUT_SECONDS", default_value_t = crate::oauth::OAuthSettings::default().call_timeout.as_secs(),
+          value_parser = clap::value_parser!(u64).range(1..=300))]
+    pub oauth_call_timeout_seconds: u64,
+
+    /// The longest delay between retries of a failing OAuth refresh, in seconds (the first retry
+    /// comes after 1 s, each next one after twice as long, with jitter).
+    #[arg(long, env = "CREDPOOL_OAUTH_BACKOFF_MAX_SECONDS", default_value_t = crate::oauth::OAuthSettings::default().backoff_max.as_secs(),
+          value_parser = clap::value_parser!(u64).range(1..=3600))]
+    pub oauth_backoff_max_seconds: u64,
+
     /// Scoring weights.
     #[command(flatten)]
     pub scoring: ScoringArgs,
@@ -220,7 +239,13 @@ impl ServiceArgs {
             listen_url: self.db_listen_url.clone(),
             scoring: self.scoring.policy(),
             health: self.health.policy(),
-            oauth: crate::oauth::OAuthSettings::default(),
+            oauth: crate::oauth::OAuthSettings {
+                check_every: Duration::from_millis(self.oauth_check_ms),
+                call_timeout: Duration::from_secs(self.oauth_call_timeout_seconds),
+                claim_for: Duration::from_secs((3 * self.oauth_call_timeout_seconds).max(30)),
+                backoff_max: Duration::from_secs(self.oauth_backoff_max_seconds),
+                ..crate::oauth::OAuthSettings::default()
+            },
         }
     }
 }
@@ -247,7 +272,7 @@ pub struct ServiceSettings {
     pub scoring: ScoringPolicy,
     /// How outcome reports change health.
     pub health: HealthPolicy,
-    /// How OAuth access tokens are refreshed (the defaults; no flags yet).
+    /// How OAuth access tokens are refreshed.
     pub oauth: crate::oauth::OAuthSettings,
 }
 
