@@ -190,8 +190,7 @@ mod oauth_flags {
         assert_eq!(oauth.claim_for, Duration::from_secs(30));
         assert_eq!(oauth.check_every, Duration::from_secs(1));
 
-        let too_long =
-            Cli::try_parse_from(["credpool", "serve", "--oauth-call-timeout-seconds", "0"]);
+        let zero = Cli::try_parse_from(["credpool", "serve", "--oauth-call-timeout-seconds", "0"]);
         assert!(zero.is_err(), "a call timeout of 0 s is refused");
     }
 }
