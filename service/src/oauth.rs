@@ -20,6 +20,7 @@
 use std::sync::{Arc, Weak};
 use std::time::Duration;
 
+use backon::Retryable;
 use serde::Deserialize;
 use time::OffsetDateTime;
 
@@ -393,15 +394,24 @@ impl Refresher {
                     .keyring
                     .seal(key_id, &lease_secret(&answer.access_token, expires_at));
                 let sealed_grant = self.keyring.seal_oauth(key_id, &new_grant);
-                let written = store::write_token(
-                    &self.db,
-                    key_id,
-                    &taken,
-                    self.holder,
-                    &sealed_secret,
-                    &sealed_grant,
-                    expires_at,
-                )
+                // The endpoint may have rotated the refresh token: the answer exists only here
+                // now, so a failed write is retried while this process's marker holds (the
+                // write re-checks the marker, so a retry after a takeover writes nothing).
+                let written = (|| {
+                    store::write_token(
+                        &self.db,
+                        key_id,
+                        &taken,
+                        self.holder,
+                        &sealed_secret,
+                        &sealed_grant,
+                        expires_at,
+                    )
+                })
+                .retry(self.write_retries())
+                .notify(|error, after| {
+                    tracing::warn!(error = %error, retry_in_seconds = after.as_secs_f64(), "writing a refreshed token failed; retrying");
+                })
                 .await?;
                 crate::telemetry::oauth_refresh(if written { "refreshed" } else { "superseded" });
                 if written {
@@ -443,6 +453,22 @@ impl Refresher {
                 Ok(false)
             }
         }
+    }
+
+    /// Retries of a refreshed token's write: 100 ms doubling to 2 s, jittered, for as long as the
+    /// marker outlasts the call (`claim_for - call_timeout`), so that no other writer can have
+    /// taken the generation over while this one still tries.
+    fn write_retries(&self) -> backon::ExponentialBuilder {
+        backon::ExponentialBuilder::default()
+            .with_min_delay(Duration::from_millis(100))
+            .with_max_delay(Duration::from_secs(2))
+            .with_jitter()
+            .without_max_times()
+            .with_total_delay(Some(
+                self.settings
+                    .claim_for
+                    .saturating_sub(self.settings.call_timeout),
+            ))
     }
 
     /// The refresh request (RFC 6749 section 6), form-encoded, client authentication in the body.

@@ -1032,3 +1032,50 @@ fn renewal(lease: &Value, seconds: u32) -> Value {
     body["lease_seconds"] = json!(seconds);
     body
 }
+
+#[tokio::test]
+async fn a_refreshed_token_whose_first_write_fails_is_written_by_a_retry_and_never_lost() {
+    let app = app().await;
+    let (mock, url) = mock_endpoint(ANSWERS, 3600).await;
+    // the database refuses the first write of a new generation (a sequence counts across
+    // rollbacks): the endpoint has rotated the refresh token by then
+    sqlx::raw_sql(
+        "CREATE SEQUENCE refresh_write_attempts;
+         CREATE FUNCTION fail_the_first_refresh_write() RETURNS trigger LANGUAGE plpgsql AS $$
+         BEGIN
+             IF nextval('refresh_write_attempts') = 1 THEN
+                 RAISE EXCEPTION 'injected: the database is gone for a moment';
+             END IF;
+             RETURN NEW;
+         END $$;
+         CREATE TRIGGER fail_the_first_refresh_write BEFORE UPDATE ON oauth_credentials
+             FOR EACH ROW WHEN (NEW.generation <> OLD.generation)
+             EXECUTE FUNCTION fail_the_first_refresh_write();",
+    )
+    .execute(&app.db)
+    .await
+    .unwrap();
+    assert_eq!(
+        put_oauth(&app, &url, 60, 59).await.status(),
+        StatusCode::CREATED
+    );
+    until("the refresh", || async { generation(&app).await == 2 }).await;
+    let attempts: i64 = sqlx::query_scalar("SELECT last_value FROM refresh_write_attempts")
+        .fetch_one(&app.db)
+        .await
+        .unwrap();
+    assert_eq!(attempts, 2, "the first write failed, a retry wrote it");
+    assert_eq!(mock.calls(), 1, "no second token call for the generation");
+    assert_eq!(leased_token(&app).await, "at-1");
+    // the next refresh presents the rotated refresh token, which the endpoint still honours
+    set_refresh_before(&app, 3650).await;
+    until("the second refresh", || async {
+        generation(&app).await == 3
+    })
+    .await;
+    assert_eq!(mock.stale.load(Ordering::SeqCst), 0);
+    assert_eq!(
+        admin_get(&app, "/api/admin/keys/k").await["status"],
+        "available"
+    );
+}
