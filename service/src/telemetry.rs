@@ -90,9 +90,10 @@ pub const VERSION: &str = concat!(
 
 /// The `result` of an allocation that reached the allocator, per provider and pool: `leased`, or
 /// the code of the error it answered with.
-pub const ALLOCATION_RESULTS: [&str; 9] = [
+pub const ALLOCATION_RESULTS: [&str; 10] = [
     "leased",
     "pool_exhausted",
+    "tenant_limit",
     "model_not_supported",
     "no_usable_credentials",
     "pool_not_found",
@@ -144,9 +145,9 @@ pub const METRICS: &[Metric] = &[
     Metric {
         name: ALLOCATIONS,
         kind: Kind::Counter,
-        labels: &["provider", "pool", "served_pool", "result"],
+        labels: &["provider", "pool", "served_pool", "tenant", "result"],
         unit: "requests",
-        help: "Allocate requests by provider and pool asked for, the pool that served (empty unless leased) and result: leased, pool_exhausted (429, no capacity), store_unavailable (503, store down), or another error code.",
+        help: "Allocate requests by provider and pool asked for, the pool that served (empty unless leased), the caller's tenant and result: leased, pool_exhausted (429, no capacity), tenant_limit (429, the tenant at its cap), store_unavailable (503, store down), or another error code.",
     },
     Metric {
         name: HELD_BACK,
@@ -388,8 +389,9 @@ fn zero_series() {
     gauge!(WAITERS).set(0.0);
     gauge!(WAITS_LISTENING).set(0.0);
     for result in REFUSED_RESULTS {
-        counter!(ALLOCATIONS, "provider" => "", "pool" => "", "served_pool" => "", "result" => result)
-            .absolute(0);
+        counter!(ALLOCATIONS, "provider" => "", "pool" => "", "served_pool" => "", "tenant" => "",
+                 "result" => result)
+        .absolute(0);
     }
     gauge!(BUILD_INFO, "version" => env!("CARGO_PKG_VERSION"), "git_commit" => GIT_COMMIT).set(1.0);
 }
@@ -411,12 +413,12 @@ pub fn pool_known(provider: &str, pool: &str) {
             };
             for served_pool in served {
                 counter!(ALLOCATIONS, "provider" => provider.to_owned(), "pool" => pool.to_owned(),
-                         "served_pool" => served_pool, "result" => result)
+                         "served_pool" => served_pool, "tenant" => "default", "result" => result)
                 .increment(0);
             }
         } else {
             counter!(ALLOCATIONS, "provider" => provider.to_owned(), "pool" => pool.to_owned(),
-                     "served_pool" => "", "result" => result)
+                     "served_pool" => "", "tenant" => "default", "result" => result)
             .increment(0);
         }
     }
@@ -437,10 +439,18 @@ pub fn render(db: &Db) -> String {
     handle.render()
 }
 
-/// Records one allocation.
-pub fn allocation(provider: &str, pool: &str, served_pool: &str, result: &'static str) {
+/// Records one allocation. `tenant`: the caller's tenant as the store named it (tenants are
+/// configured, so the label is bounded; empty when the key was refused).
+pub fn allocation(
+    provider: &str,
+    pool: &str,
+    served_pool: &str,
+    tenant: &str,
+    result: &'static str,
+) {
     counter!(ALLOCATIONS, "provider" => provider.to_owned(), "pool" => pool.to_owned(),
-             "served_pool" => served_pool.to_owned(), "result" => result)
+             "served_pool" => served_pool.to_owned(), "tenant" => tenant.to_owned(),
+             "result" => result)
     .increment(1);
 }
 
