@@ -269,13 +269,14 @@ BEGIN
     END IF;
     -- their tenant slot rows: locked in order, then cleared where they still hold the lease (a
     -- row whose expired lease a claim has replaced holds another lease now)
-    IF EXISTS (SELECT 1 FROM unnest(v_ended) AS i WHERE (p_slots[i]).tenant IS NOT NULL) THEN
-        PERFORM 1
-        FROM tenant_slots t
-        WHERE (t.tenant_id, t.lease_id) IN (SELECT (p_slots[i]).tenant, (p_slots[i]).lease_id
-                                            FROM unnest(v_ended) AS i)
-        ORDER BY t.tenant_id, t.slot
-        FOR UPDATE;
+    PERFORM 1
+    FROM tenant_slots t
+    WHERE (t.tenant_id, t.lease_id) IN (SELECT (p_slots[i]).tenant, (p_slots[i]).lease_id
+                                        FROM unnest(v_ended) AS i)
+    ORDER BY t.tenant_id, t.slot
+    FOR UPDATE;
+    -- (leases of uncapped tenants, `default` among them, have no row: nothing more to do)
+    IF FOUND THEN
         UPDATE tenant_slots t
         SET lease_id = NULL, key_id = NULL, lease_until = NULL
         FROM unnest(v_ended) AS i
@@ -1549,8 +1550,9 @@ $$;
 
 -- REAP: ends up to p_batch expired leases (`expired`, at their own lease_until) and frees their
 -- slots. Correctness never depends on it (a claim treats an expired lease as free and reuses its
--- slot); it keeps the trail complete and "leases in flight" honest. Never waits: SKIP LOCKED,
--- deciding on statement_timestamp(). Leaves the rows within a lowered limit (over_limit, not
+-- slot); it keeps the trail complete and "leases in flight" honest. Takes slot rows with SKIP
+-- LOCKED, deciding on statement_timestamp(); END then takes the leases' tenant rows (lock order
+-- 1b), which it may wait for while a claim that locked one commits (milliseconds). Leaves the rows within a lowered limit (over_limit, not
 -- surplus) to claims and to REFIT: ended here, END would close them while a surplus row still
 -- holds its (expired) lease. Returns how many leases it ended.
 CREATE OR REPLACE FUNCTION credpool_reap_expired_leases(p_batch integer DEFAULT 1000) RETURNS integer

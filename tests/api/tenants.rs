@@ -256,7 +256,8 @@ async fn a_tenant_at_its_cap_gets_tenant_limit_on_every_replica_while_another_te
             .count(),
         2
     );
-    let mut limited_series = 0.0;
+    // (tenant, result) -> the sum over both processes of credpool_tenant_allocations_total
+    let mut series = std::collections::BTreeMap::<(String, String), f64>::new();
     for base in [&a.base, &b.base] {
         let page = client
             .get(format!("{base}/metrics"))
@@ -266,18 +267,31 @@ async fn a_tenant_at_its_cap_gets_tenant_limit_on_every_replica_while_another_te
             .text()
             .await
             .unwrap();
-        limited_series += page
+        for line in page
             .lines()
-            .filter(|l| {
-                l.starts_with("credpool_allocations_total{")
-                    && l.contains("tenant=\"batch\"")
-                    && l.contains("result=\"tenant_limit\"")
-            })
-            .map(|l| l.rsplit(' ').next().unwrap().parse::<f64>().unwrap())
-            .sum::<f64>();
+            .filter(|l| l.starts_with("credpool_tenant_allocations_total{"))
+        {
+            let label = |name: &str| {
+                let start = line.find(&format!("{name}=\"")).unwrap() + name.len() + 2;
+                line[start..start + line[start..].find('"').unwrap()].to_owned()
+            };
+            let value: f64 = line.rsplit(' ').next().unwrap().parse().unwrap();
+            *series
+                .entry((label("tenant"), label("result")))
+                .or_default() += value;
+        }
         assert!(!page.contains(&batch_key) && !page.contains(&web_key));
     }
-    assert_eq!(limited_series, 27.0);
+    let count = |tenant: &str, result: &str| {
+        series
+            .get(&(tenant.to_owned(), result.to_owned()))
+            .copied()
+            .unwrap_or(0.0)
+    };
+    assert_eq!(count("batch", "tenant_limit"), 27.0, "{series:?}");
+    assert_eq!(count("batch", "leased"), 3.0, "{series:?}");
+    assert_eq!(count("batch", "pool_exhausted"), 0.0, "{series:?}");
+    assert_eq!(count("web", "leased"), 2.0, "{series:?}");
 
     // a release frees the tenant's slot at once, on any replica
     let release = lease_ref(&granted[0]);
