@@ -549,6 +549,76 @@ async fn no_secret_reaches_a_log_line_a_metric_or_a_database_row_even_at_trace_l
         .await
         .unwrap();
     assert_eq!(wrong.status(), StatusCode::UNAUTHORIZED);
+    // a tenant's executor key: minted (its one appearance), used, listed, revoked, refused
+    let tenant = admin(
+        reqwest::Method::PUT,
+        "/api/admin/tenants/leaky",
+        Some(json!({"max_concurrent_leases": 2})),
+    )
+    .await
+    .unwrap();
+    assert!(tenant.status().is_success());
+    let minted = admin(reqwest::Method::POST, "/api/admin/tenants/leaky/keys", None)
+        .await
+        .unwrap();
+    let minted: Value = minted.json().await.unwrap();
+    let tenant_key = minted["key"].as_str().unwrap().to_owned();
+    let as_tenant = |path: &str, body: Value| {
+        client
+            .post(url(path))
+            .header("x-internal-key", &tenant_key)
+            .json(&body)
+            .send()
+    };
+    let lease = json_body(
+        as_tenant("/api/internal/allocate-key", json!({"provider": "openai", "model": "gpt-4o", "holder": "leaky", "lease_seconds": 60}))
+            .await
+            .unwrap(),
+        StatusCode::OK,
+    )
+    .await;
+    let mut renew = reference(&lease);
+    renew["lease_seconds"] = json!(30);
+    json_body(
+        as_tenant("/api/internal/renew-lease", renew).await.unwrap(),
+        StatusCode::OK,
+    )
+    .await;
+    json_body(
+        as_tenant("/api/internal/release-key", reference(&lease))
+            .await
+            .unwrap(),
+        StatusCode::OK,
+    )
+    .await;
+    let listed = admin(reqwest::Method::GET, "/api/admin/tenants", None)
+        .await
+        .unwrap()
+        .text()
+        .await
+        .unwrap();
+    assert!(
+        !listed.contains(&tenant_key),
+        "the tenant list returned a key"
+    );
+    admin(
+        reqwest::Method::DELETE,
+        &format!(
+            "/api/admin/tenants/leaky/keys/{}",
+            minted["key_id"].as_str().unwrap()
+        ),
+        None,
+    )
+    .await
+    .unwrap();
+    let revoked = as_tenant(
+        "/api/internal/allocate-key",
+        json!({"provider": "openai", "model": "gpt-4o"}),
+    )
+    .await
+    .unwrap();
+    assert_eq!(revoked.status(), StatusCode::UNAUTHORIZED);
+    assert!(!revoked.text().await.unwrap().contains(&tenant_key));
     // the operations routes: metrics (after all of the above), probes, the API description
     let mut served = String::new();
     for path in ["/metrics", "/livez", "/readyz", "/healthz", "/openapi.json"] {
@@ -575,9 +645,10 @@ async fn no_secret_reaches_a_log_line_a_metric_or_a_database_row_even_at_trace_l
         logged.contains(&format!("{nonce}{nonce}")),
         "the trace id should be on the log lines"
     );
-    for secret in secrets
-        .iter()
-        .chain([&refresh, &internal_key, &admin_key, &password])
+    for secret in
+        secrets
+            .iter()
+            .chain([&refresh, &internal_key, &admin_key, &password, &tenant_key])
     {
         assert!(
             !logged.contains(secret.as_str()),
