@@ -832,3 +832,126 @@ async fn a_claim_paused_before_the_tenant_lock_never_takes_a_row_another_claim_f
     let (ok, report) = audit_verify(BIN, &app.database).await;
     assert!(ok, "{report}");
 }
+
+#[tokio::test]
+async fn a_renewal_keeps_the_tenant_slot_and_an_expiry_frees_it_without_cleanup() {
+    // Cap 1. A lease of 2 s renewed to 600 s still counts once its first end has passed (the
+    // tenant's row moved with the renewal: read from the lease's first end, the row would look
+    // free and a second lease would be granted). A lease that simply runs out frees the row on
+    // the database clock, with no cleanup pass run.
+    let app = TestApp::spawn().await;
+    let base = app.url("");
+    app.put_key("k", "openai", "default", &["gpt-4o"], 8).await;
+    put_tenant(
+        &app.client,
+        &base,
+        "team",
+        json!({"max_concurrent_leases": 1}),
+    )
+    .await;
+    let (_, key) = mint(&app.client, &base, "team").await;
+    let short = |seconds: u32| {
+        executor(
+            &app.client,
+            &base,
+            "/api/internal/allocate-key",
+            &key,
+            json!({"provider": "openai", "model": "gpt-4o", "lease_seconds": seconds}),
+        )
+    };
+    let lease = json_body(short(2).await, StatusCode::OK).await;
+    let mut renew = lease_ref(&lease);
+    renew["lease_seconds"] = json!(600);
+    json_body(
+        executor(&app.client, &base, "/api/internal/renew-lease", &key, renew).await,
+        StatusCode::OK,
+    )
+    .await;
+    tokio::time::sleep(Duration::from_millis(2500)).await;
+    assert_error(
+        short(1).await,
+        StatusCode::TOO_MANY_REQUESTS,
+        "tenant_limit",
+    )
+    .await;
+    json_body(
+        executor(
+            &app.client,
+            &base,
+            "/api/internal/release-key",
+            &key,
+            lease_ref(&lease),
+        )
+        .await,
+        StatusCode::OK,
+    )
+    .await;
+
+    json_body(short(1).await, StatusCode::OK).await;
+    assert_error(
+        short(1).await,
+        StatusCode::TOO_MANY_REQUESTS,
+        "tenant_limit",
+    )
+    .await;
+    tokio::time::sleep(Duration::from_millis(1500)).await;
+    json_body(short(1).await, StatusCode::OK).await;
+    let (ok, report) = audit_verify(BIN, &app.database).await;
+    assert!(ok, "{report}");
+}
+
+#[tokio::test]
+async fn a_waiting_allocate_at_its_tenant_cap_is_served_when_the_tenant_releases() {
+    // wait_ms also waits out the tenant's cap: the release of the tenant's lease (here in
+    // another pool, whose waiters are not this request's) lets the waiting request in.
+    let app = TestApp::spawn().await;
+    let base = app.url("");
+    app.put_key("ka", "openai", "a", &["gpt-4o"], 4).await;
+    app.put_key("kb", "openai", "b", &["gpt-4o"], 4).await;
+    put_tenant(
+        &app.client,
+        &base,
+        "team",
+        json!({"max_concurrent_leases": 1}),
+    )
+    .await;
+    let (_, key) = mint(&app.client, &base, "team").await;
+    let held = json_body(
+        allocate(&app.client, &base, &key, "a").await,
+        StatusCode::OK,
+    )
+    .await;
+    let waiting = {
+        let (client, base, key) = (app.client.clone(), base.clone(), key.clone());
+        tokio::spawn(async move {
+            let started = std::time::Instant::now();
+            let response = executor(
+                &client,
+                &base,
+                "/api/internal/allocate-key",
+                &key,
+                json!({"provider": "openai", "model": "gpt-4o", "pool": "b", "wait_ms": 10_000}),
+            )
+            .await;
+            (response, started.elapsed())
+        })
+    };
+    tokio::time::sleep(Duration::from_millis(600)).await;
+    json_body(
+        executor(
+            &app.client,
+            &base,
+            "/api/internal/release-key",
+            &key,
+            lease_ref(&held),
+        )
+        .await,
+        StatusCode::OK,
+    )
+    .await;
+    let (response, waited) = waiting.await.unwrap();
+    let lease = json_body(response, StatusCode::OK).await;
+    assert_eq!(lease["key_id"], "kb");
+    assert!(waited >= Duration::from_millis(600), "{waited:?}");
+    assert!(waited < Duration::from_secs(5), "{waited:?}");
+}
