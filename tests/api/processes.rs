@@ -549,7 +549,19 @@ async fn no_secret_reaches_a_log_line_a_metric_or_a_database_row_even_at_trace_l
         .await
         .unwrap();
     assert_eq!(wrong.status(), StatusCode::UNAUTHORIZED);
-    // a tenant's executor key: minted (its one appearance), used, listed, revoked, refused
+    // a tenant's executor key: minted (its one appearance), used, listed, revoked, refused (on a
+    // credential of its own: the others are busy, cooling down or gone by now)
+    let put = client
+        .put(url("/api/admin/keys/leak-tenant"))
+        .header("x-admin-key", &admin_key)
+        .json(
+            &json!({"provider": "openai", "pool": "tenants", "models": ["gpt-4o"],
+                      "max_concurrent_uses": 2, "secret": {"api_key": secrets[0]}}),
+        )
+        .send()
+        .await
+        .unwrap();
+    assert!(put.status().is_success());
     let tenant = admin(
         reqwest::Method::PUT,
         "/api/admin/tenants/leaky",
@@ -571,7 +583,7 @@ async fn no_secret_reaches_a_log_line_a_metric_or_a_database_row_even_at_trace_l
             .send()
     };
     let lease = json_body(
-        as_tenant("/api/internal/allocate-key", json!({"provider": "openai", "model": "gpt-4o", "holder": "leaky", "lease_seconds": 60}))
+        as_tenant("/api/internal/allocate-key", json!({"provider": "openai", "pool": "tenants", "model": "gpt-4o", "holder": "leaky", "lease_seconds": 60}))
             .await
             .unwrap(),
         StatusCode::OK,
@@ -613,7 +625,7 @@ async fn no_secret_reaches_a_log_line_a_metric_or_a_database_row_even_at_trace_l
     .unwrap();
     let revoked = as_tenant(
         "/api/internal/allocate-key",
-        json!({"provider": "openai", "model": "gpt-4o"}),
+        json!({"provider": "openai", "pool": "tenants", "model": "gpt-4o"}),
     )
     .await
     .unwrap();
