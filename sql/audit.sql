@@ -302,3 +302,71 @@ BEGIN
     END LOOP;
 END;
 $$;
+
+-- The tenants' trail is append-only too.
+DROP TRIGGER IF EXISTS tenant_events_append_only ON tenant_events;
+CREATE TRIGGER tenant_events_append_only
+    BEFORE UPDATE ON tenant_events
+    FOR EACH ROW EXECUTE FUNCTION lease_events_forbid_update();
+
+-- The tenant cap proof, from the trail alone (issue 29): for every tenant with leases granted in
+-- [p_since, p_until), how many, the most it held at one moment, and every grant that left it
+-- holding more leases than its cap at that moment. A lease lives from its `granted` row to its
+-- release (or forced release), else to the last lease_until it was granted or renewed to, like
+-- credpool_lease_lifetimes. The cap at a moment is the one its latest `created` / `updated`
+-- tenant_events row at or before the grant set (else its current cap); NULL means no cap. As
+-- for credentials, lowering a cap under load revokes nothing, so a tenant may hold more than a
+-- lowered cap for a while: what may never happen is a GRANT over the cap (`grants_over_cap`).
+-- At equal times an end sorts before a start.
+CREATE OR REPLACE FUNCTION credpool_tenant_cap_check(p_since timestamptz, p_until timestamptz)
+RETURNS TABLE (tenant_id text, max_concurrent_leases integer, leases bigint, peak bigint,
+               grants_over_cap bigint, first_violation_at timestamptz)
+LANGUAGE sql STABLE AS $$
+    WITH lives AS (
+        SELECT e.lease_id,
+               min(e.tenant) FILTER (WHERE e.event = 'granted') AS tenant,
+               min(e.at) FILTER (WHERE e.event = 'granted') AS granted_at,
+               min(e.at) FILTER (WHERE e.event IN ('released', 'force_released')) AS released_at,
+               max(e.lease_until) FILTER (WHERE e.event IN ('granted', 'renewed')) AS last_until
+        FROM lease_events e
+        WHERE e.at >= p_since - interval '1 day'
+        GROUP BY e.lease_id
+        HAVING min(e.tenant) FILTER (WHERE e.event = 'granted') IS NOT NULL
+           AND min(e.at) FILTER (WHERE e.event = 'granted') < p_until
+    ),
+    edges AS (
+        SELECT l.tenant, l.granted_at AS at, 1 AS delta FROM lives l
+        UNION ALL
+        SELECT l.tenant, coalesce(l.released_at, l.last_until), -1 FROM lives l
+    ),
+    running AS (
+        SELECT e.tenant, e.at, e.delta,
+               sum(e.delta) OVER (PARTITION BY e.tenant ORDER BY e.at, e.delta
+                                  ROWS UNBOUNDED PRECEDING) AS held
+        FROM edges e
+    ),
+    grants AS (
+        SELECT r.tenant, r.at, r.held,
+               coalesce(
+                   (SELECT jsonb_build_object('cap', te.max_concurrent_leases)
+                    FROM tenant_events te
+                    WHERE te.tenant_id = r.tenant AND te.event IN ('created', 'updated')
+                      AND te.at <= r.at
+                    ORDER BY te.at DESC
+                    LIMIT 1),
+                   (SELECT jsonb_build_object('cap', t.max_concurrent_leases)
+                    FROM tenants t WHERE t.tenant_id = r.tenant)
+               ) ->> 'cap' AS cap_then
+        FROM running r
+        WHERE r.delta = 1 AND r.at >= p_since AND r.at < p_until
+    )
+    SELECT g.tenant,
+           (SELECT t.max_concurrent_leases FROM tenants t WHERE t.tenant_id = g.tenant),
+           count(*),
+           max(g.held),
+           count(*) FILTER (WHERE g.held > g.cap_then::integer),
+           min(g.at) FILTER (WHERE g.held > g.cap_then::integer)
+    FROM grants g
+    GROUP BY g.tenant
+    ORDER BY g.tenant
+$$;

@@ -6,8 +6,9 @@
 -- the claim.
 --
 -- The tables (versioned migrations): `credentials` (configuration and health), `lease_slots` (one
--- row per concurrency slot; a lease lives inside the slot row that holds it), `lease_requests`
--- (request ids), `lease_events` (the append-only trail).
+-- row per concurrency slot; a lease lives inside the slot row that holds it), `tenant_slots` (one
+-- row per unit of a capped tenant's cap; a lease of a capped tenant lives in one of them too),
+-- `lease_requests` (request ids), `lease_events` (the append-only trail).
 --
 -- Transitions, and which function is the one way to make each:
 --   claim         credpool_claim          a free slot gets a lease (or a request replays its own)
@@ -22,6 +23,7 @@
 --   force release credpool_force_release  an operator ends leases
 --   reap          credpool_reap_expired_leases, credpool_refit_over_limit   cleanup passes
 --   lock          credpool_lock_credentials   every lock an operator's change of a credential needs
+--   fit tenant    credpool_fit_tenant     a tenant's slot rows brought in line with its cap
 --   gate          trigger credentials_config_version: a change of what a claim decides on reaches
 --                 every slot row of the credential (config_version)
 -- Nothing else writes lease_slots.
@@ -29,9 +31,14 @@
 -- Lock order (docs/design.md, "Lock order", says why no cycle can form). A transaction takes its
 -- row locks in this order, each kind in ONE statement, sorted (an operator's change first takes
 -- its credentials' operator locks, advisory, ascending: credpool_lock_credentials):
+--   0. a tenant's advisory lock (credpool_fit_tenant: one fit of a tenant at a time).
 --   1. lease_slots rows, ascending (key_id, slot). Claims take theirs with SKIP LOCKED and never
 --      wait. A change of a credential takes every slot row of it (credpool_lock_credentials), and
 --      so does a release group with an `auth_expired` report (RELEASE).
+--   1b. tenant_slots rows, ascending (tenant_id, slot): the rows of the leases a transaction ends
+--      or renews, after those leases' slot rows (END, RENEW, credpool_lock_credentials); a claim
+--      takes one with SKIP LOCKED, with its slot row; credpool_fit_tenant takes every row of a
+--      tenant (after the slot rows of leases it adopts).
 --   2. lease_windows rows, ascending key_id (claims: SKIP LOCKED, with their slot row).
 --   3. lease_events rows that unique indexes guard (one release / one late report per lease),
 --      ascending lease_id (a release group writes its late reports in that order).
@@ -101,7 +108,8 @@ $$;
 --     it started, so the rows are read again afterwards, and if any is not among those locked the
 --     locks are given back (the block is a subtransaction: its row locks end with it) and taken
 --     again, so that no slot row is ever locked after a credential row or out of order;
---   * their lease_windows rows, then the credential rows, each kind in one statement.
+--   * the tenant_slots rows of their leases, their lease_windows rows, then the credential rows,
+--     each kind in one statement.
 -- Returns how many of the credentials exist.
 CREATE OR REPLACE FUNCTION credpool_lock_credentials(p_key_ids text[]) RETURNS integer
 LANGUAGE plpgsql AS $$
@@ -133,6 +141,14 @@ BEGIN
             NULL;
         END;
     END LOOP;
+    -- the tenant slot rows of their leases (END clears them: FIT ends expired leases), in the
+    -- lock order: after the slot rows, before the windows and credential rows
+    PERFORM 1
+    FROM tenant_slots t
+    WHERE (t.tenant_id, t.lease_id) IN (SELECT s.tenant, s.lease_id FROM lease_slots s
+                                        WHERE s.key_id = ANY (p_key_ids) AND s.lease_id IS NOT NULL)
+    ORDER BY t.tenant_id, t.slot
+    FOR UPDATE;
     PERFORM 1 FROM lease_windows w WHERE w.key_id = ANY (p_key_ids) ORDER BY w.key_id FOR UPDATE;
     SELECT count(*)::integer INTO v_found
     FROM (SELECT 1 FROM credentials c WHERE c.key_id = ANY (p_key_ids) ORDER BY c.key_id FOR UPDATE) AS l;
@@ -195,10 +211,11 @@ LANGUAGE plpgsql AS $$
 BEGIN
     INSERT INTO lease_events
         (event, lease_id, key_id, provider, pool, slot, holder, outcome, lease_until, at, reason,
-         actor, tokens)
+         actor, tokens, tenant)
     SELECT p_events[i], (p_slots[i]).lease_id, (p_slots[i]).key_id, (p_slots[i]).provider,
            (p_slots[i]).pool, (p_slots[i]).slot, (p_slots[i]).holder, p_outcomes[i],
-           (p_slots[i]).lease_until, p_at[i], p_reasons[i], p_actors[i], p_tokens[i]
+           (p_slots[i]).lease_until, p_at[i], p_reasons[i], p_actors[i], p_tokens[i],
+           (p_slots[i]).tenant
     FROM generate_subscripts(p_slots, 1) AS i;
 END;
 $$;
@@ -212,6 +229,11 @@ $$;
 -- credential still holds a lease becomes surplus too: opened now, it would grant while the
 -- surplus lease still counts (FIT says why rows within the limit may otherwise reopen on their
 -- own). Such a row is over_limit, so the caller refits the credential (RELEASE's `refit`).
+-- A lease of a capped tenant leaves its tenant slot row in the same call (the row's lock taken
+-- here, after the slot rows, in the lock order), so the tenant's cap frees with the credential's
+-- slot: a tenant slot row holds a lease exactly while the lease's slot row does (or until both
+-- have expired). A tenant slot row over a lowered cap (`over_limit`) stays closed: the caller
+-- refits the tenant (credpool_fit_tenant, RELEASE's `tenant_refit`).
 -- The caller has locked the slot rows (in the lock order) and decided, on its own clock, that the
 -- leases end now. A freed slot announces itself (trigger lease_slots_freed). Returns the leases
 -- it ended.
@@ -231,7 +253,7 @@ BEGIN
     WITH cleared AS (
         UPDATE lease_slots s
         SET lease_id = NULL, provider = NULL, pool = NULL, holder = NULL, granted_at = NULL,
-            lease_until = NULL, probe = false, fence = NULL, reserved_tokens = NULL,
+            lease_until = NULL, probe = false, fence = NULL, reserved_tokens = NULL, tenant = NULL,
             surplus = s.surplus
                       OR (s.over_limit
                           AND EXISTS (SELECT 1 FROM lease_slots o
@@ -245,6 +267,21 @@ BEGIN
     SELECT array_agg(i ORDER BY i) INTO v_ended FROM cleared;
     IF v_ended IS NULL THEN
         RETURN '{}';
+    END IF;
+    -- their tenant slot rows: locked in order, then cleared where they still hold the lease (a
+    -- row whose expired lease a claim has replaced holds another lease now)
+    PERFORM 1
+    FROM tenant_slots t
+    WHERE (t.tenant_id, t.lease_id) IN (SELECT (p_slots[i]).tenant, (p_slots[i]).lease_id
+                                        FROM unnest(v_ended) AS i)
+    ORDER BY t.tenant_id, t.slot
+    FOR UPDATE;
+    -- (leases of uncapped tenants, `default` among them, have no row: nothing more to do)
+    IF FOUND THEN
+        UPDATE tenant_slots t
+        SET lease_id = NULL, key_id = NULL, lease_until = NULL
+        FROM unnest(v_ended) AS i
+        WHERE t.tenant_id = (p_slots[i]).tenant AND t.lease_id = (p_slots[i]).lease_id;
     END IF;
     IF cardinality(v_ended) = cardinality(p_slots) THEN
         PERFORM credpool_record_lease_ends(p_slots, p_events, p_at, p_outcomes, p_reasons,
@@ -368,7 +405,9 @@ $$;
 -- p_claims jsonb: an array of claims, each {"ranked": [key_id, ...] (best first, the Rust
 -- scoring), "provider", "pool", "model" (a model or alias), "lease_id" (the new lease's uuid),
 -- "holder" (or null), "lease_seconds", "tokens" (the reservation for token windows; 0 or absent:
--- none), and optionally "request_id" with "request_digest"}. Returns one row per claim, `claim` =
+-- none), optionally "request_id" with "request_digest", and "key_hash" (hex SHA-256 of the
+-- executor key presented; absent: the configured internal key, tenant `default`)}. Returns one
+-- row per claim, `claim` =
 -- its 1-based position: the pool's version (NULL when the pool never had a credential), read
 -- before any candidate, so the caller learns whether its candidate view is stale, and the lease,
 -- NULL when no candidate could serve. `request` is NULL, 'replayed' (the request_id's live lease,
@@ -376,10 +415,13 @@ $$;
 -- lease was granted for other parameters), 'in_flight' (another transaction is claiming for the
 -- same request_id right now) or 'busy' (nothing granted, but a candidate that may serve at once,
 -- read after the claim, was held by another transaction or changed by one at that moment): for
--- the last two, claim again in a moment. `frees_at`, when nothing was granted: the earliest
--- moment a candidate may serve it, and `held_by` what holds that candidate back
--- (credpool_frees_at), for the answer's Retry-After, a waiting request's timer and the held-back
--- metric.
+-- the last two, claim again in a moment; 'unauthorized' (its key_hash names no live key: nothing
+-- done) or 'tenant_limit' (nothing granted: every slot row of its tenant holds a live lease, read
+-- after the claim). `frees_at`, when nothing was granted: the earliest moment a candidate may
+-- serve it (for 'tenant_limit': the earliest end of the tenant's leases), and `held_by` what
+-- holds that candidate back (credpool_frees_at; 'tenant'), for the answer's Retry-After, a
+-- waiting request's timer and the held-back metric. `tenant` is the tenant the claim was made
+-- for, `db_now` the call's clock.
 --
 -- A group of claims is one call: one round trip and, outside an explicit transaction, one commit.
 -- Its claims are decided together, in rounds, each round two statements whatever the number of
@@ -443,13 +485,27 @@ $$;
 -- token's expiry: `at` (read when the slot row is read) may be a little after the call's clock,
 -- so the grant takes the earlier of the two.
 --
+-- Tenants (issue 29): the key_hash names the tenant (a revoked key names none: read by the call's
+-- first statement, so a request that starts after the revoke committed is refused on every
+-- replica). A claim of a tenant with a cap (max_concurrent_leases, read from the snapshot) takes,
+-- in PICK, a free row of the tenant's `tenant_slots` (no lease, or an expired one; not over a
+-- lowered cap) with FOR UPDATE SKIP LOCKED, before its credential slot, and grants only with
+-- one: the tenant's capacity is that set of rows, decided on rows the claim locks exactly like a
+-- credential's (a row a concurrent claim has just filled fails the re-check of the locked row
+-- and is passed over; `gates::a_claim_paused_before_the_tenant_lock...` holds a claim there).
+-- Within one PICK two claims of the call may pick the same tenant row, so a claim wins a round
+-- only as the first of its credential and the first of its tenant row. A tenant row held by
+-- another transaction is skipped; if, read after the claim, the tenant still has a free row, the
+-- answer is not 'tenant_limit' but what the credentials say ('busy' when one may serve at once:
+-- the caller claims again), so a claim racing its own tenant's claims gets no false 429.
+--
 -- Two shapes of pick, one for each shape of candidate list: a claim none of whose candidates has
 -- windows locks only the slot row (a credential without windows must not make concurrent claims
 -- queue on one row), and passes over a slot whose `windowed` gate says its credential has windows
 -- now; a claim with a candidate that has windows locks that credential's lease_windows row with
 -- the slot row (candidates without windows in the same list lock their empty row too).
 --
--- Locks: the slot row (and the lease_windows row), with SKIP LOCKED; request ids' advisory locks
+-- Locks: the tenant slot row, the slot row (and the lease_windows row), with SKIP LOCKED; request ids' advisory locks
 -- with a try-lock. The call never waits for a lock, so any number of claims can share a
 -- transaction without ever being part of a deadlock.
 --
@@ -472,7 +528,7 @@ CREATE FUNCTION credpool_claim(p_claims jsonb)
 RETURNS TABLE (claim integer, pool_version bigint, key_id text, lease_id uuid, lease_pool text,
                granted_at timestamptz, lease_until timestamptz, probe boolean,
                provider_model text, sealed_secret bytea, pruned_expired boolean, fence bigint,
-               request text, frees_at timestamptz, held_by text)
+               request text, frees_at timestamptz, held_by text, tenant text, db_now timestamptz)
 LANGUAGE plpgsql
 SET enable_seqscan = off SET enable_bitmapscan = off SET enable_hashjoin = off
 SET enable_mergejoin = off SET enable_material = off SET jit = off
@@ -496,6 +552,9 @@ DECLARE
     v_digest text[];
     v_windowed boolean[];
     v_pool_version bigint[];
+    -- each claim's tenant (NULL: its key is unknown or revoked), and whether the tenant has a cap
+    v_tenant text[];
+    v_capped boolean[];
     -- claims answered before any pick (request ids), and their `request`
     v_done boolean[];
     v_request text[];
@@ -517,6 +576,7 @@ DECLARE
     w_secret bytea[];
     w_model text[];
     w_token timestamptz[];
+    w_tenant_slot integer[];
     -- every lease the call answers with (granted, or replayed): the claim, the slot row as
     -- granted, the sealed secret and the provider's model handed out, whether an expired lease
     -- was ended to make room
@@ -550,11 +610,12 @@ BEGIN
            array_agg(o.c ->> 'holder'), array_agg((o.c ->> 'lease_seconds')::integer),
            array_agg(coalesce((o.c ->> 'tokens')::bigint, 0)), array_agg(o.c ->> 'request_id'),
            array_agg(o.c ->> 'request_digest'), array_agg(o.version), array_agg(o.windowed),
-           array_agg(o.n)
+           array_agg(o.n), array_agg(o.tenant), array_agg(o.capped)
     INTO v_ranked, v_provider, v_pool, v_model, v_lease, v_holder, v_seconds, v_tokens,
-         v_request_id, v_digest, v_pool_version, v_windowed, v_number
+         v_request_id, v_digest, v_pool_version, v_windowed, v_number, v_tenant, v_capped
     FROM (
-        SELECT e.n, e.c, e.provider, e.pool, pv.version,
+        SELECT e.n, e.c, e.provider, e.pool, pv.version, t.tenant_id AS tenant,
+               coalesce(t.max_concurrent_leases IS NOT NULL, false) AS capped,
                -- (a probe per candidate: LIMIT 1 keeps the planner from reading credentials
                -- in search of the few with windows)
                EXISTS (SELECT 1
@@ -565,6 +626,17 @@ BEGIN
                        WHERE c.rate_limits <> '[]'::jsonb) AS windowed
         FROM e
         JOIN pv ON pv.provider = e.provider AND pv.pool = e.pool
+        -- the tenant: of the live key the claim presented, else (the internal key) `default`
+        LEFT JOIN LATERAL (
+            SELECT t.tenant_id, t.max_concurrent_leases
+            FROM tenants t
+            WHERE t.tenant_id = CASE
+                      WHEN e.c ->> 'key_hash' IS NULL THEN 'default'
+                      ELSE (SELECT k.tenant_id FROM tenant_keys k
+                            WHERE k.key_hash = decode(e.c ->> 'key_hash', 'hex')
+                              AND k.revoked_at IS NULL)
+                  END
+        ) AS t ON true
         ORDER BY e.n
     ) AS o;
 
@@ -574,6 +646,12 @@ BEGIN
     -- 'in_flight' (claimed again, they replay its lease).
     v_done := array_fill(false, ARRAY[v_count]);
     v_request := array_fill(NULL::text, ARRAY[v_count]);
+    -- a claim without a tenant presented no live key: refused, nothing looked at
+    FOR q IN SELECT k AS n FROM generate_subscripts(v_tenant, 1) AS k WHERE v_tenant[k] IS NULL LOOP
+        v_request[q.n] := 'unauthorized';
+        v_done[q.n] := true;
+        v_request_id[q.n] := NULL;
+    END LOOP;
     IF array_remove(v_request_id, NULL) <> '{}' THEN
         SELECT coalesce(array_agg(ids.request_id), '{}') INTO v_requests
         FROM (SELECT DISTINCT r AS request_id FROM unnest(v_request_id) AS r WHERE r IS NOT NULL) AS ids
@@ -586,7 +664,9 @@ BEGIN
                 v_done[q.n] := true;
                 CONTINUE;
             END IF;
-            SELECT s, r.request_digest = v_digest[q.n] AS same_request, c.secret_ciphertext,
+            -- (a request id names a lease of one tenant: another tenant's request conflicts)
+            SELECT s, r.request_digest = v_digest[q.n] AND s.tenant IS NOT DISTINCT FROM v_tenant[q.n]
+                          AS same_request, c.secret_ciphertext,
                    coalesce(c.model_aliases ->> v_model[q.n], v_model[q.n]) AS provider_model
             INTO prior
             FROM lease_requests r
@@ -625,14 +705,29 @@ BEGIN
                coalesce(array_agg(p.n) FILTER (WHERE NOT p.first), '{}'),
                coalesce(bool_or((p.s).lease_id IS NOT NULL) FILTER (WHERE p.first), false),
                coalesce(bool_or(v_request_id[p.n] IS NOT NULL) FILTER (WHERE p.first), false),
-               coalesce(bool_or(p.status <> 'available') FILTER (WHERE p.first), false)
+               coalesce(bool_or(p.status <> 'available') FILTER (WHERE p.first), false),
+               array_agg(p.tenant_slot) FILTER (WHERE p.first)
         INTO w_claim, w_slot, w_status, w_cooldown, w_at, w_charge, w_secret, w_model, w_token,
-             v_open, v_pruned, v_requested, v_probed
+             v_open, v_pruned, v_requested, v_probed, w_tenant_slot
         FROM (
-            SELECT o.*, row_number() OVER (PARTITION BY (o.s).key_id ORDER BY o.n) = 1 AS first
+            SELECT o.*,
+                   row_number() OVER (PARTITION BY (o.s).key_id ORDER BY o.n) = 1
+                   AND row_number() OVER (PARTITION BY v_tenant[o.n], coalesce(o.tenant_slot, -o.n)
+                                          ORDER BY o.n) = 1 AS first
             FROM (
-                SELECT q.n, x.*, false AS windowed
+                SELECT q.n, x.*, false AS windowed, ts.slot AS tenant_slot
                 FROM unnest(v_open) AS q (n)
+                LEFT JOIN LATERAL (
+                    -- the tenant's free slot row, when it has a cap (see "Tenants" above)
+                    SELECT t.slot
+                    FROM tenant_slots t
+                    WHERE v_capped[q.n] AND (SELECT credpool_test_hook('claim.before_tenant_lock'))
+                      AND t.tenant_id = v_tenant[q.n] AND NOT t.over_limit
+                      AND (t.lease_id IS NULL OR t.lease_until <= v_now)
+                    ORDER BY t.slot
+                    LIMIT 1
+                    FOR UPDATE SKIP LOCKED
+                ) AS ts ON true
                 CROSS JOIN LATERAL (
                     SELECT s, c.status, c.cooldown_until, c.secret_ciphertext,
                            coalesce(c.model_aliases ->> v_model[q.n], v_model[q.n]) AS provider_model,
@@ -642,7 +737,8 @@ BEGIN
                         SELECT * FROM credentials c WHERE c.key_id = r.key_id LIMIT 1
                     ) c
                     JOIN lease_slots s ON s.key_id = c.key_id
-                    WHERE (SELECT credpool_test_hook('claim.before_lock'))
+                    WHERE (NOT v_capped[q.n] OR ts.slot IS NOT NULL)
+                      AND (SELECT credpool_test_hook('claim.before_lock'))
                       AND credpool_may_serve(c, v_provider[q.n], v_pool[q.n], v_model[q.n], v_now)
                       AND credpool_slot_open(s, c.status, v_now)
                       AND s.config_version = c.config_version
@@ -654,8 +750,19 @@ BEGIN
                 ) AS x
                 WHERE NOT v_windowed[q.n]
                 UNION ALL
-                SELECT q.n, x.*, true AS windowed
+                SELECT q.n, x.*, true AS windowed, ts.slot AS tenant_slot
                 FROM unnest(v_open) AS q (n)
+                LEFT JOIN LATERAL (
+                    -- the tenant's free slot row, when it has a cap (see "Tenants" above)
+                    SELECT t.slot
+                    FROM tenant_slots t
+                    WHERE v_capped[q.n] AND (SELECT credpool_test_hook('claim.before_tenant_lock'))
+                      AND t.tenant_id = v_tenant[q.n] AND NOT t.over_limit
+                      AND (t.lease_id IS NULL OR t.lease_until <= v_now)
+                    ORDER BY t.slot
+                    LIMIT 1
+                    FOR UPDATE SKIP LOCKED
+                ) AS ts ON true
                 CROSS JOIN LATERAL (
                     SELECT s, c.status, c.cooldown_until, c.secret_ciphertext,
                            coalesce(c.model_aliases ->> v_model[q.n], v_model[q.n]) AS provider_model,
@@ -666,7 +773,8 @@ BEGIN
                     ) c
                     JOIN lease_windows w ON w.key_id = c.key_id
                     JOIN lease_slots s ON s.key_id = c.key_id
-                    WHERE (SELECT credpool_test_hook('claim.before_lock'))
+                    WHERE (NOT v_capped[q.n] OR ts.slot IS NOT NULL)
+                      AND (SELECT credpool_test_hook('claim.before_lock'))
                       AND credpool_may_serve(c, v_provider[q.n], v_pool[q.n], v_model[q.n], v_now)
                       AND credpool_slot_open(s, c.status, v_now)
                       AND s.config_version = c.config_version
@@ -698,7 +806,8 @@ BEGIN
                    w_token[i] AS token_expires_at, v_lease[w_claim[i]] AS lease_id,
                    v_provider[w_claim[i]] AS provider, v_pool[w_claim[i]] AS pool,
                    v_holder[w_claim[i]] AS holder, v_seconds[w_claim[i]] AS seconds,
-                   v_tokens[w_claim[i]] AS tokens
+                   v_tokens[w_claim[i]] AS tokens, v_tenant[w_claim[i]] AS tenant,
+                   w_tenant_slot[i] AS tenant_slot
             FROM generate_subscripts(w_claim, 1) AS i
         ),
         granted AS (
@@ -707,17 +816,26 @@ BEGIN
                 holder = won.holder, granted_at = won.at,
                 lease_until = least(won.at + make_interval(secs => won.seconds), won.token_expires_at),
                 last_granted_at = won.at, probe = won.status <> 'available',
-                fence = nextval('lease_fence_seq'), reserved_tokens = won.tokens
+                fence = nextval('lease_fence_seq'), reserved_tokens = won.tokens,
+                tenant = won.tenant
             FROM won
             WHERE s.key_id = won.key_id AND s.slot = won.slot
-            RETURNING won.n, s, won.secret, won.model, won.pruned
+            RETURNING won.n, s, won.secret, won.model, won.pruned, won.tenant_slot
+        ),
+        -- a capped tenant's lease takes the tenant slot row PICK locked, with the same end
+        tenant_held AS (
+            UPDATE tenant_slots t
+            SET lease_id = (g.s).lease_id, key_id = (g.s).key_id, lease_until = (g.s).lease_until
+            FROM granted g
+            WHERE t.tenant_id = (g.s).tenant AND t.slot = g.tenant_slot
         ),
         trail AS (
             INSERT INTO lease_events
-                (event, lease_id, key_id, provider, pool, slot, holder, lease_until, at, fence, tokens)
+                (event, lease_id, key_id, provider, pool, slot, holder, lease_until, at, fence, tokens,
+                 tenant)
             SELECT 'granted', (g.s).lease_id, (g.s).key_id, (g.s).provider, (g.s).pool, (g.s).slot,
                    (g.s).holder, (g.s).lease_until, (g.s).granted_at, (g.s).fence,
-                   (g.s).reserved_tokens
+                   (g.s).reserved_tokens, (g.s).tenant
             FROM granted g
         )
         SELECT g_claim || array_agg(g.n), g_slot || array_agg(g.s), g_secret || array_agg(g.secret),
@@ -761,15 +879,28 @@ BEGIN
     -- candidate whose slot or window row another transaction held (a concurrent claim, the
     -- reaper, an operator's change) was passed over without knowing what that transaction
     -- leaves: if, read now, one may serve at once, say so ('busy': the caller claims again).
+    -- A claim of a capped tenant that got nothing: is every slot row of its tenant held by a live
+    -- lease (read now)? Then it is 'tenant_limit', whatever the credentials say.
     RETURN QUERY
     SELECT v_number[k.n], v_pool_version[k.n], (g_slot[g.i]).key_id, (g_slot[g.i]).lease_id,
            (g_slot[g.i]).pool, (g_slot[g.i]).granted_at, (g_slot[g.i]).lease_until,
            (g_slot[g.i]).probe, g_model[g.i], g_secret[g.i], g_pruned[g.i], (g_slot[g.i]).fence,
            CASE WHEN v_request[k.n] IS NOT NULL THEN v_request[k.n]
+                WHEN tl.full THEN 'tenant_limit'
                 WHEN g.i IS NULL AND f.at <= v_now THEN 'busy' END,
-           f.at, f.held_by
+           CASE WHEN tl.full THEN tl.frees_at ELSE f.at END,
+           CASE WHEN tl.full THEN 'tenant' ELSE f.held_by END,
+           coalesce((g_slot[g.i]).tenant, v_tenant[k.n]), v_now
     FROM generate_subscripts(v_done, 1) AS k (n)
     CROSS JOIN LATERAL (SELECT array_position(g_claim, k.n) AS i) AS g
+    LEFT JOIN LATERAL (
+        SELECT NOT coalesce(bool_or(NOT t.over_limit
+                                    AND (t.lease_id IS NULL OR t.lease_until <= v_now)), false) AS full,
+               min(t.lease_until) FILTER (WHERE t.lease_until > v_now) AS frees_at
+        FROM tenant_slots t
+        WHERE g.i IS NULL AND NOT v_done[k.n] AND v_capped[k.n] AND t.tenant_id = v_tenant[k.n]
+        HAVING g.i IS NULL AND NOT v_done[k.n] AND v_capped[k.n]
+    ) AS tl ON true
     LEFT JOIN LATERAL (
         SELECT greatest(f.at, t.at) AS at,
                CASE WHEN t.at > f.at THEN 'token_refresh' ELSE f.held_by END AS held_by
@@ -808,7 +939,10 @@ $$;
 -- token; the executor sees lease_until come back earlier than it asked and allocates again for
 -- the refreshed token. (Read from this statement's snapshot: a refresh committed after it
 -- began wrote a token this lease does not hold.)
--- Locks: the named leases' slot rows, ascending (key_id, slot), in one statement.
+-- A lease of a capped tenant moves its tenant slot row's lease_until in step (the row frees when
+-- the lease does; see CLAIM, "Tenants").
+-- Locks: the named leases' slot rows, ascending (key_id, slot), in one statement; then their
+-- tenant slot rows, ascending (tenant_id, slot).
 DROP FUNCTION IF EXISTS credpool_renew(jsonb);
 CREATE FUNCTION credpool_renew(p_renewals jsonb)
 RETURNS TABLE (renewal integer, lease_until timestamptz)
@@ -826,6 +960,16 @@ BEGIN
     WHERE s.key_id = ANY (ARRAY(SELECT e ->> 'key_id' FROM jsonb_array_elements(p_renewals) AS e))
       AND s.lease_id = ANY (ARRAY(SELECT (e ->> 'lease_id')::uuid FROM jsonb_array_elements(p_renewals) AS e))
     ORDER BY s.key_id, s.slot
+    FOR UPDATE;
+    PERFORM 1
+    FROM tenant_slots t
+    WHERE (t.tenant_id, t.lease_id) IN (
+              SELECT s.tenant, s.lease_id FROM lease_slots s
+              WHERE s.key_id = ANY (ARRAY(SELECT e ->> 'key_id' FROM jsonb_array_elements(p_renewals) AS e))
+                AND s.lease_id = ANY (ARRAY(SELECT (e ->> 'lease_id')::uuid
+                                            FROM jsonb_array_elements(p_renewals) AS e))
+                AND s.tenant IS NOT NULL)
+    ORDER BY t.tenant_id, t.slot
     FOR UPDATE;
     v_now := clock_timestamp();
 
@@ -857,11 +1001,19 @@ BEGIN
         WHERE s.lease_id = w.lease_id AND s.key_id = w.key_id AND s.provider = w.provider
           AND s.pool = w.pool AND (w.fence IS NULL OR s.fence = w.fence)
           AND s.lease_until > v_now
-        RETURNING s.key_id, s.slot, s.lease_id, s.provider, s.pool, s.holder, s.lease_until, s.fence
+        RETURNING s.key_id, s.slot, s.lease_id, s.provider, s.pool, s.holder, s.lease_until, s.fence,
+                  s.tenant
+    ),
+    tenant_renewed AS (
+        UPDATE tenant_slots t
+        SET lease_until = r.lease_until
+        FROM renewed r
+        WHERE t.tenant_id = r.tenant AND t.lease_id = r.lease_id
     ),
     trail AS (
-        INSERT INTO lease_events (event, lease_id, key_id, provider, pool, slot, holder, lease_until, at)
-        SELECT 'renewed', lease_id, key_id, provider, pool, slot, holder, lease_until, v_now
+        INSERT INTO lease_events
+            (event, lease_id, key_id, provider, pool, slot, holder, lease_until, at, tenant)
+        SELECT 'renewed', lease_id, key_id, provider, pool, slot, holder, lease_until, v_now, tenant
         FROM renewed
     )
     SELECT w.n::integer, r.lease_until
@@ -905,6 +1057,8 @@ $$;
 -- Returns one row per release, in order: the verdict; the credential (key_id); whether the lease
 -- was a probe; `refit`: the slot was over a lowered limit, so the credential may be back under it
 -- (the caller runs credpool_fit_slots in a transaction of its own once this one has committed);
+-- `tenant_refit`: the lease's tenant, when the tenant is over a lowered cap (the caller runs
+-- credpool_fit_tenant after the commit, likewise);
 -- `usage_granted_at`, `usage_delta`: when a usage replaced a reservation, the lease's grant time
 -- and usage - reservation (for the caller's view of the windows); `counted`: the outcome is to be
 -- applied to health. For counted rows, the credential's health
@@ -932,7 +1086,7 @@ DROP FUNCTION IF EXISTS credpool_release(jsonb);
 DROP FUNCTION IF EXISTS credpool_release(jsonb, boolean);
 CREATE FUNCTION credpool_release(p_releases jsonb, p_caller_announces boolean DEFAULT false)
 RETURNS TABLE (release integer, verdict text, key_id text, probe boolean, refit boolean,
-               usage_granted_at timestamptz, usage_delta bigint,
+               tenant_refit text, usage_granted_at timestamptz, usage_delta bigint,
                counted boolean, status text, status_reason text, cooldown_until timestamptz,
                health_successes double precision, health_failures double precision,
                health_rate_limits double precision, health_decayed_at timestamptz,
@@ -966,6 +1120,7 @@ DECLARE
     v_key text[];
     v_probe boolean[];
     v_refit boolean[];
+    v_tenant_refit text[];
     v_counted boolean[];
     v_usage_at timestamptz[];
     v_usage_delta bigint[];
@@ -1067,6 +1222,7 @@ BEGIN
     v_key := array_fill(NULL::text, ARRAY[coalesce(cardinality(v_n), 0)]);
     v_probe := array_fill(NULL::boolean, ARRAY[coalesce(cardinality(v_n), 0)]);
     v_refit := v_probe; v_counted := v_probe;
+    v_tenant_refit := array_fill(NULL::text, ARRAY[coalesce(cardinality(v_n), 0)]);
     v_usage_at := array_fill(NULL::timestamptz, ARRAY[coalesce(cardinality(v_n), 0)]);
     v_usage_delta := array_fill(NULL::bigint, ARRAY[coalesce(cardinality(v_n), 0)]);
     v_rejected_granted_at := v_usage_at;
@@ -1076,6 +1232,11 @@ BEGIN
         v_key[i] := CASE WHEN v_verdict[i] IN ('released', 'expired') THEN v_asked_key[i] END;
         v_probe[i] := v_verdict[i] = 'released' AND (v_slot[i]).probe;
         v_refit[i] := v_verdict[i] IN ('released', 'expired') AND (v_slot[i]).over_limit;
+        IF v_verdict[i] IN ('released', 'expired') AND (v_slot[i]).tenant IS NOT NULL
+           AND EXISTS (SELECT 1 FROM tenant_slots t
+                       WHERE t.tenant_id = (v_slot[i]).tenant AND t.over_limit) THEN
+            v_tenant_refit[i] := (v_slot[i]).tenant;
+        END IF;
         v_counted[i] := v_verdict[i] = 'released' AND v_outcome[i] IS NOT NULL;
         v_usage_at[i] := NULL;
         v_usage_delta[i] := NULL;
@@ -1090,11 +1251,11 @@ BEGIN
               AND (v_outcome[i] IS NOT NULL OR v_usage[i] IS NOT NULL) THEN
             INSERT INTO lease_events
                 (event, lease_id, key_id, provider, pool, slot, holder, outcome, lease_until, at,
-                 tokens)
+                 tokens, tenant)
             SELECT 'outcome_after_expiry', g.lease_id, g.key_id, g.provider, g.pool, g.slot, g.holder,
                    v_outcome[i],
                    (SELECT max(e.lease_until) FROM lease_events e WHERE e.lease_id = v_lease[i]),
-                   v_now, v_usage[i]
+                   v_now, v_usage[i], g.tenant
             FROM lease_events g
             WHERE g.lease_id = v_lease[i] AND g.event = 'granted'
               AND g.key_id = v_asked_key[i] AND g.provider = v_provider[i] AND g.pool = v_pool[i]
@@ -1158,13 +1319,14 @@ BEGIN
     v_health_now := clock_timestamp();
 
     RETURN QUERY
-    SELECT v.n, v.verdict, v.key_id, v.probe, v.refit, v.usage_at, v.usage_delta,
+    SELECT v.n, v.verdict, v.key_id, v.probe, v.refit, v.tenant_refit, v.usage_at, v.usage_delta,
            v.counted AND c.key_id IS NOT NULL,
            c.status, c.status_reason, c.cooldown_until, c.health_successes, c.health_failures,
            c.health_rate_limits, c.health_decayed_at, c.recent_failures, c.cooldowns_in_a_row,
            c.last_success_at, c.recovered_at, v_health_now, c.token_expires_at IS NOT NULL
-    FROM unnest(v_n, v_verdict, v_key, v_probe, v_refit, v_counted, v_usage_at, v_usage_delta)
-         AS v (n, verdict, key_id, probe, refit, counted, usage_at, usage_delta)
+    FROM unnest(v_n, v_verdict, v_key, v_probe, v_refit, v_counted, v_usage_at, v_usage_delta,
+                v_tenant_refit)
+         AS v (n, verdict, key_id, probe, refit, counted, usage_at, usage_delta, tenant_refit)
     LEFT JOIN credentials c ON c.key_id = v.key_id AND v.counted
     ORDER BY v.n;
 END;
@@ -1484,8 +1646,9 @@ $$;
 
 -- REAP: ends up to p_batch expired leases (`expired`, at their own lease_until) and frees their
 -- slots. Correctness never depends on it (a claim treats an expired lease as free and reuses its
--- slot); it keeps the trail complete and "leases in flight" honest. Never waits: SKIP LOCKED,
--- deciding on statement_timestamp(). Leaves the rows within a lowered limit (over_limit, not
+-- slot); it keeps the trail complete and "leases in flight" honest. Takes slot rows with SKIP
+-- LOCKED, deciding on statement_timestamp(); END then takes the leases' tenant rows (lock order
+-- 1b), which it may wait for while a claim that locked one commits (milliseconds). Leaves the rows within a lowered limit (over_limit, not
 -- surplus) to claims and to REFIT: ended here, END would close them while a surplus row still
 -- holds its (expired) lease. Returns how many leases it ended.
 CREATE OR REPLACE FUNCTION credpool_reap_expired_leases(p_batch integer DEFAULT 1000) RETURNS integer
@@ -1545,6 +1708,109 @@ BEGIN
            AND EXISTS (SELECT 1 FROM credentials c WHERE c.key_id = r.key_id FOR UPDATE SKIP LOCKED)
         THEN
             PERFORM credpool_fit_slots(r.key_id);
+            v_fitted := v_fitted + 1;
+        END IF;
+    END LOOP;
+    RETURN v_fitted;
+END;
+$$;
+
+-- FIT TENANT: brings tenant `p_tenant_id`'s slot rows in line with its cap
+-- (max_concurrent_leases), in the caller's transaction. Called by an operator's PUT of the
+-- tenant, after a release ended a lease of a tenant over a lowered cap (in a transaction of its
+-- own, once the release committed), and by the cleanup pass.
+--
+-- Invariant kept: a capped tenant's live leases never exceed its cap at a grant. Capacity is the
+-- set of its tenant_slots rows a claim may take (not over_limit); every live lease of the tenant
+-- sits in one row. Afterwards, with `live` leases in flight (counted after the locks, on
+-- clock_timestamp()): free rows are deleted; if live <= cap, every row is open and cap - live
+-- free rows are added, so exactly cap leases may be held; if live > cap (lowered under load),
+-- every row is over_limit: the tenant grants nothing until a fit finds it back under its cap
+-- (a release of its leases refits it at once; an expiry, the next cleanup pass). Lowering a
+-- cap revokes nothing. A tenant without a cap keeps no rows (its claims take none).
+--
+-- A tenant given a cap while it holds leases (none of them in rows: it had no cap) adopts them:
+-- their slot rows are locked first (lock order: slot rows, then tenant rows), so none of them
+-- ends or is renewed unseen, and each gets a row. A claim that read the tenant uncapped in the
+-- milliseconds before the PUT committed may still grant outside the rows (left for a later slice:
+-- the claims of an uncapped tenant lock nothing of it).
+--
+-- Locks: the tenant's advisory lock (one fit of a tenant at a time: rows are only inserted and
+-- deleted here), then (adopting) the slot rows of its leases, then every tenant_slots row of
+-- it, ascending slot.
+CREATE OR REPLACE FUNCTION credpool_fit_tenant(p_tenant_id text) RETURNS void
+LANGUAGE plpgsql AS $$
+DECLARE
+    v_cap integer;
+    v_now timestamptz;
+    v_live integer;
+BEGIN
+    PERFORM pg_advisory_xact_lock(hashtextextended('credpool.tenant:' || p_tenant_id, 0));
+    SELECT max_concurrent_leases INTO v_cap FROM tenants WHERE tenant_id = p_tenant_id;
+    IF NOT FOUND THEN
+        RETURN;
+    END IF;
+    IF v_cap IS NOT NULL AND NOT EXISTS (SELECT 1 FROM tenant_slots WHERE tenant_id = p_tenant_id) THEN
+        PERFORM 1 FROM lease_slots s
+        WHERE s.tenant = p_tenant_id AND s.lease_id IS NOT NULL
+        ORDER BY s.key_id, s.slot
+        FOR UPDATE;
+        INSERT INTO tenant_slots (tenant_id, slot, lease_id, key_id, lease_until)
+        SELECT p_tenant_id, (row_number() OVER (ORDER BY s.key_id, s.slot) - 1)::integer,
+               s.lease_id, s.key_id, s.lease_until
+        FROM lease_slots s
+        WHERE s.tenant = p_tenant_id AND s.lease_id IS NOT NULL
+          AND s.lease_until > clock_timestamp();
+    END IF;
+    PERFORM 1 FROM tenant_slots t WHERE t.tenant_id = p_tenant_id ORDER BY t.slot FOR UPDATE;
+    v_now := clock_timestamp();
+    IF v_cap IS NULL THEN
+        DELETE FROM tenant_slots WHERE tenant_id = p_tenant_id;
+        RETURN;
+    END IF;
+    DELETE FROM tenant_slots
+    WHERE tenant_id = p_tenant_id AND (lease_id IS NULL OR lease_until <= v_now);
+    SELECT count(*)::integer INTO v_live FROM tenant_slots WHERE tenant_id = p_tenant_id;
+    UPDATE tenant_slots SET over_limit = (v_live > v_cap)
+    WHERE tenant_id = p_tenant_id AND over_limit IS DISTINCT FROM (v_live > v_cap);
+    INSERT INTO tenant_slots (tenant_id, slot)
+    SELECT p_tenant_id, g
+    FROM generate_series(0, v_cap + v_live) AS g
+    WHERE NOT EXISTS (SELECT 1 FROM tenant_slots t WHERE t.tenant_id = p_tenant_id AND t.slot = g)
+    ORDER BY g
+    LIMIT greatest(v_cap - v_live, 0);
+END;
+$$;
+
+-- A tenant's leases in flight now (live: lease_until after the clock) and its cap, for the admin
+-- list: every lease of the tenant, capped or not, read from the slot rows (a tenant's usage is a
+-- read, not a decision: the claim decides on tenant_slots).
+CREATE OR REPLACE VIEW tenant_usage AS
+SELECT t.tenant_id, t.max_concurrent_leases, t.weight, t.rate_limits,
+       (SELECT count(*) FROM lease_slots s
+        WHERE s.tenant = t.tenant_id AND s.lease_id IS NOT NULL AND s.lease_until > now()) AS in_flight,
+       (SELECT count(*) FROM tenant_keys k WHERE k.tenant_id = t.tenant_id AND k.revoked_at IS NULL)
+           AS live_keys,
+       t.created_at, t.updated_at
+FROM tenants t;
+
+-- REFIT TENANTS, in the cleanup pass: fits up to p_batch tenants over a lowered cap (their
+-- releases refit them at once; this catches leases that expired instead, and a service that
+-- stopped in between). A tenant whose advisory lock another transaction holds is left for the
+-- next pass; the fit waits only for tenant rows a claim, renewal or release holds for the
+-- milliseconds of its statement. Returns how many tenants it fitted.
+CREATE OR REPLACE FUNCTION credpool_refit_tenants(p_batch integer DEFAULT 100) RETURNS integer
+LANGUAGE plpgsql AS $$
+DECLARE
+    v_fitted integer := 0;
+    r record;
+BEGIN
+    FOR r IN
+        SELECT DISTINCT t.tenant_id FROM tenant_slots t WHERE t.over_limit
+        ORDER BY t.tenant_id LIMIT p_batch
+    LOOP
+        IF pg_try_advisory_xact_lock(hashtextextended('credpool.tenant:' || r.tenant_id, 0)) THEN
+            PERFORM credpool_fit_tenant(r.tenant_id);
             v_fitted := v_fitted + 1;
         END IF;
     END LOOP;

@@ -104,7 +104,7 @@ $$;
 
 -- The steps of one maintenance pass, in order: reap expired leases, refit credentials back under
 -- a lowered limit, record ended cooldowns, purge old audit rows and request ids, fold the pool
--- versions of exited backends. Step `p_step` (1-based) runs and returns its name and how much it
+-- versions of exited backends, refit tenants over a lowered cap. Step `p_step` (1-based) runs and returns its name and how much it
 -- did; past the last step, both are NULL. Each step is meant to be its own transaction
 -- (credpool_maintenance, and the service's own scheduler, commit after each), so that the row
 -- locks of one step are gone before the next starts: a long audit purge never holds the slot rows
@@ -116,7 +116,7 @@ CREATE OR REPLACE FUNCTION credpool_maintenance_step(p_step integer, p_retention
 LANGUAGE plpgsql AS $$
 BEGIN
     name := (ARRAY['expired_leases_reaped', 'credentials_refitted', 'cooldowns_recorded',
-                   'audit_rows_purged', 'request_ids_purged', 'pool_versions_folded'])[p_step];
+                   'audit_rows_purged', 'request_ids_purged', 'pool_versions_folded', 'tenants_refitted'])[p_step];
     IF name IS NULL THEN
         RETURN;
     END IF;
@@ -126,6 +126,7 @@ BEGIN
     done := CASE name
         WHEN 'expired_leases_reaped' THEN credpool_reap_expired_leases(1000)
         WHEN 'credentials_refitted' THEN credpool_refit_over_limit(100)
+        WHEN 'tenants_refitted' THEN credpool_refit_tenants(100)
         WHEN 'cooldowns_recorded' THEN credpool_recover_cooldowns(1000)
         WHEN 'audit_rows_purged' THEN credpool_purge_audit(p_retention, 10000)
         WHEN 'request_ids_purged' THEN credpool_purge_requests('1 hour', 10000)

@@ -379,14 +379,17 @@ pub async fn audit(args: AuditArgs) -> anyhow::Result<ExitCode> {
                 let since = since.unwrap_or(until - time::Duration::days(1));
                 let rows = audit::oversell_check(&mut *work, since, until).await?;
                 let windows = audit::window_check(&mut *work, since, until).await?;
+                let tenants = audit::tenant_cap_check(&mut *work, since, until).await?;
                 work.done().await?;
                 let over_limit: i64 = rows.iter().map(|r| r.grants_over_limit).sum();
                 let over_window: i64 = windows.iter().map(|r| r.grants_over_window).sum();
-                let violations = over_limit + over_window;
+                let over_cap: i64 = tenants.iter().map(|r| r.grants_over_cap).sum();
+                let violations = over_limit + over_window + over_cap;
                 if cli.json {
                     print_json(&serde_json::json!({"since": since.format(&Rfc3339)?, "until": until.format(&Rfc3339)?,
                                                    "credentials": rows, "grants_over_limit": over_limit,
-                                                   "windows": windows, "grants_over_window": over_window}))?;
+                                                   "windows": windows, "grants_over_window": over_window,
+                                                   "tenants": tenants, "grants_over_cap": over_cap}))?;
                 } else {
                     let mut out = table(&["key_id", "limit", "leases", "peak", "grants over limit", "first at"]);
                     for r in &rows {
@@ -430,6 +433,28 @@ pub async fn audit(args: AuditArgs) -> anyhow::Result<ExitCode> {
                                 "no grant ever exceeded a window".to_owned()
                             } else {
                                 format!("{over_window} grants exceeded a window")
+                            }
+                        );
+                    }
+                    if !tenants.is_empty() {
+                        let mut out = table(&["tenant", "cap", "leases", "peak", "grants over cap", "first at"]);
+                        for r in &tenants {
+                            out.add_row(vec![
+                                r.tenant_id.clone(),
+                                r.max_concurrent_leases.map(|c| c.to_string()).unwrap_or_else(|| "none".into()),
+                                r.leases.to_string(),
+                                r.peak.to_string(),
+                                r.grants_over_cap.to_string(),
+                                r.first_violation_at.map(|t| t.to_string()).unwrap_or_default(),
+                            ]);
+                        }
+                        println!("{out}");
+                        println!(
+                            "tenants: {}",
+                            if over_cap == 0 {
+                                "no grant ever exceeded a tenant's cap".to_owned()
+                            } else {
+                                format!("{over_cap} grants exceeded a tenant's cap")
                             }
                         );
                     }

@@ -65,6 +65,14 @@ pub enum Error {
         /// When a slot may free, from the server's `Retry-After`.
         retry_after: Duration,
     },
+    /// 429 `tenant_limit`: the tenant of the client's key holds as many leases as its cap allows
+    /// (whatever the pool has free). `retry_after` is the server's `Retry-After`: until the first
+    /// of the tenant's own leases ends (1 s when the header is missing).
+    #[error("this key's tenant holds as many leases as its cap allows; retry after {} s (429 tenant_limit)", retry_after.as_secs())]
+    TenantLimit {
+        /// When one of the tenant's leases ends, from the server's `Retry-After`.
+        retry_after: Duration,
+    },
     /// 500 `internal_error`: a bug on the server. Not retried.
     #[error("credpool failed internally (500 internal_error): {message}")]
     Internal {
@@ -132,6 +140,7 @@ impl Error {
             Error::PayloadTooLarge => "payload_too_large",
             Error::UnsupportedMediaType => "unsupported_media_type",
             Error::PoolExhausted { .. } => "pool_exhausted",
+            Error::TenantLimit { .. } => "tenant_limit",
             Error::Internal { .. } => "internal_error",
             Error::StoreUnavailable => "store_unavailable",
             Error::RouteNotFound => "route_not_found",
@@ -300,6 +309,9 @@ pub(crate) fn from_answer(
         "pool_exhausted" => Error::PoolExhausted {
             retry_after: crate::wire::retry_after(retry_after),
         },
+        "tenant_limit" => Error::TenantLimit {
+            retry_after: crate::wire::retry_after(retry_after),
+        },
         "internal_error" => Error::Internal {
             message: scrub(message),
         },
@@ -355,6 +367,17 @@ mod tests {
             Error::UnexpectedResponse { status: 500, .. }
         ));
         assert!(!error.retried_by_client());
+    }
+
+    #[test]
+    fn tenant_limit_is_its_own_error_with_its_retry_after() {
+        let body = br#"{"error":{"code":"tenant_limit","message":"at its cap"}}"#;
+        let error = from_answer(429, Some("7"), body, |m| m);
+        assert!(
+            matches!(error, Error::TenantLimit { retry_after } if retry_after == Duration::from_secs(7)),
+            "{error:?}"
+        );
+        assert_eq!(error.code(), Some("tenant_limit"));
     }
 
     #[test]

@@ -176,6 +176,89 @@ string_newtype!(
     |v| check_name("request_id", &v, 128, |c| c.is_ascii_alphanumeric() || "._:-".contains(c), "letters, digits and . _ : -")
 );
 
+string_newtype!(
+    /// A tenant: who holds a lease (a team, a product), known from the executor key it presents
+    /// (`default` for the configured internal key): 1..=64 characters from `a-z 0-9 . _ -`,
+    /// starting with a letter or digit. Tenants are configured (`PUT /api/admin/tenants/{id}`),
+    /// so a tenant id is a bounded metric label.
+    TenantId,
+    "tenant_id",
+    "^[a-z0-9][a-z0-9._-]{0,63}$",
+    |v| check_lower_name("tenant_id", &v)
+);
+
+impl TenantId {
+    /// The tenant of the configured internal key.
+    pub fn default_tenant() -> Self {
+        Self("default".to_owned())
+    }
+}
+
+/// The prefix of every tenant executor key, so that a key pasted into the wrong place is
+/// recognizable (and a secret scanner can find one).
+pub const TENANT_KEY_PREFIX: &str = "cpk_";
+
+/// A tenant's executor key as presented: `cpk_` and 64 hex digits (256 random bits). Only its
+/// SHA-256 ([`TenantKeyHash`]) is kept anywhere; `Debug` never shows the key.
+#[derive(Clone, PartialEq, Eq)]
+pub struct TenantKey(String);
+
+impl TenantKey {
+    /// A new key: 256 bits from `rand`'s thread generator (a CSPRNG seeded from the operating
+    /// system).
+    pub fn generate() -> Self {
+        let bytes: [u8; 32] = rand::random();
+        Self(format!("{TENANT_KEY_PREFIX}{}", hex::encode(bytes)))
+    }
+
+    /// A presented key, if it has a tenant key's shape (otherwise it cannot be one: 401 without
+    /// asking the store).
+    pub fn parse(value: &str) -> Option<Self> {
+        let hex = value.strip_prefix(TENANT_KEY_PREFIX)?;
+        (hex.len() == 64
+            && hex
+                .bytes()
+                .all(|b| b.is_ascii_hexdigit() && !b.is_ascii_uppercase()))
+        .then(|| Self(value.to_owned()))
+    }
+
+    /// The key, to hand to the operator once.
+    pub fn expose(&self) -> &str {
+        &self.0
+    }
+
+    /// What the store keeps and looks keys up by.
+    pub fn hash(&self) -> TenantKeyHash {
+        use sha2::Digest;
+        TenantKeyHash(sha2::Sha256::digest(self.0.as_bytes()).into())
+    }
+}
+
+impl fmt::Debug for TenantKey {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str("TenantKey(<redacted>)")
+    }
+}
+
+/// SHA-256 of a [`TenantKey`]: 32 bytes. A fast hash is right here: the key is 256 random bits,
+/// so no dictionary or brute force can reach it, and a deliberately slow hash (bcrypt, argon2)
+/// would only add its cost to every executor call.
+#[derive(Clone, Copy, PartialEq, Eq, Hash)]
+pub struct TenantKeyHash(pub [u8; 32]);
+
+impl TenantKeyHash {
+    /// Lowercase hex, as the claim's JSON carries it.
+    pub fn to_hex(&self) -> String {
+        hex::encode(self.0)
+    }
+}
+
+impl fmt::Debug for TenantKeyHash {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str("TenantKeyHash(<redacted>)")
+    }
+}
+
 fn check_lower_name(field: &'static str, value: &str) -> Result<(), InvalidValue> {
     check_name(
         field,

@@ -20,6 +20,9 @@ use metrics_exporter_prometheus::{Matcher, PrometheusBuilder, PrometheusHandle};
 /// leased) and `result`: [`ALLOCATION_RESULTS`] for requests that reached the allocator,
 /// [`REFUSED_RESULTS`] (with empty provider and pool) for those refused before.
 pub const ALLOCATIONS: &str = "credpool_allocations_total";
+/// Allocate requests by the caller's `tenant` (a configured tenant: bounded) and `result` (as
+/// [`ALLOCATIONS`]).
+pub const TENANT_ALLOCATIONS: &str = "credpool_tenant_allocations_total";
 /// Request latency in seconds by `route` (the matched path) and `status` class (`2xx`, `4xx`, ...).
 pub const REQUEST_SECONDS: &str = "credpool_request_duration_seconds";
 /// Releases by `result` (`released`, `not_released`) and `reason` (`mismatch`, `expired`,
@@ -100,9 +103,10 @@ pub const VERSION: &str = concat!(
 
 /// The `result` of an allocation that reached the allocator, per provider and pool: `leased`, or
 /// the code of the error it answered with.
-pub const ALLOCATION_RESULTS: [&str; 9] = [
+pub const ALLOCATION_RESULTS: [&str; 10] = [
     "leased",
     "pool_exhausted",
+    "tenant_limit",
     "model_not_supported",
     "no_usable_credentials",
     "pool_not_found",
@@ -156,7 +160,14 @@ pub const METRICS: &[Metric] = &[
         kind: Kind::Counter,
         labels: &["provider", "pool", "served_pool", "result"],
         unit: "requests",
-        help: "Allocate requests by provider and pool asked for, the pool that served (empty unless leased) and result: leased, pool_exhausted (429, no capacity), store_unavailable (503, store down), or another error code.",
+        help: "Allocate requests by provider and pool asked for, the pool that served (empty unless leased) and result: leased, pool_exhausted (429, no capacity), tenant_limit (429, the caller's tenant at its cap), store_unavailable (503, store down), or another error code.",
+    },
+    Metric {
+        name: TENANT_ALLOCATIONS,
+        kind: Kind::Counter,
+        labels: &["tenant", "result"],
+        unit: "requests",
+        help: "Allocate requests whose key named a tenant, by tenant (default for the internal key; tenants are configured, so the label is bounded) and result, as in credpool_allocations_total: tenant_limit (429, the tenant at its cap) apart from pool_exhausted (429, the pool full).",
     },
     Metric {
         name: HELD_BACK,
@@ -404,6 +415,9 @@ fn zero_series() {
     counter!(DB_ACQUIRE_TIMEOUTS).absolute(0);
     gauge!(WAITERS).set(0.0);
     gauge!(WAITS_LISTENING).set(0.0);
+    for result in ["leased", "pool_exhausted", "tenant_limit"] {
+        counter!(TENANT_ALLOCATIONS, "tenant" => "default", "result" => result).absolute(0);
+    }
     for result in REFUSED_RESULTS {
         counter!(ALLOCATIONS, "provider" => "", "pool" => "", "served_pool" => "", "result" => result)
             .absolute(0);
@@ -454,11 +468,22 @@ pub fn render(db: &Db) -> String {
     handle.render()
 }
 
-/// Records one allocation.
-pub fn allocation(provider: &str, pool: &str, served_pool: &str, result: &'static str) {
+/// Records one allocation, and for a caller whose tenant the store named (`tenant` not empty:
+/// a configured tenant, so the label is bounded) its tenant's series too.
+pub fn allocation(
+    provider: &str,
+    pool: &str,
+    served_pool: &str,
+    tenant: &str,
+    result: &'static str,
+) {
     counter!(ALLOCATIONS, "provider" => provider.to_owned(), "pool" => pool.to_owned(),
              "served_pool" => served_pool.to_owned(), "result" => result)
     .increment(1);
+    if !tenant.is_empty() {
+        counter!(TENANT_ALLOCATIONS, "tenant" => tenant.to_owned(), "result" => result)
+            .increment(1);
+    }
 }
 
 /// Records one request's latency.

@@ -25,4 +25,5 @@ mod processes;
 mod races;
 mod release_renew;
 mod selection;
+mod tenants;
 mod windows;

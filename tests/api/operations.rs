@@ -111,7 +111,7 @@ async fn every_response_carries_a_request_id_taken_from_the_request_or_generated
 }
 
 /// Every route the service serves, as (method, path template).
-const ROUTES: [(&str, &str); 15] = [
+const ROUTES: [(&str, &str); 20] = [
     ("post", "/api/internal/allocate-key"),
     ("post", "/api/internal/release-key"),
     ("post", "/api/internal/renew-lease"),
@@ -123,6 +123,11 @@ const ROUTES: [(&str, &str); 15] = [
     ("post", "/api/admin/keys/{key_id}/release-all"),
     ("post", "/api/admin/leases/{lease_id}/release"),
     ("get", "/api/admin/pools"),
+    ("get", "/api/admin/tenants"),
+    ("put", "/api/admin/tenants/{tenant_id}"),
+    ("delete", "/api/admin/tenants/{tenant_id}"),
+    ("post", "/api/admin/tenants/{tenant_id}/keys"),
+    ("delete", "/api/admin/tenants/{tenant_id}/keys/{key_id}"),
     ("get", "/livez"),
     ("get", "/healthz"),
     ("get", "/readyz"),

@@ -624,6 +624,88 @@ async fn no_secret_reaches_a_log_line_a_metric_or_a_database_row_even_at_trace_l
         .await
         .unwrap();
     assert_eq!(wrong.status(), StatusCode::UNAUTHORIZED);
+    // a tenant's executor key: minted (its one appearance), used, listed, revoked, refused (on a
+    // credential of its own: the others are busy, cooling down or gone by now)
+    let put = client
+        .put(url("/api/admin/keys/leak-tenant"))
+        .header("x-admin-key", &admin_key)
+        .json(
+            &json!({"provider": "openai", "pool": "tenants", "models": ["gpt-4o"],
+                      "max_concurrent_uses": 2, "secret": {"api_key": secrets[0]}}),
+        )
+        .send()
+        .await
+        .unwrap();
+    assert!(put.status().is_success());
+    let tenant = admin(
+        reqwest::Method::PUT,
+        "/api/admin/tenants/leaky",
+        Some(json!({"max_concurrent_leases": 2})),
+    )
+    .await
+    .unwrap();
+    assert!(tenant.status().is_success());
+    let minted = admin(reqwest::Method::POST, "/api/admin/tenants/leaky/keys", None)
+        .await
+        .unwrap();
+    let minted: Value = minted.json().await.unwrap();
+    let tenant_key = minted["key"].as_str().unwrap().to_owned();
+    let as_tenant = |path: &str, body: Value| {
+        client
+            .post(url(path))
+            .header("x-internal-key", &tenant_key)
+            .json(&body)
+            .send()
+    };
+    let lease = json_body(
+        as_tenant("/api/internal/allocate-key", json!({"provider": "openai", "pool": "tenants", "model": "gpt-4o", "holder": "leaky", "lease_seconds": 60}))
+            .await
+            .unwrap(),
+        StatusCode::OK,
+    )
+    .await;
+    let mut renew = reference(&lease);
+    renew["lease_seconds"] = json!(30);
+    json_body(
+        as_tenant("/api/internal/renew-lease", renew).await.unwrap(),
+        StatusCode::OK,
+    )
+    .await;
+    json_body(
+        as_tenant("/api/internal/release-key", reference(&lease))
+            .await
+            .unwrap(),
+        StatusCode::OK,
+    )
+    .await;
+    let listed = admin(reqwest::Method::GET, "/api/admin/tenants", None)
+        .await
+        .unwrap()
+        .text()
+        .await
+        .unwrap();
+    assert!(
+        !listed.contains(&tenant_key),
+        "the tenant list returned a key"
+    );
+    admin(
+        reqwest::Method::DELETE,
+        &format!(
+            "/api/admin/tenants/leaky/keys/{}",
+            minted["key_id"].as_str().unwrap()
+        ),
+        None,
+    )
+    .await
+    .unwrap();
+    let revoked = as_tenant(
+        "/api/internal/allocate-key",
+        json!({"provider": "openai", "pool": "tenants", "model": "gpt-4o"}),
+    )
+    .await
+    .unwrap();
+    assert_eq!(revoked.status(), StatusCode::UNAUTHORIZED);
+    assert!(!revoked.text().await.unwrap().contains(&tenant_key));
     // the operations routes: metrics (after all of the above), probes, the API description
     let mut served = String::new();
     for path in ["/metrics", "/livez", "/readyz", "/healthz", "/openapi.json"] {
@@ -654,12 +736,13 @@ async fn no_secret_reaches_a_log_line_a_metric_or_a_database_row_even_at_trace_l
         rows.contains("token_refreshed") && rows.contains("token_rejected"),
         "the OAuth credential was refreshed and its token reported rejected"
     );
-    for secret in
-        secrets
-            .iter()
-            .chain(&oauth_secrets)
-            .chain([&refresh, &internal_key, &admin_key, &password])
-    {
+    for secret in secrets.iter().chain(&oauth_secrets).chain([
+        &refresh,
+        &internal_key,
+        &admin_key,
+        &password,
+        &tenant_key,
+    ]) {
         assert!(
             !logged.contains(secret.as_str()),
             "{secret} appeared in the log"

@@ -54,7 +54,9 @@ use tokio::sync::{Mutex, mpsc, oneshot};
 
 use super::health::HealthPolicy;
 use super::waiting::Waits;
-use crate::domain::{Holder, KeyId, LeaseId, LeaseSeconds, ModelName, PoolName, ProviderName};
+use crate::domain::{
+    Holder, KeyId, LeaseId, LeaseSeconds, ModelName, PoolName, ProviderName, TenantKeyHash,
+};
 use crate::store::leases::{
     self, ClaimRequest, ClaimResult, LeaseRef, ReleaseRequest, ReleaseResult, RequestKey,
     StagedRelease,
@@ -127,6 +129,7 @@ impl Groups {
                 lease_seconds: request.lease_seconds,
                 request: request.request.cloned(),
                 tokens: request.tokens,
+                caller: request.caller,
             })
             .await
     }
@@ -212,6 +215,7 @@ struct Claim {
     lease_seconds: LeaseSeconds,
     request: Option<RequestKey>,
     tokens: u64,
+    caller: Option<TenantKeyHash>,
 }
 
 impl Claim {
@@ -226,6 +230,7 @@ impl Claim {
             lease_seconds: self.lease_seconds,
             request: self.request.as_ref(),
             tokens: self.tokens,
+            caller: self.caller,
         }
     }
 }

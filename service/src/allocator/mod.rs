@@ -34,6 +34,7 @@ use time::OffsetDateTime;
 
 use crate::domain::{
     Holder, KeyId, LeaseId, LeaseSeconds, ModelName, PoolName, ProviderName, RequestId, Secret,
+    TenantKeyHash,
 };
 use crate::secrets::{Keyring, SecretsError};
 use crate::store::leases::{
@@ -73,6 +74,9 @@ pub struct AllocateRequest {
     /// The tokens the call expects to use (0..=10^9): reserved in the credential's token windows
     /// at the grant, until the release reports its usage.
     pub tokens: u64,
+    /// The hash of the tenant key the executor presented (`None`: the configured internal key,
+    /// tenant `default`). The claim checks it in the store and takes the tenant from it.
+    pub caller: Option<TenantKeyHash>,
 }
 
 /// A granted lease, as the executor receives it.
@@ -94,6 +98,8 @@ pub struct Allocation {
     pub probe: bool,
     /// The fencing token: strictly increasing per credential with each grant, never reused.
     pub fence: i64,
+    /// The tenant holding the lease (the caller's).
+    pub tenant: String,
     /// The credential material (redacted in `Debug`).
     pub credential: Secret,
 }
@@ -135,6 +141,19 @@ pub enum AllocateError {
     /// request's `tokens` estimate: no wait can make room for it.
     #[error("the token estimate is larger than every candidate credential's token window")]
     TokensExceedBudget,
+    /// 429: the caller's tenant holds as many live leases as its `max_concurrent_leases`
+    /// allows (decided in the claim on the tenant's slot rows); one of them ends in
+    /// `retry_after_seconds` (whole seconds, at least 1).
+    #[error("the tenant holds as many leases as its cap allows")]
+    TenantLimit {
+        /// The tenant.
+        tenant: String,
+        /// Seconds until the earliest of the tenant's leases ends (>= 1).
+        retry_after_seconds: u64,
+    },
+    /// 401: the tenant key presented is unknown or revoked (checked by the claim).
+    #[error("unknown or revoked executor key")]
+    Unauthorized,
     /// 503: PostgreSQL failed or could not be reached in time.
     #[error("store unavailable")]
     Store(#[from] sqlx::Error),
@@ -148,6 +167,8 @@ impl AllocateError {
             AllocateError::ModelNotSupported => "model_not_supported",
             AllocateError::NoUsableCredentials => "no_usable_credentials",
             AllocateError::PoolExhausted { .. } => "pool_exhausted",
+            AllocateError::TenantLimit { .. } => "tenant_limit",
+            AllocateError::Unauthorized => "unauthorized",
             AllocateError::RequestIdConflict => "request_id_conflict",
             AllocateError::TokensExceedBudget => "tokens_exceed_budget",
             AllocateError::SecretUnreadable { .. } => "internal_error",
@@ -182,6 +203,10 @@ const IN_FLIGHT_PAUSE: Duration = Duration::from_millis(5);
 /// load, so a bound in attempts would answer 429 while a slot or a window still had room; the
 /// request timeout bounds it too.
 const BUSY_PATIENCE: Duration = Duration::from_secs(1);
+
+/// The longest a waiting request at its tenant's cap sleeps before it claims again (a release of
+/// one of the tenant's leases is announced to the waiters of that lease's pool only).
+const TENANT_RECHECK: Duration = Duration::from_millis(250);
 
 /// How long the first waiting request waits for the listening connection to come up.
 const LISTEN_CONNECT_WAIT: Duration = Duration::from_secs(1);
@@ -338,7 +363,7 @@ impl Allocator {
         let busy = matches!(
             &first,
             Err(Refusal {
-                error: AllocateError::PoolExhausted { .. },
+                error: AllocateError::PoolExhausted { .. } | AllocateError::TenantLimit { .. },
                 ..
             })
         );
@@ -368,6 +393,14 @@ impl Allocator {
                     error: AllocateError::PoolExhausted { .. },
                     frees_in,
                 }) if Instant::now() < deadline => *frees_in,
+                // a release of the tenant's lease in another pool wakes nobody here: look again
+                // at least every TENANT_RECHECK
+                Err(Refusal {
+                    error: AllocateError::TenantLimit { .. },
+                    frees_in,
+                }) if Instant::now() < deadline => {
+                    Some(frees_in.map_or(TENANT_RECHECK, |d| d.min(TENANT_RECHECK)))
+                }
                 _ => {
                     let label = match &result {
                         Ok(_) => "leased",
@@ -494,8 +527,12 @@ impl Allocator {
             lease_seconds: request.lease_seconds,
             request: Some(key),
             tokens: request.tokens,
+            caller: request.caller,
         };
         let result = self.claim(&claim).await?;
+        if result.unauthorized {
+            return Err(AllocateError::Unauthorized);
+        }
         if result.conflict {
             return Err(AllocateError::RequestIdConflict);
         }
@@ -545,6 +582,7 @@ impl Allocator {
             lease_until: granted.lease_until,
             probe: granted.probe,
             fence: granted.fence,
+            tenant: granted.tenant,
             credential,
         })
     }
@@ -616,11 +654,23 @@ impl Allocator {
                 lease_seconds: request.lease_seconds,
                 request: key,
                 tokens: request.tokens,
+                caller: request.caller,
             };
             let result = self.claim(&claim).await?;
             *claimed = true;
+            if result.unauthorized {
+                return Err(AllocateError::Unauthorized);
+            }
             if result.conflict {
                 return Err(AllocateError::RequestIdConflict);
+            }
+            if result.tenant_limit {
+                // the tenant's own cap, whatever the pool has free: no other pool or candidate
+                // can serve it
+                return Err(AllocateError::TenantLimit {
+                    tenant: result.tenant.unwrap_or_default(),
+                    retry_after_seconds: retry_after_seconds(result.frees_at.zip(result.db_now)),
+                });
             }
             let view_version = self.views.with_view(provider, pool, |v| v.version).await?.0;
             let stale = result.pool_version != view_version;

@@ -10,7 +10,7 @@ use utoipa_axum::router::OpenApiRouter;
 use utoipa_axum::routes;
 
 use super::{AllocationOutcome, ApiError, ApiJson, AppState, ErrorBody, ExecutorKey};
-use crate::allocator::AllocateRequest;
+use crate::allocator::{AllocateError, AllocateRequest};
 use crate::domain::{
     Holder, InvalidValue, KeyId, LeaseId, LeaseSeconds, ModelName, Outcome, PoolName, ProviderName,
     RequestId, Secret,
@@ -62,6 +62,7 @@ fn allocate_request(
     body: AllocateBody,
     max_lease_seconds: u32,
     max_wait: Duration,
+    caller: ExecutorKey,
 ) -> Result<AllocateRequest, ApiError> {
     Ok(AllocateRequest {
         lease_seconds: lease_seconds(body.lease_seconds, max_lease_seconds)?,
@@ -72,6 +73,7 @@ fn allocate_request(
         request_id: body.request_id,
         wait: Duration::from_millis(body.wait_ms.unwrap_or(0)).min(max_wait),
         tokens: tokens(body.tokens, "tokens")?.unwrap_or(0),
+        caller: caller.tenant_key(),
     })
 }
 
@@ -101,7 +103,7 @@ pub fn parse_allocate(
 ) -> Result<AllocateRequest, ApiError> {
     let body: AllocateBody = serde_json::from_slice(body)
         .map_err(|error| ApiError::InvalidRequest(error.to_string()))?;
-    allocate_request(body, max_lease_seconds, max_wait)
+    allocate_request(body, max_lease_seconds, max_wait, ExecutorKey::Internal)
 }
 
 /// A granted lease.
@@ -128,6 +130,9 @@ struct AllocateResponse {
     /// lease of this credential. Pass it upstream where the upstream can refuse stale writers,
     /// and with renew and release.
     fence: i64,
+    /// The tenant holding the lease: the one the executor key belongs to (`default` for the
+    /// configured internal key).
+    tenant: String,
     /// The credential material, as the operator stored it.
     credential: Secret,
 }
@@ -152,22 +157,23 @@ fn lease_seconds(requested: Option<u64>, max: u32) -> Result<LeaseSeconds, ApiEr
         (status = 409, description = "`model_not_supported`, `no_usable_credentials` (every credential that serves the model waits for an operator), `request_id_conflict` (the request_id holds a live lease granted for other parameters), or `tokens_exceed_budget` (the `tokens` estimate is larger than a token window of every credential that serves the model)", body = ErrorBody),
         (status = 413, description = "`payload_too_large`", body = ErrorBody),
         (status = 415, description = "`unsupported_media_type`", body = ErrorBody),
-        (status = 429, description = "`pool_exhausted`: candidates exist but none is free now (or none freed within `wait_ms`)", body = ErrorBody,
-         headers(("Retry-After" = u64, description = "whole seconds (>= 1) until the earliest lease or cooldown among the candidates ends"))),
+        (status = 429, description = "`pool_exhausted`: candidates exist but none is free now (or none freed within `wait_ms`); `tenant_limit`: the caller's tenant holds as many live leases as its `max_concurrent_leases` allows", body = ErrorBody,
+         headers(("Retry-After" = u64, description = "whole seconds (>= 1) until the earliest lease or cooldown among the candidates ends (`tenant_limit`: the earliest end of the tenant's own leases)"))),
         (status = 500, description = "`internal_error`", body = ErrorBody),
         (status = 503, description = "`store_unavailable`: PostgreSQL unreachable or too slow", body = ErrorBody),
     ))]
 #[tracing::instrument(skip_all, fields(provider = %body.provider, pool = %body.pool, model = %body.model))]
 async fn allocate(
     State(state): State<AppState>,
-    _key: ExecutorKey,
+    key: ExecutorKey,
     ApiJson(body): ApiJson<AllocateBody>,
 ) -> Result<Response, ApiError> {
-    let request = allocate_request(body, state.max_lease_seconds, state.max_wait)?;
-    let outcome = |served_pool: &str, result| AllocationOutcome {
+    let request = allocate_request(body, state.max_lease_seconds, state.max_wait, key)?;
+    let outcome = |served_pool: &str, tenant: &str, result| AllocationOutcome {
         provider: request.provider.to_string(),
         pool: request.pool.to_string(),
         served_pool: served_pool.to_owned(),
+        tenant: tenant.to_owned(),
         result,
     };
     // the request timeout bounds the work; a waiting request gets its wait on top
@@ -179,7 +185,7 @@ async fn allocate(
     .map_err(|_| ApiError::Timeout)?;
     let (mut response, labels) = match allocated {
         Ok(lease) => {
-            let labels = outcome(lease.pool.as_str(), "leased");
+            let labels = outcome(lease.pool.as_str(), &lease.tenant, "leased");
             let body = AllocateResponse {
                 key_id: lease.key_id,
                 lease_id: lease.lease_id,
@@ -190,15 +196,37 @@ async fn allocate(
                 lease_seconds: request.lease_seconds.get(),
                 probe: lease.probe,
                 fence: lease.fence,
+                tenant: lease.tenant,
                 credential: lease.credential,
             };
             (Json(body).into_response(), labels)
         }
         Err(error) => {
-            let labels = outcome("", error.result());
-            let error =
-                ApiError::from_allocate(error, request.provider.as_str(), request.pool.as_str());
-            (error.into_response(), labels)
+            // The tenant, for the answer and the label: the claim named it; an answer reached
+            // without a claim (a 404 or 409 judged from the pool, a store failure) reads the key
+            // now, so that an unknown or revoked key gets 401, never a word about the pool.
+            let tenant = match &error {
+                AllocateError::TenantLimit { tenant, .. } => Ok(tenant.clone()),
+                AllocateError::Unauthorized | AllocateError::Store(_) => Ok(String::new()),
+                _ => key.tenant(&state.db).await.map(|t| t.to_string()),
+            };
+            match tenant {
+                Ok(tenant) => {
+                    let label = if matches!(error, AllocateError::Unauthorized) {
+                        ""
+                    } else {
+                        tenant.as_str()
+                    };
+                    let labels = outcome("", label, error.result());
+                    let error = ApiError::from_allocate(
+                        error,
+                        request.provider.as_str(),
+                        request.pool.as_str(),
+                    );
+                    (error.into_response(), labels)
+                }
+                Err(refused) => (refused.into_response(), outcome("", "", "unauthorized")),
+            }
         }
     };
     response.extensions_mut().insert(labels);
@@ -265,9 +293,12 @@ struct ReleaseResponse {
 #[tracing::instrument(skip_all, fields(key_id = %body.key_id, lease_id = %body.lease_id))]
 async fn release(
     State(state): State<AppState>,
-    _key: ExecutorKey,
+    key: ExecutorKey,
     ApiJson(body): ApiJson<ReleaseBody>,
 ) -> Result<Json<ReleaseResponse>, ApiError> {
+    // a tenant key is checked in the store at the call (one index probe): a revoked key releases
+    // nothing (the lease frees at its lease_until)
+    key.tenant(&state.db).await?;
     if body
         .retry_after_seconds
         .is_some_and(|s| s > MAX_RETRY_AFTER_SECONDS)
@@ -362,9 +393,11 @@ struct RenewResponse {
 #[tracing::instrument(skip_all, fields(key_id = %body.key_id, lease_id = %body.lease_id))]
 async fn renew(
     State(state): State<AppState>,
-    _key: ExecutorKey,
+    key: ExecutorKey,
     ApiJson(body): ApiJson<RenewBody>,
 ) -> Result<Json<RenewResponse>, ApiError> {
+    // a tenant key is checked in the store at the call: a revoked key renews nothing
+    key.tenant(&state.db).await?;
     let seconds = lease_seconds(body.lease_seconds, state.max_lease_seconds)?;
     let lease = LeaseRef {
         key_id: body.key_id,

@@ -6,6 +6,7 @@ mod admin;
 mod dashboard;
 mod executor;
 mod ops;
+mod tenants;
 
 pub use executor::parse_allocate;
 
@@ -179,6 +180,7 @@ fn routes() -> utoipa_axum::router::OpenApiRouter<AppState> {
     utoipa_axum::router::OpenApiRouter::with_openapi(ApiDoc::openapi())
         .merge(executor::routes())
         .merge(admin::routes())
+        .merge(tenants::routes())
         .merge(ops::routes())
 }
 
@@ -272,6 +274,9 @@ pub(crate) struct AllocationOutcome {
     provider: String,
     pool: String,
     served_pool: String,
+    /// The caller's tenant, as the store knows it (a configured tenant: a bounded label); empty
+    /// when the key was refused.
+    tenant: String,
     result: &'static str,
 }
 
@@ -312,7 +317,13 @@ async fn observe(
     crate::telemetry::request(route.clone(), status.as_u16(), started.elapsed());
     if route == executor::ALLOCATE_ROUTE {
         match response.extensions().get::<AllocationOutcome>() {
-            Some(o) => crate::telemetry::allocation(&o.provider, &o.pool, &o.served_pool, o.result),
+            Some(o) => crate::telemetry::allocation(
+                &o.provider,
+                &o.pool,
+                &o.served_pool,
+                &o.tenant,
+                o.result,
+            ),
             None => {
                 let result = match status {
                     StatusCode::UNAUTHORIZED => "unauthorized",
@@ -320,7 +331,7 @@ async fn observe(
                     s if s.is_server_error() => "internal_error",
                     _ => "bad_request",
                 };
-                crate::telemetry::allocation("", "", "", result);
+                crate::telemetry::allocation("", "", "", "", result);
             }
         }
     }
@@ -356,6 +367,16 @@ pub enum ApiError {
     /// 404 `credential_not_found`: no credential with this key_id (operator routes).
     #[error("no credential with this key_id")]
     CredentialNotFound,
+    /// 404 `tenant_not_found`: no tenant with this tenant_id (operator routes).
+    #[error("no tenant with this tenant_id")]
+    TenantNotFound,
+    /// 404 `tenant_key_not_found`: the tenant has no live key with this id (operator routes).
+    #[error("the tenant has no live key with this id")]
+    TenantKeyNotFound,
+    /// 409 `tenant_in_use`: the tenant cannot be deleted: it is `default` (the internal key's),
+    /// or it holds live leases. Changes nothing.
+    #[error("{0}")]
+    TenantInUse(&'static str),
     /// 404 `route_not_found`.
     #[error("no such route")]
     RouteNotFound,
@@ -404,6 +425,18 @@ pub enum ApiError {
         /// Whole seconds, at least 1.
         retry_after_seconds: u64,
     },
+    /// 429 `tenant_limit` with `Retry-After`: the caller's tenant holds as many live leases as
+    /// its `max_concurrent_leases` allows (whatever the pool has free). Retry-After: the earliest
+    /// end of the tenant's own leases.
+    #[error(
+        "tenant {tenant} holds as many leases as its max_concurrent_leases allows; retry after {retry_after_seconds} s"
+    )]
+    TenantLimit {
+        /// The tenant.
+        tenant: String,
+        /// Whole seconds, at least 1.
+        retry_after_seconds: u64,
+    },
     /// 500 `internal_error`: a bug (a handler panicked). Logged; changes nothing the request had
     /// not committed.
     #[error("internal error")]
@@ -429,6 +462,10 @@ impl ApiError {
             ApiError::PoolNotFound { .. } => (StatusCode::NOT_FOUND, "pool_not_found"),
             ApiError::RouteNotFound => (StatusCode::NOT_FOUND, "route_not_found"),
             ApiError::CredentialNotFound => (StatusCode::NOT_FOUND, "credential_not_found"),
+            ApiError::TenantNotFound => (StatusCode::NOT_FOUND, "tenant_not_found"),
+            ApiError::TenantKeyNotFound => (StatusCode::NOT_FOUND, "tenant_key_not_found"),
+            ApiError::TenantInUse(_) => (StatusCode::CONFLICT, "tenant_in_use"),
+            ApiError::TenantLimit { .. } => (StatusCode::TOO_MANY_REQUESTS, "tenant_limit"),
             ApiError::MethodNotAllowed => (StatusCode::METHOD_NOT_ALLOWED, "method_not_allowed"),
             ApiError::ModelNotSupported => (StatusCode::CONFLICT, "model_not_supported"),
             ApiError::NoUsableCredentials => (StatusCode::CONFLICT, "no_usable_credentials"),
@@ -456,7 +493,9 @@ impl IntoResponse for ApiError {
             ApiError::StoreUnavailable(source) => {
                 tracing::error!(error = %source, "store unavailable");
             }
-            ApiError::PoolExhausted { .. } => tracing::debug!(code, "no capacity"),
+            ApiError::PoolExhausted { .. } | ApiError::TenantLimit { .. } => {
+                tracing::debug!(code, "no capacity")
+            }
             ApiError::Internal => tracing::error!("request handler panicked"),
             _ => tracing::debug!(code, message = %self, "request refused"),
         }
@@ -464,6 +503,10 @@ impl IntoResponse for ApiError {
         let mut response = (status, Json(body)).into_response();
         if let ApiError::PoolExhausted {
             retry_after_seconds,
+        }
+        | ApiError::TenantLimit {
+            retry_after_seconds,
+            ..
         } = self
         {
             response
@@ -503,6 +546,14 @@ impl ApiError {
             } => ApiError::PoolExhausted {
                 retry_after_seconds,
             },
+            AllocateError::TenantLimit {
+                tenant,
+                retry_after_seconds,
+            } => ApiError::TenantLimit {
+                tenant,
+                retry_after_seconds,
+            },
+            AllocateError::Unauthorized => ApiError::Unauthorized,
             AllocateError::Store(e) => ApiError::StoreUnavailable(e),
             AllocateError::SecretUnreadable { key_id, error } => {
                 tracing::error!(key_id = %key_id, error = %error, "a credential's secret cannot be opened; check the master keys");
@@ -523,10 +574,11 @@ pub struct ErrorBody {
 #[derive(Debug, serde::Serialize, utoipa::ToSchema)]
 pub struct ErrorDetail {
     /// Stable, snake_case: `invalid_request`, `unauthorized`, `forbidden`, `pool_not_found`,
-    /// `credential_not_found`, `route_not_found`, `method_not_allowed`, `model_not_supported`,
-    /// `no_usable_credentials`, `request_id_conflict`, `tokens_exceed_budget`, `lease_lost`,
-    /// `payload_too_large`, `unsupported_media_type`,
-    /// `pool_exhausted`, `internal_error`, `store_unavailable`, `not_ready`, `shutting_down`.
+    /// `credential_not_found`, `tenant_not_found`, `tenant_key_not_found`, `route_not_found`,
+    /// `method_not_allowed`, `model_not_supported`, `no_usable_credentials`,
+    /// `request_id_conflict`, `tokens_exceed_budget`, `tenant_in_use`, `lease_lost`,
+    /// `payload_too_large`, `unsupported_media_type`, `pool_exhausted`, `tenant_limit`,
+    /// `internal_error`, `store_unavailable`, `not_ready`, `shutting_down`.
     pub code: String,
     /// What happened, for people.
     pub message: String,
@@ -625,18 +677,54 @@ fn key_matches(headers: &HeaderMap, name: &str, expected: &str) -> bool {
         .is_some_and(|given| given.as_bytes().ct_eq(expected.as_bytes()).into())
 }
 
-/// Proof that the request carries the executor key (`X-Internal-Key`); otherwise 401.
-pub struct ExecutorKey;
+/// The executor key a request carries (`X-Internal-Key`): the configured internal key (tenant
+/// `default`), or something shaped like a tenant's key (`cpk_` + 64 hex digits), which only the
+/// store can vouch for: the statement that serves the call checks it (the claim), or a look-up
+/// just before (renew, release), so a revoked key is refused on every replica as soon as its
+/// DELETE has answered (no process keeps keys). Anything else: 401 at once.
+#[derive(Debug, Clone, Copy)]
+pub enum ExecutorKey {
+    /// The configured internal key: tenant `default`.
+    Internal,
+    /// A tenant's key, by its hash (the key itself is dropped here).
+    Tenant(crate::domain::TenantKeyHash),
+}
+
+impl ExecutorKey {
+    /// The hash the store checks, for a tenant key.
+    pub fn tenant_key(self) -> Option<crate::domain::TenantKeyHash> {
+        match self {
+            ExecutorKey::Internal => None,
+            ExecutorKey::Tenant(hash) => Some(hash),
+        }
+    }
+
+    /// The tenant this key belongs to, read from the store: `default` for the internal key;
+    /// `Err(Unauthorized)` for a key that is unknown or revoked.
+    pub async fn tenant(self, db: &crate::store::Db) -> Result<crate::domain::TenantId, ApiError> {
+        match self {
+            ExecutorKey::Internal => Ok(crate::domain::TenantId::default_tenant()),
+            ExecutorKey::Tenant(hash) => crate::store::tenants::key_tenant(db, hash)
+                .await?
+                .ok_or(ApiError::Unauthorized),
+        }
+    }
+}
 
 impl FromRequestParts<AppState> for ExecutorKey {
     type Rejection = ApiError;
 
     async fn from_request_parts(parts: &mut Parts, state: &AppState) -> Result<Self, ApiError> {
         if key_matches(&parts.headers, "x-internal-key", &state.keys.internal) {
-            Ok(ExecutorKey)
-        } else {
-            Err(ApiError::Unauthorized)
+            return Ok(ExecutorKey::Internal);
         }
+        parts
+            .headers
+            .get("x-internal-key")
+            .and_then(|given| given.to_str().ok())
+            .and_then(crate::domain::TenantKey::parse)
+            .map(|key| ExecutorKey::Tenant(key.hash()))
+            .ok_or(ApiError::Unauthorized)
     }
 }
 

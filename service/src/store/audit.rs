@@ -116,6 +116,57 @@ pub async fn window_check(
         .collect())
 }
 
+/// One tenant's line of the tenant cap proof (SQL function `credpool_tenant_cap_check`).
+#[derive(Debug, Clone, serde::Serialize)]
+pub struct TenantCapRow {
+    /// The tenant.
+    pub tenant_id: String,
+    /// Its cap now (`None`: no cap, or deleted).
+    pub max_concurrent_leases: Option<i32>,
+    /// Leases granted to it in the range.
+    pub leases: i64,
+    /// The most leases it held at one moment.
+    pub peak: i64,
+    /// Grants that left it holding more leases than its cap at that moment allowed. Anything
+    /// but 0 is a grant over a tenant's cap.
+    pub grants_over_cap: i64,
+    /// When the first such grant happened.
+    #[serde(with = "time::serde::rfc3339::option")]
+    pub first_violation_at: Option<OffsetDateTime>,
+}
+
+/// The tenant cap proof over `[since, until)`, from the audit trail alone (see the SQL function
+/// `credpool_tenant_cap_check` for the exact rule).
+#[tracing::instrument(skip(executor), err(level = "debug"))]
+pub async fn tenant_cap_check(
+    executor: impl PgExecutor<'_>,
+    since: OffsetDateTime,
+    until: OffsetDateTime,
+) -> Result<Vec<TenantCapRow>, sqlx::Error> {
+    let rows = sqlx::query!(
+        r#"
+        SELECT tenant_id AS "tenant_id!", max_concurrent_leases, leases AS "leases!",
+               peak AS "peak!", grants_over_cap AS "grants_over_cap!", first_violation_at
+        FROM credpool_tenant_cap_check($1, $2)
+        "#,
+        since,
+        until,
+    )
+    .fetch_all(executor)
+    .await?;
+    Ok(rows
+        .into_iter()
+        .map(|r| TenantCapRow {
+            tenant_id: r.tenant_id,
+            max_concurrent_leases: r.max_concurrent_leases,
+            leases: r.leases,
+            peak: r.peak,
+            grants_over_cap: r.grants_over_cap,
+            first_violation_at: r.first_violation_at,
+        })
+        .collect())
+}
+
 /// Leases among `key_ids` granted in `[since, until)` that ended by expiry (SQL function
 /// `credpool_lease_lifetimes`).
 pub async fn expired_without_release(

@@ -12,6 +12,7 @@ use time::OffsetDateTime;
 use crate::allocator::health::{self, Health, HealthPolicy, Report};
 use crate::domain::{
     Holder, KeyId, LeaseId, LeaseSeconds, ModelName, Outcome, PoolName, ProviderName, RequestId,
+    TenantKeyHash,
 };
 
 /// Values read back from the database passed the same validation on the way in (and the
@@ -43,6 +44,9 @@ pub struct ClaimRequest<'a> {
     /// The tokens the lease reserves in its credential's token windows (the allocate's estimate;
     /// 0: none).
     pub tokens: u64,
+    /// The hash of the tenant key presented (`None`: the internal key, tenant `default`): the
+    /// claim checks it is live and takes its tenant's cap.
+    pub caller: Option<TenantKeyHash>,
 }
 
 /// An allocation's idempotency key: the client's `request_id` and a digest of the parameters it
@@ -120,6 +124,8 @@ pub struct GrantedLease {
     /// The lease was granted to an earlier attempt of the same request (same `request_id` and
     /// parameters); this claim took no slot.
     pub replayed: bool,
+    /// The tenant holding the lease.
+    pub tenant: String,
 }
 
 /// What one run of the claim statement found.
@@ -141,8 +147,18 @@ pub struct ClaimResult {
     /// When nothing was granted: the earliest moment a candidate may serve the claim (a slot, a
     /// cooldown or a window frees), on the database clock; `None` when nothing known ends.
     pub frees_at: Option<OffsetDateTime>,
-    /// What holds that candidate back: `slots`, `cooldown`, `requests_window`, `tokens_window`.
+    /// What holds that candidate back: `slots`, `cooldown`, `requests_window`, `tokens_window`
+    /// (`tenant` with `tenant_limit`).
     pub held_by: Option<String>,
+    /// The tenant key presented is unknown or revoked: nothing was done.
+    pub unauthorized: bool,
+    /// Nothing granted: the tenant holds as many live leases as its cap allows (`frees_at`: the
+    /// earliest end of them).
+    pub tenant_limit: bool,
+    /// The tenant the claim was made for (`None` when unauthorized).
+    pub tenant: Option<String>,
+    /// The claim's clock (database), for a Retry-After from `frees_at`.
+    pub db_now: Option<OffsetDateTime>,
 }
 
 /// Runs the claim for one request: [`claim_slots`] with a group of one.
@@ -184,6 +200,7 @@ pub async fn claim_slots(
                 "request_id": request.request.map(|r| r.id.as_str()),
                 "request_digest": request.request.map(|r| r.digest.as_str()),
                 "tokens": request.tokens,
+                "key_hash": request.caller.map(|hash| hash.to_hex()),
             })
         })
         .collect();
@@ -191,7 +208,7 @@ pub async fn claim_slots(
         r#"
         SELECT claim AS "claim!", pool_version, key_id, lease_id, lease_pool, granted_at,
                lease_until, probe, provider_model, sealed_secret, pruned_expired, fence, request,
-               frees_at, held_by
+               frees_at, held_by, tenant, db_now
         FROM credpool_claim($1)
         ORDER BY claim
         "#,
@@ -237,6 +254,7 @@ pub async fn claim_slots(
                         .map_err(|e| e.to_string())?,
                     fence: row.fence.ok_or_else(|| missing("fence"))?,
                     replayed: row.request.as_deref() == Some("replayed"),
+                    tenant: row.tenant.clone().ok_or_else(|| missing("tenant"))?,
                 }))
             };
             let granted = match granted() {
@@ -254,6 +272,10 @@ pub async fn claim_slots(
                 busy: row.request.as_deref() == Some("busy"),
                 frees_at: row.frees_at,
                 held_by: row.held_by,
+                unauthorized: row.request.as_deref() == Some("unauthorized"),
+                tenant_limit: row.request.as_deref() == Some("tenant_limit"),
+                tenant: row.tenant,
+                db_now: row.db_now,
             }
         })
         .collect();
@@ -391,6 +413,8 @@ pub struct StagedRelease {
     result: ReleaseResult,
     /// The freed slot's credential, when it was over a lowered limit: it may now be back under.
     refit: Option<KeyId>,
+    /// The lease's tenant, when it is over a lowered cap: it may now be back under.
+    tenant_refit: Option<String>,
 }
 
 impl StagedRelease {
@@ -417,6 +441,18 @@ impl StagedRelease {
             };
             if let Err(error) = refitted.await {
                 tracing::warn!(key_id = %key_id, error = %error, "refit after release failed");
+            }
+        }
+        if let Some(tenant) = self.tenant_refit {
+            // likewise for a tenant over a lowered cap (credpool_fit_tenant takes the tenant's
+            // advisory lock, which a transaction holding rows must not wait for)
+            let refitted = async {
+                let mut tx = conn.begin().await?;
+                super::tenants::fit(&mut *tx, &tenant).await?;
+                tx.commit().await
+            };
+            if let Err(error) = refitted.await {
+                tracing::warn!(tenant = %tenant, error = %error, "tenant refit after release failed");
             }
         }
         self.result
@@ -459,7 +495,7 @@ pub async fn release_group_in(
     let rows = sqlx::query!(
         r#"
         SELECT release AS "release!", verdict AS "verdict!", key_id, probe AS "probe!",
-               refit AS "refit!", usage_granted_at, usage_delta, counted AS "counted!", status,
+               refit AS "refit!", tenant_refit, usage_granted_at, usage_delta, counted AS "counted!", status,
                status_reason, cooldown_until,
                health_successes, health_failures, health_rate_limits, health_decayed_at,
                recent_failures, cooldowns_in_a_row, last_success_at, recovered_at,
@@ -519,6 +555,7 @@ pub async fn release_group_in(
                 usage: row.usage_granted_at.zip(row.usage_delta),
             },
             refit: key_id.filter(|_| row.refit),
+            tenant_refit: row.tenant_refit,
         });
     }
 

@@ -42,6 +42,7 @@ pub mod maintenance;
 pub mod oauth;
 pub mod schema;
 pub mod target;
+pub mod tenants;
 
 use std::time::Duration;
 

@@ -1,0 +1,957 @@
+//! Tenants (issue 29): executor keys of their own, and a cap on live leases that holds across
+//! replicas, decided in the claim on the tenant's slot rows. Several `credpool serve` processes
+//! where it matters (the cap and a revoke must hold on every replica).
+
+use std::time::Duration;
+
+use reqwest::StatusCode;
+use serde_json::{Value, json};
+use sqlx::Row;
+
+use credpool_test_support::*;
+
+use crate::BIN;
+use crate::lease_state::{Hook, backend_pid, hooked, until_waiting};
+
+/// An operator's request with the admin key to `base` + `path`.
+async fn admin(
+    client: &reqwest::Client,
+    base: &str,
+    method: reqwest::Method,
+    path: &str,
+    body: Option<Value>,
+) -> reqwest::Response {
+    let mut request = client
+        .request(method, format!("{base}{path}"))
+        .header("x-admin-key", ADMIN_KEY)
+        .header("x-operator", "alice");
+    if let Some(body) = body {
+        request = request.json(&body);
+    }
+    request.send().await.expect("admin request")
+}
+
+/// Creates or updates tenant `id` with `body`; panics unless it answers 200 or 201.
+async fn put_tenant(client: &reqwest::Client, base: &str, id: &str, body: Value) -> Value {
+    let response = admin(
+        client,
+        base,
+        reqwest::Method::PUT,
+        &format!("/api/admin/tenants/{id}"),
+        Some(body),
+    )
+    .await;
+    let status = response.status();
+    assert!(
+        status == StatusCode::OK || status == StatusCode::CREATED,
+        "PUT tenant {id}: {status}: {}",
+        response.text().await.unwrap()
+    );
+    response.json().await.unwrap()
+}
+
+/// Mints a key for tenant `id`: (key id, key).
+async fn mint(client: &reqwest::Client, base: &str, id: &str) -> (String, String) {
+    let minted = json_body(
+        admin(
+            client,
+            base,
+            reqwest::Method::POST,
+            &format!("/api/admin/tenants/{id}/keys"),
+            None,
+        )
+        .await,
+        StatusCode::CREATED,
+    )
+    .await;
+    (
+        minted["key_id"].as_str().unwrap().to_owned(),
+        minted["key"].as_str().unwrap().to_owned(),
+    )
+}
+
+/// `POST base + path` with executor key `key`.
+async fn executor(
+    client: &reqwest::Client,
+    base: &str,
+    path: &str,
+    key: &str,
+    body: Value,
+) -> reqwest::Response {
+    post_json(
+        client,
+        &format!("{base}{path}"),
+        ("x-internal-key", key),
+        body,
+    )
+    .await
+}
+
+async fn allocate(
+    client: &reqwest::Client,
+    base: &str,
+    key: &str,
+    pool: &str,
+) -> reqwest::Response {
+    executor(
+        client,
+        base,
+        "/api/internal/allocate-key",
+        key,
+        json!({"provider": "openai", "model": "gpt-4o", "pool": pool, "lease_seconds": 600}),
+    )
+    .await
+}
+
+fn lease_ref(lease: &Value) -> Value {
+    json!({"provider": lease["provider"], "pool": lease["pool"], "key_id": lease["key_id"],
+           "lease_id": lease["lease_id"]})
+}
+
+/// The tenant's line of `GET /api/admin/tenants`.
+async fn tenant_line(client: &reqwest::Client, base: &str, id: &str) -> Value {
+    let list = json_body(
+        admin(
+            client,
+            base,
+            reqwest::Method::GET,
+            "/api/admin/tenants",
+            None,
+        )
+        .await,
+        StatusCode::OK,
+    )
+    .await;
+    list["tenants"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|t| t["tenant_id"] == id)
+        .cloned()
+        .unwrap_or_else(|| panic!("no tenant {id} in {list}"))
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_tenant_at_its_cap_gets_tenant_limit_on_every_replica_while_another_tenant_is_served() {
+    // Cap 3; 30 simultaneous allocates from the tenant over two service processes, on a pool
+    // with 20 free slots: exactly 3 granted, 27 answered 429 tenant_limit (not pool_exhausted),
+    // while another tenant is served meanwhile; the trail proves the cap held.
+    let database = TestDatabase::create().await;
+    let env = keyed_env(&database);
+    let (a, b) = tokio::join!(
+        ServeProcess::start(BIN, &env, &[]),
+        ServeProcess::start(BIN, &env, &[])
+    );
+    let client = client();
+    for i in 0..10 {
+        let response = admin(
+            &client,
+            &a.base,
+            reqwest::Method::PUT,
+            &format!("/api/admin/keys/k{i}"),
+            Some(
+                json!({"provider": "openai", "models": ["gpt-4o"], "max_concurrent_uses": 2,
+                        "secret": {"api_key": format!("sk-{i}")}}),
+            ),
+        )
+        .await;
+        assert!(response.status().is_success());
+    }
+    let batch = put_tenant(
+        &client,
+        &a.base,
+        "batch",
+        json!({"max_concurrent_leases": 3}),
+    )
+    .await;
+    assert_eq!(batch["max_concurrent_leases"], 3);
+    assert_eq!(batch["weight"], 1);
+    put_tenant(&client, &b.base, "web", json!({"weight": 2})).await;
+    let (_, batch_key) = mint(&client, &a.base, "batch").await;
+    let (_, web_key) = mint(&client, &b.base, "web").await;
+
+    let barrier = std::sync::Arc::new(tokio::sync::Barrier::new(30));
+    let calls: Vec<_> = (0..30)
+        .map(|i| {
+            let (client, key, barrier) = (client.clone(), batch_key.clone(), barrier.clone());
+            let base = if i % 2 == 0 {
+                a.base.clone()
+            } else {
+                b.base.clone()
+            };
+            tokio::spawn(async move {
+                barrier.wait().await;
+                let response = allocate(&client, &base, &key, "default").await;
+                let status = response.status();
+                let retry_after = response
+                    .headers()
+                    .get("retry-after")
+                    .map(|v| v.to_str().unwrap().parse::<u64>().unwrap());
+                (status, retry_after, response.json::<Value>().await.unwrap())
+            })
+        })
+        .collect();
+    // the other tenant, served while the batch tenant is at its cap
+    let web = json_body(
+        allocate(&client, &b.base, &web_key, "default").await,
+        StatusCode::OK,
+    )
+    .await;
+    assert_eq!(web["tenant"], "web");
+
+    let mut granted = Vec::new();
+    let mut limited = 0;
+    for call in calls {
+        let (status, retry_after, body) = call.await.unwrap();
+        match status {
+            StatusCode::OK => {
+                assert_eq!(body["tenant"], "batch", "{body}");
+                granted.push(body);
+            }
+            StatusCode::TOO_MANY_REQUESTS => {
+                assert_eq!(body["error"]["code"], "tenant_limit", "{body}");
+                // the earliest end of the tenant's own leases: 600 s away (from a grant that
+                // may have come a moment after this claim started)
+                let retry_after = retry_after.expect("Retry-After on tenant_limit");
+                assert!((590..=601).contains(&retry_after), "{retry_after}");
+                limited += 1;
+            }
+            other => panic!("unexpected {other}: {body}"),
+        }
+    }
+    assert_eq!(granted.len(), 3, "granted: {granted:?}");
+    assert_eq!(limited, 27);
+    // the web tenant is served again while batch is still at its cap
+    json_body(
+        allocate(&client, &a.base, &web_key, "default").await,
+        StatusCode::OK,
+    )
+    .await;
+
+    // the admin list: in flight against the cap
+    let line = tenant_line(&client, &a.base, "batch").await;
+    assert_eq!(line["in_flight"], 3, "{line}");
+    assert_eq!(line["max_concurrent_leases"], 3);
+    assert_eq!(tenant_line(&client, &b.base, "web").await["in_flight"], 2);
+
+    // the trail carries the tenant; tenant_limit is its own series, apart from pool_exhausted
+    let pool = database.pool(1).await;
+    let tenants: Vec<Option<String>> = sqlx::query_scalar(
+        "SELECT tenant FROM lease_events WHERE event = 'granted' ORDER BY event_id",
+    )
+    .fetch_all(&pool)
+    .await
+    .unwrap();
+    assert_eq!(
+        tenants
+            .iter()
+            .filter(|t| t.as_deref() == Some("batch"))
+            .count(),
+        3
+    );
+    assert_eq!(
+        tenants
+            .iter()
+            .filter(|t| t.as_deref() == Some("web"))
+            .count(),
+        2
+    );
+    // (tenant, result) -> the sum over both processes of credpool_tenant_allocations_total
+    let mut series = std::collections::BTreeMap::<(String, String), f64>::new();
+    for base in [&a.base, &b.base] {
+        let page = client
+            .get(format!("{base}/metrics"))
+            .send()
+            .await
+            .unwrap()
+            .text()
+            .await
+            .unwrap();
+        for line in page
+            .lines()
+            .filter(|l| l.starts_with("credpool_tenant_allocations_total{"))
+        {
+            let label = |name: &str| {
+                let start = line.find(&format!("{name}=\"")).unwrap() + name.len() + 2;
+                line[start..start + line[start..].find('"').unwrap()].to_owned()
+            };
+            let value: f64 = line.rsplit(' ').next().unwrap().parse().unwrap();
+            *series
+                .entry((label("tenant"), label("result")))
+                .or_default() += value;
+        }
+        assert!(!page.contains(&batch_key) && !page.contains(&web_key));
+    }
+    let count = |tenant: &str, result: &str| {
+        series
+            .get(&(tenant.to_owned(), result.to_owned()))
+            .copied()
+            .unwrap_or(0.0)
+    };
+    assert_eq!(count("batch", "tenant_limit"), 27.0, "{series:?}");
+    assert_eq!(count("batch", "leased"), 3.0, "{series:?}");
+    assert_eq!(count("batch", "pool_exhausted"), 0.0, "{series:?}");
+    assert_eq!(count("web", "leased"), 2.0, "{series:?}");
+
+    // a release frees the tenant's slot at once, on any replica
+    let release = lease_ref(&granted[0]);
+    let released = json_body(
+        executor(
+            &client,
+            &b.base,
+            "/api/internal/release-key",
+            &batch_key,
+            release,
+        )
+        .await,
+        StatusCode::OK,
+    )
+    .await;
+    assert_eq!(released["released"], true);
+    json_body(
+        allocate(&client, &a.base, &batch_key, "default").await,
+        StatusCode::OK,
+    )
+    .await;
+    assert_error(
+        allocate(&client, &b.base, &batch_key, "default").await,
+        StatusCode::TOO_MANY_REQUESTS,
+        "tenant_limit",
+    )
+    .await;
+
+    let (ok, report) = audit_verify(BIN, &database).await;
+    assert!(ok, "{report}");
+    assert!(
+        report.contains("no grant ever exceeded a tenant's cap"),
+        "{report}"
+    );
+    assert!(a.terminate().await.success());
+    assert!(b.terminate().await.success());
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_revoked_key_is_refused_on_every_replica_as_soon_as_the_delete_answered() {
+    let database = TestDatabase::create().await;
+    let env = keyed_env(&database);
+    let (a, b) = tokio::join!(
+        ServeProcess::start(BIN, &env, &[]),
+        ServeProcess::start(BIN, &env, &[])
+    );
+    let client = client();
+    let response = admin(
+        &client,
+        &a.base,
+        reqwest::Method::PUT,
+        "/api/admin/keys/k",
+        Some(
+            json!({"provider": "openai", "models": ["gpt-4o"], "max_concurrent_uses": 8,
+                    "secret": {"api_key": "sk-k"}}),
+        ),
+    )
+    .await;
+    assert!(response.status().is_success());
+    put_tenant(
+        &client,
+        &a.base,
+        "team",
+        json!({"max_concurrent_leases": 5}),
+    )
+    .await;
+    let (key_id, key) = mint(&client, &a.base, "team").await;
+    let (_, other_key) = mint(&client, &a.base, "team").await;
+
+    // both replicas serve the key (each has looked it up once: nothing may be kept from that)
+    let mut leases = Vec::new();
+    for base in [&a.base, &b.base, &a.base, &b.base] {
+        leases.push(
+            json_body(
+                allocate(&client, base, &key, "default").await,
+                StatusCode::OK,
+            )
+            .await,
+        );
+    }
+    let mut renew = lease_ref(&leases[0]);
+    renew["lease_seconds"] = json!(600);
+    json_body(
+        executor(
+            &client,
+            &b.base,
+            "/api/internal/renew-lease",
+            &key,
+            renew.clone(),
+        )
+        .await,
+        StatusCode::OK,
+    )
+    .await;
+
+    let revoked = admin(
+        &client,
+        &a.base,
+        reqwest::Method::DELETE,
+        &format!("/api/admin/tenants/team/keys/{key_id}"),
+        None,
+    )
+    .await;
+    assert_eq!(json_body(revoked, StatusCode::OK).await["revoked"], true);
+    // at once, on both replicas: allocate, renew and release are refused, and change nothing
+    let events_before: i64 = sqlx::query_scalar("SELECT count(*) FROM lease_events")
+        .fetch_one(&database.pool(1).await)
+        .await
+        .unwrap();
+    for base in [&b.base, &a.base] {
+        assert_error(
+            allocate(&client, base, &key, "default").await,
+            StatusCode::UNAUTHORIZED,
+            "unauthorized",
+        )
+        .await;
+        assert_error(
+            executor(
+                &client,
+                base,
+                "/api/internal/renew-lease",
+                &key,
+                renew.clone(),
+            )
+            .await,
+            StatusCode::UNAUTHORIZED,
+            "unauthorized",
+        )
+        .await;
+        assert_error(
+            executor(
+                &client,
+                base,
+                "/api/internal/release-key",
+                &key,
+                lease_ref(&leases[1]),
+            )
+            .await,
+            StatusCode::UNAUTHORIZED,
+            "unauthorized",
+        )
+        .await;
+        // an allocate the pool could never serve is refused for the key, not answered 404
+        assert_error(
+            allocate(&client, base, &key, "nowhere").await,
+            StatusCode::UNAUTHORIZED,
+            "unauthorized",
+        )
+        .await;
+    }
+    let events_after: i64 = sqlx::query_scalar("SELECT count(*) FROM lease_events")
+        .fetch_one(&database.pool(1).await)
+        .await
+        .unwrap();
+    assert_eq!(
+        events_before, events_after,
+        "a revoked key changed the trail"
+    );
+    // the tenant's other key still works; revoking twice is a 404
+    json_body(
+        allocate(&client, &b.base, &other_key, "default").await,
+        StatusCode::OK,
+    )
+    .await;
+    assert_error(
+        admin(
+            &client,
+            &b.base,
+            reqwest::Method::DELETE,
+            &format!("/api/admin/tenants/team/keys/{key_id}"),
+            None,
+        )
+        .await,
+        StatusCode::NOT_FOUND,
+        "tenant_key_not_found",
+    )
+    .await;
+    assert!(a.terminate().await.success());
+    assert!(b.terminate().await.success());
+}
+
+#[tokio::test]
+async fn a_tenant_key_is_shown_once_and_never_again() {
+    let app = TestApp::spawn().await;
+    let base = app.url("");
+    app.put_key("k", "openai", "default", &["gpt-4o"], 2).await;
+    put_tenant(&app.client, &base, "team", json!({})).await;
+    let (key_id, key) = mint(&app.client, &base, "team").await;
+    assert!(key.starts_with("cpk_") && key.len() == 68, "{key}");
+    let lease = json_body(
+        allocate(&app.client, &base, &key, "default").await,
+        StatusCode::OK,
+    )
+    .await;
+    let mut release = lease_ref(&lease);
+    release["outcome"] = json!("success");
+    json_body(
+        executor(
+            &app.client,
+            &base,
+            "/api/internal/release-key",
+            &key,
+            release,
+        )
+        .await,
+        StatusCode::OK,
+    )
+    .await;
+
+    // the list names the key by its id, never the key
+    let listed = admin(
+        &app.client,
+        &base,
+        reqwest::Method::GET,
+        "/api/admin/tenants",
+        None,
+    )
+    .await
+    .text()
+    .await
+    .unwrap();
+    assert!(listed.contains(&key_id), "{listed}");
+    assert!(!listed.contains(&key), "the list returned the key");
+    assert!(
+        !listed.contains(&key[4..]),
+        "the list returned the key's digits"
+    );
+    // the store keeps only its SHA-256: no row of any table holds the key
+    let rows: String = sqlx::query_scalar(
+        "SELECT concat_ws(' ', (SELECT string_agg(t::text, ' ') FROM tenant_keys t),
+                              (SELECT string_agg(t::text, ' ') FROM tenant_events t),
+                              (SELECT string_agg(t::text, ' ') FROM lease_events t))",
+    )
+    .fetch_one(&app.db)
+    .await
+    .unwrap();
+    assert!(!rows.contains(&key[4..]), "a row holds the key");
+    let hashed: bool = sqlx::query_scalar(
+        "SELECT key_hash = sha256(convert_to($1, 'UTF8')) FROM tenant_keys WHERE key_id = $2::uuid",
+    )
+    .bind(&key)
+    .bind(&key_id)
+    .fetch_one(&app.db)
+    .await
+    .unwrap();
+    assert!(hashed, "the stored hash is not the key's SHA-256");
+    // a second mint is another key
+    let (_, second) = mint(&app.client, &base, "team").await;
+    assert_ne!(second, key);
+}
+
+#[tokio::test]
+async fn bad_tenant_input_gets_a_stable_4xx_and_changes_nothing() {
+    let app = TestApp::spawn().await;
+    let base = app.url("");
+    let snapshot = || async {
+        sqlx::query_scalar::<_, String>(
+            "SELECT concat_ws(' | ', (SELECT string_agg(t::text, ' ' ORDER BY tenant_id) FROM tenants t),
+                                     (SELECT count(*)::text FROM tenant_events),
+                                     (SELECT count(*)::text FROM tenant_keys),
+                                     (SELECT count(*)::text FROM tenant_slots))",
+        )
+        .fetch_one(&app.db)
+        .await
+        .unwrap()
+    };
+    put_tenant(
+        &app.client,
+        &base,
+        "team",
+        json!({"max_concurrent_leases": 2}),
+    )
+    .await;
+    let before = snapshot().await;
+    for (id, body) in [
+        ("team", json!({"max_concurrent_leases": -1})),
+        ("team", json!({"max_concurrent_leases": 100_001})),
+        ("team", json!({"max_concurrent_leases": "3"})),
+        ("team", json!({"weight": 0})),
+        ("team", json!({"weight": 1001})),
+        ("team", json!({"cap": 3})),
+        (
+            "team",
+            json!({"rate_limits": [{"requests": 0, "seconds": 60}]}),
+        ),
+        (
+            "team",
+            json!({"rate_limits": [{"bananas": 5, "seconds": 60}]}),
+        ),
+        ("Team", json!({})),
+        ("-team", json!({})),
+    ] {
+        let response = admin(
+            &app.client,
+            &base,
+            reqwest::Method::PUT,
+            &format!("/api/admin/tenants/{id}"),
+            Some(body.clone()),
+        )
+        .await;
+        assert_error(response, StatusCode::BAD_REQUEST, "invalid_request").await;
+    }
+    assert_error(
+        admin(
+            &app.client,
+            &base,
+            reqwest::Method::DELETE,
+            "/api/admin/tenants/default",
+            None,
+        )
+        .await,
+        StatusCode::CONFLICT,
+        "tenant_in_use",
+    )
+    .await;
+    assert_error(
+        admin(
+            &app.client,
+            &base,
+            reqwest::Method::DELETE,
+            "/api/admin/tenants/nobody",
+            None,
+        )
+        .await,
+        StatusCode::NOT_FOUND,
+        "tenant_not_found",
+    )
+    .await;
+    assert_error(
+        admin(
+            &app.client,
+            &base,
+            reqwest::Method::POST,
+            "/api/admin/tenants/nobody/keys",
+            None,
+        )
+        .await,
+        StatusCode::NOT_FOUND,
+        "tenant_not_found",
+    )
+    .await;
+    assert_error(
+        admin(
+            &app.client,
+            &base,
+            reqwest::Method::DELETE,
+            "/api/admin/tenants/team/keys/not-a-uuid",
+            None,
+        )
+        .await,
+        StatusCode::BAD_REQUEST,
+        "invalid_request",
+    )
+    .await;
+    assert_error(
+        admin(
+            &app.client,
+            &base,
+            reqwest::Method::DELETE,
+            &format!("/api/admin/tenants/team/keys/{}", uuid::Uuid::new_v4()),
+            None,
+        )
+        .await,
+        StatusCode::NOT_FOUND,
+        "tenant_key_not_found",
+    )
+    .await;
+    // the executor key may not manage tenants
+    let forbidden = app
+        .client
+        .put(app.url("/api/admin/tenants/team"))
+        .header("x-admin-key", INTERNAL_KEY)
+        .json(&json!({}))
+        .send()
+        .await
+        .unwrap();
+    assert_error(forbidden, StatusCode::FORBIDDEN, "forbidden").await;
+    // a key-shaped string that was never minted, and one of the wrong shape
+    for key in [format!("cpk_{}", "0".repeat(64)), "cpk_short".to_owned()] {
+        assert_error(
+            allocate(&app.client, &base, &key, "default").await,
+            StatusCode::UNAUTHORIZED,
+            "unauthorized",
+        )
+        .await;
+    }
+    assert_eq!(
+        snapshot().await,
+        before,
+        "a refused request changed tenants"
+    );
+}
+
+#[tokio::test]
+async fn a_lowered_cap_grants_nothing_until_the_tenant_is_back_under_it() {
+    // Cap 2 with 2 leases held, lowered to 1: the tenant is over its cap, so nothing is granted
+    // until its leases in flight are below 1 + ... exactly: one release leaves 1 held (= the
+    // cap: still 429); the second release reopens it, and it grants exactly one again.
+    let app = TestApp::spawn().await;
+    let base = app.url("");
+    app.put_key("k", "openai", "default", &["gpt-4o"], 8).await;
+    put_tenant(
+        &app.client,
+        &base,
+        "team",
+        json!({"max_concurrent_leases": 2}),
+    )
+    .await;
+    let (_, key) = mint(&app.client, &base, "team").await;
+    let first = json_body(
+        allocate(&app.client, &base, &key, "default").await,
+        StatusCode::OK,
+    )
+    .await;
+    let second = json_body(
+        allocate(&app.client, &base, &key, "default").await,
+        StatusCode::OK,
+    )
+    .await;
+    put_tenant(
+        &app.client,
+        &base,
+        "team",
+        json!({"max_concurrent_leases": 1}),
+    )
+    .await;
+    assert_error(
+        allocate(&app.client, &base, &key, "default").await,
+        StatusCode::TOO_MANY_REQUESTS,
+        "tenant_limit",
+    )
+    .await;
+    for (lease, open_after) in [(&first, false), (&second, true)] {
+        json_body(
+            executor(
+                &app.client,
+                &base,
+                "/api/internal/release-key",
+                &key,
+                lease_ref(lease),
+            )
+            .await,
+            StatusCode::OK,
+        )
+        .await;
+        let response = allocate(&app.client, &base, &key, "default").await;
+        if open_after {
+            json_body(response, StatusCode::OK).await;
+        } else {
+            assert_error(response, StatusCode::TOO_MANY_REQUESTS, "tenant_limit").await;
+        }
+    }
+    assert_error(
+        allocate(&app.client, &base, &key, "default").await,
+        StatusCode::TOO_MANY_REQUESTS,
+        "tenant_limit",
+    )
+    .await;
+    // the internal key's tenant has no cap: unaffected throughout
+    json_body(
+        app.allocate(json!({"provider": "openai", "model": "gpt-4o"}))
+            .await,
+        StatusCode::OK,
+    )
+    .await;
+    let (ok, report) = audit_verify(BIN, &app.database).await;
+    assert!(ok, "{report}");
+}
+
+#[tokio::test]
+async fn a_claim_paused_before_the_tenant_lock_never_takes_a_row_another_claim_filled() {
+    // Cap 1. A claim takes its snapshot with the tenant's one row free, then waits (test hook
+    // `claim.before_tenant_lock`) while the service grants the tenant a lease in another pool
+    // and commits. Resumed, the claim locks the row, finds it holding a live lease (the
+    // re-check of the locked row) and grants nothing: 'tenant_limit'. Decided on a count or a
+    // row read from the snapshot, it would grant a second lease to a tenant capped at one.
+    let app = TestApp::spawn().await;
+    let base = app.url("");
+    app.put_key("ka", "openai", "a", &["gpt-4o"], 4).await;
+    app.put_key("kb", "openai", "b", &["gpt-4o"], 4).await;
+    put_tenant(
+        &app.client,
+        &base,
+        "team",
+        json!({"max_concurrent_leases": 1}),
+    )
+    .await;
+    let (_, key) = mint(&app.client, &base, "team").await;
+    let hash: String = sqlx::query_scalar("SELECT encode(sha256(convert_to($1, 'UTF8')), 'hex')")
+        .bind(&key)
+        .fetch_one(&app.db)
+        .await
+        .unwrap();
+
+    let hook = Hook::close(&app, "claim.before_tenant_lock").await;
+    let mut claim = hooked(&app, "claim.before_tenant_lock").await;
+    let pid = backend_pid(&mut claim).await;
+    let body = json!([{
+        "ranked": ["ka"], "provider": "openai", "pool": "a", "model": "gpt-4o",
+        "lease_id": uuid::Uuid::new_v4(), "holder": "paused", "lease_seconds": 600,
+        "key_hash": hash,
+    }]);
+    let claiming = tokio::spawn(async move {
+        sqlx::query("SELECT key_id, request FROM credpool_claim($1)")
+            .bind(body)
+            .fetch_one(&mut claim)
+            .await
+            .map(|row| {
+                (
+                    row.get::<Option<String>, _>(0),
+                    row.get::<Option<String>, _>(1),
+                )
+            })
+    });
+    until_waiting(&app, pid).await;
+    // the paused claim holds no tenant row yet: the service's grant commits meanwhile
+    let granted = json_body(
+        allocate(&app.client, &base, &key, "b").await,
+        StatusCode::OK,
+    )
+    .await;
+    assert_eq!(granted["key_id"], "kb");
+    hook.open().await;
+    let (key_id, request) = tokio::time::timeout(Duration::from_secs(30), claiming)
+        .await
+        .expect("the claim finished")
+        .unwrap()
+        .expect("the claim failed");
+    assert_eq!(key_id, None, "a second lease for a tenant capped at one");
+    assert_eq!(request.as_deref(), Some("tenant_limit"));
+    let held: i64 = sqlx::query_scalar(
+        "SELECT count(*) FROM lease_slots WHERE tenant = 'team' AND lease_until > now()",
+    )
+    .fetch_one(&app.db)
+    .await
+    .unwrap();
+    assert_eq!(held, 1);
+    let (ok, report) = audit_verify(BIN, &app.database).await;
+    assert!(ok, "{report}");
+}
+
+#[tokio::test]
+async fn a_renewal_keeps_the_tenant_slot_and_an_expiry_frees_it_without_cleanup() {
+    // Cap 1. A lease of 2 s renewed to 600 s still counts once its first end has passed (the
+    // tenant's row moved with the renewal: read from the lease's first end, the row would look
+    // free and a second lease would be granted). A lease that simply runs out frees the row on
+    // the database clock, with no cleanup pass run.
+    let app = TestApp::spawn().await;
+    let base = app.url("");
+    app.put_key("k", "openai", "default", &["gpt-4o"], 8).await;
+    put_tenant(
+        &app.client,
+        &base,
+        "team",
+        json!({"max_concurrent_leases": 1}),
+    )
+    .await;
+    let (_, key) = mint(&app.client, &base, "team").await;
+    let short = |seconds: u32| {
+        executor(
+            &app.client,
+            &base,
+            "/api/internal/allocate-key",
+            &key,
+            json!({"provider": "openai", "model": "gpt-4o", "lease_seconds": seconds}),
+        )
+    };
+    let lease = json_body(short(2).await, StatusCode::OK).await;
+    let mut renew = lease_ref(&lease);
+    renew["lease_seconds"] = json!(600);
+    json_body(
+        executor(&app.client, &base, "/api/internal/renew-lease", &key, renew).await,
+        StatusCode::OK,
+    )
+    .await;
+    tokio::time::sleep(Duration::from_millis(2500)).await;
+    assert_error(
+        short(1).await,
+        StatusCode::TOO_MANY_REQUESTS,
+        "tenant_limit",
+    )
+    .await;
+    json_body(
+        executor(
+            &app.client,
+            &base,
+            "/api/internal/release-key",
+            &key,
+            lease_ref(&lease),
+        )
+        .await,
+        StatusCode::OK,
+    )
+    .await;
+
+    json_body(short(1).await, StatusCode::OK).await;
+    assert_error(
+        short(1).await,
+        StatusCode::TOO_MANY_REQUESTS,
+        "tenant_limit",
+    )
+    .await;
+    tokio::time::sleep(Duration::from_millis(1500)).await;
+    json_body(short(1).await, StatusCode::OK).await;
+    let (ok, report) = audit_verify(BIN, &app.database).await;
+    assert!(ok, "{report}");
+}
+
+#[tokio::test]
+async fn a_waiting_allocate_at_its_tenant_cap_is_served_when_the_tenant_releases() {
+    // wait_ms also waits out the tenant's cap: the release of the tenant's lease (here in
+    // another pool, whose waiters are not this request's) lets the waiting request in.
+    let app = TestApp::spawn().await;
+    let base = app.url("");
+    app.put_key("ka", "openai", "a", &["gpt-4o"], 4).await;
+    app.put_key("kb", "openai", "b", &["gpt-4o"], 4).await;
+    put_tenant(
+        &app.client,
+        &base,
+        "team",
+        json!({"max_concurrent_leases": 1}),
+    )
+    .await;
+    let (_, key) = mint(&app.client, &base, "team").await;
+    let held = json_body(
+        allocate(&app.client, &base, &key, "a").await,
+        StatusCode::OK,
+    )
+    .await;
+    let waiting = {
+        let (client, base, key) = (app.client.clone(), base.clone(), key.clone());
+        tokio::spawn(async move {
+            let started = std::time::Instant::now();
+            let response = executor(
+                &client,
+                &base,
+                "/api/internal/allocate-key",
+                &key,
+                json!({"provider": "openai", "model": "gpt-4o", "pool": "b", "wait_ms": 10_000}),
+            )
+            .await;
+            (response, started.elapsed())
+        })
+    };
+    tokio::time::sleep(Duration::from_millis(600)).await;
+    json_body(
+        executor(
+            &app.client,
+            &base,
+            "/api/internal/release-key",
+            &key,
+            lease_ref(&held),
+        )
+        .await,
+        StatusCode::OK,
+    )
+    .await;
+    let (response, waited) = waiting.await.unwrap();
+    let lease = json_body(response, StatusCode::OK).await;
+    assert_eq!(lease["key_id"], "kb");
+    assert!(waited >= Duration::from_millis(600), "{waited:?}");
+    assert!(waited < Duration::from_secs(5), "{waited:?}");
+}
