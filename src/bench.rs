@@ -48,13 +48,13 @@ use credpool::allocator::health::HealthPolicy;
 use credpool::database::Database;
 use credpool::domain::{
     Holder, KeyId, LeaseId, LeaseSeconds, ModelName, Outcome, PoolName, ProviderName, Secret,
-    Status,
+    Status, TenantId, TenantKey,
 };
 use credpool::http::ApiKeys;
 use credpool::startup::Application;
 use credpool::store::credentials::{self, Actor, CredentialSpec};
 use credpool::store::leases::{self, ClaimRequest, GrantedLease, LeaseRef, ReleaseRequest};
-use credpool::store::{Conn, Db, audit};
+use credpool::store::{Conn, Db, audit, tenants};
 
 use server_time::ServerTime;
 
@@ -298,6 +298,10 @@ async fn run_on(
         args.credentials, args.limit
     );
     let serving = load_credentials(args, &database.pool, &keyring, &pool, &actor, &run_id).await?;
+    let tenant = match args.tenant_cap {
+        Some(cap) => Some(bench_tenant(&database.pool, &run_id, cap, &actor).await?),
+        None => None,
+    };
     let key_ids: Vec<String> = all_key_ids(args, &run_id);
     let db = &database.pool;
     let sql_schema = simple_sql::schema_name(&run_id);
@@ -333,6 +337,12 @@ async fn run_on(
                     Mode::Sql(Box::new(simple_sql::connect_options(&options, &sql_schema)))
                 }
                 BenchBaseline::Unbatched => Mode::Unbatched(Box::new(options.clone())),
+                BenchBaseline::Untenanted => Mode::Http {
+                    client: http_client(args)?,
+                    base: base.clone(),
+                    executor_key: internal_key.clone(),
+                    name: baseline.name(),
+                },
                 BenchBaseline::Redis => Mode::Redis(Box::new(
                     redis_lua::load(
                         &args.redis_url,
@@ -346,14 +356,14 @@ async fn run_on(
             };
             reports.push(run_measured(args, db, &source, &plan, mode).await?);
         }
-        let client = reqwest::Client::builder()
-            .pool_max_idle_per_host(args.executors as usize)
-            .timeout(Duration::from_secs(30))
-            .build()?;
         let credpool = Mode::Http {
-            client,
-            base,
-            internal_key,
+            client: http_client(args)?,
+            base: base.clone(),
+            executor_key: match &tenant {
+                Some((_, key)) => key.expose().to_owned(),
+                None => internal_key.clone(),
+            },
+            name: "credpool",
         };
         reports.push(run_measured(args, db, &source, &plan, credpool).await?);
         let until = audit::now(db).await?;
@@ -375,6 +385,14 @@ async fn run_on(
     }
     .await;
     let removed = remove_credentials(db, &key_ids, &actor).await;
+    // after the credentials: deleting them ended every lease the tenant held
+    let tenant_removed = match &tenant {
+        Some((tenant, _)) => tenants::delete(db, tenant, &actor)
+            .await
+            .map_err(anyhow::Error::from)
+            .and_then(|r| r.map_err(|refused| anyhow::anyhow!("{refused:?}"))),
+        None => Ok(()),
+    };
     let dropped = if baselines.contains(&BenchBaseline::Sql) {
         simple_sql::drop(db, &sql_schema).await
     } else {
@@ -390,6 +408,7 @@ async fn run_on(
     let extension = server_time::cleanup(db, &source).await;
     let (reports, oversold) = measured?;
     removed?;
+    tenant_removed.context("deleting the run's tenant")?;
     dropped.context("dropping the sql baseline's schema")?;
     unlinked.context("deleting the redis baseline's keys")?;
     extension.context("dropping pg_stat_statements, created for the run")?;
@@ -560,6 +579,36 @@ async fn without_statement_timeout(
     Ok(tx)
 }
 
+/// The HTTP client of the executors of one HTTP mode.
+fn http_client(args: &BenchArgs) -> reqwest::Result<reqwest::Client> {
+    reqwest::Client::builder()
+        .pool_max_idle_per_host(args.executors as usize)
+        .timeout(Duration::from_secs(30))
+        .build()
+}
+
+/// The run's tenant (`bench-<run id>`, capped at `cap` live leases; 0: no cap) and one executor
+/// key of it.
+async fn bench_tenant(
+    db: &Db,
+    run_id: &str,
+    cap: u32,
+    actor: &Actor,
+) -> anyhow::Result<(TenantId, TenantKey)> {
+    let tenant = TenantId::parse(format!("bench-{run_id}")).map_err(anyhow::Error::msg)?;
+    let spec = tenants::TenantSpec {
+        tenant_id: tenant.clone(),
+        max_concurrent_leases: (cap > 0).then(|| cap as i32),
+        weight: 1,
+        rate_limits: Default::default(),
+    };
+    tenants::upsert(db, &spec, actor).await?;
+    let (_, key) = tenants::mint_key(db, &tenant, actor)
+        .await?
+        .context("the run's tenant was created a moment ago")?;
+    Ok((tenant, key))
+}
+
 /// Deletes the run's credentials (their history stays in the trail, as for any deletion).
 async fn remove_credentials(db: &Db, key_ids: &[String], actor: &Actor) -> anyhow::Result<()> {
     use futures::StreamExt;
@@ -580,7 +629,10 @@ enum Mode {
     Http {
         client: reqwest::Client,
         base: String,
-        internal_key: String,
+        /// What the executors send as `X-Internal-Key`: the internal key or a tenant's key.
+        executor_key: String,
+        /// The allocator's name in the report.
+        name: &'static str,
     },
     Sql(Box<PgConnectOptions>),
     Unbatched(Box<PgConnectOptions>),
@@ -590,7 +642,7 @@ enum Mode {
 impl Mode {
     fn name(&self) -> &'static str {
         match self {
-            Mode::Http { .. } => "credpool",
+            Mode::Http { name, .. } => name,
             Mode::Sql(_) => BenchBaseline::Sql.name(),
             Mode::Unbatched(_) => BenchBaseline::Unbatched.name(),
             Mode::Redis(_) => BenchBaseline::Redis.name(),
@@ -604,9 +656,10 @@ impl Mode {
             Mode::Http {
                 client,
                 base,
-                internal_key,
+                executor_key,
+                ..
             } => {
-                let allocator = HttpAllocator::new(plan, client, base, internal_key, index);
+                let allocator = HttpAllocator::new(plan, client, base, executor_key, index);
                 drive(plan, window, allocator).await
             }
             Mode::Sql(options) => {
@@ -991,8 +1044,8 @@ fn print_report(
                 || "-".to_owned(),
                 |c| {
                     let service = match (report.mode, c.service_us) {
-                        ("credpool", Some(us)) => format!("{us:.0}"),
-                        ("credpool", None) => "(in generator)".to_owned(),
+                        ("credpool" | "credpool-untenanted", Some(us)) => format!("{us:.0}"),
+                        ("credpool" | "credpool-untenanted", None) => "(in generator)".to_owned(),
                         _ => "-".to_owned(),
                     };
                     format!(

@@ -18,6 +18,10 @@ pub enum BenchBaseline {
     /// The original article's Redis + Lua design: its ALLOCATE and RELEASE scripts (EVALSHA) on
     /// `--redis-url`, the credentials loaded under a run-specific key prefix.
     Redis,
+    /// credpool itself, its executors presenting the configured internal key (tenant `default`,
+    /// no cap): the baseline of a run whose executors present a tenant key (`--tenant-cap`), so
+    /// that one run says what tenants cost.
+    Untenanted,
 }
 
 impl BenchBaseline {
@@ -27,6 +31,7 @@ impl BenchBaseline {
             BenchBaseline::Sql => "sql",
             BenchBaseline::Unbatched => "unbatched",
             BenchBaseline::Redis => "redis",
+            BenchBaseline::Untenanted => "credpool-untenanted",
         }
     }
 }
@@ -132,6 +137,13 @@ pub struct BenchArgs {
     /// `PUT /api/admin/keys/{key_id}` does: the planner's statistics stay as they were).
     #[arg(long, env = "CREDPOOL_BENCH_CREATE_BY", value_enum, default_value_t = BenchCreateBy::Import)]
     pub create_by: BenchCreateBy,
+
+    /// The executors present a tenant's key: a tenant this run creates with this cap on live
+    /// leases (0: no cap), mints one key for, and deletes afterwards. Compare with
+    /// `--baseline untenanted` (the same service with the internal key) in the same run.
+    #[arg(long, env = "CREDPOOL_BENCH_TENANT_CAP",
+          value_parser = clap::value_parser!(u32).range(0..=100_000))]
+    pub tenant_cap: Option<u32>,
 
     /// Rate windows of every bench credential, as the API takes them:
     /// `'[{"requests": 600, "seconds": 60}]'`. Default: none.

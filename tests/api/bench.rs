@@ -129,3 +129,82 @@ async fn every_baseline_completes_cycles_without_errors_next_to_credpool() {
         );
     }
 }
+
+#[tokio::test]
+async fn a_run_with_a_tenant_key_compares_with_the_internal_key_and_removes_its_tenant() {
+    let database = TestDatabase::create().await;
+    let output = tokio::time::timeout(
+        Duration::from_secs(120),
+        Command::new(BIN)
+            .args(["bench", "--baseline", "untenanted", "--tenant-cap", "3"])
+            .args(["--executors", "4", "--credentials", "8", "--limit", "2"])
+            .args(["--duration-seconds", "1", "--warmup-seconds", "0"])
+            .env("DATABASE_URL", database.url())
+            .env("CREDPOOL_MASTER_KEY", MASTER_KEY)
+            .env("RUST_LOG", "warn")
+            .stdin(Stdio::null())
+            .output(),
+    )
+    .await
+    .expect("the bench run took longer than two minutes")
+    .unwrap();
+    let (stdout, stderr) = (
+        String::from_utf8_lossy(&output.stdout),
+        String::from_utf8_lossy(&output.stderr),
+    );
+    assert!(output.status.success(), "{stdout}\n{stderr}");
+    let line: Value = stdout
+        .lines()
+        .rev()
+        .find_map(|line| serde_json::from_str(line).ok())
+        .unwrap_or_else(|| panic!("no JSON line in: {stdout}"));
+    let modes: Vec<&str> = line["results"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|r| r["mode"].as_str().unwrap())
+        .collect();
+    assert_eq!(modes, ["credpool-untenanted", "credpool"]);
+    assert_eq!(line["ratios"].as_array().unwrap().len(), 1);
+    assert!(
+        stdout.contains("credpool / credpool-untenanted:"),
+        "{stdout}"
+    );
+
+    let pool = database.pool(1).await;
+    // the tenant's run: its leases are in the trail under its name, never more than 3 at once
+    // (4 executors), and it is gone afterwards
+    let tenant_grants: i64 = sqlx::query_scalar(
+        "SELECT count(*) FROM lease_events WHERE event = 'granted' AND tenant LIKE 'bench-%'",
+    )
+    .fetch_one(&pool)
+    .await
+    .unwrap();
+    assert!(
+        tenant_grants > 0,
+        "the tenant's executors were granted leases"
+    );
+    let tenants: i64 =
+        sqlx::query_scalar("SELECT count(*) FROM tenants WHERE tenant_id LIKE 'bench-%'")
+            .fetch_one(&pool)
+            .await
+            .unwrap();
+    assert_eq!(tenants, 0, "the run's tenant is deleted");
+    let exceeded = tokio::time::timeout(
+        Duration::from_secs(60),
+        Command::new(BIN)
+            .args(["audit", "verify"])
+            .env("DATABASE_URL", database.url())
+            .env("RUST_LOG", "warn")
+            .stdin(Stdio::null())
+            .output(),
+    )
+    .await
+    .unwrap()
+    .unwrap();
+    assert!(
+        exceeded.status.success(),
+        "{}",
+        String::from_utf8_lossy(&exceeded.stdout)
+    );
+}
