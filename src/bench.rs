@@ -598,7 +598,7 @@ async fn bench_tenant(
     let tenant = TenantId::parse(format!("bench-{run_id}")).map_err(anyhow::Error::msg)?;
     let spec = tenants::TenantSpec {
         tenant_id: tenant.clone(),
-        max_concurrent_leases: (cap > 0).then(|| cap as i32),
+        max_concurrent_leases: (cap > 0).then_some(cap as i32),
         weight: 1,
         rate_limits: Default::default(),
     };
