@@ -48,6 +48,7 @@ CODES = [
     (413, "payload_too_large", credpool.PayloadTooLarge),
     (415, "unsupported_media_type", credpool.UnsupportedMediaType),
     (429, "pool_exhausted", credpool.PoolExhausted),
+    (429, "tenant_limit", credpool.TenantLimit),
     (500, "internal_error", credpool.InternalError),
     (503, "store_unavailable", credpool.StoreUnavailable),
 ]

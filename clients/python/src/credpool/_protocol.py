@@ -428,8 +428,8 @@ def error_of(answer: Answer, scrub: Callable[[str], str]) -> CredpoolError:
         return _unexpected(answer, 'the body is not a credpool error (`{"error":{"code",...}}`)')
     message = scrub(message)
     cls = ERRORS_BY_CODE.get(code)
-    if cls is PoolExhausted:
-        return PoolExhausted(
+    if cls is not None and issubclass(cls, PoolExhausted):
+        return cls(
             message,
             retry_after=parse_retry_after(answer.retry_after),
             status=answer.status,

@@ -32,6 +32,7 @@ __all__ = [
     "RequestIdConflict",
     "RouteNotFound",
     "StoreUnavailable",
+    "TenantLimit",
     "TokensExceedBudget",
     "TransportError",
     "Unauthorized",
@@ -240,6 +241,22 @@ class PoolExhausted(ApiError):
         )
 
 
+class TenantLimit(PoolExhausted):
+    """429 ``tenant_limit``: the tenant whose key this client presents holds as many live leases as
+    its cap allows (over every credential and every replica), and the ``wait``, if any, is used
+    up. A different fact from :class:`PoolExhausted` (the pool is full), though handled alike, so
+    it is a subclass: back off ``retry_after`` seconds (the earliest end of the tenant's own
+    leases), or lease with ``wait``."""
+
+    code = "tenant_limit"
+
+    def __repr__(self) -> str:
+        return (
+            f"TenantLimit(retry_after={self.retry_after!r}, message={self.message!r}, "
+            f"request_id={self.request_id!r})"
+        )
+
+
 class InternalError(ApiError):
     """500 ``internal_error``: a bug in credpool (logged on the server). Not retried."""
 
@@ -309,6 +326,7 @@ ERRORS_BY_CODE: Dict[str, Type[ApiError]] = {
         PayloadTooLarge,
         UnsupportedMediaType,
         PoolExhausted,
+        TenantLimit,
         InternalError,
         StoreUnavailable,
     )
