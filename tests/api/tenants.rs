@@ -955,3 +955,55 @@ async fn a_waiting_allocate_at_its_tenant_cap_is_served_when_the_tenant_releases
     assert!(waited >= Duration::from_millis(600), "{waited:?}");
     assert!(waited < Duration::from_secs(5), "{waited:?}");
 }
+
+#[tokio::test]
+async fn the_dashboard_shows_each_tenant_in_flight_against_its_cap() {
+    let app = TestApp::spawn().await;
+    let base = app.url("");
+    app.put_key("k", "openai", "default", &["gpt-4o"], 8).await;
+    put_tenant(
+        &app.client,
+        &base,
+        "team",
+        json!({"max_concurrent_leases": 2}),
+    )
+    .await;
+    put_tenant(
+        &app.client,
+        &base,
+        "batch",
+        json!({"max_concurrent_leases": 5}),
+    )
+    .await;
+    let (_, key) = mint(&app.client, &base, "team").await;
+    for _ in 0..2 {
+        json_body(
+            allocate(&app.client, &base, &key, "default").await,
+            StatusCode::OK,
+        )
+        .await;
+    }
+    let pools = app
+        .client
+        .get(format!("{base}/dashboard/fragments/pools"))
+        .header("x-admin-key", ADMIN_KEY)
+        .send()
+        .await
+        .unwrap()
+        .text()
+        .await
+        .unwrap();
+    let row = |tenant: &str| {
+        let start = pools
+            .find(&format!("data-tenant=\"{tenant}\""))
+            .unwrap_or_else(|| panic!("no row for {tenant}: {pools}"));
+        let end = start + pools[start..].find("</tr>").unwrap();
+        pools[start..end].to_owned()
+    };
+    assert!(row("team").contains("2 / 2"), "{}", row("team"));
+    assert!(row("team").contains("at cap"), "{}", row("team"));
+    assert!(row("batch").contains("0 / 5"), "{}", row("batch"));
+    assert!(!row("batch").contains("at cap"));
+    assert!(row("default").contains("no cap"), "{}", row("default"));
+    assert!(!pools.contains(&key), "the dashboard never shows a key");
+}

@@ -130,6 +130,19 @@ fn seconds_between(from: OffsetDateTime, to: OffsetDateTime) -> f64 {
     (to - from).as_seconds_f64()
 }
 
+/// One tenant's line: its leases in flight against its cap.
+#[derive(Debug, Serialize)]
+struct TenantView {
+    tenant_id: String,
+    in_flight: i64,
+    /// Its cap on live leases; `None`: no cap.
+    cap: Option<i32>,
+    /// In flight as a share of the cap, in percent (0 without a cap).
+    percent: i64,
+    /// At its cap: its next allocate answers `tenant_limit`.
+    at_cap: bool,
+}
+
 /// One pool's line.
 #[derive(Debug, Serialize)]
 struct PoolView {
@@ -169,7 +182,8 @@ fn sparkline(utilization: &[f64]) -> String {
         .join(" ")
 }
 
-/// Pools: slots, in flight, free, credentials by status, utilization over the last hour.
+/// Pools: slots, in flight, free, credentials by status, utilization over the last hour; and the
+/// tenants, each one's leases in flight against its cap.
 async fn pools(State(state): State<AppState>, _admin: AdminKey) -> Result<Response, ApiError> {
     let summaries = store::credentials::pools(&state.db).await?;
     let minutes = store::dashboard::utilization(&state.db).await?;
@@ -208,7 +222,25 @@ async fn pools(State(state): State<AppState>, _admin: AdminKey) -> Result<Respon
             }
         })
         .collect();
-    render("pools.html", context!(pools => Serde(&views)))
+    let tenants: Vec<TenantView> = store::tenants::list(&state.db)
+        .await?
+        .into_iter()
+        .map(|t| TenantView {
+            percent: t.max_concurrent_leases.map_or(0, |cap| {
+                (t.in_flight * 100 / i64::from(cap.max(1))).min(100)
+            }),
+            at_cap: t
+                .max_concurrent_leases
+                .is_some_and(|cap| t.in_flight >= i64::from(cap)),
+            cap: t.max_concurrent_leases,
+            in_flight: t.in_flight,
+            tenant_id: t.tenant_id,
+        })
+        .collect();
+    render(
+        "pools.html",
+        context!(pools => Serde(&views), tenants => Serde(&tenants)),
+    )
 }
 
 /// One credential's row. `*_sort` fields are the numbers the table sorts by.
