@@ -100,8 +100,8 @@ $$;
 --   * their operator locks (credpool_operator_lock), ascending: a credential that does not exist
 --     yet has no row to lock, and two transactions creating the same key would otherwise meet
 --     only at the INSERT, the second then writing slot rows after a credential row. Nobody waits
---     for one while holding a row lock (REFIT only tries it, before its rows); claims and releases
---     never take one. 64 buckets keep a large import's advisory locks well within PostgreSQL's
+--     for one while holding a row lock (REFIT only tries it, before its rows); claims never take
+--     one, releases only with an `auth_expired` report, before any row lock (RELEASE). 64 buckets keep a large import's advisory locks well within PostgreSQL's
 --     lock table; operators' changes of two keys in one bucket wait for each other;
 --   * every slot row of each, ascending (key_id, slot), including rows that a fit which held them
 --     inserted while this call waited: a statement's snapshot does not see rows committed after
@@ -494,7 +494,9 @@ $$;
 -- credential's (a row a concurrent claim has just filled fails the re-check of the locked row
 -- and is passed over; `gates::a_claim_paused_before_the_tenant_lock...` holds a claim there).
 -- Within one PICK two claims of the call may pick the same tenant row, so a claim wins a round
--- only as the first of its credential and the first of its tenant row. A tenant row held by
+-- only as the first of its credential and the first of its tenant row; each claim starts its
+-- search at a random row below the cap (wrapping around), so that the claims of one tenant in
+-- one call rarely meet on a row and rarely need another round. A tenant row held by
 -- another transaction is skipped; if, read after the claim, the tenant still has a free row, the
 -- answer is not 'tenant_limit' but what the credentials say ('busy' when one may serve at once:
 -- the caller claims again), so a claim racing its own tenant's claims gets no false 429.
@@ -555,6 +557,11 @@ DECLARE
     -- each claim's tenant (NULL: its key is unknown or revoked), and whether the tenant has a cap
     v_tenant text[];
     v_capped boolean[];
+    -- where each claim of a capped tenant starts looking for a free tenant slot row: a random
+    -- row below the cap, so that the claims of one call rarely pick the same row (of the claims
+    -- that pick one row, only the first wins the round; starting all at row 0 made a call of n
+    -- claims of one tenant take n rounds)
+    v_tenant_start integer[];
     -- claims answered before any pick (request ids), and their `request`
     v_done boolean[];
     v_request text[];
@@ -610,12 +617,15 @@ BEGIN
            array_agg(o.c ->> 'holder'), array_agg((o.c ->> 'lease_seconds')::integer),
            array_agg(coalesce((o.c ->> 'tokens')::bigint, 0)), array_agg(o.c ->> 'request_id'),
            array_agg(o.c ->> 'request_digest'), array_agg(o.version), array_agg(o.windowed),
-           array_agg(o.n), array_agg(o.tenant), array_agg(o.capped)
+           array_agg(o.n), array_agg(o.tenant), array_agg(o.capped),
+           array_agg(floor(random() * coalesce(o.cap, 0))::integer)
     INTO v_ranked, v_provider, v_pool, v_model, v_lease, v_holder, v_seconds, v_tokens,
-         v_request_id, v_digest, v_pool_version, v_windowed, v_number, v_tenant, v_capped
+         v_request_id, v_digest, v_pool_version, v_windowed, v_number, v_tenant, v_capped,
+         v_tenant_start
     FROM (
         SELECT e.n, e.c, e.provider, e.pool, pv.version, t.tenant_id AS tenant,
                coalesce(t.max_concurrent_leases IS NOT NULL, false) AS capped,
+               t.max_concurrent_leases AS cap,
                -- (a probe per candidate: LIMIT 1 keeps the planner from reading credentials
                -- in search of the few with windows)
                EXISTS (SELECT 1
@@ -717,17 +727,29 @@ BEGIN
             FROM (
                 SELECT q.n, x.*, false AS windowed, ts.slot AS tenant_slot
                 FROM unnest(v_open) AS q (n)
+                -- the tenant's free slot row, when it has a cap (see "Tenants" above): the
+                -- first from this claim's starting row on, else (only then) the first before it
                 LEFT JOIN LATERAL (
-                    -- the tenant's free slot row, when it has a cap (see "Tenants" above)
                     SELECT t.slot
                     FROM tenant_slots t
                     WHERE v_capped[q.n] AND (SELECT credpool_test_hook('claim.before_tenant_lock'))
-                      AND t.tenant_id = v_tenant[q.n] AND NOT t.over_limit
-                      AND (t.lease_id IS NULL OR t.lease_until <= v_now)
+                      AND t.tenant_id = v_tenant[q.n] AND t.slot >= v_tenant_start[q.n]
+                      AND NOT t.over_limit AND (t.lease_id IS NULL OR t.lease_until <= v_now)
                     ORDER BY t.slot
                     LIMIT 1
                     FOR UPDATE SKIP LOCKED
-                ) AS ts ON true
+                ) AS ts_after ON true
+                LEFT JOIN LATERAL (
+                    SELECT t.slot
+                    FROM tenant_slots t
+                    WHERE v_capped[q.n] AND ts_after.slot IS NULL
+                      AND t.tenant_id = v_tenant[q.n] AND t.slot < v_tenant_start[q.n]
+                      AND NOT t.over_limit AND (t.lease_id IS NULL OR t.lease_until <= v_now)
+                    ORDER BY t.slot
+                    LIMIT 1
+                    FOR UPDATE SKIP LOCKED
+                ) AS ts_before ON true
+                CROSS JOIN LATERAL (SELECT coalesce(ts_after.slot, ts_before.slot) AS slot) AS ts
                 CROSS JOIN LATERAL (
                     SELECT s, c.status, c.cooldown_until, c.secret_ciphertext,
                            coalesce(c.model_aliases ->> v_model[q.n], v_model[q.n]) AS provider_model,
@@ -752,17 +774,29 @@ BEGIN
                 UNION ALL
                 SELECT q.n, x.*, true AS windowed, ts.slot AS tenant_slot
                 FROM unnest(v_open) AS q (n)
+                -- the tenant's free slot row, when it has a cap (see "Tenants" above): the
+                -- first from this claim's starting row on, else (only then) the first before it
                 LEFT JOIN LATERAL (
-                    -- the tenant's free slot row, when it has a cap (see "Tenants" above)
                     SELECT t.slot
                     FROM tenant_slots t
                     WHERE v_capped[q.n] AND (SELECT credpool_test_hook('claim.before_tenant_lock'))
-                      AND t.tenant_id = v_tenant[q.n] AND NOT t.over_limit
-                      AND (t.lease_id IS NULL OR t.lease_until <= v_now)
+                      AND t.tenant_id = v_tenant[q.n] AND t.slot >= v_tenant_start[q.n]
+                      AND NOT t.over_limit AND (t.lease_id IS NULL OR t.lease_until <= v_now)
                     ORDER BY t.slot
                     LIMIT 1
                     FOR UPDATE SKIP LOCKED
-                ) AS ts ON true
+                ) AS ts_after ON true
+                LEFT JOIN LATERAL (
+                    SELECT t.slot
+                    FROM tenant_slots t
+                    WHERE v_capped[q.n] AND ts_after.slot IS NULL
+                      AND t.tenant_id = v_tenant[q.n] AND t.slot < v_tenant_start[q.n]
+                      AND NOT t.over_limit AND (t.lease_id IS NULL OR t.lease_until <= v_now)
+                    ORDER BY t.slot
+                    LIMIT 1
+                    FOR UPDATE SKIP LOCKED
+                ) AS ts_before ON true
+                CROSS JOIN LATERAL (SELECT coalesce(ts_after.slot, ts_before.slot) AS slot) AS ts
                 CROSS JOIN LATERAL (
                     SELECT s, c.status, c.cooldown_until, c.secret_ciphertext,
                            coalesce(c.model_aliases ->> v_model[q.n], v_model[q.n]) AS provider_model,
