@@ -956,10 +956,11 @@ END;
 $$;
 
 -- RENEW, for one lease or a group: p_renewals jsonb is an array of {"lease_id", "key_id",
--- "provider", "pool", "fence" (or null), "lease_seconds"}. A live lease named by all of its values
--- gets lease_until = now + lease_seconds and a `renewed` trail row. Returns one row per renewal, in
--- order: the new lease_until, or NULL when the lease is lost (expired, released, unknown, or named
--- with another key_id, provider, pool or fence). Never resurrects an expired lease, even if its
+-- "provider", "pool", "fence" (or null), "lease_seconds", "key_hash" (as for RELEASE)}. A live
+-- lease named by all of its values gets lease_until = now + lease_seconds and a `renewed` trail
+-- row. Returns one row per renewal, in order: the new lease_until, or NULL when the lease is lost
+-- (expired, released, unknown, or named with another key_id, provider, pool or fence), and
+-- `authorized`: false when its key_hash names no live key (nothing renewed). Never resurrects an expired lease, even if its
 -- slot is still free: expiry is judged after the slot row's lock is taken, on clock_timestamp().
 -- A lease in a surplus row (over a lowered limit, see FIT) is renewed at most to the earliest
 -- lease_until of its credential's rows within the limit, so it never outlives them: each of
@@ -979,7 +980,7 @@ $$;
 -- tenant slot rows, ascending (tenant_id, slot).
 DROP FUNCTION IF EXISTS credpool_renew(jsonb);
 CREATE FUNCTION credpool_renew(p_renewals jsonb)
-RETURNS TABLE (renewal integer, lease_until timestamptz)
+RETURNS TABLE (renewal integer, lease_until timestamptz, authorized boolean)
 LANGUAGE plpgsql
 SET enable_seqscan = off SET enable_bitmapscan = off SET enable_hashjoin = off
 SET enable_mergejoin = off SET enable_material = off SET jit = off
@@ -1011,8 +1012,16 @@ BEGIN
     WITH wanted AS (
         SELECT *
         FROM ROWS FROM (jsonb_to_recordset(p_renewals) AS (
-                 lease_id uuid, key_id text, provider text, pool text, fence bigint, lease_seconds integer))
-             WITH ORDINALITY AS w (lease_id, key_id, provider, pool, fence, lease_seconds, n)
+                 lease_id uuid, key_id text, provider text, pool text, fence bigint, lease_seconds integer,
+                 key_hash text))
+             WITH ORDINALITY AS w (lease_id, key_id, provider, pool, fence, lease_seconds, key_hash, n)
+        -- a tenant key must name a live key (absent: the configured internal key)
+        CROSS JOIN LATERAL (
+            SELECT w.key_hash IS NULL
+                   OR EXISTS (SELECT 1 FROM tenant_keys k
+                              WHERE k.key_hash = decode(w.key_hash, 'hex') AND k.revoked_at IS NULL)
+                       AS authorized
+        ) AS a
     ),
     renewed AS (
         UPDATE lease_slots s
@@ -1031,7 +1040,8 @@ BEGIN
                           FROM oauth_credentials o
                           JOIN credentials c ON c.key_id = o.key_id
                           WHERE o.key_id = s.key_id), 'infinity'))
-        FROM (SELECT DISTINCT ON (wanted.lease_id) * FROM wanted ORDER BY wanted.lease_id, wanted.n) AS w
+        FROM (SELECT DISTINCT ON (wanted.lease_id) * FROM wanted WHERE wanted.authorized
+              ORDER BY wanted.lease_id, wanted.n) AS w
         WHERE s.lease_id = w.lease_id AND s.key_id = w.key_id AND s.provider = w.provider
           AND s.pool = w.pool AND (w.fence IS NULL OR s.fence = w.fence)
           AND s.lease_until > v_now
@@ -1050,7 +1060,7 @@ BEGIN
         SELECT 'renewed', lease_id, key_id, provider, pool, slot, holder, lease_until, v_now, tenant
         FROM renewed
     )
-    SELECT w.n::integer, r.lease_until
+    SELECT w.n::integer, r.lease_until, w.authorized
     FROM wanted w
     LEFT JOIN renewed r
         ON r.lease_id = w.lease_id AND r.key_id = w.key_id AND r.provider = w.provider
@@ -1074,8 +1084,11 @@ END;
 $$;
 
 -- RELEASE, for one lease or a group: p_releases jsonb is an array of {"lease_id", "key_id",
--- "provider", "pool", "fence" (or null), "outcome" (or null), "usage_tokens" (or null)}. For
--- each, in the slot row's lock:
+-- "provider", "pool", "fence" (or null), "outcome" (or null), "usage_tokens" (or null),
+-- "key_hash" (hex SHA-256 of the tenant key the executor presented, or null: the internal key)}.
+-- A release whose key_hash names no live key does nothing (verdict 'unauthorized'; the key is
+-- read by this call, so no replica honours a key once its revoke has committed). For each other,
+-- in the slot row's lock:
 --   * live and named by all of its values: ended as `released` with the outcome (verdict
 --     'released');
 --   * named by all of its values but expired: ended as `expired` at its own lease_until if it still
@@ -1198,6 +1211,7 @@ BEGIN
            array_agg(j.pool), array_agg(j.fence), array_agg(j.outcome), array_agg(j.usage_tokens),
            array_agg(j.slot_row),
            array_agg(CASE
+                         WHEN NOT j.authorized THEN 'unauthorized'
                          WHEN j.found AND j.matches AND j.nth = 1 THEN
                              CASE WHEN (j.slot_row).lease_until > v_now THEN 'released'
                                   ELSE 'expired' END
@@ -1208,7 +1222,7 @@ BEGIN
          v_verdict
     FROM (
         SELECT w.n::integer AS n, w.lease_id, w.key_id, w.provider, w.pool, w.fence, w.outcome,
-               w.usage_tokens, s AS slot_row,
+               w.usage_tokens, s AS slot_row, a.authorized,
                -- in a slot of the credential named, or (named with another key_id) of its own,
                -- which its `granted` row in the trail names
                s.lease_id IS NOT NULL
@@ -1219,14 +1233,23 @@ BEGIN
                coalesce(s.provider = w.provider AND s.pool = w.pool
                         AND (w.fence IS NULL OR s.fence = w.fence), false) AS matches,
                row_number() OVER (
-                   PARTITION BY w.lease_id,
+                   PARTITION BY w.lease_id, a.authorized,
                                 coalesce(s.provider = w.provider AND s.pool = w.pool
                                          AND (w.fence IS NULL OR s.fence = w.fence), false)
                    ORDER BY w.n) AS nth
         FROM ROWS FROM (jsonb_to_recordset(p_releases) AS (
                  lease_id uuid, key_id text, provider text, pool text, fence bigint, outcome text,
-                 usage_tokens bigint))
-             WITH ORDINALITY AS w (lease_id, key_id, provider, pool, fence, outcome, usage_tokens, n)
+                 usage_tokens bigint, key_hash text))
+             WITH ORDINALITY AS w (lease_id, key_id, provider, pool, fence, outcome, usage_tokens,
+                                   key_hash, n)
+        -- a tenant key must name a live key (absent: the configured internal key); read by this
+        -- statement, so a release that starts after a revoke committed is refused
+        CROSS JOIN LATERAL (
+            SELECT w.key_hash IS NULL
+                   OR EXISTS (SELECT 1 FROM tenant_keys k
+                              WHERE k.key_hash = decode(w.key_hash, 'hex') AND k.revoked_at IS NULL)
+                       AS authorized
+        ) AS a
         LEFT JOIN lease_slots s ON s.key_id = w.key_id AND s.lease_id = w.lease_id
         ORDER BY w.n
     ) AS j;

@@ -983,6 +983,7 @@ impl Allocator for UnbatchedAllocator {
             outcome: Some(Outcome::Success),
             retry_after_seconds: None,
             usage_tokens: None,
+            caller: None,
         };
         let released =
             leases::release_on(&mut Conn::direct(&mut self.conn), &release, &self.policy).await;

@@ -49,7 +49,6 @@ use std::time::Duration;
 
 use futures::future::BoxFuture;
 use sqlx::PgConnection;
-use time::OffsetDateTime;
 use tokio::sync::{Mutex, mpsc, oneshot};
 
 use super::health::HealthPolicy;
@@ -58,7 +57,7 @@ use crate::domain::{
     Holder, KeyId, LeaseId, LeaseSeconds, ModelName, PoolName, ProviderName, TenantKeyHash,
 };
 use crate::store::leases::{
-    self, ClaimRequest, ClaimResult, LeaseRef, ReleaseRequest, ReleaseResult, RequestKey,
+    self, ClaimRequest, ClaimResult, LeaseRef, ReleaseRequest, ReleaseResult, Renewed, RequestKey,
     StagedRelease,
 };
 use crate::store::{Conn, Db};
@@ -152,17 +151,19 @@ impl Groups {
             .await
     }
 
-    /// Renews a lease ([`leases::renew`]) in the next renewal group: the new lease_until, or
-    /// `None` when the lease is lost.
+    /// Renews a lease ([`leases::renew_group`]) in the next renewal group, for the executor that
+    /// presented tenant key `caller` (`None`: the internal key).
     pub async fn renew(
         &self,
         lease: LeaseRef,
         lease_seconds: LeaseSeconds,
-    ) -> Result<Option<OffsetDateTime>, sqlx::Error> {
+        caller: Option<TenantKeyHash>,
+    ) -> Result<Renewed, sqlx::Error> {
         self.renewals
             .run(Renewal {
                 lease,
                 lease_seconds,
+                caller,
             })
             .await
     }
@@ -292,6 +293,7 @@ impl Operation for Claim {
                 outcome: None,
                 retry_after_seconds: None,
                 usage_tokens: None,
+                caller: None,
             };
             match leases::release_on(conn, &release, &HealthPolicy::default()).await {
                 Ok(_) => {
@@ -354,11 +356,12 @@ impl Operation for Release {
 struct Renewal {
     lease: LeaseRef,
     lease_seconds: LeaseSeconds,
+    caller: Option<TenantKeyHash>,
 }
 
 impl Operation for Renewal {
-    type Staged = Option<OffsetDateTime>;
-    type Output = Option<OffsetDateTime>;
+    type Staged = Renewed;
+    type Output = Renewed;
     const KIND: &'static str = "renewal";
 
     /// A group of renewals is one call of `credpool_renew`.
@@ -370,18 +373,17 @@ impl Operation for Renewal {
     fn stage_group<'a>(
         group: Vec<&'a Self>,
         tx: &'a mut PgConnection,
-    ) -> BoxFuture<'a, Result<Vec<Option<OffsetDateTime>>, sqlx::Error>> {
+    ) -> BoxFuture<'a, Result<Vec<Renewed>, sqlx::Error>> {
         Box::pin(async move {
-            let renewals: Vec<_> = group.iter().map(|r| (&r.lease, r.lease_seconds)).collect();
+            let renewals: Vec<_> = group
+                .iter()
+                .map(|r| (&r.lease, r.lease_seconds, r.caller))
+                .collect();
             leases::renew_group(tx, &renewals).await
         })
     }
 
-    fn finish<'a>(
-        &'a self,
-        staged: Option<OffsetDateTime>,
-        _: &'a mut Conn<'static>,
-    ) -> BoxFuture<'a, Option<OffsetDateTime>> {
+    fn finish<'a>(&'a self, staged: Renewed, _: &'a mut Conn<'static>) -> BoxFuture<'a, Renewed> {
         Box::pin(async move { staged })
     }
 }

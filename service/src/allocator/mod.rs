@@ -309,8 +309,9 @@ impl Allocator {
         &self,
         lease: LeaseRef,
         lease_seconds: LeaseSeconds,
-    ) -> Result<Option<OffsetDateTime>, sqlx::Error> {
-        self.groups.renew(lease, lease_seconds).await
+        caller: Option<crate::domain::TenantKeyHash>,
+    ) -> Result<crate::store::leases::Renewed, sqlx::Error> {
+        self.groups.renew(lease, lease_seconds, caller).await
     }
 
     /// One claim through the claim groups. A claim that met another attempt of the same request in
@@ -563,6 +564,7 @@ impl Allocator {
                     outcome: None,
                     retry_after_seconds: None,
                     usage_tokens: None,
+                    caller: None,
                 };
                 self.groups
                     .release(release, &HealthPolicy::default(), &self.waits)

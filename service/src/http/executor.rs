@@ -15,7 +15,7 @@ use crate::domain::{
     Holder, InvalidValue, KeyId, LeaseId, LeaseSeconds, ModelName, Outcome, PoolName, ProviderName,
     RequestId, Secret,
 };
-use crate::store::leases::{LeaseRef, NotReleased, ReleaseRequest};
+use crate::store::leases::{LeaseRef, NotReleased, ReleaseRequest, Renewed};
 
 /// The allocate route, for the allocation counter.
 pub(super) const ALLOCATE_ROUTE: &str = "/api/internal/allocate-key";
@@ -296,9 +296,6 @@ async fn release(
     key: ExecutorKey,
     ApiJson(body): ApiJson<ReleaseBody>,
 ) -> Result<Json<ReleaseResponse>, ApiError> {
-    // a tenant key is checked in the store at the call (one index probe): a revoked key releases
-    // nothing (the lease frees at its lease_until)
-    key.tenant(&state.db).await?;
     if body
         .retry_after_seconds
         .is_some_and(|s| s > MAX_RETRY_AFTER_SECONDS)
@@ -320,9 +317,15 @@ async fn release(
         outcome: body.outcome,
         retry_after_seconds: body.retry_after_seconds,
         usage_tokens: tokens(body.usage.map(|u| u.tokens), "usage.tokens")?,
+        // a tenant key is checked by the release statement itself: a revoked key releases
+        // nothing (the lease frees at its lease_until)
+        caller: key.tenant_key(),
     };
     let result = state.allocator.release(request.clone()).await?;
     let reason = result.released.err();
+    if reason == Some(NotReleased::Unauthorized) {
+        return Err(ApiError::Unauthorized);
+    }
     crate::telemetry::release(
         reason.is_none(),
         match reason {
@@ -330,6 +333,7 @@ async fn release(
             Some(NotReleased::Mismatch) => "mismatch",
             Some(NotReleased::Expired) => "expired",
             Some(NotReleased::NotFound) => "not_found",
+            Some(NotReleased::Unauthorized) => unreachable!("answered 401 above"),
         },
     );
     tracing::info!(released = reason.is_none(), reason = ?reason, outcome = ?request.outcome, "release");
@@ -396,8 +400,6 @@ async fn renew(
     key: ExecutorKey,
     ApiJson(body): ApiJson<RenewBody>,
 ) -> Result<Json<RenewResponse>, ApiError> {
-    // a tenant key is checked in the store at the call: a revoked key renews nothing
-    key.tenant(&state.db).await?;
     let seconds = lease_seconds(body.lease_seconds, state.max_lease_seconds)?;
     let lease = LeaseRef {
         key_id: body.key_id,
@@ -406,10 +408,20 @@ async fn renew(
         lease_id: body.lease_id,
         fence: fence(body.fence)?,
     };
-    let renewed = state.allocator.renew(lease, seconds).await?;
-    crate::telemetry::renewal(renewed.is_some());
-    match renewed {
-        Some(lease_until) => Ok(Json(RenewResponse { lease_until })),
-        None => Err(ApiError::LeaseLost),
+    // a tenant key is checked by the renewal statement itself: a revoked key renews nothing
+    match state
+        .allocator
+        .renew(lease, seconds, key.tenant_key())
+        .await?
+    {
+        Renewed::Until(lease_until) => {
+            crate::telemetry::renewal(true);
+            Ok(Json(RenewResponse { lease_until }))
+        }
+        Renewed::Lost => {
+            crate::telemetry::renewal(false);
+            Err(ApiError::LeaseLost)
+        }
+        Renewed::Unauthorized => Err(ApiError::Unauthorized),
     }
 }

@@ -679,8 +679,8 @@ fn key_matches(headers: &HeaderMap, name: &str, expected: &str) -> bool {
 
 /// The executor key a request carries (`X-Internal-Key`): the configured internal key (tenant
 /// `default`), or something shaped like a tenant's key (`cpk_` + 64 hex digits), which only the
-/// store can vouch for: the statement that serves the call checks it (the claim), or a look-up
-/// just before (renew, release), so a revoked key is refused on every replica as soon as its
+/// store can vouch for: the statement that serves the call checks it (the claim, the renewal, the
+/// release: no extra round trip), so a revoked key is refused on every replica as soon as its
 /// DELETE has answered (no process keeps keys). Anything else: 401 at once.
 #[derive(Debug, Clone, Copy)]
 pub enum ExecutorKey {

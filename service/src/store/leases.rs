@@ -347,6 +347,9 @@ pub enum NotReleased {
     Expired,
     /// No such lease: never granted, already released, or its slot was reused after expiry.
     NotFound,
+    /// The tenant key presented names no live key (revoked, or never minted): nothing was
+    /// looked at. Answered 401, never as a release's `reason`.
+    Unauthorized,
 }
 
 /// An executor's release: which lease, and what happened upstream.
@@ -361,6 +364,10 @@ pub struct ReleaseRequest {
     /// The tokens the call really used, if the executor says: they replace the lease's
     /// reservation in its credential's token windows.
     pub usage_tokens: Option<u64>,
+    /// The tenant key the executor presented (its hash), checked by the release statement itself
+    /// (a revoked or unknown key releases nothing: [`NotReleased::Unauthorized`]); `None`: the
+    /// configured internal key, or the service itself.
+    pub caller: Option<crate::domain::TenantKeyHash>,
 }
 
 /// What a release did.
@@ -489,6 +496,7 @@ pub async fn release_group_in(
                 "fence": r.lease.fence,
                 "outcome": r.outcome.map(Outcome::as_str),
                 "usage_tokens": r.usage_tokens,
+                "key_hash": r.caller.map(|hash| hash.to_hex()),
             })
         })
         .collect();
@@ -525,6 +533,7 @@ pub async fn release_group_in(
             "released" => Ok(()),
             "mismatch" => Err(NotReleased::Mismatch),
             "expired" => Err(NotReleased::Expired),
+            "unauthorized" => Err(NotReleased::Unauthorized),
             _ => Err(NotReleased::NotFound),
         };
         if row.counted
@@ -638,11 +647,15 @@ fn rfc3339(at: OffsetDateTime) -> String {
 #[tracing::instrument(skip_all, fields(renewals = renewals.len()), err(level = "debug"))]
 pub async fn renew_group(
     executor: impl PgExecutor<'_>,
-    renewals: &[(&LeaseRef, LeaseSeconds)],
-) -> Result<Vec<Option<OffsetDateTime>>, sqlx::Error> {
+    renewals: &[(
+        &LeaseRef,
+        LeaseSeconds,
+        Option<crate::domain::TenantKeyHash>,
+    )],
+) -> Result<Vec<Renewed>, sqlx::Error> {
     let body: Vec<serde_json::Value> = renewals
         .iter()
-        .map(|(lease, seconds)| {
+        .map(|(lease, seconds, caller)| {
             serde_json::json!({
                 "lease_id": lease.lease_id.as_uuid(),
                 "key_id": lease.key_id.as_str(),
@@ -650,11 +663,13 @@ pub async fn renew_group(
                 "pool": lease.pool.as_str(),
                 "fence": lease.fence,
                 "lease_seconds": i32::try_from(seconds.get()).unwrap_or(i32::MAX),
+                "key_hash": caller.map(|hash| hash.to_hex()),
             })
         })
         .collect();
     let rows = sqlx::query!(
-        r#"SELECT renewal AS "renewal!", lease_until FROM credpool_renew($1) ORDER BY renewal"#,
+        r#"SELECT renewal AS "renewal!", lease_until, authorized AS "authorized!"
+           FROM credpool_renew($1) ORDER BY renewal"#,
         serde_json::Value::Array(body),
     )
     .fetch_all(executor)
@@ -666,17 +681,38 @@ pub async fn renew_group(
             renewals.len()
         )));
     }
-    Ok(rows.into_iter().map(|r| r.lease_until).collect())
+    Ok(rows
+        .into_iter()
+        .map(|r| match (r.authorized, r.lease_until) {
+            (false, _) => Renewed::Unauthorized,
+            (true, Some(at)) => Renewed::Until(at),
+            (true, None) => Renewed::Lost,
+        })
+        .collect())
 }
 
-/// [`renew_group`] for one lease.
+/// What a renewal did.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Renewed {
+    /// Renewed: the new lease_until (database clock).
+    Until(OffsetDateTime),
+    /// The lease is lost (expired, unknown, released, or named with a wrong
+    /// key_id/provider/pool/fence).
+    Lost,
+    /// The tenant key presented names no live key: nothing was looked at (401).
+    Unauthorized,
+}
+
+/// [`renew_group`] for one lease, renewed by the service itself (no tenant key to check): the
+/// new lease_until, or `None` when the lease is lost.
 pub async fn renew(
     executor: impl PgExecutor<'_>,
     lease: &LeaseRef,
     lease_seconds: LeaseSeconds,
 ) -> Result<Option<OffsetDateTime>, sqlx::Error> {
-    Ok(renew_group(executor, &[(lease, lease_seconds)])
-        .await?
-        .pop()
-        .flatten())
+    let renewed = renew_group(executor, &[(lease, lease_seconds, None)]).await?;
+    Ok(match renewed.first() {
+        Some(Renewed::Until(at)) => Some(*at),
+        _ => None,
+    })
 }
