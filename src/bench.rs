@@ -898,6 +898,7 @@ impl Allocator for UnbatchedAllocator {
             lease_seconds,
             request: None,
             tokens: 0,
+            affinity: None,
         };
         match leases::claim_slot(&mut self.conn, &claim).await {
             Ok(result) => match result.granted {

@@ -20,6 +20,11 @@ use metrics_exporter_prometheus::{Matcher, PrometheusBuilder, PrometheusHandle};
 /// leased) and `result`: [`ALLOCATION_RESULTS`] for requests that reached the allocator,
 /// [`REFUSED_RESULTS`] (with empty provider and pool) for those refused before.
 pub const ALLOCATIONS: &str = "credpool_allocations_total";
+/// Leased allocations that named an `affinity_key`, by `provider`, `pool` (asked for) and `result`
+/// ([`AFFINITY_RESULTS`]): whether the conversation's bound credential served it.
+pub const ALLOCATIONS_AFFINITY: &str = "credpool_allocations_affinity_total";
+/// What `result` of [`ALLOCATIONS_AFFINITY`] can say (bounded: one series per pool and result).
+pub const AFFINITY_RESULTS: [&str; 3] = ["hit", "new", "moved"];
 /// Request latency in seconds by `route` (the matched path) and `status` class (`2xx`, `4xx`, ...).
 pub const REQUEST_SECONDS: &str = "credpool_request_duration_seconds";
 /// Releases by `result` (`released`, `not_released`) and `reason` (`mismatch`, `expired`,
@@ -157,6 +162,13 @@ pub const METRICS: &[Metric] = &[
         labels: &["provider", "pool", "served_pool", "result"],
         unit: "requests",
         help: "Allocate requests by provider and pool asked for, the pool that served (empty unless leased) and result: leased, pool_exhausted (429, no capacity), store_unavailable (503, store down), or another error code.",
+    },
+    Metric {
+        name: ALLOCATIONS_AFFINITY,
+        kind: Kind::Counter,
+        labels: &["provider", "pool", "result"],
+        unit: "requests",
+        help: "Leased allocate requests that named an affinity_key, by provider and pool asked for and result: hit (the conversation's bound credential served), new (no live binding), moved (the bound credential could not serve now; another did and the binding moved).",
     },
     Metric {
         name: HELD_BACK,
@@ -420,6 +432,11 @@ pub fn pool_known(provider: &str, pool: &str) {
                  "held_by" => held_by)
         .increment(0);
     }
+    for result in AFFINITY_RESULTS {
+        counter!(ALLOCATIONS_AFFINITY, "provider" => provider.to_owned(),
+                 "pool" => pool.to_owned(), "result" => result)
+        .increment(0);
+    }
     for result in ALLOCATION_RESULTS {
         if result == "leased" {
             let served = match crate::domain::PoolName::parse(pool) {
@@ -458,6 +475,13 @@ pub fn render(db: &Db) -> String {
 pub fn allocation(provider: &str, pool: &str, served_pool: &str, result: &'static str) {
     counter!(ALLOCATIONS, "provider" => provider.to_owned(), "pool" => pool.to_owned(),
              "served_pool" => served_pool.to_owned(), "result" => result)
+    .increment(1);
+}
+
+/// Records a leased allocation's affinity result (`provider`, `pool` asked for).
+pub fn affinity(provider: &str, pool: &str, result: crate::domain::AffinityResult) {
+    counter!(ALLOCATIONS_AFFINITY, "provider" => provider.to_owned(), "pool" => pool.to_owned(),
+             "result" => result.as_str())
     .increment(1);
 }
 

@@ -131,6 +131,7 @@ async fn statement_race(limit: u32) {
                         lease_seconds: LeaseSeconds::parse(600, 3600).unwrap(),
                         request: None,
                         tokens: 0,
+                        affinity: None,
                     };
                     barrier.wait().await;
                     let claimed = leases::claim_slot(&mut conn, &request).await.unwrap();

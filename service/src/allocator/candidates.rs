@@ -613,6 +613,7 @@ mod tests {
             pool: pool.clone(),
             fence: 1,
             replayed: false,
+            affinity: None,
         };
         views.note_grant(&provider, &pool, &lease, 0);
         assert_eq!(free_slots(&views, &provider, &pool), 0);

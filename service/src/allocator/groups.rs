@@ -56,8 +56,8 @@ use super::health::HealthPolicy;
 use super::waiting::Waits;
 use crate::domain::{Holder, KeyId, LeaseId, LeaseSeconds, ModelName, PoolName, ProviderName};
 use crate::store::leases::{
-    self, ClaimRequest, ClaimResult, LeaseRef, ReleaseRequest, ReleaseResult, RequestKey,
-    StagedRelease,
+    self, ClaimAffinity, ClaimRequest, ClaimResult, LeaseRef, ReleaseRequest, ReleaseResult,
+    RequestKey, StagedRelease,
 };
 use crate::store::{Conn, Db};
 
@@ -127,6 +127,7 @@ impl Groups {
                 lease_seconds: request.lease_seconds,
                 request: request.request.cloned(),
                 tokens: request.tokens,
+                affinity: request.affinity.cloned(),
             })
             .await
     }
@@ -212,6 +213,7 @@ struct Claim {
     lease_seconds: LeaseSeconds,
     request: Option<RequestKey>,
     tokens: u64,
+    affinity: Option<ClaimAffinity>,
 }
 
 impl Claim {
@@ -226,6 +228,7 @@ impl Claim {
             lease_seconds: self.lease_seconds,
             request: self.request.as_ref(),
             tokens: self.tokens,
+            affinity: self.affinity.as_ref(),
         }
     }
 }

@@ -11,7 +11,8 @@ use time::OffsetDateTime;
 
 use crate::allocator::health::{self, Health, HealthPolicy, Report};
 use crate::domain::{
-    Holder, KeyId, LeaseId, LeaseSeconds, ModelName, Outcome, PoolName, ProviderName, RequestId,
+    AffinityKey, AffinityMode, AffinityResult, AffinityTtl, Holder, KeyId, LeaseId, LeaseSeconds,
+    ModelName, Outcome, PoolName, ProviderName, RequestId,
 };
 
 /// Values read back from the database passed the same validation on the way in (and the
@@ -43,6 +44,25 @@ pub struct ClaimRequest<'a> {
     /// The tokens the lease reserves in its credential's token windows (the allocate's estimate;
     /// 0: none).
     pub tokens: u64,
+    /// The request's conversation affinity, if it named an `affinity_key`: its binding's
+    /// credential is tried first, and the grant (re)binds it.
+    pub affinity: Option<&'a ClaimAffinity>,
+}
+
+/// A claim's conversation affinity (docs/design.md "Affinity"): which binding it reads and
+/// writes, how long a written binding lives, and whether it is strict.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ClaimAffinity {
+    /// The conversation's key.
+    pub key: AffinityKey,
+    /// The pool sequence of the pool asked for, that pool first: the binding is the asked pool's
+    /// (a `vip` conversation served from `default` stays a `vip` conversation), and a strict
+    /// binding only confines a claim while its credential is in one of these pools.
+    pub pools: Vec<PoolName>,
+    /// How long a binding this claim writes lives (refreshed on each hit).
+    pub ttl: AffinityTtl,
+    /// Preferred or strict.
+    pub mode: AffinityMode,
 }
 
 /// An allocation's idempotency key: the client's `request_id` and a digest of the parameters it
@@ -120,6 +140,8 @@ pub struct GrantedLease {
     /// The lease was granted to an earlier attempt of the same request (same `request_id` and
     /// parameters); this claim took no slot.
     pub replayed: bool,
+    /// For a claim with an affinity key (not a replay): whether its bound credential served.
+    pub affinity: Option<AffinityResult>,
 }
 
 /// What one run of the claim statement found.
@@ -143,6 +165,10 @@ pub struct ClaimResult {
     pub frees_at: Option<OffsetDateTime>,
     /// What holds that candidate back: `slots`, `cooldown`, `requests_window`, `tokens_window`.
     pub held_by: Option<String>,
+    /// Nothing was granted because a strict affinity binding confined the claim to its bound
+    /// credential (`frees_at` is that credential's): other candidates were not considered, and
+    /// claiming them again would not change that.
+    pub bound: bool,
 }
 
 /// Runs the claim for one request: [`claim_slots`] with a group of one.
@@ -173,7 +199,7 @@ pub async fn claim_slots(
     let claims: Vec<serde_json::Value> = requests
         .iter()
         .map(|request| {
-            serde_json::json!({
+            let mut claim = serde_json::json!({
                 "ranked": request.ranked.iter().map(KeyId::as_str).collect::<Vec<_>>(),
                 "provider": request.provider.as_str(),
                 "pool": request.pool.as_str(),
@@ -184,14 +210,33 @@ pub async fn claim_slots(
                 "request_id": request.request.map(|r| r.id.as_str()),
                 "request_digest": request.request.map(|r| r.digest.as_str()),
                 "tokens": request.tokens,
-            })
+            });
+            if let (Some(affinity), serde_json::Value::Object(claim)) =
+                (request.affinity, &mut claim)
+            {
+                claim.insert("affinity_key".into(), affinity.key.as_str().into());
+                claim.insert(
+                    "affinity_pools".into(),
+                    affinity.pools.iter().map(PoolName::as_str).collect(),
+                );
+                claim.insert("affinity_ttl_seconds".into(), affinity.ttl.get().into());
+                claim.insert(
+                    "affinity_mode".into(),
+                    match affinity.mode {
+                        AffinityMode::Preferred => "preferred",
+                        AffinityMode::Strict => "strict",
+                    }
+                    .into(),
+                );
+            }
+            claim
         })
         .collect();
     let rows = sqlx::query!(
         r#"
         SELECT claim AS "claim!", pool_version, key_id, lease_id, lease_pool, granted_at,
                lease_until, probe, provider_model, sealed_secret, pruned_expired, fence, request,
-               frees_at, held_by
+               frees_at, held_by, affinity
         FROM credpool_claim($1)
         ORDER BY claim
         "#,
@@ -237,6 +282,7 @@ pub async fn claim_slots(
                         .map_err(|e| e.to_string())?,
                     fence: row.fence.ok_or_else(|| missing("fence"))?,
                     replayed: row.request.as_deref() == Some("replayed"),
+                    affinity: row.affinity.as_deref().and_then(AffinityResult::parse),
                 }))
             };
             let granted = match granted() {
@@ -254,6 +300,7 @@ pub async fn claim_slots(
                 busy: row.request.as_deref() == Some("busy"),
                 frees_at: row.frees_at,
                 held_by: row.held_by,
+                bound: row.affinity.as_deref() == Some("bound"),
             }
         })
         .collect();
