@@ -489,3 +489,89 @@ async fn concurrent_allocates_of_one_conversation_over_replicas_never_oversell_o
         }
     }
 }
+
+/// The Rust client sends the affinity fields and reads the answer's result.
+#[tokio::test]
+async fn the_rust_client_keeps_a_conversation_on_its_credential() {
+    use credpool_client::{AffinityMode, AffinityResult, Client, LeaseRequest, Outcome};
+    let app = TestApp::spawn().await;
+    app.put_key("key-a", "openai", "default", &["gpt-4o"], 2)
+        .await;
+    app.put_key("key-b", "openai", "default", &["gpt-4o"], 2)
+        .await;
+    let client = Client::new(app.url(""), INTERNAL_KEY).expect("client");
+    let request = LeaseRequest::new("openai", "gpt-4o")
+        .affinity_key("conversation-from-rust")
+        .affinity_ttl(Duration::from_millis(1500))
+        .affinity_mode(AffinityMode::Preferred);
+    let first = client.lease(request.clone()).await.expect("lease");
+    assert_eq!(first.affinity(), Some(&AffinityResult::New));
+    let key = first.key_id().to_owned();
+    first.finish(Outcome::Success).await.expect("release");
+    let second = client.lease(request).await.expect("lease");
+    assert_eq!(second.affinity(), Some(&AffinityResult::Hit));
+    assert_eq!(second.key_id(), key);
+    second.finish(Outcome::Success).await.expect("release");
+    // the TTL went in whole seconds, rounded up
+    let ttl: f64 = sqlx::query_scalar(
+        "SELECT extract(epoch FROM expires_at - last_hit_at)::float8 FROM affinity_bindings",
+    )
+    .fetch_one(&app.db)
+    .await
+    .unwrap();
+    assert_eq!(ttl, 2.0);
+}
+
+/// A binding row another transaction holds (an operator's delete cascading to it, say) and an
+/// affinity key whose advisory lock another transaction holds: the claim is served at once and
+/// leaves that binding as it is; it never waits for either lock.
+#[tokio::test]
+async fn a_binding_held_by_another_transaction_is_left_as_it_is_never_waited_for() {
+    let app = TestApp::spawn_with(AppOptions::deterministic()).await;
+    app.put_key("key-a", "openai", "default", &["gpt-4o"], 1)
+        .await;
+    app.put_key("key-b", "openai", "default", &["gpt-4o"], 1)
+        .await;
+    let first = lease(&app, call("default", "held-row")).await;
+    let second = lease(&app, call("default", "held-lock")).await;
+    let (row_key, lock_key) = (first["key_id"].clone(), second["key_id"].clone());
+    release(&app, &first, "success").await;
+    release(&app, &second, "success").await;
+    let mut holder = app.db.begin().await.unwrap();
+    sqlx::query("SELECT 1 FROM affinity_bindings WHERE affinity_key = 'held-row' FOR UPDATE")
+        .execute(&mut *holder)
+        .await
+        .unwrap();
+    sqlx::query("SELECT pg_advisory_xact_lock(credpool_affinity_lock('default', 'openai', 'default', 'held-lock'))")
+        .execute(&mut *holder)
+        .await
+        .unwrap();
+    for (conversation, was) in [("held-row", &row_key), ("held-lock", &lock_key)] {
+        let started = Instant::now();
+        let served = tokio::time::timeout(
+            Duration::from_secs(5),
+            app.allocate(call("default", conversation)),
+        )
+        .await
+        .expect("the claim waited for a binding's lock");
+        let served = json_body(served, StatusCode::OK).await;
+        assert!(started.elapsed() < Duration::from_secs(2));
+        assert_eq!(served["affinity"], "hit", "{served}");
+        release(&app, &served, "success").await;
+        // the binding was not refreshed: the other transaction holds it
+        assert_eq!(
+            bound(&app, "default", conversation).await.as_deref(),
+            was.as_str()
+        );
+    }
+    let refreshed: i64 =
+        sqlx::query_scalar("SELECT count(*) FROM affinity_bindings WHERE last_hit_at > bound_at")
+            .fetch_one(&app.db)
+            .await
+            .unwrap();
+    assert_eq!(
+        refreshed, 0,
+        "a binding another transaction holds was written"
+    );
+    holder.rollback().await.unwrap();
+}
