@@ -36,7 +36,10 @@
 --   3. lease_events rows that unique indexes guard (one release / one late report per lease),
 --      ascending lease_id (a release group writes its late reports in that order).
 --   4. credentials rows, ascending key_id.
---   5. oauth_credentials rows, ascending key_id (the OAuth refresher, service/src/oauth.rs, and
+--   5. affinity_bindings rows: claims write them last, only rows they locked with SKIP LOCKED or
+--      that do not exist, under their affinity keys' advisory try-locks (CLAIM, "AFFINITY"), so
+--      they never wait; a credential's delete removes its bindings by cascade, after its row.
+--   6. oauth_credentials rows, ascending key_id (the OAuth refresher, service/src/oauth.rs, and
 --      an operator's PUT; the refresher's marker takes this row alone, in its own transaction).
 -- pool_versions rows are per backend and never contended; lease_requests rows are written only
 -- under their request_id's advisory lock, taken with a try-lock.
