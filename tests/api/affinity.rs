@@ -575,3 +575,70 @@ async fn a_binding_held_by_another_transaction_is_left_as_it_is_never_waited_for
     );
     holder.rollback().await.unwrap();
 }
+
+/// The dashboard's pools page shows each pool's hit ratio over the last hour, from the trail:
+/// grants through another replica count too.
+#[tokio::test]
+async fn the_dashboard_shows_each_pools_hit_ratio_from_the_trail() {
+    let app = TestApp::spawn_with(AppOptions::deterministic()).await;
+    let (other, _stop) = app.replica(4).await;
+    app.put_key("key-a", "openai", "default", &["gpt-4o"], 1)
+        .await;
+    app.put_key("key-b", "openai", "default", &["gpt-4o"], 1)
+        .await;
+    app.put_key("key-v", "openai", "vip", &["gpt-4o"], 1).await;
+    // default: new, hit (through the other replica), then moved (its credential full), hit
+    let first = lease(&app, call("default", "dash")).await;
+    release(&app, &first, "success").await;
+    let second = json_body(
+        post_json(
+            &app.client,
+            &format!("http://{other}/api/internal/allocate-key"),
+            ("x-internal-key", INTERNAL_KEY),
+            call("default", "dash"),
+        )
+        .await,
+        StatusCode::OK,
+    )
+    .await;
+    assert_eq!(second["affinity"], "hit");
+    let third = lease(&app, call("default", "dash")).await;
+    assert_eq!(third["affinity"], "moved");
+    release(&app, &second, "success").await;
+    release(&app, &third, "success").await;
+    let fourth = lease(&app, call("default", "dash")).await;
+    assert_eq!(fourth["affinity"], "hit");
+    assert_eq!(fourth["key_id"], third["key_id"]);
+    release(&app, &fourth, "success").await;
+    // vip: a first call only, no ratio yet
+    let vip = lease(&app, call("vip", "dash-vip")).await;
+    release(&app, &vip, "success").await;
+
+    let page = app
+        .client
+        .get(app.url("/dashboard/fragments/pools"))
+        .header("x-admin-key", ADMIN_KEY)
+        .send()
+        .await
+        .unwrap()
+        .text()
+        .await
+        .unwrap();
+    let card = |pool: &str| {
+        let start = page
+            .find(&format!("data-pool=\"openai/{pool}\""))
+            .unwrap_or_else(|| panic!("no card for {pool}: {page}"));
+        let end = page[start..].find("</article>").unwrap() + start;
+        page[start..end].to_owned()
+    };
+    let default = card("default");
+    assert!(
+        default.contains(r#"<dd class="affinity" title="2 hit, 1 moved, 1 new">66 %</dd>"#),
+        "{default}"
+    );
+    let vip = card("vip");
+    assert!(
+        vip.contains(r#"<dd class="affinity" title="0 hit, 0 moved, 1 new">-</dd>"#),
+        "{vip}"
+    );
+}
