@@ -642,3 +642,48 @@ async fn the_dashboard_shows_each_pools_hit_ratio_from_the_trail() {
         "{vip}"
     );
 }
+
+/// A bound credential with rate windows, outside a ranked batch of credentials without any
+/// (batch of 1: the ranking's best, the idle credential without windows): the claim picks with
+/// the windows' shape so the bound credential is still tried first, and it serves (`hit`).
+#[tokio::test]
+async fn a_bound_credential_with_rate_windows_is_tried_first_from_a_batch_without_any() {
+    let mut options = AppOptions::deterministic();
+    options.settings.claims.batch = 1;
+    let app = TestApp::spawn_with(options).await;
+    let response = app
+        .put_key_raw(
+            "key-w",
+            json!({"provider": "openai", "pool": "default", "models": ["gpt-4o"],
+                   "max_concurrent_uses": 4, "rate_limits": [{"requests": 100, "seconds": 60}],
+                   "secret": {"api_key": "sk-test-key-w"}}),
+        )
+        .await;
+    assert!(response.status().is_success(), "{}", response.status());
+    // key-w busy (one lease held), so the ranking's best is the idle key-p
+    let busy = lease(
+        &app,
+        json!({"provider": "openai", "model": "gpt-4o", "lease_seconds": 600}),
+    )
+    .await;
+    assert_eq!(busy["key_id"], "key-w");
+    app.put_key("key-p", "openai", "default", &["gpt-4o"], 4)
+        .await;
+    sqlx::query(
+        "INSERT INTO affinity_bindings (provider, pool, affinity_key, key_id, bound_at, last_hit_at, expires_at)
+         VALUES ('openai', 'default', 'windowed', 'key-w', now(), now(), now() + interval '1 hour')",
+    )
+    .execute(&app.db)
+    .await
+    .unwrap();
+    let served = lease(&app, call("default", "windowed")).await;
+    assert_eq!(served["key_id"], "key-w", "{served}");
+    assert_eq!(served["affinity"], "hit", "{served}");
+    // the ranking alone picks the other one
+    let plain = lease(
+        &app,
+        json!({"provider": "openai", "model": "gpt-4o", "lease_seconds": 600}),
+    )
+    .await;
+    assert_eq!(plain["key_id"], "key-p", "{plain}");
+}
