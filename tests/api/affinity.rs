@@ -650,6 +650,8 @@ async fn the_dashboard_shows_each_pools_hit_ratio_from_the_trail() {
 async fn a_bound_credential_with_rate_windows_is_tried_first_from_a_batch_without_any() {
     let mut options = AppOptions::deterministic();
     options.settings.claims.batch = 1;
+    // the view learns of key-p within 50 ms (the ranking must know it to prefer it)
+    options.settings.view_refresh = Duration::from_millis(50);
     let app = TestApp::spawn_with(options).await;
     let response = app
         .put_key_raw(
@@ -669,6 +671,7 @@ async fn a_bound_credential_with_rate_windows_is_tried_first_from_a_batch_withou
     assert_eq!(busy["key_id"], "key-w");
     app.put_key("key-p", "openai", "default", &["gpt-4o"], 4)
         .await;
+    tokio::time::sleep(Duration::from_millis(300)).await;
     sqlx::query(
         "INSERT INTO affinity_bindings (provider, pool, affinity_key, key_id, bound_at, last_hit_at, expires_at)
          VALUES ('openai', 'default', 'windowed', 'key-w', now(), now(), now() + interval '1 hour')",
@@ -679,7 +682,7 @@ async fn a_bound_credential_with_rate_windows_is_tried_first_from_a_batch_withou
     let served = lease(&app, call("default", "windowed")).await;
     assert_eq!(served["key_id"], "key-w", "{served}");
     assert_eq!(served["affinity"], "hit", "{served}");
-    // the ranking alone picks the other one
+    // the ranking alone picks the other one: the claim's batch was [key-p]
     let plain = lease(
         &app,
         json!({"provider": "openai", "model": "gpt-4o", "lease_seconds": 600}),
