@@ -43,7 +43,10 @@
 --   3. lease_events rows that unique indexes guard (one release / one late report per lease),
 --      ascending lease_id (a release group writes its late reports in that order).
 --   4. credentials rows, ascending key_id.
---   5. oauth_credentials rows, ascending key_id (the OAuth refresher, service/src/oauth.rs, and
+--   5. affinity_bindings rows: claims write them last, only rows they locked with SKIP LOCKED or
+--      that do not exist, under their affinity keys' advisory try-locks (CLAIM, "AFFINITY"), so
+--      they never wait; a credential's delete removes its bindings by cascade, after its row.
+--   6. oauth_credentials rows, ascending key_id (the OAuth refresher, service/src/oauth.rs, and
 --      an operator's PUT; the refresher's marker takes this row alone, in its own transaction).
 -- pool_versions rows are per backend and never contended; lease_requests rows are written only
 -- under their request_id's advisory lock, taken with a try-lock.
@@ -400,14 +403,38 @@ BEGIN
 END;
 $$;
 
+-- AFFINITY (issue 30): a grant's affinity result, for a claim that named `p_affinity_key`, whose
+-- live binding was `p_bound` (NULL: none), served by `p_key_id`: 'hit' (the bound credential
+-- served), 'moved' (another one did), 'new' (there was no live binding); NULL without an
+-- affinity key.
+CREATE OR REPLACE FUNCTION credpool_affinity_result(p_affinity_key text, p_bound text, p_key_id text)
+RETURNS text
+LANGUAGE sql IMMUTABLE PARALLEL SAFE AS $$
+    SELECT CASE WHEN p_affinity_key IS NULL THEN NULL
+                WHEN p_bound = p_key_id THEN 'hit'
+                WHEN p_bound IS NOT NULL THEN 'moved'
+                ELSE 'new' END
+$$;
+
+-- AFFINITY: the advisory lock of one binding's key (transaction-scoped, only ever tried): held by
+-- the claim that writes the binding and by the maintenance pass that deletes it, so neither ever
+-- meets a row the other is writing.
+CREATE OR REPLACE FUNCTION credpool_affinity_lock(p_tenant text, p_provider text, p_pool text,
+    p_affinity_key text)
+RETURNS bigint
+LANGUAGE sql IMMUTABLE PARALLEL SAFE AS $$
+    SELECT hashtextextended(
+        'credpool.affinity:' || p_tenant || '/' || p_provider || '/' || p_pool || '/' || p_affinity_key, 0)
+$$;
+
 -- CLAIM (DESIGN "The protocol", step 1), for one request or for a group.
 --
 -- p_claims jsonb: an array of claims, each {"ranked": [key_id, ...] (best first, the Rust
 -- scoring), "provider", "pool", "model" (a model or alias), "lease_id" (the new lease's uuid),
 -- "holder" (or null), "lease_seconds", "tokens" (the reservation for token windows; 0 or absent:
--- none), optionally "request_id" with "request_digest", and "key_hash" (hex SHA-256 of the
--- executor key presented; absent: the configured internal key, tenant `default`)}. Returns one
--- row per claim, `claim` =
+-- none), optionally "request_id" with "request_digest", "key_hash" (hex SHA-256 of the
+-- executor key presented; absent: the configured internal key, tenant `default`), and optionally
+-- the AFFINITY fields (below)}. Returns one row per claim, `claim` =
 -- its 1-based position: the pool's version (NULL when the pool never had a credential), read
 -- before any candidate, so the caller learns whether its candidate view is stale, and the lease,
 -- NULL when no candidate could serve. `request` is NULL, 'replayed' (the request_id's live lease,
@@ -422,6 +449,28 @@ $$;
 -- holds that candidate back (credpool_frees_at; 'tenant'), for the answer's Retry-After, a
 -- waiting request's timer and the held-back metric. `tenant` is the tenant the claim was made
 -- for, `db_now` the call's clock.
+--
+-- AFFINITY (issue 30; docs/design.md "Affinity"). A claim may name "affinity_key" (a conversation
+-- id), "affinity_pools" (the pool sequence of the pool asked for, that pool first: the binding's
+-- pool), "affinity_ttl_seconds" and "affinity_mode" ('preferred' or 'strict'). Its live binding
+-- (affinity_bindings, expires_at after the call's clock) is read once, after the parse, and its
+-- credential put first in the claim's ranked list (and taken out of the rest of it): PICK tries
+-- it first, under every gate of the locked row like any candidate, and passes over it when it
+-- cannot serve now (full, its windows full, disabled, drained, cooling down, in another pool,
+-- its token expiring), so the claim is served by the next candidate in the same round: a binding
+-- is a preference, never a wait. `strict`: while the bound credential could serve but for its
+-- slots and windows, the claim considers it alone (in the pool of the sequence it is in; the
+-- other pools' claims rank nothing) and answers `affinity` 'bound' when it granted nothing, so
+-- the caller waits for that credential (or answers 429); when it could not serve at all, strict
+-- is preferred. The answer's `affinity`, for a grant (not a replay): 'hit' (the bound credential
+-- served), 'moved' (a live binding existed, another credential served) or 'new' (no live
+-- binding); the `granted` trail row carries it too. After the rounds, ONE statement writes the
+-- bindings of the call's grants (a hit refreshes last_hit_at and expires_at; new and moved bind
+-- the credential that served), each only if this call got its affinity key's advisory lock with
+-- a try-lock, and only where the binding's row, if it exists, could be locked with SKIP LOCKED:
+-- a binding this call cannot write is left as it is (it is a hint), so the write never waits.
+-- Nothing granted: no binding is written. Bindings are per tenant: a conversation key of one
+-- tenant never reads or moves another tenant's binding.
 --
 -- A group of claims is one call: one round trip and, outside an explicit transaction, one commit.
 -- Its claims are decided together, in rounds, each round two statements whatever the number of
@@ -507,8 +556,11 @@ $$;
 -- now; a claim with a candidate that has windows locks that credential's lease_windows row with
 -- the slot row (candidates without windows in the same list lock their empty row too).
 --
--- Locks: the tenant slot row, the slot row (and the lease_windows row), with SKIP LOCKED; request ids' advisory locks
--- with a try-lock. The call never waits for a lock, so any number of claims can share a
+-- Locks: the tenant slot row, the slot row (and the lease_windows row), with SKIP LOCKED; request
+-- ids' and affinity keys' advisory locks with a try-lock; affinity_bindings rows with SKIP LOCKED
+-- (and the key share lock of the binding's foreign key on the credential row of a slot this call
+-- holds, which no transaction holding a conflicting lock can have: docs/design.md "Lock order").
+-- The call never waits for a lock, so any number of claims can share a
 -- transaction without ever being part of a deadlock.
 --
 -- Clock: statement_timestamp(), the start of the call, decides usability, expiry and window room
@@ -530,7 +582,10 @@ CREATE FUNCTION credpool_claim(p_claims jsonb)
 RETURNS TABLE (claim integer, pool_version bigint, key_id text, lease_id uuid, lease_pool text,
                granted_at timestamptz, lease_until timestamptz, probe boolean,
                provider_model text, sealed_secret bytea, pruned_expired boolean, fence bigint,
-               request text, frees_at timestamptz, held_by text, tenant text, db_now timestamptz)
+               request text, frees_at timestamptz, held_by text, tenant text, db_now timestamptz,
+               -- AFFINITY: 'hit', 'new', 'moved' for a grant; 'bound' for a strict claim that
+               -- waits for its bound credential; NULL without an affinity_key
+               affinity text)
 LANGUAGE plpgsql
 SET enable_seqscan = off SET enable_bitmapscan = off SET enable_hashjoin = off
 SET enable_mergejoin = off SET enable_material = off SET jit = off
@@ -595,6 +650,18 @@ DECLARE
     v_requests text[];
     q record;
     prior record;
+    -- AFFINITY: each claim's affinity_key (NULL: none), the pool sequence it asked for (its
+    -- first pool is the binding's), TTL in seconds, whether strict; its live binding's key_id,
+    -- whether strict confines it to that credential; whether any claim names an affinity_key;
+    -- the grants (positions in g_claim) whose binding this call writes
+    v_affinity_key text[];
+    v_affinity_pools jsonb[];
+    v_affinity_ttl integer[];
+    v_affinity_strict boolean[];
+    v_bound text[];
+    v_bound_only boolean[];
+    v_affine boolean;
+    v_bind integer[];
 BEGIN
     IF v_count = 0 THEN
         RETURN;
@@ -618,10 +685,14 @@ BEGIN
            array_agg(coalesce((o.c ->> 'tokens')::bigint, 0)), array_agg(o.c ->> 'request_id'),
            array_agg(o.c ->> 'request_digest'), array_agg(o.version), array_agg(o.windowed),
            array_agg(o.n), array_agg(o.tenant), array_agg(o.capped),
-           array_agg(floor(random() * coalesce(o.cap, 0))::integer)
+           array_agg(floor(random() * coalesce(o.cap, 0))::integer),
+           -- AFFINITY: the claim's affinity fields
+           array_agg(o.c ->> 'affinity_key'), array_agg(o.c -> 'affinity_pools'),
+           array_agg(coalesce((o.c ->> 'affinity_ttl_seconds')::integer, 3600)),
+           array_agg(coalesce(o.c ->> 'affinity_mode' = 'strict', false))
     INTO v_ranked, v_provider, v_pool, v_model, v_lease, v_holder, v_seconds, v_tokens,
          v_request_id, v_digest, v_pool_version, v_windowed, v_number, v_tenant, v_capped,
-         v_tenant_start
+         v_tenant_start, v_affinity_key, v_affinity_pools, v_affinity_ttl, v_affinity_strict
     FROM (
         SELECT e.n, e.c, e.provider, e.pool, pv.version, t.tenant_id AS tenant,
                coalesce(t.max_concurrent_leases IS NOT NULL, false) AS capped,
@@ -649,6 +720,43 @@ BEGIN
         ) AS t ON true
         ORDER BY e.n
     ) AS o;
+
+    -- AFFINITY, read: each claim's live binding, its credential first in the claim's ranked list
+    -- (taken out of the rest); a claim whose list had no candidate with windows but whose bound
+    -- credential has them picks with the windows' shape. Strict, while the bound credential
+    -- could serve but for slots and windows (read from this snapshot, like every candidate's
+    -- credential row): that credential alone, in its own pool; nothing in the sequence's others.
+    -- Run only when a claim names an affinity_key.
+    v_affine := array_remove(v_affinity_key, NULL) <> '{}';
+    IF v_affine THEN
+        SELECT array_agg(b.key_id ORDER BY k.n),
+               array_agg(CASE
+                   WHEN b.key_id IS NULL THEN v_ranked[k.n]
+                   WHEN x.confined THEN CASE WHEN (x.c).pool = v_pool[k.n]
+                                             THEN jsonb_build_array(b.key_id) ELSE '[]' END
+                   ELSE jsonb_build_array(b.key_id) || (v_ranked[k.n] - b.key_id) END ORDER BY k.n),
+               array_agg(v_windowed[k.n] OR coalesce((x.c).rate_limits <> '[]'::jsonb, false)
+                         ORDER BY k.n),
+               array_agg(coalesce(x.confined, false) ORDER BY k.n)
+        INTO v_bound, v_ranked, v_windowed, v_bound_only
+        FROM generate_subscripts(v_affinity_key, 1) AS k (n)
+        LEFT JOIN LATERAL (
+            SELECT b.key_id
+            FROM affinity_bindings b
+            WHERE b.tenant = v_tenant[k.n] AND b.provider = v_provider[k.n]
+              AND b.pool = v_affinity_pools[k.n] ->> 0 AND b.affinity_key = v_affinity_key[k.n]
+              AND b.expires_at > v_now
+            LIMIT 1
+        ) AS b ON v_affinity_key[k.n] IS NOT NULL
+        LEFT JOIN LATERAL (
+            SELECT c,
+                   v_affinity_strict[k.n] AND v_affinity_pools[k.n] ? c.pool
+                   AND credpool_may_serve(c, v_provider[k.n], c.pool, v_model[k.n], v_now) AS confined
+            FROM credentials c
+            WHERE c.key_id = b.key_id
+            LIMIT 1
+        ) AS x ON true;
+    END IF;
 
     -- Request ids: a claim whose request_id another transaction is claiming for right now is
     -- 'in_flight'; one whose request_id has a live lease replays it (or is a 'conflict'); of the
@@ -866,10 +974,12 @@ BEGIN
         trail AS (
             INSERT INTO lease_events
                 (event, lease_id, key_id, provider, pool, slot, holder, lease_until, at, fence, tokens,
-                 tenant)
+                 tenant, affinity)
             SELECT 'granted', (g.s).lease_id, (g.s).key_id, (g.s).provider, (g.s).pool, (g.s).slot,
                    (g.s).holder, (g.s).lease_until, (g.s).granted_at, (g.s).fence,
-                   (g.s).reserved_tokens, (g.s).tenant
+                   (g.s).reserved_tokens, (g.s).tenant,
+                   -- AFFINITY: the grant's result, for the dashboard's hit ratio
+                   credpool_affinity_result(v_affinity_key[g.n], v_bound[g.n], (g.s).key_id)
             FROM granted g
         )
         SELECT g_claim || array_agg(g.n), g_slot || array_agg(g.s), g_secret || array_agg(g.secret),
@@ -909,6 +1019,67 @@ BEGIN
         END IF;
     END LOOP;
 
+    -- AFFINITY, write: the bindings of this call's grants (not replays), in one statement, the
+    -- last grant of each affinity key in claim order. First the affinity keys' advisory locks,
+    -- tried, in a statement of their own, so that the write's snapshot, taken after them, sees
+    -- every binding the lock's last holder wrote: a row the write does not see then can only be
+    -- inserted by a holder of the lock, so its INSERT never meets another transaction's row in
+    -- progress. Then each existing row is locked with SKIP LOCKED (a row another transaction
+    -- holds: an operator's delete cascading, the maintenance pass, a claim's write is left as
+    -- it is), and the write touches only rows it locked or that do not exist.
+    IF v_affine AND cardinality(g_claim) > 0 THEN
+        SELECT coalesce(array_agg(d.i ORDER BY d.i), '{}')
+        INTO v_bind
+        FROM (
+            SELECT DISTINCT ON (v_tenant[g_claim[i]], v_provider[g_claim[i]],
+                                v_affinity_pools[g_claim[i]] ->> 0, v_affinity_key[g_claim[i]]) i
+            FROM generate_subscripts(g_claim, 1) AS i
+            WHERE v_affinity_key[g_claim[i]] IS NOT NULL AND v_request[g_claim[i]] IS NULL
+            ORDER BY v_tenant[g_claim[i]], v_provider[g_claim[i]], v_affinity_pools[g_claim[i]] ->> 0,
+                     v_affinity_key[g_claim[i]], g_claim[i] DESC
+        ) AS d
+        WHERE pg_try_advisory_xact_lock(credpool_affinity_lock(v_tenant[g_claim[d.i]], v_provider[g_claim[d.i]],
+                  v_affinity_pools[g_claim[d.i]] ->> 0, v_affinity_key[g_claim[d.i]]));
+        IF v_bind <> '{}' THEN
+            WITH wanted AS (
+                SELECT v_tenant[n] AS tenant, v_provider[n] AS provider,
+                       v_affinity_pools[n] ->> 0 AS pool, v_affinity_key[n] AS affinity_key,
+                       (g_slot[i]).key_id, (g_slot[i]).granted_at AS at, v_affinity_ttl[n] AS ttl
+                FROM unnest(v_bind) AS i
+                CROSS JOIN LATERAL (SELECT g_claim[i] AS n) AS x
+            ),
+            found AS (
+                SELECT w.*, e.found, l.locked
+                FROM wanted w
+                LEFT JOIN LATERAL (
+                    SELECT true AS found FROM affinity_bindings b
+                    WHERE b.tenant = w.tenant AND b.provider = w.provider AND b.pool = w.pool
+                      AND b.affinity_key = w.affinity_key
+                    LIMIT 1
+                ) AS e ON true
+                LEFT JOIN LATERAL (
+                    SELECT true AS locked FROM affinity_bindings b
+                    WHERE b.tenant = w.tenant AND b.provider = w.provider AND b.pool = w.pool
+                      AND b.affinity_key = w.affinity_key
+                    FOR UPDATE SKIP LOCKED
+                ) AS l ON e.found
+            )
+            INSERT INTO affinity_bindings AS b
+                (tenant, provider, pool, affinity_key, key_id, bound_at, last_hit_at, expires_at)
+            SELECT f.tenant, f.provider, f.pool, f.affinity_key, f.key_id, f.at, f.at,
+                   f.at + make_interval(secs => f.ttl)
+            FROM found f
+            WHERE f.found IS NULL OR f.locked
+            ON CONFLICT ON CONSTRAINT affinity_bindings_pkey DO UPDATE
+            SET key_id = EXCLUDED.key_id,
+                -- a hit keeps when the conversation was bound; a move or an expired binding
+                -- starts anew
+                bound_at = CASE WHEN b.key_id = EXCLUDED.key_id AND b.expires_at > EXCLUDED.bound_at
+                                THEN b.bound_at ELSE EXCLUDED.bound_at END,
+                last_hit_at = EXCLUDED.last_hit_at, expires_at = EXCLUDED.expires_at;
+        END IF;
+    END IF;
+
     -- The answers, in claim order. Nothing granted: when may a candidate serve it (read now)? A
     -- candidate whose slot or window row another transaction held (a concurrent claim, the
     -- reaper, an operator's change) was passed over without knowing what that transaction
@@ -924,7 +1095,12 @@ BEGIN
                 WHEN g.i IS NULL AND f.at <= v_now THEN 'busy' END,
            CASE WHEN tl.full THEN tl.frees_at ELSE f.at END,
            CASE WHEN tl.full THEN 'tenant' ELSE f.held_by END,
-           coalesce((g_slot[g.i]).tenant, v_tenant[k.n]), v_now
+           coalesce((g_slot[g.i]).tenant, v_tenant[k.n]), v_now,
+           -- AFFINITY: the grant's result (a replay says none); a strict claim confined to its
+           -- bound credential that granted nothing: 'bound'
+           CASE WHEN g.i IS NOT NULL AND v_request[k.n] IS NULL
+                THEN credpool_affinity_result(v_affinity_key[k.n], v_bound[k.n], (g_slot[g.i]).key_id)
+                WHEN g.i IS NULL AND v_bound_only[k.n] THEN 'bound' END
     FROM generate_subscripts(v_done, 1) AS k (n)
     CROSS JOIN LATERAL (SELECT array_position(g_claim, k.n) AS i) AS g
     LEFT JOIN LATERAL (

@@ -102,9 +102,71 @@ LANGUAGE sql AS $$
     SELECT count(*)::integer FROM deleted
 $$;
 
+-- AFFINITY (issue 30): deletes up to p_batch affinity bindings that have expired, then, while more
+-- than the cap of live bindings remain, up to p_batch of the least recently hit ones, so the table
+-- stays bounded. The cap: p_cap, else the setting `credpool.affinity_max_bindings` (e.g.
+-- `ALTER DATABASE credpool SET credpool.affinity_max_bindings = 5000000`), else 1,000,000. Each
+-- row is deleted under its affinity key's advisory lock, tried, and its row lock, taken with SKIP
+-- LOCKED, like a claim's write of it: this pass never waits for a claim and a claim never waits for
+-- it (a binding a claim is writing right now is left for the next pass). Counting the live
+-- bindings reads the table once per pass. Returns how many rows it deleted.
+CREATE OR REPLACE FUNCTION credpool_purge_affinity(p_cap bigint DEFAULT NULL, p_batch integer DEFAULT 10000)
+RETURNS integer
+LANGUAGE plpgsql AS $$
+DECLARE
+    v_cap bigint := coalesce(p_cap,
+        nullif(current_setting('credpool.affinity_max_bindings', true), '')::bigint, 1000000);
+    v_expired integer;
+    v_over bigint;
+    v_evicted integer := 0;
+BEGIN
+    WITH doomed AS (
+        SELECT b.tenant, b.provider, b.pool, b.affinity_key
+        FROM affinity_bindings b
+        WHERE b.expires_at <= now()
+        ORDER BY b.expires_at
+        LIMIT p_batch
+        FOR UPDATE SKIP LOCKED
+    ),
+    deleted AS (
+        DELETE FROM affinity_bindings b
+        USING doomed d
+        WHERE b.tenant = d.tenant AND b.provider = d.provider AND b.pool = d.pool
+          AND b.affinity_key = d.affinity_key
+          -- again on the row as locked: a claim's hit since the snapshot keeps it
+          AND b.expires_at <= now()
+          AND pg_try_advisory_xact_lock(credpool_affinity_lock(b.tenant, b.provider, b.pool, b.affinity_key))
+        RETURNING 1
+    )
+    SELECT count(*)::integer INTO v_expired FROM deleted;
+
+    SELECT count(*) - v_cap INTO v_over FROM affinity_bindings WHERE expires_at > now();
+    IF v_over > 0 THEN
+        WITH doomed AS (
+            SELECT b.tenant, b.provider, b.pool, b.affinity_key
+            FROM affinity_bindings b
+            ORDER BY b.last_hit_at
+            LIMIT least(v_over, p_batch)
+            FOR UPDATE SKIP LOCKED
+        ),
+        deleted AS (
+            DELETE FROM affinity_bindings b
+            USING doomed d
+            WHERE b.tenant = d.tenant AND b.provider = d.provider AND b.pool = d.pool
+              AND b.affinity_key = d.affinity_key
+              AND pg_try_advisory_xact_lock(credpool_affinity_lock(b.tenant, b.provider, b.pool, b.affinity_key))
+            RETURNING 1
+        )
+        SELECT count(*)::integer INTO v_evicted FROM deleted;
+    END IF;
+    RETURN v_expired + v_evicted;
+END;
+$$;
+
 -- The steps of one maintenance pass, in order: reap expired leases, refit credentials back under
 -- a lowered limit, record ended cooldowns, purge old audit rows and request ids, fold the pool
--- versions of exited backends, refit tenants over a lowered cap. Step `p_step` (1-based) runs and returns its name and how much it
+-- versions of exited backends, refit tenants over a lowered cap, purge expired affinity bindings
+-- and keep them under their cap. Step `p_step` (1-based) runs and returns its name and how much it
 -- did; past the last step, both are NULL. Each step is meant to be its own transaction
 -- (credpool_maintenance, and the service's own scheduler, commit after each), so that the row
 -- locks of one step are gone before the next starts: a long audit purge never holds the slot rows
@@ -116,7 +178,8 @@ CREATE OR REPLACE FUNCTION credpool_maintenance_step(p_step integer, p_retention
 LANGUAGE plpgsql AS $$
 BEGIN
     name := (ARRAY['expired_leases_reaped', 'credentials_refitted', 'cooldowns_recorded',
-                   'audit_rows_purged', 'request_ids_purged', 'pool_versions_folded', 'tenants_refitted'])[p_step];
+                   'audit_rows_purged', 'request_ids_purged', 'pool_versions_folded',
+                   'tenants_refitted', 'affinity_bindings_purged'])[p_step];
     IF name IS NULL THEN
         RETURN;
     END IF;
@@ -131,6 +194,7 @@ BEGIN
         WHEN 'audit_rows_purged' THEN credpool_purge_audit(p_retention, 10000)
         WHEN 'request_ids_purged' THEN credpool_purge_requests('1 hour', 10000)
         WHEN 'pool_versions_folded' THEN credpool_compact_pool_versions()
+        WHEN 'affinity_bindings_purged' THEN credpool_purge_affinity(NULL, 10000)
     END;
 END;
 $$;

@@ -952,6 +952,7 @@ impl Allocator for UnbatchedAllocator {
             request: None,
             tokens: 0,
             caller: None,
+            affinity: None,
         };
         match leases::claim_slot(&mut self.conn, &claim).await {
             Ok(result) => match result.granted {

@@ -14,7 +14,7 @@ use tokio::runtime::Handle;
 use tokio::time::Instant;
 
 use crate::error::{self, Error, TransportError};
-use crate::lease::{LeaseGuard, LeaseRequest, LeaseState, Outcome, Released};
+use crate::lease::{AffinityMode, LeaseGuard, LeaseRequest, LeaseState, Outcome, Released};
 use crate::wire;
 
 /// The header that carries the internal key on every executor route.
@@ -366,6 +366,13 @@ impl Client {
             request_id,
             wait_ms: wait.map(|wait| u64::try_from(wait.as_millis()).unwrap_or(u64::MAX)),
             tokens: request.tokens,
+            affinity_key: request.affinity_key.as_deref(),
+            // whole seconds, rounded up (the server refuses 0)
+            affinity_ttl_seconds: request.affinity_ttl.map(|ttl| {
+                ttl.as_secs()
+                    .saturating_add(u64::from(ttl.subsec_nanos() > 0))
+            }),
+            affinity_mode: request.affinity_mode.map(AffinityMode::wire),
         };
         let timeout = self.inner.http_timeout + wait.unwrap_or_default();
         let answer = self.post(&self.inner.allocate_url, &body, timeout).await?;

@@ -55,6 +55,63 @@ pub struct LeaseRequest {
     /// The tokens the call expects to use (0..=10^9), reserved in the credential's token
     /// windows until the release reports its usage ([`LeaseGuard::finish_with_usage`]).
     pub tokens: Option<u64>,
+    /// The conversation this call belongs to (1..=256 printable characters, e.g. a conversation
+    /// id): the server tries the credential that served the conversation's last call first,
+    /// while it can serve now, because providers cache prompts per account
+    /// ([`LeaseGuard::affinity`] says whether it did). `None`: no affinity.
+    pub affinity_key: Option<String>,
+    /// How long the conversation's binding lives after this call (1 s..=1 day, sent in whole
+    /// seconds, rounded up); `None` for the server's default, one hour. Refreshed on each hit.
+    pub affinity_ttl: Option<Duration>,
+    /// [`AffinityMode::Preferred`] (`None`: the server's default) or [`AffinityMode::Strict`].
+    pub affinity_mode: Option<AffinityMode>,
+}
+
+/// How strongly a lease request keeps to its conversation's credential.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum AffinityMode {
+    /// The bound credential first when it can serve now; otherwise another one serves at once
+    /// and the conversation moves to it.
+    Preferred,
+    /// Only the bound credential while it could serve but for its slots (the request waits for
+    /// it, up to [`LeaseRequest::wait`], or fails with [`Error::PoolExhausted`]); a credential
+    /// that cannot serve at all (disabled, cooling down, moved) is left as under `Preferred`.
+    Strict,
+}
+
+impl AffinityMode {
+    pub(crate) fn wire(self) -> &'static str {
+        match self {
+            AffinityMode::Preferred => "preferred",
+            AffinityMode::Strict => "strict",
+        }
+    }
+}
+
+/// Whether a lease request's conversation ([`LeaseRequest::affinity_key`]) was served by the
+/// credential it was bound to.
+#[derive(Debug, Clone, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum AffinityResult {
+    /// `hit`: the bound credential served it (its prompt cache is warm).
+    Hit,
+    /// `new`: the conversation had no live binding; it is bound to this credential now.
+    New,
+    /// `moved`: the bound credential could not serve now; the conversation is bound to this one.
+    Moved,
+    /// A result this client does not know, as the server spelled it.
+    Other(String),
+}
+
+impl AffinityResult {
+    pub(crate) fn from_wire(result: &str) -> Self {
+        match result {
+            "hit" => AffinityResult::Hit,
+            "new" => AffinityResult::New,
+            "moved" => AffinityResult::Moved,
+            other => AffinityResult::Other(other.to_owned()),
+        }
+    }
 }
 
 impl LeaseRequest {
@@ -94,6 +151,24 @@ impl LeaseRequest {
     /// Sets [`LeaseRequest::tokens`].
     pub fn tokens(mut self, tokens: u64) -> Self {
         self.tokens = Some(tokens);
+        self
+    }
+
+    /// Sets [`LeaseRequest::affinity_key`].
+    pub fn affinity_key(mut self, key: impl Into<String>) -> Self {
+        self.affinity_key = Some(key.into());
+        self
+    }
+
+    /// Sets [`LeaseRequest::affinity_ttl`].
+    pub fn affinity_ttl(mut self, ttl: Duration) -> Self {
+        self.affinity_ttl = Some(ttl);
+        self
+    }
+
+    /// Sets [`LeaseRequest::affinity_mode`].
+    pub fn affinity_mode(mut self, mode: AffinityMode) -> Self {
+        self.affinity_mode = Some(mode);
         self
     }
 }
@@ -225,6 +300,8 @@ pub(crate) struct LeaseState {
     pub fence: u64,
     pub provider_model: String,
     pub probe: bool,
+    /// The answer's `affinity`, if it had one.
+    pub affinity: Option<AffinityResult>,
     /// As requested; sent again with every renewal (`None`: the server extends by the length
     /// it granted).
     pub requested_seconds: Option<u32>,
@@ -306,6 +383,7 @@ impl LeaseGuard {
             fence: granted.fence,
             provider_model: granted.provider_model,
             probe: granted.probe,
+            affinity: granted.affinity.as_deref().map(AffinityResult::from_wire),
             requested_seconds: request.lease_seconds,
             lease_seconds,
             lease_until: Mutex::new(granted.lease_until),
@@ -368,6 +446,13 @@ impl LeaseGuard {
     /// faithfully, it decides whether the credential returns to service.
     pub fn probe(&self) -> bool {
         self.lease.probe
+    }
+
+    /// With an [`LeaseRequest::affinity_key`]: whether the conversation's bound credential
+    /// served this lease. `None` without one, and when the client's retry of the allocate was
+    /// answered with the lease its first attempt got (the server does not repeat it).
+    pub fn affinity(&self) -> Option<&AffinityResult> {
+        self.lease.affinity.as_ref()
     }
 
     /// When the lease ends unless renewed (server clock): the latest known value, updated by

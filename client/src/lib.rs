@@ -48,8 +48,8 @@ mod wire;
 pub use client::{Client, ClientBuilder, RetryPolicy};
 pub use error::{Error, TransportError, TransportKind};
 pub use lease::{
-    Credential, DEFAULT_LEASE_SECONDS, LeaseGuard, LeaseRequest, MAX_RETRY_AFTER_SECONDS,
-    NotReleased, Outcome, Released,
+    AffinityMode, AffinityResult, Credential, DEFAULT_LEASE_SECONDS, LeaseGuard, LeaseRequest,
+    MAX_RETRY_AFTER_SECONDS, NotReleased, Outcome, Released,
 };
 pub use time::OffsetDateTime;
 pub use tokio_util::sync::CancellationToken;

@@ -29,6 +29,12 @@ pub(crate) struct AllocateBody<'a> {
     pub wait_ms: Option<u64>,
     #[serde(skip_serializing_if = "Option::is_none")]
     pub tokens: Option<u64>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub affinity_key: Option<&'a str>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub affinity_ttl_seconds: Option<u64>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub affinity_mode: Option<&'static str>,
 }
 
 /// `POST /api/internal/renew-lease` body.
@@ -78,6 +84,8 @@ pub(crate) struct Granted {
     /// The length, in seconds, the server granted the lease for (and extends it by on each
     /// renewal that names none); `None` from servers that do not send it.
     pub lease_seconds: Option<u32>,
+    /// `hit`, `new`, `moved` (a request with an affinity key); `None` when absent.
+    pub affinity: Option<String>,
     /// Always a JSON object.
     pub credential: Value,
 }
@@ -116,6 +124,11 @@ pub(crate) fn parse_granted(body: &[u8]) -> Result<Granted, String> {
             .and_then(Value::as_bool)
             .ok_or("field `probe` is missing or not a boolean")?,
         lease_seconds: granted_seconds(&object)?,
+        affinity: match object.get("affinity") {
+            None | Some(Value::Null) => None,
+            Some(Value::String(result)) => Some(result.clone()),
+            Some(_) => return Err("field `affinity` is not a string".into()),
+        },
         credential,
     })
 }
@@ -323,6 +336,9 @@ mod tests {
             request_id: "r",
             wait_ms: None,
             tokens: None,
+            affinity_key: None,
+            affinity_ttl_seconds: None,
+            affinity_mode: None,
         };
         assert_eq!(
             serde_json::to_value(&body).expect("serializes"),

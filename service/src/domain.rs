@@ -259,6 +259,16 @@ impl fmt::Debug for TenantKeyHash {
     }
 }
 
+string_newtype!(
+    /// A conversation's affinity key (`conv_8f2c...`, any id the executor chooses): 1..=256
+    /// printable characters (no control characters). Requests with the same key prefer the
+    /// credential that served the last of them (docs/design.md "Affinity").
+    AffinityKey,
+    "affinity_key",
+    "^[^\\u0000-\\u001f\\u007f-\\u009f]{1,256}$",
+    |v| check_name("affinity_key", &v, 256, |c| !c.is_control(), "printable characters")
+);
+
 fn check_lower_name(field: &'static str, value: &str) -> Result<(), InvalidValue> {
     check_name(
         field,
@@ -457,6 +467,82 @@ impl Outcome {
             Outcome::AuthError => "auth_error",
             Outcome::AuthExpired => "auth_expired",
             Outcome::QuotaExhausted => "quota_exhausted",
+        }
+    }
+}
+
+/// How strongly an allocation keeps to its conversation's bound credential.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize, utoipa::ToSchema)]
+#[serde(rename_all = "snake_case")]
+pub enum AffinityMode {
+    /// The bound credential is tried first when it can serve now; otherwise another credential
+    /// serves in the same request and the binding moves to it. Never waits for the binding.
+    #[default]
+    Preferred,
+    /// While the bound credential could serve but for its slots and windows, only it is
+    /// considered: the request waits for it (up to `wait_ms`) or answers 429. A binding whose
+    /// credential cannot serve at all (disabled, drained, cooling down, in another pool, gone)
+    /// is treated as under `preferred`.
+    Strict,
+}
+
+/// How long a binding lives after the grant that wrote it (refreshed on each hit), in whole
+/// seconds, 1..=86,400.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct AffinityTtl(u32);
+
+impl AffinityTtl {
+    /// One hour: Anthropic's longest prompt cache, longer than OpenAI's.
+    pub const DEFAULT: AffinityTtl = AffinityTtl(3600);
+    /// One day.
+    pub const MAX: u32 = 86_400;
+
+    /// Accepts 1..=86,400 seconds.
+    pub fn parse(value: u64) -> Result<Self, InvalidValue> {
+        match u32::try_from(value) {
+            Ok(v) if (1..=Self::MAX).contains(&v) => Ok(Self(v)),
+            _ => Err(InvalidValue::new(
+                "affinity_ttl_seconds",
+                format!("must be an integer from 1 to {}", Self::MAX),
+            )),
+        }
+    }
+
+    /// The TTL in seconds.
+    pub fn get(self) -> u32 {
+        self.0
+    }
+}
+
+/// What an allocation with an `affinity_key` found: whether the bound credential served it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, utoipa::ToSchema)]
+#[serde(rename_all = "snake_case")]
+pub enum AffinityResult {
+    /// The credential bound to the key served it; the binding's TTL starts again.
+    Hit,
+    /// The key had no live binding; it is now bound to the credential that served.
+    New,
+    /// The bound credential could not serve now; the key is now bound to the one that did.
+    Moved,
+}
+
+impl AffinityResult {
+    /// Parses the claim statement's spelling (`hit`, `new`, `moved`).
+    pub fn parse(value: &str) -> Option<Self> {
+        match value {
+            "hit" => Some(Self::Hit),
+            "new" => Some(Self::New),
+            "moved" => Some(Self::Moved),
+            _ => None,
+        }
+    }
+
+    /// The spelling of the API, the metrics' `result` label and `lease_events.affinity`.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Self::Hit => "hit",
+            Self::New => "new",
+            Self::Moved => "moved",
         }
     }
 }

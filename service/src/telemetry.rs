@@ -23,6 +23,11 @@ pub const ALLOCATIONS: &str = "credpool_allocations_total";
 /// Allocate requests by the caller's `tenant` (a configured tenant: bounded) and `result` (as
 /// [`ALLOCATIONS`]).
 pub const TENANT_ALLOCATIONS: &str = "credpool_tenant_allocations_total";
+/// Leased allocations that named an `affinity_key`, by `provider`, `pool` (asked for) and `result`
+/// ([`AFFINITY_RESULTS`]): whether the conversation's bound credential served it.
+pub const ALLOCATIONS_AFFINITY: &str = "credpool_allocations_affinity_total";
+/// What `result` of [`ALLOCATIONS_AFFINITY`] can say (bounded: one series per pool and result).
+pub const AFFINITY_RESULTS: [&str; 3] = ["hit", "new", "moved"];
 /// Request latency in seconds by `route` (the matched path) and `status` class (`2xx`, `4xx`, ...).
 pub const REQUEST_SECONDS: &str = "credpool_request_duration_seconds";
 /// Releases by `result` (`released`, `not_released`) and `reason` (`mismatch`, `expired`,
@@ -168,6 +173,13 @@ pub const METRICS: &[Metric] = &[
         labels: &["tenant", "result"],
         unit: "requests",
         help: "Allocate requests whose key named a tenant, by tenant (default for the internal key; tenants are configured, so the label is bounded) and result, as in credpool_allocations_total: tenant_limit (429, the tenant at its cap) apart from pool_exhausted (429, the pool full).",
+    },
+    Metric {
+        name: ALLOCATIONS_AFFINITY,
+        kind: Kind::Counter,
+        labels: &["provider", "pool", "result"],
+        unit: "requests",
+        help: "Leased allocate requests that named an affinity_key, by provider and pool asked for and result: hit (the conversation's bound credential served), new (no live binding), moved (the bound credential could not serve now; another did and the binding moved).",
     },
     Metric {
         name: HELD_BACK,
@@ -434,6 +446,11 @@ pub fn pool_known(provider: &str, pool: &str) {
                  "held_by" => held_by)
         .increment(0);
     }
+    for result in AFFINITY_RESULTS {
+        counter!(ALLOCATIONS_AFFINITY, "provider" => provider.to_owned(),
+                 "pool" => pool.to_owned(), "result" => result)
+        .increment(0);
+    }
     for result in ALLOCATION_RESULTS {
         if result == "leased" {
             let served = match crate::domain::PoolName::parse(pool) {
@@ -484,6 +501,13 @@ pub fn allocation(
         counter!(TENANT_ALLOCATIONS, "tenant" => tenant.to_owned(), "result" => result)
             .increment(1);
     }
+}
+
+/// Records a leased allocation's affinity result (`provider`, `pool` asked for).
+pub fn affinity(provider: &str, pool: &str, result: crate::domain::AffinityResult) {
+    counter!(ALLOCATIONS_AFFINITY, "provider" => provider.to_owned(), "pool" => pool.to_owned(),
+             "result" => result.as_str())
+    .increment(1);
 }
 
 /// Records one request's latency.

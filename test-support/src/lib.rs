@@ -568,6 +568,7 @@ impl TestApp {
             "lease_events",
             "lease_requests",
             "credential_events",
+            "affinity_bindings",
         ] {
             let rows: Option<String> = sqlx::query_scalar(sqlx::AssertSqlSafe(format!(
                 "SELECT string_agg(to_jsonb(t)::text, E'\\n' ORDER BY to_jsonb(t)::text) FROM {table} t"

@@ -7,6 +7,7 @@
 const BIN: &str = env!("CARGO_BIN_EXE_credpool");
 
 mod admin;
+mod affinity;
 mod allocate;
 mod audit;
 mod bench;

@@ -132,6 +132,7 @@ async fn statement_race(limit: u32) {
                         request: None,
                         tokens: 0,
                         caller: None,
+                        affinity: None,
                     };
                     barrier.wait().await;
                     let claimed = leases::claim_slot(&mut conn, &request).await.unwrap();

@@ -105,6 +105,40 @@ def test_tokens_and_usage_are_sent_when_given_sync() -> None:
     assert (release["outcome"], release["retry_after_seconds"]) == ("quota_exhausted", 13)
 
 
+async def test_affinity_is_sent_only_with_a_key_and_checked_first() -> None:
+    fake = FakeCredpool()
+    async with (
+        async_client(fake) as client,
+        client.lease(
+            "openai", "gpt-4o", affinity_key="conv-1", affinity_ttl=1.2, affinity_mode="strict"
+        ),
+    ):
+        pass
+    (allocate,) = fake.bodies("allocate-key")
+    assert allocate["affinity_key"] == "conv-1"
+    assert allocate["affinity_ttl_seconds"] == 2  # whole seconds, rounded up
+    assert allocate["affinity_mode"] == "strict"
+    with sync_client(fake) as sync, sync.lease("openai", "gpt-4o", affinity_key="conv-2"):
+        pass
+    second = fake.bodies("allocate-key")[1]
+    assert second["affinity_key"] == "conv-2"
+    assert "affinity_ttl_seconds" not in second
+    assert "affinity_mode" not in second
+    for bad in (
+        {"affinity_key": ""},
+        {"affinity_key": "x" * 257},
+        {"affinity_key": "line\nbreak"},
+        {"affinity_key": "c", "affinity_ttl": 0},
+        {"affinity_key": "c", "affinity_ttl": 86_401},
+        {"affinity_key": "c", "affinity_mode": "sticky"},
+        {"affinity_ttl": 60},
+        {"affinity_mode": "strict"},
+    ):
+        with pytest.raises(ValueError, match="affinity"):
+            sync.lease("openai", "gpt-4o", **bad)
+    assert len(fake.bodies("allocate-key")) == 2
+
+
 def test_retry_after_goes_in_whole_seconds_rounded_up_and_capped() -> None:
     assert whole_seconds(12) == 12
     assert whole_seconds(12.001) == 13

@@ -146,3 +146,25 @@ def test_errors_are_raised_on_entering_the_block(service: Service, provider: str
         with client.lease(provider, "gpt-4o"):
             pass
     assert error.value.request_id
+
+
+def test_a_conversation_keeps_its_credential_while_it_has_room(
+    service: Service, admin: Admin, provider: str
+) -> None:
+    admin.put_key(f"{provider}-a", provider, limit=2)
+    admin.put_key(f"{provider}-b", provider, limit=2)
+    with client_for(service) as client:
+        with client.lease(provider, "gpt-4o", affinity_key="conversation-py") as first:
+            assert first.affinity == "new"
+        with client.lease(provider, "gpt-4o", affinity_key="conversation-py") as second:
+            assert second.affinity == "hit"
+            assert second.key_id == first.key_id
+            # the bound credential's other slot: still a hit
+            with client.lease(provider, "gpt-4o", affinity_key="conversation-py") as third:
+                assert (third.affinity, third.key_id) == ("hit", first.key_id)
+                # both its slots held: moved, at once, to the other credential
+                with client.lease(provider, "gpt-4o", affinity_key="conversation-py") as fourth:
+                    assert fourth.affinity == "moved"
+                    assert fourth.key_id != first.key_id
+        with client.lease(provider, "gpt-4o") as plain:
+            assert plain.affinity is None

@@ -614,6 +614,7 @@ mod tests {
             fence: 1,
             replayed: false,
             tenant: "default".into(),
+            affinity: None,
         };
         views.note_grant(&provider, &pool, &lease, 0);
         assert_eq!(free_slots(&views, &provider, &pool), 0);

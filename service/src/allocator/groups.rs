@@ -29,7 +29,8 @@
 //! - A claim group never waits for a lock: each claim takes its slot row (and, for a credential
 //!   with rate windows, its lease_windows row) with SKIP LOCKED, request ids' advisory locks with
 //!   a try-lock, and writes nothing else that another transaction holds (the credential row is
-//!   only read; trail rows are fresh inserts). A claim group is therefore in no cycle, whatever
+//!   only read; trail rows are fresh inserts; affinity bindings only under their keys' advisory
+//!   try-locks and where their rows were locked with SKIP LOCKED or do not exist). A claim group is therefore in no cycle, whatever
 //!   the order of its claims.
 //! - A release group locks its leases' slot rows in ascending (key_id, slot) order in one
 //!   statement, then the lease_windows rows of the usage it reports in ascending key_id order,
@@ -57,8 +58,8 @@ use crate::domain::{
     Holder, KeyId, LeaseId, LeaseSeconds, ModelName, PoolName, ProviderName, TenantKeyHash,
 };
 use crate::store::leases::{
-    self, ClaimRequest, ClaimResult, LeaseRef, ReleaseRequest, ReleaseResult, Renewed, RequestKey,
-    StagedRelease,
+    self, ClaimAffinity, ClaimRequest, ClaimResult, LeaseRef, ReleaseRequest, ReleaseResult,
+    Renewed, RequestKey, StagedRelease,
 };
 use crate::store::{Conn, Db};
 
@@ -129,6 +130,7 @@ impl Groups {
                 request: request.request.cloned(),
                 tokens: request.tokens,
                 caller: request.caller,
+                affinity: request.affinity.cloned(),
             })
             .await
     }
@@ -217,6 +219,7 @@ struct Claim {
     request: Option<RequestKey>,
     tokens: u64,
     caller: Option<TenantKeyHash>,
+    affinity: Option<ClaimAffinity>,
 }
 
 impl Claim {
@@ -232,6 +235,7 @@ impl Claim {
             request: self.request.as_ref(),
             tokens: self.tokens,
             caller: self.caller,
+            affinity: self.affinity.as_ref(),
         }
     }
 }

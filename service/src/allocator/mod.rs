@@ -33,12 +33,13 @@ use rand::rngs::SmallRng;
 use time::OffsetDateTime;
 
 use crate::domain::{
-    Holder, KeyId, LeaseId, LeaseSeconds, ModelName, PoolName, ProviderName, RequestId, Secret,
-    TenantKeyHash,
+    AffinityKey, AffinityMode, AffinityResult, AffinityTtl, Holder, KeyId, LeaseId, LeaseSeconds,
+    ModelName, PoolName, ProviderName, RequestId, Secret, TenantKeyHash,
 };
 use crate::secrets::{Keyring, SecretsError};
 use crate::store::leases::{
-    self, ClaimRequest, ClaimResult, LeaseRef, ReleaseRequest, ReleaseResult, RequestKey,
+    self, ClaimAffinity, ClaimRequest, ClaimResult, LeaseRef, ReleaseRequest, ReleaseResult,
+    RequestKey,
 };
 use candidates::CandidateViews;
 use groups::Groups;
@@ -77,6 +78,20 @@ pub struct AllocateRequest {
     /// The hash of the tenant key the executor presented (`None`: the configured internal key,
     /// tenant `default`). The claim checks it in the store and takes the tenant from it.
     pub caller: Option<TenantKeyHash>,
+    /// The conversation the call belongs to, if the executor named one: the credential bound to
+    /// it is tried first (docs/design.md "Affinity").
+    pub affinity: Option<Affinity>,
+}
+
+/// An allocation's conversation affinity, as the executor asked for it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Affinity {
+    /// The conversation's key.
+    pub key: AffinityKey,
+    /// How long the binding lives after this grant (refreshed on each hit).
+    pub ttl: AffinityTtl,
+    /// Preferred (the default) or strict.
+    pub mode: AffinityMode,
 }
 
 /// A granted lease, as the executor receives it.
@@ -100,6 +115,9 @@ pub struct Allocation {
     pub fence: i64,
     /// The tenant holding the lease (the caller's).
     pub tenant: String,
+    /// For a request with an `affinity_key`: whether its conversation's bound credential served
+    /// it. `None` without one, and for a replay of an earlier attempt (`request_id`).
+    pub affinity: Option<AffinityResult>,
     /// The credential material (redacted in `Debug`).
     pub credential: Secret,
 }
@@ -192,6 +210,14 @@ impl From<AllocateError> for Refusal {
             frees_in: None,
         }
     }
+}
+
+/// What a request's claims carry besides their candidates: its idempotency key and its
+/// conversation affinity, each if it named one.
+#[derive(Debug, Clone, Copy)]
+struct Keys<'a> {
+    request: Option<&'a RequestKey>,
+    affinity: Option<&'a ClaimAffinity>,
 }
 
 /// How long a claim waits before it tries again when another attempt of its request is in flight.
@@ -348,7 +374,7 @@ impl Allocator {
     /// ([`waiting`]) and claims again whenever one may have freed; when the wait is over it
     /// answers as an immediate request would at that moment.
     pub async fn allocate(&self, request: &AllocateRequest) -> Result<Allocation, AllocateError> {
-        let key = request.request_id.clone().map(|id| {
+        let request_key = request.request_id.clone().map(|id| {
             RequestKey::new(
                 id,
                 &request.provider,
@@ -359,8 +385,20 @@ impl Allocator {
                 request.tokens,
             )
         });
+        // the binding is the pool asked for's; a strict one confines claims only while its
+        // credential is in this sequence
+        let affinity = request.affinity.as_ref().map(|a| ClaimAffinity {
+            key: a.key.clone(),
+            pools: request.pool.sequence(),
+            ttl: a.ttl,
+            mode: a.mode,
+        });
+        let key = Keys {
+            request: request_key.as_ref(),
+            affinity: affinity.as_ref(),
+        };
         let started = Instant::now();
-        let first = self.allocate_once(request, key.as_ref(), &mut None).await;
+        let first = self.allocate_once(request, key, &mut None).await;
         let busy = matches!(
             &first,
             Err(Refusal {
@@ -385,7 +423,7 @@ impl Allocator {
             .await;
         let mut hint = None;
         loop {
-            let result = self.allocate_once(request, key.as_ref(), &mut hint).await;
+            let result = self.allocate_once(request, key, &mut hint).await;
             // a wake-up that this pass did not reach (served from an earlier pool of the
             // sequence): the freed slot is the next waiter's
             let unused = hint.take();
@@ -443,7 +481,7 @@ impl Allocator {
     async fn allocate_once(
         &self,
         request: &AllocateRequest,
-        key: Option<&RequestKey>,
+        keys: Keys<'_>,
         hint: &mut Option<Hint>,
     ) -> Result<Allocation, Refusal> {
         let mut failure: Option<PoolVerdict> = None;
@@ -455,7 +493,7 @@ impl Allocator {
         for pool in request.pool.sequence() {
             let hint_here = hint.take_if(|(hinted, _)| *hinted == pool).map(|(_, k)| k);
             let verdict = self
-                .allocate_in(request, &pool, key, hint_here, &mut claimed)
+                .allocate_in(request, &pool, keys, hint_here, &mut claimed)
                 .await?;
             let verdict = match verdict {
                 Ok(allocation) => return Ok(allocation),
@@ -479,7 +517,7 @@ impl Allocator {
             }
         }
 
-        if let Some(key) = key
+        if let Some(key) = keys.request
             && !claimed
         {
             // every pool was judged from its view alone: the request may still hold a lease from
@@ -529,6 +567,7 @@ impl Allocator {
             request: Some(key),
             tokens: request.tokens,
             caller: request.caller,
+            affinity: None,
         };
         let result = self.claim(&claim).await?;
         if result.unauthorized {
@@ -585,6 +624,7 @@ impl Allocator {
             probe: granted.probe,
             fence: granted.fence,
             tenant: granted.tenant,
+            affinity: granted.affinity,
             credential,
         })
     }
@@ -595,7 +635,7 @@ impl Allocator {
         &self,
         request: &AllocateRequest,
         pool: &PoolName,
-        key: Option<&RequestKey>,
+        keys: Keys<'_>,
         hint: Option<KeyId>,
         claimed: &mut bool,
     ) -> Result<Result<Allocation, PoolVerdict>, AllocateError> {
@@ -654,9 +694,10 @@ impl Allocator {
                 lease_id: LeaseId::generate(),
                 holder: request.holder.as_ref(),
                 lease_seconds: request.lease_seconds,
-                request: key,
+                request: keys.request,
                 tokens: request.tokens,
                 caller: request.caller,
+                affinity: keys.affinity,
             };
             let result = self.claim(&claim).await?;
             *claimed = true;
@@ -715,6 +756,23 @@ impl Allocator {
                 "claim found no free slot"
             );
             attempt.missed(&batch, result.frees_at, result.held_by.as_deref());
+            if result.bound {
+                // a strict binding confined the claim to its credential (in this pool, or in
+                // another of the sequence): the rest of the batch was not looked at, and claiming
+                // it again would not be either. The database's word on when the bound one frees
+                // is the answer (and a waiting request's timer).
+                let mut verdict = PoolVerdict::Try {
+                    batch: Vec::new(),
+                    free_seen: false,
+                    frees_at: None,
+                    held_by: None,
+                };
+                if attempt.needs_database_clock(&verdict) {
+                    let (now, _) = self.views.with_view(provider, pool, |v| v.now()).await?;
+                    attempt.date_database_frees(&mut verdict, now);
+                }
+                return Ok(Err(verdict));
+            }
             self.views.note_full(provider, pool, &batch);
             if stale {
                 self.views

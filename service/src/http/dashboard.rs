@@ -166,6 +166,12 @@ struct PoolView {
     spark: String,
     /// The highest per-minute utilization of the hour, 0..=100.
     peak_percent: i64,
+    /// Conversation affinity over the last hour (grants with an affinity key served from this
+    /// pool): `hit / (hit + moved)` in whole percent, or `None` without such grants or when every
+    /// one was a conversation's first.
+    affinity_percent: Option<i64>,
+    /// `"870 hit, 30 moved, 100 new"`; empty without such grants.
+    affinity: String,
 }
 
 /// Polyline points of per-minute utilization (0..=1) in a 120 x 24 box, oldest minute left.
@@ -187,6 +193,7 @@ fn sparkline(utilization: &[f64]) -> String {
 async fn pools(State(state): State<AppState>, _admin: AdminKey) -> Result<Response, ApiError> {
     let summaries = store::credentials::pools(&state.db).await?;
     let minutes = store::dashboard::utilization(&state.db).await?;
+    let affinity = store::dashboard::affinity(&state.db).await?;
     let views: Vec<PoolView> = summaries
         .into_iter()
         .map(|p| {
@@ -197,6 +204,15 @@ async fn pools(State(state): State<AppState>, _admin: AdminKey) -> Result<Respon
                 .map(|m| m.lease_seconds / m.minute_seconds.max(1.0) / slots)
                 .collect();
             let peak = series.iter().copied().fold(0.0, f64::max);
+            let bound = affinity
+                .iter()
+                .find(|a| a.provider == p.provider && a.pool == p.pool);
+            let affinity_percent = bound
+                .filter(|a| a.hit + a.moved > 0)
+                .map(|a| (a.hit * 100) / (a.hit + a.moved));
+            let affinity_counts = bound.map_or_else(String::new, |a| {
+                format!("{} hit, {} moved, {} new", a.hit, a.moved, a.new)
+            });
             let by_status = p
                 .by_status
                 .iter()
@@ -214,6 +230,8 @@ async fn pools(State(state): State<AppState>, _admin: AdminKey) -> Result<Respon
                 saturated: p.in_flight >= p.total_slots,
                 spark: sparkline(&series),
                 peak_percent: (peak * 100.0).round() as i64,
+                affinity_percent,
+                affinity: affinity_counts,
                 credentials: p.credentials,
                 total_slots: p.total_slots,
                 in_flight: p.in_flight,

@@ -10,10 +10,10 @@ use utoipa_axum::router::OpenApiRouter;
 use utoipa_axum::routes;
 
 use super::{AllocationOutcome, ApiError, ApiJson, AppState, ErrorBody, ExecutorKey};
-use crate::allocator::{AllocateError, AllocateRequest};
+use crate::allocator::{Affinity, AllocateError, AllocateRequest};
 use crate::domain::{
-    Holder, InvalidValue, KeyId, LeaseId, LeaseSeconds, ModelName, Outcome, PoolName, ProviderName,
-    RequestId, Secret,
+    AffinityKey, AffinityMode, AffinityResult, AffinityTtl, Holder, InvalidValue, KeyId, LeaseId,
+    LeaseSeconds, ModelName, Outcome, PoolName, ProviderName, RequestId, Secret,
 };
 use crate::store::leases::{LeaseRef, NotReleased, ReleaseRequest, Renewed};
 
@@ -55,6 +55,20 @@ struct AllocateBody {
     /// token windows from the grant until the release reports its `usage`.
     #[schema(minimum = 0, maximum = 1_000_000_000)]
     tokens: Option<u64>,
+    /// The conversation this call belongs to (1..=256 printable characters, e.g. a conversation
+    /// id): the credential that served the conversation's last call is tried first while it can
+    /// serve now, because providers cache prompts per account; when it cannot (full, disabled,
+    /// drained, cooling down, moved to another pool), another serves at once and the binding
+    /// moves to it. Not part of the `request_id`'s parameters.
+    affinity_key: Option<AffinityKey>,
+    /// How long the binding lives after this call, in seconds, 1..=86400 (default 3600);
+    /// refreshed on each hit. Only with `affinity_key`.
+    #[schema(minimum = 1, maximum = 86400)]
+    affinity_ttl_seconds: Option<u64>,
+    /// `preferred` (default): the bound credential first, never waited for. `strict`: while the
+    /// bound credential could serve but for its slots and windows, only it is considered (the
+    /// request waits up to `wait_ms` for it, or answers 429). Only with `affinity_key`.
+    affinity_mode: Option<AffinityMode>,
 }
 
 /// The allocation a body asks for, under the service's longest lease and longest wait.
@@ -74,7 +88,36 @@ fn allocate_request(
         wait: Duration::from_millis(body.wait_ms.unwrap_or(0)).min(max_wait),
         tokens: tokens(body.tokens, "tokens")?.unwrap_or(0),
         caller: caller.tenant_key(),
+        affinity: affinity(
+            body.affinity_key,
+            body.affinity_ttl_seconds,
+            body.affinity_mode,
+        )?,
     })
+}
+
+/// The affinity a body asks for: `affinity_key` with its TTL (default one hour) and mode
+/// (default preferred). A TTL or a mode without a key is a 400: the caller meant something the
+/// service would silently ignore.
+fn affinity(
+    key: Option<AffinityKey>,
+    ttl_seconds: Option<u64>,
+    mode: Option<AffinityMode>,
+) -> Result<Option<Affinity>, ApiError> {
+    let ttl = ttl_seconds.map(AffinityTtl::parse).transpose()?;
+    match key {
+        Some(key) => Ok(Some(Affinity {
+            key,
+            ttl: ttl.unwrap_or(AffinityTtl::DEFAULT),
+            mode: mode.unwrap_or_default(),
+        })),
+        None if ttl.is_some() || mode.is_some() => Err(InvalidValue::new(
+            "affinity_key",
+            "is required with affinity_ttl_seconds and affinity_mode",
+        )
+        .into()),
+        None => Ok(None),
+    }
 }
 
 /// A token count as the API takes it: 0..=10^9.
@@ -133,6 +176,13 @@ struct AllocateResponse {
     /// The tenant holding the lease: the one the executor key belongs to (`default` for the
     /// configured internal key).
     tenant: String,
+    /// With an `affinity_key`: `hit` (the credential bound to the conversation served it), `new`
+    /// (the conversation had no live binding; it is bound now) or `moved` (the bound credential
+    /// could not serve now; the conversation is bound to this one). Absent without an
+    /// `affinity_key`, and in the answer of a retry that replays an earlier attempt's lease
+    /// (`request_id`).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    affinity: Option<AffinityResult>,
     /// The credential material, as the operator stored it.
     credential: Secret,
 }
@@ -186,6 +236,13 @@ async fn allocate(
     let (mut response, labels) = match allocated {
         Ok(lease) => {
             let labels = outcome(lease.pool.as_str(), &lease.tenant, "leased");
+            if let Some(result) = lease.affinity {
+                crate::telemetry::affinity(
+                    request.provider.as_str(),
+                    request.pool.as_str(),
+                    result,
+                );
+            }
             let body = AllocateResponse {
                 key_id: lease.key_id,
                 lease_id: lease.lease_id,
@@ -197,6 +254,7 @@ async fn allocate(
                 probe: lease.probe,
                 fence: lease.fence,
                 tenant: lease.tenant,
+                affinity: lease.affinity,
                 credential: lease.credential,
             };
             (Json(body).into_response(), labels)

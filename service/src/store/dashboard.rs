@@ -234,3 +234,51 @@ pub async fn utilization(db: &Db) -> Result<Vec<MinuteRow>, sqlx::Error> {
         })
         .collect())
 }
+
+/// One pool's affinity results over the last hour.
+#[derive(Debug, Clone)]
+pub struct AffinityRow {
+    /// The provider.
+    pub provider: String,
+    /// The pool that served the leases.
+    pub pool: String,
+    /// Grants served by the conversation's bound credential.
+    pub hit: i64,
+    /// Grants of conversations without a live binding.
+    pub new: i64,
+    /// Grants whose bound credential could not serve (the binding moved).
+    pub moved: i64,
+}
+
+/// Grants with an affinity key over the last hour, per provider and pool that served, by result,
+/// from the trail (`lease_events.affinity` of `granted` rows): every replica's grants, unlike a
+/// process's counters. Only pools with such grants have a row.
+#[tracing::instrument(skip_all, err(level = "debug"))]
+pub async fn affinity(db: &Db) -> Result<Vec<AffinityRow>, sqlx::Error> {
+    let mut work = db.work().await?;
+    let rows = sqlx::query!(
+        r#"
+        SELECT e.provider AS "provider!", e.pool AS "pool!",
+               count(*) FILTER (WHERE e.affinity = 'hit') AS "hit!",
+               count(*) FILTER (WHERE e.affinity = 'new') AS "new!",
+               count(*) FILTER (WHERE e.affinity = 'moved') AS "moved!"
+        FROM lease_events e
+        WHERE e.at > now() - interval '1 hour' AND e.event = 'granted' AND e.affinity IS NOT NULL
+        GROUP BY e.provider, e.pool
+        ORDER BY e.provider, e.pool
+        "#
+    )
+    .fetch_all(&mut *work)
+    .await?;
+    work.done().await?;
+    Ok(rows
+        .into_iter()
+        .map(|r| AffinityRow {
+            provider: r.provider,
+            pool: r.pool,
+            hit: r.hit,
+            new: r.new,
+            moved: r.moved,
+        })
+        .collect())
+}

@@ -11,8 +11,8 @@ use time::OffsetDateTime;
 
 use crate::allocator::health::{self, Health, HealthPolicy, Report};
 use crate::domain::{
-    Holder, KeyId, LeaseId, LeaseSeconds, ModelName, Outcome, PoolName, ProviderName, RequestId,
-    TenantKeyHash,
+    AffinityKey, AffinityMode, AffinityResult, AffinityTtl, Holder, KeyId, LeaseId, LeaseSeconds,
+    ModelName, Outcome, PoolName, ProviderName, RequestId, TenantKeyHash,
 };
 
 /// Values read back from the database passed the same validation on the way in (and the
@@ -47,6 +47,25 @@ pub struct ClaimRequest<'a> {
     /// The hash of the tenant key presented (`None`: the internal key, tenant `default`): the
     /// claim checks it is live and takes its tenant's cap.
     pub caller: Option<TenantKeyHash>,
+    /// The request's conversation affinity, if it named an `affinity_key`: its binding's
+    /// credential is tried first, and the grant (re)binds it.
+    pub affinity: Option<&'a ClaimAffinity>,
+}
+
+/// A claim's conversation affinity (docs/design.md "Affinity"): which binding it reads and
+/// writes, how long a written binding lives, and whether it is strict.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ClaimAffinity {
+    /// The conversation's key.
+    pub key: AffinityKey,
+    /// The pool sequence of the pool asked for, that pool first: the binding is the asked pool's
+    /// (a `vip` conversation served from `default` stays a `vip` conversation), and a strict
+    /// binding only confines a claim while its credential is in one of these pools.
+    pub pools: Vec<PoolName>,
+    /// How long a binding this claim writes lives (refreshed on each hit).
+    pub ttl: AffinityTtl,
+    /// Preferred or strict.
+    pub mode: AffinityMode,
 }
 
 /// An allocation's idempotency key: the client's `request_id` and a digest of the parameters it
@@ -126,6 +145,8 @@ pub struct GrantedLease {
     pub replayed: bool,
     /// The tenant holding the lease.
     pub tenant: String,
+    /// For a claim with an affinity key (not a replay): whether its bound credential served.
+    pub affinity: Option<AffinityResult>,
 }
 
 /// What one run of the claim statement found.
@@ -159,6 +180,10 @@ pub struct ClaimResult {
     pub tenant: Option<String>,
     /// The claim's clock (database), for a Retry-After from `frees_at`.
     pub db_now: Option<OffsetDateTime>,
+    /// Nothing was granted because a strict affinity binding confined the claim to its bound
+    /// credential (`frees_at` is that credential's): other candidates were not considered, and
+    /// claiming them again would not change that.
+    pub bound: bool,
 }
 
 /// Runs the claim for one request: [`claim_slots`] with a group of one.
@@ -189,7 +214,7 @@ pub async fn claim_slots(
     let claims: Vec<serde_json::Value> = requests
         .iter()
         .map(|request| {
-            serde_json::json!({
+            let mut claim = serde_json::json!({
                 "ranked": request.ranked.iter().map(KeyId::as_str).collect::<Vec<_>>(),
                 "provider": request.provider.as_str(),
                 "pool": request.pool.as_str(),
@@ -201,14 +226,33 @@ pub async fn claim_slots(
                 "request_digest": request.request.map(|r| r.digest.as_str()),
                 "tokens": request.tokens,
                 "key_hash": request.caller.map(|hash| hash.to_hex()),
-            })
+            });
+            if let (Some(affinity), serde_json::Value::Object(claim)) =
+                (request.affinity, &mut claim)
+            {
+                claim.insert("affinity_key".into(), affinity.key.as_str().into());
+                claim.insert(
+                    "affinity_pools".into(),
+                    affinity.pools.iter().map(PoolName::as_str).collect(),
+                );
+                claim.insert("affinity_ttl_seconds".into(), affinity.ttl.get().into());
+                claim.insert(
+                    "affinity_mode".into(),
+                    match affinity.mode {
+                        AffinityMode::Preferred => "preferred",
+                        AffinityMode::Strict => "strict",
+                    }
+                    .into(),
+                );
+            }
+            claim
         })
         .collect();
     let rows = sqlx::query!(
         r#"
         SELECT claim AS "claim!", pool_version, key_id, lease_id, lease_pool, granted_at,
                lease_until, probe, provider_model, sealed_secret, pruned_expired, fence, request,
-               frees_at, held_by, tenant, db_now
+               frees_at, held_by, tenant, db_now, affinity
         FROM credpool_claim($1)
         ORDER BY claim
         "#,
@@ -255,6 +299,7 @@ pub async fn claim_slots(
                     fence: row.fence.ok_or_else(|| missing("fence"))?,
                     replayed: row.request.as_deref() == Some("replayed"),
                     tenant: row.tenant.clone().ok_or_else(|| missing("tenant"))?,
+                    affinity: row.affinity.as_deref().and_then(AffinityResult::parse),
                 }))
             };
             let granted = match granted() {
@@ -276,6 +321,7 @@ pub async fn claim_slots(
                 tenant_limit: row.request.as_deref() == Some("tenant_limit"),
                 tenant: row.tenant,
                 db_now: row.db_now,
+                bound: row.affinity.as_deref() == Some("bound"),
             }
         })
         .collect();

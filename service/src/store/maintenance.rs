@@ -20,6 +20,11 @@ pub struct MaintenanceReport {
     pub cooldowns_recorded: i64,
     /// Audit rows past retention deleted.
     pub audit_rows_purged: i64,
+    /// Tenants over a lowered cap fitted again (`credpool_refit_tenants`).
+    pub tenants_refitted: i64,
+    /// Affinity bindings deleted: expired, or the least recently hit beyond the cap
+    /// (`credpool_purge_affinity`).
+    pub affinity_bindings_purged: i64,
 }
 
 /// Why a pass did not run.
@@ -108,6 +113,8 @@ pub fn spawn_scheduler(
                         reaped = report.expired_leases_reaped,
                         cooldowns = report.cooldowns_recorded,
                         purged = report.audit_rows_purged,
+                        tenants_refitted = report.tenants_refitted,
+                        affinity_bindings = report.affinity_bindings_purged,
                         "maintenance pass"
                     );
                 }

@@ -234,6 +234,9 @@ class AsyncClient:
         tokens: Optional[int] = None,
         *,
         cancel_on_loss: bool = False,
+        affinity_key: Optional[str] = None,
+        affinity_ttl: Optional[float] = None,
+        affinity_mode: Optional[str] = None,
     ) -> _LeaseContext:
         """Leases a credential (``POST /api/internal/allocate-key``) for an ``async with`` block::
 
@@ -251,6 +254,14 @@ class AsyncClient:
           raise :class:`~credpool.PoolExhausted` at once. Cut to 24 h.
         - ``cancel_on_loss``: when the lease is lost, cancel the task running the block; the
           block then ends with :class:`~credpool.LeaseLost` instead of ``CancelledError``.
+        - ``affinity_key`` (a conversation id, 1..=256 printable characters): the server tries the
+          credential that served the conversation's last call first while it can serve now
+          (providers cache prompts per account), else another serves at once and the
+          conversation moves; ``lease.affinity`` says ``"hit"``, ``"new"`` or ``"moved"``.
+          ``affinity_ttl``: seconds the binding lives after this call (sent rounded up to whole
+          seconds, at most a day; default the server's, one hour). ``affinity_mode``:
+          ``"preferred"`` (default) or ``"strict"`` (wait, within ``wait``, for the bound
+          credential only, while it could serve but for its slots).
 
         One random ``request_id`` is drawn per call and sent with every attempt, so a retry after
         a lost answer (503, reset connection, timeout; retried with capped, jittered backoff)
@@ -266,6 +277,7 @@ class AsyncClient:
         for arguments no server takes.
         """
         p.check_lease_args(lease_seconds, wait, tokens)
+        affinity = p.affinity_fields(affinity_key, affinity_ttl, affinity_mode)
         return _LeaseContext(
             self,
             cancel_on_loss,
@@ -276,6 +288,7 @@ class AsyncClient:
             lease_seconds=lease_seconds,
             wait=wait,
             tokens=tokens,
+            affinity=affinity,
         )
 
     # -- the three calls -------------------------------------------------------------------
@@ -290,6 +303,7 @@ class AsyncClient:
         lease_seconds: Optional[int],
         wait: Optional[float],
         tokens: Optional[int],
+        affinity: Dict[str, Any],
     ) -> AsyncLease:
         config = self._config
         request_id = str(uuid.uuid4())
@@ -313,6 +327,7 @@ class AsyncClient:
                     request_id=request_id,
                     wait_ms=wait_ms,
                     tokens=tokens,
+                    affinity=affinity,
                 )
                 timeout = config.timeout + (wait_ms or 0) / 1000.0
                 answer = await self._post(config.allocate_url, body, timeout)

@@ -58,6 +58,7 @@ class LeaseState:
         self.ref: LeaseRef = granted.ref
         self.provider_model = granted.provider_model
         self.probe = granted.probe
+        self.affinity = granted.affinity
         #: As requested; sent again with every renewal (``None``: the server extends by the length
         #: it granted).
         self.requested_seconds = requested_seconds
@@ -163,6 +164,15 @@ class Lease:
         """True for the single trial lease of a credential coming back from a cooldown: report
         its outcome faithfully, it decides whether the credential returns to full capacity."""
         return self._state.probe
+
+    @property
+    def affinity(self) -> Optional[str]:
+        """With an ``affinity_key``: ``"hit"`` (the credential bound to the conversation served
+        this lease: its prompt cache is warm), ``"new"`` (no live binding; bound now) or
+        ``"moved"`` (the bound credential could not serve now; the conversation moved here).
+        ``None`` without a key, and when a retry of the allocate got the lease its first attempt
+        was granted (the server does not repeat the result)."""
+        return self._state.affinity
 
     @property
     def lease_until(self) -> datetime:

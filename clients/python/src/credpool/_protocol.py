@@ -170,6 +170,47 @@ def check_lease_args(
     _check_count("tokens", tokens)
 
 
+#: The longest binding TTL the server takes, in seconds (one day).
+MAX_AFFINITY_TTL = 86_400
+
+#: What ``affinity_mode`` can say.
+AFFINITY_MODES = ("preferred", "strict")
+
+
+def affinity_fields(
+    affinity_key: Optional[str], affinity_ttl: Optional[float], affinity_mode: Optional[str]
+) -> Dict[str, Any]:
+    """The allocate body's affinity fields for ``lease()``'s arguments (empty without a key):
+    ``affinity_key``, ``affinity_ttl_seconds`` (whole seconds, rounded up) and ``affinity_mode``,
+    each only when given. Raises ``ValueError`` for values no server takes: a key that is not 1 to
+    256 printable characters, a TTL outside (0, 1 day], a mode other than ``preferred`` or
+    ``strict``, or a TTL or mode without a key."""
+    if affinity_key is None:
+        if affinity_ttl is not None or affinity_mode is not None:
+            raise ValueError("affinity_ttl and affinity_mode need an affinity_key")
+        return {}
+    if (
+        not isinstance(affinity_key, str)
+        or not 1 <= len(affinity_key) <= 256
+        or not affinity_key.isprintable()
+    ):
+        raise ValueError("affinity_key must be 1 to 256 printable characters")
+    fields: Dict[str, Any] = {"affinity_key": affinity_key}
+    if affinity_ttl is not None:
+        if (
+            isinstance(affinity_ttl, bool)
+            or not isinstance(affinity_ttl, (int, float))
+            or not 0 < affinity_ttl <= MAX_AFFINITY_TTL
+        ):
+            raise ValueError("affinity_ttl must be more than 0 and at most 86400 seconds")
+        fields["affinity_ttl_seconds"] = math.ceil(affinity_ttl)
+    if affinity_mode is not None:
+        if affinity_mode not in AFFINITY_MODES:
+            raise ValueError("affinity_mode must be 'preferred' or 'strict'")
+        fields["affinity_mode"] = affinity_mode
+    return fields
+
+
 def allocate_body(
     *,
     provider: str,
@@ -180,9 +221,11 @@ def allocate_body(
     request_id: str,
     wait_ms: Optional[int],
     tokens: Optional[int],
+    affinity: Optional[Mapping[str, Any]] = None,
 ) -> Dict[str, Any]:
     """The ``POST /api/internal/allocate-key`` body. Optional fields are left out when unset:
-    the server refuses unknown fields, so ``tokens`` (rate windows) is sent only when given."""
+    the server refuses unknown fields, so ``tokens`` (rate windows) is sent only when given, and
+    the affinity fields (:func:`affinity_fields`) only with an affinity key."""
     body: Dict[str, Any] = {"provider": provider, "model": model, "pool": pool}
     if lease_seconds is not None:
         body["lease_seconds"] = lease_seconds
@@ -193,6 +236,8 @@ def allocate_body(
         body["wait_ms"] = wait_ms
     if tokens is not None:
         body["tokens"] = tokens
+    if affinity:
+        body.update(affinity)
     return body
 
 
@@ -275,6 +320,8 @@ class Granted:
     lease_seconds: Optional[int]
     #: Always a JSON object.
     credential: Dict[str, Any] = field(repr=False)
+    #: With an affinity key: ``"hit"``, ``"new"`` or ``"moved"``; ``None`` when absent.
+    affinity: Optional[str] = None
 
 
 _RFC3339 = re.compile(
@@ -360,6 +407,9 @@ def parse_granted(answer: Answer) -> Granted:
         or not 0 < lease_seconds <= MAX_GRANTED_SECONDS
     ):
         raise _unexpected(answer, "field `lease_seconds` is not a positive integer below 2^32")
+    affinity = obj.get("affinity")
+    if affinity is not None and not isinstance(affinity, str):
+        raise _unexpected(answer, "field `affinity` is not a string")
     return Granted(
         ref=LeaseRef(
             provider=_text(answer, obj, "provider"),
@@ -373,6 +423,7 @@ def parse_granted(answer: Answer) -> Granted:
         probe=probe,
         lease_seconds=lease_seconds,
         credential=credential,
+        affinity=affinity,
     )
 
 

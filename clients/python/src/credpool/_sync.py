@@ -171,11 +171,17 @@ class Client:
         lease_seconds: Optional[int] = None,
         wait: Optional[float] = None,
         tokens: Optional[int] = None,
+        *,
+        affinity_key: Optional[str] = None,
+        affinity_ttl: Optional[float] = None,
+        affinity_mode: Optional[str] = None,
     ) -> _LeaseContext:
         """Leases a credential for a ``with`` block; as :meth:`credpool.AsyncClient.lease`, but
         without ``cancel_on_loss`` (a thread cannot be cancelled): check ``lease.lost.is_set()``
-        or call ``lease.raise_if_lost()`` between steps."""
+        or call ``lease.raise_if_lost()`` between steps. ``affinity_key``, ``affinity_ttl`` and
+        ``affinity_mode``: conversation affinity, as there."""
         p.check_lease_args(lease_seconds, wait, tokens)
+        affinity = p.affinity_fields(affinity_key, affinity_ttl, affinity_mode)
         return _LeaseContext(
             self,
             provider=provider,
@@ -185,6 +191,7 @@ class Client:
             lease_seconds=lease_seconds,
             wait=wait,
             tokens=tokens,
+            affinity=affinity,
         )
 
     # -- the three calls -------------------------------------------------------------------
@@ -199,6 +206,7 @@ class Client:
         lease_seconds: Optional[int],
         wait: Optional[float],
         tokens: Optional[int],
+        affinity: Dict[str, Any],
     ) -> SyncLease:
         config = self._config
         request_id = str(uuid.uuid4())
@@ -220,6 +228,7 @@ class Client:
                     request_id=request_id,
                     wait_ms=wait_ms,
                     tokens=tokens,
+                    affinity=affinity,
                 )
                 timeout = config.timeout + (wait_ms or 0) / 1000.0
                 answer = self._post(config.allocate_url, body, timeout)

@@ -1,0 +1,760 @@
+//! Conversation affinity (issue 30): a conversation (`affinity_key`) keeps the credential that
+//! served it while that credential can serve now, and moves at once when it cannot (full,
+//! disabled, cooling down, moved to another pool); `strict` waits for it instead; bindings die
+//! with their TTL; bad input is a 400 that writes nothing; the binding's write never makes a
+//! claim wait, across replicas.
+
+use std::collections::HashMap;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use reqwest::StatusCode;
+use serde_json::{Value, json};
+use tokio::sync::Barrier;
+
+use credpool_test_support::*;
+
+/// An allocate body of conversation `conversation` (600-second leases, `gpt-4o`).
+fn call(pool: &str, conversation: &str) -> Value {
+    json!({
+        "provider": "openai", "model": "gpt-4o", "pool": pool, "lease_seconds": 600,
+        "affinity_key": conversation,
+    })
+}
+
+/// Allocates `body`, expecting a lease; returns it.
+async fn lease(app: &TestApp, body: Value) -> Value {
+    json_body(app.allocate(body).await, StatusCode::OK).await
+}
+
+/// Releases `lease` with `outcome`, expecting it released.
+async fn release(app: &TestApp, lease: &Value, outcome: &str) {
+    let body = json_body(
+        app.release(release_body(lease, outcome)).await,
+        StatusCode::OK,
+    )
+    .await;
+    assert_eq!(body["released"], true, "{body}");
+}
+
+/// The credential a conversation is bound to (pool asked for `pool`), if any row exists.
+async fn bound(app: &TestApp, pool: &str, conversation: &str) -> Option<String> {
+    sqlx::query_scalar(
+        "SELECT key_id FROM affinity_bindings
+         WHERE tenant = 'default' AND provider = 'openai' AND pool = $1 AND affinity_key = $2",
+    )
+    .bind(pool)
+    .bind(conversation)
+    .fetch_optional(&app.db)
+    .await
+    .unwrap()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn conversations_keep_their_credential_while_it_has_room_and_the_load_stays_spread() {
+    const CREDENTIALS: usize = 10;
+    const CONVERSATIONS: usize = 100;
+    const CALLS: usize = 20;
+    let app = Arc::new(TestApp::spawn().await);
+    for k in 0..CREDENTIALS {
+        // a pool of its own: the metrics are the test binary's, shared by every test
+        app.put_key(&format!("key-{k:02}"), "openai", "spread", &["gpt-4o"], 4)
+            .await;
+    }
+    // 8 conversations in flight at once over 40 slots: room everywhere, all the time
+    let next = Arc::new(std::sync::atomic::AtomicUsize::new(0));
+    let tasks: Vec<_> = (0..8)
+        .map(|_| {
+            let (app, next) = (app.clone(), next.clone());
+            tokio::spawn(async move {
+                let mut seen = Vec::new();
+                loop {
+                    let c = next.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                    if c >= CONVERSATIONS {
+                        return seen;
+                    }
+                    let conversation = format!("conversation-{c}");
+                    for i in 0..CALLS {
+                        let lease = lease(&app, call("spread", &conversation)).await;
+                        release(&app, &lease, "success").await;
+                        let key = lease["key_id"].as_str().unwrap().to_owned();
+                        let affinity = lease["affinity"].as_str().unwrap_or("absent").to_owned();
+                        seen.push((c, i, key, affinity));
+                    }
+                }
+            })
+        })
+        .collect();
+    let mut calls = Vec::new();
+    for task in tasks {
+        calls.extend(task.await.unwrap());
+    }
+    assert_eq!(calls.len(), CONVERSATIONS * CALLS);
+    let firsts: Vec<_> = calls.iter().filter(|(_, i, _, _)| *i == 0).collect();
+    assert!(firsts.iter().all(|(_, _, _, a)| a == "new"), "{firsts:?}");
+    let later: Vec<_> = calls.iter().filter(|(_, i, _, _)| *i > 0).collect();
+    let hits = later.iter().filter(|(_, _, _, a)| a == "hit").count();
+    assert!(
+        hits * 100 >= later.len() * 95,
+        "{hits} hits of {} calls after the first",
+        later.len()
+    );
+    // the load still spread: each conversation counts for the credential that served it first
+    let mut per_credential: HashMap<&str, usize> = HashMap::new();
+    for (_, _, key, _) in &firsts {
+        *per_credential.entry(key.as_str()).or_default() += 1;
+    }
+    let fair = CONVERSATIONS / CREDENTIALS;
+    assert!(
+        per_credential.values().all(|n| *n <= 2 * fair),
+        "{per_credential:?}"
+    );
+    // the metric counts the same
+    let page = app.metrics().await;
+    let hit_series =
+        r#"credpool_allocations_affinity_total{provider="openai",pool="spread",result="hit"}"#;
+    assert_eq!(sample(&page, hit_series) as usize, hits, "{page}");
+    // and the trail, for the dashboard
+    let trail_hits: i64 = sqlx::query_scalar(
+        "SELECT count(*) FROM lease_events WHERE event = 'granted' AND affinity = 'hit'",
+    )
+    .fetch_one(&app.db)
+    .await
+    .unwrap();
+    assert_eq!(trail_hits as usize, hits);
+}
+
+#[tokio::test]
+async fn a_full_bound_credential_moves_the_conversation_at_once_and_strict_waits_for_it() {
+    let app = Arc::new(TestApp::spawn_with(AppOptions::deterministic()).await);
+    app.put_key("key-a", "openai", "default", &["gpt-4o"], 1)
+        .await;
+    app.put_key("key-b", "openai", "default", &["gpt-4o"], 1)
+        .await;
+
+    let first = lease(&app, call("default", "c1")).await;
+    assert_eq!(first["affinity"], "new", "{first}");
+    let bound_key = first["key_id"].as_str().unwrap().to_owned();
+    assert_eq!(
+        bound(&app, "default", "c1").await.as_deref(),
+        Some(&*bound_key)
+    );
+    // the bound credential is full (its one slot held by the first call): served by the other in
+    // the same request, without waiting, and the binding moves
+    let started = Instant::now();
+    let second = lease(&app, call("default", "c1")).await;
+    assert!(
+        started.elapsed() < Duration::from_secs(2),
+        "{:?}",
+        started.elapsed()
+    );
+    assert_ne!(second["key_id"], first["key_id"]);
+    assert_eq!(second["affinity"], "moved", "{second}");
+    assert_eq!(
+        bound(&app, "default", "c1").await,
+        second["key_id"].as_str().map(String::from)
+    );
+    release(&app, &second, "success").await;
+    release(&app, &first, "success").await;
+
+    // strict: the bound credential alone, though the other one is free
+    let held = lease(&app, call("default", "c2")).await;
+    let mut strict = call("default", "c2");
+    strict["affinity_mode"] = json!("strict");
+    assert_error(
+        app.allocate(strict.clone()).await,
+        StatusCode::TOO_MANY_REQUESTS,
+        "pool_exhausted",
+    )
+    .await;
+    strict["wait_ms"] = json!(10_000);
+    let waiting = {
+        let (app, strict) = (app.clone(), strict.clone());
+        tokio::spawn(async move { (lease(&app, strict).await, Instant::now()) })
+    };
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    assert!(
+        !waiting.is_finished(),
+        "a strict call was served by another credential"
+    );
+    let freed = Instant::now();
+    release(&app, &held, "success").await;
+    let (served, at) = waiting.await.unwrap();
+    assert!(at >= freed);
+    assert_eq!(served["key_id"], held["key_id"], "{served}");
+    assert_eq!(served["affinity"], "hit", "{served}");
+    assert_eq!(app.in_flight(held["key_id"].as_str().unwrap()).await, 1);
+}
+
+#[tokio::test]
+async fn a_disabled_or_cooling_bound_credential_moves_the_conversation_never_refuses_it() {
+    let app = TestApp::spawn_with(AppOptions::deterministic()).await;
+    app.put_key("key-a", "openai", "default", &["gpt-4o"], 2)
+        .await;
+    app.put_key("key-b", "openai", "default", &["gpt-4o"], 2)
+        .await;
+
+    for mode in ["preferred", "strict"] {
+        // disabled by an operator
+        let conversation = format!("disabled-{mode}");
+        let mut body = call("default", &conversation);
+        body["affinity_mode"] = json!(mode);
+        let first = lease(&app, body.clone()).await;
+        release(&app, &first, "success").await;
+        let key = first["key_id"].as_str().unwrap().to_owned();
+        let response = app
+            .client
+            .patch(app.url(&format!("/api/admin/keys/{key}")))
+            .header("x-admin-key", ADMIN_KEY)
+            .header("x-operator", "alice")
+            .json(&json!({"state": "disable", "reason": "test"}))
+            .send()
+            .await
+            .unwrap();
+        assert!(response.status().is_success(), "{}", response.status());
+        let next = lease(&app, body.clone()).await;
+        assert_ne!(next["key_id"], first["key_id"], "{next}");
+        assert_eq!(next["affinity"], "moved", "{next}");
+        release(&app, &next, "success").await;
+        let response = app
+            .client
+            .patch(app.url(&format!("/api/admin/keys/{key}")))
+            .header("x-admin-key", ADMIN_KEY)
+            .header("x-operator", "alice")
+            .json(&json!({"state": "enable"}))
+            .send()
+            .await
+            .unwrap();
+        assert!(response.status().is_success(), "{}", response.status());
+
+        // cooling down after a rate_limited report
+        let conversation = format!("cooling-{mode}");
+        let mut body = call("default", &conversation);
+        body["affinity_mode"] = json!(mode);
+        let first = lease(&app, body.clone()).await;
+        let mut report = release_body(&first, "rate_limited");
+        report["retry_after_seconds"] = json!(120);
+        json_body(app.release(report).await, StatusCode::OK).await;
+        let next = lease(&app, body.clone()).await;
+        assert_ne!(next["key_id"], first["key_id"], "{next}");
+        assert_eq!(next["affinity"], "moved", "{next}");
+        release(&app, &next, "success").await;
+        // back to health for the next mode
+        app.set_status(first["key_id"].as_str().unwrap(), "available", None)
+            .await;
+    }
+}
+
+#[tokio::test]
+async fn a_binding_outlives_neither_its_ttl_nor_its_credentials_pool_move() {
+    let app = TestApp::spawn_with(AppOptions::deterministic()).await;
+    app.put_key("key-a", "openai", "default", &["gpt-4o"], 2)
+        .await;
+    app.put_key("key-b", "openai", "default", &["gpt-4o"], 2)
+        .await;
+
+    // TTL: refreshed by each hit, gone after it
+    let mut body = call("default", "short");
+    body["affinity_ttl_seconds"] = json!(2);
+    let first = lease(&app, body.clone()).await;
+    release(&app, &first, "success").await;
+    let ttl: f64 = sqlx::query_scalar(
+        "SELECT extract(epoch FROM expires_at - last_hit_at)::float8 FROM affinity_bindings
+         WHERE affinity_key = 'short'",
+    )
+    .fetch_one(&app.db)
+    .await
+    .unwrap();
+    assert_eq!(ttl, 2.0);
+    for _ in 0..2 {
+        tokio::time::sleep(Duration::from_millis(1200)).await;
+        let again = lease(&app, body.clone()).await;
+        assert_eq!(again["affinity"], "hit", "{again}");
+        release(&app, &again, "success").await;
+    }
+    tokio::time::sleep(Duration::from_millis(2200)).await;
+    let after = lease(&app, body.clone()).await;
+    assert_eq!(after["affinity"], "new", "{after}");
+    release(&app, &after, "success").await;
+
+    // expired bindings are purged by the maintenance pass
+    sqlx::query("UPDATE affinity_bindings SET last_hit_at = now() - interval '2 hours', expires_at = now() - interval '1 hour'")
+        .execute(&app.db)
+        .await
+        .unwrap();
+    let purged: i32 = sqlx::query_scalar("SELECT credpool_purge_affinity()")
+        .fetch_one(&app.db)
+        .await
+        .unwrap();
+    assert_eq!(purged, 1);
+
+    // a pool move: the next call is served in the pool asked for, by another credential, even
+    // strict
+    for mode in ["preferred", "strict"] {
+        let conversation = format!("moving-{mode}");
+        let mut body = call("default", &conversation);
+        body["affinity_mode"] = json!(mode);
+        let first = lease(&app, body.clone()).await;
+        release(&app, &first, "success").await;
+        let key = first["key_id"].as_str().unwrap().to_owned();
+        app.put_key(&key, "openai", "elsewhere", &["gpt-4o"], 2)
+            .await;
+        let next = lease(&app, body.clone()).await;
+        assert_ne!(next["key_id"], first["key_id"], "{next}");
+        assert_eq!(next["pool"], "default");
+        assert_eq!(next["affinity"], "moved", "{next}");
+        release(&app, &next, "success").await;
+        assert_eq!(
+            bound(&app, "default", &conversation).await,
+            next["key_id"].as_str().map(String::from)
+        );
+        app.put_key(&key, "openai", "default", &["gpt-4o"], 2).await;
+    }
+}
+
+#[tokio::test]
+async fn the_maintenance_pass_keeps_bindings_under_their_cap_oldest_hit_first_and_a_delete_drops_them()
+ {
+    let app = TestApp::spawn().await;
+    app.put_key("key-a", "openai", "default", &["gpt-4o"], 8)
+        .await;
+    for c in 0..5 {
+        let lease = lease(&app, call("default", &format!("capped-{c}"))).await;
+        release(&app, &lease, "success").await;
+    }
+    let evicted: i32 = sqlx::query_scalar("SELECT credpool_purge_affinity(3)")
+        .fetch_one(&app.db)
+        .await
+        .unwrap();
+    assert_eq!(evicted, 2);
+    let left: Vec<String> =
+        sqlx::query_scalar("SELECT affinity_key FROM affinity_bindings ORDER BY affinity_key")
+            .fetch_all(&app.db)
+            .await
+            .unwrap();
+    assert_eq!(left, ["capped-2", "capped-3", "capped-4"]);
+    // the maintenance pass runs it with the default cap: nothing more to do
+    let step: (String, Option<i32>) =
+        sqlx::query_as("SELECT name, done FROM credpool_maintenance_step(8, '30 days')")
+            .fetch_one(&app.db)
+            .await
+            .unwrap();
+    assert_eq!(step, ("affinity_bindings_purged".to_owned(), Some(0)));
+
+    let response = app
+        .client
+        .delete(app.url("/api/admin/keys/key-a"))
+        .header("x-admin-key", ADMIN_KEY)
+        .header("x-operator", "alice")
+        .send()
+        .await
+        .unwrap();
+    assert!(response.status().is_success(), "{}", response.status());
+    let left: i64 = sqlx::query_scalar("SELECT count(*) FROM affinity_bindings")
+        .fetch_one(&app.db)
+        .await
+        .unwrap();
+    assert_eq!(left, 0);
+}
+
+#[tokio::test]
+async fn bad_affinity_input_is_a_400_and_writes_nothing() {
+    let app = TestApp::spawn().await;
+    app.put_key("key-a", "openai", "default", &["gpt-4o"], 2)
+        .await;
+    let before = app.snapshot().await;
+    let base = json!({"provider": "openai", "model": "gpt-4o"});
+    let long = "x".repeat(257);
+    for extra in [
+        json!({"affinity_key": ""}),
+        json!({"affinity_key": long}),
+        json!({"affinity_key": "line\nbreak"}),
+        json!({"affinity_key": 42}),
+        json!({"affinity_key": "c", "affinity_ttl_seconds": 0}),
+        json!({"affinity_key": "c", "affinity_ttl_seconds": 86_401}),
+        json!({"affinity_key": "c", "affinity_ttl_seconds": -1}),
+        json!({"affinity_key": "c", "affinity_mode": "sticky"}),
+        json!({"affinity_ttl_seconds": 60}),
+        json!({"affinity_mode": "strict"}),
+    ] {
+        let mut body = base.clone();
+        body.as_object_mut()
+            .unwrap()
+            .extend(extra.as_object().unwrap().clone());
+        let error = assert_error(
+            app.allocate(body).await,
+            StatusCode::BAD_REQUEST,
+            "invalid_request",
+        )
+        .await;
+        assert!(
+            error["error"]["message"]
+                .as_str()
+                .unwrap()
+                .contains("affinity"),
+            "{extra}: {error}"
+        );
+    }
+    assert_eq!(app.snapshot().await, before);
+
+    // the longest key and a TTL of a day are fine; a replay of the same request_id answers the
+    // same lease, without an affinity result (the first attempt's answer had it)
+    let mut body = call("default", &"y".repeat(256));
+    body["affinity_ttl_seconds"] = json!(86_400);
+    body["request_id"] = json!("req-1");
+    let first = lease(&app, body.clone()).await;
+    assert_eq!(first["affinity"], "new");
+    let replay = lease(&app, body).await;
+    assert_eq!(replay["lease_id"], first["lease_id"]);
+    assert!(replay.get("affinity").is_none(), "{replay}");
+    // without an affinity_key, no affinity in the answer
+    let plain = lease(&app, json!({"provider": "openai", "model": "gpt-4o"})).await;
+    assert!(plain.get("affinity").is_none(), "{plain}");
+}
+
+/// 48 concurrent allocates of one conversation, spread over three replicas, on 4 credentials of
+/// limit 2: exactly 8 winners (no oversell, no false "pool full"), no 503 (no deadlock, no lock
+/// wait timeout), every round; strict rounds: exactly the bound credential's 2.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn concurrent_allocates_of_one_conversation_over_replicas_never_oversell_or_deadlock() {
+    const RACERS: usize = 48;
+    let _turn = race_turn().await;
+    let app = Arc::new(
+        TestApp::spawn_with(AppOptions {
+            db_max_connections: 16,
+            ..AppOptions::default()
+        })
+        .await,
+    );
+    let (second, _stop_second) = app.replica(16).await;
+    let (third, _stop_third) = app.replica(16).await;
+    let bases = [
+        app.url(""),
+        format!("http://{second}"),
+        format!("http://{third}"),
+    ];
+    for k in 0..4 {
+        app.put_key(&format!("key-{k}"), "openai", "default", &["gpt-4o"], 2)
+            .await;
+    }
+    for round in 0..race_rounds().max(6) {
+        let strict = round % 2 == 1;
+        let barrier = Arc::new(Barrier::new(RACERS));
+        let tasks: Vec<_> = (0..RACERS)
+            .map(|i| {
+                let (barrier, client) = (barrier.clone(), app.client.clone());
+                let url = format!("{}/api/internal/allocate-key", bases[i % bases.len()]);
+                let mut body = call("default", "one-conversation");
+                if strict {
+                    body["affinity_mode"] = json!("strict");
+                }
+                tokio::spawn(async move {
+                    barrier.wait().await;
+                    let response =
+                        post_json(&client, &url, ("x-internal-key", INTERNAL_KEY), body).await;
+                    let status = response.status();
+                    (status, response.json::<Value>().await.unwrap())
+                })
+            })
+            .collect();
+        let mut leases = Vec::new();
+        for task in tasks {
+            let (status, body) = task.await.unwrap();
+            match status {
+                StatusCode::OK => leases.push(body),
+                StatusCode::TOO_MANY_REQUESTS => {}
+                other => panic!("round {round}: {other} {body}"),
+            }
+        }
+        let bound_key = bound(&app, "default", "one-conversation").await;
+        if strict {
+            assert_eq!(leases.len(), 2, "round {round}");
+            assert!(leases.iter().all(|l| l["key_id"].as_str() == bound_key.as_deref() && l["affinity"] == "hit"));
+        } else {
+            assert_eq!(leases.len(), 8, "round {round}");
+            assert!(
+                leases.iter().all(|l| l["affinity"].is_string()),
+                "{leases:?}"
+            );
+        }
+        for k in 0..4 {
+            assert!(
+                app.in_flight(&format!("key-{k}")).await <= 2,
+                "round {round}"
+            );
+        }
+        assert!(bound_key.is_some());
+        for lease in &leases {
+            release(&app, lease, "success").await;
+        }
+    }
+}
+
+/// The Rust client sends the affinity fields and reads the answer's result.
+#[tokio::test]
+async fn the_rust_client_keeps_a_conversation_on_its_credential() {
+    use credpool_client::{AffinityMode, AffinityResult, Client, LeaseRequest, Outcome};
+    let app = TestApp::spawn().await;
+    app.put_key("key-a", "openai", "default", &["gpt-4o"], 2)
+        .await;
+    app.put_key("key-b", "openai", "default", &["gpt-4o"], 2)
+        .await;
+    let client = Client::new(app.url(""), INTERNAL_KEY).expect("client");
+    let request = LeaseRequest::new("openai", "gpt-4o")
+        .affinity_key("conversation-from-rust")
+        .affinity_ttl(Duration::from_millis(1500))
+        .affinity_mode(AffinityMode::Preferred);
+    let first = client.lease(request.clone()).await.expect("lease");
+    assert_eq!(first.affinity(), Some(&AffinityResult::New));
+    let key = first.key_id().to_owned();
+    first.finish(Outcome::Success).await.expect("release");
+    let second = client.lease(request).await.expect("lease");
+    assert_eq!(second.affinity(), Some(&AffinityResult::Hit));
+    assert_eq!(second.key_id(), key);
+    second.finish(Outcome::Success).await.expect("release");
+    // the TTL went in whole seconds, rounded up
+    let ttl: f64 = sqlx::query_scalar(
+        "SELECT extract(epoch FROM expires_at - last_hit_at)::float8 FROM affinity_bindings",
+    )
+    .fetch_one(&app.db)
+    .await
+    .unwrap();
+    assert_eq!(ttl, 2.0);
+}
+
+/// A binding row another transaction holds (an operator's delete cascading to it, say) and an
+/// affinity key whose advisory lock another transaction holds: the claim is served at once and
+/// leaves that binding as it is; it never waits for either lock.
+#[tokio::test]
+async fn a_binding_held_by_another_transaction_is_left_as_it_is_never_waited_for() {
+    let app = TestApp::spawn_with(AppOptions::deterministic()).await;
+    app.put_key("key-a", "openai", "default", &["gpt-4o"], 1)
+        .await;
+    app.put_key("key-b", "openai", "default", &["gpt-4o"], 1)
+        .await;
+    let first = lease(&app, call("default", "held-row")).await;
+    let second = lease(&app, call("default", "held-lock")).await;
+    let (row_key, lock_key) = (first["key_id"].clone(), second["key_id"].clone());
+    release(&app, &first, "success").await;
+    release(&app, &second, "success").await;
+    let mut holder = app.db.begin().await.unwrap();
+    sqlx::query("SELECT 1 FROM affinity_bindings WHERE affinity_key = 'held-row' FOR UPDATE")
+        .execute(&mut *holder)
+        .await
+        .unwrap();
+    sqlx::query("SELECT pg_advisory_xact_lock(credpool_affinity_lock('default', 'openai', 'default', 'held-lock'))")
+        .execute(&mut *holder)
+        .await
+        .unwrap();
+    for (conversation, was) in [("held-row", &row_key), ("held-lock", &lock_key)] {
+        let started = Instant::now();
+        let served = tokio::time::timeout(
+            Duration::from_secs(5),
+            app.allocate(call("default", conversation)),
+        )
+        .await
+        .expect("the claim waited for a binding's lock");
+        let served = json_body(served, StatusCode::OK).await;
+        assert!(started.elapsed() < Duration::from_secs(2));
+        assert_eq!(served["affinity"], "hit", "{served}");
+        release(&app, &served, "success").await;
+        // the binding was not refreshed: the other transaction holds it
+        assert_eq!(
+            bound(&app, "default", conversation).await.as_deref(),
+            was.as_str()
+        );
+    }
+    let refreshed: i64 =
+        sqlx::query_scalar("SELECT count(*) FROM affinity_bindings WHERE last_hit_at > bound_at")
+            .fetch_one(&app.db)
+            .await
+            .unwrap();
+    assert_eq!(
+        refreshed, 0,
+        "a binding another transaction holds was written"
+    );
+    holder.rollback().await.unwrap();
+}
+
+/// The dashboard's pools page shows each pool's hit ratio over the last hour, from the trail:
+/// grants through another replica count too.
+#[tokio::test]
+async fn the_dashboard_shows_each_pools_hit_ratio_from_the_trail() {
+    let app = TestApp::spawn_with(AppOptions::deterministic()).await;
+    let (other, _stop) = app.replica(4).await;
+    app.put_key("key-a", "openai", "default", &["gpt-4o"], 1)
+        .await;
+    app.put_key("key-b", "openai", "default", &["gpt-4o"], 1)
+        .await;
+    app.put_key("key-v", "openai", "vip", &["gpt-4o"], 1).await;
+    // default: new, hit (through the other replica), then moved (its credential full), hit
+    let first = lease(&app, call("default", "dash")).await;
+    release(&app, &first, "success").await;
+    let second = json_body(
+        post_json(
+            &app.client,
+            &format!("http://{other}/api/internal/allocate-key"),
+            ("x-internal-key", INTERNAL_KEY),
+            call("default", "dash"),
+        )
+        .await,
+        StatusCode::OK,
+    )
+    .await;
+    assert_eq!(second["affinity"], "hit");
+    let third = lease(&app, call("default", "dash")).await;
+    assert_eq!(third["affinity"], "moved");
+    release(&app, &second, "success").await;
+    release(&app, &third, "success").await;
+    let fourth = lease(&app, call("default", "dash")).await;
+    assert_eq!(fourth["affinity"], "hit");
+    assert_eq!(fourth["key_id"], third["key_id"]);
+    release(&app, &fourth, "success").await;
+    // vip: a first call only, no ratio yet
+    let vip = lease(&app, call("vip", "dash-vip")).await;
+    release(&app, &vip, "success").await;
+
+    let page = app
+        .client
+        .get(app.url("/dashboard/fragments/pools"))
+        .header("x-admin-key", ADMIN_KEY)
+        .send()
+        .await
+        .unwrap()
+        .text()
+        .await
+        .unwrap();
+    let card = |pool: &str| {
+        let start = page
+            .find(&format!("data-pool=\"openai/{pool}\""))
+            .unwrap_or_else(|| panic!("no card for {pool}: {page}"));
+        let end = page[start..].find("</article>").unwrap() + start;
+        page[start..end].to_owned()
+    };
+    let default = card("default");
+    assert!(
+        default.contains(r#"<dd class="affinity" title="2 hit, 1 moved, 1 new">66 %</dd>"#),
+        "{default}"
+    );
+    let vip = card("vip");
+    assert!(
+        vip.contains(r#"<dd class="affinity" title="0 hit, 0 moved, 1 new">-</dd>"#),
+        "{vip}"
+    );
+}
+
+/// A bound credential with rate windows, outside a ranked batch of credentials without any
+/// (batch of 1: the ranking's best, the idle credential without windows): the claim picks with
+/// the windows' shape so the bound credential is still tried first, and it serves (`hit`).
+#[tokio::test]
+async fn a_bound_credential_with_rate_windows_is_tried_first_from_a_batch_without_any() {
+    let mut options = AppOptions::deterministic();
+    options.settings.claims.batch = 1;
+    // the view learns of key-p within 50 ms (the ranking must know it to prefer it)
+    options.settings.view_refresh = Duration::from_millis(50);
+    let app = TestApp::spawn_with(options).await;
+    let response = app
+        .put_key_raw(
+            "key-w",
+            json!({"provider": "openai", "pool": "default", "models": ["gpt-4o"],
+                   "max_concurrent_uses": 4, "rate_limits": [{"requests": 100, "seconds": 60}],
+                   "secret": {"api_key": "sk-test-key-w"}}),
+        )
+        .await;
+    assert!(response.status().is_success(), "{}", response.status());
+    // key-w busy (one lease held), so the ranking's best is the idle key-p
+    let busy = lease(
+        &app,
+        json!({"provider": "openai", "model": "gpt-4o", "lease_seconds": 600}),
+    )
+    .await;
+    assert_eq!(busy["key_id"], "key-w");
+    app.put_key("key-p", "openai", "default", &["gpt-4o"], 4)
+        .await;
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    sqlx::query(
+        "INSERT INTO affinity_bindings (provider, pool, affinity_key, key_id, bound_at, last_hit_at, expires_at)
+         VALUES ('openai', 'default', 'windowed', 'key-w', now(), now(), now() + interval '1 hour')",
+    )
+    .execute(&app.db)
+    .await
+    .unwrap();
+    let served = lease(&app, call("default", "windowed")).await;
+    assert_eq!(served["key_id"], "key-w", "{served}");
+    assert_eq!(served["affinity"], "hit", "{served}");
+    // the ranking alone picks the other one: the claim's batch was [key-p]
+    let plain = lease(
+        &app,
+        json!({"provider": "openai", "model": "gpt-4o", "lease_seconds": 600}),
+    )
+    .await;
+    assert_eq!(plain["key_id"], "key-p", "{plain}");
+}
+
+#[tokio::test]
+async fn a_conversation_key_is_bound_per_tenant() {
+    let app = TestApp::spawn().await;
+    for k in ["key-a", "key-b"] {
+        app.put_key(k, "openai", "default", &["gpt-4o"], 4).await;
+    }
+    let put = app
+        .client
+        .put(app.url("/api/admin/tenants/other-team"))
+        .header("x-admin-key", ADMIN_KEY)
+        .json(&json!({}))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(put.status(), StatusCode::CREATED);
+    let minted = json_body(
+        app.client
+            .post(app.url("/api/admin/tenants/other-team/keys"))
+            .header("x-admin-key", ADMIN_KEY)
+            .send()
+            .await
+            .unwrap(),
+        StatusCode::CREATED,
+    )
+    .await;
+    let other_key = minted["key"].as_str().unwrap().to_owned();
+    let as_other = |body: Value| {
+        let (client, url, key) = (
+            app.client.clone(),
+            app.url("/api/internal/allocate-key"),
+            other_key.clone(),
+        );
+        async move { post_json(&client, &url, ("x-internal-key", &key), body).await }
+    };
+
+    // the internal key's tenant (`default`) binds the conversation ...
+    let first = lease(&app, call("default", "shared-name")).await;
+    assert_eq!(first["affinity"], "new");
+    assert_eq!(first["tenant"], "default");
+    // ... and another tenant's conversation of the same name is its own: new, not a hit
+    let other = json_body(
+        as_other(call("default", "shared-name")).await,
+        StatusCode::OK,
+    )
+    .await;
+    assert_eq!(other["tenant"], "other-team");
+    assert_eq!(other["affinity"], "new", "{other}");
+    let tenants: Vec<String> = sqlx::query_scalar(
+        "SELECT tenant FROM affinity_bindings WHERE affinity_key = 'shared-name' ORDER BY tenant",
+    )
+    .fetch_all(&app.db)
+    .await
+    .unwrap();
+    assert_eq!(tenants, ["default", "other-team"]);
+    // each tenant's next call hits its own binding
+    assert_eq!(
+        lease(&app, call("default", "shared-name")).await["affinity"],
+        "hit"
+    );
+    let again = json_body(
+        as_other(call("default", "shared-name")).await,
+        StatusCode::OK,
+    )
+    .await;
+    assert_eq!(again["affinity"], "hit");
+    assert_eq!(again["key_id"], other["key_id"]);
+}
