@@ -427,14 +427,112 @@ LANGUAGE sql IMMUTABLE PARALLEL SAFE AS $$
         'credpool.affinity:' || p_tenant || '/' || p_provider || '/' || p_pool || '/' || p_affinity_key, 0)
 $$;
 
+-- FAIR SHARE (issue 29; docs/design.md "Fair share"): the tenant a waiting claim yields to, or
+-- NULL. A claim of an allocation that waits (wait_ms) for a slot of p_pool, for p_model, made for
+-- p_tenant whose request arrived at p_since, yields when another tenant waits for the same
+-- provider, pool and model (a live pool_waiters row: its wait not over, its process alive within
+-- the last 5 seconds) and stands further below its weighted share of the pool: its in-flight leases in the
+-- pool divided by its weight are fewer than the claim's tenant's (ties: the tenant whose earliest
+-- waiter arrived first). A tenant at its own cap (no free tenant slot row) cannot take the slot
+-- and is not yielded to, so no slot is ever held back for a tenant that cannot use it. Read from
+-- the claim's snapshot: a share is a preference between waiters, not a limit (nothing over any
+-- limit can come of a stale read; two claims of one freed slot settle it on the slot row).
+-- p_pending: the tenants of the claims of the same call, for the same pool, that went ahead
+-- before this one (one entry per claim): counted as in flight, since the call's claims do not
+-- see each other's grants (without it, every claim of a tenant one below its share would go
+-- ahead in one call).
+-- Costs one probe of pool_waiters; when another tenant waits, one read of the pool's live slot
+-- rows (lease_slots has no index on the tenant: it would cost the hot updates of every grant).
+DROP FUNCTION IF EXISTS credpool_fair_share_ahead(text, text, text, text, timestamptz, timestamptz);
+CREATE OR REPLACE FUNCTION credpool_fair_share_ahead(p_provider text, p_pool text, p_model text,
+    p_tenant text, p_since timestamptz, p_pending text[], p_now timestamptz)
+RETURNS text
+LANGUAGE plpgsql STABLE
+AS $$
+DECLARE
+    v_waiting text[];
+    v_since timestamptz[];
+    v_ahead text;
+BEGIN
+    SELECT array_agg(w.tenant ORDER BY w.tenant), array_agg(w.since ORDER BY w.tenant)
+    INTO v_waiting, v_since
+    FROM (
+        SELECT w.tenant, min(w.since) AS since
+        FROM pool_waiters w
+        JOIN pool_waiter_processes p ON p.instance = w.instance
+        WHERE w.provider = p_provider AND w.model = p_model AND p_pool = ANY (w.pools)
+          AND w.until > p_now AND p.seen_at > p_now - interval '5 seconds'
+          AND w.tenant <> p_tenant
+        GROUP BY w.tenant
+    ) AS w;
+    IF v_waiting IS NULL THEN
+        RETURN NULL;
+    END IF;
+    WITH counted AS (
+        SELECT l.tenant, count(*) AS in_flight
+        FROM (SELECT s.tenant
+              FROM credentials c
+              JOIN lease_slots s ON s.key_id = c.key_id
+              WHERE c.provider = p_provider AND c.pool = p_pool AND s.lease_until > p_now
+                AND (s.tenant = p_tenant OR s.tenant = ANY (v_waiting))
+              UNION ALL
+              SELECT u.tenant FROM unnest(p_pending) AS u (tenant)) AS l
+        GROUP BY l.tenant
+    ),
+    shares AS (
+        SELECT x.tenant, x.since, coalesce(n.in_flight, 0)::numeric / t.weight AS share,
+               t.max_concurrent_leases IS NULL
+               OR EXISTS (SELECT 1 FROM tenant_slots ts
+                          WHERE ts.tenant_id = t.tenant_id AND NOT ts.over_limit
+                            AND (ts.lease_id IS NULL OR ts.lease_until <= p_now)) AS has_room
+        FROM unnest(v_waiting, v_since) AS x (tenant, since)
+        JOIN tenants t ON t.tenant_id = x.tenant
+        LEFT JOIN counted n ON n.tenant = x.tenant
+    ),
+    mine AS (
+        SELECT coalesce((SELECT n.in_flight FROM counted n WHERE n.tenant = p_tenant), 0)::numeric
+               / t.weight AS share
+        FROM tenants t
+        WHERE t.tenant_id = p_tenant
+    )
+    SELECT s.tenant INTO v_ahead
+    FROM shares s, mine m
+    WHERE s.has_room AND (s.share < m.share OR (s.share = m.share AND s.since < p_since))
+    ORDER BY s.share, s.since
+    LIMIT 1;
+    RETURN v_ahead;
+END;
+$$;
+
+-- FAIR SHARE: a process with waiting requests says it is alive (every second while it has any),
+-- and deletes the rows of waiters whose process stopped saying so a minute ago or whose wait
+-- ended a minute ago (a row a claim is writing is skipped, never waited for).
+CREATE OR REPLACE FUNCTION credpool_waiters_seen(p_instance text)
+RETURNS void
+LANGUAGE sql
+AS $$
+    INSERT INTO pool_waiter_processes (instance, seen_at) VALUES (p_instance, now())
+    ON CONFLICT (instance) DO UPDATE SET seen_at = EXCLUDED.seen_at;
+    DELETE FROM pool_waiters
+    WHERE waiter IN (SELECT w.waiter FROM pool_waiters w
+                     LEFT JOIN pool_waiter_processes p ON p.instance = w.instance
+                     WHERE w.until < now() - interval '1 minute'
+                        OR coalesce(p.seen_at < now() - interval '1 minute', true)
+                     FOR UPDATE OF w SKIP LOCKED);
+    DELETE FROM pool_waiter_processes WHERE seen_at < now() - interval '1 minute';
+$$;
+
 -- CLAIM (DESIGN "The protocol", step 1), for one request or for a group.
 --
 -- p_claims jsonb: an array of claims, each {"ranked": [key_id, ...] (best first, the Rust
 -- scoring), "provider", "pool", "model" (a model or alias), "lease_id" (the new lease's uuid),
 -- "holder" (or null), "lease_seconds", "tokens" (the reservation for token windows; 0 or absent:
 -- none), optionally "request_id" with "request_digest", "key_hash" (hex SHA-256 of the
--- executor key presented; absent: the configured internal key, tenant `default`), and optionally
--- the AFFINITY fields (below)}. Returns one row per claim, `claim` =
+-- executor key presented; absent: the configured internal key, tenant `default`), optionally
+-- "waiting" (the request waits for a slot: {"waiter" (uuid, the request's), "instance" (its
+-- process), "pools" (its pool sequence), "since" and "until" (RFC 3339: its arrival, the end of
+-- its wait)}; FAIR SHARE, below), and
+-- optionally the AFFINITY fields (below)}. Returns one row per claim, `claim` =
 -- its 1-based position: the pool's version (NULL when the pool never had a credential), read
 -- before any candidate, so the caller learns whether its candidate view is stale, and the lease,
 -- NULL when no candidate could serve. `request` is NULL, 'replayed' (the request_id's live lease,
@@ -444,7 +542,8 @@ $$;
 -- read after the claim, was held by another transaction or changed by one at that moment): for
 -- the last two, claim again in a moment; 'unauthorized' (its key_hash names no live key: nothing
 -- done) or 'tenant_limit' (nothing granted: every slot row of its tenant holds a live lease, read
--- after the claim). `frees_at`, when nothing was granted: the earliest moment a candidate may
+-- after the claim) or 'yield' (nothing looked at: a waiting claim whose pool another tenant, further
+-- below its share, waits for; `yield_to` names that tenant). `frees_at`, when nothing was granted: the earliest moment a candidate may
 -- serve it (for 'tenant_limit': the earliest end of the tenant's leases), and `held_by` what
 -- holds that candidate back (credpool_frees_at; 'tenant'), for the answer's Retry-After, a
 -- waiting request's timer and the held-back metric. `tenant` is the tenant the claim was made
@@ -550,6 +649,15 @@ $$;
 -- answer is not 'tenant_limit' but what the credentials say ('busy' when one may serve at once:
 -- the caller claims again), so a claim racing its own tenant's claims gets no false 429.
 --
+-- FAIR SHARE (issue 29): a claim with "waiting" (its request waits up to wait_ms; not a request
+-- that answers at once: nobody is refused while a slot is free) yields, before any pick, when
+-- another tenant waits for its pool further below its weighted share (credpool_fair_share_ahead):
+-- its answer is 'yield' and `yield_to` that tenant, whose waiter the caller wakes in its stead.
+-- Decided on this call's snapshot: a share is an order among waiters, never a limit. A waiting
+-- claim that got nothing writes its request's pool_waiters row (a later claim of the same request
+-- finds it there); one that got a lease deletes it. Only the request's own claims write its row
+-- (one after the other), so that write never waits.
+--
 -- Two shapes of pick, one for each shape of candidate list: a claim none of whose candidates has
 -- windows locks only the slot row (a credential without windows must not make concurrent claims
 -- queue on one row), and passes over a slot whose `windowed` gate says its credential has windows
@@ -585,7 +693,9 @@ RETURNS TABLE (claim integer, pool_version bigint, key_id text, lease_id uuid, l
                request text, frees_at timestamptz, held_by text, tenant text, db_now timestamptz,
                -- AFFINITY: 'hit', 'new', 'moved' for a grant; 'bound' for a strict claim that
                -- waits for its bound credential; NULL without an affinity_key
-               affinity text)
+               affinity text,
+               -- FAIR SHARE: with request 'yield', the tenant yielded to
+               yield_to text)
 LANGUAGE plpgsql
 SET enable_seqscan = off SET enable_bitmapscan = off SET enable_hashjoin = off
 SET enable_mergejoin = off SET enable_material = off SET jit = off
@@ -662,6 +772,11 @@ DECLARE
     v_bound_only boolean[];
     v_affine boolean;
     v_bind integer[];
+    -- FAIR SHARE: each waiting claim's "waiting" and its request's arrival (NULL: it does not
+    -- wait), and the tenant each yielding claim yields to
+    v_waiting jsonb[];
+    v_since timestamptz[];
+    v_yield_to text[];
 BEGIN
     IF v_count = 0 THEN
         RETURN;
@@ -689,10 +804,12 @@ BEGIN
            -- AFFINITY: the claim's affinity fields
            array_agg(o.c ->> 'affinity_key'), array_agg(o.c -> 'affinity_pools'),
            array_agg(coalesce((o.c ->> 'affinity_ttl_seconds')::integer, 3600)),
-           array_agg(coalesce(o.c ->> 'affinity_mode' = 'strict', false))
+           array_agg(coalesce(o.c ->> 'affinity_mode' = 'strict', false)),
+           array_agg(o.c -> 'waiting'), array_agg((o.c -> 'waiting' ->> 'since')::timestamptz)
     INTO v_ranked, v_provider, v_pool, v_model, v_lease, v_holder, v_seconds, v_tokens,
          v_request_id, v_digest, v_pool_version, v_windowed, v_number, v_tenant, v_capped,
-         v_tenant_start, v_affinity_key, v_affinity_pools, v_affinity_ttl, v_affinity_strict
+         v_tenant_start, v_affinity_key, v_affinity_pools, v_affinity_ttl, v_affinity_strict,
+         v_waiting, v_since
     FROM (
         SELECT e.n, e.c, e.provider, e.pool, pv.version, t.tenant_id AS tenant,
                coalesce(t.max_concurrent_leases IS NOT NULL, false) AS capped,
@@ -803,6 +920,24 @@ BEGIN
                 ELSE
                     v_request[q.n] := 'conflict';
                 END IF;
+            END IF;
+        END LOOP;
+    END IF;
+
+    -- FAIR SHARE: a waiting claim yields to a tenant further below its share waiting for its pool
+    -- (the claims of this call for the same pool that go ahead before it count as in flight)
+    IF array_remove(v_since, NULL) <> '{}' THEN
+        FOR q IN SELECT k AS n FROM generate_subscripts(v_since, 1) AS k
+                 WHERE v_since[k] IS NOT NULL AND NOT v_done[k] ORDER BY k LOOP
+            v_yield_to[q.n] := credpool_fair_share_ahead(v_provider[q.n], v_pool[q.n], v_model[q.n],
+                v_tenant[q.n], v_since[q.n],
+                ARRAY(SELECT v_tenant[j] FROM generate_subscripts(v_since, 1) AS j
+                      WHERE j < q.n AND v_since[j] IS NOT NULL AND NOT v_done[j]
+                        AND v_provider[j] = v_provider[q.n] AND v_pool[j] = v_pool[q.n]),
+                v_now);
+            IF v_yield_to[q.n] IS NOT NULL THEN
+                v_request[q.n] := 'yield';
+                v_done[q.n] := true;
             END IF;
         END LOOP;
     END IF;
@@ -1080,6 +1215,23 @@ BEGIN
         END IF;
     END IF;
 
+    -- FAIR SHARE: a waiting claim that got nothing is (still) waiting: its request's row written
+    -- (kept as it is when there); one that got a lease (or replayed one) waits no more
+    IF array_remove(v_since, NULL) <> '{}' THEN
+        DELETE FROM pool_waiters w
+        WHERE w.waiter IN (SELECT (v_waiting[g_claim[i]] ->> 'waiter')::uuid
+                           FROM generate_subscripts(g_claim, 1) AS i
+                           WHERE v_since[g_claim[i]] IS NOT NULL);
+        INSERT INTO pool_waiters (waiter, instance, tenant, provider, pools, model, since, until)
+        SELECT (v_waiting[k] ->> 'waiter')::uuid, v_waiting[k] ->> 'instance', v_tenant[k],
+               v_provider[k], ARRAY(SELECT jsonb_array_elements_text(v_waiting[k] -> 'pools')),
+               v_model[k], v_since[k], (v_waiting[k] ->> 'until')::timestamptz
+        FROM generate_subscripts(v_since, 1) AS k
+        WHERE v_since[k] IS NOT NULL AND v_tenant[k] IS NOT NULL AND NOT k = ANY (g_claim)
+          AND v_request[k] IS DISTINCT FROM 'conflict' AND v_request[k] IS DISTINCT FROM 'in_flight'
+        ON CONFLICT (waiter) DO NOTHING;
+    END IF;
+
     -- The answers, in claim order. Nothing granted: when may a candidate serve it (read now)? A
     -- candidate whose slot or window row another transaction held (a concurrent claim, the
     -- reaper, an operator's change) was passed over without knowing what that transaction
@@ -1100,7 +1252,8 @@ BEGIN
            -- bound credential that granted nothing: 'bound'
            CASE WHEN g.i IS NOT NULL AND v_request[k.n] IS NULL
                 THEN credpool_affinity_result(v_affinity_key[k.n], v_bound[k.n], (g_slot[g.i]).key_id)
-                WHEN g.i IS NULL AND v_bound_only[k.n] THEN 'bound' END
+                WHEN g.i IS NULL AND v_bound_only[k.n] THEN 'bound' END,
+           v_yield_to[k.n]
     FROM generate_subscripts(v_done, 1) AS k (n)
     CROSS JOIN LATERAL (SELECT array_position(g_claim, k.n) AS i) AS g
     LEFT JOIN LATERAL (

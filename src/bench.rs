@@ -953,6 +953,7 @@ impl Allocator for UnbatchedAllocator {
             tokens: 0,
             caller: None,
             affinity: None,
+            waiting: None,
         };
         match leases::claim_slot(&mut self.conn, &claim).await {
             Ok(result) => match result.granted {

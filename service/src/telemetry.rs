@@ -75,16 +75,17 @@ pub const WAIT_SECONDS: &str = "credpool_allocation_wait_seconds";
 
 /// Allocations answered 429 `pool_exhausted`, by `provider`, `pool` (asked for) and `held_by`:
 /// what held back the candidate that frees first (`slots`, `cooldown`, `requests_window`,
-/// `tokens_window`, `token_refresh`).
+/// `tokens_window`, `token_refresh`, `fair_share`).
 pub const HELD_BACK: &str = "credpool_allocations_held_back_total";
 
 /// What `held_by` of [`HELD_BACK`] can say.
-pub const HELD_BY: [&str; 5] = [
+pub const HELD_BY: [&str; 6] = [
     "slots",
     "cooldown",
     "requests_window",
     "tokens_window",
     "token_refresh",
+    "fair_share",
 ];
 
 /// Operations per group transaction (the allocator's claim, release and renewal groups), by `kind` (`claim`, `release`,
@@ -186,7 +187,7 @@ pub const METRICS: &[Metric] = &[
         kind: Kind::Counter,
         labels: &["provider", "pool", "held_by"],
         unit: "requests",
-        help: "Allocate requests answered 429 pool_exhausted, by provider and pool asked for and what held back the candidate that frees first: slots (all leased), cooldown, requests_window or tokens_window (a rate window full), token_refresh (an OAuth token waiting for its refresh).",
+        help: "Allocate requests answered 429 pool_exhausted, by provider and pool asked for and what held back the candidate that frees first: slots (all leased), cooldown, requests_window or tokens_window (a rate window full), token_refresh (an OAuth token waiting for its refresh), fair_share (a waiting request yielded to a tenant further below its share).",
     },
     Metric {
         name: RELEASES,

@@ -133,6 +133,7 @@ async fn statement_race(limit: u32) {
                         tokens: 0,
                         caller: None,
                         affinity: None,
+                        waiting: None,
                     };
                     barrier.wait().await;
                     let claimed = leases::claim_slot(&mut conn, &request).await.unwrap();

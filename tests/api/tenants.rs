@@ -1007,3 +1007,212 @@ async fn the_dashboard_shows_each_tenant_in_flight_against_its_cap() {
     assert!(row("default").contains("no cap"), "{}", row("default"));
     assert!(!pools.contains(&key), "the dashboard never shows a key");
 }
+
+/// Three tenants keep `waiting` requests each against a pool of 8 slots over two service
+/// processes, each lease held 50 ms then released, for `seconds`: the grants each tenant got
+/// after the first 2 seconds (the queues filling up), by tenant. A tenant of `idle` sends nothing.
+async fn saturate(
+    bases: [&str; 2],
+    keys: &[(&'static str, String)],
+    idle: &[&str],
+    waiting: usize,
+    seconds: u64,
+) -> std::collections::HashMap<&'static str, u64> {
+    use std::sync::Arc;
+    use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+    let client = client();
+    let counting = Arc::new(AtomicBool::new(false));
+    let stop = Arc::new(AtomicBool::new(false));
+    let mut loops = Vec::new();
+    let mut counts = Vec::new();
+    for (tenant, key) in keys.iter().filter(|(t, _)| !idle.contains(t)) {
+        let granted = Arc::new(AtomicU64::new(0));
+        counts.push((*tenant, granted.clone()));
+        for i in 0..waiting {
+            let (client, key, base) = (client.clone(), key.clone(), bases[i % 2].to_owned());
+            let (counting, stop, granted) = (counting.clone(), stop.clone(), granted.clone());
+            loops.push(tokio::spawn(async move {
+                while !stop.load(Ordering::SeqCst) {
+                    let response = executor(
+                        &client,
+                        &base,
+                        "/api/internal/allocate-key",
+                        &key,
+                        json!({"provider": "openai", "model": "gpt-4o", "lease_seconds": 60,
+                               "wait_ms": 10_000}),
+                    )
+                    .await;
+                    if response.status() != StatusCode::OK {
+                        continue;
+                    }
+                    let lease: Value = response.json().await.unwrap();
+                    if counting.load(Ordering::SeqCst) {
+                        granted.fetch_add(1, Ordering::SeqCst);
+                    }
+                    tokio::time::sleep(Duration::from_millis(50)).await;
+                    let released = executor(
+                        &client,
+                        &base,
+                        "/api/internal/release-key",
+                        &key,
+                        lease_ref(&lease),
+                    )
+                    .await;
+                    assert_eq!(released.status(), StatusCode::OK);
+                }
+            }));
+        }
+    }
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    counting.store(true, Ordering::SeqCst);
+    tokio::time::sleep(Duration::from_secs(seconds)).await;
+    counting.store(false, Ordering::SeqCst);
+    stop.store(true, Ordering::SeqCst);
+    for running in loops {
+        running.await.unwrap();
+    }
+    counts
+        .into_iter()
+        .map(|(tenant, granted)| (tenant, granted.load(Ordering::SeqCst)))
+        .collect()
+}
+
+/// Each tenant's share of `grants`, in percent.
+fn shares(grants: &std::collections::HashMap<&'static str, u64>) -> Vec<(&'static str, f64)> {
+    let total: u64 = grants.values().sum();
+    assert!(total > 0, "nothing was granted");
+    let mut shares: Vec<_> = grants
+        .iter()
+        .map(|(tenant, n)| (*tenant, 100.0 * *n as f64 / total as f64))
+        .collect();
+    shares.sort_by(|a, b| a.0.cmp(b.0));
+    shares
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_saturated_pool_is_shared_by_weight_between_the_waiting_tenants_of_every_replica() {
+    // Weights 1:2:1, each tenant keeping 20 requests waiting (wait_ms) on a pool of 8 slots
+    // over two service processes, leases held ~50 ms: each tenant's share of the grants is
+    // within 5 points of 25/50/25; with the middle tenant idle, the other two share 50/50
+    // (its share is lent, nothing is held back for it). Without fair share the waiters are
+    // served in arrival order, about a third each.
+    let database = TestDatabase::create().await;
+    let env = keyed_env(&database);
+    let (a, b) = tokio::join!(
+        ServeProcess::start(BIN, &env, &[]),
+        ServeProcess::start(BIN, &env, &[])
+    );
+    let client = client();
+    for i in 0..2 {
+        let response = admin(
+            &client,
+            &a.base,
+            reqwest::Method::PUT,
+            &format!("/api/admin/keys/k{i}"),
+            Some(
+                json!({"provider": "openai", "models": ["gpt-4o"], "max_concurrent_uses": 4,
+                        "secret": {"api_key": format!("sk-{i}")}}),
+            ),
+        )
+        .await;
+        assert!(response.status().is_success());
+    }
+    let mut keys = Vec::new();
+    for (tenant, weight) in [("light", 1), ("heavy", 2), ("other", 1)] {
+        put_tenant(&client, &a.base, tenant, json!({"weight": weight})).await;
+        keys.push((tenant, mint(&client, &a.base, tenant).await.1));
+    }
+    let bases = [a.base.as_str(), b.base.as_str()];
+
+    let three = saturate(bases, &keys, &[], 20, 20).await;
+    let all = shares(&three);
+    for (tenant, share) in &all {
+        let expected = if *tenant == "heavy" { 50.0 } else { 25.0 };
+        assert!(
+            (share - expected).abs() <= 5.0,
+            "{tenant}: {share:.1}% of the grants, expected {expected}% +-5 (all: {all:?})"
+        );
+    }
+
+    let two = saturate(bases, &keys, &["heavy"], 20, 10).await;
+    let both = shares(&two);
+    for (tenant, share) in &both {
+        assert!(
+            (share - 50.0).abs() <= 5.0,
+            "{tenant}: {share:.1}% of the grants with heavy idle, expected 50% +-5 (all: {both:?})"
+        );
+    }
+    eprintln!("fair share: weights 1:2:1 {all:?}; with heavy idle {both:?}");
+    // the idle tenant's half was lent, not held back: the two others got about as many grants
+    // per second as all three did (every slot still in use)
+    let per_second = |grants: &std::collections::HashMap<&str, u64>, seconds: u64| {
+        grants.values().sum::<u64>() as f64 / seconds as f64
+    };
+    let (with_three, with_two) = (per_second(&three, 20), per_second(&two, 10));
+    assert!(
+        with_two >= 0.75 * with_three,
+        "{with_two:.0} grants/s with heavy idle against {with_three:.0} with all three"
+    );
+}
+
+#[tokio::test]
+async fn a_waiter_whose_process_is_gone_holds_no_slot_back() {
+    // A tenant further below its share "waits" for the pool, but its process stopped saying it is
+    // alive: a waiting allocate of another tenant is served at once from the free slot. While the
+    // process is alive, the same allocate yields to it (and answers 429 at the end of its wait
+    // with the slot still free: the yielded-to waiter is expected to take it).
+    let app = TestApp::spawn().await;
+    let base = app.url("");
+    app.put_key("k1", "openai", "default", &["gpt-4o"], 1).await;
+    put_tenant(&app.client, &base, "ghost", json!({})).await;
+    let waiting = |process_seen_seconds_ago: i64| {
+        let db = app.db.clone();
+        async move {
+            sqlx::query("DELETE FROM pool_waiters")
+                .execute(&db)
+                .await
+                .unwrap();
+            sqlx::query(
+                "INSERT INTO pool_waiter_processes (instance, seen_at)
+                 VALUES ('gone', now() - make_interval(secs => $1))
+                 ON CONFLICT (instance) DO UPDATE SET seen_at = EXCLUDED.seen_at",
+            )
+            .bind(process_seen_seconds_ago as f64)
+            .execute(&db)
+            .await
+            .unwrap();
+            sqlx::query(
+                "INSERT INTO pool_waiters (waiter, instance, tenant, provider, pools, model, since, until)
+                 VALUES (gen_random_uuid(), 'gone', 'ghost', 'openai', '{default}', 'gpt-4o',
+                         now() - interval '1 second', now() + interval '1 minute')",
+            )
+            .execute(&db)
+            .await
+            .unwrap();
+        }
+    };
+    let allocate_waiting = || {
+        executor(
+            &app.client,
+            &base,
+            "/api/internal/allocate-key",
+            INTERNAL_KEY,
+            json!({"provider": "openai", "model": "gpt-4o", "wait_ms": 400}),
+        )
+    };
+
+    waiting(0).await;
+    let response = allocate_waiting().await;
+    assert_eq!(response.status(), StatusCode::TOO_MANY_REQUESTS);
+    let held: i64 =
+        sqlx::query_scalar("SELECT count(*) FROM lease_slots WHERE lease_until > now()")
+            .fetch_one(&app.db)
+            .await
+            .unwrap();
+    assert_eq!(held, 0, "the yielding request took the slot");
+
+    waiting(30).await;
+    let lease = json_body(allocate_waiting().await, StatusCode::OK).await;
+    assert_eq!(lease["key_id"], "k1");
+    assert_eq!(lease["tenant"], "default");
+}

@@ -58,8 +58,8 @@ use crate::domain::{
     Holder, KeyId, LeaseId, LeaseSeconds, ModelName, PoolName, ProviderName, TenantKeyHash,
 };
 use crate::store::leases::{
-    self, ClaimAffinity, ClaimRequest, ClaimResult, LeaseRef, ReleaseRequest, ReleaseResult,
-    Renewed, RequestKey, StagedRelease,
+    self, ClaimAffinity, ClaimRequest, ClaimResult, ClaimWaiting, LeaseRef, ReleaseRequest,
+    ReleaseResult, Renewed, RequestKey, StagedRelease,
 };
 use crate::store::{Conn, Db};
 
@@ -131,6 +131,7 @@ impl Groups {
                 tokens: request.tokens,
                 caller: request.caller,
                 affinity: request.affinity.cloned(),
+                waiting: request.waiting.cloned(),
             })
             .await
     }
@@ -220,6 +221,7 @@ struct Claim {
     tokens: u64,
     caller: Option<TenantKeyHash>,
     affinity: Option<ClaimAffinity>,
+    waiting: Option<ClaimWaiting>,
 }
 
 impl Claim {
@@ -236,6 +238,7 @@ impl Claim {
             tokens: self.tokens,
             caller: self.caller,
             affinity: self.affinity.as_ref(),
+            waiting: self.waiting.as_ref(),
         }
     }
 }

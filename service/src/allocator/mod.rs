@@ -44,7 +44,7 @@ use crate::store::leases::{
 use candidates::CandidateViews;
 use groups::Groups;
 use health::HealthPolicy;
-use waiting::{Hint, Registration, Waits};
+use waiting::{Hint, Registration, WaitingRequest, Waits};
 
 use attempt::{PoolAttempt, Step};
 use ranking::{PoolVerdict, judge, retry_after_seconds};
@@ -201,6 +201,11 @@ impl AllocateError {
 struct Refusal {
     error: AllocateError,
     frees_in: Option<Duration>,
+    /// The tenant the claims were made for (`None` when no claim ran).
+    tenant: Option<String>,
+    /// The pool where a waiting request's claim yielded, and the tenant it yielded to
+    /// (docs/design.md "Fair share").
+    yielded_to: Option<(PoolName, String)>,
 }
 
 impl From<AllocateError> for Refusal {
@@ -208,8 +213,21 @@ impl From<AllocateError> for Refusal {
         Self {
             error,
             frees_in: None,
+            tenant: None,
+            yielded_to: None,
         }
     }
+}
+
+/// What one pass over the pool sequence learned from its claims besides their answers.
+#[derive(Debug, Default)]
+struct Pass {
+    /// Whether a claim statement ran: with a request_id it has looked for the request's lease.
+    claimed: bool,
+    /// The tenant the claims were made for.
+    tenant: Option<String>,
+    /// The pool where a claim yielded, and the tenant it yielded to.
+    yielded_to: Option<(PoolName, String)>,
 }
 
 /// What a request's claims carry besides their candidates: its idempotency key and its
@@ -218,6 +236,9 @@ impl From<AllocateError> for Refusal {
 struct Keys<'a> {
     request: Option<&'a RequestKey>,
     affinity: Option<&'a ClaimAffinity>,
+    /// A request that may wait, as its claims record it (they yield to tenants further below
+    /// their share); `None` for one that answers at once.
+    waiting: Option<&'a WaitingRequest>,
 }
 
 /// How long a claim waits before it tries again when another attempt of its request is in flight.
@@ -393,9 +414,14 @@ impl Allocator {
             ttl: a.ttl,
             mode: a.mode,
         });
+        let waiting = (!request.wait.is_zero()).then(|| {
+            self.waits
+                .waiting_request(request.pool.sequence(), request.wait)
+        });
         let key = Keys {
             request: request_key.as_ref(),
             affinity: affinity.as_ref(),
+            waiting: waiting.as_ref(),
         };
         let started = Instant::now();
         let first = self.allocate_once(request, key, &mut None).await;
@@ -409,6 +435,14 @@ impl Allocator {
         if request.wait.is_zero() || !busy {
             return first.map_err(|refusal| refusal.error);
         }
+        // it yielded a slot that may be free now: the waiter it yielded to should look
+        if let Err(Refusal {
+            yielded_to: Some((pool, ahead)),
+            ..
+        }) = &first
+        {
+            self.waits.yield_to(&request.provider, pool, ahead, None);
+        }
         // queue up, then look again: a slot freed between the first look and the queueing would
         // otherwise wake nobody
         let deadline = started + request.wait;
@@ -418,6 +452,10 @@ impl Allocator {
                 &request.provider,
                 &request.pool.sequence(),
                 &request.model,
+                match &first {
+                    Err(refusal) => refusal.tenant.clone(),
+                    Ok(_) => None,
+                },
                 LISTEN_CONNECT_WAIT.min(request.wait),
             )
             .await;
@@ -425,18 +463,34 @@ impl Allocator {
         loop {
             let result = self.allocate_once(request, key, &mut hint).await;
             // a wake-up that this pass did not reach (served from an earlier pool of the
-            // sequence): the freed slot is the next waiter's
-            let unused = hint.take();
+            // sequence): the freed slot is the next waiter's; one it yielded: the waiter's of
+            // the tenant it yielded to
+            let mut unused = hint.take();
+            if let Err(Refusal {
+                yielded_to: Some((pool, ahead)),
+                ..
+            }) = &result
+            {
+                let freed = unused.take_if(|(freed_pool, _)| freed_pool == pool);
+                self.waits.yield_to(
+                    &request.provider,
+                    pool,
+                    ahead,
+                    freed.as_ref().map(|(_, key_id)| key_id),
+                );
+            }
             let frees_in = match &result {
                 Err(Refusal {
                     error: AllocateError::PoolExhausted { .. },
                     frees_in,
+                    ..
                 }) if Instant::now() < deadline => *frees_in,
                 // a release of the tenant's lease in another pool wakes nobody here: look again
                 // at least every TENANT_RECHECK
                 Err(Refusal {
                     error: AllocateError::TenantLimit { .. },
                     frees_in,
+                    ..
                 }) if Instant::now() < deadline => {
                     Some(frees_in.map_or(TENANT_RECHECK, |d| d.min(TENANT_RECHECK)))
                 }
@@ -487,14 +541,17 @@ impl Allocator {
         let mut failure: Option<PoolVerdict> = None;
         let mut soonest: Option<(OffsetDateTime, OffsetDateTime)> = None;
         let mut held: Option<HeldBy> = None;
-        // whether a claim statement ran: with a request_id it has looked for the request's lease
-        let mut claimed = false;
+        let mut pass = Pass::default();
 
         for pool in request.pool.sequence() {
             let hint_here = hint.take_if(|(hinted, _)| *hinted == pool).map(|(_, k)| k);
             let verdict = self
-                .allocate_in(request, &pool, keys, hint_here, &mut claimed)
+                .allocate_in(request, &pool, keys, hint_here.clone(), &mut pass)
                 .await?;
+            // a freed slot's wake-up this pool yielded is not used: handed on by the caller
+            if pass.yielded_to.as_ref().is_some_and(|(p, _)| *p == pool) {
+                *hint = hint_here.map(|key_id| (pool.clone(), key_id));
+            }
             let verdict = match verdict {
                 Ok(allocation) => return Ok(allocation),
                 Err(verdict) => verdict,
@@ -518,7 +575,7 @@ impl Allocator {
         }
 
         if let Some(key) = keys.request
-            && !claimed
+            && !pass.claimed
         {
             // every pool was judged from its view alone: the request may still hold a lease from
             // an earlier attempt (taking the last slot, or on a credential since disabled)
@@ -531,7 +588,11 @@ impl Allocator {
                 crate::telemetry::held_back(
                     &request.provider,
                     &request.pool,
-                    held.unwrap_or(HeldBy::Slots),
+                    held.unwrap_or(if pass.yielded_to.is_some() {
+                        HeldBy::FairShare
+                    } else {
+                        HeldBy::Slots
+                    }),
                 );
                 AllocateError::PoolExhausted {
                     retry_after_seconds: retry_after_seconds(soonest),
@@ -546,6 +607,8 @@ impl Allocator {
             error,
             // an end already passed (the view is behind): look again soon
             frees_in: soonest.map(|(at, now)| Duration::try_from(at - now).unwrap_or_default()),
+            tenant: pass.tenant,
+            yielded_to: pass.yielded_to,
         })
     }
 
@@ -568,6 +631,7 @@ impl Allocator {
             tokens: request.tokens,
             caller: request.caller,
             affinity: None,
+            waiting: None,
         };
         let result = self.claim(&claim).await?;
         if result.unauthorized {
@@ -637,7 +701,7 @@ impl Allocator {
         pool: &PoolName,
         keys: Keys<'_>,
         hint: Option<KeyId>,
-        claimed: &mut bool,
+        pass: &mut Pass,
     ) -> Result<Result<Allocation, PoolVerdict>, AllocateError> {
         let provider = &request.provider;
         let scoring = self.views.scoring().clone();
@@ -698,9 +762,30 @@ impl Allocator {
                 tokens: request.tokens,
                 caller: request.caller,
                 affinity: keys.affinity,
+                waiting: keys.waiting.map(WaitingRequest::claim),
             };
             let result = self.claim(&claim).await?;
-            *claimed = true;
+            pass.claimed = true;
+            if result.tenant.is_some() {
+                pass.tenant.clone_from(&result.tenant);
+            }
+            if let Some(waiting) = keys.waiting {
+                waiting.claimed(
+                    result.granted.is_none()
+                        && !(result.unauthorized || result.conflict || result.in_flight),
+                );
+            }
+            if let Some(ahead) = result.yield_to {
+                // a tenant further below its share waits for this pool: nothing was looked at,
+                // and the rest of the pool is that tenant's first
+                pass.yielded_to = Some((pool.clone(), ahead));
+                return Ok(Err(PoolVerdict::Try {
+                    batch: Vec::new(),
+                    free_seen: false,
+                    frees_at: None,
+                    held_by: Some(HeldBy::FairShare),
+                }));
+            }
             if result.unauthorized {
                 return Err(AllocateError::Unauthorized);
             }

@@ -27,6 +27,9 @@ pub enum HeldBy {
     /// An OAuth access token that would expire before the lease ends (or that an executor
     /// reported rejected), waiting for its refresh.
     TokenRefresh,
+    /// A waiting request yielded to another tenant further below its weighted share of the pool
+    /// (docs/design.md "Fair share").
+    FairShare,
 }
 
 impl HeldBy {
@@ -38,6 +41,7 @@ impl HeldBy {
             "requests_window" => Some(HeldBy::RequestsWindow),
             "tokens_window" => Some(HeldBy::TokensWindow),
             "token_refresh" => Some(HeldBy::TokenRefresh),
+            "fair_share" => Some(HeldBy::FairShare),
             _ => None,
         }
     }
@@ -50,6 +54,7 @@ impl HeldBy {
             HeldBy::RequestsWindow => "requests_window",
             HeldBy::TokensWindow => "tokens_window",
             HeldBy::TokenRefresh => "token_refresh",
+            HeldBy::FairShare => "fair_share",
         }
     }
 }

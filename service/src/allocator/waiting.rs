@@ -29,6 +29,17 @@
 //! wait, or gone with its caller) while it holds a wake-up it has not used hands it to the next
 //! waiter that can use it, as if the slot had been freed then.
 //!
+//! **Fair share** (docs/design.md "Fair share"). Waiting is also known to every replica: the
+//! claims of a request that may wait carry its [`WaitingRequest`], and one that grants nothing
+//! records the request in `pool_waiters` (its tenant, provider, pool sequence, model, arrival and
+//! the end of its wait) until a claim grants it or its wait ends; its process says every
+//! [`WAITERS_SEEN_EVERY`] that it is alive. The claim yields (grants nothing) when another
+//! tenant, further below its weighted share of the pool, waits for the same pool and model; the
+//! yielding waiter hands its wake-up to the longest-waiting waiter of that tenant
+//! ([`Waits::yield_to`]): here if this process has one that is not awake, else through an
+//! announcement to the other processes (`tenant` in the payload), each of which wakes its own
+//! longest-waiting waiter of that tenant. A yield never leaves a free slot to the recheck alone.
+//!
 //! A waiter whose caller goes away is dropped with the request (its registration removes itself),
 //! so it never takes a slot afterwards; a caller gone while its claim is in flight has the lease
 //! given back at once ([`super::groups`]), unless the request carries a `request_id` (a retry of
@@ -46,6 +57,7 @@ use tokio::sync::{Notify, mpsc, watch};
 
 use super::candidates::CandidateViews;
 use crate::domain::{KeyId, ModelName, PoolName, ProviderName};
+use crate::store::leases::ClaimWaiting;
 use crate::store::{Db, PoolSettings, Target};
 
 /// How long one attempt of the listening connection may wait for a server, with
@@ -59,6 +71,11 @@ pub const POOL_CHANGED_CHANNEL: &str = "credpool_pool_changed";
 
 /// At most this many freed slots are announced in one statement.
 const ANNOUNCE_BATCH: usize = 512;
+
+/// How often a process with waiting requests says it is alive (`pool_waiter_processes`): a claim
+/// ignores the waiters of a process not heard from for 5 seconds, so a process that stopped
+/// without deleting its rows holds no slot back for long.
+pub const WAITERS_SEEN_EVERY: Duration = Duration::from_secs(1);
 
 /// How often the longest-waiting waiter of a pool claims again without being told of a freed slot:
 /// the floor under announcements that never came (their sender stopped right after its commit).
@@ -113,12 +130,23 @@ pub struct Waits {
     instance: String,
     /// Sends this process's announcements of freed slots; `None`: nobody is told.
     announcements: Option<mpsc::UnboundedSender<String>>,
+    /// Where waiting requests' rows are deleted and this process says it is alive (the database
+    /// the announcements go to); `None`: nowhere (tests).
+    shared: Option<Db>,
+    /// This process's waiting requests, whether the task that says it is alive runs, and how
+    /// that task learns that a first one came after none.
+    waiting: Arc<AtomicU64>,
+    seen_started: AtomicBool,
+    first_waiting: Arc<Notify>,
 }
 
 /// One waiting allocation.
 #[derive(Debug)]
 struct Waiter {
     model: ModelName,
+    /// Its tenant, when known (a waiter of a tenant further below its share may be woken in
+    /// another waiter's stead).
+    tenant: Option<String>,
     notify: Notify,
     /// Woken by a freed slot and not yet back to waiting: a second freed slot goes to the next
     /// waiter. (A wake-up for everybody does not set it: it claims no particular slot, so a slot
@@ -139,13 +167,15 @@ impl Waiter {
 }
 
 /// A notification payload (both channels; `key_id` only on `credpool_slot_freed`, `from` only
-/// on a service process's own announcements).
+/// on a service process's own announcements, `tenant` only on a yield's: wake a waiter of that
+/// tenant).
 #[derive(Debug, Deserialize)]
 struct Announcement {
     provider: ProviderName,
     pool: PoolName,
     key_id: Option<KeyId>,
     from: Option<String>,
+    tenant: Option<String>,
 }
 
 impl Waits {
@@ -158,6 +188,7 @@ impl Waits {
         announce_on: Option<Db>,
     ) -> Arc<Self> {
         let (stop_tx, stop_rx) = watch::channel(());
+        let shared = announce_on.clone();
         let announcements = announce_on.map(|db| {
             let (sender, receiver) = mpsc::unbounded_channel();
             tokio::spawn(announce(db, receiver));
@@ -175,6 +206,10 @@ impl Waits {
             stopped: watch::channel(false).0,
             instance: format!("{:016x}", rand::random::<u64>()),
             announcements,
+            shared,
+            waiting: Arc::new(AtomicU64::new(0)),
+            first_waiting: Arc::new(Notify::new()),
+            seen_started: AtomicBool::new(false),
         })
     }
 
@@ -193,19 +228,23 @@ impl Waits {
     }
 
     /// Registers a waiter for `model` in every pool of `pools` (the request's pool sequence),
-    /// behind every waiter already there. It leaves the queues when the registration is dropped.
-    /// Starts the listening connection the first time, waiting up to `connect_within` for it.
+    /// behind every waiter already there; `tenant`: the tenant its claims are made for, if known
+    /// (a yield to that tenant may wake it). It leaves the queues when the registration is
+    /// dropped. Starts the listening connection the first time, waiting up to `connect_within`
+    /// for it.
     pub async fn register(
         self: &Arc<Self>,
         provider: &ProviderName,
         pools: &[PoolName],
         model: &ModelName,
+        tenant: Option<String>,
         connect_within: Duration,
     ) -> Registration {
         self.start_listener(connect_within).await;
         let ticket = self.next_ticket.fetch_add(1, Ordering::SeqCst);
         let waiter = Arc::new(Waiter {
             model: model.clone(),
+            tenant,
             notify: Notify::new(),
             woken: AtomicBool::new(false),
             hint: Mutex::new(None),
@@ -231,6 +270,97 @@ impl Waits {
             ticket,
             waiter,
         }
+    }
+
+    /// A request that may wait `wait` for a slot in `pools` (its pool sequence): what its claims
+    /// record of it (see [`WaitingRequest`]). Starts the task that says this process is alive
+    /// the first time.
+    pub fn waiting_request(
+        self: &Arc<Self>,
+        pools: Vec<PoolName>,
+        wait: Duration,
+    ) -> WaitingRequest {
+        let now = time::OffsetDateTime::now_utc();
+        if self.waiting.fetch_add(1, Ordering::SeqCst) == 0 {
+            self.first_waiting.notify_one();
+        }
+        if let Some(db) = &self.shared
+            && !self.seen_started.swap(true, Ordering::SeqCst)
+        {
+            tokio::spawn(keep_seen(
+                db.clone(),
+                self.instance.clone(),
+                self.waiting.clone(),
+                self.first_waiting.clone(),
+                self.stop.clone(),
+            ));
+        }
+        WaitingRequest {
+            waits: self.clone(),
+            claim: ClaimWaiting {
+                waiter: uuid::Uuid::new_v4(),
+                instance: self.instance.clone(),
+                pools,
+                since: now,
+                until: now + wait,
+            },
+            recorded: AtomicBool::new(false),
+        }
+    }
+
+    /// A claim in `provider`/`pool` yielded to `tenant` (further below its share): wakes that
+    /// tenant's longest-waiting waiter that is not awake, with the freed slot's `hint` if there
+    /// is one; when this process has none, announces it to the other processes, each of which
+    /// wakes its own.
+    pub fn yield_to(
+        &self,
+        provider: &ProviderName,
+        pool: &PoolName,
+        tenant: &str,
+        hint: Option<&KeyId>,
+    ) {
+        if self.wake_tenant(provider, pool, tenant, hint) {
+            return;
+        }
+        if let Some(announcements) = &self.announcements {
+            let announcement = serde_json::json!({
+                "provider": provider.as_str(),
+                "pool": pool.as_str(),
+                "key_id": hint.map(KeyId::as_str),
+                "tenant": tenant,
+                "from": self.instance,
+            });
+            // the receiver ends only with the runtime
+            let _ = announcements.send(announcement.to_string());
+        }
+    }
+
+    /// Wakes the longest-waiting waiter of `tenant` in `provider`/`pool` that is not awake (and
+    /// whose model the `hint`'s credential serves, as far as the view knows); whether there was
+    /// one.
+    fn wake_tenant(
+        &self,
+        provider: &ProviderName,
+        pool: &PoolName,
+        tenant: &str,
+        hint: Option<&KeyId>,
+    ) -> bool {
+        let queues = self.pools.lock().unwrap_or_else(|p| p.into_inner());
+        let Some(queue) = queues.get(&(provider.clone(), pool.clone())) else {
+            return false;
+        };
+        let chosen = queue.values().find(|w| {
+            w.tenant.as_deref() == Some(tenant)
+                && !w.woken.load(Ordering::SeqCst)
+                && hint.is_none_or(|key_id| {
+                    self.views.serves(provider, pool, key_id, &w.model) != Some(false)
+                })
+        });
+        let Some(waiter) = chosen else {
+            return false;
+        };
+        waiter.wake(hint.map(|key_id| (pool.clone(), key_id.clone())));
+        true
     }
 
     /// A slot of `key_id` in `provider`/`pool` was freed: wakes the longest-waiting waiter of the
@@ -321,6 +451,59 @@ pub struct Registration {
     keys: Vec<PoolKey>,
     ticket: u64,
     waiter: Arc<Waiter>,
+}
+
+/// A request that may wait for a slot, as its claims record it in `pool_waiters` (the claim
+/// writes the row when it grants nothing and deletes it when it grants). Dropped with the
+/// request: a row its claims left (its wait ended without a lease) is deleted then.
+#[derive(Debug)]
+pub struct WaitingRequest {
+    waits: Arc<Waits>,
+    claim: ClaimWaiting,
+    /// Whether its last claim may have left its row.
+    recorded: AtomicBool,
+}
+
+impl WaitingRequest {
+    /// What its claims carry.
+    pub fn claim(&self) -> &ClaimWaiting {
+        &self.claim
+    }
+
+    /// One of its claims ran: `recorded` when it left the request's row (it granted nothing and
+    /// the request was not refused for its key or its request_id).
+    pub fn claimed(&self, recorded: bool) {
+        self.recorded.store(recorded, Ordering::SeqCst);
+    }
+}
+
+impl Drop for WaitingRequest {
+    fn drop(&mut self) {
+        self.waits.waiting.fetch_sub(1, Ordering::SeqCst);
+        let Some(db) = self.waits.shared.clone() else {
+            return;
+        };
+        if !self.recorded.load(Ordering::SeqCst) {
+            return;
+        }
+        // (a row that cannot be deleted is ignored once its wait is over, and deleted a minute
+        // later by any process that says it is alive)
+        if let Ok(runtime) = tokio::runtime::Handle::try_current() {
+            let waiter = self.claim.waiter;
+            runtime.spawn(async move {
+                let deleted = async {
+                    let mut work = db.work().await?;
+                    sqlx::query!("DELETE FROM pool_waiters WHERE waiter = $1", waiter)
+                        .execute(&mut *work)
+                        .await?;
+                    work.done().await
+                };
+                if let Err(error) = deleted.await {
+                    tracing::debug!(error = %error, "waiting allocations: cannot delete a waiter's row");
+                }
+            });
+        }
+    }
 }
 
 impl Registration {
@@ -414,6 +597,40 @@ async fn announce(db: Db, mut announcements: mpsc::UnboundedReceiver<String>) {
     }
 }
 
+/// Says this process is alive, every [`WAITERS_SEEN_EVERY`] while it has waiting requests, and
+/// at once when the first one comes after none (`credpool_waiters_seen`, which also deletes rows
+/// every process has long stopped keeping). Ends when the waits are dropped.
+async fn keep_seen(
+    db: Db,
+    instance: String,
+    waiting: Arc<AtomicU64>,
+    first: Arc<Notify>,
+    mut stop: watch::Receiver<()>,
+) {
+    loop {
+        if waiting.load(Ordering::SeqCst) == 0 {
+            tokio::select! {
+                _ = stop.changed() => return,
+                () = first.notified() => {}
+            }
+        }
+        let seen = async {
+            let mut work = db.work().await?;
+            sqlx::query_scalar!("SELECT credpool_waiters_seen($1)", instance)
+                .fetch_one(&mut *work)
+                .await?;
+            work.done().await
+        };
+        if let Err(error) = seen.await {
+            tracing::warn!(error = %error, "waiting allocations: cannot say this process's waiting requests are alive");
+        }
+        tokio::select! {
+            _ = stop.changed() => return,
+            () = tokio::time::sleep(WAITERS_SEEN_EVERY) => {}
+        }
+    }
+}
+
 /// The listener task: one connection, LISTEN on both channels, dispatch to the waits; on a lost
 /// connection wake everybody (notifications may have been missed) and reconnect with backoff.
 /// Ends when the waits are dropped.
@@ -491,6 +708,15 @@ async fn listen(
                         Ok(Announcement {
                             provider,
                             pool,
+                            key_id,
+                            tenant: Some(tenant),
+                            ..
+                        }) => {
+                            waits.wake_tenant(&provider, &pool, &tenant, key_id.as_ref());
+                        }
+                        Ok(Announcement {
+                            provider,
+                            pool,
                             key_id: Some(key_id),
                             ..
                         }) if notification.channel() == SLOT_FREED_CHANNEL => {
@@ -559,13 +785,13 @@ mod tests {
         let (provider, pool, model) = names();
         let pools = [pool.clone()];
         let first = waits
-            .register(&provider, &pools, &model, Duration::ZERO)
+            .register(&provider, &pools, &model, None, Duration::ZERO)
             .await;
         let second = waits
-            .register(&provider, &pools, &model, Duration::ZERO)
+            .register(&provider, &pools, &model, None, Duration::ZERO)
             .await;
         let third = waits
-            .register(&provider, &pools, &model, Duration::ZERO)
+            .register(&provider, &pools, &model, None, Duration::ZERO)
             .await;
         let (a, b) = (KeyId::parse("a").unwrap(), KeyId::parse("b").unwrap());
         waits.slot_freed(&provider, &pool, &a);
@@ -581,10 +807,10 @@ mod tests {
         let (provider, pool, model) = names();
         let pools = [pool.clone()];
         let first = waits
-            .register(&provider, &pools, &model, Duration::ZERO)
+            .register(&provider, &pools, &model, None, Duration::ZERO)
             .await;
         let second = waits
-            .register(&provider, &pools, &model, Duration::ZERO)
+            .register(&provider, &pools, &model, None, Duration::ZERO)
             .await;
         // the pool changed: everybody looks again; before either has, a slot is freed
         waits.pool_changed(Some((&provider, &pool)));
@@ -600,10 +826,10 @@ mod tests {
         let (provider, pool, model) = names();
         let pools = [pool.clone()];
         let leaving = waits
-            .register(&provider, &pools, &model, Duration::ZERO)
+            .register(&provider, &pools, &model, None, Duration::ZERO)
             .await;
         let next = waits
-            .register(&provider, &pools, &model, Duration::ZERO)
+            .register(&provider, &pools, &model, None, Duration::ZERO)
             .await;
         let a = KeyId::parse("a").unwrap();
         // the slot is freed while the first waiter's last claim is in flight; it then leaves
@@ -613,7 +839,7 @@ mod tests {
 
         // a waiter that took its wake-up and used it hands nothing on
         let third = waits
-            .register(&provider, &pools, &model, Duration::ZERO)
+            .register(&provider, &pools, &model, None, Duration::ZERO)
             .await;
         let b = KeyId::parse("b").unwrap();
         waits.slot_freed(&provider, &pool, &b);
@@ -643,13 +869,14 @@ mod tests {
         let (provider, pool, model) = names();
         let both = [PoolName::parse("vip").unwrap(), pool.clone()];
         let gone = waits
-            .register(&provider, &both, &model, Duration::ZERO)
+            .register(&provider, &both, &model, None, Duration::ZERO)
             .await;
         let staying = waits
             .register(
                 &provider,
                 std::slice::from_ref(&pool),
                 &model,
+                None,
                 Duration::ZERO,
             )
             .await;

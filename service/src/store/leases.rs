@@ -50,6 +50,26 @@ pub struct ClaimRequest<'a> {
     /// The request's conversation affinity, if it named an `affinity_key`: its binding's
     /// credential is tried first, and the grant (re)binds it.
     pub affinity: Option<&'a ClaimAffinity>,
+    /// The request's wait, if it may wait for a slot (`wait_ms`): the claim then yields to a
+    /// tenant further below its weighted share of the pool that waits too, and when it grants
+    /// nothing it records the request as waiting (docs/design.md "Fair share"). `None`: it
+    /// answers at once and never yields.
+    pub waiting: Option<&'a ClaimWaiting>,
+}
+
+/// A waiting request, as its claims record it in `pool_waiters` (docs/design.md "Fair share").
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ClaimWaiting {
+    /// The request's id for its row.
+    pub waiter: uuid::Uuid,
+    /// Its process's name (whose liveness keeps the row live).
+    pub instance: String,
+    /// Its pool sequence.
+    pub pools: Vec<PoolName>,
+    /// When it arrived (ties between tenants of equal share go to the earliest).
+    pub since: OffsetDateTime,
+    /// When its wait ends.
+    pub until: OffsetDateTime,
 }
 
 /// A claim's conversation affinity (docs/design.md "Affinity"): which binding it reads and
@@ -184,6 +204,9 @@ pub struct ClaimResult {
     /// credential (`frees_at` is that credential's): other candidates were not considered, and
     /// claiming them again would not change that.
     pub bound: bool,
+    /// Nothing was looked at: the request waits, and this tenant, further below its weighted
+    /// share of the pool, waits for it too (docs/design.md "Fair share"); wake its waiter.
+    pub yield_to: Option<String>,
 }
 
 /// Runs the claim for one request: [`claim_slots`] with a group of one.
@@ -226,6 +249,18 @@ pub async fn claim_slots(
                 "request_digest": request.request.map(|r| r.digest.as_str()),
                 "tokens": request.tokens,
                 "key_hash": request.caller.map(|hash| hash.to_hex()),
+                "waiting": request.waiting.map(|waiting| {
+                    let rfc3339 = |at: OffsetDateTime| {
+                        at.format(&time::format_description::well_known::Rfc3339).ok()
+                    };
+                    serde_json::json!({
+                        "waiter": waiting.waiter,
+                        "instance": waiting.instance,
+                        "pools": waiting.pools.iter().map(PoolName::as_str).collect::<Vec<_>>(),
+                        "since": rfc3339(waiting.since),
+                        "until": rfc3339(waiting.until),
+                    })
+                }),
             });
             if let (Some(affinity), serde_json::Value::Object(claim)) =
                 (request.affinity, &mut claim)
@@ -252,7 +287,7 @@ pub async fn claim_slots(
         r#"
         SELECT claim AS "claim!", pool_version, key_id, lease_id, lease_pool, granted_at,
                lease_until, probe, provider_model, sealed_secret, pruned_expired, fence, request,
-               frees_at, held_by, tenant, db_now, affinity
+               frees_at, held_by, tenant, db_now, affinity, yield_to
         FROM credpool_claim($1)
         ORDER BY claim
         "#,
@@ -322,6 +357,7 @@ pub async fn claim_slots(
                 tenant: row.tenant,
                 db_now: row.db_now,
                 bound: row.affinity.as_deref() == Some("bound"),
+                yield_to: row.yield_to,
             }
         })
         .collect();
