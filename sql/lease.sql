@@ -655,7 +655,8 @@ $$;
 -- its answer is 'yield' and `yield_to` that tenant, whose waiter the caller wakes in its stead.
 -- Decided on this call's snapshot: a share is an order among waiters, never a limit. A waiting
 -- claim that got nothing writes its request's pool_waiters row (a later claim of the same request
--- finds it there); one that got a lease deletes it. Only the request's own claims write its row
+-- finds it there; a strict affinity claim, which waits for one credential, writes none); one that
+-- got a lease deletes it. Only the request's own claims write its row
 -- (one after the other), so that write never waits.
 --
 -- Two shapes of pick, one for each shape of candidate list: a claim none of whose candidates has
@@ -1229,6 +1230,9 @@ BEGIN
         FROM generate_subscripts(v_since, 1) AS k
         WHERE v_since[k] IS NOT NULL AND v_tenant[k] IS NOT NULL AND NOT k = ANY (g_claim)
           AND v_request[k] IS DISTINCT FROM 'conflict' AND v_request[k] IS DISTINCT FROM 'in_flight'
+          -- (a strict affinity waits for one credential: other tenants' claims must not yield
+          -- every other slot of the pool to it)
+          AND NOT v_affinity_strict[k]
         ON CONFLICT (waiter) DO NOTHING;
     END IF;
 
