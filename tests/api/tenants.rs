@@ -131,11 +131,9 @@ async fn tenant_line(client: &reqwest::Client, base: &str, id: &str) -> Value {
         .unwrap_or_else(|| panic!("no tenant {id} in {list}"))
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
-async fn a_tenant_at_its_cap_gets_tenant_limit_on_every_replica_while_another_tenant_is_served() {
-    // Cap 3; 30 simultaneous allocates from the tenant over two service processes, on a pool
-    // with 20 free slots: exactly 3 granted, 27 answered 429 tenant_limit (not pool_exhausted),
-    // while another tenant is served meanwhile; the trail proves the cap held.
+/// Two `credpool serve` processes on a fresh database, with credentials k0..k`count` of limit
+/// `limit` (provider openai, model gpt-4o, pool default).
+async fn two_replicas(count: usize, limit: u32) -> (TestDatabase, ServeProcess, ServeProcess) {
     let database = TestDatabase::create().await;
     let env = keyed_env(&database);
     let (a, b) = tokio::join!(
@@ -143,20 +141,30 @@ async fn a_tenant_at_its_cap_gets_tenant_limit_on_every_replica_while_another_te
         ServeProcess::start(BIN, &env, &[])
     );
     let client = client();
-    for i in 0..10 {
+    for i in 0..count {
         let response = admin(
             &client,
             &a.base,
             reqwest::Method::PUT,
             &format!("/api/admin/keys/k{i}"),
             Some(
-                json!({"provider": "openai", "models": ["gpt-4o"], "max_concurrent_uses": 2,
+                json!({"provider": "openai", "models": ["gpt-4o"], "max_concurrent_uses": limit,
                         "secret": {"api_key": format!("sk-{i}")}}),
             ),
         )
         .await;
         assert!(response.status().is_success());
     }
+    (database, a, b)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_tenant_at_its_cap_gets_tenant_limit_on_every_replica_while_another_tenant_is_served() {
+    // Cap 3; 30 simultaneous allocates from the tenant over two service processes, on a pool
+    // with 20 free slots: exactly 3 granted, 27 answered 429 tenant_limit (not pool_exhausted),
+    // while another tenant is served meanwhile; the trail proves the cap held.
+    let (database, a, b) = two_replicas(10, 2).await;
+    let client = client();
     let batch = put_tenant(
         &client,
         &a.base,
@@ -1096,27 +1104,8 @@ async fn a_saturated_pool_is_shared_by_weight_between_the_waiting_tenants_of_eve
     // within 5 points of 25/50/25; with the middle tenant idle, the other two share 50/50
     // (its share is lent, nothing is held back for it). Without fair share the waiters are
     // served in arrival order, about a third each.
-    let database = TestDatabase::create().await;
-    let env = keyed_env(&database);
-    let (a, b) = tokio::join!(
-        ServeProcess::start(BIN, &env, &[]),
-        ServeProcess::start(BIN, &env, &[])
-    );
+    let (_database, a, b) = two_replicas(2, 4).await;
     let client = client();
-    for i in 0..2 {
-        let response = admin(
-            &client,
-            &a.base,
-            reqwest::Method::PUT,
-            &format!("/api/admin/keys/k{i}"),
-            Some(
-                json!({"provider": "openai", "models": ["gpt-4o"], "max_concurrent_uses": 4,
-                        "secret": {"api_key": format!("sk-{i}")}}),
-            ),
-        )
-        .await;
-        assert!(response.status().is_success());
-    }
     let mut keys = Vec::new();
     for (tenant, weight) in [("light", 1), ("heavy", 2), ("other", 1)] {
         put_tenant(&client, &a.base, tenant, json!({"weight": weight})).await;
