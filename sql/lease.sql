@@ -427,6 +427,21 @@ LANGUAGE sql IMMUTABLE PARALLEL SAFE AS $$
         'credpool.affinity:' || p_tenant || '/' || p_provider || '/' || p_pool || '/' || p_affinity_key, 0)
 $$;
 
+-- The tenant of the executor key whose hash (hex SHA-256) is `p_key_hash`: one row, the key's
+-- tenant, while the key is live; no row for a key that is unknown or revoked. NULL: the configured
+-- internal key, whose tenant is `default`. Read by the statement that decides, so a call that
+-- starts after a revoke committed is refused on every replica. A set-returning SQL function, so
+-- that it inlines where it is joined (`LEFT JOIN LATERAL credpool_key_tenant(...) ON true`): one
+-- probe of tenant_keys' unique key_hash index.
+CREATE OR REPLACE FUNCTION credpool_key_tenant(p_key_hash text)
+RETURNS SETOF text
+LANGUAGE sql STABLE PARALLEL SAFE AS $$
+    SELECT 'default'::text WHERE p_key_hash IS NULL
+    UNION ALL
+    SELECT k.tenant_id FROM tenant_keys k
+    WHERE k.key_hash = decode(p_key_hash, 'hex') AND k.revoked_at IS NULL
+$$;
+
 -- CLAIM (DESIGN "The protocol", step 1), for one request or for a group.
 --
 -- p_claims jsonb: an array of claims, each {"ranked": [key_id, ...] (best first, the Rust
@@ -1136,8 +1151,10 @@ $$;
 -- lease named by all of its values gets lease_until = now + lease_seconds and a `renewed` trail
 -- row. Returns one row per renewal, in order: the new lease_until, or NULL when the lease is lost
 -- (expired, released, unknown, or named with another key_id, provider, pool or fence), and
--- `authorized`: false when its key_hash names no live key (nothing renewed). Never resurrects an expired lease, even if its
--- slot is still free: expiry is judged after the slot row's lock is taken, on clock_timestamp().
+-- `authorized`: false when its key_hash names no live key, or a key of another tenant than the
+-- lease's (credpool_key_tenant; lease_slots.tenant): nothing renewed. Never resurrects an expired
+-- lease, even if its slot is still free: expiry is judged after the slot row's lock is taken, on
+-- clock_timestamp().
 -- A lease in a surplus row (over a lowered limit, see FIT) is renewed at most to the earliest
 -- lease_until of its credential's rows within the limit, so it never outlives them: each of
 -- those rows reopens when its lease ends, and by then no surplus lease counts. (Read from this
@@ -1186,17 +1203,17 @@ BEGIN
 
     RETURN QUERY
     WITH wanted AS (
-        SELECT *
+        SELECT w.*, a.authorized
         FROM ROWS FROM (jsonb_to_recordset(p_renewals) AS (
                  lease_id uuid, key_id text, provider text, pool text, fence bigint, lease_seconds integer,
                  key_hash text))
              WITH ORDINALITY AS w (lease_id, key_id, provider, pool, fence, lease_seconds, key_hash, n)
-        -- a tenant key must name a live key (absent: the configured internal key)
+        -- the key must be live (absent: the configured internal key, tenant `default`) and of the
+        -- lease's tenant: a key of another tenant renews nothing, as an unknown key
+        LEFT JOIN LATERAL credpool_key_tenant(w.key_hash) AS k (tenant) ON true
+        LEFT JOIN lease_slots s ON s.key_id = w.key_id AND s.lease_id = w.lease_id
         CROSS JOIN LATERAL (
-            SELECT w.key_hash IS NULL
-                   OR EXISTS (SELECT 1 FROM tenant_keys k
-                              WHERE k.key_hash = decode(w.key_hash, 'hex') AND k.revoked_at IS NULL)
-                       AS authorized
+            SELECT k.tenant IS NOT NULL AND coalesce(s.tenant, k.tenant) = k.tenant AS authorized
         ) AS a
     ),
     renewed AS (
@@ -1261,10 +1278,12 @@ $$;
 
 -- RELEASE, for one lease or a group: p_releases jsonb is an array of {"lease_id", "key_id",
 -- "provider", "pool", "fence" (or null), "outcome" (or null), "usage_tokens" (or null),
--- "key_hash" (hex SHA-256 of the tenant key the executor presented, or null: the internal key)}.
--- A release whose key_hash names no live key does nothing (verdict 'unauthorized'; the key is
--- read by this call, so no replica honours a key once its revoke has committed). For each other,
--- in the slot row's lock:
+-- "key_hash" (hex SHA-256 of the tenant key the executor presented, or null: the internal key,
+-- tenant `default`)}. A release whose key_hash names no live key, or a key of another tenant than
+-- the lease's (its slot row's `tenant`, or for a lease no longer in its slot, its `granted` trail
+-- row's), does nothing (verdict 'unauthorized': no release, no late report; the key is read by this
+-- call, so no replica honours a key once its revoke has committed). For each other, in the slot
+-- row's lock:
 --   * live and named by all of its values: ended as `released` with the outcome (verdict
 --     'released');
 --   * named by all of its values but expired: ended as `expired` at its own lease_until if it still
@@ -1418,15 +1437,22 @@ BEGIN
                  usage_tokens bigint, key_hash text))
              WITH ORDINALITY AS w (lease_id, key_id, provider, pool, fence, outcome, usage_tokens,
                                    key_hash, n)
-        -- a tenant key must name a live key (absent: the configured internal key); read by this
-        -- statement, so a release that starts after a revoke committed is refused
-        CROSS JOIN LATERAL (
-            SELECT w.key_hash IS NULL
-                   OR EXISTS (SELECT 1 FROM tenant_keys k
-                              WHERE k.key_hash = decode(w.key_hash, 'hex') AND k.revoked_at IS NULL)
-                       AS authorized
-        ) AS a
         LEFT JOIN lease_slots s ON s.key_id = w.key_id AND s.lease_id = w.lease_id
+        -- the key must be live (absent: the configured internal key, tenant `default`; read by
+        -- this statement, so a release that starts after a revoke committed is refused) and of
+        -- the lease's tenant: its slot row's, or (a lease no longer in the slot named) its
+        -- `granted` row's (NULL there: granted before tenants existed, to `default`)
+        LEFT JOIN LATERAL credpool_key_tenant(w.key_hash) AS k (tenant) ON true
+        LEFT JOIN LATERAL (
+            SELECT coalesce(g.tenant, 'default') AS tenant
+            FROM lease_events g
+            WHERE s.lease_id IS NULL AND g.lease_id = w.lease_id AND g.event = 'granted'
+            LIMIT 1
+        ) AS g ON true
+        CROSS JOIN LATERAL (
+            SELECT k.tenant IS NOT NULL
+                   AND coalesce(s.tenant, g.tenant, k.tenant) = k.tenant AS authorized
+        ) AS a
         ORDER BY w.n
     ) AS j;
 

@@ -474,6 +474,111 @@ async fn a_revoked_key_is_refused_on_every_replica_as_soon_as_the_delete_answere
 }
 
 #[tokio::test]
+async fn a_key_of_another_tenant_neither_renews_nor_releases_a_lease() {
+    // Tenant B holds a lease. Tenant A's live key, and the internal key (tenant `default`), name
+    // it by all of its values: both are answered as an unknown key would be (401), and nothing
+    // changes. Before, any live key renewed or released any tenant's lease.
+    let app = TestApp::spawn().await;
+    let base = app.url("");
+    app.put_key("k", "openai", "default", &["gpt-4o"], 2).await;
+    put_tenant(&app.client, &base, "team-a", json!({})).await;
+    put_tenant(
+        &app.client,
+        &base,
+        "team-b",
+        json!({"max_concurrent_leases": 2}),
+    )
+    .await;
+    let (_, key_a) = mint(&app.client, &base, "team-a").await;
+    let (_, key_b) = mint(&app.client, &base, "team-b").await;
+    let lease = json_body(
+        allocate(&app.client, &base, &key_b, "default").await,
+        StatusCode::OK,
+    )
+    .await;
+    assert_eq!(lease["tenant"], "team-b");
+    let mut renew = lease_ref(&lease);
+    renew["fence"] = lease["fence"].clone();
+    renew["lease_seconds"] = json!(900);
+    let mut release = lease_ref(&lease);
+    release["fence"] = lease["fence"].clone();
+    release["outcome"] = json!("rate_limited");
+    let tenant_slots = || async {
+        sqlx::query_scalar::<_, Option<String>>(
+            "SELECT string_agg(to_jsonb(t)::text, E'\\n' ORDER BY t.tenant_id, t.slot) FROM tenant_slots t",
+        )
+        .fetch_one(&app.db)
+        .await
+        .unwrap()
+    };
+    let (before, slots_before) = (app.snapshot().await, tenant_slots().await);
+    for key in [key_a.as_str(), INTERNAL_KEY] {
+        for (path, body) in [
+            ("/api/internal/renew-lease", &renew),
+            ("/api/internal/release-key", &release),
+        ] {
+            assert_error(
+                executor(&app.client, &base, path, key, body.clone()).await,
+                StatusCode::UNAUTHORIZED,
+                "unauthorized",
+            )
+            .await;
+        }
+    }
+    assert_eq!(
+        app.snapshot().await,
+        before,
+        "another tenant's key changed the lease, its credential or the trail"
+    );
+    assert_eq!(tenant_slots().await, slots_before);
+    assert_eq!(app.in_flight("k").await, 1, "the lease is no longer live");
+
+    // its own tenant renews and releases it
+    json_body(
+        executor(
+            &app.client,
+            &base,
+            "/api/internal/renew-lease",
+            &key_b,
+            renew.clone(),
+        )
+        .await,
+        StatusCode::OK,
+    )
+    .await;
+    let released = json_body(
+        executor(
+            &app.client,
+            &base,
+            "/api/internal/release-key",
+            &key_b,
+            release.clone(),
+        )
+        .await,
+        StatusCode::OK,
+    )
+    .await;
+    assert_eq!(released["released"], true, "{released}");
+    assert_eq!(app.in_flight("k").await, 0);
+    // and a report on the ended lease with another tenant's key is refused too (no late report)
+    let before = app.snapshot().await;
+    assert_error(
+        executor(
+            &app.client,
+            &base,
+            "/api/internal/release-key",
+            &key_a,
+            release,
+        )
+        .await,
+        StatusCode::UNAUTHORIZED,
+        "unauthorized",
+    )
+    .await;
+    assert_eq!(app.snapshot().await, before);
+}
+
+#[tokio::test]
 async fn a_tenant_key_is_shown_once_and_never_again() {
     let app = TestApp::spawn().await;
     let base = app.url("");

@@ -297,7 +297,8 @@ impl Operation for Claim {
                 outcome: None,
                 retry_after_seconds: None,
                 usage_tokens: None,
-                caller: None,
+                // the claim's own key: a lease is released only by a key of its tenant
+                caller: self.caller,
             };
             match leases::release_on(conn, &release, &HealthPolicy::default()).await {
                 Ok(_) => {
