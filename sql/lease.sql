@@ -29,16 +29,21 @@
 -- Nothing else writes lease_slots.
 --
 -- Lock order (docs/design.md, "Lock order", says why no cycle can form). A transaction takes its
--- row locks in this order, each kind in ONE statement, sorted (an operator's change first takes
--- its credentials' operator locks, advisory, ascending: credpool_lock_credentials):
---   0. a tenant's advisory lock (credpool_fit_tenant: one fit of a tenant at a time).
+-- locks in this order, each kind in ONE statement, sorted:
+--   0. operator locks (advisory, one per bucket of key ids, ascending; credpool_lock_credentials),
+--      before any row lock: an operator's change of credentials, and a release group with an
+--      `auth_expired` report (RELEASE); claims never take one, the cleanup pass's refit only
+--      tries it.
+--   0b. a tenant's advisory lock, then its `tenants` row (credpool_fit_tenant, an operator's PUT
+--      or DELETE of the tenant: one change of a tenant's rows at a time); claims take neither.
 --   1. lease_slots rows, ascending (key_id, slot). Claims take theirs with SKIP LOCKED and never
 --      wait. A change of a credential takes every slot row of it (credpool_lock_credentials), and
 --      so does a release group with an `auth_expired` report (RELEASE).
 --   1b. tenant_slots rows, ascending (tenant_id, slot): the rows of the leases a transaction ends
---      or renews, after those leases' slot rows (END, RENEW, credpool_lock_credentials); a claim
---      takes one with SKIP LOCKED, with its slot row; credpool_fit_tenant takes every row of a
---      tenant (after the slot rows of leases it adopts).
+--      or renews, right after those leases' slot rows (credpool_lock_tenant_slots: RELEASE,
+--      RENEW, END, credpool_lock_credentials); a claim takes one with SKIP LOCKED, with its slot
+--      row; credpool_fit_tenant takes every row of a tenant (after the slot rows of leases it
+--      adopts).
 --   2. lease_windows rows, ascending key_id (claims: SKIP LOCKED, with their slot row).
 --   3. lease_events rows that unique indexes guard (one release / one late report per lease),
 --      ascending lease_id (a release group writes its late reports in that order).
@@ -99,6 +104,29 @@ LANGUAGE sql IMMUTABLE PARALLEL SAFE AS $$
     SELECT hashtextextended('credpool.operator:' || (abs(hashtext(p_key_id)) % 64)::text, 0)
 $$;
 
+-- Locks the tenant_slots rows that hold the leases of slot rows `p_slots` (as the caller read
+-- them, under their locks), ascending (tenant_id, slot), in one statement: lock order 1b, right
+-- after the slot rows. Leases of uncapped tenants (`default` among them) have no such row. Returns
+-- whether it locked any. PL/pgSQL with the settings of END, so that its plan is made once per
+-- session and probes tenant_slots by its primary key whoever calls first (an SQL function that
+-- locks rows cannot be inlined, and would be planned again at every call).
+CREATE OR REPLACE FUNCTION credpool_lock_tenant_slots(p_slots lease_slots[]) RETURNS boolean
+LANGUAGE plpgsql
+SET enable_seqscan = off SET enable_bitmapscan = off SET enable_hashjoin = off
+SET enable_mergejoin = off SET enable_material = off SET jit = off
+SET plan_cache_mode = force_generic_plan
+AS $$
+BEGIN
+    PERFORM 1
+    FROM tenant_slots t
+    WHERE (t.tenant_id, t.lease_id) IN (SELECT x.tenant, x.lease_id FROM unnest(p_slots) AS x
+                                        WHERE x.lease_id IS NOT NULL)
+    ORDER BY t.tenant_id, t.slot
+    FOR UPDATE;
+    RETURN FOUND;
+END;
+$$;
+
 -- LOCK, for an operator's change of credentials `p_key_ids` (and for FIT), in the lock order:
 --   * their operator locks (credpool_operator_lock), ascending: a credential that does not exist
 --     yet has no row to lock, and two transactions creating the same key would otherwise meet
@@ -146,12 +174,8 @@ BEGIN
     END LOOP;
     -- the tenant slot rows of their leases (END clears them: FIT ends expired leases), in the
     -- lock order: after the slot rows, before the windows and credential rows
-    PERFORM 1
-    FROM tenant_slots t
-    WHERE (t.tenant_id, t.lease_id) IN (SELECT s.tenant, s.lease_id FROM lease_slots s
-                                        WHERE s.key_id = ANY (p_key_ids) AND s.lease_id IS NOT NULL)
-    ORDER BY t.tenant_id, t.slot
-    FOR UPDATE;
+    PERFORM credpool_lock_tenant_slots(ARRAY(
+        SELECT s FROM lease_slots s WHERE s.key_id = ANY (p_key_ids) AND s.lease_id IS NOT NULL));
     PERFORM 1 FROM lease_windows w WHERE w.key_id = ANY (p_key_ids) ORDER BY w.key_id FOR UPDATE;
     SELECT count(*)::integer INTO v_found
     FROM (SELECT 1 FROM credentials c WHERE c.key_id = ANY (p_key_ids) ORDER BY c.key_id FOR UPDATE) AS l;
@@ -233,10 +257,12 @@ $$;
 -- surplus lease still counts (FIT says why rows within the limit may otherwise reopen on their
 -- own). Such a row is over_limit, so the caller refits the credential (RELEASE's `refit`).
 -- A lease of a capped tenant leaves its tenant slot row in the same call (the row's lock taken
--- here, after the slot rows, in the lock order), so the tenant's cap frees with the credential's
--- slot: a tenant slot row holds a lease exactly while the lease's slot row does (or until both
--- have expired). A tenant slot row over a lowered cap (`over_limit`) stays closed: the caller
--- refits the tenant (credpool_fit_tenant, RELEASE's `tenant_refit`).
+-- here, after the slot rows, unless the caller took it right after them, as RELEASE and
+-- credpool_lock_credentials do: a caller that holds a lease_windows or credentials row must have,
+-- lock order 1b), so the tenant's cap frees with the credential's slot: a tenant slot row holds a
+-- lease exactly while the lease's slot row does (or until both have expired). A tenant slot row
+-- over a lowered cap (`over_limit`) stays closed: the caller refits the tenant
+-- (credpool_fit_tenant, RELEASE's `tenant_refit`).
 -- The caller has locked the slot rows (in the lock order) and decided, on its own clock, that the
 -- leases end now. A freed slot announces itself (trigger lease_slots_freed). Returns the leases
 -- it ended.
@@ -271,16 +297,11 @@ BEGIN
     IF v_ended IS NULL THEN
         RETURN '{}';
     END IF;
-    -- their tenant slot rows: locked in order, then cleared where they still hold the lease (a
-    -- row whose expired lease a claim has replaced holds another lease now)
-    PERFORM 1
-    FROM tenant_slots t
-    WHERE (t.tenant_id, t.lease_id) IN (SELECT (p_slots[i]).tenant, (p_slots[i]).lease_id
-                                        FROM unnest(v_ended) AS i)
-    ORDER BY t.tenant_id, t.slot
-    FOR UPDATE;
-    -- (leases of uncapped tenants, `default` among them, have no row: nothing more to do)
-    IF FOUND THEN
+    -- their tenant slot rows: locked in order (held already when the caller locked them after
+    -- the slot rows), then cleared where they still hold the lease (a row whose expired lease a
+    -- claim has replaced holds another lease now); leases of uncapped tenants, `default` among
+    -- them, have no row: nothing more to do
+    IF credpool_lock_tenant_slots(ARRAY(SELECT p_slots[i] FROM unnest(v_ended) AS i)) THEN
         UPDATE tenant_slots t
         SET lease_id = NULL, key_id = NULL, lease_until = NULL
         FROM unnest(v_ended) AS i
@@ -1170,7 +1191,7 @@ $$;
 -- A lease of a capped tenant moves its tenant slot row's lease_until in step (the row frees when
 -- the lease does; see CLAIM, "Tenants").
 -- Locks: the named leases' slot rows, ascending (key_id, slot), in one statement; then their
--- tenant slot rows, ascending (tenant_id, slot).
+-- tenant slot rows, ascending (tenant_id, slot) (credpool_lock_tenant_slots).
 DROP FUNCTION IF EXISTS credpool_renew(jsonb);
 CREATE FUNCTION credpool_renew(p_renewals jsonb)
 RETURNS TABLE (renewal integer, lease_until timestamptz, authorized boolean)
@@ -1189,16 +1210,11 @@ BEGIN
       AND s.lease_id = ANY (ARRAY(SELECT (e ->> 'lease_id')::uuid FROM jsonb_array_elements(p_renewals) AS e))
     ORDER BY s.key_id, s.slot
     FOR UPDATE;
-    PERFORM 1
-    FROM tenant_slots t
-    WHERE (t.tenant_id, t.lease_id) IN (
-              SELECT s.tenant, s.lease_id FROM lease_slots s
-              WHERE s.key_id = ANY (ARRAY(SELECT e ->> 'key_id' FROM jsonb_array_elements(p_renewals) AS e))
-                AND s.lease_id = ANY (ARRAY(SELECT (e ->> 'lease_id')::uuid
-                                            FROM jsonb_array_elements(p_renewals) AS e))
-                AND s.tenant IS NOT NULL)
-    ORDER BY t.tenant_id, t.slot
-    FOR UPDATE;
+    PERFORM credpool_lock_tenant_slots(ARRAY(
+        SELECT s FROM lease_slots s
+        WHERE s.key_id = ANY (ARRAY(SELECT e ->> 'key_id' FROM jsonb_array_elements(p_renewals) AS e))
+          AND s.lease_id = ANY (ARRAY(SELECT (e ->> 'lease_id')::uuid
+                                      FROM jsonb_array_elements(p_renewals) AS e))));
     v_now := clock_timestamp();
 
     RETURN QUERY
@@ -1315,7 +1331,8 @@ $$;
 --
 -- Locks, in the lock order: with an `auth_expired` report, first every row of the credentials
 -- named (credpool_lock_credentials); the named leases' slot rows, ascending (key_id, slot), in one
--- statement; the lease_windows rows of the credentials named with a usage, ascending key_id;
+-- statement; their tenant slot rows, ascending (tenant_id, slot) (credpool_lock_tenant_slots);
+-- the lease_windows rows of the credentials named with a usage, ascending key_id;
 -- trail rows guarded by unique indexes, ascending lease_id; then the credential rows of counted
 -- outcomes, ascending key_id, in one statement. Decision clock: clock_timestamp() after the slot
 -- locks (`released` rows carry it as `at`).
@@ -1391,6 +1408,12 @@ BEGIN
       AND s.lease_id = ANY (ARRAY(SELECT (e ->> 'lease_id')::uuid FROM jsonb_array_elements(p_releases) AS e))
     ORDER BY s.key_id, s.slot
     FOR UPDATE;
+    -- their tenant slot rows (END clears them), right after the slot rows, before the windows
+    PERFORM credpool_lock_tenant_slots(ARRAY(
+        SELECT s FROM lease_slots s
+        WHERE s.key_id = ANY (ARRAY(SELECT e ->> 'key_id' FROM jsonb_array_elements(p_releases) AS e))
+          AND s.lease_id = ANY (ARRAY(SELECT (e ->> 'lease_id')::uuid
+                                      FROM jsonb_array_elements(p_releases) AS e))));
     PERFORM 1
     FROM lease_windows w
     WHERE w.key_id = ANY (ARRAY(SELECT e ->> 'key_id' FROM jsonb_array_elements(p_releases) AS e

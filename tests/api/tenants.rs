@@ -11,7 +11,7 @@ use sqlx::Row;
 use credpool_test_support::*;
 
 use crate::BIN;
-use crate::lease_state::{Hook, backend_pid, hooked, until_waiting};
+use crate::lease_state::{Hook, backend_pid, hooked, until_waiting, wait_for_lock_waiters};
 
 /// An operator's request with the admin key to `base` + `path`.
 async fn admin(
@@ -936,6 +936,60 @@ async fn a_claim_paused_before_the_tenant_lock_never_takes_a_row_another_claim_f
     assert_eq!(held, 1);
     let (ok, report) = audit_verify(BIN, &app.database).await;
     assert!(ok, "{report}");
+}
+
+#[tokio::test]
+async fn a_release_takes_its_tenant_row_right_after_its_slot_row_before_any_window_row() {
+    // The lock order puts tenant slot rows right after slot rows and before lease_windows rows.
+    // A release reporting usage (which locks its credential's lease_windows row) meets its
+    // lease's tenant row held by another transaction: while it waits there it must hold no
+    // lease_windows row. Before, it locked the windows row first and the tenant row only when it
+    // ended the lease, so a third transaction found the windows row taken.
+    let app = TestApp::spawn().await;
+    let base = app.url("");
+    app.put_key("k", "openai", "default", &["gpt-4o"], 2).await;
+    put_tenant(
+        &app.client,
+        &base,
+        "team",
+        json!({"max_concurrent_leases": 2}),
+    )
+    .await;
+    let (_, key) = mint(&app.client, &base, "team").await;
+    let lease = json_body(
+        allocate(&app.client, &base, &key, "default").await,
+        StatusCode::OK,
+    )
+    .await;
+    let mut holder = app.db.begin().await.unwrap();
+    sqlx::query("SELECT 1 FROM tenant_slots WHERE lease_id = $1::text::uuid FOR UPDATE")
+        .bind(lease["lease_id"].as_str().unwrap())
+        .execute(&mut *holder)
+        .await
+        .unwrap();
+    let mut release = lease_ref(&lease);
+    release["outcome"] = json!("success");
+    release["usage"] = json!({"tokens": 10});
+    let releasing = {
+        let (client, base, key) = (app.client.clone(), base.clone(), key.clone());
+        tokio::spawn(async move {
+            executor(&client, &base, "/api/internal/release-key", &key, release).await
+        })
+    };
+    wait_for_lock_waiters(&app, 1).await;
+    let mut third = app.db.begin().await.unwrap();
+    let window = sqlx::query("SELECT 1 FROM lease_windows WHERE key_id = 'k' FOR UPDATE NOWAIT")
+        .execute(&mut *third)
+        .await;
+    third.rollback().await.unwrap();
+    holder.rollback().await.unwrap();
+    let released = json_body(releasing.await.unwrap(), StatusCode::OK).await;
+    assert!(
+        window.is_ok(),
+        "the release waiting for its tenant row held its credential's lease_windows row: {window:?}"
+    );
+    assert_eq!(released["released"], true, "{released}");
+    assert_eq!(app.in_flight("k").await, 0);
 }
 
 #[tokio::test]
