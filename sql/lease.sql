@@ -132,17 +132,23 @@ $$;
 --     yet has no row to lock, and two transactions creating the same key would otherwise meet
 --     only at the INSERT, the second then writing slot rows after a credential row. Nobody waits
 --     for one while holding a row lock (REFIT only tries it, before its rows); claims never take
---     one, releases only with an `auth_expired` report, before any row lock (RELEASE). 64 buckets keep a large import's advisory locks well within PostgreSQL's
---     lock table; operators' changes of two keys in one bucket wait for each other;
+--     one, releases only with an `auth_expired` report, before any row lock (RELEASE). 64
+--     buckets keep a large import's advisory locks well within PostgreSQL's lock table;
+--     operators' changes of two keys in one bucket wait for each other;
 --   * every slot row of each, ascending (key_id, slot), including rows that a fit which held them
 --     inserted while this call waited: a statement's snapshot does not see rows committed after
 --     it started, so the rows are read again afterwards, and if any is not among those locked the
 --     locks are given back (the block is a subtransaction: its row locks end with it) and taken
 --     again, so that no slot row is ever locked after a credential row or out of order;
---   * the tenant_slots rows of their leases, their lease_windows rows, then the credential rows,
---     each kind in one statement.
+--   * the tenant_slots rows of their leases, their lease_windows rows, then (unless
+--     p_credential_rows is false) the credential rows, FOR UPDATE, each kind in one statement.
+--     Without the credential rows, the caller takes them itself later in the lock order: RELEASE
+--     writes its trail rows (lock order 3) before it takes them.
 -- Returns how many of the credentials exist.
-CREATE OR REPLACE FUNCTION credpool_lock_credentials(p_key_ids text[]) RETURNS integer
+DROP FUNCTION IF EXISTS credpool_lock_credentials(text[]);
+CREATE OR REPLACE FUNCTION credpool_lock_credentials(p_key_ids text[],
+    p_credential_rows boolean DEFAULT true)
+RETURNS integer
 LANGUAGE plpgsql AS $$
 DECLARE
     v_locked text[];
@@ -177,6 +183,10 @@ BEGIN
     PERFORM credpool_lock_tenant_slots(ARRAY(
         SELECT s FROM lease_slots s WHERE s.key_id = ANY (p_key_ids) AND s.lease_id IS NOT NULL));
     PERFORM 1 FROM lease_windows w WHERE w.key_id = ANY (p_key_ids) ORDER BY w.key_id FOR UPDATE;
+    IF NOT p_credential_rows THEN
+        SELECT count(*)::integer INTO v_found FROM credentials c WHERE c.key_id = ANY (p_key_ids);
+        RETURN v_found;
+    END IF;
     SELECT count(*)::integer INTO v_found
     FROM (SELECT 1 FROM credentials c WHERE c.key_id = ANY (p_key_ids) ORDER BY c.key_id FOR UPDATE) AS l;
     RETURN v_found;
@@ -1329,13 +1339,15 @@ $$;
 -- credential_events). `oauth`: the credential is an OAuth credential (for health: `auth_expired`
 -- on any other credential is the provider refusing the key, as `auth_error`).
 --
--- Locks, in the lock order: with an `auth_expired` report, first every row of the credentials
--- named (credpool_lock_credentials); the named leases' slot rows, ascending (key_id, slot), in one
--- statement; their tenant slot rows, ascending (tenant_id, slot) (credpool_lock_tenant_slots);
--- the lease_windows rows of the credentials named with a usage, ascending key_id;
--- trail rows guarded by unique indexes, ascending lease_id; then the credential rows of counted
--- outcomes, ascending key_id, in one statement. Decision clock: clock_timestamp() after the slot
--- locks (`released` rows carry it as `at`).
+-- Locks, in the lock order: with an `auth_expired` report, first the operator locks and every
+-- slot row, tenant slot row and lease_windows row of the credentials named
+-- (credpool_lock_credentials without their credential rows); the named leases' slot rows,
+-- ascending (key_id, slot), in one statement; their tenant slot rows, ascending (tenant_id, slot)
+-- (credpool_lock_tenant_slots); the lease_windows rows of the credentials named with a usage,
+-- ascending key_id; trail rows guarded by unique indexes, ascending lease_id; then the credential
+-- rows of counted outcomes, ascending key_id, in one statement (FOR NO KEY UPDATE; FOR UPDATE with
+-- an `auth_expired` report, whose token write follows). Decision clock: clock_timestamp() after
+-- the slot locks (`released` rows carry it as `at`).
 --
 -- p_caller_announces: the caller announces the slots its `released` rows freed once its
 -- transaction has committed (credpool_announce_freed), so nothing in this transaction sends a
@@ -1384,6 +1396,7 @@ DECLARE
     v_usage_at timestamptz[];
     v_usage_delta bigint[];
     v_late record;
+    v_counted_keys text[];
     i integer;
 BEGIN
     IF p_caller_announces THEN
@@ -1393,14 +1406,16 @@ BEGIN
     END IF;
     -- An `auth_expired` report may take its token out of traffic, a write of the credential row
     -- that moves config_version into every slot row of the credential: so every slot row of
-    -- every credential named first, then windows and credential rows, in the lock order
-    -- (credpool_lock_credentials). Rare; a call without such a report locks only its leases' rows.
+    -- every credential named first (with their tenant and windows rows, in the lock order:
+    -- credpool_lock_credentials), and their credential rows only after the trail rows, below.
+    -- Rare; a call without such a report locks only its leases' rows.
     v_rejects := EXISTS (SELECT 1 FROM jsonb_array_elements(p_releases) AS e
                          WHERE e ->> 'outcome' = 'auth_expired');
     IF v_rejects THEN
         PERFORM credpool_lock_credentials(
             ARRAY(SELECT DISTINCT e ->> 'key_id' FROM jsonb_array_elements(p_releases) AS e
-                  WHERE e ->> 'key_id' IS NOT NULL));
+                  WHERE e ->> 'key_id' IS NOT NULL),
+            false);
     END IF;
     PERFORM 1
     FROM lease_slots s
@@ -1564,10 +1579,24 @@ BEGIN
         END IF;
     END LOOP;
 
+    -- The credential rows of counted outcomes (lock order 4: after the trail rows), for the
+    -- health write; FOR UPDATE with an `auth_expired` report, the strength
+    -- credpool_lock_credentials takes for a write of the token (every credential whose token a
+    -- report rejects has a counted outcome).
+    v_counted_keys := ARRAY(SELECT k FROM unnest(v_key, v_counted) AS x (k, counted) WHERE x.counted);
+    IF v_rejects THEN
+        PERFORM 1 FROM credentials c WHERE c.key_id = ANY (v_counted_keys) ORDER BY c.key_id FOR UPDATE;
+    ELSE
+        PERFORM 1 FROM credentials c WHERE c.key_id = ANY (v_counted_keys) ORDER BY c.key_id
+        FOR NO KEY UPDATE;
+    END IF;
+    v_health_now := clock_timestamp();
+
     -- `auth_expired` on a lease of the current generation (granted at or after the generation
-    -- began; the rows are locked since the top, so no refresh or PUT is writing meanwhile): the
-    -- token counts as expired from now, so no claim grants it again (credpool_token_lasts, gated
-    -- by config_version) and the refresher finds it due at once, which refreshes it exactly once
+    -- began; the credentials' operator locks and slot rows are held since the top, so no refresh
+    -- or PUT is writing meanwhile, and their rows since the statement above): the token counts
+    -- as expired from now, so no claim grants it again (credpool_token_lasts, gated by
+    -- config_version) and the refresher finds it due at once, which refreshes it exactly once
     -- however many reports arrive (the refresh is taken per generation, service/src/oauth.rs).
     -- A report on a lease of an older generation says nothing about the current token.
     IF v_rejects THEN
@@ -1592,13 +1621,6 @@ BEGIN
         FROM rejected r
         JOIN expired e ON e.key_id = r.key_id;
     END IF;
-
-    PERFORM 1
-    FROM credentials c
-    WHERE c.key_id = ANY (ARRAY(SELECT k FROM unnest(v_key, v_counted) AS x (k, counted) WHERE x.counted))
-    ORDER BY c.key_id
-    FOR NO KEY UPDATE;
-    v_health_now := clock_timestamp();
 
     RETURN QUERY
     SELECT v.n, v.verdict, v.key_id, v.probe, v.refit, v.tenant_refit, v.usage_at, v.usage_delta,
