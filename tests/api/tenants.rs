@@ -579,6 +579,48 @@ async fn a_key_of_another_tenant_neither_renews_nor_releases_a_lease() {
 }
 
 #[tokio::test]
+async fn a_store_failure_reading_the_key_is_a_503_counted_as_store_unavailable() {
+    // An allocate the pool cannot serve is answered without a claim, so its key is read then;
+    // when that read fails, the answer is 503 `store_unavailable`, and the allocations counter
+    // must say so too. Before, it counted the 503 under `unauthorized`.
+    let app = TestApp::spawn().await;
+    let base = app.url("");
+    let provider = format!("keyread{}", hex::encode(rand::random::<[u8; 3]>()));
+    app.put_key("k", &provider, "default", &["gpt-4o"], 1).await;
+    put_tenant(&app.client, &base, "team", json!({})).await;
+    let (_, key) = mint(&app.client, &base, "team").await;
+    // the key's table is gone for this database: reading any key fails
+    sqlx::query("ALTER TABLE tenant_keys RENAME TO tenant_keys_away")
+        .execute(&app.db)
+        .await
+        .unwrap();
+    let body = json!({"provider": provider, "model": "gpt-4o", "pool": "nowhere",
+                      "lease_seconds": 60});
+    assert_error(
+        executor(&app.client, &base, "/api/internal/allocate-key", &key, body).await,
+        StatusCode::SERVICE_UNAVAILABLE,
+        "store_unavailable",
+    )
+    .await;
+    let page = app.metrics().await;
+    let counted = |result: &str| -> f64 {
+        page.lines()
+            .filter(|l| l.starts_with("credpool_allocations_total{"))
+            .filter(|l| {
+                l.contains(&format!("provider=\"{provider}\""))
+                    && l.contains(&format!("result=\"{result}\""))
+            })
+            .map(|l| l.rsplit(' ').next().unwrap().parse::<f64>().unwrap())
+            .sum()
+    };
+    assert_eq!(
+        (counted("store_unavailable"), counted("unauthorized")),
+        (1.0, 0.0),
+        "the 503 counted as (store_unavailable, unauthorized)"
+    );
+}
+
+#[tokio::test]
 async fn a_tenant_key_is_shown_once_and_never_again() {
     let app = TestApp::spawn().await;
     let base = app.url("");

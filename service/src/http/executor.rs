@@ -283,7 +283,12 @@ async fn allocate(
                     );
                     (error.into_response(), labels)
                 }
-                Err(refused) => (refused.into_response(), outcome("", "", "unauthorized")),
+                // a key unknown or revoked (401), or a store that failed to say (503): the
+                // label is the answer's code
+                Err(refused) => {
+                    let (_, code) = refused.status_and_code();
+                    (refused.into_response(), outcome("", "", code))
+                }
             }
         }
     };
