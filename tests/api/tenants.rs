@@ -715,6 +715,8 @@ async fn bad_tenant_input_gets_a_stable_4xx_and_changes_nothing() {
     let before = snapshot().await;
     for (id, body) in [
         ("team", json!({"max_concurrent_leases": -1})),
+        // a cap of 0 would answer every allocate 429 tenant_limit, forever
+        ("team", json!({"max_concurrent_leases": 0})),
         ("team", json!({"max_concurrent_leases": 100_001})),
         ("team", json!({"max_concurrent_leases": "3"})),
         ("team", json!({"weight": 0})),

@@ -23,7 +23,8 @@ use crate::domain::{TenantId, TenantKey, TenantKeyHash};
 pub struct TenantSpec {
     /// The tenant.
     pub tenant_id: TenantId,
-    /// Live leases it may hold at once over every credential (0..=100000); `None`: no cap.
+    /// Live leases it may hold at once over every credential (1..=100000; the API refuses 0);
+    /// `None`: no cap.
     pub max_concurrent_leases: Option<i32>,
     /// Its share of a saturated pool (1..=1000; fair share is a later slice).
     pub weight: i32,
