@@ -208,3 +208,58 @@ async fn a_run_with_a_tenant_key_compares_with_the_internal_key_and_removes_its_
         String::from_utf8_lossy(&exceeded.stdout)
     );
 }
+
+#[tokio::test]
+async fn a_run_whose_tenant_cannot_be_created_still_removes_its_credentials() {
+    // The database refuses the run's tenant (a trigger of the test's). The run fails, and still
+    // removes the credentials it loaded before. Before, the failure returned at once and left
+    // them in the pool.
+    let database = TestDatabase::create().await;
+    let pool = database.pool(1).await;
+    sqlx::query(
+        "CREATE FUNCTION refuse_bench_tenants() RETURNS trigger LANGUAGE plpgsql AS $$
+         BEGIN RAISE EXCEPTION 'no bench tenants in this database'; END $$",
+    )
+    .execute(&pool)
+    .await
+    .unwrap();
+    sqlx::query(
+        "CREATE TRIGGER refuse_bench_tenants BEFORE INSERT ON tenants FOR EACH ROW
+         WHEN (NEW.tenant_id LIKE 'bench-%') EXECUTE FUNCTION refuse_bench_tenants()",
+    )
+    .execute(&pool)
+    .await
+    .unwrap();
+    let output = tokio::time::timeout(
+        Duration::from_secs(120),
+        Command::new(BIN)
+            .args(["bench", "--baseline", "untenanted", "--tenant-cap", "3"])
+            .args(["--executors", "2", "--credentials", "8", "--limit", "2"])
+            .args(["--duration-seconds", "1", "--warmup-seconds", "0"])
+            .env("DATABASE_URL", database.url())
+            .env("CREDPOOL_MASTER_KEY", MASTER_KEY)
+            .env("RUST_LOG", "warn")
+            .stdin(Stdio::null())
+            .output(),
+    )
+    .await
+    .expect("the bench run took longer than two minutes")
+    .unwrap();
+    let stderr = String::from_utf8_lossy(&output.stderr);
+    assert!(!output.status.success(), "the run succeeded: {stderr}");
+    let credentials: i64 = sqlx::query_scalar("SELECT count(*) FROM credentials")
+        .fetch_one(&pool)
+        .await
+        .unwrap();
+    assert_eq!(credentials, 0, "the run's credentials were left behind");
+    let tenants: i64 =
+        sqlx::query_scalar("SELECT count(*) FROM tenants WHERE tenant_id LIKE 'bench-%'")
+            .fetch_one(&pool)
+            .await
+            .unwrap();
+    assert_eq!(tenants, 0);
+    assert!(
+        stderr.contains("creating the run's tenant"),
+        "the run does not say what failed: {stderr}"
+    );
+}
