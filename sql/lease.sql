@@ -390,6 +390,15 @@ LANGUAGE sql IMMUTABLE PARALLEL SAFE AS $$
        AND (s.lease_id IS NULL OR s.lease_until <= p_at)
 $$;
 
+-- Whether tenant slot row `t` is free for a claim at `p_at` (CLAIM, "Tenants"): it holds no lease
+-- or its lease has expired, and it is not over a lowered cap (`over_limit`, see FIT TENANT). The
+-- tenant's counterpart of credpool_slot_open; an SQL function that inlines into the statement.
+CREATE OR REPLACE FUNCTION credpool_tenant_slot_open(t tenant_slots, p_at timestamptz)
+RETURNS boolean
+LANGUAGE sql IMMUTABLE PARALLEL SAFE AS $$
+    SELECT NOT t.over_limit AND (t.lease_id IS NULL OR t.lease_until <= p_at)
+$$;
+
 -- When credential `c` (its windows `w`, or NULL) may next serve a claim reserving `p_tokens`,
 -- judged at `p_at`: `at`, the latest of the end of its cooldown, the moment one of its slots
 -- frees, and the moment its windows admit the claim (`p_at` when it may serve now; NULL when
@@ -888,7 +897,7 @@ BEGIN
                     FROM tenant_slots t
                     WHERE v_capped[q.n] AND (SELECT credpool_test_hook('claim.before_tenant_lock'))
                       AND t.tenant_id = v_tenant[q.n] AND t.slot >= v_tenant_start[q.n]
-                      AND NOT t.over_limit AND (t.lease_id IS NULL OR t.lease_until <= v_now)
+                      AND credpool_tenant_slot_open(t, v_now)
                     ORDER BY t.slot
                     LIMIT 1
                     FOR UPDATE SKIP LOCKED
@@ -898,7 +907,7 @@ BEGIN
                     FROM tenant_slots t
                     WHERE v_capped[q.n] AND ts_after.slot IS NULL
                       AND t.tenant_id = v_tenant[q.n] AND t.slot < v_tenant_start[q.n]
-                      AND NOT t.over_limit AND (t.lease_id IS NULL OR t.lease_until <= v_now)
+                      AND credpool_tenant_slot_open(t, v_now)
                     ORDER BY t.slot
                     LIMIT 1
                     FOR UPDATE SKIP LOCKED
@@ -935,7 +944,7 @@ BEGIN
                     FROM tenant_slots t
                     WHERE v_capped[q.n] AND (SELECT credpool_test_hook('claim.before_tenant_lock'))
                       AND t.tenant_id = v_tenant[q.n] AND t.slot >= v_tenant_start[q.n]
-                      AND NOT t.over_limit AND (t.lease_id IS NULL OR t.lease_until <= v_now)
+                      AND credpool_tenant_slot_open(t, v_now)
                     ORDER BY t.slot
                     LIMIT 1
                     FOR UPDATE SKIP LOCKED
@@ -945,7 +954,7 @@ BEGIN
                     FROM tenant_slots t
                     WHERE v_capped[q.n] AND ts_after.slot IS NULL
                       AND t.tenant_id = v_tenant[q.n] AND t.slot < v_tenant_start[q.n]
-                      AND NOT t.over_limit AND (t.lease_id IS NULL OR t.lease_until <= v_now)
+                      AND credpool_tenant_slot_open(t, v_now)
                     ORDER BY t.slot
                     LIMIT 1
                     FOR UPDATE SKIP LOCKED
