@@ -603,18 +603,11 @@ async fn a_store_failure_reading_the_key_is_a_503_counted_as_store_unavailable()
     )
     .await;
     let page = app.metrics().await;
-    let counted = |result: &str| -> f64 {
-        page.lines()
-            .filter(|l| l.starts_with("credpool_allocations_total{"))
-            .filter(|l| {
-                l.contains(&format!("provider=\"{provider}\""))
-                    && l.contains(&format!("result=\"{result}\""))
-            })
-            .map(|l| l.rsplit(' ').next().unwrap().parse::<f64>().unwrap())
-            .sum()
-    };
     assert_eq!(
-        (counted("store_unavailable"), counted("unauthorized")),
+        (
+            allocations(&page, &provider, "store_unavailable"),
+            allocations(&page, &provider, "unauthorized")
+        ),
         (1.0, 0.0),
         "the 503 counted as (store_unavailable, unauthorized)"
     );
