@@ -29,16 +29,21 @@
 -- Nothing else writes lease_slots.
 --
 -- Lock order (docs/design.md, "Lock order", says why no cycle can form). A transaction takes its
--- row locks in this order, each kind in ONE statement, sorted (an operator's change first takes
--- its credentials' operator locks, advisory, ascending: credpool_lock_credentials):
---   0. a tenant's advisory lock (credpool_fit_tenant: one fit of a tenant at a time).
+-- locks in this order, each kind in ONE statement, sorted:
+--   0. operator locks (advisory, one per bucket of key ids, ascending; credpool_lock_credentials),
+--      before any row lock: an operator's change of credentials, and a release group with an
+--      `auth_expired` report (RELEASE); claims never take one, the cleanup pass's refit only
+--      tries it.
+--   0b. a tenant's advisory lock, then its `tenants` row (credpool_fit_tenant, an operator's PUT
+--      or DELETE of the tenant: one change of a tenant's rows at a time); claims take neither.
 --   1. lease_slots rows, ascending (key_id, slot). Claims take theirs with SKIP LOCKED and never
 --      wait. A change of a credential takes every slot row of it (credpool_lock_credentials), and
 --      so does a release group with an `auth_expired` report (RELEASE).
 --   1b. tenant_slots rows, ascending (tenant_id, slot): the rows of the leases a transaction ends
---      or renews, after those leases' slot rows (END, RENEW, credpool_lock_credentials); a claim
---      takes one with SKIP LOCKED, with its slot row; credpool_fit_tenant takes every row of a
---      tenant (after the slot rows of leases it adopts).
+--      or renews, right after those leases' slot rows (credpool_lock_tenant_slots: RELEASE,
+--      RENEW, END, credpool_lock_credentials); a claim takes one with SKIP LOCKED, with its slot
+--      row; credpool_fit_tenant takes every row of a tenant (after the slot rows of leases it
+--      adopts).
 --   2. lease_windows rows, ascending key_id (claims: SKIP LOCKED, with their slot row).
 --   3. lease_events rows that unique indexes guard (one release / one late report per lease),
 --      ascending lease_id (a release group writes its late reports in that order).
@@ -99,22 +104,51 @@ LANGUAGE sql IMMUTABLE PARALLEL SAFE AS $$
     SELECT hashtextextended('credpool.operator:' || (abs(hashtext(p_key_id)) % 64)::text, 0)
 $$;
 
+-- Locks the tenant_slots rows that hold the leases of slot rows `p_slots` (as the caller read
+-- them, under their locks), ascending (tenant_id, slot), in one statement: lock order 1b, right
+-- after the slot rows. Leases of uncapped tenants (`default` among them) have no such row. Returns
+-- whether it locked any. PL/pgSQL with the settings of END, so that its plan is made once per
+-- session and probes tenant_slots by its primary key whoever calls first (an SQL function that
+-- locks rows cannot be inlined, and would be planned again at every call).
+CREATE OR REPLACE FUNCTION credpool_lock_tenant_slots(p_slots lease_slots[]) RETURNS boolean
+LANGUAGE plpgsql
+SET enable_seqscan = off SET enable_bitmapscan = off SET enable_hashjoin = off
+SET enable_mergejoin = off SET enable_material = off SET jit = off
+SET plan_cache_mode = force_generic_plan
+AS $$
+BEGIN
+    PERFORM 1
+    FROM tenant_slots t
+    WHERE (t.tenant_id, t.lease_id) IN (SELECT x.tenant, x.lease_id FROM unnest(p_slots) AS x
+                                        WHERE x.lease_id IS NOT NULL)
+    ORDER BY t.tenant_id, t.slot
+    FOR UPDATE;
+    RETURN FOUND;
+END;
+$$;
+
 -- LOCK, for an operator's change of credentials `p_key_ids` (and for FIT), in the lock order:
 --   * their operator locks (credpool_operator_lock), ascending: a credential that does not exist
 --     yet has no row to lock, and two transactions creating the same key would otherwise meet
 --     only at the INSERT, the second then writing slot rows after a credential row. Nobody waits
 --     for one while holding a row lock (REFIT only tries it, before its rows); claims never take
---     one, releases only with an `auth_expired` report, before any row lock (RELEASE). 64 buckets keep a large import's advisory locks well within PostgreSQL's
---     lock table; operators' changes of two keys in one bucket wait for each other;
+--     one, releases only with an `auth_expired` report, before any row lock (RELEASE). 64
+--     buckets keep a large import's advisory locks well within PostgreSQL's lock table;
+--     operators' changes of two keys in one bucket wait for each other;
 --   * every slot row of each, ascending (key_id, slot), including rows that a fit which held them
 --     inserted while this call waited: a statement's snapshot does not see rows committed after
 --     it started, so the rows are read again afterwards, and if any is not among those locked the
 --     locks are given back (the block is a subtransaction: its row locks end with it) and taken
 --     again, so that no slot row is ever locked after a credential row or out of order;
---   * the tenant_slots rows of their leases, their lease_windows rows, then the credential rows,
---     each kind in one statement.
+--   * the tenant_slots rows of their leases, their lease_windows rows, then (unless
+--     p_credential_rows is false) the credential rows, FOR UPDATE, each kind in one statement.
+--     Without the credential rows, the caller takes them itself later in the lock order: RELEASE
+--     writes its trail rows (lock order 3) before it takes them.
 -- Returns how many of the credentials exist.
-CREATE OR REPLACE FUNCTION credpool_lock_credentials(p_key_ids text[]) RETURNS integer
+DROP FUNCTION IF EXISTS credpool_lock_credentials(text[]);
+CREATE OR REPLACE FUNCTION credpool_lock_credentials(p_key_ids text[],
+    p_credential_rows boolean DEFAULT true)
+RETURNS integer
 LANGUAGE plpgsql AS $$
 DECLARE
     v_locked text[];
@@ -146,13 +180,13 @@ BEGIN
     END LOOP;
     -- the tenant slot rows of their leases (END clears them: FIT ends expired leases), in the
     -- lock order: after the slot rows, before the windows and credential rows
-    PERFORM 1
-    FROM tenant_slots t
-    WHERE (t.tenant_id, t.lease_id) IN (SELECT s.tenant, s.lease_id FROM lease_slots s
-                                        WHERE s.key_id = ANY (p_key_ids) AND s.lease_id IS NOT NULL)
-    ORDER BY t.tenant_id, t.slot
-    FOR UPDATE;
+    PERFORM credpool_lock_tenant_slots(ARRAY(
+        SELECT s FROM lease_slots s WHERE s.key_id = ANY (p_key_ids) AND s.lease_id IS NOT NULL));
     PERFORM 1 FROM lease_windows w WHERE w.key_id = ANY (p_key_ids) ORDER BY w.key_id FOR UPDATE;
+    IF NOT p_credential_rows THEN
+        SELECT count(*)::integer INTO v_found FROM credentials c WHERE c.key_id = ANY (p_key_ids);
+        RETURN v_found;
+    END IF;
     SELECT count(*)::integer INTO v_found
     FROM (SELECT 1 FROM credentials c WHERE c.key_id = ANY (p_key_ids) ORDER BY c.key_id FOR UPDATE) AS l;
     RETURN v_found;
@@ -233,10 +267,12 @@ $$;
 -- surplus lease still counts (FIT says why rows within the limit may otherwise reopen on their
 -- own). Such a row is over_limit, so the caller refits the credential (RELEASE's `refit`).
 -- A lease of a capped tenant leaves its tenant slot row in the same call (the row's lock taken
--- here, after the slot rows, in the lock order), so the tenant's cap frees with the credential's
--- slot: a tenant slot row holds a lease exactly while the lease's slot row does (or until both
--- have expired). A tenant slot row over a lowered cap (`over_limit`) stays closed: the caller
--- refits the tenant (credpool_fit_tenant, RELEASE's `tenant_refit`).
+-- here, after the slot rows, unless the caller took it right after them, as RELEASE and
+-- credpool_lock_credentials do: a caller that holds a lease_windows or credentials row must have,
+-- lock order 1b), so the tenant's cap frees with the credential's slot: a tenant slot row holds a
+-- lease exactly while the lease's slot row does (or until both have expired). A tenant slot row
+-- over a lowered cap (`over_limit`) stays closed: the caller refits the tenant
+-- (credpool_fit_tenant, RELEASE's `tenant_refit`).
 -- The caller has locked the slot rows (in the lock order) and decided, on its own clock, that the
 -- leases end now. A freed slot announces itself (trigger lease_slots_freed). Returns the leases
 -- it ended.
@@ -271,16 +307,11 @@ BEGIN
     IF v_ended IS NULL THEN
         RETURN '{}';
     END IF;
-    -- their tenant slot rows: locked in order, then cleared where they still hold the lease (a
-    -- row whose expired lease a claim has replaced holds another lease now)
-    PERFORM 1
-    FROM tenant_slots t
-    WHERE (t.tenant_id, t.lease_id) IN (SELECT (p_slots[i]).tenant, (p_slots[i]).lease_id
-                                        FROM unnest(v_ended) AS i)
-    ORDER BY t.tenant_id, t.slot
-    FOR UPDATE;
-    -- (leases of uncapped tenants, `default` among them, have no row: nothing more to do)
-    IF FOUND THEN
+    -- their tenant slot rows: locked in order (held already when the caller locked them after
+    -- the slot rows), then cleared where they still hold the lease (a row whose expired lease a
+    -- claim has replaced holds another lease now); leases of uncapped tenants, `default` among
+    -- them, have no row: nothing more to do
+    IF credpool_lock_tenant_slots(ARRAY(SELECT p_slots[i] FROM unnest(v_ended) AS i)) THEN
         UPDATE tenant_slots t
         SET lease_id = NULL, key_id = NULL, lease_until = NULL
         FROM unnest(v_ended) AS i
@@ -357,6 +388,15 @@ LANGUAGE sql IMMUTABLE PARALLEL SAFE AS $$
        AND NOT s.surplus
        AND NOT s.draining
        AND (s.lease_id IS NULL OR s.lease_until <= p_at)
+$$;
+
+-- Whether tenant slot row `t` is free for a claim at `p_at` (CLAIM, "Tenants"): it holds no lease
+-- or its lease has expired, and it is not over a lowered cap (`over_limit`, see FIT TENANT). The
+-- tenant's counterpart of credpool_slot_open; an SQL function that inlines into the statement.
+CREATE OR REPLACE FUNCTION credpool_tenant_slot_open(t tenant_slots, p_at timestamptz)
+RETURNS boolean
+LANGUAGE sql IMMUTABLE PARALLEL SAFE AS $$
+    SELECT NOT t.over_limit AND (t.lease_id IS NULL OR t.lease_until <= p_at)
 $$;
 
 -- When credential `c` (its windows `w`, or NULL) may next serve a claim reserving `p_tokens`,
@@ -438,8 +478,9 @@ $$;
 -- split (2:4:2 of 8 slots for weights 1:2:1) and, unlike leases / weight alone, leaves no tie
 -- between tenants of unequal weights at that split, where a claim that read just before a release
 -- committed would win the tie and take the releasing tenant's slot (measured: the tenant of
--- weight 2 got 42-45% of the grants instead of 50%). A tenant at its own cap (no free tenant slot row) cannot take the slot
--- and is not yielded to, so no slot is ever held back for a tenant that cannot use it. Read from
+-- weight 2 got 42-45% of the grants instead of 50%). A tenant at its own cap (no free tenant
+-- slot row) cannot take the slot and is not yielded to, so no slot is ever held back for a
+-- tenant that cannot use it. Read from
 -- the claim's snapshot: a share is a preference between waiters, not a limit (nothing over any
 -- limit can come of a stale read; two claims of one freed slot settle it on the slot row).
 -- p_pending: the tenants of the claims of the same call, for the same pool, that went ahead
@@ -488,8 +529,8 @@ BEGIN
         SELECT x.tenant, x.since, (coalesce(n.in_flight, 0) + 1)::numeric / t.weight AS share,
                t.max_concurrent_leases IS NULL
                OR EXISTS (SELECT 1 FROM tenant_slots ts
-                          WHERE ts.tenant_id = t.tenant_id AND NOT ts.over_limit
-                            AND (ts.lease_id IS NULL OR ts.lease_until <= p_now)) AS has_room
+                          WHERE ts.tenant_id = t.tenant_id
+                            AND credpool_tenant_slot_open(ts, p_now)) AS has_room
         FROM unnest(v_waiting, v_since) AS x (tenant, since)
         JOIN tenants t ON t.tenant_id = x.tenant
         LEFT JOIN counted n ON n.tenant = x.tenant
@@ -525,6 +566,21 @@ AS $$
                         OR coalesce(p.seen_at < now() - interval '1 minute', true)
                      FOR UPDATE OF w SKIP LOCKED);
     DELETE FROM pool_waiter_processes WHERE seen_at < now() - interval '1 minute';
+$$;
+
+-- The tenant of the executor key whose hash (hex SHA-256) is `p_key_hash`: one row, the key's
+-- tenant, while the key is live; no row for a key that is unknown or revoked. NULL: the configured
+-- internal key, whose tenant is `default`. Read by the statement that decides, so a call that
+-- starts after a revoke committed is refused on every replica. A set-returning SQL function, so
+-- that it inlines where it is joined (`LEFT JOIN LATERAL credpool_key_tenant(...) ON true`): one
+-- probe of tenant_keys' unique key_hash index.
+CREATE OR REPLACE FUNCTION credpool_key_tenant(p_key_hash text)
+RETURNS SETOF text
+LANGUAGE sql STABLE PARALLEL SAFE AS $$
+    SELECT 'default'::text WHERE p_key_hash IS NULL
+    UNION ALL
+    SELECT k.tenant_id FROM tenant_keys k
+    WHERE k.key_hash = decode(p_key_hash, 'hex') AND k.revoked_at IS NULL
 $$;
 
 -- CLAIM (DESIGN "The protocol", step 1), for one request or for a group.
@@ -833,13 +889,8 @@ BEGIN
         -- the tenant: of the live key the claim presented, else (the internal key) `default`
         LEFT JOIN LATERAL (
             SELECT t.tenant_id, t.max_concurrent_leases
-            FROM tenants t
-            WHERE t.tenant_id = CASE
-                      WHEN e.c ->> 'key_hash' IS NULL THEN 'default'
-                      ELSE (SELECT k.tenant_id FROM tenant_keys k
-                            WHERE k.key_hash = decode(e.c ->> 'key_hash', 'hex')
-                              AND k.revoked_at IS NULL)
-                  END
+            FROM credpool_key_tenant(e.c ->> 'key_hash') AS k (tenant)
+            JOIN tenants t ON t.tenant_id = k.tenant
         ) AS t ON true
         ORDER BY e.n
     ) AS o;
@@ -983,7 +1034,7 @@ BEGIN
                     FROM tenant_slots t
                     WHERE v_capped[q.n] AND (SELECT credpool_test_hook('claim.before_tenant_lock'))
                       AND t.tenant_id = v_tenant[q.n] AND t.slot >= v_tenant_start[q.n]
-                      AND NOT t.over_limit AND (t.lease_id IS NULL OR t.lease_until <= v_now)
+                      AND credpool_tenant_slot_open(t, v_now)
                     ORDER BY t.slot
                     LIMIT 1
                     FOR UPDATE SKIP LOCKED
@@ -993,7 +1044,7 @@ BEGIN
                     FROM tenant_slots t
                     WHERE v_capped[q.n] AND ts_after.slot IS NULL
                       AND t.tenant_id = v_tenant[q.n] AND t.slot < v_tenant_start[q.n]
-                      AND NOT t.over_limit AND (t.lease_id IS NULL OR t.lease_until <= v_now)
+                      AND credpool_tenant_slot_open(t, v_now)
                     ORDER BY t.slot
                     LIMIT 1
                     FOR UPDATE SKIP LOCKED
@@ -1030,7 +1081,7 @@ BEGIN
                     FROM tenant_slots t
                     WHERE v_capped[q.n] AND (SELECT credpool_test_hook('claim.before_tenant_lock'))
                       AND t.tenant_id = v_tenant[q.n] AND t.slot >= v_tenant_start[q.n]
-                      AND NOT t.over_limit AND (t.lease_id IS NULL OR t.lease_until <= v_now)
+                      AND credpool_tenant_slot_open(t, v_now)
                     ORDER BY t.slot
                     LIMIT 1
                     FOR UPDATE SKIP LOCKED
@@ -1040,7 +1091,7 @@ BEGIN
                     FROM tenant_slots t
                     WHERE v_capped[q.n] AND ts_after.slot IS NULL
                       AND t.tenant_id = v_tenant[q.n] AND t.slot < v_tenant_start[q.n]
-                      AND NOT t.over_limit AND (t.lease_id IS NULL OR t.lease_until <= v_now)
+                      AND credpool_tenant_slot_open(t, v_now)
                     ORDER BY t.slot
                     LIMIT 1
                     FOR UPDATE SKIP LOCKED
@@ -1266,8 +1317,7 @@ BEGIN
     FROM generate_subscripts(v_done, 1) AS k (n)
     CROSS JOIN LATERAL (SELECT array_position(g_claim, k.n) AS i) AS g
     LEFT JOIN LATERAL (
-        SELECT NOT coalesce(bool_or(NOT t.over_limit
-                                    AND (t.lease_id IS NULL OR t.lease_until <= v_now)), false) AS full,
+        SELECT NOT coalesce(bool_or(credpool_tenant_slot_open(t, v_now)), false) AS full,
                min(t.lease_until) FILTER (WHERE t.lease_until > v_now) AS frees_at
         FROM tenant_slots t
         WHERE g.i IS NULL AND NOT v_done[k.n] AND v_capped[k.n] AND t.tenant_id = v_tenant[k.n]
@@ -1298,8 +1348,10 @@ $$;
 -- lease named by all of its values gets lease_until = now + lease_seconds and a `renewed` trail
 -- row. Returns one row per renewal, in order: the new lease_until, or NULL when the lease is lost
 -- (expired, released, unknown, or named with another key_id, provider, pool or fence), and
--- `authorized`: false when its key_hash names no live key (nothing renewed). Never resurrects an expired lease, even if its
--- slot is still free: expiry is judged after the slot row's lock is taken, on clock_timestamp().
+-- `authorized`: false when its key_hash names no live key, or a key of another tenant than the
+-- lease's (credpool_key_tenant; lease_slots.tenant): nothing renewed. Never resurrects an expired
+-- lease, even if its slot is still free: expiry is judged after the slot row's lock is taken, on
+-- clock_timestamp().
 -- A lease in a surplus row (over a lowered limit, see FIT) is renewed at most to the earliest
 -- lease_until of its credential's rows within the limit, so it never outlives them: each of
 -- those rows reopens when its lease ends, and by then no surplus lease counts. (Read from this
@@ -1315,7 +1367,7 @@ $$;
 -- A lease of a capped tenant moves its tenant slot row's lease_until in step (the row frees when
 -- the lease does; see CLAIM, "Tenants").
 -- Locks: the named leases' slot rows, ascending (key_id, slot), in one statement; then their
--- tenant slot rows, ascending (tenant_id, slot).
+-- tenant slot rows, ascending (tenant_id, slot) (credpool_lock_tenant_slots).
 DROP FUNCTION IF EXISTS credpool_renew(jsonb);
 CREATE FUNCTION credpool_renew(p_renewals jsonb)
 RETURNS TABLE (renewal integer, lease_until timestamptz, authorized boolean)
@@ -1334,31 +1386,26 @@ BEGIN
       AND s.lease_id = ANY (ARRAY(SELECT (e ->> 'lease_id')::uuid FROM jsonb_array_elements(p_renewals) AS e))
     ORDER BY s.key_id, s.slot
     FOR UPDATE;
-    PERFORM 1
-    FROM tenant_slots t
-    WHERE (t.tenant_id, t.lease_id) IN (
-              SELECT s.tenant, s.lease_id FROM lease_slots s
-              WHERE s.key_id = ANY (ARRAY(SELECT e ->> 'key_id' FROM jsonb_array_elements(p_renewals) AS e))
-                AND s.lease_id = ANY (ARRAY(SELECT (e ->> 'lease_id')::uuid
-                                            FROM jsonb_array_elements(p_renewals) AS e))
-                AND s.tenant IS NOT NULL)
-    ORDER BY t.tenant_id, t.slot
-    FOR UPDATE;
+    PERFORM credpool_lock_tenant_slots(ARRAY(
+        SELECT s FROM lease_slots s
+        WHERE s.key_id = ANY (ARRAY(SELECT e ->> 'key_id' FROM jsonb_array_elements(p_renewals) AS e))
+          AND s.lease_id = ANY (ARRAY(SELECT (e ->> 'lease_id')::uuid
+                                      FROM jsonb_array_elements(p_renewals) AS e))));
     v_now := clock_timestamp();
 
     RETURN QUERY
     WITH wanted AS (
-        SELECT *
+        SELECT w.*, a.authorized
         FROM ROWS FROM (jsonb_to_recordset(p_renewals) AS (
                  lease_id uuid, key_id text, provider text, pool text, fence bigint, lease_seconds integer,
                  key_hash text))
              WITH ORDINALITY AS w (lease_id, key_id, provider, pool, fence, lease_seconds, key_hash, n)
-        -- a tenant key must name a live key (absent: the configured internal key)
+        -- the key must be live (absent: the configured internal key, tenant `default`) and of the
+        -- lease's tenant: a key of another tenant renews nothing, as an unknown key
+        LEFT JOIN LATERAL credpool_key_tenant(w.key_hash) AS k (tenant) ON true
+        LEFT JOIN lease_slots s ON s.key_id = w.key_id AND s.lease_id = w.lease_id
         CROSS JOIN LATERAL (
-            SELECT w.key_hash IS NULL
-                   OR EXISTS (SELECT 1 FROM tenant_keys k
-                              WHERE k.key_hash = decode(w.key_hash, 'hex') AND k.revoked_at IS NULL)
-                       AS authorized
+            SELECT k.tenant IS NOT NULL AND coalesce(s.tenant, k.tenant) = k.tenant AS authorized
         ) AS a
     ),
     renewed AS (
@@ -1423,10 +1470,12 @@ $$;
 
 -- RELEASE, for one lease or a group: p_releases jsonb is an array of {"lease_id", "key_id",
 -- "provider", "pool", "fence" (or null), "outcome" (or null), "usage_tokens" (or null),
--- "key_hash" (hex SHA-256 of the tenant key the executor presented, or null: the internal key)}.
--- A release whose key_hash names no live key does nothing (verdict 'unauthorized'; the key is
--- read by this call, so no replica honours a key once its revoke has committed). For each other,
--- in the slot row's lock:
+-- "key_hash" (hex SHA-256 of the tenant key the executor presented, or null: the internal key,
+-- tenant `default`)}. A release whose key_hash names no live key, or a key of another tenant than
+-- the lease's (its slot row's `tenant`, or for a lease no longer in its slot, its `granted` trail
+-- row's), does nothing (verdict 'unauthorized': no release, no late report; the key is read by this
+-- call, so no replica honours a key once its revoke has committed). For each other, in the slot
+-- row's lock:
 --   * live and named by all of its values: ended as `released` with the outcome (verdict
 --     'released');
 --   * named by all of its values but expired: ended as `expired` at its own lease_until if it still
@@ -1456,12 +1505,15 @@ $$;
 -- credential_events). `oauth`: the credential is an OAuth credential (for health: `auth_expired`
 -- on any other credential is the provider refusing the key, as `auth_error`).
 --
--- Locks, in the lock order: with an `auth_expired` report, first every row of the credentials
--- named (credpool_lock_credentials); the named leases' slot rows, ascending (key_id, slot), in one
--- statement; the lease_windows rows of the credentials named with a usage, ascending key_id;
--- trail rows guarded by unique indexes, ascending lease_id; then the credential rows of counted
--- outcomes, ascending key_id, in one statement. Decision clock: clock_timestamp() after the slot
--- locks (`released` rows carry it as `at`).
+-- Locks, in the lock order: with an `auth_expired` report, first the operator locks and every
+-- slot row, tenant slot row and lease_windows row of the credentials named
+-- (credpool_lock_credentials without their credential rows); the named leases' slot rows,
+-- ascending (key_id, slot), in one statement; their tenant slot rows, ascending (tenant_id, slot)
+-- (credpool_lock_tenant_slots); the lease_windows rows of the credentials named with a usage,
+-- ascending key_id; trail rows guarded by unique indexes, ascending lease_id; then the credential
+-- rows of counted outcomes, ascending key_id, in one statement (FOR NO KEY UPDATE; FOR UPDATE with
+-- an `auth_expired` report, whose token write follows). Decision clock: clock_timestamp() after
+-- the slot locks (`released` rows carry it as `at`).
 --
 -- p_caller_announces: the caller announces the slots its `released` rows freed once its
 -- transaction has committed (credpool_announce_freed), so nothing in this transaction sends a
@@ -1510,6 +1562,7 @@ DECLARE
     v_usage_at timestamptz[];
     v_usage_delta bigint[];
     v_late record;
+    v_counted_keys text[];
     i integer;
 BEGIN
     IF p_caller_announces THEN
@@ -1519,14 +1572,16 @@ BEGIN
     END IF;
     -- An `auth_expired` report may take its token out of traffic, a write of the credential row
     -- that moves config_version into every slot row of the credential: so every slot row of
-    -- every credential named first, then windows and credential rows, in the lock order
-    -- (credpool_lock_credentials). Rare; a call without such a report locks only its leases' rows.
+    -- every credential named first (with their tenant and windows rows, in the lock order:
+    -- credpool_lock_credentials), and their credential rows only after the trail rows, below.
+    -- Rare; a call without such a report locks only its leases' rows.
     v_rejects := EXISTS (SELECT 1 FROM jsonb_array_elements(p_releases) AS e
                          WHERE e ->> 'outcome' = 'auth_expired');
     IF v_rejects THEN
         PERFORM credpool_lock_credentials(
             ARRAY(SELECT DISTINCT e ->> 'key_id' FROM jsonb_array_elements(p_releases) AS e
-                  WHERE e ->> 'key_id' IS NOT NULL));
+                  WHERE e ->> 'key_id' IS NOT NULL),
+            false);
     END IF;
     PERFORM 1
     FROM lease_slots s
@@ -1534,6 +1589,12 @@ BEGIN
       AND s.lease_id = ANY (ARRAY(SELECT (e ->> 'lease_id')::uuid FROM jsonb_array_elements(p_releases) AS e))
     ORDER BY s.key_id, s.slot
     FOR UPDATE;
+    -- their tenant slot rows (END clears them), right after the slot rows, before the windows
+    PERFORM credpool_lock_tenant_slots(ARRAY(
+        SELECT s FROM lease_slots s
+        WHERE s.key_id = ANY (ARRAY(SELECT e ->> 'key_id' FROM jsonb_array_elements(p_releases) AS e))
+          AND s.lease_id = ANY (ARRAY(SELECT (e ->> 'lease_id')::uuid
+                                      FROM jsonb_array_elements(p_releases) AS e))));
     PERFORM 1
     FROM lease_windows w
     WHERE w.key_id = ANY (ARRAY(SELECT e ->> 'key_id' FROM jsonb_array_elements(p_releases) AS e
@@ -1580,15 +1641,22 @@ BEGIN
                  usage_tokens bigint, key_hash text))
              WITH ORDINALITY AS w (lease_id, key_id, provider, pool, fence, outcome, usage_tokens,
                                    key_hash, n)
-        -- a tenant key must name a live key (absent: the configured internal key); read by this
-        -- statement, so a release that starts after a revoke committed is refused
-        CROSS JOIN LATERAL (
-            SELECT w.key_hash IS NULL
-                   OR EXISTS (SELECT 1 FROM tenant_keys k
-                              WHERE k.key_hash = decode(w.key_hash, 'hex') AND k.revoked_at IS NULL)
-                       AS authorized
-        ) AS a
         LEFT JOIN lease_slots s ON s.key_id = w.key_id AND s.lease_id = w.lease_id
+        -- the key must be live (absent: the configured internal key, tenant `default`; read by
+        -- this statement, so a release that starts after a revoke committed is refused) and of
+        -- the lease's tenant: its slot row's, or (a lease no longer in the slot named) its
+        -- `granted` row's (NULL there: granted before tenants existed, to `default`)
+        LEFT JOIN LATERAL credpool_key_tenant(w.key_hash) AS k (tenant) ON true
+        LEFT JOIN LATERAL (
+            SELECT coalesce(g.tenant, 'default') AS tenant
+            FROM lease_events g
+            WHERE s.lease_id IS NULL AND g.lease_id = w.lease_id AND g.event = 'granted'
+            LIMIT 1
+        ) AS g ON true
+        CROSS JOIN LATERAL (
+            SELECT k.tenant IS NOT NULL
+                   AND coalesce(s.tenant, g.tenant, k.tenant) = k.tenant AS authorized
+        ) AS a
         ORDER BY w.n
     ) AS j;
 
@@ -1677,10 +1745,24 @@ BEGIN
         END IF;
     END LOOP;
 
+    -- The credential rows of counted outcomes (lock order 4: after the trail rows), for the
+    -- health write; FOR UPDATE with an `auth_expired` report, the strength
+    -- credpool_lock_credentials takes for a write of the token (every credential whose token a
+    -- report rejects has a counted outcome).
+    v_counted_keys := ARRAY(SELECT k FROM unnest(v_key, v_counted) AS x (k, counted) WHERE x.counted);
+    IF v_rejects THEN
+        PERFORM 1 FROM credentials c WHERE c.key_id = ANY (v_counted_keys) ORDER BY c.key_id FOR UPDATE;
+    ELSE
+        PERFORM 1 FROM credentials c WHERE c.key_id = ANY (v_counted_keys) ORDER BY c.key_id
+        FOR NO KEY UPDATE;
+    END IF;
+    v_health_now := clock_timestamp();
+
     -- `auth_expired` on a lease of the current generation (granted at or after the generation
-    -- began; the rows are locked since the top, so no refresh or PUT is writing meanwhile): the
-    -- token counts as expired from now, so no claim grants it again (credpool_token_lasts, gated
-    -- by config_version) and the refresher finds it due at once, which refreshes it exactly once
+    -- began; the credentials' operator locks and slot rows are held since the top, so no refresh
+    -- or PUT is writing meanwhile, and their rows since the statement above): the token counts
+    -- as expired from now, so no claim grants it again (credpool_token_lasts, gated by
+    -- config_version) and the refresher finds it due at once, which refreshes it exactly once
     -- however many reports arrive (the refresh is taken per generation, service/src/oauth.rs).
     -- A report on a lease of an older generation says nothing about the current token.
     IF v_rejects THEN
@@ -1705,13 +1787,6 @@ BEGIN
         FROM rejected r
         JOIN expired e ON e.key_id = r.key_id;
     END IF;
-
-    PERFORM 1
-    FROM credentials c
-    WHERE c.key_id = ANY (ARRAY(SELECT k FROM unnest(v_key, v_counted) AS x (k, counted) WHERE x.counted))
-    ORDER BY c.key_id
-    FOR NO KEY UPDATE;
-    v_health_now := clock_timestamp();
 
     RETURN QUERY
     SELECT v.n, v.verdict, v.key_id, v.probe, v.refit, v.tenant_refit, v.usage_at, v.usage_delta,

@@ -1,7 +1,13 @@
 -- The cleanup pass that pg_cron (or, without it, the service itself) runs every minute, and its
--- parts. Every function here is safe to run concurrently with itself and with allocation: it
--- never waits behind a claim (SKIP LOCKED, or no row lock at all), works in bounded batches,
--- returns how much it did, and doing it twice does nothing more the second time.
+-- parts. Every function here is safe to run concurrently with itself and with allocation. It
+-- never makes a claim wait: it takes rows with SKIP LOCKED and advisory locks with a try-lock,
+-- and a credential row FOR NO KEY UPDATE, or FOR UPDATE only together with every slot row of the
+-- credential (the refit, sql/lease.sql), so never against the key share lock that a claim's new
+-- affinity binding takes on the credential row of the slot it holds. It waits for a claim only
+-- where it ends leases or fits slot rows (the reaper's END, the refits): for the tenant slot rows
+-- of those leases, which a claim may hold until it commits (milliseconds; lock order 1b,
+-- sql/lease.sql). It works in bounded batches, returns how much it did, and doing it twice does
+-- nothing more the second time.
 --
 -- Repeatable: the one current definition of each object below. credpool applies this file after
 -- the versioned migrations whenever its content changes (service/src/store/schema.rs), in one transaction;
@@ -12,7 +18,11 @@
 -- credential is usable again from that moment without this job (credential_usable); it stays
 -- half-open — its next lease is a single probe, and its status returns to `available` when the
 -- probe succeeds — so this job does not change the status, it makes the recovery visible in the
--- trail. Returns how many credentials it recorded.
+-- trail. Each credential row is taken FOR NO KEY UPDATE SKIP LOCKED (two passes never record one
+-- cooldown twice, and neither waits): its key does not change, and a stronger lock (FOR UPDATE)
+-- would make a claim that binds a conversation to the credential wait for this pass (the binding's
+-- foreign key takes a key share lock on the credential row). Returns how many credentials it
+-- recorded.
 CREATE OR REPLACE FUNCTION credpool_recover_cooldowns(p_batch integer DEFAULT 1000) RETURNS integer
 LANGUAGE sql AS $$
     WITH due AS (
@@ -26,7 +36,7 @@ LANGUAGE sql AS $$
                 AND e.cooldown_until = c.cooldown_until)
         ORDER BY c.cooldown_until
         LIMIT p_batch
-        FOR UPDATE SKIP LOCKED
+        FOR NO KEY UPDATE SKIP LOCKED
     ),
     recorded AS (
         INSERT INTO credential_events (key_id, event, old_status, new_status, reason, cooldown_until, at)
@@ -108,8 +118,9 @@ $$;
 -- `ALTER DATABASE credpool SET credpool.affinity_max_bindings = 5000000`), else 1,000,000. Each
 -- row is deleted under its affinity key's advisory lock, tried, and its row lock, taken with SKIP
 -- LOCKED, like a claim's write of it: this pass never waits for a claim and a claim never waits for
--- it (a binding a claim is writing right now is left for the next pass). Counting the live
--- bindings reads the table once per pass. Returns how many rows it deleted.
+-- it (a binding a claim is writing right now is left for the next pass). The row lock is FOR
+-- UPDATE, as a delete needs; no foreign key points at a binding, so no key share lock meets it.
+-- Counting the live bindings reads the table once per pass. Returns how many rows it deleted.
 CREATE OR REPLACE FUNCTION credpool_purge_affinity(p_cap bigint DEFAULT NULL, p_batch integer DEFAULT 10000)
 RETURNS integer
 LANGUAGE plpgsql AS $$

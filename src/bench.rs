@@ -298,16 +298,18 @@ async fn run_on(
         args.credentials, args.limit
     );
     let serving = load_credentials(args, &database.pool, &keyring, &pool, &actor, &run_id).await?;
-    let tenant = match args.tenant_cap {
-        Some(cap) => Some(bench_tenant(&database.pool, &run_id, cap, &actor).await?),
-        None => None,
-    };
     let key_ids: Vec<String> = all_key_ids(args, &run_id);
+    let tenant = TenantId::parse(format!("bench-{run_id}")).map_err(anyhow::Error::msg)?;
     let db = &database.pool;
     let sql_schema = simple_sql::schema_name(&run_id);
     let source = server_time::detect(db).await;
-    // whatever happens from here on, the run's credentials, tables and keys are removed again
+    // whatever happens from here on (the run's tenant failing to be created included), the run's
+    // credentials, tenant, tables and keys are removed again
     let measured = async {
+        let tenant_key = match args.tenant_cap {
+            Some(cap) => Some(bench_tenant(db, &tenant, cap, &actor).await?),
+            None => None,
+        };
         if args.audit_rows > 0 {
             eprintln!("adding {} historical audit rows", args.audit_rows);
             load_history(db, &serving, args.audit_rows).await?;
@@ -359,8 +361,8 @@ async fn run_on(
         let credpool = Mode::Http {
             client: http_client(args)?,
             base: base.clone(),
-            executor_key: match &tenant {
-                Some((_, key)) => key.expose().to_owned(),
+            executor_key: match &tenant_key {
+                Some(key) => key.expose().to_owned(),
                 None => internal_key.clone(),
             },
             name: "credpool",
@@ -385,12 +387,14 @@ async fn run_on(
     }
     .await;
     let removed = remove_credentials(db, &key_ids, &actor).await;
-    // after the credentials: deleting them ended every lease the tenant held
-    let tenant_removed = match &tenant {
-        Some((tenant, _)) => tenants::delete(db, tenant, &actor)
-            .await
-            .map_err(anyhow::Error::from)
-            .and_then(|r| r.map_err(|refused| anyhow::anyhow!("{refused:?}"))),
+    // after the credentials: deleting them ended every lease the tenant held (a tenant whose
+    // creation failed is not there to delete)
+    let tenant_removed = match args.tenant_cap {
+        Some(_) => match tenants::delete(db, &tenant, &actor).await {
+            Ok(Ok(()) | Err(tenants::DeleteRefused::NotFound)) => Ok(()),
+            Ok(Err(refused)) => Err(anyhow::anyhow!("{refused:?}")),
+            Err(error) => Err(error.into()),
+        },
         None => Ok(()),
     };
     let dropped = if baselines.contains(&BenchBaseline::Sql) {
@@ -587,26 +591,27 @@ fn http_client(args: &BenchArgs) -> reqwest::Result<reqwest::Client> {
         .build()
 }
 
-/// The run's tenant (`bench-<run id>`, capped at `cap` live leases; 0: no cap) and one executor
-/// key of it.
+/// Creates the run's tenant `tenant` (capped at `cap` live leases; 0: no cap) and returns one
+/// executor key of it.
 async fn bench_tenant(
     db: &Db,
-    run_id: &str,
+    tenant: &TenantId,
     cap: u32,
     actor: &Actor,
-) -> anyhow::Result<(TenantId, TenantKey)> {
-    let tenant = TenantId::parse(format!("bench-{run_id}")).map_err(anyhow::Error::msg)?;
+) -> anyhow::Result<TenantKey> {
     let spec = tenants::TenantSpec {
         tenant_id: tenant.clone(),
         max_concurrent_leases: (cap > 0).then_some(cap as i32),
         weight: 1,
         rate_limits: Default::default(),
     };
-    tenants::upsert(db, &spec, actor).await?;
-    let (_, key) = tenants::mint_key(db, &tenant, actor)
+    tenants::upsert(db, &spec, actor)
+        .await
+        .context("creating the run's tenant")?;
+    let (_, key) = tenants::mint_key(db, tenant, actor)
         .await?
         .context("the run's tenant was created a moment ago")?;
-    Ok((tenant, key))
+    Ok(key)
 }
 
 /// Deletes the run's credentials (their history stays in the trail, as for any deletion).

@@ -509,8 +509,17 @@ pub async fn maintenance(args: MaintenanceRunArgs) -> anyhow::Result<()> {
             print_json(&report)
         } else {
             println!(
-                "reaped {} expired leases, recorded {} ended cooldowns, purged {} audit rows",
-                report.expired_leases_reaped, report.cooldowns_recorded, report.audit_rows_purged
+                "reaped {} expired leases, refitted {} credentials, recorded {} ended cooldowns, \
+                 purged {} audit rows and {} request ids, folded {} pool version rows, \
+                 refitted {} tenants, purged {} affinity bindings",
+                report.expired_leases_reaped,
+                report.credentials_refitted,
+                report.cooldowns_recorded,
+                report.audit_rows_purged,
+                report.request_ids_purged,
+                report.pool_versions_folded,
+                report.tenants_refitted,
+                report.affinity_bindings_purged
             );
             Ok(())
         }

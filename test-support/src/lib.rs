@@ -659,6 +659,19 @@ pub fn sample(page: &str, name: &str) -> f64 {
         .map_or(0.0, |v| v.parse().expect("a sample value"))
 }
 
+/// `credpool_allocations_total` of `provider` with `result` on a Prometheus page, summed over
+/// its other labels (pools, tenants).
+pub fn allocations(page: &str, provider: &str, result: &str) -> f64 {
+    page.lines()
+        .filter(|l| l.starts_with("credpool_allocations_total{"))
+        .filter(|l| {
+            l.contains(&format!("provider=\"{provider}\""))
+                && l.contains(&format!("result=\"{result}\""))
+        })
+        .map(|l| l.rsplit(' ').next().unwrap().parse::<f64>().unwrap())
+        .sum()
+}
+
 /// Reads a JSON body, asserting the status first.
 pub async fn json_body(response: reqwest::Response, expected: StatusCode) -> Value {
     let status = response.status();

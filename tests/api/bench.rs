@@ -31,6 +31,38 @@ async fn redis_connection() -> Option<redis::aio::MultiplexedConnection> {
     (pong == "PONG").then_some(conn)
 }
 
+/// A run whose executors present the key of a tenant capped at 3, next to the internal key's.
+const TENANT_RUN: &[&str] = &[
+    "--baseline",
+    "untenanted",
+    "--tenant-cap",
+    "3",
+    "--executors",
+    "4",
+];
+
+/// `credpool bench ARGS` on `database`: 8 credentials of limit 2, one second, no warm-up (the
+/// redis baseline, if asked for, on [`redis_url`]); its output, within two minutes.
+async fn bench(database: &TestDatabase, args: &[&str]) -> std::process::Output {
+    tokio::time::timeout(
+        Duration::from_secs(120),
+        Command::new(BIN)
+            .arg("bench")
+            .args(args)
+            .args(["--credentials", "8", "--limit", "2"])
+            .args(["--duration-seconds", "1", "--warmup-seconds", "0"])
+            .env("DATABASE_URL", database.url())
+            .env("CREDPOOL_MASTER_KEY", MASTER_KEY)
+            .env("CREDPOOL_BENCH_REDIS_URL", redis_url())
+            .env("RUST_LOG", "warn")
+            .stdin(Stdio::null())
+            .output(),
+    )
+    .await
+    .expect("the bench run took longer than two minutes")
+    .unwrap()
+}
+
 #[tokio::test]
 async fn every_baseline_completes_cycles_without_errors_next_to_credpool() {
     let database = TestDatabase::create().await;
@@ -44,22 +76,11 @@ async fn every_baseline_completes_cycles_without_errors_next_to_credpool() {
             redis_url()
         ));
     }
-    let output = tokio::time::timeout(
-        Duration::from_secs(120),
-        Command::new(BIN)
-            .args(["bench", "--baseline", &baselines.join(",")])
-            .args(["--executors", "2", "--credentials", "8", "--limit", "2"])
-            .args(["--duration-seconds", "1", "--warmup-seconds", "0"])
-            .env("DATABASE_URL", database.url())
-            .env("CREDPOOL_MASTER_KEY", MASTER_KEY)
-            .env("CREDPOOL_BENCH_REDIS_URL", redis_url())
-            .env("RUST_LOG", "warn")
-            .stdin(Stdio::null())
-            .output(),
+    let output = bench(
+        &database,
+        &["--baseline", &baselines.join(","), "--executors", "2"],
     )
-    .await
-    .expect("the bench run took longer than two minutes")
-    .unwrap();
+    .await;
     let (stdout, stderr) = (
         String::from_utf8_lossy(&output.stdout),
         String::from_utf8_lossy(&output.stderr),
@@ -133,21 +154,7 @@ async fn every_baseline_completes_cycles_without_errors_next_to_credpool() {
 #[tokio::test]
 async fn a_run_with_a_tenant_key_compares_with_the_internal_key_and_removes_its_tenant() {
     let database = TestDatabase::create().await;
-    let output = tokio::time::timeout(
-        Duration::from_secs(120),
-        Command::new(BIN)
-            .args(["bench", "--baseline", "untenanted", "--tenant-cap", "3"])
-            .args(["--executors", "4", "--credentials", "8", "--limit", "2"])
-            .args(["--duration-seconds", "1", "--warmup-seconds", "0"])
-            .env("DATABASE_URL", database.url())
-            .env("CREDPOOL_MASTER_KEY", MASTER_KEY)
-            .env("RUST_LOG", "warn")
-            .stdin(Stdio::null())
-            .output(),
-    )
-    .await
-    .expect("the bench run took longer than two minutes")
-    .unwrap();
+    let output = bench(&database, TENANT_RUN).await;
     let (stdout, stderr) = (
         String::from_utf8_lossy(&output.stdout),
         String::from_utf8_lossy(&output.stderr),
@@ -206,5 +213,46 @@ async fn a_run_with_a_tenant_key_compares_with_the_internal_key_and_removes_its_
         exceeded.status.success(),
         "{}",
         String::from_utf8_lossy(&exceeded.stdout)
+    );
+}
+
+#[tokio::test]
+async fn a_run_whose_tenant_cannot_be_created_still_removes_its_credentials() {
+    // The database refuses the run's tenant (a trigger of the test's). The run fails, and still
+    // removes the credentials it loaded before. Before, the failure returned at once and left
+    // them in the pool.
+    let database = TestDatabase::create().await;
+    let pool = database.pool(1).await;
+    sqlx::query(
+        "CREATE FUNCTION refuse_bench_tenants() RETURNS trigger LANGUAGE plpgsql AS $$
+         BEGIN RAISE EXCEPTION 'no bench tenants in this database'; END $$",
+    )
+    .execute(&pool)
+    .await
+    .unwrap();
+    sqlx::query(
+        "CREATE TRIGGER refuse_bench_tenants BEFORE INSERT ON tenants FOR EACH ROW
+         WHEN (NEW.tenant_id LIKE 'bench-%') EXECUTE FUNCTION refuse_bench_tenants()",
+    )
+    .execute(&pool)
+    .await
+    .unwrap();
+    let output = bench(&database, TENANT_RUN).await;
+    let stderr = String::from_utf8_lossy(&output.stderr);
+    assert!(!output.status.success(), "the run succeeded: {stderr}");
+    let credentials: i64 = sqlx::query_scalar("SELECT count(*) FROM credentials")
+        .fetch_one(&pool)
+        .await
+        .unwrap();
+    assert_eq!(credentials, 0, "the run's credentials were left behind");
+    let tenants: i64 =
+        sqlx::query_scalar("SELECT count(*) FROM tenants WHERE tenant_id LIKE 'bench-%'")
+            .fetch_one(&pool)
+            .await
+            .unwrap();
+    assert_eq!(tenants, 0);
+    assert!(
+        stderr.contains("creating the run's tenant"),
+        "the run does not say what failed: {stderr}"
     );
 }

@@ -208,6 +208,64 @@ async fn the_cli_imports_lists_changes_releases_and_removes_credentials() {
 }
 
 #[tokio::test]
+async fn the_maintenance_command_reports_every_step_of_the_pass() {
+    // One step with work to do that the report left out before: a request id whose lease ended
+    // two hours ago (`request_ids_purged`). The JSON carries every step of
+    // credpool_maintenance_step, the text says each; before, 3 of the 8 steps were missing from
+    // the JSON and 5 from the text.
+    let database = TestDatabase::create().await;
+    sqlx::query(
+        "INSERT INTO lease_requests (request_id, request_digest, lease_id, key_id, granted_at)
+         VALUES ('long-gone', 'digest', gen_random_uuid(), 'k', now() - interval '2 hours')",
+    )
+    .execute(&database.pool(1).await)
+    .await
+    .unwrap();
+    let out = credpool(
+        &database,
+        MASTER_KEY,
+        None,
+        &["maintenance", "--json"],
+        None,
+    )
+    .await;
+    assert!(out.success, "{}", out.stderr);
+    let report: Value = serde_json::from_str(out.stdout.trim()).unwrap();
+    let steps: Vec<String> = sqlx::query_scalar(
+        "SELECT name FROM generate_series(1, 100) AS i,
+                LATERAL credpool_maintenance_step(i, interval '30 days') WHERE name IS NOT NULL
+         ORDER BY i",
+    )
+    .fetch_all(&database.pool(1).await)
+    .await
+    .unwrap();
+    assert_eq!(steps.len(), 8, "{steps:?}");
+    let reported: Vec<&String> = report.as_object().unwrap().keys().collect();
+    for step in &steps {
+        assert!(reported.contains(&step), "{step} missing from {report}");
+    }
+    assert_eq!(report["request_ids_purged"], 1, "{report}");
+
+    let out = credpool(&database, MASTER_KEY, None, &["maintenance"], None).await;
+    assert!(out.success, "{}", out.stderr);
+    for said in [
+        "reaped 0 expired leases",
+        "refitted 0 credentials",
+        "recorded 0 ended cooldowns",
+        "purged 0 audit rows and 0 request ids",
+        "pool version rows",
+        "refitted 0 tenants",
+        "purged 0 affinity bindings",
+    ] {
+        assert!(
+            out.stdout.contains(said),
+            "{said:?} missing from {}",
+            out.stdout
+        );
+    }
+}
+
+#[tokio::test]
 async fn an_import_with_any_bad_entry_writes_nothing() {
     let database = TestDatabase::create().await;
     let mut bad = serde_json::from_str::<Value>(&entry("bad", "default", 1)).unwrap();

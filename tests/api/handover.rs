@@ -145,6 +145,42 @@ async fn a_claim_is_served_while_a_cleanup_pass_is_still_purging() {
 }
 
 #[tokio::test]
+async fn a_claim_binding_a_conversation_never_waits_for_the_cooldown_recorder() {
+    // The only credential's cooldown has ended; a cleanup pass records that (`cooldowns_recorded`)
+    // and has not committed yet. A claim with an affinity_key is served by that credential and
+    // writes a new binding, whose foreign key takes a key share lock on the credential row.
+    // Before, the recorder held that row FOR UPDATE, and the claim waited for the pass to commit.
+    let app = TestApp::spawn().await;
+    app.put_key("k", "openai", "default", &["gpt-4o"], 1).await;
+    app.set_status("k", "cooldown", Some(-1.0)).await;
+    let mut pass = connect(&app).await;
+    pass.execute("BEGIN").await.unwrap();
+    let recorded: i32 = sqlx::query_scalar("SELECT credpool_recover_cooldowns()")
+        .fetch_one(&mut pass)
+        .await
+        .unwrap();
+    assert_eq!(recorded, 1);
+    let mut body = gpt4o(600);
+    body["affinity_key"] = json!("conversation-1");
+    let served = tokio::time::timeout(Duration::from_secs(5), app.allocate(body)).await;
+    pass.execute("COMMIT").await.unwrap();
+    let served = json_body(
+        served.expect("the claim waited for the cleanup pass's lock on its credential row"),
+        StatusCode::OK,
+    )
+    .await;
+    assert_eq!(served["key_id"], "k");
+    assert_eq!(served["affinity"], "new", "{served}");
+    let bound: String = sqlx::query_scalar(
+        "SELECT key_id FROM affinity_bindings WHERE affinity_key = 'conversation-1'",
+    )
+    .fetch_one(&app.db)
+    .await
+    .unwrap();
+    assert_eq!(bound, "k");
+}
+
+#[tokio::test]
 async fn a_freed_slot_whose_announcement_never_came_still_reaches_a_waiter() {
     // Another process released the only lease and stopped before announcing it (a release that
     // leaves the announcement to its caller, which never makes it). Before, the waiter slept

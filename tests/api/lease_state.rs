@@ -295,6 +295,87 @@ async fn an_import_and_a_release_group_never_deadlock() {
 }
 
 #[tokio::test]
+async fn a_release_group_with_an_auth_expired_report_and_a_late_report_never_deadlocks() {
+    // Release group G reports `auth_expired` on a live lease of `k` and, late, an outcome for an
+    // expired lease of `k` that another group (stepped by hand here, in the lock order: its late
+    // report's trail row, then the credential row) reported first. Before, G locked every row of
+    // `k` up front, the credential row included (credpool_lock_credentials), and then waited for
+    // the other group's trail row, while that group waited for the credential row: a deadlock.
+    // Now G takes the credential rows after its trail rows, like every release.
+    let app = TestApp::spawn().await;
+    app.put_key("k", "openai", "default", &["gpt-4o"], 2).await;
+    let live = lease(&app, "default").await;
+    let short = json_body(
+        app.allocate(
+            json!({"provider": "openai", "model": "gpt-4o", "pool": "default", "lease_seconds": 1}),
+        )
+        .await,
+        StatusCode::OK,
+    )
+    .await;
+    tokio::time::sleep(Duration::from_millis(1_200)).await;
+    let reaped: i32 = sqlx::query_scalar("SELECT credpool_reap_expired_leases()")
+        .fetch_one(&app.db)
+        .await
+        .unwrap();
+    assert_eq!(reaped, 1, "the short lease left its slot");
+    let before = deadlocks(&app).await;
+
+    // the other group: its late report's trail row (lease_events_one_report_per_lease)
+    let mut other = connect(&app).await;
+    other.execute("BEGIN").await.unwrap();
+    sqlx::query(
+        "INSERT INTO lease_events
+             (event, lease_id, key_id, provider, pool, slot, holder, outcome, lease_until, at, tenant)
+         SELECT 'outcome_after_expiry', lease_id, key_id, provider, pool, slot, holder, 'failure',
+                lease_until, clock_timestamp(), tenant
+         FROM lease_events WHERE lease_id = $1::text::uuid AND event = 'granted'",
+    )
+    .bind(short["lease_id"].as_str().unwrap())
+    .execute(&mut other)
+    .await
+    .unwrap();
+
+    // G: waits for that trail row
+    let mut group = connect(&app).await;
+    let group_pid = backend_pid(&mut group).await;
+    let body = json!([
+        {"lease_id": live["lease_id"], "key_id": "k", "provider": "openai", "pool": "default",
+         "fence": null, "outcome": "auth_expired", "usage_tokens": null},
+        {"lease_id": short["lease_id"], "key_id": "k", "provider": "openai", "pool": "default",
+         "fence": null, "outcome": "failure", "usage_tokens": null},
+    ]);
+    let releasing = tokio::spawn(async move {
+        group.execute("BEGIN").await?;
+        let verdicts: Vec<String> =
+            sqlx::query_scalar("SELECT verdict FROM credpool_release($1) ORDER BY release")
+                .bind(body)
+                .fetch_all(&mut group)
+                .await?;
+        group.execute("COMMIT").await?;
+        Ok::<_, sqlx::Error>(verdicts)
+    });
+    until_waiting(&app, group_pid).await;
+
+    // the other group goes on, in the lock order: the credential row of its outcome
+    let locked = sqlx::query("SELECT 1 FROM credentials WHERE key_id = 'k' FOR NO KEY UPDATE")
+        .execute(&mut other)
+        .await;
+    let committed = other.execute("COMMIT").await;
+    let verdicts = tokio::time::timeout(Duration::from_secs(20), releasing)
+        .await
+        .expect("the release group hung")
+        .unwrap();
+    locked.expect("the other group's lock of the credential row failed");
+    committed.unwrap();
+    let verdicts = verdicts.expect("the release group failed");
+    // the late report counted once, the other group's
+    assert_eq!(verdicts, ["released", "not_found"]);
+    assert_eq!(app.in_flight("k").await, 0);
+    assert_eq!(deadlocks(&app).await, before, "a deadlock was detected");
+}
+
+#[tokio::test]
 async fn a_claim_for_a_request_id_whose_lease_expired_does_not_wait_for_a_refit() {
     // A claim transaction that holds one slot of a credential, then claims for a request_id
     // whose earlier lease expired in another slot of it, while a refit of the credential holds

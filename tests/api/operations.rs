@@ -227,18 +227,6 @@ async fn the_openapi_document_covers_every_served_route_with_its_status_codes() 
     );
 }
 
-/// The value of one series of `credpool_allocations_total` in a Prometheus text page.
-fn allocations(page: &str, provider: &str, result: &str) -> f64 {
-    page.lines()
-        .filter(|l| l.starts_with("credpool_allocations_total{"))
-        .filter(|l| {
-            l.contains(&format!("provider=\"{provider}\""))
-                && l.contains(&format!("result=\"{result}\""))
-        })
-        .map(|l| l.rsplit(' ').next().unwrap().parse::<f64>().unwrap())
-        .sum()
-}
-
 async fn metrics(client: &reqwest::Client, base: &str) -> String {
     client
         .get(format!("{base}/metrics"))

@@ -11,7 +11,7 @@ use sqlx::Row;
 use credpool_test_support::*;
 
 use crate::BIN;
-use crate::lease_state::{Hook, backend_pid, hooked, until_waiting};
+use crate::lease_state::{Hook, backend_pid, hooked, until_waiting, wait_for_lock_waiters};
 
 /// An operator's request with the admin key to `base` + `path`.
 async fn admin(
@@ -482,6 +482,146 @@ async fn a_revoked_key_is_refused_on_every_replica_as_soon_as_the_delete_answere
 }
 
 #[tokio::test]
+async fn a_key_of_another_tenant_neither_renews_nor_releases_a_lease() {
+    // Tenant B holds a lease. Tenant A's live key, and the internal key (tenant `default`), name
+    // it by all of its values: both are answered as an unknown key would be (401), and nothing
+    // changes. Before, any live key renewed or released any tenant's lease.
+    let app = TestApp::spawn().await;
+    let base = app.url("");
+    app.put_key("k", "openai", "default", &["gpt-4o"], 2).await;
+    put_tenant(&app.client, &base, "team-a", json!({})).await;
+    put_tenant(
+        &app.client,
+        &base,
+        "team-b",
+        json!({"max_concurrent_leases": 2}),
+    )
+    .await;
+    let (_, key_a) = mint(&app.client, &base, "team-a").await;
+    let (_, key_b) = mint(&app.client, &base, "team-b").await;
+    let lease = json_body(
+        allocate(&app.client, &base, &key_b, "default").await,
+        StatusCode::OK,
+    )
+    .await;
+    assert_eq!(lease["tenant"], "team-b");
+    let mut renew = lease_ref(&lease);
+    renew["fence"] = lease["fence"].clone();
+    renew["lease_seconds"] = json!(900);
+    let mut release = lease_ref(&lease);
+    release["fence"] = lease["fence"].clone();
+    release["outcome"] = json!("rate_limited");
+    let tenant_slots = || async {
+        sqlx::query_scalar::<_, Option<String>>(
+            "SELECT string_agg(to_jsonb(t)::text, E'\\n' ORDER BY t.tenant_id, t.slot) FROM tenant_slots t",
+        )
+        .fetch_one(&app.db)
+        .await
+        .unwrap()
+    };
+    let (before, slots_before) = (app.snapshot().await, tenant_slots().await);
+    for key in [key_a.as_str(), INTERNAL_KEY] {
+        for (path, body) in [
+            ("/api/internal/renew-lease", &renew),
+            ("/api/internal/release-key", &release),
+        ] {
+            assert_error(
+                executor(&app.client, &base, path, key, body.clone()).await,
+                StatusCode::UNAUTHORIZED,
+                "unauthorized",
+            )
+            .await;
+        }
+    }
+    assert_eq!(
+        app.snapshot().await,
+        before,
+        "another tenant's key changed the lease, its credential or the trail"
+    );
+    assert_eq!(tenant_slots().await, slots_before);
+    assert_eq!(app.in_flight("k").await, 1, "the lease is no longer live");
+
+    // its own tenant renews and releases it
+    json_body(
+        executor(
+            &app.client,
+            &base,
+            "/api/internal/renew-lease",
+            &key_b,
+            renew.clone(),
+        )
+        .await,
+        StatusCode::OK,
+    )
+    .await;
+    let released = json_body(
+        executor(
+            &app.client,
+            &base,
+            "/api/internal/release-key",
+            &key_b,
+            release.clone(),
+        )
+        .await,
+        StatusCode::OK,
+    )
+    .await;
+    assert_eq!(released["released"], true, "{released}");
+    assert_eq!(app.in_flight("k").await, 0);
+    // and a report on the ended lease with another tenant's key is refused too (no late report)
+    let before = app.snapshot().await;
+    assert_error(
+        executor(
+            &app.client,
+            &base,
+            "/api/internal/release-key",
+            &key_a,
+            release,
+        )
+        .await,
+        StatusCode::UNAUTHORIZED,
+        "unauthorized",
+    )
+    .await;
+    assert_eq!(app.snapshot().await, before);
+}
+
+#[tokio::test]
+async fn a_store_failure_reading_the_key_is_a_503_counted_as_store_unavailable() {
+    // An allocate the pool cannot serve is answered without a claim, so its key is read then;
+    // when that read fails, the answer is 503 `store_unavailable`, and the allocations counter
+    // must say so too. Before, it counted the 503 under `unauthorized`.
+    let app = TestApp::spawn().await;
+    let base = app.url("");
+    let provider = format!("keyread{}", hex::encode(rand::random::<[u8; 3]>()));
+    app.put_key("k", &provider, "default", &["gpt-4o"], 1).await;
+    put_tenant(&app.client, &base, "team", json!({})).await;
+    let (_, key) = mint(&app.client, &base, "team").await;
+    // the key's table is gone for this database: reading any key fails
+    sqlx::query("ALTER TABLE tenant_keys RENAME TO tenant_keys_away")
+        .execute(&app.db)
+        .await
+        .unwrap();
+    let body = json!({"provider": provider, "model": "gpt-4o", "pool": "nowhere",
+                      "lease_seconds": 60});
+    assert_error(
+        executor(&app.client, &base, "/api/internal/allocate-key", &key, body).await,
+        StatusCode::SERVICE_UNAVAILABLE,
+        "store_unavailable",
+    )
+    .await;
+    let page = app.metrics().await;
+    assert_eq!(
+        (
+            allocations(&page, &provider, "store_unavailable"),
+            allocations(&page, &provider, "unauthorized")
+        ),
+        (1.0, 0.0),
+        "the 503 counted as (store_unavailable, unauthorized)"
+    );
+}
+
+#[tokio::test]
 async fn a_tenant_key_is_shown_once_and_never_again() {
     let app = TestApp::spawn().await;
     let base = app.url("");
@@ -576,6 +716,8 @@ async fn bad_tenant_input_gets_a_stable_4xx_and_changes_nothing() {
     let before = snapshot().await;
     for (id, body) in [
         ("team", json!({"max_concurrent_leases": -1})),
+        // a cap of 0 would answer every allocate 429 tenant_limit, forever
+        ("team", json!({"max_concurrent_leases": 0})),
         ("team", json!({"max_concurrent_leases": 100_001})),
         ("team", json!({"max_concurrent_leases": "3"})),
         ("team", json!({"weight": 0})),
@@ -839,6 +981,60 @@ async fn a_claim_paused_before_the_tenant_lock_never_takes_a_row_another_claim_f
     assert_eq!(held, 1);
     let (ok, report) = audit_verify(BIN, &app.database).await;
     assert!(ok, "{report}");
+}
+
+#[tokio::test]
+async fn a_release_takes_its_tenant_row_right_after_its_slot_row_before_any_window_row() {
+    // The lock order puts tenant slot rows right after slot rows and before lease_windows rows.
+    // A release reporting usage (which locks its credential's lease_windows row) meets its
+    // lease's tenant row held by another transaction: while it waits there it must hold no
+    // lease_windows row. Before, it locked the windows row first and the tenant row only when it
+    // ended the lease, so a third transaction found the windows row taken.
+    let app = TestApp::spawn().await;
+    let base = app.url("");
+    app.put_key("k", "openai", "default", &["gpt-4o"], 2).await;
+    put_tenant(
+        &app.client,
+        &base,
+        "team",
+        json!({"max_concurrent_leases": 2}),
+    )
+    .await;
+    let (_, key) = mint(&app.client, &base, "team").await;
+    let lease = json_body(
+        allocate(&app.client, &base, &key, "default").await,
+        StatusCode::OK,
+    )
+    .await;
+    let mut holder = app.db.begin().await.unwrap();
+    sqlx::query("SELECT 1 FROM tenant_slots WHERE lease_id = $1::text::uuid FOR UPDATE")
+        .bind(lease["lease_id"].as_str().unwrap())
+        .execute(&mut *holder)
+        .await
+        .unwrap();
+    let mut release = lease_ref(&lease);
+    release["outcome"] = json!("success");
+    release["usage"] = json!({"tokens": 10});
+    let releasing = {
+        let (client, base, key) = (app.client.clone(), base.clone(), key.clone());
+        tokio::spawn(async move {
+            executor(&client, &base, "/api/internal/release-key", &key, release).await
+        })
+    };
+    wait_for_lock_waiters(&app, 1).await;
+    let mut third = app.db.begin().await.unwrap();
+    let window = sqlx::query("SELECT 1 FROM lease_windows WHERE key_id = 'k' FOR UPDATE NOWAIT")
+        .execute(&mut *third)
+        .await;
+    third.rollback().await.unwrap();
+    holder.rollback().await.unwrap();
+    let released = json_body(releasing.await.unwrap(), StatusCode::OK).await;
+    assert!(
+        window.is_ok(),
+        "the release waiting for its tenant row held its credential's lease_windows row: {window:?}"
+    );
+    assert_eq!(released["released"], true, "{released}");
+    assert_eq!(app.in_flight("k").await, 0);
 }
 
 #[tokio::test]

@@ -26,20 +26,27 @@
 //! A deadlock needs a cycle of transactions each waiting for a lock another holds. Every kind of
 //! group is one call of its SQL function (`sql/lease.sql`), and those follow one lock order
 //! (docs/design.md, "Lock order"):
-//! - A claim group never waits for a lock: each claim takes its slot row (and, for a credential
-//!   with rate windows, its lease_windows row) with SKIP LOCKED, request ids' advisory locks with
-//!   a try-lock, and writes nothing else that another transaction holds (the credential row is
-//!   only read; trail rows are fresh inserts; affinity bindings only under their keys' advisory
-//!   try-locks and where their rows were locked with SKIP LOCKED or do not exist). A claim group is therefore in no cycle, whatever
-//!   the order of its claims.
-//! - A release group locks its leases' slot rows in ascending (key_id, slot) order in one
-//!   statement, then the lease_windows rows of the usage it reports in ascending key_id order,
-//!   then trail rows guarded by unique indexes in lease_id order, then the credential rows of the
-//!   outcomes in ascending key_id order in one statement. A renewal group locks its leases' slot
-//!   rows in ascending (key_id, slot) order in one statement. Every other transaction (operator
-//!   changes, refits, the cleanup pass) takes slot rows, then lease_windows rows, then credential
-//!   rows, each kind sorted; pool versions are per backend and never waited for. Transactions
-//!   that take their locks in one global order cannot form a cycle.
+//! - A claim group never waits for a lock: each claim takes its slot row (and, for a capped
+//!   tenant, a tenant slot row; for a credential with rate windows, its lease_windows row) with
+//!   SKIP LOCKED, request ids' and affinity keys' advisory locks with a try-lock, and writes
+//!   nothing else that another transaction holds (the credential row is only read; trail rows
+//!   are fresh inserts; affinity bindings only where their rows were locked with SKIP LOCKED or
+//!   do not exist, and the key share lock a new binding's foreign key takes on the credential
+//!   row conflicts only with transactions that hold every slot row of that credential first,
+//!   which cannot run while this claim holds one). A claim group is therefore in no cycle,
+//!   whatever the order of its claims.
+//! - A release group (with an `auth_expired` report: after the operator locks and every slot,
+//!   tenant slot and lease_windows row of the credentials it names) locks its leases' slot rows
+//!   in ascending (key_id, slot) order in one statement, then their tenant slot rows in
+//!   ascending (tenant_id, slot) order, then the lease_windows rows of the usage it reports in
+//!   ascending key_id order, then trail rows guarded by unique indexes in lease_id order, then
+//!   the credential rows of the outcomes in ascending key_id order in one statement. A renewal
+//!   group locks its leases' slot rows, then their tenant slot rows, each kind sorted in one
+//!   statement. Every other transaction (operator changes, refits, tenant fits, the cleanup
+//!   pass) takes its locks in the same order (operator locks, a tenant's advisory lock, slot
+//!   rows, tenant slot rows, lease_windows rows, credential rows, OAuth rows: docs/design.md,
+//!   "Lock order"), each kind sorted; pool versions are per backend and never waited for. Transactions that take their
+//!   locks in one global order cannot form a cycle.
 //!
 //! If PostgreSQL nevertheless aborts a group (a timeout, a lost connection), the whole group is
 //! rolled back and every request in it is answered 503.
@@ -300,7 +307,8 @@ impl Operation for Claim {
                 outcome: None,
                 retry_after_seconds: None,
                 usage_tokens: None,
-                caller: None,
+                // the claim's own key: a lease is released only by a key of its tenant
+                caller: self.caller,
             };
             match leases::release_on(conn, &release, &HealthPolicy::default()).await {
                 Ok(_) => {

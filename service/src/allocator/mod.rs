@@ -350,8 +350,10 @@ impl Allocator {
         self.waits.stop_waiting();
     }
 
-    /// Renews a lease (through the next renewal group): the new lease_until, or `None` when the
-    /// lease is lost.
+    /// Renews a lease (through the next renewal group) for the caller presenting key `caller`
+    /// (`None`: the internal key, tenant `default`): [`Renewed`](crate::store::leases::Renewed),
+    /// the new lease_until, lost, or unauthorized (the key is not live, or is another tenant's
+    /// than the lease's).
     pub async fn renew(
         &self,
         lease: LeaseRef,
@@ -641,18 +643,20 @@ impl Allocator {
             return Err(AllocateError::RequestIdConflict);
         }
         match result.granted {
-            Some(granted) => Ok(Some(self.hand_out(&request.provider, granted).await?)),
+            Some(granted) => Ok(Some(self.hand_out(request, granted).await?)),
             None => Ok(None),
         }
     }
 
     /// Opens a granted lease's secret and makes it an [`Allocation`]. A secret that cannot be
-    /// opened gives the slot back at once rather than strand it until lease_until.
+    /// opened gives the slot back at once rather than strand it until lease_until (released with
+    /// the request's own key: a lease is released only by a key of its tenant).
     async fn hand_out(
         &self,
-        provider: &ProviderName,
+        request: &AllocateRequest,
         granted: leases::GrantedLease,
     ) -> Result<Allocation, AllocateError> {
+        let provider = &request.provider;
         let credential = match self.keyring.open(&granted.key_id, &granted.sealed_secret) {
             Ok(credential) => credential,
             Err(error) => {
@@ -667,7 +671,7 @@ impl Allocator {
                     outcome: None,
                     retry_after_seconds: None,
                     usage_tokens: None,
-                    caller: None,
+                    caller: request.caller,
                 };
                 self.groups
                     .release(release, &HealthPolicy::default(), &self.waits)
@@ -832,7 +836,7 @@ impl Allocator {
                         }
                     });
                 }
-                return self.hand_out(provider, granted).await.map(Ok);
+                return self.hand_out(request, granted).await.map(Ok);
             }
             tracing::debug!(
                 candidates = batch.len(),

@@ -283,7 +283,12 @@ async fn allocate(
                     );
                     (error.into_response(), labels)
                 }
-                Err(refused) => (refused.into_response(), outcome("", "", "unauthorized")),
+                // a key unknown or revoked (401), or a store that failed to say (503): the
+                // label is the answer's code
+                Err(refused) => {
+                    let (_, code) = refused.status_and_code();
+                    (refused.into_response(), outcome("", "", code))
+                }
             }
         }
     };
@@ -343,7 +348,7 @@ struct ReleaseResponse {
     responses(
         (status = 200, description = "`released: true`, or `released: false` with `reason` `mismatch`, `expired` or `not_found` (nothing released)", body = ReleaseResponse),
         (status = 400, description = "`invalid_request`", body = ErrorBody),
-        (status = 401, description = "`unauthorized`", body = ErrorBody),
+        (status = 401, description = "`unauthorized`: missing or wrong key, or a key of another tenant than the lease's (nothing released or reported)", body = ErrorBody),
         (status = 413, description = "`payload_too_large`", body = ErrorBody),
         (status = 415, description = "`unsupported_media_type`", body = ErrorBody),
         (status = 503, description = "`store_unavailable`", body = ErrorBody),
@@ -375,8 +380,8 @@ async fn release(
         outcome: body.outcome,
         retry_after_seconds: body.retry_after_seconds,
         usage_tokens: tokens(body.usage.map(|u| u.tokens), "usage.tokens")?,
-        // a tenant key is checked by the release statement itself: a revoked key releases
-        // nothing (the lease frees at its lease_until)
+        // the key is checked by the release statement itself: a revoked key, or a key of
+        // another tenant than the lease's, releases nothing (the lease frees at its lease_until)
         caller: key.tenant_key(),
     };
     let result = state.allocator.release(request.clone()).await?;
@@ -446,7 +451,7 @@ struct RenewResponse {
     responses(
         (status = 200, description = "renewed", body = RenewResponse),
         (status = 400, description = "`invalid_request`", body = ErrorBody),
-        (status = 401, description = "`unauthorized`", body = ErrorBody),
+        (status = 401, description = "`unauthorized`: missing or wrong key, or a key of another tenant than the lease's (nothing renewed)", body = ErrorBody),
         (status = 410, description = "`lease_lost`: expired, unknown, released or mismatched; stop using the credential", body = ErrorBody),
         (status = 413, description = "`payload_too_large`", body = ErrorBody),
         (status = 415, description = "`unsupported_media_type`", body = ErrorBody),
@@ -466,7 +471,8 @@ async fn renew(
         lease_id: body.lease_id,
         fence: fence(body.fence)?,
     };
-    // a tenant key is checked by the renewal statement itself: a revoked key renews nothing
+    // the key is checked by the renewal statement itself: a revoked key, or a key of another
+    // tenant than the lease's, renews nothing
     match state
         .allocator
         .renew(lease, seconds, key.tenant_key())

@@ -38,11 +38,12 @@ fn tenant_id(raw: String) -> Result<TenantId, ApiError> {
 #[derive(Debug, Deserialize, utoipa::ToSchema)]
 #[serde(deny_unknown_fields)]
 struct TenantInput {
-    /// Live leases the tenant may hold at once over every credential, 0..=100000; absent or
+    /// Live leases the tenant may hold at once over every credential, 1..=100000; absent or
     /// `null`: no cap. Decided in the claim across every replica; at the cap an allocate gets
     /// 429 `tenant_limit`. Lowering it under load revokes nothing: the tenant grants nothing
-    /// until it is back under.
-    #[schema(minimum = 0, maximum = 100000)]
+    /// until it is back under. 0 is refused (400 `invalid_request`): a tenant that may hold no
+    /// lease would be answered 429 forever; revoke its keys instead.
+    #[schema(minimum = 1, maximum = 100000)]
     max_concurrent_leases: Option<u64>,
     /// Its share of a saturated pool, 1..=1000 (default 1). Stored; fair share when requests
     /// wait comes with a later release.
@@ -80,12 +81,15 @@ async fn put_tenant(
     let max_concurrent_leases = body
         .max_concurrent_leases
         .map(|cap| {
-            (cap <= MAX_CAP).then_some(cap as i32).ok_or_else(|| {
-                InvalidValue::new(
-                    "max_concurrent_leases",
-                    format!("must be an integer from 0 to {MAX_CAP}"),
-                )
-            })
+            (1..=MAX_CAP)
+                .contains(&cap)
+                .then_some(cap as i32)
+                .ok_or_else(|| {
+                    InvalidValue::new(
+                        "max_concurrent_leases",
+                        format!("must be an integer from 1 to {MAX_CAP}, or null for no cap"),
+                    )
+                })
         })
         .transpose()?;
     let weight = match body.weight {

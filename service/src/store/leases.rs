@@ -429,8 +429,8 @@ pub enum NotReleased {
     Expired,
     /// No such lease: never granted, already released, or its slot was reused after expiry.
     NotFound,
-    /// The tenant key presented names no live key (revoked, or never minted): nothing was
-    /// looked at. Answered 401, never as a release's `reason`.
+    /// The key presented names no live key (revoked, or never minted), or a key of another
+    /// tenant than the lease's: nothing was done. Answered 401, never as a release's `reason`.
     Unauthorized,
 }
 
@@ -447,8 +447,9 @@ pub struct ReleaseRequest {
     /// reservation in its credential's token windows.
     pub usage_tokens: Option<u64>,
     /// The tenant key the executor presented (its hash), checked by the release statement itself
-    /// (a revoked or unknown key releases nothing: [`NotReleased::Unauthorized`]); `None`: the
-    /// configured internal key, or the service itself.
+    /// (a revoked or unknown key, or a key of another tenant than the lease's, releases nothing:
+    /// [`NotReleased::Unauthorized`]); `None`: the configured internal key (tenant `default`).
+    /// The service giving a lease back passes the key that claimed it.
     pub caller: Option<crate::domain::TenantKeyHash>,
 }
 
@@ -723,9 +724,11 @@ fn rfc3339(at: OffsetDateTime) -> String {
 
 /// Renews leases (SQL function `credpool_renew`): each live lease named by all of its values gets
 /// `lease_until = now + lease_seconds` (database clock) and a `renewed` trail row, in ONE
-/// statement for the whole group. Returns, per renewal in order, the new lease_until, or `None`
-/// when the lease is lost (expired, unknown, released, or named with a wrong
-/// key_id/provider/pool/fence). Never resurrects an expired lease.
+/// statement for the whole group. Each renewal names its lease, its length and the hash of the
+/// key its caller presented (`None`: the configured internal key, tenant `default`). Returns, per
+/// renewal in order, what it did ([`Renewed`]): the new lease_until; lost (expired, unknown,
+/// released, or named with a wrong key_id/provider/pool/fence); or unauthorized (the key is not
+/// live, or is another tenant's than the lease's). Never resurrects an expired lease.
 #[tracing::instrument(skip_all, fields(renewals = renewals.len()), err(level = "debug"))]
 pub async fn renew_group(
     executor: impl PgExecutor<'_>,
@@ -781,12 +784,13 @@ pub enum Renewed {
     /// The lease is lost (expired, unknown, released, or named with a wrong
     /// key_id/provider/pool/fence).
     Lost,
-    /// The tenant key presented names no live key: nothing was looked at (401).
+    /// The key presented names no live key, or a key of another tenant than the lease's:
+    /// nothing was renewed (401).
     Unauthorized,
 }
 
-/// [`renew_group`] for one lease, renewed by the service itself (no tenant key to check): the
-/// new lease_until, or `None` when the lease is lost.
+/// [`renew_group`] for one lease, renewed with the configured internal key (tenant `default`):
+/// the new lease_until, or `None` when the lease is lost or held by another tenant.
 pub async fn renew(
     executor: impl PgExecutor<'_>,
     lease: &LeaseRef,

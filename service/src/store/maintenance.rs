@@ -1,5 +1,8 @@
-//! Scheduling the cleanup functions of `sql/maintenance.sql` (`credpool_maintenance`: reap expired
-//! leases, record ended cooldowns, purge old audit rows): with pg_cron when it is installed
+//! Scheduling the cleanup pass of `sql/maintenance.sql` (`credpool_maintenance`, its steps in
+//! `credpool_maintenance_step`, in this order: reap expired leases, refit credentials back under a
+//! lowered limit, record ended cooldowns, purge old audit rows, purge old request ids, fold the
+//! pool versions of exited backends, refit tenants over a lowered cap, purge expired (and, over
+//! their cap, the least recently hit) affinity bindings): with pg_cron when it is installed
 //! (`credpool cron install`), else by each service process, one replica per tick.
 
 use std::time::Duration;
@@ -10,16 +13,23 @@ use sqlx::{ConnectOptions, Connection};
 
 use super::Db;
 
-/// What one maintenance pass did.
+/// What one maintenance pass did: one field per step of `credpool_maintenance_step`, in its
+/// order (a step skipped because another session ran it counts 0).
 #[derive(Debug, Clone, Default, Serialize, serde::Deserialize, PartialEq, Eq)]
 #[serde(default)]
 pub struct MaintenanceReport {
-    /// Expired leases ended in the trail and freed.
+    /// Expired leases ended in the trail and freed (`credpool_reap_expired_leases`).
     pub expired_leases_reaped: i64,
-    /// Ended cooldowns recorded.
+    /// Credentials over a lowered limit fitted again (`credpool_refit_over_limit`).
+    pub credentials_refitted: i64,
+    /// Ended cooldowns recorded (`credpool_recover_cooldowns`).
     pub cooldowns_recorded: i64,
-    /// Audit rows past retention deleted.
+    /// Audit rows past retention deleted (`credpool_purge_audit`).
     pub audit_rows_purged: i64,
+    /// Request ids of ended leases deleted (`credpool_purge_requests`).
+    pub request_ids_purged: i64,
+    /// Pool version rows of exited backends folded (`credpool_compact_pool_versions`).
+    pub pool_versions_folded: i64,
     /// Tenants over a lowered cap fitted again (`credpool_refit_tenants`).
     pub tenants_refitted: i64,
     /// Affinity bindings deleted: expired, or the least recently hit beyond the cap
@@ -111,8 +121,11 @@ pub fn spawn_scheduler(
                     crate::telemetry::expired("reaper", report.expired_leases_reaped.max(0) as u64);
                     tracing::info!(
                         reaped = report.expired_leases_reaped,
+                        credentials_refitted = report.credentials_refitted,
                         cooldowns = report.cooldowns_recorded,
                         purged = report.audit_rows_purged,
+                        request_ids = report.request_ids_purged,
+                        pool_versions = report.pool_versions_folded,
                         tenants_refitted = report.tenants_refitted,
                         affinity_bindings = report.affinity_bindings_purged,
                         "maintenance pass"

@@ -23,7 +23,8 @@ use crate::domain::{TenantId, TenantKey, TenantKeyHash};
 pub struct TenantSpec {
     /// The tenant.
     pub tenant_id: TenantId,
-    /// Live leases it may hold at once over every credential (0..=100000); `None`: no cap.
+    /// Live leases it may hold at once over every credential (1..=100000; the API refuses 0);
+    /// `None`: no cap.
     pub max_concurrent_leases: Option<i32>,
     /// Its share of a saturated pool (1..=1000; fair share is a later slice).
     pub weight: i32,
@@ -341,14 +342,16 @@ async fn key_event(
     Ok(())
 }
 
-/// The tenant of a live key with this hash; `None` for a key that is unknown or revoked. For the
-/// executor calls that do not claim (renew, release): one index probe, read at the call, so a
+/// The tenant of a live key with this hash; `None` for a key that is unknown or revoked (SQL
+/// function `credpool_key_tenant`, the definition renew and release check keys with in their own
+/// statement). For an allocate answered without a claim (a 404 or 409 judged from the pool, a
+/// store failure), whose key the claim did not check: one index probe, read at the call, so a
 /// revoke is seen by every replica as soon as it has committed.
 pub async fn key_tenant(db: &Db, hash: TenantKeyHash) -> Result<Option<TenantId>, sqlx::Error> {
     let mut work = db.work().await?;
     let tenant = sqlx::query_scalar!(
-        "SELECT tenant_id FROM tenant_keys WHERE key_hash = $1 AND revoked_at IS NULL",
-        &hash.0[..],
+        r#"SELECT k.tenant AS "tenant!" FROM credpool_key_tenant($1) AS k (tenant)"#,
+        hash.to_hex(),
     )
     .fetch_optional(&mut *work)
     .await?;
