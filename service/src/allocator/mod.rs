@@ -395,7 +395,9 @@ impl Allocator {
     /// lease_id, no second slot; `RequestIdConflict` when it was granted for other parameters).
     /// With a `wait`, a request that finds every candidate busy waits up to that long for a slot
     /// ([`waiting`]) and claims again whenever one may have freed; when the wait is over it
-    /// answers as an immediate request would at that moment.
+    /// answers as an immediate request would at that moment. Its claims yield to a waiting
+    /// tenant further below its weighted share of the pool (docs/design.md "Fair share"); a
+    /// request without a wait never yields.
     pub async fn allocate(&self, request: &AllocateRequest) -> Result<Allocation, AllocateError> {
         let request_key = request.request_id.clone().map(|id| {
             RequestKey::new(
