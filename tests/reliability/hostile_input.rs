@@ -1008,6 +1008,131 @@ fn table(lease: &Value) -> Vec<Row> {
         "method_not_allowed",
     );
 
+    // ---- operator: tenants (an accepted row would create, change or delete a tenant, or mint
+    // or revoke a key)
+    let team = "/api/admin/tenants/team";
+    t.on("PUT /api/admin/tenants/{tenant_id}");
+    for (what, body) in [
+        (
+            "max_concurrent_leases 0",
+            json!({"max_concurrent_leases": 0}),
+        ),
+        (
+            "max_concurrent_leases -1",
+            json!({"max_concurrent_leases": -1}),
+        ),
+        (
+            "max_concurrent_leases \"3\"",
+            json!({"max_concurrent_leases": "3"}),
+        ),
+        (
+            "max_concurrent_leases 100001",
+            json!({"max_concurrent_leases": 100_001}),
+        ),
+        ("weight 0", json!({"weight": 0})),
+        ("weight 1001", json!({"weight": 1001})),
+        ("weight 1.5", json!({"weight": 1.5})),
+        (
+            "rate_limits not an array",
+            json!({"rate_limits": {"requests": 1, "seconds": 1}}),
+        ),
+        (
+            "a window of 0 seconds",
+            json!({"rate_limits": [{"requests": 1, "seconds": 0}]}),
+        ),
+        ("unknown field", json!({"priority": "high"})),
+    ] {
+        t.bad(what, admin(Method::PUT, team).json(body));
+    }
+    for (what, path) in [
+        ("tenant_id with a quote", "/api/admin/tenants/team'"),
+        ("tenant_id not UTF-8", "/api/admin/tenants/%FF"),
+        ("tenant_id with a space", "/api/admin/tenants/te%20am"),
+    ] {
+        t.bad(what, admin(Method::PUT, path).json(json!({})));
+    }
+    t.bad(
+        "tenant_id of 65 characters",
+        admin(Method::PUT, &format!("/api/admin/tenants/{}", long(65))).json(json!({})),
+    );
+    t.too_large(
+        "a body of 1 MiB",
+        admin(Method::PUT, team).json(json!({"note": long(MIB)})),
+    );
+    t.media_type(
+        "no Content-Type",
+        admin(Method::PUT, team).json(json!({})).content_type(None),
+    );
+    t.row(
+        "the executor key",
+        admin(Method::PUT, team)
+            .json(json!({}))
+            .header("x-admin-key", Some(INTERNAL_KEY.as_bytes()))
+            .wire(),
+        StatusCode::FORBIDDEN,
+        "forbidden",
+    );
+
+    t.on("GET /api/admin/tenants");
+    t.row(
+        "no key",
+        admin(Method::GET, "/api/admin/tenants")
+            .header("x-admin-key", None)
+            .wire(),
+        StatusCode::UNAUTHORIZED,
+        "unauthorized",
+    );
+
+    t.on("DELETE /api/admin/tenants/{tenant_id}");
+    t.row(
+        "the default tenant",
+        admin(Method::DELETE, "/api/admin/tenants/default").wire(),
+        StatusCode::CONFLICT,
+        "tenant_in_use",
+    );
+    t.row(
+        "a tenant that does not exist",
+        admin(Method::DELETE, team).wire(),
+        StatusCode::NOT_FOUND,
+        "tenant_not_found",
+    );
+    t.bad(
+        "tenant_id with SQL",
+        admin(Method::DELETE, "/api/admin/tenants/team'%20OR%20'1'='1"),
+    );
+
+    t.on("POST /api/admin/tenants/{tenant_id}/keys");
+    t.row(
+        "a tenant that does not exist",
+        admin(Method::POST, "/api/admin/tenants/team/keys").wire(),
+        StatusCode::NOT_FOUND,
+        "tenant_not_found",
+    );
+    t.row(
+        "the executor key",
+        admin(Method::POST, "/api/admin/tenants/default/keys")
+            .header("x-admin-key", Some(INTERNAL_KEY.as_bytes()))
+            .wire(),
+        StatusCode::FORBIDDEN,
+        "forbidden",
+    );
+
+    t.on("DELETE /api/admin/tenants/{tenant_id}/keys/{key_id}");
+    t.row(
+        "a key that does not exist",
+        admin(
+            Method::DELETE,
+            "/api/admin/tenants/default/keys/00000000-0000-0000-0000-000000000000",
+        )
+        .wire(),
+        StatusCode::NOT_FOUND,
+        "tenant_key_not_found",
+    );
+    t.bad(
+        "key_id not a UUID",
+        admin(Method::DELETE, "/api/admin/tenants/default/keys/key-a"),
+    );
+
     t.rows
 }
 
@@ -1067,19 +1192,24 @@ async fn send(app: &TestApp, wire: &Wire, label: &str) -> (StatusCode, String) {
 }
 
 /// Everything the API can write, as text: the helper's snapshot (credentials, slots, lease trail)
-/// plus the operator trail.
+/// plus the operator trail and the tenants, their keys and their trail.
 async fn everything(app: &TestApp) -> String {
-    let operator_trail: Option<String> = sqlx::query_scalar(
-        "SELECT string_agg(to_jsonb(t)::text, E'\\n' ORDER BY t.event_id) FROM credential_events t",
-    )
-    .fetch_one(&app.db)
-    .await
-    .unwrap();
-    format!(
-        "{}== credential_events\n{}\n",
-        app.snapshot().await,
-        operator_trail.unwrap_or_default()
-    )
+    let mut out = app.snapshot().await;
+    for (table, order) in [
+        ("credential_events", "event_id"),
+        ("tenants", "tenant_id"),
+        ("tenant_keys", "key_id"),
+        ("tenant_events", "event_id"),
+    ] {
+        let rows: Option<String> = sqlx::query_scalar(sqlx::AssertSqlSafe(format!(
+            "SELECT string_agg(to_jsonb(t)::text, E'\\n' ORDER BY t.{order}) FROM {table} t"
+        )))
+        .fetch_one(&app.db)
+        .await
+        .unwrap();
+        out.push_str(&format!("== {table}\n{}\n", rows.unwrap_or_default()));
+    }
+    out
 }
 
 #[tokio::test]
