@@ -43,8 +43,8 @@ pub struct TenantDetail {
     pub max_concurrent_leases: Option<i32>,
     /// Its weight.
     pub weight: i32,
-    /// Its rate windows, as set.
-    #[schema(value_type = Object)]
+    /// Its rate windows, as set: an array of `{"requests" | "tokens": N, "seconds": S}`.
+    #[schema(value_type = Vec<Object>)]
     pub rate_limits: serde_json::Value,
     /// Live leases it holds now (lease_until after the database clock), over every credential.
     pub in_flight: i64,
