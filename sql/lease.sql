@@ -478,7 +478,7 @@ $$;
 -- split (2:4:2 of 8 slots for weights 1:2:1) and, unlike leases / weight alone, leaves no tie
 -- between tenants of unequal weights at that split, where a claim that read just before a release
 -- committed would win the tie and take the releasing tenant's slot (measured: the tenant of
--- weight 2 got 42-45% of the grants instead of 50%). A tenant at its own cap (no free tenant
+-- weight 2 got 45.5% of the grants instead of 50%). A tenant at its own cap (no free tenant
 -- slot row) cannot take the slot and is not yielded to, so no slot is ever held back for a
 -- tenant that cannot use it. Read from
 -- the claim's snapshot: a share is a preference between waiters, not a limit (nothing over any
