@@ -108,6 +108,19 @@ fn lease_ref(lease: &Value) -> Value {
            "lease_id": lease["lease_id"]})
 }
 
+/// Creates tenant `id` on `app` with `max_concurrent_leases` `cap` and mints a key for it: the key.
+async fn capped_tenant(app: &TestApp, id: &str, cap: u32) -> String {
+    let base = app.url("");
+    put_tenant(
+        &app.client,
+        &base,
+        id,
+        json!({"max_concurrent_leases": cap}),
+    )
+    .await;
+    mint(&app.client, &base, id).await.1
+}
+
 /// The tenant's line of `GET /api/admin/tenants`.
 async fn tenant_line(client: &reqwest::Client, base: &str, id: &str) -> Value {
     let list = json_body(
@@ -843,14 +856,7 @@ async fn a_lowered_cap_grants_nothing_until_the_tenant_is_back_under_it() {
     let app = TestApp::spawn().await;
     let base = app.url("");
     app.put_key("k", "openai", "default", &["gpt-4o"], 8).await;
-    put_tenant(
-        &app.client,
-        &base,
-        "team",
-        json!({"max_concurrent_leases": 2}),
-    )
-    .await;
-    let (_, key) = mint(&app.client, &base, "team").await;
+    let key = capped_tenant(&app, "team", 2).await;
     let first = json_body(
         allocate(&app.client, &base, &key, "default").await,
         StatusCode::OK,
@@ -922,14 +928,7 @@ async fn a_claim_paused_before_the_tenant_lock_never_takes_a_row_another_claim_f
     let base = app.url("");
     app.put_key("ka", "openai", "a", &["gpt-4o"], 4).await;
     app.put_key("kb", "openai", "b", &["gpt-4o"], 4).await;
-    put_tenant(
-        &app.client,
-        &base,
-        "team",
-        json!({"max_concurrent_leases": 1}),
-    )
-    .await;
-    let (_, key) = mint(&app.client, &base, "team").await;
+    let key = capped_tenant(&app, "team", 1).await;
     let hash: String = sqlx::query_scalar("SELECT encode(sha256(convert_to($1, 'UTF8')), 'hex')")
         .bind(&key)
         .fetch_one(&app.db)
@@ -993,14 +992,7 @@ async fn a_release_takes_its_tenant_row_right_after_its_slot_row_before_any_wind
     let app = TestApp::spawn().await;
     let base = app.url("");
     app.put_key("k", "openai", "default", &["gpt-4o"], 2).await;
-    put_tenant(
-        &app.client,
-        &base,
-        "team",
-        json!({"max_concurrent_leases": 2}),
-    )
-    .await;
-    let (_, key) = mint(&app.client, &base, "team").await;
+    let key = capped_tenant(&app, "team", 2).await;
     let lease = json_body(
         allocate(&app.client, &base, &key, "default").await,
         StatusCode::OK,
@@ -1046,14 +1038,7 @@ async fn a_renewal_keeps_the_tenant_slot_and_an_expiry_frees_it_without_cleanup(
     let app = TestApp::spawn().await;
     let base = app.url("");
     app.put_key("k", "openai", "default", &["gpt-4o"], 8).await;
-    put_tenant(
-        &app.client,
-        &base,
-        "team",
-        json!({"max_concurrent_leases": 1}),
-    )
-    .await;
-    let (_, key) = mint(&app.client, &base, "team").await;
+    let key = capped_tenant(&app, "team", 1).await;
     let short = |seconds: u32| {
         executor(
             &app.client,
@@ -1112,14 +1097,7 @@ async fn a_waiting_allocate_at_its_tenant_cap_is_served_when_the_tenant_releases
     let base = app.url("");
     app.put_key("ka", "openai", "a", &["gpt-4o"], 4).await;
     app.put_key("kb", "openai", "b", &["gpt-4o"], 4).await;
-    put_tenant(
-        &app.client,
-        &base,
-        "team",
-        json!({"max_concurrent_leases": 1}),
-    )
-    .await;
-    let (_, key) = mint(&app.client, &base, "team").await;
+    let key = capped_tenant(&app, "team", 1).await;
     let held = json_body(
         allocate(&app.client, &base, &key, "a").await,
         StatusCode::OK,

@@ -201,7 +201,8 @@ impl AllocateError {
 struct Refusal {
     error: AllocateError,
     frees_in: Option<Duration>,
-    /// The tenant the claims were made for (`None` when no claim ran).
+    /// The tenant a waiting request's claims were made for (`None` when no claim ran, or the
+    /// request does not wait).
     tenant: Option<String>,
     /// The pool where a waiting request's claim yielded, and the tenant it yielded to
     /// (docs/design.md "Fair share").
@@ -224,7 +225,7 @@ impl From<AllocateError> for Refusal {
 struct Pass {
     /// Whether a claim statement ran: with a request_id it has looked for the request's lease.
     claimed: bool,
-    /// The tenant the claims were made for.
+    /// The tenant a waiting request's claims were made for.
     tenant: Option<String>,
     /// The pool where a claim yielded, and the tenant it yielded to.
     yielded_to: Option<(PoolName, String)>,
@@ -772,10 +773,11 @@ impl Allocator {
             };
             let result = self.claim(&claim).await?;
             pass.claimed = true;
-            if result.tenant.is_some() {
-                pass.tenant.clone_from(&result.tenant);
-            }
             if let Some(waiting) = keys.waiting {
+                // (only a waiting request registers a waiter under its tenant)
+                if result.tenant.is_some() {
+                    pass.tenant.clone_from(&result.tenant);
+                }
                 waiting.claimed(
                     result.granted.is_none()
                         && !(result.unauthorized || result.conflict || result.in_flight),
