@@ -705,6 +705,49 @@ async fn a_tenant_key_is_shown_once_and_never_again() {
 }
 
 #[tokio::test]
+async fn a_key_minted_while_its_tenant_is_deleted_is_a_404_and_leaves_no_key() {
+    // An operator deletes the tenant while another mints it a key. The delete holds the tenant's
+    // lock and its row until it commits; the mint must then answer 404 `tenant_not_found` and
+    // leave nothing behind. Before, the mint's INSERT read the tenant from a snapshot taken
+    // while the delete was still open and failed on the foreign key when it committed: a 503
+    // (found by the schema fuzzer).
+    let app = TestApp::spawn().await;
+    let base = app.url("");
+    put_tenant(&app.client, &base, "team", json!({})).await;
+    let mut deleting = app.db.begin().await.unwrap();
+    sqlx::query("SELECT pg_advisory_xact_lock(hashtextextended('credpool.tenant:team', 0))")
+        .execute(&mut *deleting)
+        .await
+        .unwrap();
+    sqlx::query("DELETE FROM tenants WHERE tenant_id = 'team'")
+        .execute(&mut *deleting)
+        .await
+        .unwrap();
+    let minting = {
+        let (client, base) = (app.client.clone(), base.clone());
+        tokio::spawn(async move {
+            admin(
+                &client,
+                &base,
+                reqwest::Method::POST,
+                "/api/admin/tenants/team/keys",
+                None,
+            )
+            .await
+        })
+    };
+    wait_for_lock_waiters(&app, 1).await;
+    deleting.commit().await.unwrap();
+    let refused = json_body(minting.await.unwrap(), StatusCode::NOT_FOUND).await;
+    assert_eq!(refused["error"]["code"], "tenant_not_found", "{refused}");
+    let keys: i64 = sqlx::query_scalar("SELECT count(*) FROM tenant_keys WHERE tenant_id = 'team'")
+        .fetch_one(&app.db)
+        .await
+        .unwrap();
+    assert_eq!(keys, 0, "a key of a deleted tenant was stored");
+}
+
+#[tokio::test]
 async fn bad_tenant_input_gets_a_stable_4xx_and_changes_nothing() {
     let app = TestApp::spawn().await;
     let base = app.url("");

@@ -264,7 +264,8 @@ pub async fn delete(
 }
 
 /// Mints an executor key for a tenant: the key (returned here and never again: only its hash
-/// is stored) and its id. `None` when the tenant does not exist.
+/// is stored) and its id. `None` when the tenant does not exist, or a delete of it commits while
+/// the key is being minted.
 #[tracing::instrument(skip_all, fields(tenant = %tenant), err(level = "debug"))]
 pub async fn mint_key(
     db: &Db,
@@ -274,6 +275,10 @@ pub async fn mint_key(
     let key = TenantKey::generate();
     let key_id = Uuid::new_v4();
     let mut tx = db.begin().await?;
+    // The tenant's lock, as a delete takes it: the INSERT's snapshot then starts after any delete
+    // of the tenant has committed. Without it the INSERT could read the tenant a delete was
+    // removing and fail on the foreign key once the delete committed (a 503, not a 404).
+    lock_tenant(&mut *tx, tenant).await?;
     let inserted = sqlx::query!(
         r#"
         INSERT INTO tenant_keys (key_id, tenant_id, key_hash)
