@@ -35,7 +35,8 @@
 --      `auth_expired` report (RELEASE); claims never take one, the cleanup pass's refit only
 --      tries it.
 --   0b. a tenant's advisory lock, then its `tenants` row (credpool_fit_tenant, an operator's PUT
---      or DELETE of the tenant: one change of a tenant's rows at a time); claims take neither.
+--      or DELETE of the tenant: one change of a tenant's rows at a time). Claims take the
+--      advisory lock in shared mode with a try-lock (never waiting), and not the row.
 --   1. lease_slots rows, ascending (key_id, slot). Claims take theirs with SKIP LOCKED and never
 --      wait. A change of a credential takes every slot row of it (credpool_lock_credentials), and
 --      so does a release group with an `auth_expired` report (RELEASE).
@@ -45,6 +46,8 @@
 --      row; credpool_fit_tenant takes every row of a tenant (after the slot rows of leases it
 --      adopts).
 --   2. lease_windows rows, ascending key_id (claims: SKIP LOCKED, with their slot row).
+--   2b. tenant_windows rows, ascending tenant_id (claims: SKIP LOCKED; RELEASE, for the tenants
+--      of leases released with a usage; credpool_fit_tenant, after the tenant's slot rows).
 --   3. lease_events rows that unique indexes guard (one release / one late report per lease),
 --      ascending lease_id (a release group writes its late reports in that order).
 --   4. credentials rows, ascending key_id.
@@ -602,11 +605,12 @@ $$;
 -- same request_id right now) or 'busy' (nothing granted, but a candidate that may serve at once,
 -- read after the claim, was held by another transaction or changed by one at that moment): for
 -- the last two, claim again in a moment; 'unauthorized' (its key_hash names no live key: nothing
--- done) or 'tenant_limit' (nothing granted: every slot row of its tenant holds a live lease, read
--- after the claim) or 'yield' (nothing looked at: a waiting claim whose pool another tenant, further
+-- done) or 'tenant_limit' (nothing granted: every slot row of its tenant holds a live lease, or a
+-- window of its tenant has no room, read after the claim) or 'yield' (nothing looked at: a waiting claim whose pool another tenant, further
 -- below its share, waits for; `yield_to` names that tenant). `frees_at`, when nothing was granted: the earliest moment a candidate may
--- serve it (for 'tenant_limit': the earliest end of the tenant's leases), and `held_by` what
--- holds that candidate back (credpool_frees_at; 'tenant'), for the answer's Retry-After, a
+-- serve it (for 'tenant_limit': the earliest end of the tenant's leases, or when its windows
+-- have room), and `held_by` what holds that candidate back (credpool_frees_at; 'tenant',
+-- 'tenant_window'), for the answer's Retry-After, a
 -- waiting request's timer and the held-back metric. `tenant` is the tenant the claim was made
 -- for, `db_now` the call's clock.
 --
@@ -696,19 +700,37 @@ $$;
 --
 -- Tenants (issue 29): the key_hash names the tenant (a revoked key names none: read by the call's
 -- first statement, so a request that starts after the revoke committed is refused on every
--- replica). A claim of a tenant with a cap (max_concurrent_leases, read from the snapshot) takes,
--- in PICK, a free row of the tenant's `tenant_slots` (no lease, or an expired one; not over a
--- lowered cap) with FOR UPDATE SKIP LOCKED, before its credential slot, and grants only with
--- one: the tenant's capacity is that set of rows, decided on rows the claim locks exactly like a
--- credential's (a row a concurrent claim has just filled fails the re-check of the locked row
--- and is passed over; `gates::a_claim_paused_before_the_tenant_lock...` holds a claim there).
--- Within one PICK two claims of the call may pick the same tenant row, so a claim wins a round
--- only as the first of its credential and the first of its tenant row; each claim starts its
--- search at a random row below the cap (wrapping around), so that the claims of one tenant in
--- one call rarely meet on a row and rarely need another round. A tenant row held by
--- another transaction is skipped; if, read after the claim, the tenant still has a free row, the
--- answer is not 'tenant_limit' but what the credentials say ('busy' when one may serve at once:
--- the caller claims again), so a claim racing its own tenant's claims gets no false 429.
+-- replica). That statement also tries the tenant's advisory lock in shared mode, which every
+-- change of the tenant (an operator's PUT or DELETE, a fit) takes exclusively: held, no change of
+-- the tenant commits until this call has, so PICK, a later statement with a later snapshot, reads
+-- the tenant's cap and windows as they will stay until the grant commits, and a change waits
+-- for the grant and counts it (a cap adopts its lease, a new window seeds it from the trail). Not
+-- held (a change is in progress): the claim answers 'busy', and the caller claims again.
+--
+-- A claim of a tenant with a cap (max_concurrent_leases) takes, in PICK, a free row of the
+-- tenant's `tenant_slots` (no lease, or an expired one; not over a lowered cap) with FOR UPDATE
+-- SKIP LOCKED, before its credential slot, and grants only with one: the tenant's capacity is
+-- that set of rows, decided on rows the claim locks exactly like a credential's (a row a
+-- concurrent claim has just filled fails the re-check of the locked row and is passed over;
+-- `tenants::a_claim_paused_before_the_tenant_lock...` holds a claim there). Within one PICK two
+-- claims of the call may pick the same tenant row, so a claim wins a round only as the first of
+-- its credential and the first of its tenant row; each claim starts its search at a random row
+-- below the cap (wrapping around), so that the claims of one tenant in one call rarely meet on a
+-- row and rarely need another round. A tenant row held by another transaction is skipped; if,
+-- read after the claim, the tenant still has a free row, the answer is not 'tenant_limit' but
+-- what the credentials say ('busy' when one may serve at once: the caller claims again), so a
+-- claim racing its own tenant's claims gets no false 429.
+--
+-- Tenant windows: a claim of a tenant with rate windows (a `tenant_windows` row) locks that row
+-- in PICK with FOR UPDATE SKIP LOCKED when every window has room for it
+-- (credpool_window_room, on the locked row: a window a concurrent claim has just charged fails
+-- the re-check; `tenant_windows::a_claim_paused_before_the_tenant_window_lock...`), and grants
+-- only with it; GRANT charges it as a credential's. One claim of a tenant with windows wins a
+-- round (the next round sees its charge). A row held by another transaction is skipped, and the
+-- answer is 'tenant_limit' only if, read after the claim, a window has no room ('tenant_window'
+-- with the moment it frees; NULL when a window can never hold the reservation). The claims of a
+-- tenant with windows queue on its row as those of a credential with windows do; a tenant
+-- without windows has no row, and its claims lock nothing of it.
 --
 -- FAIR SHARE (issue 29): a claim with "waiting" (its request waits up to wait_ms; not a request
 -- that answers at once: nobody is refused while a slot is free) yields, before any pick, when
@@ -726,7 +748,8 @@ $$;
 -- now; a claim with a candidate that has windows locks that credential's lease_windows row with
 -- the slot row (candidates without windows in the same list lock their empty row too).
 --
--- Locks: the tenant slot row, the slot row (and the lease_windows row), with SKIP LOCKED; request
+-- Locks: the tenant's advisory lock in shared mode, tried; the tenant slot row and the
+-- tenant_windows row, the slot row (and the lease_windows row), with SKIP LOCKED; request
 -- ids' and affinity keys' advisory locks with a try-lock; affinity_bindings rows with SKIP LOCKED
 -- (and the key share lock of the binding's foreign key on the credential row of a slot this call
 -- holds, which no transaction holding a conflicting lock can have: docs/design.md "Lock order").
@@ -781,9 +804,10 @@ DECLARE
     v_digest text[];
     v_windowed boolean[];
     v_pool_version bigint[];
-    -- each claim's tenant (NULL: its key is unknown or revoked), and whether the tenant has a cap
+    -- each claim's tenant (NULL: its key is unknown or revoked)
     v_tenant text[];
-    v_capped boolean[];
+    -- whether the call holds each claim's tenant's advisory lock in shared mode (tried)
+    v_steady boolean[];
     -- where each claim of a capped tenant starts looking for a free tenant slot row: a random
     -- row below the cap, so that the claims of one call rarely pick the same row (of the claims
     -- that pick one row, only the first wins the round; starting all at row 0 made a call of n
@@ -811,6 +835,7 @@ DECLARE
     w_model text[];
     w_token timestamptz[];
     w_tenant_slot integer[];
+    w_tenant_charge boolean[];
     -- every lease the call answers with (granted, or replayed): the claim, the slot row as
     -- granted, the sealed secret and the provider's model handed out, whether an expired lease
     -- was ended to make room
@@ -861,20 +886,20 @@ BEGIN
            array_agg(o.c ->> 'holder'), array_agg((o.c ->> 'lease_seconds')::integer),
            array_agg(coalesce((o.c ->> 'tokens')::bigint, 0)), array_agg(o.c ->> 'request_id'),
            array_agg(o.c ->> 'request_digest'), array_agg(o.version), array_agg(o.windowed),
-           array_agg(o.n), array_agg(o.tenant), array_agg(o.capped),
+           array_agg(o.n), array_agg(o.tenant),
            array_agg(floor(random() * coalesce(o.cap, 0))::integer),
            -- AFFINITY: the claim's affinity fields
            array_agg(o.c ->> 'affinity_key'), array_agg(o.c -> 'affinity_pools'),
            array_agg(coalesce((o.c ->> 'affinity_ttl_seconds')::integer, 3600)),
            array_agg(coalesce(o.c ->> 'affinity_mode' = 'strict', false)),
-           array_agg(o.c -> 'waiting'), array_agg((o.c -> 'waiting' ->> 'since')::timestamptz)
+           array_agg(o.c -> 'waiting'), array_agg((o.c -> 'waiting' ->> 'since')::timestamptz),
+           array_agg(o.steady)
     INTO v_ranked, v_provider, v_pool, v_model, v_lease, v_holder, v_seconds, v_tokens,
-         v_request_id, v_digest, v_pool_version, v_windowed, v_number, v_tenant, v_capped,
+         v_request_id, v_digest, v_pool_version, v_windowed, v_number, v_tenant,
          v_tenant_start, v_affinity_key, v_affinity_pools, v_affinity_ttl, v_affinity_strict,
-         v_waiting, v_since
+         v_waiting, v_since, v_steady
     FROM (
-        SELECT e.n, e.c, e.provider, e.pool, pv.version, t.tenant_id AS tenant,
-               coalesce(t.max_concurrent_leases IS NOT NULL, false) AS capped,
+        SELECT e.n, e.c, e.provider, e.pool, pv.version, t.tenant_id AS tenant, t.steady,
                t.max_concurrent_leases AS cap,
                -- (a probe per candidate: LIMIT 1 keeps the planner from reading credentials
                -- in search of the few with windows)
@@ -887,8 +912,12 @@ BEGIN
         FROM e
         JOIN pv ON pv.provider = e.provider AND pv.pool = e.pool
         -- the tenant: of the live key the claim presented, else (the internal key) `default`
+        -- and its advisory lock in shared mode, tried: held, no change of the tenant commits
+        -- before this call does, so what the later statements read of it stays true
         LEFT JOIN LATERAL (
-            SELECT t.tenant_id, t.max_concurrent_leases
+            SELECT t.tenant_id, t.max_concurrent_leases,
+                   pg_try_advisory_xact_lock_shared(
+                       hashtextextended('credpool.tenant:' || t.tenant_id, 0)) AS steady
             FROM credpool_key_tenant(e.c ->> 'key_hash') AS k (tenant)
             JOIN tenants t ON t.tenant_id = k.tenant
         ) AS t ON true
@@ -938,9 +967,11 @@ BEGIN
     -- 'in_flight' (claimed again, they replay its lease).
     v_done := array_fill(false, ARRAY[v_count]);
     v_request := array_fill(NULL::text, ARRAY[v_count]);
-    -- a claim without a tenant presented no live key: refused, nothing looked at
-    FOR q IN SELECT k AS n FROM generate_subscripts(v_tenant, 1) AS k WHERE v_tenant[k] IS NULL LOOP
-        v_request[q.n] := 'unauthorized';
+    -- a claim without a tenant presented no live key: refused, nothing looked at; one whose
+    -- tenant an operator is changing right now (its advisory lock held): 'busy', claim again
+    FOR q IN SELECT k AS n FROM generate_subscripts(v_tenant, 1) AS k
+             WHERE v_tenant[k] IS NULL OR NOT v_steady[k] LOOP
+        v_request[q.n] := CASE WHEN v_tenant[q.n] IS NULL THEN 'unauthorized' ELSE 'busy' END;
         v_done[q.n] := true;
         v_request_id[q.n] := NULL;
     END LOOP;
@@ -1016,40 +1047,72 @@ BEGIN
                coalesce(bool_or((p.s).lease_id IS NOT NULL) FILTER (WHERE p.first), false),
                coalesce(bool_or(v_request_id[p.n] IS NOT NULL) FILTER (WHERE p.first), false),
                coalesce(bool_or(p.status <> 'available') FILTER (WHERE p.first), false),
-               array_agg(p.tenant_slot) FILTER (WHERE p.first)
+               array_agg(p.tenant_slot) FILTER (WHERE p.first),
+               array_agg(p.tenant_windowed) FILTER (WHERE p.first)
         INTO w_claim, w_slot, w_status, w_cooldown, w_at, w_charge, w_secret, w_model, w_token,
-             v_open, v_pruned, v_requested, v_probed, w_tenant_slot
+             v_open, v_pruned, v_requested, v_probed, w_tenant_slot, w_tenant_charge
         FROM (
             SELECT o.*,
                    row_number() OVER (PARTITION BY (o.s).key_id ORDER BY o.n) = 1
                    AND row_number() OVER (PARTITION BY v_tenant[o.n], coalesce(o.tenant_slot, -o.n)
+                                          ORDER BY o.n) = 1
+                   -- (one grant per round charges a tenant's windows, as a credential's)
+                   AND row_number() OVER (PARTITION BY v_tenant[o.n],
+                                                       CASE WHEN NOT o.tenant_windowed THEN o.n END
                                           ORDER BY o.n) = 1 AS first
             FROM (
-                SELECT q.n, x.*, false AS windowed, ts.slot AS tenant_slot
-                FROM unnest(v_open) AS q (n)
-                -- the tenant's free slot row, when it has a cap (see "Tenants" above): the
-                -- first from this claim's starting row on, else (only then) the first before it
-                LEFT JOIN LATERAL (
-                    SELECT t.slot
-                    FROM tenant_slots t
-                    WHERE v_capped[q.n] AND (SELECT credpool_test_hook('claim.before_tenant_lock'))
-                      AND t.tenant_id = v_tenant[q.n] AND t.slot >= v_tenant_start[q.n]
-                      AND credpool_tenant_slot_open(t, v_now)
-                    ORDER BY t.slot
-                    LIMIT 1
-                    FOR UPDATE SKIP LOCKED
-                ) AS ts_after ON true
-                LEFT JOIN LATERAL (
-                    SELECT t.slot
-                    FROM tenant_slots t
-                    WHERE v_capped[q.n] AND ts_after.slot IS NULL
-                      AND t.tenant_id = v_tenant[q.n] AND t.slot < v_tenant_start[q.n]
-                      AND credpool_tenant_slot_open(t, v_now)
-                    ORDER BY t.slot
-                    LIMIT 1
-                    FOR UPDATE SKIP LOCKED
-                ) AS ts_before ON true
-                CROSS JOIN LATERAL (SELECT coalesce(ts_after.slot, ts_before.slot) AS slot) AS ts
+                -- what each claim's tenant needs, as it is now (this statement's snapshot, taken
+                -- after the call holds the tenant's advisory lock in shared mode, so a change of
+                -- the tenant either committed before it or waits for this call): with a cap, a
+                -- free row of its tenant_slots, from this claim's starting row on, else (only
+                -- then) the first before it ("Tenants" above); with windows, its tenant_windows
+                -- row, locked, when every window has room ("Tenant windows" above)
+                WITH tenancy AS (
+                    SELECT q.n, tn.capped, ts.slot AS tenant_slot,
+                           coalesce(twx.windowed, false) AS tenant_windowed,
+                           twl.tenant_id IS NOT NULL AS tenant_window_held
+                    FROM unnest(v_open) AS q (n)
+                    CROSS JOIN LATERAL (
+                        SELECT t.max_concurrent_leases IS NOT NULL AS capped
+                        FROM tenants t WHERE t.tenant_id = v_tenant[q.n] LIMIT 1
+                    ) AS tn
+                    LEFT JOIN LATERAL (
+                        SELECT t.slot
+                        FROM tenant_slots t
+                        WHERE tn.capped AND (SELECT credpool_test_hook('claim.before_tenant_lock'))
+                          AND t.tenant_id = v_tenant[q.n] AND t.slot >= v_tenant_start[q.n]
+                          AND credpool_tenant_slot_open(t, v_now)
+                        ORDER BY t.slot
+                        LIMIT 1
+                        FOR UPDATE SKIP LOCKED
+                    ) AS ts_after ON true
+                    LEFT JOIN LATERAL (
+                        SELECT t.slot
+                        FROM tenant_slots t
+                        WHERE tn.capped AND ts_after.slot IS NULL
+                          AND t.tenant_id = v_tenant[q.n] AND t.slot < v_tenant_start[q.n]
+                          AND credpool_tenant_slot_open(t, v_now)
+                        ORDER BY t.slot
+                        LIMIT 1
+                        FOR UPDATE SKIP LOCKED
+                    ) AS ts_before ON true
+                    CROSS JOIN LATERAL (SELECT coalesce(ts_after.slot, ts_before.slot) AS slot) AS ts
+                    LEFT JOIN LATERAL (
+                        SELECT true AS windowed FROM tenant_windows tw
+                        WHERE tw.tenant_id = v_tenant[q.n] LIMIT 1
+                    ) AS twx ON true
+                    LEFT JOIN LATERAL (
+                        SELECT tw.tenant_id
+                        FROM tenant_windows tw
+                        WHERE twx.windowed AND tw.tenant_id = v_tenant[q.n]
+                          AND (SELECT credpool_test_hook('claim.before_tenant_window_lock'))
+                          AND credpool_window_room(credpool_tenant_window(tw), v_now, v_tokens[q.n])
+                        LIMIT 1
+                        FOR UPDATE SKIP LOCKED
+                    ) AS twl ON true
+                )
+                SELECT q.n, x.*, false AS windowed, q.tenant_slot, q.tenant_windowed
+                FROM tenancy q
                 CROSS JOIN LATERAL (
                     SELECT s, c.status, c.cooldown_until, c.secret_ciphertext,
                            coalesce(c.model_aliases ->> v_model[q.n], v_model[q.n]) AS provider_model,
@@ -1059,7 +1122,8 @@ BEGIN
                         SELECT * FROM credentials c WHERE c.key_id = r.key_id LIMIT 1
                     ) c
                     JOIN lease_slots s ON s.key_id = c.key_id
-                    WHERE (NOT v_capped[q.n] OR ts.slot IS NOT NULL)
+                    WHERE (NOT q.capped OR q.tenant_slot IS NOT NULL)
+                      AND (NOT q.tenant_windowed OR q.tenant_window_held)
                       AND (SELECT credpool_test_hook('claim.before_lock'))
                       AND credpool_may_serve(c, v_provider[q.n], v_pool[q.n], v_model[q.n], v_now)
                       AND credpool_slot_open(s, c.status, v_now)
@@ -1072,31 +1136,8 @@ BEGIN
                 ) AS x
                 WHERE NOT v_windowed[q.n]
                 UNION ALL
-                SELECT q.n, x.*, true AS windowed, ts.slot AS tenant_slot
-                FROM unnest(v_open) AS q (n)
-                -- the tenant's free slot row, when it has a cap (see "Tenants" above): the
-                -- first from this claim's starting row on, else (only then) the first before it
-                LEFT JOIN LATERAL (
-                    SELECT t.slot
-                    FROM tenant_slots t
-                    WHERE v_capped[q.n] AND (SELECT credpool_test_hook('claim.before_tenant_lock'))
-                      AND t.tenant_id = v_tenant[q.n] AND t.slot >= v_tenant_start[q.n]
-                      AND credpool_tenant_slot_open(t, v_now)
-                    ORDER BY t.slot
-                    LIMIT 1
-                    FOR UPDATE SKIP LOCKED
-                ) AS ts_after ON true
-                LEFT JOIN LATERAL (
-                    SELECT t.slot
-                    FROM tenant_slots t
-                    WHERE v_capped[q.n] AND ts_after.slot IS NULL
-                      AND t.tenant_id = v_tenant[q.n] AND t.slot < v_tenant_start[q.n]
-                      AND credpool_tenant_slot_open(t, v_now)
-                    ORDER BY t.slot
-                    LIMIT 1
-                    FOR UPDATE SKIP LOCKED
-                ) AS ts_before ON true
-                CROSS JOIN LATERAL (SELECT coalesce(ts_after.slot, ts_before.slot) AS slot) AS ts
+                SELECT q.n, x.*, true AS windowed, q.tenant_slot, q.tenant_windowed
+                FROM tenancy q
                 CROSS JOIN LATERAL (
                     SELECT s, c.status, c.cooldown_until, c.secret_ciphertext,
                            coalesce(c.model_aliases ->> v_model[q.n], v_model[q.n]) AS provider_model,
@@ -1107,7 +1148,8 @@ BEGIN
                     ) c
                     JOIN lease_windows w ON w.key_id = c.key_id
                     JOIN lease_slots s ON s.key_id = c.key_id
-                    WHERE (NOT v_capped[q.n] OR ts.slot IS NOT NULL)
+                    WHERE (NOT q.capped OR q.tenant_slot IS NOT NULL)
+                      AND (NOT q.tenant_windowed OR q.tenant_window_held)
                       AND (SELECT credpool_test_hook('claim.before_lock'))
                       AND credpool_may_serve(c, v_provider[q.n], v_pool[q.n], v_model[q.n], v_now)
                       AND credpool_slot_open(s, c.status, v_now)
@@ -1180,7 +1222,7 @@ BEGIN
         FROM granted g;
         -- what only some winners need, each in a statement of its own run only then (a part of
         -- the statement above costs its start-up whether or not a row needs it): the windows
-        -- charged, the request ids' rows, the probes' trail rows
+        -- charged (the credentials', the tenants'), the request ids' rows, the probes' trail rows
         IF true = ANY (w_charge) THEN
             UPDATE lease_windows lw
             SET (bucket_ids, bucket_charged) =
@@ -1189,6 +1231,15 @@ BEGIN
             FROM generate_subscripts(w_claim, 1) AS i
             WHERE w_charge[i] AND lw.key_id = (w_slot[i]).key_id
               AND cardinality(lw.window_kinds) > 0;
+        END IF;
+        IF true = ANY (w_tenant_charge) THEN
+            UPDATE tenant_windows tw
+            SET (bucket_ids, bucket_charged) =
+                (SELECT x.bucket_ids, x.bucket_charged
+                 FROM credpool_window_charge(credpool_tenant_window(tw), w_at[i],
+                                             v_tokens[w_claim[i]]) AS x)
+            FROM generate_subscripts(w_claim, 1) AS i
+            WHERE w_tenant_charge[i] AND tw.tenant_id = v_tenant[w_claim[i]];
         END IF;
         IF v_requested THEN
             INSERT INTO lease_requests AS r (request_id, request_digest, lease_id, key_id, granted_at)
@@ -1303,10 +1354,17 @@ BEGIN
            (g_slot[g.i]).pool, (g_slot[g.i]).granted_at, (g_slot[g.i]).lease_until,
            (g_slot[g.i]).probe, g_model[g.i], g_secret[g.i], g_pruned[g.i], (g_slot[g.i]).fence,
            CASE WHEN v_request[k.n] IS NOT NULL THEN v_request[k.n]
-                WHEN tl.full THEN 'tenant_limit'
+                WHEN tl.full OR tw.full THEN 'tenant_limit'
                 WHEN g.i IS NULL AND f.at <= v_now THEN 'busy' END,
-           CASE WHEN tl.full THEN tl.frees_at ELSE f.at END,
-           CASE WHEN tl.full THEN 'tenant' ELSE f.held_by END,
+           -- (a tenant both at its cap and out of window room: the later of the two; NULL when
+           -- its window can never hold the reservation)
+           CASE WHEN tw.full AND tw.frees_at IS NULL THEN NULL
+                WHEN tl.full OR tw.full THEN greatest(CASE WHEN tl.full THEN tl.frees_at END,
+                                                      CASE WHEN tw.full THEN tw.frees_at END)
+                ELSE f.at END,
+           CASE WHEN tw.full AND (tw.frees_at IS NULL OR NOT coalesce(tl.full, false)
+                                  OR tw.frees_at > tl.frees_at) THEN 'tenant_window'
+                WHEN tl.full THEN 'tenant' ELSE f.held_by END,
            coalesce((g_slot[g.i]).tenant, v_tenant[k.n]), v_now,
            -- AFFINITY: the grant's result (a replay says none); a strict claim confined to its
            -- bound credential that granted nothing: 'bound'
@@ -1316,13 +1374,21 @@ BEGIN
            v_yield_to[k.n]
     FROM generate_subscripts(v_done, 1) AS k (n)
     CROSS JOIN LATERAL (SELECT array_position(g_claim, k.n) AS i) AS g
+    -- (a tenant has slot rows while it has a cap, and a tenant_windows row while it has windows)
     LEFT JOIN LATERAL (
         SELECT NOT coalesce(bool_or(credpool_tenant_slot_open(t, v_now)), false) AS full,
                min(t.lease_until) FILTER (WHERE t.lease_until > v_now) AS frees_at
         FROM tenant_slots t
-        WHERE g.i IS NULL AND NOT v_done[k.n] AND v_capped[k.n] AND t.tenant_id = v_tenant[k.n]
-        HAVING g.i IS NULL AND NOT v_done[k.n] AND v_capped[k.n]
+        WHERE g.i IS NULL AND NOT v_done[k.n] AND t.tenant_id = v_tenant[k.n]
+        HAVING count(*) > 0
     ) AS tl ON true
+    LEFT JOIN LATERAL (
+        SELECT NOT credpool_window_room(credpool_tenant_window(tw), v_now, v_tokens[k.n]) AS full,
+               nullif(credpool_window_frees_at(credpool_tenant_window(tw), v_now, v_tokens[k.n]),
+                      'infinity') AS frees_at
+        FROM tenant_windows tw
+        WHERE g.i IS NULL AND NOT v_done[k.n] AND tw.tenant_id = v_tenant[k.n]
+    ) AS tw ON true
     LEFT JOIN LATERAL (
         SELECT greatest(f.at, t.at) AS at,
                CASE WHEN t.at > f.at THEN 'token_refresh' ELSE f.held_by END AS held_by
@@ -1455,9 +1521,12 @@ END;
 $$;
 
 -- USAGE: the tokens a call really used replace its reservation in the token windows of its
--- credential (a lease granted at `p_granted_at`; `p_delta` = usage - reservation). The caller
--- holds the lease_windows row's lock.
-CREATE OR REPLACE FUNCTION credpool_charge_usage(p_key_id text, p_granted_at timestamptz, p_delta bigint)
+-- credential `p_key_id` and of its tenant `p_tenant` (a lease granted at `p_granted_at`;
+-- `p_delta` = usage - reservation). The caller holds the lease_windows row's lock and the
+-- tenant_windows row's.
+DROP FUNCTION IF EXISTS credpool_charge_usage(text, timestamptz, bigint);
+CREATE OR REPLACE FUNCTION credpool_charge_usage(p_key_id text, p_tenant text,
+    p_granted_at timestamptz, p_delta bigint)
 RETURNS void
 LANGUAGE plpgsql AS $$
 BEGIN
@@ -1465,6 +1534,11 @@ BEGIN
     SET (bucket_ids, bucket_charged) =
         (SELECT x.bucket_ids, x.bucket_charged FROM credpool_window_adjust(w, p_granted_at, p_delta) x)
     WHERE w.key_id = p_key_id AND p_delta <> 0 AND 'tokens' = ANY (w.window_kinds);
+    UPDATE tenant_windows tw
+    SET (bucket_ids, bucket_charged) =
+        (SELECT x.bucket_ids, x.bucket_charged
+         FROM credpool_window_adjust(credpool_tenant_window(tw), p_granted_at, p_delta) x)
+    WHERE tw.tenant_id = p_tenant AND p_delta <> 0 AND 'tokens' = ANY (tw.window_kinds);
 END;
 $$;
 
@@ -1510,7 +1584,8 @@ $$;
 -- (credpool_lock_credentials without their credential rows); the named leases' slot rows,
 -- ascending (key_id, slot), in one statement; their tenant slot rows, ascending (tenant_id, slot)
 -- (credpool_lock_tenant_slots); the lease_windows rows of the credentials named with a usage,
--- ascending key_id; trail rows guarded by unique indexes, ascending lease_id; then the credential
+-- ascending key_id; the tenant_windows rows of those leases' tenants, ascending tenant_id; trail
+-- rows guarded by unique indexes, ascending lease_id; then the credential
 -- rows of counted outcomes, ascending key_id, in one statement (FOR NO KEY UPDATE; FOR UPDATE with
 -- an `auth_expired` report, whose token write follows). Decision clock: clock_timestamp() after
 -- the slot locks (`released` rows carry it as `at`).
@@ -1601,6 +1676,27 @@ BEGIN
                                 WHERE e ->> 'usage_tokens' IS NOT NULL))
     ORDER BY w.key_id
     FOR UPDATE;
+    -- the tenant_windows rows of the tenants of the leases named with a usage (the lease's slot
+    -- row says which, or, for a lease no longer in it, its `granted` row), when any tenant has
+    -- windows
+    IF EXISTS (SELECT 1 FROM tenant_windows) THEN
+        PERFORM 1
+        FROM tenant_windows tw
+        WHERE tw.tenant_id = ANY (ARRAY(
+            SELECT coalesce(s.tenant, g.tenant)
+            FROM jsonb_array_elements(p_releases) AS e
+            LEFT JOIN lease_slots s
+                ON s.key_id = e ->> 'key_id' AND s.lease_id = (e ->> 'lease_id')::uuid
+            LEFT JOIN LATERAL (
+                SELECT g.tenant FROM lease_events g
+                WHERE s.lease_id IS NULL AND g.lease_id = (e ->> 'lease_id')::uuid
+                  AND g.event = 'granted'
+                LIMIT 1
+            ) AS g ON true
+            WHERE e ->> 'usage_tokens' IS NOT NULL))
+        ORDER BY tw.tenant_id
+        FOR UPDATE;
+    END IF;
     v_now := clock_timestamp();
 
     -- The verdicts, in one statement (the aggregates read its rows in request order). A lease
@@ -1709,7 +1805,8 @@ BEGIN
         IF v_verdict[i] = 'released' AND v_usage[i] IS NOT NULL THEN
             v_usage_at[i] := (v_slot[i]).granted_at;
             v_usage_delta[i] := v_usage[i] - coalesce((v_slot[i]).reserved_tokens, 0);
-            PERFORM credpool_charge_usage(v_asked_key[i], v_usage_at[i], v_usage_delta[i]);
+            PERFORM credpool_charge_usage(v_asked_key[i], (v_slot[i]).tenant, v_usage_at[i],
+                                          v_usage_delta[i]);
         ELSIF v_verdict[i] IN ('expired', 'not_found')
               AND (v_outcome[i] IS NOT NULL OR v_usage[i] IS NOT NULL) THEN
             INSERT INTO lease_events
@@ -1728,7 +1825,8 @@ BEGIN
             RETURNING (SELECT g2.at FROM lease_events g2
                        WHERE g2.lease_id = v_lease[i] AND g2.event = 'granted' LIMIT 1) AS granted_at,
                       (SELECT g2.tokens FROM lease_events g2
-                       WHERE g2.lease_id = v_lease[i] AND g2.event = 'granted' LIMIT 1) AS reserved
+                       WHERE g2.lease_id = v_lease[i] AND g2.event = 'granted' LIMIT 1) AS reserved,
+                      tenant
             INTO v_late;
             IF FOUND THEN
                 v_key[i] := v_asked_key[i];
@@ -1739,7 +1837,8 @@ BEGIN
                 IF v_usage[i] IS NOT NULL THEN
                     v_usage_at[i] := v_late.granted_at;
                     v_usage_delta[i] := v_usage[i] - coalesce(v_late.reserved, 0);
-                    PERFORM credpool_charge_usage(v_asked_key[i], v_usage_at[i], v_usage_delta[i]);
+                    PERFORM credpool_charge_usage(v_asked_key[i], v_late.tenant, v_usage_at[i],
+                                                  v_usage_delta[i]);
                 END IF;
             END IF;
         END IF;
@@ -1858,23 +1957,32 @@ END;
 $$;
 
 -- What a new window of `p_kind` and `p_seconds` has counted at `p_now`, from the trail: the
--- grants of the credential in the buckets it counts (a grant's tokens: the usage its release
--- reported, else its reservation), as the 17 bucket numbers and charges of its ring (an empty
--- bucket holds number 0, older than any).
+-- grants of credential `p_key_id` (or, when it is NULL, of tenant `p_tenant`) in the buckets it
+-- counts (a grant's tokens: the usage its release reported, else its reservation), as the 17
+-- bucket numbers and charges of its ring (an empty bucket holds number 0, older than any).
+DROP FUNCTION IF EXISTS credpool_seed_window(text, text, integer, timestamptz);
 CREATE OR REPLACE FUNCTION credpool_seed_window(
-    p_key_id text, p_kind text, p_seconds integer, p_now timestamptz,
+    p_key_id text, p_tenant text, p_kind text, p_seconds integer, p_now timestamptz,
     OUT ids bigint[], OUT charged bigint[])
 LANGUAGE sql STABLE AS $$
-    WITH grants AS (
+    WITH recent AS (
+        -- (two branches, one run: a credential's grants through its (key_id, at) index)
+        SELECT g.lease_id, g.at, g.tokens FROM lease_events g
+        WHERE p_key_id IS NOT NULL AND g.key_id = p_key_id AND g.event = 'granted'
+          AND g.at >= p_now - make_interval(secs => p_seconds * 17.0 / 16)
+        UNION ALL
+        SELECT g.lease_id, g.at, g.tokens FROM lease_events g
+        WHERE p_key_id IS NULL AND g.tenant = p_tenant AND g.event = 'granted'
+          AND g.at >= p_now - make_interval(secs => p_seconds * 17.0 / 16)
+    ),
+    grants AS (
         SELECT credpool_window_bucket(g.at, p_seconds) AS bucket,
                CASE p_kind WHEN 'requests' THEN 1
                    ELSE coalesce((SELECT e.tokens FROM lease_events e
                                   WHERE e.lease_id = g.lease_id AND e.tokens IS NOT NULL
                                     AND e.event IN ('released', 'outcome_after_expiry')
                                   LIMIT 1), g.tokens, 0) END AS amount
-        FROM lease_events g
-        WHERE g.key_id = p_key_id AND g.event = 'granted'
-          AND g.at >= p_now - make_interval(secs => p_seconds * 17.0 / 16)
+        FROM recent g
     ),
     buckets AS (
         SELECT bucket, sum(amount)::bigint AS amount
@@ -1888,6 +1996,53 @@ LANGUAGE sql STABLE AS $$
     LEFT JOIN buckets b ON b.bucket % 17 = ring.slot
 $$;
 
+-- Windows `p_old` brought in line with `p_rate_limits` at `p_now`: a window kept (same kind and
+-- length) keeps its buckets, whatever its count; a new one is seeded from the trail of credential
+-- `p_key_id` (or, when it is NULL, of tenant `p_tenant`): credpool_seed_window. `p_old` unchanged
+-- when the configuration is.
+CREATE OR REPLACE FUNCTION credpool_windows_fitted(p_old lease_windows, p_rate_limits jsonb,
+    p_key_id text, p_tenant text, p_now timestamptz)
+RETURNS lease_windows
+LANGUAGE plpgsql STABLE AS $$
+DECLARE
+    v_new lease_windows := p_old;
+    v_config record;
+    v_seed record;
+    v_kept integer;
+BEGIN
+    v_config := credpool_window_config(p_rate_limits);
+    IF (p_old.window_kinds, p_old.window_counts, p_old.window_seconds)
+       IS NOT DISTINCT FROM (v_config.kinds, v_config.counts, v_config.seconds) THEN
+        RETURN p_old;
+    END IF;
+    v_new.window_kinds := v_config.kinds;
+    v_new.window_counts := v_config.counts;
+    v_new.window_seconds := v_config.seconds;
+    v_new.bucket_ids := '{}';
+    v_new.bucket_charged := '{}';
+    FOR i IN 1 .. coalesce(cardinality(v_config.kinds), 0) LOOP
+        v_kept := NULL;
+        FOR j IN 1 .. coalesce(cardinality(p_old.window_kinds), 0) LOOP
+            IF p_old.window_kinds[j] = v_config.kinds[i]
+               AND p_old.window_seconds[j] = v_config.seconds[i] THEN
+                v_kept := j;
+                EXIT;
+            END IF;
+        END LOOP;
+        IF v_kept IS NOT NULL THEN
+            v_new.bucket_ids := v_new.bucket_ids || p_old.bucket_ids[(v_kept - 1) * 17 + 1 : v_kept * 17];
+            v_new.bucket_charged := v_new.bucket_charged
+                || p_old.bucket_charged[(v_kept - 1) * 17 + 1 : v_kept * 17];
+        ELSE
+            v_seed := credpool_seed_window(p_key_id, p_tenant, v_config.kinds[i], v_config.seconds[i], p_now);
+            v_new.bucket_ids := v_new.bucket_ids || v_seed.ids;
+            v_new.bucket_charged := v_new.bucket_charged || v_seed.charged;
+        END IF;
+    END LOOP;
+    RETURN v_new;
+END;
+$$;
+
 -- Brings a credential's lease_windows row in line with its rate_limits (see credpool_fit_slots,
 -- which calls it holding the row's lock). Returns whether the credential has windows.
 CREATE OR REPLACE FUNCTION credpool_fit_windows(p_key_id text, p_rate_limits jsonb, p_now timestamptz)
@@ -1895,44 +2050,52 @@ RETURNS boolean
 LANGUAGE plpgsql AS $$
 DECLARE
     v_old lease_windows;
-    v_config record;
-    v_ids bigint[] := '{}';
-    v_charged bigint[] := '{}';
-    v_seed record;
-    v_kept integer;
+    v_new lease_windows;
 BEGIN
     SELECT * INTO v_old FROM lease_windows WHERE key_id = p_key_id;
     IF NOT FOUND THEN
         INSERT INTO lease_windows (key_id) VALUES (p_key_id) RETURNING * INTO v_old;
     END IF;
-    v_config := credpool_window_config(p_rate_limits);
-    IF (v_old.window_kinds, v_old.window_counts, v_old.window_seconds)
-       IS NOT DISTINCT FROM (v_config.kinds, v_config.counts, v_config.seconds) THEN
-        RETURN cardinality(v_config.kinds) > 0;
+    v_new := credpool_windows_fitted(v_old, p_rate_limits, p_key_id, NULL, p_now);
+    IF v_new IS DISTINCT FROM v_old THEN
+        UPDATE lease_windows
+        SET window_kinds = v_new.window_kinds, window_counts = v_new.window_counts,
+            window_seconds = v_new.window_seconds, bucket_ids = v_new.bucket_ids,
+            bucket_charged = v_new.bucket_charged
+        WHERE key_id = p_key_id;
     END IF;
-    FOR i IN 1 .. coalesce(cardinality(v_config.kinds), 0) LOOP
-        v_kept := NULL;
-        FOR j IN 1 .. coalesce(cardinality(v_old.window_kinds), 0) LOOP
-            IF v_old.window_kinds[j] = v_config.kinds[i]
-               AND v_old.window_seconds[j] = v_config.seconds[i] THEN
-                v_kept := j;
-                EXIT;
-            END IF;
-        END LOOP;
-        IF v_kept IS NOT NULL THEN
-            v_ids := v_ids || v_old.bucket_ids[(v_kept - 1) * 17 + 1 : v_kept * 17];
-            v_charged := v_charged || v_old.bucket_charged[(v_kept - 1) * 17 + 1 : v_kept * 17];
-        ELSE
-            v_seed := credpool_seed_window(p_key_id, v_config.kinds[i], v_config.seconds[i], p_now);
-            v_ids := v_ids || v_seed.ids;
-            v_charged := v_charged || v_seed.charged;
-        END IF;
-    END LOOP;
-    UPDATE lease_windows
-    SET window_kinds = v_config.kinds, window_counts = v_config.counts,
-        window_seconds = v_config.seconds, bucket_ids = v_ids, bucket_charged = v_charged
-    WHERE key_id = p_key_id;
-    RETURN cardinality(v_config.kinds) > 0;
+    RETURN cardinality(v_new.window_kinds) > 0;
+END;
+$$;
+
+-- Brings a tenant's tenant_windows row in line with its rate_limits (credpool_fit_tenant calls
+-- it holding the tenant's advisory lock): a tenant with windows has its row, one without none.
+CREATE OR REPLACE FUNCTION credpool_fit_tenant_windows(p_tenant_id text, p_rate_limits jsonb,
+    p_now timestamptz)
+RETURNS void
+LANGUAGE plpgsql AS $$
+DECLARE
+    v_old lease_windows;
+    v_new lease_windows;
+BEGIN
+    SELECT (credpool_tenant_window(tw)).* INTO v_old
+    FROM tenant_windows tw WHERE tw.tenant_id = p_tenant_id FOR UPDATE;
+    IF NOT FOUND THEN
+        v_old := ROW(p_tenant_id, '{}', '{}', '{}', '{}', '{}')::lease_windows;
+    END IF;
+    v_new := credpool_windows_fitted(v_old, p_rate_limits, NULL, p_tenant_id, p_now);
+    IF cardinality(v_new.window_kinds) = 0 THEN
+        DELETE FROM tenant_windows WHERE tenant_id = p_tenant_id;
+    ELSIF v_new IS DISTINCT FROM v_old THEN
+        INSERT INTO tenant_windows AS tw (tenant_id, window_kinds, window_counts, window_seconds,
+                                          bucket_ids, bucket_charged)
+        VALUES (p_tenant_id, v_new.window_kinds, v_new.window_counts, v_new.window_seconds,
+                v_new.bucket_ids, v_new.bucket_charged)
+        ON CONFLICT ON CONSTRAINT tenant_windows_pkey DO UPDATE
+        SET window_kinds = EXCLUDED.window_kinds, window_counts = EXCLUDED.window_counts,
+            window_seconds = EXCLUDED.window_seconds, bucket_ids = EXCLUDED.bucket_ids,
+            bucket_charged = EXCLUDED.bucket_charged;
+    END IF;
 END;
 $$;
 
@@ -2186,7 +2349,8 @@ END;
 $$;
 
 -- FIT TENANT: brings tenant `p_tenant_id`'s slot rows in line with its cap
--- (max_concurrent_leases), in the caller's transaction. Called by an operator's PUT of the
+-- (max_concurrent_leases), and its tenant_windows row with its rate_limits
+-- (credpool_fit_tenant_windows), in the caller's transaction. Called by an operator's PUT of the
 -- tenant, after a release ended a lease of a tenant over a lowered cap (in a transaction of its
 -- own, once the release committed), and by the cleanup pass.
 --
@@ -2206,17 +2370,20 @@ $$;
 -- the claims of an uncapped tenant lock nothing of it).
 --
 -- Locks: the tenant's advisory lock (one fit of a tenant at a time: rows are only inserted and
--- deleted here), then (adopting) the slot rows of its leases, then every tenant_slots row of
--- it, ascending slot.
+-- deleted here; claims of the tenant hold it in shared mode, tried), then (adopting) the slot
+-- rows of its leases, then every tenant_slots row of it, ascending slot, then its
+-- tenant_windows row.
 CREATE OR REPLACE FUNCTION credpool_fit_tenant(p_tenant_id text) RETURNS void
 LANGUAGE plpgsql AS $$
 DECLARE
     v_cap integer;
+    v_rate_limits jsonb;
     v_now timestamptz;
     v_live integer;
 BEGIN
     PERFORM pg_advisory_xact_lock(hashtextextended('credpool.tenant:' || p_tenant_id, 0));
-    SELECT max_concurrent_leases INTO v_cap FROM tenants WHERE tenant_id = p_tenant_id;
+    SELECT max_concurrent_leases, rate_limits INTO v_cap, v_rate_limits
+    FROM tenants WHERE tenant_id = p_tenant_id;
     IF NOT FOUND THEN
         RETURN;
     END IF;
@@ -2233,6 +2400,10 @@ BEGIN
           AND s.lease_until > clock_timestamp();
     END IF;
     PERFORM 1 FROM tenant_slots t WHERE t.tenant_id = p_tenant_id ORDER BY t.slot FOR UPDATE;
+    -- its windows, after its slot rows (the lock order): the row is taken by claims (with SKIP
+    -- LOCKED, never waited for) and by releases reporting usage, for the milliseconds of their
+    -- statements
+    PERFORM credpool_fit_tenant_windows(p_tenant_id, v_rate_limits, clock_timestamp());
     v_now := clock_timestamp();
     IF v_cap IS NULL THEN
         DELETE FROM tenant_slots WHERE tenant_id = p_tenant_id;

@@ -1,7 +1,7 @@
--- Rate windows: the arithmetic of a credential's windows (table lease_windows), pure functions of
--- a window row and a time. The claim (sql/lease.sql) decides with them;
--- service/src/allocator/windows.rs is the same rule in Rust for ranking and Retry-After
--- estimates, and a test holds the two equal.
+-- Rate windows: the arithmetic of a credential's windows (table lease_windows) and a tenant's
+-- (table tenant_windows, the same columns), pure functions of a window row and a time. The claim
+-- (sql/lease.sql) decides with them; service/src/allocator/windows.rs is the same rule in Rust
+-- for ranking and Retry-After estimates, and a test holds the two equal.
 --
 -- Repeatable: the one current definition of each object below. credpool applies this file after
 -- the versioned migrations whenever its content changes (service/src/store/schema.rs), in one transaction;
@@ -18,6 +18,14 @@
 --
 -- A window that is full blocks also a request that charges it nothing (a token window when the
 -- allocate estimated 0 tokens): full means its count has reached N.
+
+-- A tenant's windows (table tenant_windows, the same columns under tenant_id) as the row type
+-- every function below takes.
+CREATE OR REPLACE FUNCTION credpool_tenant_window(tw tenant_windows) RETURNS lease_windows
+LANGUAGE sql IMMUTABLE PARALLEL SAFE AS $$
+    SELECT ROW(tw.tenant_id, tw.window_kinds, tw.window_counts, tw.window_seconds, tw.bucket_ids,
+               tw.bucket_charged)::lease_windows
+$$;
 
 -- The bucket of `p_at` for a window of `p_seconds`.
 CREATE OR REPLACE FUNCTION credpool_window_bucket(p_at timestamptz, p_seconds integer) RETURNS bigint

@@ -65,12 +65,13 @@ pub enum Error {
         /// When a slot may free, from the server's `Retry-After`.
         retry_after: Duration,
     },
-    /// 429 `tenant_limit`: the tenant of the client's key holds as many leases as its cap allows
-    /// (whatever the pool has free). `retry_after` is the server's `Retry-After`: until the first
-    /// of the tenant's own leases ends (1 s when the header is missing).
-    #[error("this key's tenant holds as many leases as its cap allows; retry after {} s (429 tenant_limit)", retry_after.as_secs())]
+    /// 429 `tenant_limit`: the tenant of the client's key holds as many leases as its cap allows,
+    /// or a window of its `rate_limits` has no room (whatever the pool has free). `retry_after` is
+    /// the server's `Retry-After`: until the first of the tenant's own leases ends, or its window
+    /// has room (1 s when the header is missing).
+    #[error("this key's tenant is at its cap or out of window room; retry after {} s (429 tenant_limit)", retry_after.as_secs())]
     TenantLimit {
-        /// When one of the tenant's leases ends, from the server's `Retry-After`.
+        /// When the tenant may be served again, from the server's `Retry-After`.
         retry_after: Duration,
     },
     /// 500 `internal_error`: a bug on the server. Not retried.

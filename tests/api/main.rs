@@ -26,5 +26,6 @@ mod processes;
 mod races;
 mod release_renew;
 mod selection;
+mod tenant_windows;
 mod tenants;
 mod windows;

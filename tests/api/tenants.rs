@@ -14,7 +14,7 @@ use crate::BIN;
 use crate::lease_state::{Hook, backend_pid, hooked, until_waiting, wait_for_lock_waiters};
 
 /// An operator's request with the admin key to `base` + `path`.
-async fn admin(
+pub(crate) async fn admin(
     client: &reqwest::Client,
     base: &str,
     method: reqwest::Method,
@@ -32,7 +32,12 @@ async fn admin(
 }
 
 /// Creates or updates tenant `id` with `body`; panics unless it answers 200 or 201.
-async fn put_tenant(client: &reqwest::Client, base: &str, id: &str, body: Value) -> Value {
+pub(crate) async fn put_tenant(
+    client: &reqwest::Client,
+    base: &str,
+    id: &str,
+    body: Value,
+) -> Value {
     let response = admin(
         client,
         base,
@@ -51,7 +56,7 @@ async fn put_tenant(client: &reqwest::Client, base: &str, id: &str, body: Value)
 }
 
 /// Mints a key for tenant `id`: (key id, key).
-async fn mint(client: &reqwest::Client, base: &str, id: &str) -> (String, String) {
+pub(crate) async fn mint(client: &reqwest::Client, base: &str, id: &str) -> (String, String) {
     let minted = json_body(
         admin(
             client,
@@ -71,7 +76,7 @@ async fn mint(client: &reqwest::Client, base: &str, id: &str) -> (String, String
 }
 
 /// `POST base + path` with executor key `key`.
-async fn executor(
+pub(crate) async fn executor(
     client: &reqwest::Client,
     base: &str,
     path: &str,
@@ -87,7 +92,7 @@ async fn executor(
     .await
 }
 
-async fn allocate(
+pub(crate) async fn allocate(
     client: &reqwest::Client,
     base: &str,
     key: &str,
@@ -103,13 +108,13 @@ async fn allocate(
     .await
 }
 
-fn lease_ref(lease: &Value) -> Value {
+pub(crate) fn lease_ref(lease: &Value) -> Value {
     json!({"provider": lease["provider"], "pool": lease["pool"], "key_id": lease["key_id"],
            "lease_id": lease["lease_id"]})
 }
 
 /// Creates tenant `id` on `app` with `max_concurrent_leases` `cap` and mints a key for it: the key.
-async fn capped_tenant(app: &TestApp, id: &str, cap: u32) -> String {
+pub(crate) async fn capped_tenant(app: &TestApp, id: &str, cap: u32) -> String {
     let base = app.url("");
     put_tenant(
         &app.client,
@@ -146,7 +151,10 @@ async fn tenant_line(client: &reqwest::Client, base: &str, id: &str) -> Value {
 
 /// Two `credpool serve` processes on a fresh database, with credentials k0..k`count` of limit
 /// `limit` (provider openai, model gpt-4o, pool default).
-async fn two_replicas(count: usize, limit: u32) -> (TestDatabase, ServeProcess, ServeProcess) {
+pub(crate) async fn two_replicas(
+    count: usize,
+    limit: u32,
+) -> (TestDatabase, ServeProcess, ServeProcess) {
     let database = TestDatabase::create().await;
     let env = keyed_env(&database);
     let (a, b) = tokio::join!(

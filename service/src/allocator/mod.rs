@@ -156,17 +156,21 @@ pub enum AllocateError {
     #[error("this request_id holds a lease granted for other parameters")]
     RequestIdConflict,
     /// 409: credentials serve the model, but every one has a token window smaller than the
-    /// request's `tokens` estimate: no wait can make room for it.
-    #[error("the token estimate is larger than every candidate credential's token window")]
+    /// request's `tokens` estimate, or the caller's tenant has one: no wait can make room for it.
+    #[error("the token estimate is larger than a token window every candidate is held to")]
     TokensExceedBudget,
     /// 429: the caller's tenant holds as many live leases as its `max_concurrent_leases`
-    /// allows (decided in the claim on the tenant's slot rows); one of them ends in
-    /// `retry_after_seconds` (whole seconds, at least 1).
-    #[error("the tenant holds as many leases as its cap allows")]
+    /// allows (decided in the claim on the tenant's slot rows), or a window of its
+    /// `rate_limits` has no room for the request (`window`; decided on its tenant_windows row);
+    /// that frees in `retry_after_seconds` (whole seconds, at least 1).
+    #[error("the tenant is at its cap or out of window room")]
     TenantLimit {
         /// The tenant.
         tenant: String,
-        /// Seconds until the earliest of the tenant's leases ends (>= 1).
+        /// Whether a window holds it back (else its cap).
+        window: bool,
+        /// Seconds until the tenant may be served again: the earliest end of its leases, or when
+        /// its windows have room (>= 1).
         retry_after_seconds: u64,
     },
     /// 401: the tenant key presented is unknown or revoked (checked by the claim).
@@ -801,10 +805,16 @@ impl Allocator {
                 return Err(AllocateError::RequestIdConflict);
             }
             if result.tenant_limit {
-                // the tenant's own cap, whatever the pool has free: no other pool or candidate
-                // can serve it
+                // the tenant's own cap or windows, whatever the pool has free: no other pool or
+                // candidate can serve it
+                let window = result.held_by.as_deref() == Some("tenant_window");
+                if window && result.frees_at.is_none() {
+                    // its token window is smaller than the estimate: it never frees
+                    return Err(AllocateError::TokensExceedBudget);
+                }
                 return Err(AllocateError::TenantLimit {
                     tenant: result.tenant.unwrap_or_default(),
+                    window,
                     retry_after_seconds: retry_after_seconds(result.frees_at.zip(result.db_now)),
                 });
             }

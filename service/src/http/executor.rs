@@ -207,8 +207,8 @@ fn lease_seconds(requested: Option<u64>, max: u32) -> Result<LeaseSeconds, ApiEr
         (status = 409, description = "`model_not_supported`, `no_usable_credentials` (every credential that serves the model waits for an operator), `request_id_conflict` (the request_id holds a live lease granted for other parameters), or `tokens_exceed_budget` (the `tokens` estimate is larger than a token window of every credential that serves the model)", body = ErrorBody),
         (status = 413, description = "`payload_too_large`", body = ErrorBody),
         (status = 415, description = "`unsupported_media_type`", body = ErrorBody),
-        (status = 429, description = "`pool_exhausted`: candidates exist but none is free now (or none freed within `wait_ms`); `tenant_limit`: the caller's tenant holds as many live leases as its `max_concurrent_leases` allows", body = ErrorBody,
-         headers(("Retry-After" = u64, description = "whole seconds (>= 1) until the earliest lease or cooldown among the candidates ends (`tenant_limit`: the earliest end of the tenant's own leases)"))),
+        (status = 429, description = "`pool_exhausted`: candidates exist but none is free now (or none freed within `wait_ms`); `tenant_limit`: the caller's tenant holds as many live leases as its `max_concurrent_leases` allows, or a window of its `rate_limits` has no room", body = ErrorBody,
+         headers(("Retry-After" = u64, description = "whole seconds (>= 1) until the earliest lease or cooldown among the candidates ends (`tenant_limit`: the earliest end of the tenant's own leases, or when its windows have room)"))),
         (status = 500, description = "`internal_error`", body = ErrorBody),
         (status = 503, description = "`store_unavailable`: PostgreSQL unreachable or too slow", body = ErrorBody),
     ))]

@@ -426,14 +426,18 @@ pub enum ApiError {
         retry_after_seconds: u64,
     },
     /// 429 `tenant_limit` with `Retry-After`: the caller's tenant holds as many live leases as
-    /// its `max_concurrent_leases` allows (whatever the pool has free). Retry-After: the earliest
-    /// end of the tenant's own leases.
+    /// its `max_concurrent_leases` allows, or a window of its `rate_limits` has no room
+    /// (`window`), whatever the pool has free. Retry-After: the earliest end of the tenant's own
+    /// leases, or when its windows have room.
     #[error(
-        "tenant {tenant} holds as many leases as its max_concurrent_leases allows; retry after {retry_after_seconds} s"
+        "tenant {tenant} {}; retry after {retry_after_seconds} s",
+        if *.window { "has no room in a window of its rate_limits" } else { "holds as many leases as its max_concurrent_leases allows" }
     )]
     TenantLimit {
         /// The tenant.
         tenant: String,
+        /// Whether a window holds it back (else its cap).
+        window: bool,
         /// Whole seconds, at least 1.
         retry_after_seconds: u64,
     },
@@ -548,9 +552,11 @@ impl ApiError {
             },
             AllocateError::TenantLimit {
                 tenant,
+                window,
                 retry_after_seconds,
             } => ApiError::TenantLimit {
                 tenant,
+                window,
                 retry_after_seconds,
             },
             AllocateError::Unauthorized => ApiError::Unauthorized,

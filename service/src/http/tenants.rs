@@ -45,12 +45,14 @@ struct TenantInput {
     /// lease would be answered 429 forever; revoke its keys instead.
     #[schema(minimum = 1, maximum = 100000)]
     max_concurrent_leases: Option<u64>,
-    /// Its share of a saturated pool, 1..=1000 (default 1). Stored; fair share when requests
-    /// wait comes with a later release.
+    /// Its share of a saturated pool, 1..=1000 (default 1): when requests wait (`wait_ms`), a
+    /// freed slot goes to the waiting tenant furthest below its weighted share.
     #[schema(minimum = 1, maximum = 1000)]
     weight: Option<u64>,
-    /// Rate windows, like a credential's (`[{"requests": N, "seconds": S}, {"tokens": N,
-    /// "seconds": S}]`): validated and stored; enforced by a later release.
+    /// Rate windows over all the tenant's leases, like a credential's (`[{"requests": N,
+    /// "seconds": S}, {"tokens": N, "seconds": S}]`, up to 8): decided in the claim across every
+    /// replica; without room an allocate gets 429 `tenant_limit`, and an estimate larger than a
+    /// token window 409 `tokens_exceed_budget`. Absent: none.
     rate_limits: Option<RateLimits>,
 }
 

@@ -243,10 +243,11 @@ class PoolExhausted(ApiError):
 
 class TenantLimit(PoolExhausted):
     """429 ``tenant_limit``: the tenant whose key this client presents holds as many live leases as
-    its cap allows (over every credential and every replica), and the ``wait``, if any, is used
-    up. A different fact from :class:`PoolExhausted` (the pool is full), though handled alike, so
-    it is a subclass: back off ``retry_after`` seconds (the earliest end of the tenant's own
-    leases), or lease with ``wait``."""
+    its cap allows, or a window of its ``rate_limits`` has no room (over every credential and
+    every replica), and the ``wait``, if any, is used up. A different fact from
+    :class:`PoolExhausted` (the pool is full), though handled alike, so it is a subclass: back off
+    ``retry_after`` seconds (the earliest end of the tenant's own leases, or when its window has
+    room), or lease with ``wait``."""
 
     code = "tenant_limit"
 

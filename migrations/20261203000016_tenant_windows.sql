@@ -1,0 +1,46 @@
+-- Tenant rate windows (issue 29): a tenant's limits on requests and tokens per interval over all
+-- its credentials, counted like a credential's (the columns and the ring of buckets of
+-- lease_windows; the arithmetic is sql/windows.sql's). Tables only; what uses them is in
+-- sql/lease.sql (CLAIM, RELEASE, credpool_fit_tenant) and sql/audit.sql.
+--
+-- One row per tenant that has windows, and none for a tenant without: a claim probes this table
+-- for its tenant and locks the row it finds (FOR UPDATE SKIP LOCKED) with its slot row, so the
+-- state that decides whether the tenant's windows have room is on a row the claim locks, while a
+-- tenant without windows makes its claims queue on nothing. A claim reads the table only after
+-- it holds its tenant's advisory lock in shared mode (tried), which a change of the tenant takes
+-- exclusively: a row written by a change is seen by every claim that could grant after it.
+CREATE TABLE tenant_windows (
+    tenant_id      text      NOT NULL,
+    -- the tenant's rate_limits, one entry per window, in their order: kind, count, seconds
+    window_kinds   text[]    NOT NULL DEFAULT '{}',
+    window_counts  bigint[]  NOT NULL DEFAULT '{}',
+    window_seconds integer[] NOT NULL DEFAULT '{}',
+    -- window i's ring of 17 buckets: elements i * 17 + 1 .. (i + 1) * 17 (as in lease_windows)
+    bucket_ids     bigint[]  NOT NULL DEFAULT '{}',
+    bucket_charged bigint[]  NOT NULL DEFAULT '{}',
+    CONSTRAINT tenant_windows_pkey PRIMARY KEY (tenant_id),
+    CONSTRAINT tenant_windows_tenant_id_fkey FOREIGN KEY (tenant_id)
+        REFERENCES tenants (tenant_id) ON DELETE CASCADE,
+    CONSTRAINT tenant_windows_shape CHECK (
+        cardinality(window_counts) = cardinality(window_kinds)
+        AND cardinality(window_seconds) = cardinality(window_kinds)
+        AND cardinality(bucket_ids) = 17 * cardinality(window_kinds)
+        AND cardinality(bucket_charged) = 17 * cardinality(window_kinds)
+        AND cardinality(window_kinds) BETWEEN 1 AND 8),
+    CONSTRAINT tenant_windows_kinds_known CHECK (window_kinds <@ ARRAY['requests', 'tokens'])
+);
+
+-- Tenants given windows before they were enforced: their rows, counting from this upgrade on
+-- (the grants before it were never held to the windows; credpool_fit_tenant seeds a window set
+-- from now on from the trail).
+INSERT INTO tenant_windows (tenant_id, window_kinds, window_counts, window_seconds, bucket_ids,
+                            bucket_charged)
+SELECT t.tenant_id,
+       array_agg(CASE WHEN l ? 'requests' THEN 'requests' ELSE 'tokens' END ORDER BY n),
+       array_agg(coalesce((l ->> 'requests')::bigint, (l ->> 'tokens')::bigint) ORDER BY n),
+       array_agg((l ->> 'seconds')::integer ORDER BY n),
+       array_fill(0::bigint, ARRAY[17 * count(*)::integer]),
+       array_fill(0::bigint, ARRAY[17 * count(*)::integer])
+FROM tenants t
+CROSS JOIN LATERAL jsonb_array_elements(t.rate_limits) WITH ORDINALITY AS e (l, n)
+GROUP BY t.tenant_id;

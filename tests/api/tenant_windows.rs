@@ -1,0 +1,433 @@
+//! Tenant rate windows (issue 29): a tenant's `rate_limits` hold over all its credentials and
+//! every replica, decided in the claim on the tenant's tenant_windows row (locked), and the trail
+//! proves no window was ever exceeded. Pause points hold a claim between its snapshot and its
+//! lock, and a change of the tenant while a claim is in flight.
+
+use std::time::Duration;
+
+use reqwest::StatusCode;
+use serde_json::{Value, json};
+use sqlx::Row;
+
+use credpool_test_support::*;
+
+use crate::BIN;
+use crate::lease_state::{Hook, backend_pid, hooked, until_waiting};
+use crate::tenants::{admin, allocate, executor, lease_ref, mint, put_tenant, two_replicas};
+
+/// An allocate of `pool` for tenant key `key` reserving `tokens`.
+async fn allocate_tokens(
+    client: &reqwest::Client,
+    base: &str,
+    key: &str,
+    tokens: u64,
+) -> reqwest::Response {
+    executor(
+        client,
+        base,
+        "/api/internal/allocate-key",
+        key,
+        json!({"provider": "openai", "model": "gpt-4o", "pool": "default", "lease_seconds": 600,
+               "tokens": tokens}),
+    )
+    .await
+}
+
+/// `racers` simultaneous allocates reserving `tokens` each, alternating between `bases`: the
+/// leases granted and the Retry-After of every `tenant_limit` (any other answer panics).
+async fn race(
+    client: &reqwest::Client,
+    bases: &[&str],
+    key: &str,
+    racers: usize,
+    tokens: u64,
+) -> (Vec<Value>, Vec<u64>) {
+    let barrier = std::sync::Arc::new(tokio::sync::Barrier::new(racers));
+    let calls: Vec<_> = (0..racers)
+        .map(|i| {
+            let (client, key, barrier) = (client.clone(), key.to_owned(), barrier.clone());
+            let base = bases[i % bases.len()].to_owned();
+            tokio::spawn(async move {
+                barrier.wait().await;
+                let response = allocate_tokens(&client, &base, &key, tokens).await;
+                let status = response.status();
+                let retry_after = response
+                    .headers()
+                    .get("retry-after")
+                    .map(|v| v.to_str().unwrap().parse::<u64>().unwrap());
+                (status, retry_after, response.json::<Value>().await.unwrap())
+            })
+        })
+        .collect();
+    let mut granted = Vec::new();
+    let mut refused = Vec::new();
+    for call in calls {
+        let (status, retry_after, body) = call.await.unwrap();
+        match status {
+            StatusCode::OK => granted.push(body),
+            StatusCode::TOO_MANY_REQUESTS => {
+                assert_eq!(body["error"]["code"], "tenant_limit", "{body}");
+                refused.push(retry_after.expect("Retry-After on tenant_limit"));
+            }
+            other => panic!("unexpected {other}: {body}"),
+        }
+    }
+    (granted, refused)
+}
+
+/// What tenant `tenant`'s grants in the trail charged its token window, as the window counts
+/// it: each grant's reported usage, else its reservation.
+async fn tokens_charged(pool: &sqlx::PgPool, tenant: &str) -> i64 {
+    sqlx::query_scalar(
+        "SELECT coalesce(sum(coalesce(
+                    (SELECT e.tokens FROM lease_events e
+                     WHERE e.lease_id = g.lease_id AND e.event = 'released'), g.tokens)), 0)::bigint
+         FROM lease_events g WHERE g.event = 'granted' AND g.tenant = $1",
+    )
+    .bind(tenant)
+    .fetch_one(pool)
+    .await
+    .unwrap()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_tenant_token_window_holds_over_every_replica_and_the_trail_proves_it() {
+    // A tenant with a window of 1000 tokens an hour, over 4 credentials with 64 free slots and
+    // two service processes. Each round a new tenant: 40 simultaneous allocates of 100 tokens
+    // get exactly 10 leases and 30 `tenant_limit` with the window's Retry-After; the internal
+    // key (tenant `default`, no windows) is served meanwhile; 5 releases reporting 20 tokens
+    // each give 400 back, which 20 more racers fill with exactly 4 leases. The trail: no more
+    // than 1000 tokens charged to any tenant, and `credpool audit verify` passes.
+    let (database, a, b) = two_replicas(4, 16).await;
+    let client = client();
+    let bases = [a.base.as_str(), b.base.as_str()];
+    let pool = database.pool(1).await;
+    for round in 0..4 {
+        let tenant = format!("team-{round}");
+        let put = put_tenant(
+            &client,
+            &a.base,
+            &tenant,
+            json!({"rate_limits": [{"tokens": 1000, "seconds": 3600}]}),
+        )
+        .await;
+        assert_eq!(
+            put["rate_limits"],
+            json!([{"tokens": 1000, "seconds": 3600}])
+        );
+        let (_, key) = mint(&client, &b.base, &tenant).await;
+
+        let (granted, refused) = race(&client, &bases, &key, 40, 100).await;
+        assert_eq!(granted.len(), 10, "round {round}: {granted:?}");
+        assert_eq!(refused.len(), 30);
+        // the window frees when its oldest bucket leaves it: about an hour from now
+        for retry_after in &refused {
+            assert!(
+                (3000..=3900).contains(retry_after),
+                "round {round}: Retry-After {retry_after}"
+            );
+        }
+        for lease in &granted {
+            assert_eq!(lease["tenant"], tenant.as_str(), "{lease}");
+        }
+        // a tenant without windows is served while this one has no room
+        let other = json_body(
+            post_json(
+                &client,
+                &format!("{}/api/internal/allocate-key", a.base),
+                ("x-internal-key", INTERNAL_KEY),
+                json!({"provider": "openai", "model": "gpt-4o", "pool": "default",
+                       "lease_seconds": 600, "tokens": 100}),
+            )
+            .await,
+            StatusCode::OK,
+        )
+        .await;
+        assert_eq!(other["tenant"], "default");
+
+        // usage below the reservation gives the difference back to the tenant's window
+        for (i, lease) in granted.iter().take(5).enumerate() {
+            let mut release = lease_ref(lease);
+            release["outcome"] = json!("success");
+            release["usage"] = json!({"tokens": 20});
+            let released = json_body(
+                executor(
+                    &client,
+                    bases[i % 2],
+                    "/api/internal/release-key",
+                    &key,
+                    release,
+                )
+                .await,
+                StatusCode::OK,
+            )
+            .await;
+            assert_eq!(released["released"], true, "{released}");
+        }
+        let (again, refused) = race(&client, &bases, &key, 20, 100).await;
+        assert_eq!(again.len(), 4, "round {round}: after 400 tokens came back");
+        assert_eq!(refused.len(), 16);
+        assert_eq!(tokens_charged(&pool, &tenant).await, 1000, "round {round}");
+    }
+    let (ok, report) = audit_verify(BIN, &database).await;
+    assert!(ok, "{report}");
+}
+
+#[tokio::test]
+async fn an_estimate_larger_than_the_tenant_token_window_is_409_and_a_requests_window_counts_grants()
+ {
+    let app = TestApp::spawn().await;
+    let base = app.url("");
+    app.put_key("k", "openai", "default", &["gpt-4o"], 8).await;
+    put_tenant(
+        &app.client,
+        &base,
+        "team",
+        json!({"rate_limits": [{"requests": 3, "seconds": 600}, {"tokens": 500, "seconds": 60}]}),
+    )
+    .await;
+    let (_, key) = mint(&app.client, &base, "team").await;
+    // no wait can make room for 501 tokens in a window of 500
+    let response = allocate_tokens(&app.client, &base, &key, 501).await;
+    let body = json_body(response, StatusCode::CONFLICT).await;
+    assert_eq!(body["error"]["code"], "tokens_exceed_budget", "{body}");
+    // three requests, whatever their tokens; the fourth waits for the requests window
+    for _ in 0..3 {
+        json_body(
+            allocate_tokens(&app.client, &base, &key, 0).await,
+            StatusCode::OK,
+        )
+        .await;
+    }
+    let response = allocate_tokens(&app.client, &base, &key, 0).await;
+    assert_eq!(response.status(), StatusCode::TOO_MANY_REQUESTS);
+    let retry_after: u64 = response.headers()["retry-after"]
+        .to_str()
+        .unwrap()
+        .parse()
+        .unwrap();
+    assert!((550..=640).contains(&retry_after), "{retry_after}");
+    let body: Value = response.json().await.unwrap();
+    assert_eq!(body["error"]["code"], "tenant_limit");
+    assert!(
+        body["error"]["message"]
+            .as_str()
+            .unwrap()
+            .contains("window"),
+        "{body}"
+    );
+    // removing the windows lifts them at once
+    put_tenant(&app.client, &base, "team", json!({})).await;
+    json_body(
+        allocate_tokens(&app.client, &base, &key, 501).await,
+        StatusCode::OK,
+    )
+    .await;
+    let rows: i64 = sqlx::query_scalar("SELECT count(*) FROM tenant_windows")
+        .fetch_one(&app.db)
+        .await
+        .unwrap();
+    assert_eq!(
+        rows, 0,
+        "a tenant without windows keeps no tenant_windows row"
+    );
+}
+
+/// The hex SHA-256 of an executor key, as the service sends it to `credpool_claim`.
+async fn key_hash(app: &TestApp, key: &str) -> String {
+    sqlx::query_scalar("SELECT encode(sha256(convert_to($1, 'UTF8')), 'hex')")
+        .bind(key)
+        .fetch_one(&app.db)
+        .await
+        .unwrap()
+}
+
+/// What a claim answered: the credential it granted (if any) and its `request`.
+type ClaimAnswer = Result<(Option<String>, Option<String>), sqlx::Error>;
+
+/// A claim for tenant key hash `hash` of a slot of `ranked` in `pool`, on connection `conn`
+/// (which stops at the test hooks it was given): its answer once it finishes.
+fn paused_claim(
+    mut conn: sqlx::PgConnection,
+    ranked: &str,
+    pool: &str,
+    hash: &str,
+) -> tokio::task::JoinHandle<ClaimAnswer> {
+    let body = json!([{
+        "ranked": [ranked], "provider": "openai", "pool": pool, "model": "gpt-4o",
+        "lease_id": uuid::Uuid::new_v4(), "holder": "paused", "lease_seconds": 600,
+        "key_hash": hash,
+    }]);
+    tokio::spawn(async move {
+        sqlx::query("SELECT key_id, request FROM credpool_claim($1)")
+            .bind(body)
+            .fetch_one(&mut conn)
+            .await
+            .map(|row| {
+                (
+                    row.get::<Option<String>, _>(0),
+                    row.get::<Option<String>, _>(1),
+                )
+            })
+    })
+}
+
+#[tokio::test]
+async fn a_claim_paused_before_the_tenant_window_lock_never_grants_into_a_window_another_filled() {
+    // A requests window of 1. A claim takes its snapshot with the window empty, then waits (test
+    // hook `claim.before_tenant_window_lock`) while the service grants the tenant a lease in
+    // another pool and commits. Resumed, the claim locks the tenant_windows row, finds it full
+    // (the re-check of the locked row) and grants nothing: 'tenant_limit'. Decided on the row
+    // as the snapshot had it, it would grant a second request into a window of one.
+    let app = TestApp::spawn().await;
+    let base = app.url("");
+    app.put_key("ka", "openai", "a", &["gpt-4o"], 4).await;
+    app.put_key("kb", "openai", "b", &["gpt-4o"], 4).await;
+    put_tenant(
+        &app.client,
+        &base,
+        "team",
+        json!({"rate_limits": [{"requests": 1, "seconds": 600}]}),
+    )
+    .await;
+    let (_, key) = mint(&app.client, &base, "team").await;
+    let hash = key_hash(&app, &key).await;
+
+    let hook = Hook::close(&app, "claim.before_tenant_window_lock").await;
+    let mut conn = hooked(&app, "claim.before_tenant_window_lock").await;
+    let pid = backend_pid(&mut conn).await;
+    let claiming = paused_claim(conn, "ka", "a", &hash);
+    until_waiting(&app, pid).await;
+    let granted = json_body(
+        allocate(&app.client, &base, &key, "b").await,
+        StatusCode::OK,
+    )
+    .await;
+    assert_eq!(granted["key_id"], "kb");
+    hook.open().await;
+    let (key_id, request) = tokio::time::timeout(Duration::from_secs(30), claiming)
+        .await
+        .expect("the claim finished")
+        .unwrap()
+        .expect("the claim failed");
+    assert_eq!(key_id, None, "a second request in a window of one");
+    assert_eq!(request.as_deref(), Some("tenant_limit"));
+    let grants: i64 = sqlx::query_scalar(
+        "SELECT count(*) FROM lease_events WHERE event = 'granted' AND tenant = 'team'",
+    )
+    .fetch_one(&app.db)
+    .await
+    .unwrap();
+    assert_eq!(grants, 1);
+    let (ok, report) = audit_verify(BIN, &app.database).await;
+    assert!(ok, "{report}");
+}
+
+/// Tenant `team` (no cap, no windows) with a claim of its paused in PICK, after its snapshot
+/// (test hook `claim.before_lock`), while an operator PUTs `change` for the tenant: the PUT
+/// must wait for the claim to commit. Returns the claim's lease (key_id), the PUT's answer, and
+/// the answer to one more allocate of the tenant afterwards.
+async fn change_while_a_claim_is_in_flight(
+    change: Value,
+) -> (Option<String>, u16, reqwest::Response) {
+    let app = TestApp::spawn().await;
+    let base = app.url("");
+    app.put_key("ka", "openai", "a", &["gpt-4o"], 4).await;
+    app.put_key("kb", "openai", "b", &["gpt-4o"], 4).await;
+    put_tenant(&app.client, &base, "team", json!({})).await;
+    let (_, key) = mint(&app.client, &base, "team").await;
+    let hash = key_hash(&app, &key).await;
+
+    let hook = Hook::close(&app, "claim.before_lock").await;
+    let mut conn = hooked(&app, "claim.before_lock").await;
+    let pid = backend_pid(&mut conn).await;
+    let claiming = paused_claim(conn, "ka", "a", &hash);
+    until_waiting(&app, pid).await;
+    let putting = {
+        let (client, base) = (app.client.clone(), base.clone());
+        tokio::spawn(async move {
+            admin(
+                &client,
+                &base,
+                reqwest::Method::PUT,
+                "/api/admin/tenants/team",
+                Some(change),
+            )
+            .await
+            .status()
+            .as_u16()
+        })
+    };
+    // the PUT waits for the tenant's lock, which the claim holds (shared) until it commits; if
+    // it does not wait, it answers first
+    for _ in 0..400 {
+        let waiting: i64 = sqlx::query_scalar(
+            "SELECT count(*) FROM pg_stat_activity
+             WHERE datname = current_database() AND wait_event_type = 'Lock' AND pid <> $1",
+        )
+        .bind(pid)
+        .fetch_one(&app.db)
+        .await
+        .unwrap();
+        if waiting > 0 || putting.is_finished() {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    hook.open().await;
+    let (key_id, _) = tokio::time::timeout(Duration::from_secs(30), claiming)
+        .await
+        .expect("the claim finished")
+        .unwrap()
+        .expect("the claim failed");
+    let put = tokio::time::timeout(Duration::from_secs(30), putting)
+        .await
+        .expect("the PUT answered")
+        .unwrap();
+    let after = allocate(&app.client, &base, &key, "b").await;
+    let (ok, report) = audit_verify(BIN, &app.database).await;
+    assert!(ok, "{report}");
+    (key_id, put, after)
+}
+
+#[tokio::test]
+async fn a_window_set_while_a_claim_of_the_tenant_is_in_flight_counts_that_claim() {
+    // Before, the claim read the tenant from its snapshot and the PUT seeded the new window from
+    // the trail without the claim's grant, which committed after it: the next allocate found
+    // the window of one request empty and a second request was granted into it.
+    let (key_id, put, after) = change_while_a_claim_is_in_flight(
+        json!({"rate_limits": [{"requests": 1, "seconds": 600}]}),
+    )
+    .await;
+    assert_eq!(
+        key_id.as_deref(),
+        Some("ka"),
+        "the claim in flight is served"
+    );
+    assert_eq!(put, 200);
+    assert_eq!(
+        after.status(),
+        StatusCode::TOO_MANY_REQUESTS,
+        "a second request in a window of one"
+    );
+}
+
+#[tokio::test]
+async fn a_cap_set_while_a_claim_of_the_tenant_is_in_flight_counts_that_claim() {
+    // Before, the PUT fitted the tenant's slot rows without the claim's lease (uncommitted), so
+    // the claim's lease lived outside them and the next allocate took the one free row: two
+    // leases for a tenant capped at one.
+    let (key_id, put, after) =
+        change_while_a_claim_is_in_flight(json!({"max_concurrent_leases": 1})).await;
+    assert_eq!(
+        key_id.as_deref(),
+        Some("ka"),
+        "the claim in flight is served"
+    );
+    assert_eq!(put, 200);
+    assert_eq!(
+        after.status(),
+        StatusCode::TOO_MANY_REQUESTS,
+        "a second lease for a tenant capped at one"
+    );
+}
