@@ -1,7 +1,8 @@
--- The audit trail: append-only, and what is read from it (lease lifetimes, the oversell proof,
--- utilization). The trail tables are `lease_events` and `credential_events`; rows are inserted in
--- the same statement or transaction as the state change they record, never edited, and removed
--- only by retention (sql/maintenance.sql).
+-- The audit trail: append-only, and what is read from it (lease lifetimes, the oversell, window
+-- and tenant proofs, utilization). The trail tables are `lease_events`, `credential_events` and
+-- `tenant_events`; rows are inserted in the same statement or transaction as the state change they
+-- record, never edited, and removed only by retention (sql/maintenance.sql; it keeps
+-- tenant_events).
 --
 -- Repeatable: the one current definition of each object below. credpool applies this file after
 -- the versioned migrations whenever its content changes (src/store/schema.rs), in one transaction;
@@ -194,64 +195,101 @@ LANGUAGE sql STABLE AS $$
         '[]')
 $$;
 
--- The window proof, from the trail alone. The rule it checks, for every grant in [p_since,
--- p_until) on a credential that had rate windows at that moment (credpool_rate_limits_at), and
--- every such window of length S and count N: what the grants of the credential in (at - S, at]
--- had charged, as credpool could know it when it granted, is at most N. Each grant charges one
--- for `requests`; for `tokens`, the usage its release (or late report) reported if that report
--- came before this grant, else its reservation — that is, the grant itself and every grant whose
--- usage was not known yet count their reservation. A usage above the reservation counts from the
--- moment it was reported, so a grant admitted after it without room is caught; a usage reported
--- later never counts against an earlier grant. (What upstream consumed may take a window over N
--- after a grant — usage above the estimate — but no grant is made into a window without room.)
--- `grants_over_window` counts the grants that break the rule: it must be 0. `peak` is the most
--- a window had charged at a grant. One row per credential and window with grants in the range.
+-- The window proof, from the trail alone, for either scope of rate windows: `p_scope`
+-- 'credential' judges the grants of each credential (lease_events.key_id) by the windows the
+-- credential had (credpool_rate_limits_at); 'tenant' judges the grants of each tenant over all
+-- its credentials (lease_events.tenant; grants without one, from before tenants existed, are not
+-- judged) by the windows the tenant had (credpool_tenant_rate_limits_at). credpool_window_check
+-- and credpool_tenant_window_check are its two forms; `scope_id` is the key_id or the tenant_id.
+--
+-- The rule it checks, for every grant in [p_since, p_until) of a credential (tenant) that had
+-- rate windows at that moment, and every such window of length S and count N: what the grants of
+-- that credential (tenant) in (at - S, at] had charged, as credpool could know it when it
+-- granted, is at most N. Each grant charges one for `requests`; for `tokens`, the usage its
+-- release (or late report) reported if that report came before this grant, else its reservation
+-- — that is, the grant itself and every grant whose usage was not known yet count their
+-- reservation. A usage above the reservation counts from the moment it was reported, so a grant
+-- admitted after it without room is caught; a usage reported later never counts against an
+-- earlier grant. (What upstream consumed may take a window over N after a grant — usage above
+-- the estimate — but no grant is made into a window without room.) `grants_over_window` counts
+-- the grants that break the rule: it must be 0. `peak` is the most a window had charged at a
+-- grant. One row per credential (tenant) and window with grants in the range.
 --
 -- Exact with respect to the claim: a claim decides on the credential's lease_windows row, locked,
 -- whose buckets cover (at - S, at] and more, holding every earlier grant's reservation and every
 -- usage reported by a release that committed before the claim took the lock; a release dates its
 -- report (`at`) after taking the row's lock, and a claim reads its `at` with the row version it
 -- decides on (after the lock, when a release changed the row since the claim's snapshot), so a
--- usage a claim counted is dated before its grant, and one it did not count after.
+-- usage a claim counted is dated before its grant, and one it did not count after. A tenant's
+-- windows are exact in the same sense when the claim decides them on a locked row of the tenant's
+-- with the same two rules (a report dated after that row's lock too).
 --
 -- One pass per window length and kind, over the grants since p_since - S: a running sum over
--- edges per credential (a grant's charge counts from its grant until S later; a reported
--- difference usage - reservation from its report until its grant is S old), no join of the trail
--- with itself. At equal times the edges that end sort first, then the grants (all grants at one
--- moment count each other), then the reports (a report at the very moment of a grant was not
--- known to it).
-CREATE OR REPLACE FUNCTION credpool_window_check(p_since timestamptz, p_until timestamptz)
-RETURNS TABLE (key_id text, kind text, seconds integer, window_count bigint, grants bigint,
+-- edges per credential (tenant) (a grant's charge counts from its grant until S later; a
+-- reported difference usage - reservation from its report until its grant is S old), no join of
+-- the trail with itself. At equal times the edges that end sort first, then the grants (all
+-- grants at one moment count each other), then the reports (a report at the very moment of a
+-- grant was not known to it). The windows looked at are every (kind, S) of the scope's current
+-- configurations and of its configuration rows before p_until (for credentials, also the `old`
+-- of rows from p_since on: credpool_rate_limits_at may answer with it).
+CREATE OR REPLACE FUNCTION credpool_scope_window_check(p_scope text, p_since timestamptz, p_until timestamptz)
+RETURNS TABLE (scope_id text, kind text, seconds integer, window_count bigint, grants bigint,
                peak bigint, grants_over_window bigint, first_violation_at timestamptz)
 LANGUAGE plpgsql STABLE AS $$
 DECLARE
+    -- the lease_events column naming whose windows judge a grant, and the function that gives
+    -- that one's windows in force at a moment: identifiers from this list only, never the caller's
+    v_column text;
+    v_windows_at text;
     v_spec record;
 BEGIN
+    CASE p_scope
+        WHEN 'credential' THEN
+            v_column := 'key_id';
+            v_windows_at := 'credpool_rate_limits_at';
+        WHEN 'tenant' THEN
+            v_column := 'tenant';
+            v_windows_at := 'credpool_tenant_rate_limits_at';
+        ELSE
+            RAISE EXCEPTION 'unknown window scope: %', p_scope
+                USING ERRCODE = 'invalid_parameter_value';
+    END CASE;
     FOR v_spec IN
         SELECT DISTINCT CASE WHEN l ? 'requests' THEN 'requests' ELSE 'tokens' END AS kind,
                (l ->> 'seconds')::integer AS seconds
         FROM (SELECT c.rate_limits AS limits FROM credentials c
+              WHERE p_scope = 'credential'
               UNION ALL
               SELECT ce.details -> 'new' -> 'rate_limits' FROM credential_events ce
-              WHERE ce.event IN ('created', 'updated') AND ce.at < p_until
+              WHERE p_scope = 'credential'
+                AND ce.event IN ('created', 'updated') AND ce.at < p_until
                 AND jsonb_typeof(ce.details -> 'new' -> 'rate_limits') = 'array'
               UNION ALL
               SELECT ce.details -> 'old' -> 'rate_limits' FROM credential_events ce
-              WHERE ce.event = 'updated' AND ce.at >= p_since
-                AND jsonb_typeof(ce.details -> 'old' -> 'rate_limits') = 'array') AS configs,
+              WHERE p_scope = 'credential'
+                AND ce.event = 'updated' AND ce.at >= p_since
+                AND jsonb_typeof(ce.details -> 'old' -> 'rate_limits') = 'array'
+              UNION ALL
+              SELECT t.rate_limits FROM tenants t
+              WHERE p_scope = 'tenant'
+              UNION ALL
+              SELECT te.rate_limits FROM tenant_events te
+              WHERE p_scope = 'tenant'
+                AND te.event IN ('created', 'updated') AND te.at < p_until
+                AND jsonb_typeof(te.rate_limits) = 'array') AS configs,
              jsonb_array_elements(configs.limits) AS l
     LOOP
         RETURN QUERY EXECUTE format($q$
             WITH grants AS (
-                SELECT g.key_id, g.lease_id, g.at,
+                SELECT g.%6$I AS scope_id, g.lease_id, g.at,
                        CASE %1$L WHEN 'requests' THEN 1 ELSE coalesce(g.tokens, 0) END AS charge
                 FROM lease_events g
-                WHERE g.event = 'granted'
+                WHERE g.event = 'granted' AND g.%6$I IS NOT NULL
                   AND g.at >= %3$L::timestamptz - %5$L::interval AND g.at < %4$L::timestamptz
             ),
             -- usage - reservation, from the moment it was reported while the grant is in the window
             reports AS (
-                SELECT g.key_id, g.at AS granted_at, u.at AS reported_at, u.tokens - g.charge AS delta
+                SELECT g.scope_id, g.at AS granted_at, u.at AS reported_at, u.tokens - g.charge AS delta
                 FROM grants g
                 CROSS JOIN LATERAL (
                     SELECT e.at, e.tokens FROM lease_events e
@@ -264,43 +302,54 @@ BEGIN
                   AND u.tokens <> g.charge
             ),
             edges AS (
-                SELECT g.key_id, g.at, 1 AS ord, g.charge AS amount FROM grants g
+                SELECT g.scope_id, g.at, 1 AS ord, g.charge AS amount FROM grants g
                 UNION ALL
-                SELECT g.key_id, g.at + %5$L::interval, 0, -g.charge FROM grants g
+                SELECT g.scope_id, g.at + %5$L::interval, 0, -g.charge FROM grants g
                 WHERE g.at + %5$L::interval < %4$L::timestamptz
                 UNION ALL
-                SELECT r.key_id, r.reported_at, 2, r.delta FROM reports r
+                SELECT r.scope_id, r.reported_at, 2, r.delta FROM reports r
                 UNION ALL
-                SELECT r.key_id, r.granted_at + %5$L::interval, 0, -r.delta FROM reports r
+                SELECT r.scope_id, r.granted_at + %5$L::interval, 0, -r.delta FROM reports r
                 WHERE r.granted_at + %5$L::interval < %4$L::timestamptz
             ),
             running AS (
-                SELECT e.key_id, e.at, e.ord,
-                       sum(e.amount) OVER (PARTITION BY e.key_id ORDER BY e.at, e.ord
+                SELECT e.scope_id, e.at, e.ord,
+                       sum(e.amount) OVER (PARTITION BY e.scope_id ORDER BY e.at, e.ord
                                            RANGE UNBOUNDED PRECEDING) AS charged
                 FROM edges e
             ),
             -- MATERIALIZED: the windows in force are looked up once per grant, not once per use
             judged AS MATERIALIZED (
-                SELECT r.key_id, r.at, r.charged,
+                SELECT r.scope_id, r.at, r.charged,
                        (SELECT (l ->> %1$L)::bigint
-                        FROM jsonb_array_elements(credpool_rate_limits_at(r.key_id, r.at)) AS l
+                        FROM jsonb_array_elements(%7$I(r.scope_id, r.at)) AS l
                         WHERE l ? %1$L AND (l ->> 'seconds')::integer = %2$s
                         LIMIT 1) AS window_count
                 FROM running r
                 WHERE r.ord = 1 AND r.at >= %3$L::timestamptz
             )
-            SELECT j.key_id, %1$L::text, %2$s::integer, max(j.window_count), count(*),
+            SELECT j.scope_id, %1$L::text, %2$s::integer, max(j.window_count), count(*),
                    max(j.charged)::bigint,
                    count(*) FILTER (WHERE j.charged > j.window_count),
                    min(j.at) FILTER (WHERE j.charged > j.window_count)
             FROM judged j
             WHERE j.window_count IS NOT NULL
-            GROUP BY j.key_id
-            ORDER BY j.key_id
-        $q$, v_spec.kind, v_spec.seconds, p_since, p_until, make_interval(secs => v_spec.seconds));
+            GROUP BY j.scope_id
+            ORDER BY j.scope_id
+        $q$, v_spec.kind, v_spec.seconds, p_since, p_until, make_interval(secs => v_spec.seconds),
+             v_column, v_windows_at);
     END LOOP;
 END;
+$$;
+
+-- The window proof of credentials' rate windows (the rule: credpool_scope_window_check, scope
+-- 'credential'): one row per credential and window with grants in [p_since, p_until);
+-- `grants_over_window` must be 0.
+CREATE OR REPLACE FUNCTION credpool_window_check(p_since timestamptz, p_until timestamptz)
+RETURNS TABLE (key_id text, kind text, seconds integer, window_count bigint, grants bigint,
+               peak bigint, grants_over_window bigint, first_violation_at timestamptz)
+LANGUAGE sql STABLE AS $$
+    SELECT * FROM credpool_scope_window_check('credential', p_since, p_until)
 $$;
 
 -- The tenants' trail is append-only too.
@@ -369,4 +418,36 @@ LANGUAGE sql STABLE AS $$
     FROM grants g
     GROUP BY g.tenant
     ORDER BY g.tenant
+$$;
+
+-- The rate windows tenant `p_tenant` had in force at `p_at`, from the trail: what its latest
+-- `created` / `updated` tenant_events row at or before `p_at` set (the row carries the
+-- configuration in its columns; one without `rate_limits` means no windows: `[]`); else, with no
+-- such row, its current rate_limits; else (no such tenant) `[]`. Rows are dated when the change
+-- took effect (clock_timestamp() after the change's locks, service/src/store/tenants.rs), so a
+-- grant is judged by the windows it was admitted under; retention never removes them. Index
+-- tenant_events_tenant_at_idx serves the look-up.
+CREATE OR REPLACE FUNCTION credpool_tenant_rate_limits_at(p_tenant text, p_at timestamptz) RETURNS jsonb
+LANGUAGE sql STABLE AS $$
+    SELECT coalesce(
+        (SELECT coalesce(te.rate_limits, '[]')
+         FROM tenant_events te
+         WHERE te.tenant_id = p_tenant AND te.event IN ('created', 'updated') AND te.at <= p_at
+         ORDER BY te.at DESC, te.event_id DESC
+         LIMIT 1),
+        (SELECT t.rate_limits FROM tenants t WHERE t.tenant_id = p_tenant),
+        '[]')
+$$;
+
+-- The tenant window proof (the rule: credpool_scope_window_check, scope 'tenant'): for every
+-- grant in [p_since, p_until) of a tenant that had rate windows then, and each such window of S
+-- seconds and count N, what the tenant's grants over all its credentials in (at - S, at] had
+-- charged (one per grant for `requests`; reservations, or usage reported before the grant, for
+-- `tokens`) is at most N. One row per tenant and window with grants in the range;
+-- `grants_over_window` must be 0.
+CREATE OR REPLACE FUNCTION credpool_tenant_window_check(p_since timestamptz, p_until timestamptz)
+RETURNS TABLE (tenant_id text, kind text, seconds integer, window_count bigint, grants bigint,
+               peak bigint, grants_over_window bigint, first_violation_at timestamptz)
+LANGUAGE sql STABLE AS $$
+    SELECT * FROM credpool_scope_window_check('tenant', p_since, p_until)
 $$;

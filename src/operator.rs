@@ -353,7 +353,8 @@ pub async fn pools(cli: CliArgs) -> anyhow::Result<()> {
     .await
 }
 
-/// `credpool audit ...`; the exit code is non-zero when the proof finds an oversell.
+/// `credpool audit ...`; the exit code is non-zero when a proof finds a grant over a credential's
+/// limit or rate window, or over a tenant's cap or rate window.
 pub async fn audit(args: AuditArgs) -> anyhow::Result<ExitCode> {
     let cli = &args.cli;
     match &args.command {
@@ -380,16 +381,20 @@ pub async fn audit(args: AuditArgs) -> anyhow::Result<ExitCode> {
                 let rows = audit::oversell_check(&mut *work, since, until).await?;
                 let windows = audit::window_check(&mut *work, since, until).await?;
                 let tenants = audit::tenant_cap_check(&mut *work, since, until).await?;
+                let tenant_windows = audit::tenant_window_check(&mut *work, since, until).await?;
                 work.done().await?;
                 let over_limit: i64 = rows.iter().map(|r| r.grants_over_limit).sum();
                 let over_window: i64 = windows.iter().map(|r| r.grants_over_window).sum();
                 let over_cap: i64 = tenants.iter().map(|r| r.grants_over_cap).sum();
-                let violations = over_limit + over_window + over_cap;
+                let over_tenant_window: i64 = tenant_windows.iter().map(|r| r.grants_over_window).sum();
+                let violations = over_limit + over_window + over_cap + over_tenant_window;
                 if cli.json {
                     print_json(&serde_json::json!({"since": since.format(&Rfc3339)?, "until": until.format(&Rfc3339)?,
                                                    "credentials": rows, "grants_over_limit": over_limit,
                                                    "windows": windows, "grants_over_window": over_window,
-                                                   "tenants": tenants, "grants_over_cap": over_cap}))?;
+                                                   "tenants": tenants, "grants_over_cap": over_cap,
+                                                   "tenant_windows": tenant_windows,
+                                                   "grants_over_tenant_window": over_tenant_window}))?;
                 } else {
                     let mut out = table(&["key_id", "limit", "leases", "peak", "grants over limit", "first at"]);
                     for r in &rows {
@@ -455,6 +460,28 @@ pub async fn audit(args: AuditArgs) -> anyhow::Result<ExitCode> {
                                 "no grant ever exceeded a tenant's cap".to_owned()
                             } else {
                                 format!("{over_cap} grants exceeded a tenant's cap")
+                            }
+                        );
+                    }
+                    if !tenant_windows.is_empty() {
+                        let mut out = table(&["tenant", "window", "grants", "peak", "grants over window", "first at"]);
+                        for r in &tenant_windows {
+                            out.add_row(vec![
+                                r.tenant_id.clone(),
+                                format!("{} {} / {} s", r.window_count, r.kind, r.seconds),
+                                r.grants.to_string(),
+                                r.peak.to_string(),
+                                r.grants_over_window.to_string(),
+                                r.first_violation_at.map(|t| t.to_string()).unwrap_or_default(),
+                            ]);
+                        }
+                        println!("{out}");
+                        println!(
+                            "tenant rate windows: {}",
+                            if over_tenant_window == 0 {
+                                "no grant ever exceeded a tenant's window".to_owned()
+                            } else {
+                                format!("{over_tenant_window} grants exceeded a tenant's window")
                             }
                         );
                     }

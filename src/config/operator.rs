@@ -22,8 +22,9 @@ pub struct AuditArgs {
 /// The `credpool audit` subcommands.
 #[derive(Debug, Clone, Subcommand)]
 pub enum AuditCommand {
-    /// The oversell proof: from the trail alone, each credential's most simultaneous leases over
-    /// the range next to its limit; exits non-zero if any grant ever exceeded a limit.
+    /// The proofs, from the trail alone: each credential's most simultaneous leases over the range
+    /// next to its limit, each tenant's next to its cap, and every credential's and tenant's rate
+    /// windows; exits non-zero if any grant ever exceeded a limit, a cap or a window.
     Verify {
         /// Start of the range, RFC 3339 (default: 24 hours before --until).
         #[arg(long)]

@@ -1,14 +1,17 @@
 //! Audit in SQL and the cleanup functions: reaping, recorded recoveries, retention, lease
-//! lifetimes, the oversell proof (`credpool audit verify`), the in-process scheduler, and pg_cron
-//! actually running the cleanup in a cluster that preloads it.
+//! lifetimes, the oversell proof (`credpool audit verify`), the tenant window proof, the
+//! in-process scheduler, and pg_cron actually running the cleanup in a cluster that preloads it.
 
 use std::time::Duration;
 
 use credpool::embedded::EmbeddedCluster;
+use credpool::store::audit;
 use credpool::store::maintenance::{self, Skipped};
 use reqwest::StatusCode;
 use serde_json::{Value, json};
 use sqlx::Connection;
+use time::OffsetDateTime;
+use time::format_description::well_known::Rfc3339;
 
 use credpool_test_support::*;
 
@@ -308,6 +311,391 @@ async fn a_limit_lowered_while_a_claim_commits_judges_that_grant_by_the_limit_it
     assert!(
         ok,
         "a grant admitted before the lowered limit took effect was judged by it: {output}"
+    );
+}
+
+// The tenant window proof (`credpool_tenant_window_check`): a tenant's grants over all its
+// credentials against the rate windows it had at each grant. Until the claim enforces them, only
+// a trail written straight into the tables (as a broken claim would have) can break them.
+
+/// `PUT /api/admin/tenants/{id}` with `rate_limits`, then a key minted for it: the key.
+async fn windowed_tenant(app: &TestApp, id: &str, rate_limits: Value) -> String {
+    let put = app
+        .client
+        .put(app.url(&format!("/api/admin/tenants/{id}")))
+        .header("x-admin-key", ADMIN_KEY)
+        .json(&json!({ "rate_limits": rate_limits }))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(put.status(), StatusCode::CREATED);
+    let minted = app
+        .client
+        .post(app.url(&format!("/api/admin/tenants/{id}/keys")))
+        .header("x-admin-key", ADMIN_KEY)
+        .send()
+        .await
+        .unwrap();
+    json_body(minted, StatusCode::CREATED).await["key"]
+        .as_str()
+        .unwrap()
+        .to_owned()
+}
+
+/// A trail written straight into `tenants`, `tenant_events` and `lease_events`, as the service
+/// (or a broken claim) would have written it: every row at `t0` plus whole seconds, `t0` an hour
+/// ago on the database clock. A lease is named by the test; its lease_id is the name's MD5.
+struct Trail {
+    db: sqlx::PgPool,
+    t0: OffsetDateTime,
+}
+
+impl Trail {
+    async fn new(db: sqlx::PgPool) -> Self {
+        let t0 = sqlx::query_scalar("SELECT date_trunc('second', now()) - interval '1 hour'")
+            .fetch_one(&db)
+            .await
+            .unwrap();
+        Self { db, t0 }
+    }
+
+    /// `t0` + `seconds`.
+    fn at(&self, seconds: i64) -> OffsetDateTime {
+        self.t0 + time::Duration::seconds(seconds)
+    }
+
+    /// Tenant `tenant` created (the first time) or updated at `t0` + `seconds` with
+    /// `rate_limits`: its `tenants` row and its `tenant_events` row.
+    async fn configure(&self, tenant: &str, seconds: i64, rate_limits: Value) {
+        sqlx::query(
+            "WITH t AS (
+                 INSERT INTO tenants AS t (tenant_id, rate_limits) VALUES ($1, $2)
+                 ON CONFLICT (tenant_id) DO UPDATE SET rate_limits = EXCLUDED.rate_limits
+                 RETURNING (xmax = 0) AS created)
+             INSERT INTO tenant_events (tenant_id, event, weight, rate_limits, actor, at)
+             SELECT $1, CASE WHEN t.created THEN 'created' ELSE 'updated' END, 1, $2, 'test', $3
+             FROM t",
+        )
+        .bind(tenant)
+        .bind(rate_limits)
+        .bind(self.at(seconds))
+        .execute(&self.db)
+        .await
+        .unwrap();
+    }
+
+    /// Lease `lease` of `tenant` granted on `key_id` at `t0` + `seconds`, reserving `tokens`.
+    async fn grant(&self, tenant: &str, lease: &str, key_id: &str, seconds: i64, tokens: i64) {
+        sqlx::query(
+            "INSERT INTO lease_events (event, lease_id, key_id, provider, pool, slot, lease_until, at,
+                                       tokens, tenant)
+             VALUES ('granted', md5($1)::uuid, $2, 'openai', 'default', 0, $3 + interval '60 seconds',
+                     $3, $4, $5)",
+        )
+        .bind(lease)
+        .bind(key_id)
+        .bind(self.at(seconds))
+        .bind(tokens)
+        .bind(tenant)
+        .execute(&self.db)
+        .await
+        .unwrap();
+    }
+
+    /// Lease `lease` released at `t0` + `seconds`, reporting a usage of `tokens`.
+    async fn release(&self, lease: &str, seconds: i64, tokens: i64) {
+        sqlx::query(
+            "INSERT INTO lease_events (event, lease_id, key_id, provider, pool, slot, outcome,
+                                       lease_until, at, tokens, tenant)
+             SELECT 'released', lease_id, key_id, provider, pool, slot, 'success', lease_until, $2,
+                    $3, tenant
+             FROM lease_events WHERE lease_id = md5($1)::uuid AND event = 'granted'",
+        )
+        .bind(lease)
+        .bind(self.at(seconds))
+        .bind(tokens)
+        .execute(&self.db)
+        .await
+        .unwrap();
+    }
+
+    /// The tenant window proof from 5 minutes before `t0` to now, a [`line`] per row.
+    async fn proof(&self) -> Vec<Line> {
+        let until = audit::database_now(&self.db).await.unwrap();
+        audit::tenant_window_check(&self.db, self.at(-300), until)
+            .await
+            .unwrap()
+            .into_iter()
+            .map(|r| {
+                let figures = [r.window_count, r.grants, r.peak, r.grants_over_window];
+                line(
+                    &r.tenant_id,
+                    &r.kind,
+                    r.seconds,
+                    figures,
+                    r.first_violation_at,
+                )
+            })
+            .collect()
+    }
+}
+
+/// A row of the tenant window proof: tenant, kind, seconds, [window count, grants, peak, grants
+/// over window], first violation.
+type Line = (String, String, i32, [i64; 4], Option<OffsetDateTime>);
+
+fn line(
+    tenant: &str,
+    kind: &str,
+    seconds: i32,
+    figures: [i64; 4],
+    first_violation_at: Option<OffsetDateTime>,
+) -> Line {
+    (
+        tenant.to_owned(),
+        kind.to_owned(),
+        seconds,
+        figures,
+        first_violation_at,
+    )
+}
+
+/// `credpool audit verify --json`: whether it passed, and what it printed.
+async fn audit_verify_json(database: &TestDatabase) -> (bool, Value) {
+    let output = tokio::process::Command::new(BIN)
+        .args(["audit", "verify", "--json"])
+        .env("DATABASE_URL", database.url())
+        .env("RUST_LOG", "warn")
+        .output()
+        .await
+        .unwrap();
+    let report = serde_json::from_slice(&output.stdout).unwrap_or_else(|e| {
+        panic!(
+            "{e}: {}{}",
+            String::from_utf8_lossy(&output.stdout),
+            String::from_utf8_lossy(&output.stderr)
+        )
+    });
+    (output.status.success(), report)
+}
+
+#[tokio::test]
+async fn a_tenants_grants_over_two_credentials_within_its_token_window_pass_the_tenant_window_proof()
+ {
+    let app = TestApp::spawn().await;
+    app.put_key("east", "openai", "east", &["gpt-4o"], 4).await;
+    app.put_key("west", "openai", "west", &["gpt-4o"], 4).await;
+    let key = windowed_tenant(&app, "team", json!([{"tokens": 1000, "seconds": 600}])).await;
+    let allocate = |key: String, pool: &'static str, tokens: u64| {
+        let url = app.url("/api/internal/allocate-key");
+        let client = app.client.clone();
+        async move {
+            let body = json!({"provider": "openai", "model": "gpt-4o", "pool": pool,
+                              "tokens": tokens, "lease_seconds": 600});
+            let lease = json_body(
+                post_json(&client, &url, ("x-internal-key", &key), body).await,
+                StatusCode::OK,
+            )
+            .await;
+            assert_eq!(lease["key_id"], pool);
+            lease
+        }
+    };
+    // the tenant reserves 300 on each credential, and its first lease reports 350 used
+    let first = allocate(key.clone(), "east", 300).await;
+    allocate(key.clone(), "west", 300).await;
+    let mut release = release_body(&first, "success");
+    release["usage"] = json!({"tokens": 350});
+    let released = post_json(
+        &app.client,
+        &app.url("/api/internal/release-key"),
+        ("x-internal-key", &key),
+        release,
+    )
+    .await;
+    assert_eq!(json_body(released, StatusCode::OK).await["released"], true);
+    // another tenant (the internal key's, without windows) reserves 800 on the same credentials
+    // meanwhile: none of it is the tenant's
+    allocate(INTERNAL_KEY.to_owned(), "east", 400).await;
+    allocate(INTERNAL_KEY.to_owned(), "west", 400).await;
+    // 350 used + 300 reserved + 300 = 950 of the tenant's 1000
+    allocate(key.clone(), "east", 300).await;
+
+    let until = audit::database_now(&app.db).await.unwrap();
+    let since = until - time::Duration::hours(1);
+    let proof = audit::tenant_window_check(&app.db, since, until)
+        .await
+        .unwrap();
+    assert_eq!(proof.len(), 1, "{proof:?}");
+    let team = &proof[0];
+    assert_eq!(
+        (
+            team.tenant_id.as_str(),
+            team.kind.as_str(),
+            team.seconds,
+            team.window_count
+        ),
+        ("team", "tokens", 600, 1000)
+    );
+    assert_eq!(
+        (team.grants, team.peak, team.grants_over_window),
+        (3, 950, 0),
+        "{team:?}"
+    );
+    assert_eq!(team.first_violation_at, None);
+    let (ok, output) = audit_verify(BIN, &app.database).await;
+    assert!(ok, "{output}");
+    assert!(
+        output.contains("1000 tokens / 600 s")
+            && output.contains("tenant rate windows: no grant ever exceeded a tenant's window"),
+        "{output}"
+    );
+}
+
+#[tokio::test]
+async fn a_grant_over_a_tenants_window_written_into_the_trail_fails_audit_verify_at_that_grant() {
+    let database = TestDatabase::create().await;
+    let trail = Trail::new(database.pool(2).await).await;
+    trail
+        .configure("team", 0, json!([{"tokens": 100, "seconds": 60}]))
+        .await;
+    trail.grant("team", "t1", "east", 10, 40).await;
+    trail.grant("team", "t2", "west", 20, 40).await;
+    // another tenant's grant in the same window is not the tenant's
+    trail.grant("other", "o1", "east", 25, 50).await;
+    // 40 + 40 + 30 over a window of 100, on the first credential again: what a claim that lost
+    // the tenant's window would have granted
+    trail.grant("team", "t3", "east", 30, 30).await;
+    // (t0 + 10, t0 + 70] holds 40 + 30 + 30: room again at the very moment the first grant
+    // leaves the window
+    trail.grant("team", "t4", "west", 70, 30).await;
+    assert_eq!(
+        trail.proof().await,
+        [line(
+            "team",
+            "tokens",
+            60,
+            [100, 4, 110, 1],
+            Some(trail.at(30))
+        )]
+    );
+
+    let (ok, output) = audit_verify(BIN, &database).await;
+    assert!(!ok, "{output}");
+    assert!(
+        output.contains("team")
+            && output.contains("100 tokens / 60 s")
+            && output.contains("tenant rate windows: 1 grants exceeded a tenant's window")
+            && output.contains("no grant ever exceeded a limit"),
+        "{output}"
+    );
+    let (ok, report) = audit_verify_json(&database).await;
+    assert!(!ok, "{report}");
+    assert_eq!(report["grants_over_tenant_window"], 1, "{report}");
+    assert_eq!(
+        report["tenant_windows"][0]["first_violation_at"],
+        trail.at(30).format(&Rfc3339).unwrap(),
+        "{report}"
+    );
+}
+
+#[tokio::test]
+async fn a_usage_counts_against_the_tenants_grants_after_its_report_and_never_before() {
+    let database = TestDatabase::create().await;
+    let trail = Trail::new(database.pool(2).await).await;
+    for tenant in ["later", "first"] {
+        trail
+            .configure(tenant, 0, json!([{"tokens": 100, "seconds": 60}]))
+            .await;
+    }
+    // 50 + 50 reserved; the first lease's usage of 90 is reported after the second grant, which
+    // therefore was admitted into a window holding 100, not 140
+    trail.grant("later", "l1", "east", 1, 50).await;
+    trail.grant("later", "l2", "west", 5, 50).await;
+    trail.release("l1", 10, 90).await;
+    trail.release("l2", 12, 50).await;
+    // the first lease's usage of 90 is reported before the second grant: 90 + 20 is over 100
+    trail.grant("first", "f1", "east", 1, 50).await;
+    trail.release("f1", 3, 90).await;
+    trail.grant("first", "f2", "west", 5, 20).await;
+    trail.release("f2", 6, 20).await;
+    // a usage below the reservation gives the difference back from its report: 10 + 60, not
+    // 80 + 60, in (t0 + 42, t0 + 102]
+    trail.grant("first", "f3", "east", 100, 80).await;
+    trail.release("f3", 101, 10).await;
+    trail.grant("first", "f4", "west", 102, 60).await;
+    assert_eq!(
+        trail.proof().await,
+        [
+            line("first", "tokens", 60, [100, 4, 110, 1], Some(trail.at(5))),
+            line("later", "tokens", 60, [100, 2, 100, 0], None),
+        ]
+    );
+    let (ok, output) = audit_verify(BIN, &database).await;
+    assert!(!ok, "{output}");
+    assert!(
+        output.contains("tenant rate windows: 1 grants exceeded a tenant's window"),
+        "{output}"
+    );
+}
+
+#[tokio::test]
+async fn a_tenants_grant_is_judged_by_the_windows_the_tenant_had_when_it_was_granted() {
+    let database = TestDatabase::create().await;
+    let trail = Trail::new(database.pool(2).await).await;
+    let (two, four, one) = (
+        json!([{"requests": 2, "seconds": 60}]),
+        json!([{"requests": 4, "seconds": 60}]),
+        json!([{"requests": 1, "seconds": 60}]),
+    );
+    // no windows at first: two grants 10 s apart, judged by nothing (the windows set later
+    // would find them over)
+    trail.configure("shifting", -120, json!([])).await;
+    trail.grant("shifting", "s0", "east", -100, 0).await;
+    trail.grant("shifting", "s1", "west", -90, 0).await;
+    trail.configure("shifting", 0, two.clone()).await;
+    trail.grant("shifting", "s2", "east", 10, 0).await;
+    trail.grant("shifting", "s3", "west", 20, 0).await;
+    // raised to 4: the third and fourth grant in the minute are within it (over the earlier 2)
+    trail.configure("shifting", 30, four.clone()).await;
+    trail.grant("shifting", "s4", "east", 40, 0).await;
+    trail.grant("shifting", "s5", "west", 50, 0).await;
+    // lowered to 1: nothing granted before is over it; one grant a minute from then on
+    trail.configure("shifting", 55, one.clone()).await;
+    trail.grant("shifting", "s6", "east", 115, 0).await;
+    trail.grant("shifting", "s7", "west", 130, 0).await;
+
+    let windows_at = |tenant: &'static str, seconds: i64| {
+        sqlx::query_scalar::<_, Value>("SELECT credpool_tenant_rate_limits_at($1, $2)")
+            .bind(tenant)
+            .bind(trail.at(seconds))
+            .fetch_one(&trail.db)
+    };
+    assert_eq!(windows_at("shifting", -100).await.unwrap(), json!([]));
+    assert_eq!(windows_at("shifting", 29).await.unwrap(), two);
+    assert_eq!(windows_at("shifting", 30).await.unwrap(), four);
+    assert_eq!(windows_at("shifting", 130).await.unwrap(), one);
+    // no configuration row yet: the current windows; no such tenant: none
+    assert_eq!(windows_at("shifting", -121).await.unwrap(), one);
+    assert_eq!(windows_at("nobody", 0).await.unwrap(), json!([]));
+
+    // six grants judged (not the two made without windows), the one over its window at t0 + 130
+    assert_eq!(
+        trail.proof().await,
+        [line(
+            "shifting",
+            "requests",
+            60,
+            [4, 6, 4, 1],
+            Some(trail.at(130))
+        )]
+    );
+    let (ok, output) = audit_verify(BIN, &database).await;
+    assert!(!ok, "{output}");
+    assert!(
+        output.contains("shifting")
+            && output.contains("tenant rate windows: 1 grants exceeded a tenant's window"),
+        "{output}"
     );
 }
 

@@ -116,6 +116,71 @@ pub async fn window_check(
         .collect())
 }
 
+/// One tenant's and window's line of the tenant window proof (SQL function
+/// `credpool_tenant_window_check`).
+#[derive(Debug, Clone, serde::Serialize)]
+pub struct TenantWindowRow {
+    /// The tenant.
+    pub tenant_id: String,
+    /// `requests` or `tokens`.
+    pub kind: String,
+    /// The window's length in seconds.
+    pub seconds: i32,
+    /// Its count: requests, or tokens (the largest in effect over the range).
+    pub window_count: i64,
+    /// The tenant's grants in the range under this window, over all its credentials.
+    pub grants: i64,
+    /// The most the window had charged at a grant (requests, or reserved-or-reported tokens).
+    pub peak: i64,
+    /// Grants at which the tenant's window had charged more than its count. Anything but 0 is a
+    /// grant over a tenant's rate window.
+    pub grants_over_window: i64,
+    /// When the first such grant happened.
+    #[serde(with = "time::serde::rfc3339::option")]
+    pub first_violation_at: Option<OffsetDateTime>,
+}
+
+/// The tenant window proof over `[since, until)`, from the audit trail alone: per tenant and
+/// window (`requests` or `tokens` per `seconds`) it had, whether any grant was made while the
+/// tenant's grants over all its credentials in the window's last `seconds` had charged more than
+/// its count, judged by the windows in force at that grant (`tenant_events`) and by what credpool
+/// could know then (reservations, replaced by reported usage only from the moment it was
+/// reported). The same rule as [`window_check`]; see the SQL functions
+/// `credpool_tenant_window_check` and `credpool_scope_window_check`.
+#[tracing::instrument(skip(executor), err(level = "debug"))]
+pub async fn tenant_window_check(
+    executor: impl PgExecutor<'_>,
+    since: OffsetDateTime,
+    until: OffsetDateTime,
+) -> Result<Vec<TenantWindowRow>, sqlx::Error> {
+    let rows = sqlx::query!(
+        r#"
+        SELECT tenant_id AS "tenant_id!", kind AS "kind!", seconds AS "seconds!",
+               window_count AS "window_count!", grants AS "grants!", peak AS "peak!",
+               grants_over_window AS "grants_over_window!", first_violation_at
+        FROM credpool_tenant_window_check($1, $2)
+        ORDER BY tenant_id, kind, seconds
+        "#,
+        since,
+        until,
+    )
+    .fetch_all(executor)
+    .await?;
+    Ok(rows
+        .into_iter()
+        .map(|r| TenantWindowRow {
+            tenant_id: r.tenant_id,
+            kind: r.kind,
+            seconds: r.seconds,
+            window_count: r.window_count,
+            grants: r.grants,
+            peak: r.peak,
+            grants_over_window: r.grants_over_window,
+            first_violation_at: r.first_violation_at,
+        })
+        .collect())
+}
+
 /// One tenant's line of the tenant cap proof (SQL function `credpool_tenant_cap_check`).
 #[derive(Debug, Clone, serde::Serialize)]
 pub struct TenantCapRow {
