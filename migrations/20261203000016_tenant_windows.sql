@@ -44,3 +44,13 @@ SELECT t.tenant_id,
 FROM tenants t
 CROSS JOIN LATERAL jsonb_array_elements(t.rate_limits) WITH ORDINALITY AS e (l, n)
 GROUP BY t.tenant_id;
+
+-- The tenant slot row a capped tenant's lease also sits in, on the lease's slot row: ending or
+-- renewing the lease finds that row by its primary key (tenant_id, slot) rather than among every
+-- row of the tenant (a cap of N meant reading N rows per release).
+ALTER TABLE lease_slots
+    ADD COLUMN tenant_slot integer,
+    ADD CONSTRAINT lease_slots_tenant_slot_with_lease CHECK (lease_id IS NOT NULL OR tenant_slot IS NULL);
+UPDATE lease_slots s SET tenant_slot = t.slot
+FROM tenant_slots t
+WHERE t.tenant_id = s.tenant AND t.lease_id = s.lease_id;

@@ -23,7 +23,8 @@
 --   force release credpool_force_release  an operator ends leases
 --   reap          credpool_reap_expired_leases, credpool_refit_over_limit   cleanup passes
 --   lock          credpool_lock_credentials   every lock an operator's change of a credential needs
---   fit tenant    credpool_fit_tenant     a tenant's slot rows brought in line with its cap
+--   fit tenant    credpool_fit_tenant     a tenant's slot rows brought in line with its cap (a
+--                                         lease it adopts names its row: tenant_slot)
 --   gate          trigger credentials_config_version: a change of what a claim decides on reaches
 --                 every slot row of the credential (config_version)
 -- Nothing else writes lease_slots.
@@ -108,8 +109,9 @@ LANGUAGE sql IMMUTABLE PARALLEL SAFE AS $$
 $$;
 
 -- Locks the tenant_slots rows that hold the leases of slot rows `p_slots` (as the caller read
--- them, under their locks), ascending (tenant_id, slot), in one statement: lock order 1b, right
--- after the slot rows. Leases of uncapped tenants (`default` among them) have no such row. Returns
+-- them, under their locks: each names its row, `tenant_slot`), ascending (tenant_id, slot), in one
+-- statement: lock order 1b, right after the slot rows. Leases of uncapped tenants (`default`
+-- among them) have no such row. Returns
 -- whether it locked any. PL/pgSQL with the settings of END, so that its plan is made once per
 -- session and probes tenant_slots by its primary key whoever calls first (an SQL function that
 -- locks rows cannot be inlined, and would be planned again at every call).
@@ -122,8 +124,9 @@ AS $$
 BEGIN
     PERFORM 1
     FROM tenant_slots t
-    WHERE (t.tenant_id, t.lease_id) IN (SELECT x.tenant, x.lease_id FROM unnest(p_slots) AS x
-                                        WHERE x.lease_id IS NOT NULL)
+    WHERE (t.tenant_id, t.slot, t.lease_id) IN (
+              SELECT x.tenant, x.tenant_slot, x.lease_id FROM unnest(p_slots) AS x
+              WHERE x.lease_id IS NOT NULL AND x.tenant_slot IS NOT NULL)
     ORDER BY t.tenant_id, t.slot
     FOR UPDATE;
     RETURN FOUND;
@@ -296,6 +299,7 @@ BEGIN
         UPDATE lease_slots s
         SET lease_id = NULL, provider = NULL, pool = NULL, holder = NULL, granted_at = NULL,
             lease_until = NULL, probe = false, fence = NULL, reserved_tokens = NULL, tenant = NULL,
+            tenant_slot = NULL,
             surplus = s.surplus
                       OR (s.over_limit
                           AND EXISTS (SELECT 1 FROM lease_slots o
@@ -318,7 +322,8 @@ BEGIN
         UPDATE tenant_slots t
         SET lease_id = NULL, key_id = NULL, lease_until = NULL
         FROM unnest(v_ended) AS i
-        WHERE t.tenant_id = (p_slots[i]).tenant AND t.lease_id = (p_slots[i]).lease_id;
+        WHERE t.tenant_id = (p_slots[i]).tenant AND t.slot = (p_slots[i]).tenant_slot
+          AND t.lease_id = (p_slots[i]).lease_id;
     END IF;
     IF cardinality(v_ended) = cardinality(p_slots) THEN
         PERFORM credpool_record_lease_ends(p_slots, p_events, p_at, p_outcomes, p_reasons,
@@ -1193,7 +1198,7 @@ BEGIN
                 lease_until = least(won.at + make_interval(secs => won.seconds), won.token_expires_at),
                 last_granted_at = won.at, probe = won.status <> 'available',
                 fence = nextval('lease_fence_seq'), reserved_tokens = won.tokens,
-                tenant = won.tenant
+                tenant = won.tenant, tenant_slot = won.tenant_slot
             FROM won
             WHERE s.key_id = won.key_id AND s.slot = won.slot
             RETURNING won.n, s, won.secret, won.model, won.pruned, won.tenant_slot
@@ -1497,13 +1502,13 @@ BEGIN
           AND s.pool = w.pool AND (w.fence IS NULL OR s.fence = w.fence)
           AND s.lease_until > v_now
         RETURNING s.key_id, s.slot, s.lease_id, s.provider, s.pool, s.holder, s.lease_until, s.fence,
-                  s.tenant
+                  s.tenant, s.tenant_slot
     ),
     tenant_renewed AS (
         UPDATE tenant_slots t
         SET lease_until = r.lease_until
         FROM renewed r
-        WHERE t.tenant_id = r.tenant AND t.lease_id = r.lease_id
+        WHERE t.tenant_id = r.tenant AND t.slot = r.tenant_slot AND t.lease_id = r.lease_id
     ),
     trail AS (
         INSERT INTO lease_events
@@ -2392,12 +2397,20 @@ BEGIN
         WHERE s.tenant = p_tenant_id AND s.lease_id IS NOT NULL
         ORDER BY s.key_id, s.slot
         FOR UPDATE;
-        INSERT INTO tenant_slots (tenant_id, slot, lease_id, key_id, lease_until)
-        SELECT p_tenant_id, (row_number() OVER (ORDER BY s.key_id, s.slot) - 1)::integer,
-               s.lease_id, s.key_id, s.lease_until
-        FROM lease_slots s
-        WHERE s.tenant = p_tenant_id AND s.lease_id IS NOT NULL
-          AND s.lease_until > clock_timestamp();
+        -- (each adopted lease names its row on its slot row, as a grant's does)
+        WITH adopted AS (
+            INSERT INTO tenant_slots (tenant_id, slot, lease_id, key_id, lease_until)
+            SELECT p_tenant_id, (row_number() OVER (ORDER BY s.key_id, s.slot) - 1)::integer,
+                   s.lease_id, s.key_id, s.lease_until
+            FROM lease_slots s
+            WHERE s.tenant = p_tenant_id AND s.lease_id IS NOT NULL
+              AND s.lease_until > clock_timestamp()
+            RETURNING slot, lease_id, key_id
+        )
+        UPDATE lease_slots s
+        SET tenant_slot = a.slot
+        FROM adopted a
+        WHERE s.key_id = a.key_id AND s.lease_id = a.lease_id;
     END IF;
     PERFORM 1 FROM tenant_slots t WHERE t.tenant_id = p_tenant_id ORDER BY t.slot FOR UPDATE;
     -- its windows, after its slot rows (the lock order): the row is taken by claims (with SKIP
