@@ -419,28 +419,7 @@ pub async fn audit(args: AuditArgs) -> anyhow::Result<ExitCode> {
                             format!("{over_limit} grants exceeded a limit")
                         }
                     );
-                    if !windows.is_empty() {
-                        let mut out = table(&["key_id", "window", "grants", "peak", "grants over window", "first at"]);
-                        for r in &windows {
-                            out.add_row(vec![
-                                r.key_id.clone(),
-                                format!("{} {} / {} s", r.window_count, r.kind, r.seconds),
-                                r.grants.to_string(),
-                                r.peak.to_string(),
-                                r.grants_over_window.to_string(),
-                                r.first_violation_at.map(|t| t.to_string()).unwrap_or_default(),
-                            ]);
-                        }
-                        println!("{out}");
-                        println!(
-                            "rate windows: {}",
-                            if over_window == 0 {
-                                "no grant ever exceeded a window".to_owned()
-                            } else {
-                                format!("{over_window} grants exceeded a window")
-                            }
-                        );
-                    }
+                    print_windows(&windows, "key_id", "rate windows", "a window");
                     if !tenants.is_empty() {
                         let mut out = table(&["tenant", "cap", "leases", "peak", "grants over cap", "first at"]);
                         for r in &tenants {
@@ -463,33 +442,48 @@ pub async fn audit(args: AuditArgs) -> anyhow::Result<ExitCode> {
                             }
                         );
                     }
-                    if !tenant_windows.is_empty() {
-                        let mut out = table(&["tenant", "window", "grants", "peak", "grants over window", "first at"]);
-                        for r in &tenant_windows {
-                            out.add_row(vec![
-                                r.tenant_id.clone(),
-                                format!("{} {} / {} s", r.window_count, r.kind, r.seconds),
-                                r.grants.to_string(),
-                                r.peak.to_string(),
-                                r.grants_over_window.to_string(),
-                                r.first_violation_at.map(|t| t.to_string()).unwrap_or_default(),
-                            ]);
-                        }
-                        println!("{out}");
-                        println!(
-                            "tenant rate windows: {}",
-                            if over_tenant_window == 0 {
-                                "no grant ever exceeded a tenant's window".to_owned()
-                            } else {
-                                format!("{over_tenant_window} grants exceeded a tenant's window")
-                            }
-                        );
-                    }
+                    print_windows(&tenant_windows, "tenant", "tenant rate windows", "a tenant's window");
                 }
                 Ok(if violations == 0 { ExitCode::SUCCESS } else { ExitCode::FAILURE })
             })
             .await
         }
+    }
+}
+
+/// Prints the lines of a window proof (`credpool audit verify`) under a column `who` (the
+/// credential or the tenant), then `label`: whether any grant exceeded `what`. Nothing when no
+/// window had grants.
+fn print_windows(rows: &[audit::WindowRow], who: &str, label: &str, what: &str) {
+    if rows.is_empty() {
+        return;
+    }
+    let mut out = table(&[
+        who,
+        "window",
+        "grants",
+        "peak",
+        "grants over window",
+        "first at",
+    ]);
+    for r in rows {
+        out.add_row(vec![
+            r.subject.id().to_owned(),
+            format!("{} {} / {} s", r.window_count, r.kind, r.seconds),
+            r.grants.to_string(),
+            r.peak.to_string(),
+            r.grants_over_window.to_string(),
+            r.first_violation_at
+                .map(|t| t.to_string())
+                .unwrap_or_default(),
+        ]);
+    }
+    println!("{out}");
+    let over: i64 = rows.iter().map(|r| r.grants_over_window).sum();
+    if over == 0 {
+        println!("{label}: no grant ever exceeded {what}");
+    } else {
+        println!("{label}: {over} grants exceeded {what}");
     }
 }
 

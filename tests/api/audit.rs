@@ -429,7 +429,7 @@ impl Trail {
             .map(|r| {
                 let figures = [r.window_count, r.grants, r.peak, r.grants_over_window];
                 line(
-                    &r.tenant_id,
+                    r.subject.id(),
                     &r.kind,
                     r.seconds,
                     figures,
@@ -530,7 +530,7 @@ async fn a_tenants_grants_over_two_credentials_within_its_token_window_pass_the_
     let team = &proof[0];
     assert_eq!(
         (
-            team.tenant_id.as_str(),
+            team.subject.id(),
             team.kind.as_str(),
             team.seconds,
             team.window_count

@@ -57,22 +57,43 @@ pub async fn oversell_check(
         .collect())
 }
 
-/// One credential's and window's line of the window proof (SQL function `credpool_window_check`).
+/// Whom a line of a window proof is about: a credential (`credpool_window_check`) or a tenant
+/// (`credpool_tenant_window_check`). Serialized as `"key_id": ...` or `"tenant_id": ...`.
+#[derive(Debug, Clone, serde::Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum WindowSubject {
+    /// The credential.
+    KeyId(String),
+    /// The tenant, over all its credentials.
+    TenantId(String),
+}
+
+impl WindowSubject {
+    /// The credential's key_id or the tenant's id.
+    pub fn id(&self) -> &str {
+        match self {
+            WindowSubject::KeyId(id) | WindowSubject::TenantId(id) => id,
+        }
+    }
+}
+
+/// One credential's or tenant's and window's line of a window proof.
 #[derive(Debug, Clone, serde::Serialize)]
 pub struct WindowRow {
-    /// The credential.
-    pub key_id: String,
+    /// The credential or the tenant.
+    #[serde(flatten)]
+    pub subject: WindowSubject,
     /// `requests` or `tokens`.
     pub kind: String,
     /// The window's length in seconds.
     pub seconds: i32,
-    /// Its count (the largest in effect over the range).
+    /// Its count: requests, or tokens (the largest in effect over the range).
     pub window_count: i64,
-    /// Grants in the range under this window.
+    /// Grants in the range under this window (a tenant's: over all its credentials).
     pub grants: i64,
-    /// The most the window had charged after a grant.
+    /// The most the window had charged at a grant (requests, or reserved-or-reported tokens).
     pub peak: i64,
-    /// Grants after which the window had charged more than its count. Anything but 0 is a grant
+    /// Grants at which the window had charged more than its count. Anything but 0 is a grant
     /// over a rate window.
     pub grants_over_window: i64,
     /// When the first such grant happened.
@@ -104,7 +125,7 @@ pub async fn window_check(
     Ok(rows
         .into_iter()
         .map(|r| WindowRow {
-            key_id: r.key_id,
+            subject: WindowSubject::KeyId(r.key_id),
             kind: r.kind,
             seconds: r.seconds,
             window_count: r.window_count,
@@ -114,30 +135,6 @@ pub async fn window_check(
             first_violation_at: r.first_violation_at,
         })
         .collect())
-}
-
-/// One tenant's and window's line of the tenant window proof (SQL function
-/// `credpool_tenant_window_check`).
-#[derive(Debug, Clone, serde::Serialize)]
-pub struct TenantWindowRow {
-    /// The tenant.
-    pub tenant_id: String,
-    /// `requests` or `tokens`.
-    pub kind: String,
-    /// The window's length in seconds.
-    pub seconds: i32,
-    /// Its count: requests, or tokens (the largest in effect over the range).
-    pub window_count: i64,
-    /// The tenant's grants in the range under this window, over all its credentials.
-    pub grants: i64,
-    /// The most the window had charged at a grant (requests, or reserved-or-reported tokens).
-    pub peak: i64,
-    /// Grants at which the tenant's window had charged more than its count. Anything but 0 is a
-    /// grant over a tenant's rate window.
-    pub grants_over_window: i64,
-    /// When the first such grant happened.
-    #[serde(with = "time::serde::rfc3339::option")]
-    pub first_violation_at: Option<OffsetDateTime>,
 }
 
 /// The tenant window proof over `[since, until)`, from the audit trail alone: per tenant and
@@ -152,7 +149,7 @@ pub async fn tenant_window_check(
     executor: impl PgExecutor<'_>,
     since: OffsetDateTime,
     until: OffsetDateTime,
-) -> Result<Vec<TenantWindowRow>, sqlx::Error> {
+) -> Result<Vec<WindowRow>, sqlx::Error> {
     let rows = sqlx::query!(
         r#"
         SELECT tenant_id AS "tenant_id!", kind AS "kind!", seconds AS "seconds!",
@@ -168,8 +165,8 @@ pub async fn tenant_window_check(
     .await?;
     Ok(rows
         .into_iter()
-        .map(|r| TenantWindowRow {
-            tenant_id: r.tenant_id,
+        .map(|r| WindowRow {
+            subject: WindowSubject::TenantId(r.tenant_id),
             kind: r.kind,
             seconds: r.seconds,
             window_count: r.window_count,
