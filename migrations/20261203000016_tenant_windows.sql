@@ -30,27 +30,13 @@ CREATE TABLE tenant_windows (
     CONSTRAINT tenant_windows_kinds_known CHECK (window_kinds <@ ARRAY['requests', 'tokens'])
 );
 
--- Tenants given windows before they were enforced: their rows, counting from this upgrade on
--- (the grants before it were never held to the windows; credpool_fit_tenant seeds a window set
--- from now on from the trail).
-INSERT INTO tenant_windows (tenant_id, window_kinds, window_counts, window_seconds, bucket_ids,
-                            bucket_charged)
-SELECT t.tenant_id,
-       array_agg(CASE WHEN l ? 'requests' THEN 'requests' ELSE 'tokens' END ORDER BY n),
-       array_agg(coalesce((l ->> 'requests')::bigint, (l ->> 'tokens')::bigint) ORDER BY n),
-       array_agg((l ->> 'seconds')::integer ORDER BY n),
-       array_fill(0::bigint, ARRAY[17 * count(*)::integer]),
-       array_fill(0::bigint, ARRAY[17 * count(*)::integer])
-FROM tenants t
-CROSS JOIN LATERAL jsonb_array_elements(t.rate_limits) WITH ORDINALITY AS e (l, n)
-GROUP BY t.tenant_id;
+-- (Tenants given windows before they were enforced get their rows from sql/lease.sql, seeded from
+-- the trail, once the functions that seed them exist.)
 
 -- The tenant slot row a capped tenant's lease also sits in, on the lease's slot row: ending or
 -- renewing the lease finds that row by its primary key (tenant_id, slot) rather than among every
--- row of the tenant (a cap of N meant reading N rows per release).
-ALTER TABLE lease_slots
-    ADD COLUMN tenant_slot integer,
-    ADD CONSTRAINT lease_slots_tenant_slot_with_lease CHECK (lease_id IS NOT NULL OR tenant_slot IS NULL);
-UPDATE lease_slots s SET tenant_slot = t.slot
-FROM tenant_slots t
-WHERE t.tenant_id = s.tenant AND t.lease_id = s.lease_id;
+-- row of the tenant (a cap of N meant reading N rows per release). sql/lease.sql fills it for the
+-- leases in flight once the functions that keep it are in place (the ones before them, still in
+-- place until then, neither set nor clear it; every probe of it matches the lease_id too, so a
+-- stale value finds nothing).
+ALTER TABLE lease_slots ADD COLUMN tenant_slot integer;

@@ -37,7 +37,9 @@
 --      tries it.
 --   0b. a tenant's advisory lock, then its `tenants` row (credpool_fit_tenant, an operator's PUT
 --      or DELETE of the tenant: one change of a tenant's rows at a time). Claims take the
---      advisory lock in shared mode with a try-lock (never waiting), and not the row.
+--      advisory lock in shared mode with a try-lock (never waiting), and not the row; a release
+--      group reporting usage takes its leases' tenants' in shared mode, ascending, before its
+--      operator locks (no transaction takes an operator lock before a tenant's).
 --   1. lease_slots rows, ascending (key_id, slot). Claims take theirs with SKIP LOCKED and never
 --      wait. A change of a credential takes every slot row of it (credpool_lock_credentials), and
 --      so does a release group with an `auth_expired` report (RELEASE).
@@ -1589,8 +1591,9 @@ $$;
 -- (credpool_lock_credentials without their credential rows); the named leases' slot rows,
 -- ascending (key_id, slot), in one statement; their tenant slot rows, ascending (tenant_id, slot)
 -- (credpool_lock_tenant_slots); the lease_windows rows of the credentials named with a usage,
--- ascending key_id; the tenant_windows rows of those leases' tenants, ascending tenant_id; trail
--- rows guarded by unique indexes, ascending lease_id; then the credential
+-- ascending key_id; the tenant_windows rows of those leases' tenants, ascending tenant_id (whose
+-- advisory locks, in shared mode, it takes before anything else); trail rows guarded by unique
+-- indexes, ascending lease_id; then the credential
 -- rows of counted outcomes, ascending key_id, in one statement (FOR NO KEY UPDATE; FOR UPDATE with
 -- an `auth_expired` report, whose token write follows). Decision clock: clock_timestamp() after
 -- the slot locks (`released` rows carry it as `at`).
@@ -1643,8 +1646,32 @@ DECLARE
     v_usage_delta bigint[];
     v_late record;
     v_counted_keys text[];
+    v_usage_tenants text[];
     i integer;
 BEGIN
+    -- The tenants of the leases named with a usage (the lease's slot row says which, or, for a
+    -- lease no longer in it, its `granted` row; a lease's tenant never changes, so this read
+    -- needs no lock), ascending: their advisory locks in shared mode, before any other lock (no
+    -- transaction takes an operator lock before a tenant's), so that no change of one of them
+    -- adds or removes its tenant_windows row, or seeds a new window from the trail, while this
+    -- release charges its usage: the rows locked below are the rows the usage is charged to.
+    v_usage_tenants := ARRAY(
+        SELECT DISTINCT coalesce(s.tenant, g.tenant)
+        FROM jsonb_array_elements(p_releases) AS e
+        LEFT JOIN lease_slots s
+            ON s.key_id = e ->> 'key_id' AND s.lease_id = (e ->> 'lease_id')::uuid
+        LEFT JOIN LATERAL (
+            SELECT g.tenant FROM lease_events g
+            WHERE s.lease_id IS NULL AND g.lease_id = (e ->> 'lease_id')::uuid
+              AND g.event = 'granted'
+            LIMIT 1
+        ) AS g ON true
+        WHERE e ->> 'usage_tokens' IS NOT NULL AND coalesce(s.tenant, g.tenant) IS NOT NULL
+        ORDER BY 1);
+    IF v_usage_tenants <> '{}' THEN
+        PERFORM pg_advisory_xact_lock_shared(hashtextextended('credpool.tenant:' || t.tenant, 0))
+        FROM unnest(v_usage_tenants) WITH ORDINALITY AS t (tenant, n);
+    END IF;
     IF p_caller_announces THEN
         -- the caller announces the released slots after its commit (credpool_announce_freed):
         -- no NOTIFY from this transaction (see lease_slots_notify_freed)
@@ -1681,24 +1708,12 @@ BEGIN
                                 WHERE e ->> 'usage_tokens' IS NOT NULL))
     ORDER BY w.key_id
     FOR UPDATE;
-    -- the tenant_windows rows of the tenants of the leases named with a usage (the lease's slot
-    -- row says which, or, for a lease no longer in it, its `granted` row), when any tenant has
-    -- windows
-    IF EXISTS (SELECT 1 FROM tenant_windows) THEN
+    -- the tenant_windows rows of the tenants of the leases named with a usage (their advisory
+    -- locks held since the top)
+    IF v_usage_tenants <> '{}' THEN
         PERFORM 1
         FROM tenant_windows tw
-        WHERE tw.tenant_id = ANY (ARRAY(
-            SELECT coalesce(s.tenant, g.tenant)
-            FROM jsonb_array_elements(p_releases) AS e
-            LEFT JOIN lease_slots s
-                ON s.key_id = e ->> 'key_id' AND s.lease_id = (e ->> 'lease_id')::uuid
-            LEFT JOIN LATERAL (
-                SELECT g.tenant FROM lease_events g
-                WHERE s.lease_id IS NULL AND g.lease_id = (e ->> 'lease_id')::uuid
-                  AND g.event = 'granted'
-                LIMIT 1
-            ) AS g ON true
-            WHERE e ->> 'usage_tokens' IS NOT NULL))
+        WHERE tw.tenant_id = ANY (v_usage_tenants)
         ORDER BY tw.tenant_id
         FOR UPDATE;
     END IF;
@@ -2370,9 +2385,8 @@ $$;
 --
 -- A tenant given a cap while it holds leases (none of them in rows: it had no cap) adopts them:
 -- their slot rows are locked first (lock order: slot rows, then tenant rows), so none of them
--- ends or is renewed unseen, and each gets a row. A claim that read the tenant uncapped in the
--- milliseconds before the PUT committed may still grant outside the rows (left for a later slice:
--- the claims of an uncapped tenant lock nothing of it).
+-- ends or is renewed unseen, and each gets a row. A claim in flight holds the tenant's advisory
+-- lock in shared mode until it commits, so its lease is among them (CLAIM, "Tenants").
 --
 -- Locks: the tenant's advisory lock (one fit of a tenant at a time: rows are only inserted and
 -- deleted here; claims of the tenant hold it in shared mode, tried), then (adopting) the slot
@@ -2450,8 +2464,10 @@ FROM tenants t;
 
 -- REFIT TENANTS, in the cleanup pass: fits up to p_batch tenants over a lowered cap (their
 -- releases refit them at once; this catches leases that expired instead, and a service that
--- stopped in between). A tenant whose advisory lock another transaction holds is left for the
--- next pass; the fit waits only for tenant rows a claim, renewal or release holds for the
+-- stopped in between). A tenant whose advisory lock another transaction holds (an operator's
+-- change; a claim of the tenant, in shared mode, for the milliseconds of its transaction) is left
+-- for the next pass: waiting for it while holding the rows of a tenant fitted before would break
+-- the lock order. The fit waits only for tenant rows a claim, renewal or release holds for the
 -- milliseconds of its statement. Returns how many tenants it fitted.
 CREATE OR REPLACE FUNCTION credpool_refit_tenants(p_batch integer DEFAULT 100) RETURNS integer
 LANGUAGE plpgsql AS $$
@@ -2471,3 +2487,17 @@ BEGIN
     RETURN v_fitted;
 END;
 $$;
+
+-- Upgrading to tenant windows (migration 20261203000016), once the functions above are in place,
+-- in the transaction that puts them there; nothing to do on a later run. Leases in flight of
+-- capped tenants name their tenant slot rows (lease_slots.tenant_slot); tenants given windows
+-- before windows were enforced get their tenant_windows rows, seeded from the trail like a window
+-- set now (credpool_fit_tenant, under the tenant's advisory lock).
+UPDATE lease_slots s
+SET tenant_slot = t.slot
+FROM tenant_slots t
+WHERE t.tenant_id = s.tenant AND t.lease_id = s.lease_id AND s.tenant_slot IS DISTINCT FROM t.slot;
+SELECT credpool_fit_tenant(t.tenant_id)
+FROM tenants t
+WHERE t.rate_limits <> '[]'::jsonb
+  AND NOT EXISTS (SELECT 1 FROM tenant_windows w WHERE w.tenant_id = t.tenant_id);

@@ -315,8 +315,8 @@ async fn a_limit_lowered_while_a_claim_commits_judges_that_grant_by_the_limit_it
 }
 
 // The tenant window proof (`credpool_tenant_window_check`): a tenant's grants over all its
-// credentials against the rate windows it had at each grant. Until the claim enforces them, only
-// a trail written straight into the tables (as a broken claim would have) can break them.
+// credentials against the rate windows it had at each grant. The claim enforces them, so only a
+// trail written straight into the tables (as a broken claim would have) can break them.
 
 /// `PUT /api/admin/tenants/{id}` with `rate_limits`, then a key minted for it: the key.
 async fn windowed_tenant(app: &TestApp, id: &str, rate_limits: Value) -> String {

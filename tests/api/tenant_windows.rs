@@ -5,9 +5,10 @@
 
 use std::time::Duration;
 
+use credpool::store;
 use reqwest::StatusCode;
 use serde_json::{Value, json};
-use sqlx::Row;
+use sqlx::{Executor, Row};
 
 use credpool_test_support::*;
 
@@ -430,4 +431,204 @@ async fn a_cap_set_while_a_claim_of_the_tenant_is_in_flight_counts_that_claim() 
         StatusCode::TOO_MANY_REQUESTS,
         "a second lease for a tenant capped at one"
     );
+}
+
+#[tokio::test]
+async fn an_upgrade_seeds_the_windows_set_before_they_were_enforced_and_names_live_leases_tenant_rows()
+ {
+    // As a database of the release before tenant windows would be when this one starts: a capped
+    // tenant's lease in flight whose slot row names no tenant slot row, and a tenant whose
+    // rate_limits were stored (never enforced) after two of its grants, without a tenant_windows
+    // row. The upgrade (sql/lease.sql applied again) names the lease's row, so its release frees
+    // the tenant's cap, and seeds the window from the trail, so the window of two is full.
+    let app = TestApp::spawn().await;
+    let base = app.url("");
+    app.put_key("k", "openai", "default", &["gpt-4o"], 8).await;
+    let capped = crate::tenants::capped_tenant(&app, "capped", 1).await;
+    put_tenant(&app.client, &base, "windowed", json!({})).await;
+    let (_, windowed) = mint(&app.client, &base, "windowed").await;
+    let held = json_body(
+        allocate(&app.client, &base, &capped, "default").await,
+        StatusCode::OK,
+    )
+    .await;
+    for _ in 0..2 {
+        json_body(
+            allocate(&app.client, &base, &windowed, "default").await,
+            StatusCode::OK,
+        )
+        .await;
+    }
+    app.db
+        .execute(
+            "UPDATE tenants SET rate_limits = '[{\"requests\": 2, \"seconds\": 600}]'
+             WHERE tenant_id = 'windowed';
+             UPDATE lease_slots SET tenant_slot = NULL WHERE lease_id IS NOT NULL;
+             DELETE FROM credpool_sql_files WHERE name = 'lease.sql';",
+        )
+        .await
+        .unwrap();
+
+    store::migrate(&app.db).await.expect("the upgrade failed");
+
+    let named: i64 = sqlx::query_scalar(
+        "SELECT count(*) FROM lease_slots s JOIN tenant_slots t
+             ON t.tenant_id = s.tenant AND t.slot = s.tenant_slot AND t.lease_id = s.lease_id
+         WHERE s.tenant = 'capped'",
+    )
+    .fetch_one(&app.db)
+    .await
+    .unwrap();
+    assert_eq!(
+        named, 1,
+        "the live lease of the capped tenant names its tenant slot row"
+    );
+    let response = allocate(&app.client, &base, &windowed, "default").await;
+    assert_eq!(
+        response.status(),
+        StatusCode::TOO_MANY_REQUESTS,
+        "a third request in a window of two"
+    );
+    // the capped tenant's release frees its cap
+    let mut release = lease_ref(&held);
+    release["outcome"] = json!("success");
+    json_body(
+        executor(
+            &app.client,
+            &base,
+            "/api/internal/release-key",
+            &capped,
+            release,
+        )
+        .await,
+        StatusCode::OK,
+    )
+    .await;
+    json_body(
+        allocate(&app.client, &base, &capped, "default").await,
+        StatusCode::OK,
+    )
+    .await;
+}
+
+#[tokio::test]
+async fn a_late_report_of_usage_replaces_the_reservation_in_the_tenant_window() {
+    // A lease of a tenant with a token window of 1,000 reserved 600 and expired; its late report
+    // says it used 100: 500 come back, so an estimate of 800 fits in the window where it did not.
+    let app = TestApp::spawn().await;
+    let base = app.url("");
+    app.put_key("k", "openai", "default", &["gpt-4o"], 8).await;
+    put_tenant(
+        &app.client,
+        &base,
+        "team",
+        json!({"rate_limits": [{"tokens": 1000, "seconds": 600}]}),
+    )
+    .await;
+    let (_, key) = mint(&app.client, &base, "team").await;
+    let lease = json_body(
+        executor(
+            &app.client,
+            &base,
+            "/api/internal/allocate-key",
+            &key,
+            json!({"provider": "openai", "model": "gpt-4o", "pool": "default",
+                   "lease_seconds": 1, "tokens": 600}),
+        )
+        .await,
+        StatusCode::OK,
+    )
+    .await;
+    let refused = allocate_tokens(&app.client, &base, &key, 800).await;
+    assert_eq!(refused.status(), StatusCode::TOO_MANY_REQUESTS);
+    tokio::time::sleep(Duration::from_millis(1500)).await;
+    let mut report = lease_ref(&lease);
+    report["outcome"] = json!("success");
+    report["usage"] = json!({"tokens": 100});
+    json_body(
+        executor(
+            &app.client,
+            &base,
+            "/api/internal/release-key",
+            &key,
+            report,
+        )
+        .await,
+        StatusCode::OK,
+    )
+    .await;
+    json_body(
+        allocate_tokens(&app.client, &base, &key, 800).await,
+        StatusCode::OK,
+    )
+    .await;
+    let (ok, report) = audit_verify(BIN, &app.database).await;
+    assert!(ok, "{report}");
+}
+
+#[tokio::test]
+async fn windows_and_a_cap_removed_and_set_again_start_from_the_trail_and_the_leases_in_flight() {
+    // Remove a tenant's window and cap, grant more, set them again: the window counts every grant
+    // of its last length (before, while and after it was removed), the cap every lease in flight.
+    let app = TestApp::spawn().await;
+    let base = app.url("");
+    app.put_key("k", "openai", "default", &["gpt-4o"], 8).await;
+    let limits =
+        json!({"max_concurrent_leases": 3, "rate_limits": [{"requests": 4, "seconds": 600}]});
+    put_tenant(&app.client, &base, "team", limits.clone()).await;
+    let (_, key) = mint(&app.client, &base, "team").await;
+    for _ in 0..2 {
+        json_body(
+            allocate(&app.client, &base, &key, "default").await,
+            StatusCode::OK,
+        )
+        .await;
+    }
+    put_tenant(&app.client, &base, "team", json!({})).await;
+    json_body(
+        allocate(&app.client, &base, &key, "default").await,
+        StatusCode::OK,
+    )
+    .await;
+    put_tenant(&app.client, &base, "team", limits).await;
+    // 3 leases in flight: at the cap of 3
+    let body = json_body(
+        allocate(&app.client, &base, &key, "default").await,
+        StatusCode::TOO_MANY_REQUESTS,
+    )
+    .await;
+    assert!(
+        body["error"]["message"]
+            .as_str()
+            .unwrap()
+            .contains("max_concurrent_leases"),
+        "{body}"
+    );
+    put_tenant(
+        &app.client,
+        &base,
+        "team",
+        json!({"max_concurrent_leases": 10, "rate_limits": [{"requests": 4, "seconds": 600}]}),
+    )
+    .await;
+    // 3 grants in the window of 4: one more, then the window holds
+    json_body(
+        allocate(&app.client, &base, &key, "default").await,
+        StatusCode::OK,
+    )
+    .await;
+    let body = json_body(
+        allocate(&app.client, &base, &key, "default").await,
+        StatusCode::TOO_MANY_REQUESTS,
+    )
+    .await;
+    assert!(
+        body["error"]["message"]
+            .as_str()
+            .unwrap()
+            .contains("window"),
+        "{body}"
+    );
+    let (ok, report) = audit_verify(BIN, &app.database).await;
+    assert!(ok, "{report}");
 }

@@ -204,7 +204,7 @@ fn lease_seconds(requested: Option<u64>, max: u32) -> Result<LeaseSeconds, ApiEr
         (status = 400, description = "`invalid_request`", body = ErrorBody),
         (status = 401, description = "`unauthorized`: missing or wrong key", body = ErrorBody),
         (status = 404, description = "`pool_not_found`: no credentials for the provider and pool", body = ErrorBody),
-        (status = 409, description = "`model_not_supported`, `no_usable_credentials` (every credential that serves the model waits for an operator), `request_id_conflict` (the request_id holds a live lease granted for other parameters), or `tokens_exceed_budget` (the `tokens` estimate is larger than a token window of every credential that serves the model)", body = ErrorBody),
+        (status = 409, description = "`model_not_supported`, `no_usable_credentials` (every credential that serves the model waits for an operator), `request_id_conflict` (the request_id holds a live lease granted for other parameters), or `tokens_exceed_budget` (the `tokens` estimate is larger than a token window of every credential that serves the model, or of the caller's tenant)", body = ErrorBody),
         (status = 413, description = "`payload_too_large`", body = ErrorBody),
         (status = 415, description = "`unsupported_media_type`", body = ErrorBody),
         (status = 429, description = "`pool_exhausted`: candidates exist but none is free now (or none freed within `wait_ms`); `tenant_limit`: the caller's tenant holds as many live leases as its `max_concurrent_leases` allows, or a window of its `rate_limits` has no room", body = ErrorBody,

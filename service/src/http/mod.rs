@@ -397,9 +397,10 @@ pub enum ApiError {
     #[error("this request_id holds a live lease granted for other parameters")]
     RequestIdConflict,
     /// 409 `tokens_exceed_budget`: the allocate's `tokens` estimate is larger than a token window
-    /// of every credential that serves the model: no wait can make room for it.
+    /// of every credential that serves the model, or than a token window of the caller's tenant:
+    /// no wait can make room for it.
     #[error(
-        "the tokens estimate is larger than a token window of every credential that serves the model"
+        "the tokens estimate is larger than a token window of every credential that serves the model, or of the caller's tenant"
     )]
     TokensExceedBudget,
     /// 410 `lease_lost`: renewal of a lease that is expired, unknown, released or mismatched.

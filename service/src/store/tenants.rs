@@ -26,9 +26,9 @@ pub struct TenantSpec {
     /// Live leases it may hold at once over every credential (1..=100000; the API refuses 0);
     /// `None`: no cap.
     pub max_concurrent_leases: Option<i32>,
-    /// Its share of a saturated pool (1..=1000; fair share is a later slice).
+    /// Its share of a saturated pool (1..=1000): fair share when requests wait.
     pub weight: i32,
-    /// Its rate windows (stored and validated; enforced by a later slice).
+    /// Its rate windows over all its leases, decided in the claim (its tenant_windows row).
     pub rate_limits: RateLimits,
 }
 
@@ -275,10 +275,16 @@ pub async fn mint_key(
     let key = TenantKey::generate();
     let key_id = Uuid::new_v4();
     let mut tx = db.begin().await?;
-    // The tenant's lock, as a delete takes it: the INSERT's snapshot then starts after any delete
+    // The tenant's lock, which a delete takes: the INSERT's snapshot then starts after any delete
     // of the tenant has committed. Without it the INSERT could read the tenant a delete was
-    // removing and fail on the foreign key once the delete committed (a 503, not a 404).
-    lock_tenant(&mut *tx, tenant).await?;
+    // removing and fail on the foreign key once the delete committed (a 503, not a 404). Shared:
+    // a mint changes nothing a claim decides on, so the tenant's claims go on meanwhile.
+    sqlx::query!(
+        "SELECT pg_advisory_xact_lock_shared(hashtextextended('credpool.tenant:' || $1, 0))",
+        tenant.as_str()
+    )
+    .execute(&mut *tx)
+    .await?;
     let inserted = sqlx::query!(
         r#"
         INSERT INTO tenant_keys (key_id, tenant_id, key_hash)
