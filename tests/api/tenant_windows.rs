@@ -235,7 +235,7 @@ async fn an_estimate_larger_than_the_tenant_token_window_is_409_and_a_requests_w
 }
 
 /// The hex SHA-256 of an executor key, as the service sends it to `credpool_claim`.
-async fn key_hash(app: &TestApp, key: &str) -> String {
+pub(crate) async fn key_hash(app: &TestApp, key: &str) -> String {
     sqlx::query_scalar("SELECT encode(sha256(convert_to($1, 'UTF8')), 'hex')")
         .bind(key)
         .fetch_one(&app.db)
@@ -244,11 +244,11 @@ async fn key_hash(app: &TestApp, key: &str) -> String {
 }
 
 /// What a claim answered: the credential it granted (if any) and its `request`.
-type ClaimAnswer = Result<(Option<String>, Option<String>), sqlx::Error>;
+pub(crate) type ClaimAnswer = Result<(Option<String>, Option<String>), sqlx::Error>;
 
 /// A claim for tenant key hash `hash` of a slot of `ranked` in `pool`, on connection `conn`
 /// (which stops at the test hooks it was given): its answer once it finishes.
-fn paused_claim(
+pub(crate) fn paused_claim(
     mut conn: sqlx::PgConnection,
     ranked: &str,
     pool: &str,

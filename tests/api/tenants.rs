@@ -6,12 +6,12 @@ use std::time::Duration;
 
 use reqwest::StatusCode;
 use serde_json::{Value, json};
-use sqlx::Row;
 
 use credpool_test_support::*;
 
 use crate::BIN;
 use crate::lease_state::{Hook, backend_pid, hooked, until_waiting, wait_for_lock_waiters};
+use crate::tenant_windows::{key_hash, paused_claim};
 
 /// An operator's request with the admin key to `base` + `path`.
 pub(crate) async fn admin(
@@ -980,32 +980,12 @@ async fn a_claim_paused_before_the_tenant_lock_never_takes_a_row_another_claim_f
     app.put_key("ka", "openai", "a", &["gpt-4o"], 4).await;
     app.put_key("kb", "openai", "b", &["gpt-4o"], 4).await;
     let key = capped_tenant(&app, "team", 1).await;
-    let hash: String = sqlx::query_scalar("SELECT encode(sha256(convert_to($1, 'UTF8')), 'hex')")
-        .bind(&key)
-        .fetch_one(&app.db)
-        .await
-        .unwrap();
+    let hash = key_hash(&app, &key).await;
 
     let hook = Hook::close(&app, "claim.before_tenant_lock").await;
     let mut claim = hooked(&app, "claim.before_tenant_lock").await;
     let pid = backend_pid(&mut claim).await;
-    let body = json!([{
-        "ranked": ["ka"], "provider": "openai", "pool": "a", "model": "gpt-4o",
-        "lease_id": uuid::Uuid::new_v4(), "holder": "paused", "lease_seconds": 600,
-        "key_hash": hash,
-    }]);
-    let claiming = tokio::spawn(async move {
-        sqlx::query("SELECT key_id, request FROM credpool_claim($1)")
-            .bind(body)
-            .fetch_one(&mut claim)
-            .await
-            .map(|row| {
-                (
-                    row.get::<Option<String>, _>(0),
-                    row.get::<Option<String>, _>(1),
-                )
-            })
-    });
+    let claiming = paused_claim(claim, "ka", "a", &hash);
     until_waiting(&app, pid).await;
     // the paused claim holds no tenant row yet: the service's grant commits meanwhile
     let granted = json_body(
