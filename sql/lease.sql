@@ -279,8 +279,9 @@ $$;
 -- credpool_lock_credentials do: a caller that holds a lease_windows or credentials row must have,
 -- lock order 1b), so the tenant's cap frees with the credential's slot: a tenant slot row holds a
 -- lease exactly while the lease's slot row does (or until both have expired). A tenant slot row
--- over a lowered cap (`over_limit`) stays closed: the caller refits the tenant
--- (credpool_fit_tenant, RELEASE's `tenant_refit`).
+-- within a lowered cap that frees while a surplus row of its tenant still holds a lease becomes
+-- surplus too, for the credential's reason (FIT TENANT); the cleanup pass refits the tenant
+-- (credpool_refit_tenants).
 -- The caller has locked the slot rows (in the lock order) and decided, on its own clock, that the
 -- leases end now. A freed slot announces itself (trigger lease_slots_freed). Returns the leases
 -- it ended.
@@ -322,7 +323,12 @@ BEGIN
     -- them, have no row: nothing more to do
     IF credpool_lock_tenant_slots(ARRAY(SELECT p_slots[i] FROM unnest(v_ended) AS i)) THEN
         UPDATE tenant_slots t
-        SET lease_id = NULL, key_id = NULL, lease_until = NULL
+        SET lease_id = NULL, key_id = NULL, lease_until = NULL,
+            surplus = t.surplus
+                      OR (t.over_limit
+                          AND EXISTS (SELECT 1 FROM tenant_slots o
+                                      WHERE o.tenant_id = t.tenant_id AND o.surplus
+                                        AND o.lease_id IS NOT NULL AND o.slot <> t.slot))
         FROM unnest(v_ended) AS i
         WHERE t.tenant_id = (p_slots[i]).tenant AND t.slot = (p_slots[i]).tenant_slot
           AND t.lease_id = (p_slots[i]).lease_id;
@@ -401,12 +407,13 @@ LANGUAGE sql IMMUTABLE PARALLEL SAFE AS $$
 $$;
 
 -- Whether tenant slot row `t` is free for a claim at `p_at` (CLAIM, "Tenants"): it holds no lease
--- or its lease has expired, and it is not over a lowered cap (`over_limit`, see FIT TENANT). The
--- tenant's counterpart of credpool_slot_open; an SQL function that inlines into the statement.
+-- or its lease has expired, and it is not beyond a lowered cap (`surplus`, see FIT TENANT: a row
+-- within a lowered cap reopens when its lease ends, like a credential's). The tenant's
+-- counterpart of credpool_slot_open; an SQL function that inlines into the statement.
 CREATE OR REPLACE FUNCTION credpool_tenant_slot_open(t tenant_slots, p_at timestamptz)
 RETURNS boolean
 LANGUAGE sql IMMUTABLE PARALLEL SAFE AS $$
-    SELECT NOT t.over_limit AND (t.lease_id IS NULL OR t.lease_until <= p_at)
+    SELECT NOT t.surplus AND (t.lease_id IS NULL OR t.lease_until <= p_at)
 $$;
 
 -- When credential `c` (its windows `w`, or NULL) may next serve a claim reserving `p_tokens`,
@@ -488,9 +495,10 @@ $$;
 -- split (2:4:2 of 8 slots for weights 1:2:1) and, unlike leases / weight alone, leaves no tie
 -- between tenants of unequal weights at that split, where a claim that read just before a release
 -- committed would win the tie and take the releasing tenant's slot (measured: the tenant of
--- weight 2 got 45.5% of the grants instead of 50%). A tenant at its own cap (no free tenant
--- slot row) cannot take the slot and is not yielded to, so no slot is ever held back for a
--- tenant that cannot use it. Read from
+-- weight 2 got 45.5% of the grants instead of 50%). A tenant that cannot take the slot now (at
+-- its own cap: no free tenant slot row; or a window of it without room for its smallest
+-- waiter's reservation) is not yielded to, so no slot is ever held back for a tenant that cannot
+-- use it. Read from
 -- the claim's snapshot: a share is a preference between waiters, not a limit (nothing over any
 -- limit can come of a stale read; two claims of one freed slot settle it on the slot row).
 -- p_pending: the tenants of the claims of the same call, for the same pool, that went ahead
@@ -508,12 +516,14 @@ AS $$
 DECLARE
     v_waiting text[];
     v_since timestamptz[];
+    v_tokens bigint[];
     v_ahead text;
 BEGIN
-    SELECT array_agg(w.tenant ORDER BY w.tenant), array_agg(w.since ORDER BY w.tenant)
-    INTO v_waiting, v_since
+    SELECT array_agg(w.tenant ORDER BY w.tenant), array_agg(w.since ORDER BY w.tenant),
+           array_agg(w.tokens ORDER BY w.tenant)
+    INTO v_waiting, v_since, v_tokens
     FROM (
-        SELECT w.tenant, min(w.since) AS since
+        SELECT w.tenant, min(w.since) AS since, min(w.tokens) AS tokens
         FROM pool_waiters w
         JOIN pool_waiter_processes p ON p.instance = w.instance
         WHERE w.provider = p_provider AND w.model = p_model AND p_pool = ANY (w.pools)
@@ -537,11 +547,15 @@ BEGIN
     ),
     shares AS (
         SELECT x.tenant, x.since, (coalesce(n.in_flight, 0) + 1)::numeric / t.weight AS share,
-               t.max_concurrent_leases IS NULL
-               OR EXISTS (SELECT 1 FROM tenant_slots ts
-                          WHERE ts.tenant_id = t.tenant_id
-                            AND credpool_tenant_slot_open(ts, p_now)) AS has_room
-        FROM unnest(v_waiting, v_since) AS x (tenant, since)
+               (t.max_concurrent_leases IS NULL
+                OR EXISTS (SELECT 1 FROM tenant_slots ts
+                           WHERE ts.tenant_id = t.tenant_id
+                             AND credpool_tenant_slot_open(ts, p_now)))
+               AND NOT EXISTS (SELECT 1 FROM tenant_windows tw
+                               WHERE tw.tenant_id = t.tenant_id
+                                 AND NOT credpool_window_room(credpool_tenant_window(tw), p_now,
+                                                              x.tokens)) AS has_room
+        FROM unnest(v_waiting, v_since, v_tokens) AS x (tenant, since, tokens)
         JOIN tenants t ON t.tenant_id = x.tenant
         LEFT JOIN counted n ON n.tenant = x.tenant
     ),
@@ -601,8 +615,9 @@ $$;
 -- none), optionally "request_id" with "request_digest", "key_hash" (hex SHA-256 of the
 -- executor key presented; absent: the configured internal key, tenant `default`), optionally
 -- "waiting" (the request waits for a slot: {"waiter" (uuid, the request's), "instance" (its
--- process), "pools" (its pool sequence), "since" and "until" (RFC 3339: its arrival, the end of
--- its wait)}; FAIR SHARE, below), and
+-- process), "pools" (its pool sequence), "waited_ms" and "wait_ms" (milliseconds it has waited
+-- and may still wait: the claim dates its arrival and the end of its wait on its own clock)};
+-- FAIR SHARE, below), and
 -- optionally the AFFINITY fields (below)}. Returns one row per claim, `claim` =
 -- its 1-based position: the pool's version (NULL when the pool never had a credential), read
 -- before any candidate, so the caller learns whether its candidate view is stale, and the lease,
@@ -871,6 +886,12 @@ DECLARE
     v_waiting jsonb[];
     v_since timestamptz[];
     v_yield_to text[];
+    -- TENANT: for each claim that got nothing, whether its tenant's cap or windows hold it back
+    -- (read after the rounds), and when each frees
+    v_cap_full boolean[];
+    v_cap_frees timestamptz[];
+    v_window_full boolean[];
+    v_window_frees timestamptz[];
 BEGIN
     IF v_count = 0 THEN
         RETURN;
@@ -899,7 +920,10 @@ BEGIN
            array_agg(o.c ->> 'affinity_key'), array_agg(o.c -> 'affinity_pools'),
            array_agg(coalesce((o.c ->> 'affinity_ttl_seconds')::integer, 3600)),
            array_agg(coalesce(o.c ->> 'affinity_mode' = 'strict', false)),
-           array_agg(o.c -> 'waiting'), array_agg((o.c -> 'waiting' ->> 'since')::timestamptz),
+           -- FAIR SHARE: the request's arrival, on this clock: as long before it as the request
+           -- has waited (the service counts durations, never dates)
+           array_agg(o.c -> 'waiting'),
+           array_agg(v_now - make_interval(secs => (o.c -> 'waiting' ->> 'waited_ms')::numeric / 1000)),
            array_agg(o.steady)
     INTO v_ranked, v_provider, v_pool, v_model, v_lease, v_holder, v_seconds, v_tokens,
          v_request_id, v_digest, v_pool_version, v_windowed, v_number, v_tenant,
@@ -1330,19 +1354,51 @@ BEGIN
         END IF;
     END IF;
 
-    -- FAIR SHARE: a waiting claim that got nothing is (still) waiting: its request's row written
-    -- (kept as it is when there); one that got a lease (or replayed one) waits no more
+    -- TENANT: a claim that got nothing, of a capped tenant or one with windows: does its tenant
+    -- hold it back, read now? At its cap when no row of the tenant is open (each within the cap
+    -- holds a live lease; frees when the first of those ends); out of window room when a window
+    -- of it cannot take the claim's reservation now (frees when it can; never: NULL).
+    SELECT array_agg(coalesce(tl.full, false) ORDER BY k.n), array_agg(tl.frees_at ORDER BY k.n),
+           array_agg(coalesce(tw.full, false) ORDER BY k.n), array_agg(tw.frees_at ORDER BY k.n)
+    INTO v_cap_full, v_cap_frees, v_window_full, v_window_frees
+    FROM generate_subscripts(v_done, 1) AS k (n)
+    -- (a tenant has slot rows while it has a cap, and a tenant_windows row while it has windows)
+    LEFT JOIN LATERAL (
+        SELECT NOT coalesce(bool_or(credpool_tenant_slot_open(t, v_now)), false) AS full,
+               min(t.lease_until) FILTER (WHERE t.lease_until > v_now AND NOT t.surplus) AS frees_at
+        FROM tenant_slots t
+        WHERE NOT k.n = ANY (g_claim) AND NOT v_done[k.n] AND t.tenant_id = v_tenant[k.n]
+        HAVING count(*) > 0
+    ) AS tl ON true
+    LEFT JOIN LATERAL (
+        SELECT NOT credpool_window_room(credpool_tenant_window(tw), v_now, v_tokens[k.n]) AS full,
+               nullif(credpool_window_frees_at(credpool_tenant_window(tw), v_now, v_tokens[k.n]),
+                      'infinity') AS frees_at
+        FROM tenant_windows tw
+        WHERE NOT k.n = ANY (g_claim) AND NOT v_done[k.n] AND tw.tenant_id = v_tenant[k.n]
+    ) AS tw ON true;
+
+    -- FAIR SHARE: a waiting claim that got nothing for want of a slot is (still) waiting: its
+    -- request's row written (kept as it is when there, with its first claim's arrival and end of
+    -- wait, dated on this clock); one that got a lease (or replayed one), or that its own tenant
+    -- holds back (its cap, its windows: not the pool), waits for no slot: no row (a tenant that
+    -- cannot take a slot is never yielded to)
     IF array_remove(v_since, NULL) <> '{}' THEN
         DELETE FROM pool_waiters w
-        WHERE w.waiter IN (SELECT (v_waiting[g_claim[i]] ->> 'waiter')::uuid
-                           FROM generate_subscripts(g_claim, 1) AS i
-                           WHERE v_since[g_claim[i]] IS NOT NULL);
-        INSERT INTO pool_waiters (waiter, instance, tenant, provider, pools, model, since, until)
+        WHERE w.waiter IN (SELECT (v_waiting[k] ->> 'waiter')::uuid
+                           FROM generate_subscripts(v_since, 1) AS k
+                           WHERE v_since[k] IS NOT NULL
+                             AND (k = ANY (g_claim) OR v_cap_full[k] OR v_window_full[k]));
+        INSERT INTO pool_waiters (waiter, instance, tenant, provider, pools, model, since, until,
+                                  tokens)
         SELECT (v_waiting[k] ->> 'waiter')::uuid, v_waiting[k] ->> 'instance', v_tenant[k],
                v_provider[k], ARRAY(SELECT jsonb_array_elements_text(v_waiting[k] -> 'pools')),
-               v_model[k], v_since[k], (v_waiting[k] ->> 'until')::timestamptz
+               v_model[k], v_since[k],
+               v_now + make_interval(secs => (v_waiting[k] ->> 'wait_ms')::numeric / 1000),
+               v_tokens[k]
         FROM generate_subscripts(v_since, 1) AS k
         WHERE v_since[k] IS NOT NULL AND v_tenant[k] IS NOT NULL AND NOT k = ANY (g_claim)
+          AND NOT (v_cap_full[k] OR v_window_full[k])
           AND v_request[k] IS DISTINCT FROM 'conflict' AND v_request[k] IS DISTINCT FROM 'in_flight'
           -- (a strict affinity waits for one credential: other tenants' claims must not yield
           -- every other slot of the pool to it)
@@ -1354,24 +1410,26 @@ BEGIN
     -- candidate whose slot or window row another transaction held (a concurrent claim, the
     -- reaper, an operator's change) was passed over without knowing what that transaction
     -- leaves: if, read now, one may serve at once, say so ('busy': the caller claims again).
-    -- A claim of a capped tenant that got nothing: is every slot row of its tenant held by a live
-    -- lease (read now)? Then it is 'tenant_limit', whatever the credentials say.
+    -- A claim its tenant holds back (TENANT, above) is 'tenant_limit', whatever the credentials
+    -- say.
     RETURN QUERY
     SELECT v_number[k.n], v_pool_version[k.n], (g_slot[g.i]).key_id, (g_slot[g.i]).lease_id,
            (g_slot[g.i]).pool, (g_slot[g.i]).granted_at, (g_slot[g.i]).lease_until,
            (g_slot[g.i]).probe, g_model[g.i], g_secret[g.i], g_pruned[g.i], (g_slot[g.i]).fence,
            CASE WHEN v_request[k.n] IS NOT NULL THEN v_request[k.n]
-                WHEN tl.full OR tw.full THEN 'tenant_limit'
+                WHEN v_cap_full[k.n] OR v_window_full[k.n] THEN 'tenant_limit'
                 WHEN g.i IS NULL AND f.at <= v_now THEN 'busy' END,
            -- (a tenant both at its cap and out of window room: the later of the two; NULL when
            -- its window can never hold the reservation)
-           CASE WHEN tw.full AND tw.frees_at IS NULL THEN NULL
-                WHEN tl.full OR tw.full THEN greatest(CASE WHEN tl.full THEN tl.frees_at END,
-                                                      CASE WHEN tw.full THEN tw.frees_at END)
+           CASE WHEN v_window_full[k.n] AND v_window_frees[k.n] IS NULL THEN NULL
+                WHEN v_cap_full[k.n] OR v_window_full[k.n]
+                    THEN greatest(CASE WHEN v_cap_full[k.n] THEN v_cap_frees[k.n] END,
+                                  CASE WHEN v_window_full[k.n] THEN v_window_frees[k.n] END)
                 ELSE f.at END,
-           CASE WHEN tw.full AND (tw.frees_at IS NULL OR NOT coalesce(tl.full, false)
-                                  OR tw.frees_at > tl.frees_at) THEN 'tenant_window'
-                WHEN tl.full THEN 'tenant' ELSE f.held_by END,
+           CASE WHEN v_window_full[k.n]
+                     AND (v_window_frees[k.n] IS NULL OR NOT v_cap_full[k.n]
+                          OR v_window_frees[k.n] > v_cap_frees[k.n]) THEN 'tenant_window'
+                WHEN v_cap_full[k.n] THEN 'tenant' ELSE f.held_by END,
            coalesce((g_slot[g.i]).tenant, v_tenant[k.n]), v_now,
            -- AFFINITY: the grant's result (a replay says none); a strict claim confined to its
            -- bound credential that granted nothing: 'bound'
@@ -1381,21 +1439,6 @@ BEGIN
            v_yield_to[k.n]
     FROM generate_subscripts(v_done, 1) AS k (n)
     CROSS JOIN LATERAL (SELECT array_position(g_claim, k.n) AS i) AS g
-    -- (a tenant has slot rows while it has a cap, and a tenant_windows row while it has windows)
-    LEFT JOIN LATERAL (
-        SELECT NOT coalesce(bool_or(credpool_tenant_slot_open(t, v_now)), false) AS full,
-               min(t.lease_until) FILTER (WHERE t.lease_until > v_now) AS frees_at
-        FROM tenant_slots t
-        WHERE g.i IS NULL AND NOT v_done[k.n] AND t.tenant_id = v_tenant[k.n]
-        HAVING count(*) > 0
-    ) AS tl ON true
-    LEFT JOIN LATERAL (
-        SELECT NOT credpool_window_room(credpool_tenant_window(tw), v_now, v_tokens[k.n]) AS full,
-               nullif(credpool_window_frees_at(credpool_tenant_window(tw), v_now, v_tokens[k.n]),
-                      'infinity') AS frees_at
-        FROM tenant_windows tw
-        WHERE g.i IS NULL AND NOT v_done[k.n] AND tw.tenant_id = v_tenant[k.n]
-    ) AS tw ON true
     LEFT JOIN LATERAL (
         SELECT greatest(f.at, t.at) AS at,
                CASE WHEN t.at > f.at THEN 'token_refresh' ELSE f.held_by END AS held_by
@@ -1416,6 +1459,29 @@ BEGIN
 END;
 $$;
 
+-- The end a renewal gives the lease of slot row `s` (and of its tenant slot row `t`, or NULL),
+-- which asked for `p_wanted`. Keeps the invariant a lowered limit or cap rests on (FIT, FIT
+-- TENANT): every surplus lease ends no later than every lease within the limit. So a surplus
+-- lease is renewed at most to the earliest end among the rows within the limit (of its
+-- credential; of its tenant), and a lease within a lowered limit (or cap) never ends earlier
+-- than it did: a short renewal of it would otherwise reopen its row while a surplus lease still
+-- counts. Read from the caller's snapshot: the ends within the limit only move later (this rule),
+-- and a row leaves that set only by FIT, which needs this lease's row, or by END, which then
+-- closes it while a surplus lease is held.
+CREATE OR REPLACE FUNCTION credpool_renewal_end(s lease_slots, t tenant_slots, p_wanted timestamptz)
+RETURNS timestamptz
+LANGUAGE sql STABLE AS $$
+    SELECT CASE WHEN (s.over_limit AND NOT s.surplus) OR (t.over_limit AND NOT t.surplus)
+                THEN greatest(s.lease_until, x.capped) ELSE x.capped END
+    FROM (SELECT least(
+              p_wanted,
+              (SELECT min(o.lease_until) FROM lease_slots o
+               WHERE s.surplus AND o.key_id = s.key_id AND NOT o.surplus AND o.lease_id IS NOT NULL),
+              (SELECT min(o.lease_until) FROM tenant_slots o
+               WHERE t.surplus AND o.tenant_id = t.tenant_id AND NOT o.surplus
+                 AND o.lease_id IS NOT NULL)) AS capped) AS x
+$$;
+
 -- RENEW, for one lease or a group: p_renewals jsonb is an array of {"lease_id", "key_id",
 -- "provider", "pool", "fence" (or null), "lease_seconds", "key_hash" (as for RELEASE)}. A live
 -- lease named by all of its values gets lease_until = now + lease_seconds and a `renewed` trail
@@ -1425,11 +1491,8 @@ $$;
 -- lease's (credpool_key_tenant; lease_slots.tenant): nothing renewed. Never resurrects an expired
 -- lease, even if its slot is still free: expiry is judged after the slot row's lock is taken, on
 -- clock_timestamp().
--- A lease in a surplus row (over a lowered limit, see FIT) is renewed at most to the earliest
--- lease_until of its credential's rows within the limit, so it never outlives them: each of
--- those rows reopens when its lease ends, and by then no surplus lease counts. (Read from this
--- statement's snapshot: those ends only move later, and a row leaves that set only by FIT, which
--- needs this lease's row, or by END, which then closes it while this lease is held.)
+-- Over a lowered limit or cap, the new end keeps the invariant FIT and FIT TENANT rest on (every
+-- surplus lease ends no later than every lease within the limit): credpool_renewal_end.
 -- An OAuth credential's lease is renewed at most to the expiry of the access token it holds:
 -- the credential's token_expires_at when the lease was granted on the current generation
 -- (granted_at >= oauth_credentials.generation_at), else its own lease_until (an older token,
@@ -1483,21 +1546,21 @@ BEGIN
     ),
     renewed AS (
         UPDATE lease_slots s
-        SET lease_until = least(
-                CASE
-                    WHEN NOT s.surplus THEN v_now + make_interval(secs => w.lease_seconds)
-                    ELSE least(v_now + make_interval(secs => w.lease_seconds),
-                               (SELECT min(o.lease_until) FROM lease_slots o
-                                WHERE o.key_id = s.key_id AND NOT o.surplus AND o.lease_id IS NOT NULL))
-                END,
-                -- OAuth: never past the expiry of the token the lease holds (and never shorter
-                -- than the lease already is, for the token's sake)
-                coalesce((SELECT greatest(s.lease_until,
-                                          CASE WHEN s.granted_at >= o.generation_at
-                                               THEN c.token_expires_at ELSE s.lease_until END)
-                          FROM oauth_credentials o
-                          JOIN credentials c ON c.key_id = o.key_id
-                          WHERE o.key_id = s.key_id), 'infinity'))
+        SET lease_until = (
+                SELECT credpool_renewal_end(s, t, least(
+                           v_now + make_interval(secs => w.lease_seconds),
+                           -- OAuth: never past the expiry of the token the lease holds (and never
+                           -- shorter than the lease already is, for the token's sake)
+                           coalesce((SELECT greatest(s.lease_until,
+                                                     CASE WHEN s.granted_at >= o.generation_at
+                                                          THEN c.token_expires_at
+                                                          ELSE s.lease_until END)
+                                     FROM oauth_credentials o
+                                     JOIN credentials c ON c.key_id = o.key_id
+                                     WHERE o.key_id = s.key_id), 'infinity')))
+                FROM (SELECT) AS one
+                LEFT JOIN tenant_slots t
+                    ON t.tenant_id = s.tenant AND t.slot = s.tenant_slot AND t.lease_id = s.lease_id)
         FROM (SELECT DISTINCT ON (wanted.lease_id) * FROM wanted WHERE wanted.authorized
               ORDER BY wanted.lease_id, wanted.n) AS w
         WHERE s.lease_id = w.lease_id AND s.key_id = w.key_id AND s.provider = w.provider
@@ -1572,8 +1635,6 @@ $$;
 -- Returns one row per release, in order: the verdict; the credential (key_id); whether the lease
 -- was a probe; `refit`: the slot was over a lowered limit, so the credential may be back under it
 -- (the caller runs credpool_fit_slots in a transaction of its own once this one has committed);
--- `tenant_refit`: the lease's tenant, when the tenant is over a lowered cap (the caller runs
--- credpool_fit_tenant after the commit, likewise);
 -- `usage_granted_at`, `usage_delta`: when a usage replaced a reservation, the lease's grant time
 -- and usage - reservation (for the caller's view of the windows); `counted`: the outcome is to be
 -- applied to health. For counted rows, the credential's health
@@ -1586,9 +1647,9 @@ $$;
 -- credential_events). `oauth`: the credential is an OAuth credential (for health: `auth_expired`
 -- on any other credential is the provider refusing the key, as `auth_error`).
 --
--- Locks, in the lock order: with an `auth_expired` report, first the operator locks and every
--- slot row, tenant slot row and lease_windows row of the credentials named
--- (credpool_lock_credentials without their credential rows); the named leases' slot rows,
+-- Locks, in the lock order: with an `auth_expired` report on a lease of an OAuth credential (the
+-- caller's own lease), first the operator locks and every slot row, tenant slot row and
+-- lease_windows row of that credential (credpool_lock_credentials without its credential row); the named leases' slot rows,
 -- ascending (key_id, slot), in one statement; their tenant slot rows, ascending (tenant_id, slot)
 -- (credpool_lock_tenant_slots); the lease_windows rows of the credentials named with a usage,
 -- ascending key_id; the tenant_windows rows of those leases' tenants, ascending tenant_id (whose
@@ -1606,7 +1667,7 @@ DROP FUNCTION IF EXISTS credpool_release(jsonb);
 DROP FUNCTION IF EXISTS credpool_release(jsonb, boolean);
 CREATE FUNCTION credpool_release(p_releases jsonb, p_caller_announces boolean DEFAULT false)
 RETURNS TABLE (release integer, verdict text, key_id text, probe boolean, refit boolean,
-               tenant_refit text, usage_granted_at timestamptz, usage_delta bigint,
+               usage_granted_at timestamptz, usage_delta bigint,
                counted boolean, status text, status_reason text, cooldown_until timestamptz,
                health_successes double precision, health_failures double precision,
                health_rate_limits double precision, health_decayed_at timestamptz,
@@ -1623,6 +1684,10 @@ DECLARE
     v_now timestamptz;
     v_health_now timestamptz;
     v_rejects boolean;
+    -- the credentials whose tokens the call's `auth_expired` reports may reject (their own
+    -- leases' OAuth credentials), ascending
+    v_reject_keys text[];
+    v_locked text;
     -- per release: the grant time of a lease whose `auth_expired` report counts (else NULL)
     v_rejected_granted_at timestamptz[];
     -- one element per release, in request order (n): what it asked and what it found
@@ -1640,7 +1705,6 @@ DECLARE
     v_key text[];
     v_probe boolean[];
     v_refit boolean[];
-    v_tenant_refit text[];
     v_counted boolean[];
     v_usage_at timestamptz[];
     v_usage_delta bigint[];
@@ -1677,18 +1741,37 @@ BEGIN
         -- no NOTIFY from this transaction (see lease_slots_notify_freed)
         PERFORM set_config('credpool.caller_announces_freed', 'on', true);
     END IF;
-    -- An `auth_expired` report may take its token out of traffic, a write of the credential row
-    -- that moves config_version into every slot row of the credential: so every slot row of
-    -- every credential named first (with their tenant and windows rows, in the lock order:
-    -- credpool_lock_credentials), and their credential rows only after the trail rows, below.
-    -- Rare; a call without such a report locks only its leases' rows.
-    v_rejects := EXISTS (SELECT 1 FROM jsonb_array_elements(p_releases) AS e
-                         WHERE e ->> 'outcome' = 'auth_expired');
+    -- An `auth_expired` report on a lease of an OAuth credential may take its token out of
+    -- traffic, a write of the credential row that moves config_version into every slot row of
+    -- the credential: so every slot row of that credential first (with its tenant and windows
+    -- rows, in the lock order: credpool_lock_credentials), and its credential row only after the
+    -- trail rows, below. Only the reporting lease's own credential: the lease it names sits on
+    -- that credential (its slot row says so, or, once it left it, its `granted` row) and the key
+    -- presented is of the lease's tenant (read from this snapshot: a lease's credential and
+    -- tenant never change). A report naming any other credential locks nothing of it: an
+    -- executor's report reaches only its own lease's credential. Rare; a call without such a
+    -- report locks only its leases' rows.
+    v_reject_keys := ARRAY(
+        SELECT DISTINCT e ->> 'key_id'
+        FROM jsonb_array_elements(p_releases) AS e
+        JOIN oauth_credentials o ON o.key_id = e ->> 'key_id'
+        LEFT JOIN lease_slots s
+            ON s.key_id = e ->> 'key_id' AND s.lease_id = (e ->> 'lease_id')::uuid
+        LEFT JOIN LATERAL (
+            SELECT g.key_id, coalesce(g.tenant, 'default') AS tenant
+            FROM lease_events g
+            WHERE s.lease_id IS NULL AND g.lease_id = (e ->> 'lease_id')::uuid
+              AND g.event = 'granted'
+            LIMIT 1
+        ) AS g ON true
+        JOIN LATERAL credpool_key_tenant(e ->> 'key_hash') AS k (tenant) ON true
+        WHERE e ->> 'outcome' = 'auth_expired'
+          AND coalesce(s.key_id, g.key_id) = e ->> 'key_id'
+          AND coalesce(s.tenant, g.tenant) = k.tenant
+        ORDER BY 1);
+    v_rejects := v_reject_keys <> '{}';
     IF v_rejects THEN
-        PERFORM credpool_lock_credentials(
-            ARRAY(SELECT DISTINCT e ->> 'key_id' FROM jsonb_array_elements(p_releases) AS e
-                  WHERE e ->> 'key_id' IS NOT NULL),
-            false);
+        PERFORM credpool_lock_credentials(v_reject_keys, false);
     END IF;
     PERFORM 1
     FROM lease_slots s
@@ -1708,6 +1791,7 @@ BEGIN
                                 WHERE e ->> 'usage_tokens' IS NOT NULL))
     ORDER BY w.key_id
     FOR UPDATE;
+    PERFORM credpool_test_hook('release.locked');
     -- the tenant_windows rows of the tenants of the leases named with a usage (their advisory
     -- locks held since the top)
     IF v_usage_tenants <> '{}' THEN
@@ -1801,7 +1885,6 @@ BEGIN
     v_key := array_fill(NULL::text, ARRAY[coalesce(cardinality(v_n), 0)]);
     v_probe := array_fill(NULL::boolean, ARRAY[coalesce(cardinality(v_n), 0)]);
     v_refit := v_probe; v_counted := v_probe;
-    v_tenant_refit := array_fill(NULL::text, ARRAY[coalesce(cardinality(v_n), 0)]);
     v_usage_at := array_fill(NULL::timestamptz, ARRAY[coalesce(cardinality(v_n), 0)]);
     v_usage_delta := array_fill(NULL::bigint, ARRAY[coalesce(cardinality(v_n), 0)]);
     v_rejected_granted_at := v_usage_at;
@@ -1811,11 +1894,6 @@ BEGIN
         v_key[i] := CASE WHEN v_verdict[i] IN ('released', 'expired') THEN v_asked_key[i] END;
         v_probe[i] := v_verdict[i] = 'released' AND (v_slot[i]).probe;
         v_refit[i] := v_verdict[i] IN ('released', 'expired') AND (v_slot[i]).over_limit;
-        IF v_verdict[i] IN ('released', 'expired') AND (v_slot[i]).tenant IS NOT NULL
-           AND EXISTS (SELECT 1 FROM tenant_slots t
-                       WHERE t.tenant_id = (v_slot[i]).tenant AND t.over_limit) THEN
-            v_tenant_refit[i] := (v_slot[i]).tenant;
-        END IF;
         v_counted[i] := v_verdict[i] = 'released' AND v_outcome[i] IS NOT NULL;
         v_usage_at[i] := NULL;
         v_usage_delta[i] := NULL;
@@ -1865,12 +1943,20 @@ BEGIN
     END LOOP;
 
     -- The credential rows of counted outcomes (lock order 4: after the trail rows), for the
-    -- health write; FOR UPDATE with an `auth_expired` report, the strength
-    -- credpool_lock_credentials takes for a write of the token (every credential whose token a
-    -- report rejects has a counted outcome).
+    -- health write, FOR NO KEY UPDATE; FOR UPDATE, the strength credpool_lock_credentials takes
+    -- for a write of the token, on the credentials whose slot rows the `auth_expired` reports
+    -- took above (only those: a claim binding a conversation holds one slot row of the
+    -- credential and a key share lock on its row, which FOR UPDATE conflicts with). One row at
+    -- a time, ascending key_id, when the strengths differ.
     v_counted_keys := ARRAY(SELECT k FROM unnest(v_key, v_counted) AS x (k, counted) WHERE x.counted);
     IF v_rejects THEN
-        PERFORM 1 FROM credentials c WHERE c.key_id = ANY (v_counted_keys) ORDER BY c.key_id FOR UPDATE;
+        FOR v_locked IN SELECT DISTINCT k FROM unnest(v_counted_keys) AS k ORDER BY k LOOP
+            IF v_locked = ANY (v_reject_keys) THEN
+                PERFORM 1 FROM credentials c WHERE c.key_id = v_locked FOR UPDATE;
+            ELSE
+                PERFORM 1 FROM credentials c WHERE c.key_id = v_locked FOR NO KEY UPDATE;
+            END IF;
+        END LOOP;
     ELSE
         PERFORM 1 FROM credentials c WHERE c.key_id = ANY (v_counted_keys) ORDER BY c.key_id
         FOR NO KEY UPDATE;
@@ -1889,7 +1975,7 @@ BEGIN
             SELECT DISTINCT ON (x.key_id) x.key_id, x.lease_id, o.generation
             FROM unnest(v_key, v_lease, v_rejected_granted_at) AS x (key_id, lease_id, granted_at)
             JOIN oauth_credentials o ON o.key_id = x.key_id
-            WHERE x.granted_at >= o.generation_at
+            WHERE x.granted_at >= o.generation_at AND x.key_id = ANY (v_reject_keys)
             ORDER BY x.key_id, x.granted_at
         ),
         expired AS (
@@ -1908,14 +1994,13 @@ BEGIN
     END IF;
 
     RETURN QUERY
-    SELECT v.n, v.verdict, v.key_id, v.probe, v.refit, v.tenant_refit, v.usage_at, v.usage_delta,
+    SELECT v.n, v.verdict, v.key_id, v.probe, v.refit, v.usage_at, v.usage_delta,
            v.counted AND c.key_id IS NOT NULL,
            c.status, c.status_reason, c.cooldown_until, c.health_successes, c.health_failures,
            c.health_rate_limits, c.health_decayed_at, c.recent_failures, c.cooldowns_in_a_row,
            c.last_success_at, c.recovered_at, v_health_now, c.token_expires_at IS NOT NULL
-    FROM unnest(v_n, v_verdict, v_key, v_probe, v_refit, v_counted, v_usage_at, v_usage_delta,
-                v_tenant_refit)
-         AS v (n, verdict, key_id, probe, refit, counted, usage_at, usage_delta, tenant_refit)
+    FROM unnest(v_n, v_verdict, v_key, v_probe, v_refit, v_counted, v_usage_at, v_usage_delta)
+         AS v (n, verdict, key_id, probe, refit, counted, usage_at, usage_delta)
     LEFT JOIN credentials c ON c.key_id = v.key_id AND v.counted
     ORDER BY v.n;
 END;
@@ -1976,33 +2061,69 @@ BEGIN
 END;
 $$;
 
+-- The tokens a token window counts for lease `p_lease_id`, granted with reservation `p_reserved`,
+-- as the trail stood at `p_at` (NULL: now): the usage its release (or a late report) reported by
+-- then, else its reservation.
+CREATE OR REPLACE FUNCTION credpool_grant_tokens(p_lease_id uuid, p_reserved bigint, p_at timestamptz)
+RETURNS bigint
+LANGUAGE sql STABLE AS $$
+    SELECT coalesce((SELECT e.tokens FROM lease_events e
+                     WHERE e.lease_id = p_lease_id AND e.tokens IS NOT NULL
+                       AND e.event IN ('released', 'outcome_after_expiry')
+                       AND e.at <= coalesce(p_at, 'infinity')
+                     LIMIT 1), p_reserved, 0)
+$$;
+
 -- What a new window of `p_kind` and `p_seconds` has counted at `p_now`, from the trail: the
 -- grants of credential `p_key_id` (or, when it is NULL, of tenant `p_tenant`) in the buckets it
 -- counts (a grant's tokens: the usage its release reported, else its reservation), as the 17
 -- bucket numbers and charges of its ring (an empty bucket holds number 0, older than any).
+-- `p_upto`: the trail as it stood at that moment (grants and reports after it left out).
+-- `p_after`: only what changed after that moment, to add to a seed taken up to it: the grants
+-- made after it, and, for a grant made before it, its usage reported after it in place of its
+-- reservation. It reads only the trail after `p_after` (SEED TENANT WINDOWS takes the long seed
+-- without the tenant's lock; FIT TENANT adds this under it).
 DROP FUNCTION IF EXISTS credpool_seed_window(text, text, integer, timestamptz);
+DROP FUNCTION IF EXISTS credpool_seed_window(text, text, text, integer, timestamptz);
 CREATE OR REPLACE FUNCTION credpool_seed_window(
     p_key_id text, p_tenant text, p_kind text, p_seconds integer, p_now timestamptz,
+    p_after timestamptz DEFAULT NULL, p_upto timestamptz DEFAULT NULL,
     OUT ids bigint[], OUT charged bigint[])
 LANGUAGE sql STABLE AS $$
-    WITH recent AS (
-        -- (two branches, one run: a credential's grants through its (key_id, at) index)
+    WITH scoped AS (
+        -- the grants made after p_after (two branches, one run: a credential's grants through
+        -- its (key_id, at) index, a tenant's through the trail's time index)
         SELECT g.lease_id, g.at, g.tokens FROM lease_events g
         WHERE p_key_id IS NOT NULL AND g.key_id = p_key_id AND g.event = 'granted'
           AND g.at >= p_now - make_interval(secs => p_seconds * 17.0 / 16)
+          AND g.at > coalesce(p_after, '-infinity') AND g.at <= coalesce(p_upto, 'infinity')
         UNION ALL
         SELECT g.lease_id, g.at, g.tokens FROM lease_events g
         WHERE p_key_id IS NULL AND g.tenant = p_tenant AND g.event = 'granted'
           AND g.at >= p_now - make_interval(secs => p_seconds * 17.0 / 16)
+          AND g.at > coalesce(p_after, '-infinity') AND g.at <= coalesce(p_upto, 'infinity')
+        UNION ALL
+        -- with p_after, a token window's grants made up to it whose usage was reported after it
+        SELECT g.lease_id, g.at, g.tokens
+        FROM lease_events r
+        JOIN lease_events g ON g.lease_id = r.lease_id AND g.event = 'granted'
+        WHERE p_after IS NOT NULL AND p_kind = 'tokens'
+          AND r.event IN ('released', 'outcome_after_expiry') AND r.tokens IS NOT NULL
+          AND r.at > p_after AND r.at <= coalesce(p_upto, 'infinity')
+          AND g.at <= p_after AND g.at >= p_now - make_interval(secs => p_seconds * 17.0 / 16)
+          AND ((p_key_id IS NOT NULL AND g.key_id = p_key_id)
+               OR (p_key_id IS NULL AND g.tenant = p_tenant))
     ),
     grants AS (
+        -- each grant's amount as of p_upto, less what a seed up to p_after counted of it
         SELECT credpool_window_bucket(g.at, p_seconds) AS bucket,
-               CASE p_kind WHEN 'requests' THEN 1
-                   ELSE coalesce((SELECT e.tokens FROM lease_events e
-                                  WHERE e.lease_id = g.lease_id AND e.tokens IS NOT NULL
-                                    AND e.event IN ('released', 'outcome_after_expiry')
-                                  LIMIT 1), g.tokens, 0) END AS amount
-        FROM recent g
+               CASE WHEN p_kind = 'requests' THEN 1
+                    WHEN g.at > coalesce(p_after, '-infinity')
+                        THEN credpool_grant_tokens(g.lease_id, g.tokens, p_upto)
+                    ELSE credpool_grant_tokens(g.lease_id, g.tokens, p_upto)
+                         - credpool_grant_tokens(g.lease_id, g.tokens, p_after)
+               END AS amount
+        FROM scoped g
     ),
     buckets AS (
         SELECT bucket, sum(amount)::bigint AS amount
@@ -2016,12 +2137,28 @@ LANGUAGE sql STABLE AS $$
     LEFT JOIN buckets b ON b.bucket % 17 = ring.slot
 $$;
 
+-- Two rings of the same window added bucket by bucket: a bucket number both hold, their charges
+-- summed; else the newer number's (the older one is at least 17 buckets older, out of the window).
+CREATE OR REPLACE FUNCTION credpool_window_ring_sum(p_ids bigint[], p_charged bigint[],
+    p_more_ids bigint[], p_more_charged bigint[], OUT ids bigint[], OUT charged bigint[])
+LANGUAGE sql IMMUTABLE PARALLEL SAFE AS $$
+    SELECT array_agg(greatest(p_ids[i], p_more_ids[i]) ORDER BY i),
+           array_agg(CASE WHEN p_ids[i] = p_more_ids[i] THEN p_charged[i] + p_more_charged[i]
+                          WHEN p_ids[i] > p_more_ids[i] THEN p_charged[i]
+                          ELSE p_more_charged[i] END ORDER BY i)
+    FROM generate_subscripts(p_ids, 1) AS i
+$$;
+
 -- Windows `p_old` brought in line with `p_rate_limits` at `p_now`: a window kept (same kind and
 -- length) keeps its buckets, whatever its count; a new one is seeded from the trail of credential
--- `p_key_id` (or, when it is NULL, of tenant `p_tenant`): credpool_seed_window. `p_old` unchanged
--- when the configuration is.
+-- `p_key_id` (or, when it is NULL, of tenant `p_tenant`): credpool_seed_window, as the trail
+-- stood at `p_upto` (NULL: now). `p_seeded`: windows already seeded from the trail as it stood
+-- at `p_cut` (SEED TENANT WINDOWS); a new window among them takes that seed plus what changed
+-- since. `p_old` unchanged when the configuration is.
+DROP FUNCTION IF EXISTS credpool_windows_fitted(lease_windows, jsonb, text, text, timestamptz);
 CREATE OR REPLACE FUNCTION credpool_windows_fitted(p_old lease_windows, p_rate_limits jsonb,
-    p_key_id text, p_tenant text, p_now timestamptz)
+    p_key_id text, p_tenant text, p_now timestamptz, p_upto timestamptz DEFAULT NULL,
+    p_seeded lease_windows DEFAULT NULL, p_cut timestamptz DEFAULT NULL)
 RETURNS lease_windows
 LANGUAGE plpgsql STABLE AS $$
 DECLARE
@@ -2029,6 +2166,7 @@ DECLARE
     v_config record;
     v_seed record;
     v_kept integer;
+    v_seeded integer;
 BEGIN
     v_config := credpool_window_config(p_rate_limits);
     IF (p_old.window_kinds, p_old.window_counts, p_old.window_seconds)
@@ -2041,26 +2179,39 @@ BEGIN
     v_new.bucket_ids := '{}';
     v_new.bucket_charged := '{}';
     FOR i IN 1 .. coalesce(cardinality(v_config.kinds), 0) LOOP
-        v_kept := NULL;
-        FOR j IN 1 .. coalesce(cardinality(p_old.window_kinds), 0) LOOP
-            IF p_old.window_kinds[j] = v_config.kinds[i]
-               AND p_old.window_seconds[j] = v_config.seconds[i] THEN
-                v_kept := j;
-                EXIT;
-            END IF;
-        END LOOP;
+        v_kept := credpool_window_index(p_old, v_config.kinds[i], v_config.seconds[i]);
+        v_seeded := credpool_window_index(p_seeded, v_config.kinds[i], v_config.seconds[i]);
         IF v_kept IS NOT NULL THEN
             v_new.bucket_ids := v_new.bucket_ids || p_old.bucket_ids[(v_kept - 1) * 17 + 1 : v_kept * 17];
             v_new.bucket_charged := v_new.bucket_charged
                 || p_old.bucket_charged[(v_kept - 1) * 17 + 1 : v_kept * 17];
+        ELSIF v_seeded IS NOT NULL THEN
+            v_seed := credpool_seed_window(p_key_id, p_tenant, v_config.kinds[i], v_config.seconds[i],
+                                           p_now, p_after => p_cut, p_upto => p_upto);
+            v_seed := credpool_window_ring_sum(
+                p_seeded.bucket_ids[(v_seeded - 1) * 17 + 1 : v_seeded * 17],
+                p_seeded.bucket_charged[(v_seeded - 1) * 17 + 1 : v_seeded * 17],
+                v_seed.ids, v_seed.charged);
+            v_new.bucket_ids := v_new.bucket_ids || v_seed.ids;
+            v_new.bucket_charged := v_new.bucket_charged || v_seed.charged;
         ELSE
-            v_seed := credpool_seed_window(p_key_id, p_tenant, v_config.kinds[i], v_config.seconds[i], p_now);
+            v_seed := credpool_seed_window(p_key_id, p_tenant, v_config.kinds[i], v_config.seconds[i],
+                                           p_now, p_upto => p_upto);
             v_new.bucket_ids := v_new.bucket_ids || v_seed.ids;
             v_new.bucket_charged := v_new.bucket_charged || v_seed.charged;
         END IF;
     END LOOP;
     RETURN v_new;
 END;
+$$;
+
+-- The 1-based position of the window of `p_kind` and `p_seconds` among windows `w`; NULL when
+-- `w` has none (or is NULL).
+CREATE OR REPLACE FUNCTION credpool_window_index(w lease_windows, p_kind text, p_seconds integer)
+RETURNS integer
+LANGUAGE sql IMMUTABLE PARALLEL SAFE AS $$
+    SELECT min(i)::integer FROM generate_subscripts(w.window_kinds, 1) AS i
+    WHERE w.window_kinds[i] = p_kind AND w.window_seconds[i] = p_seconds
 $$;
 
 -- Brings a credential's lease_windows row in line with its rate_limits (see credpool_fit_slots,
@@ -2088,10 +2239,47 @@ BEGIN
 END;
 $$;
 
+-- CUT, the first step of a change of tenant `p_tenant_id`'s windows, in a transaction of its own:
+-- waits for the tenant's claims and usage reports in flight (its advisory lock, exclusively: they
+-- hold it shared) and returns the moment it got it. Every grant and report of the tenant dated
+-- up to that moment has committed once this transaction ends (the ones in flight were waited for;
+-- one that starts later takes the lock after it and is dated after it), so a seed taken up to it
+-- without the lock (SEED TENANT WINDOWS) misses nothing, and FIT TENANT adds what came after.
+CREATE OR REPLACE FUNCTION credpool_tenant_cut(p_tenant_id text) RETURNS timestamptz
+LANGUAGE plpgsql AS $$
+BEGIN
+    PERFORM pg_advisory_xact_lock(hashtextextended('credpool.tenant:' || p_tenant_id, 0));
+    RETURN clock_timestamp();
+END;
+$$;
+
+-- SEED TENANT WINDOWS: the windows of `p_rate_limits` of tenant `p_tenant_id` seeded from the
+-- trail as it stood at `p_cut` (credpool_tenant_cut), taken WITHOUT the tenant's lock: reading a
+-- busy tenant's grants of a long window takes seconds, and under the lock every claim of the
+-- tenant would answer `busy` meanwhile. Returns {"cut", "windows"} for credpool_fit_tenant, which
+-- adds what came after the cut under the lock.
+CREATE OR REPLACE FUNCTION credpool_seed_tenant_windows(p_tenant_id text, p_rate_limits jsonb,
+    p_cut timestamptz)
+RETURNS jsonb
+LANGUAGE plpgsql AS $$
+DECLARE
+    v_seeded lease_windows;
+BEGIN
+    PERFORM credpool_test_hook('tenant.seeding');
+    v_seeded := credpool_windows_fitted(ROW(p_tenant_id, '{}', '{}', '{}', '{}', '{}')::lease_windows,
+                                        p_rate_limits, NULL, p_tenant_id, clock_timestamp(),
+                                        p_upto => p_cut);
+    RETURN jsonb_build_object('cut', p_cut, 'windows', to_jsonb(v_seeded));
+END;
+$$;
+
 -- Brings a tenant's tenant_windows row in line with its rate_limits (credpool_fit_tenant calls
 -- it holding the tenant's advisory lock): a tenant with windows has its row, one without none.
+-- `p_seed`: what SEED TENANT WINDOWS returned (NULL: new windows are seeded here, from the whole
+-- trail).
+DROP FUNCTION IF EXISTS credpool_fit_tenant_windows(text, jsonb, timestamptz);
 CREATE OR REPLACE FUNCTION credpool_fit_tenant_windows(p_tenant_id text, p_rate_limits jsonb,
-    p_now timestamptz)
+    p_now timestamptz, p_seed jsonb DEFAULT NULL)
 RETURNS void
 LANGUAGE plpgsql AS $$
 DECLARE
@@ -2103,7 +2291,10 @@ BEGIN
     IF NOT FOUND THEN
         v_old := ROW(p_tenant_id, '{}', '{}', '{}', '{}', '{}')::lease_windows;
     END IF;
-    v_new := credpool_windows_fitted(v_old, p_rate_limits, NULL, p_tenant_id, p_now);
+    v_new := credpool_windows_fitted(
+        v_old, p_rate_limits, NULL, p_tenant_id, p_now,
+        p_seeded => jsonb_populate_record(NULL::lease_windows, p_seed -> 'windows'),
+        p_cut => (p_seed ->> 'cut')::timestamptz);
     IF cardinality(v_new.window_kinds) = 0 THEN
         DELETE FROM tenant_windows WHERE tenant_id = p_tenant_id;
     ELSIF v_new IS DISTINCT FROM v_old THEN
@@ -2370,18 +2561,21 @@ $$;
 
 -- FIT TENANT: brings tenant `p_tenant_id`'s slot rows in line with its cap
 -- (max_concurrent_leases), and its tenant_windows row with its rate_limits
--- (credpool_fit_tenant_windows), in the caller's transaction. Called by an operator's PUT of the
--- tenant, after a release ended a lease of a tenant over a lowered cap (in a transaction of its
--- own, once the release committed), and by the cleanup pass.
+-- (credpool_fit_tenant_windows; `p_seed`: what SEED TENANT WINDOWS returned, or NULL), in the
+-- caller's transaction. Called by an operator's PUT of the tenant and by the cleanup pass.
 --
 -- Invariant kept: a capped tenant's live leases never exceed its cap at a grant. Capacity is the
--- set of its tenant_slots rows a claim may take (not over_limit); every live lease of the tenant
+-- set of its tenant_slots rows a claim may take (not surplus); every live lease of the tenant
 -- sits in one row. Afterwards, with `live` leases in flight (counted after the locks, on
 -- clock_timestamp()): free rows are deleted; if live <= cap, every row is open and cap - live
 -- free rows are added, so exactly cap leases may be held; if live > cap (lowered under load),
--- every row is over_limit: the tenant grants nothing until a fit finds it back under its cap
--- (a release of its leases refits it at once; an expiry, the next cleanup pass). Lowering a
--- cap revokes nothing. A tenant without a cap keeps no rows (its claims take none).
+-- every row is over_limit, and the `cap` rows whose leases end last stay within the cap while the
+-- others are `surplus` (never claimed; gone at the next fit), as FIT does for a credential. A row
+-- within the cap reopens on its own when its lease ends (on the database clock: nothing has to
+-- run), and exactly back up to the cap: every surplus lease ends no later than every lease within
+-- it (ranked so here; RENEW keeps it, credpool_renewal_end; END closes a row within the cap that
+-- frees while a surplus lease is held), so when k of those rows have reopened, at most cap - k
+-- leases count. Lowering a cap revokes nothing. A tenant without a cap keeps no rows.
 --
 -- A tenant given a cap while it holds leases (none of them in rows: it had no cap) adopts them:
 -- their slot rows are locked first (lock order: slot rows, then tenant rows), so none of them
@@ -2392,7 +2586,9 @@ $$;
 -- deleted here; claims of the tenant hold it in shared mode, tried), then (adopting) the slot
 -- rows of its leases, then every tenant_slots row of it, ascending slot, then its
 -- tenant_windows row.
-CREATE OR REPLACE FUNCTION credpool_fit_tenant(p_tenant_id text) RETURNS void
+DROP FUNCTION IF EXISTS credpool_fit_tenant(text);
+CREATE OR REPLACE FUNCTION credpool_fit_tenant(p_tenant_id text, p_seed jsonb DEFAULT NULL)
+RETURNS void
 LANGUAGE plpgsql AS $$
 DECLARE
     v_cap integer;
@@ -2430,7 +2626,7 @@ BEGIN
     -- its windows, after its slot rows (the lock order): the row is taken by claims (with SKIP
     -- LOCKED, never waited for) and by releases reporting usage, for the milliseconds of their
     -- statements
-    PERFORM credpool_fit_tenant_windows(p_tenant_id, v_rate_limits, clock_timestamp());
+    PERFORM credpool_fit_tenant_windows(p_tenant_id, v_rate_limits, clock_timestamp(), p_seed);
     v_now := clock_timestamp();
     IF v_cap IS NULL THEN
         DELETE FROM tenant_slots WHERE tenant_id = p_tenant_id;
@@ -2439,14 +2635,23 @@ BEGIN
     DELETE FROM tenant_slots
     WHERE tenant_id = p_tenant_id AND (lease_id IS NULL OR lease_until <= v_now);
     SELECT count(*)::integer INTO v_live FROM tenant_slots WHERE tenant_id = p_tenant_id;
-    UPDATE tenant_slots SET over_limit = (v_live > v_cap)
-    WHERE tenant_id = p_tenant_id AND over_limit IS DISTINCT FROM (v_live > v_cap);
+    IF v_live > v_cap THEN
+        UPDATE tenant_slots t
+        SET over_limit = true, surplus = r.rank > v_cap
+        FROM (SELECT slot, row_number() OVER (ORDER BY lease_until DESC, slot) AS rank
+              FROM tenant_slots WHERE tenant_id = p_tenant_id) AS r
+        WHERE t.tenant_id = p_tenant_id AND t.slot = r.slot
+          AND (NOT t.over_limit OR t.surplus IS DISTINCT FROM (r.rank > v_cap));
+        RETURN;
+    END IF;
+    UPDATE tenant_slots SET over_limit = false, surplus = false
+    WHERE tenant_id = p_tenant_id AND (over_limit OR surplus);
     INSERT INTO tenant_slots (tenant_id, slot)
     SELECT p_tenant_id, g
     FROM generate_series(0, v_cap + v_live) AS g
     WHERE NOT EXISTS (SELECT 1 FROM tenant_slots t WHERE t.tenant_id = p_tenant_id AND t.slot = g)
     ORDER BY g
-    LIMIT greatest(v_cap - v_live, 0);
+    LIMIT v_cap - v_live;
 END;
 $$;
 
@@ -2462,13 +2667,14 @@ SELECT t.tenant_id, t.max_concurrent_leases, t.weight, t.rate_limits,
        t.created_at, t.updated_at
 FROM tenants t;
 
--- REFIT TENANTS, in the cleanup pass: fits up to p_batch tenants over a lowered cap (their
--- releases refit them at once; this catches leases that expired instead, and a service that
--- stopped in between). A tenant whose advisory lock another transaction holds (an operator's
--- change; a claim of the tenant, in shared mode, for the milliseconds of its transaction) is left
--- for the next pass: waiting for it while holding the rows of a tenant fitted before would break
--- the lock order. The fit waits only for tenant rows a claim, renewal or release holds for the
--- milliseconds of its statement. Returns how many tenants it fitted.
+-- REFIT TENANTS, in the cleanup pass: fits up to p_batch tenants over a lowered cap that are
+-- back under it (their rows within the cap reopen on their own as their leases end, see FIT
+-- TENANT; this removes the surplus rows). A tenant whose advisory lock another transaction holds
+-- (an operator's change; a claim of the tenant, in shared mode, for the milliseconds of its
+-- transaction) is left for the next pass: waiting for it while holding the rows of a tenant
+-- fitted before would break the lock order, and nothing but tidiness waits for the fit. The fit
+-- waits only for tenant rows a claim, renewal or release holds for the milliseconds of its
+-- statement. Returns how many tenants it fitted.
 CREATE OR REPLACE FUNCTION credpool_refit_tenants(p_batch integer DEFAULT 100) RETURNS integer
 LANGUAGE plpgsql AS $$
 DECLARE
@@ -2476,8 +2682,13 @@ DECLARE
     r record;
 BEGIN
     FOR r IN
-        SELECT DISTINCT t.tenant_id FROM tenant_slots t WHERE t.over_limit
-        ORDER BY t.tenant_id LIMIT p_batch
+        SELECT n.tenant_id
+        FROM tenants n
+        WHERE EXISTS (SELECT 1 FROM tenant_slots t WHERE t.tenant_id = n.tenant_id AND t.over_limit)
+          AND (SELECT count(*) FROM tenant_slots t
+               WHERE t.tenant_id = n.tenant_id AND t.lease_id IS NOT NULL
+                 AND t.lease_until > statement_timestamp()) <= coalesce(n.max_concurrent_leases, 2147483647)
+        ORDER BY n.tenant_id LIMIT p_batch
     LOOP
         IF pg_try_advisory_xact_lock(hashtextextended('credpool.tenant:' || r.tenant_id, 0)) THEN
             PERFORM credpool_fit_tenant(r.tenant_id);

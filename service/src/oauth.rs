@@ -10,8 +10,11 @@
 //! transaction), then calls the token endpoint with no transaction open, then writes the new
 //! access token, the rotated refresh token and generation + 1 in one transaction that takes the
 //! credential's locks in the lock order (`credpool_lock_credentials`) and re-reads the generation
-//! and the marker: a writer whose marker was taken over writes nothing. The call's timeout is
-//! shorter than the marker, so a marker only expires under a writer that has stopped.
+//! and the marker: a writer whose marker was taken over writes nothing. A writer keeps its marker
+//! alive (every third of its life) from the take until its result is written, however long the
+//! call or the write's wait for the credential's locks takes, so a marker only expires under a
+//! writer that has stopped: a second writer would present the refresh token the first call has
+//! already rotated away.
 //!
 //! Failures while the token is valid are retried with exponential backoff and jitter (the
 //! credential keeps serving); `invalid_grant` disables the credential until an operator PUTs a
@@ -244,6 +247,42 @@ pub enum RefreshError {
     Failed(String),
 }
 
+/// A refresh's marker kept alive while the refresh runs: a task that extends it every third of
+/// `claim_for` ([`store::keep_refresh`]) until it is dropped or the marker is no longer this
+/// writer's.
+struct MarkerKept(tokio::task::JoinHandle<()>);
+
+impl MarkerKept {
+    fn start(
+        db: Db,
+        key_id: KeyId,
+        generation: i64,
+        holder: uuid::Uuid,
+        claim_for: Duration,
+    ) -> Self {
+        Self(tokio::spawn(async move {
+            loop {
+                tokio::time::sleep(claim_for / 3).await;
+                match store::keep_refresh(&db, &key_id, generation, holder, claim_for).await {
+                    Ok(true) => {}
+                    Ok(false) => return,
+                    // (the next beat tries again; a marker that lapses meanwhile is taken over,
+                    // and this writer's write then finds it is not its own and writes nothing)
+                    Err(error) => {
+                        tracing::warn!(error = %error, "cannot keep the refresh's marker");
+                    }
+                }
+            }
+        }))
+    }
+}
+
+impl Drop for MarkerKept {
+    fn drop(&mut self) {
+        self.0.abort();
+    }
+}
+
 /// A token endpoint's successful answer (RFC 6749 section 5.1).
 #[derive(Deserialize)]
 struct TokenAnswer {
@@ -368,6 +407,13 @@ impl Refresher {
         else {
             return Ok(false);
         };
+        let _kept = MarkerKept::start(
+            self.db.clone(),
+            key_id.clone(),
+            taken.generation,
+            self.holder,
+            self.settings.claim_for,
+        );
         let grant = match self.keyring.open_oauth(key_id, &taken.sealed_grant) {
             Ok(grant) => grant,
             Err(error) => {

@@ -603,3 +603,51 @@ async fn two_puts_creating_one_key_never_write_its_slot_rows_after_its_credentia
     }
     assert_eq!(deadlocks(&app).await, before, "a deadlock was detected");
 }
+
+#[tokio::test]
+async fn a_short_renewal_within_a_lowered_limit_never_ends_it_before_the_surplus_lease() {
+    // Limit 2 -> 1 with a 300 s and a 100 s lease: the 300 s one stays within the limit, the
+    // 100 s one is surplus. Its executor renews the lease within the limit for 3 s (any renewal
+    // with the default length does the same to a longer lease). Before, the row within the
+    // limit then ended first and reopened 3 s later while the surplus lease still counted: a
+    // second live lease on a credential of limit 1.
+    let app = TestApp::spawn().await;
+    app.put_key("k", "openai", "default", &["gpt-4o"], 2).await;
+    let long = leased(&app, 300).await;
+    let short = leased(&app, 100).await;
+    set_limit(&app, 1).await;
+    let renewal = |lease: &Value, seconds: u32| {
+        let mut body = release_body(lease, "success");
+        body.as_object_mut().unwrap().remove("outcome");
+        body["lease_seconds"] = json!(seconds);
+        body
+    };
+    let until = |v: &Value| {
+        time::OffsetDateTime::parse(
+            v["lease_until"].as_str().unwrap(),
+            &time::format_description::well_known::Rfc3339,
+        )
+        .unwrap()
+    };
+    let renewed = json_body(app.renew(renewal(&long, 3)).await, StatusCode::OK).await;
+    assert!(
+        until(&renewed) >= until(&short),
+        "the lease within the limit ({renewed}) now ends before the surplus lease ({short})"
+    );
+    tokio::time::sleep(Duration::from_secs(4)).await;
+    assert_eq!(
+        granted_of(&app, 2).await,
+        0,
+        "granted on a limit-1 credential while the surplus lease is live"
+    );
+    assert_eq!(app.in_flight("k").await, 2);
+    // the surplus lease renewed: never an end before the renewal itself
+    let renewed = json_body(app.renew(renewal(&short, 30)).await, StatusCode::OK).await;
+    let now: time::OffsetDateTime = sqlx::query_scalar("SELECT now()")
+        .fetch_one(&app.db)
+        .await
+        .unwrap();
+    assert!(until(&renewed) > now, "renewed into the past: {renewed}");
+    let (ok, report) = audit_verify(BIN, &app.database).await;
+    assert!(ok, "{report}");
+}

@@ -1079,3 +1079,123 @@ async fn a_refreshed_token_whose_first_write_fails_is_written_by_a_retry_and_nev
         "available"
     );
 }
+
+#[tokio::test]
+async fn a_refresh_whose_write_waits_longer_than_its_marker_is_never_overtaken() {
+    // The refresher's marker holds other writers off for `claim_for` (2 s here). The test holds
+    // the credential's slot rows, so the writer that got the new token waits for them longer
+    // than that. Before, a second refresher then took the generation over and called the
+    // endpoint with the refresh token the first call had already rotated away (`invalid_grant`
+    // from a provider that rotates), and the credential was disabled. Now a writer keeps its
+    // marker for as long as it may still write.
+    let short = OAuthSettings {
+        claim_for: Duration::from_secs(2),
+        call_timeout: Duration::from_secs(1),
+        ..fast()
+    };
+    let mut options = AppOptions::default();
+    options.settings.oauth = short.clone();
+    let app = TestApp::spawn_with(options).await;
+    let (mock, url) = mock_endpoint(ANSWERS, 3600).await;
+    assert_eq!(
+        put_oauth(&app, &url, 3600, 0).await.status(),
+        StatusCode::CREATED
+    );
+    let mut holder = crate::lease_state::connect(&app).await;
+    sqlx::Executor::execute(&mut holder, "BEGIN").await.unwrap();
+    sqlx::query("SELECT 1 FROM lease_slots WHERE key_id = 'k' FOR UPDATE")
+        .execute(&mut holder)
+        .await
+        .unwrap();
+    set_refresh_before(&app, 86_400).await;
+    until("the first token call", || async {
+        mock.issued.load(Ordering::SeqCst) == 1
+    })
+    .await;
+    // another process's refresher, pass after pass, for twice the marker's life
+    let other = Arc::new(Refresher::new(
+        app.database.pool(2).await.into(),
+        keyring(),
+        short,
+    ));
+    let passes = {
+        let other = other.clone();
+        tokio::spawn(async move {
+            let end = tokio::time::Instant::now() + Duration::from_secs(4);
+            while tokio::time::Instant::now() < end {
+                other.run_once().await.unwrap();
+                tokio::time::sleep(Duration::from_millis(50)).await;
+            }
+        })
+    };
+    // (its own write, if it had taken the generation over, would wait for the slot rows too)
+    tokio::time::sleep(Duration::from_secs(4)).await;
+    assert_eq!(
+        mock.stale.load(Ordering::SeqCst),
+        0,
+        "another writer called the endpoint with the rotated refresh token"
+    );
+    // (the token to come is not due: one refresh in all)
+    set_refresh_before(&app, 0).await;
+    sqlx::Executor::execute(&mut holder, "ROLLBACK")
+        .await
+        .unwrap();
+    passes.await.unwrap();
+    until("the refreshed token's write", || async {
+        generation(&app).await == 2
+    })
+    .await;
+    assert_eq!(mock.calls(), 1, "one token call for the generation");
+    let detail = admin_get(&app, "/api/admin/keys/k").await;
+    assert_eq!(detail["status"], "available", "{detail}");
+    assert_eq!(leased_token(&app).await, "at-1");
+}
+
+#[tokio::test]
+async fn an_auth_expired_report_locks_nothing_of_a_credential_that_is_not_its_leases() {
+    // A tenant's executor reports `auth_expired` on a lease that does not exist, naming an OAuth
+    // credential of another pool. Its release is held at `release.locked` (after its locks).
+    // Before, it had taken the operator locks and every slot row of the credential it named, so
+    // while it was held that credential served nobody (the claims passed over its locked slots:
+    // 429). Now a report locks only its own lease's credential.
+    let app = crate::lease_state::app_with_hooks("release.locked").await;
+    let (_mock, url) = mock_endpoint(ANSWERS, 3600).await;
+    assert_eq!(
+        put_oauth(&app, &url, 3600, 0).await.status(),
+        StatusCode::CREATED
+    );
+    let base = app.url("");
+    crate::tenants::put_tenant(&app.client, &base, "mallory", json!({})).await;
+    let (_, key) = crate::tenants::mint(&app.client, &base, "mallory").await;
+    let hook = crate::lease_state::Hook::close(&app, "release.locked").await;
+    let hostile = {
+        let (client, base, key) = (app.client.clone(), base.clone(), key.clone());
+        tokio::spawn(async move {
+            crate::tenants::executor(
+                &client,
+                &base,
+                "/api/internal/release-key",
+                &key,
+                json!({"provider": "openai", "pool": "default", "key_id": "k",
+                       "lease_id": uuid::Uuid::new_v4().simple().to_string(),
+                       "outcome": "auth_expired"}),
+            )
+            .await
+        })
+    };
+    crate::lease_state::wait_for_lock_waiters(&app, 1).await;
+    let response = allocate(&app, 60).await;
+    assert_eq!(
+        response.status(),
+        StatusCode::OK,
+        "the credential served nobody while a stranger's report held it: {}",
+        response.text().await.unwrap()
+    );
+    hook.open().await;
+    let answer = json_body(hostile.await.unwrap(), StatusCode::OK).await;
+    assert_eq!(answer["released"], false, "{answer}");
+    assert_eq!(
+        admin_get(&app, "/api/admin/keys/k").await["oauth"]["generation"],
+        1
+    );
+}

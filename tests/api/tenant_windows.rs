@@ -632,3 +632,65 @@ async fn windows_and_a_cap_removed_and_set_again_start_from_the_trail_and_the_le
     let (ok, report) = audit_verify(BIN, &app.database).await;
     assert!(ok, "{report}");
 }
+
+#[tokio::test]
+async fn a_window_set_on_a_busy_tenant_never_holds_its_claims_back_while_it_reads_the_trail() {
+    // Setting a window reads the tenant's grants of the window's last length from the trail: on
+    // a long trail, seconds. The test holds that read at `tenant.seeding` while the tenant keeps
+    // allocating. Before, the read ran under the tenant's exclusive lock, so every claim of the
+    // tenant answered `busy` and then 429 after a second. The window still counts every grant:
+    // the three before the change and the four made while it read the trail.
+    let app = crate::lease_state::app_with_hooks("tenant.seeding").await;
+    let base = app.url("");
+    app.put_key("k1", "openai", "default", &["gpt-4o"], 64)
+        .await;
+    put_tenant(&app.client, &base, "team", json!({})).await;
+    let (_, key) = mint(&app.client, &base, "team").await;
+    for _ in 0..3 {
+        json_body(
+            allocate(&app.client, &base, &key, "default").await,
+            StatusCode::OK,
+        )
+        .await;
+    }
+    let hook = Hook::close(&app, "tenant.seeding").await;
+    let putting = {
+        let (client, base) = (app.client.clone(), base.clone());
+        tokio::spawn(async move {
+            admin(
+                &client,
+                &base,
+                reqwest::Method::PUT,
+                "/api/admin/tenants/team",
+                Some(json!({"rate_limits": [{"requests": 8, "seconds": 600}]})),
+            )
+            .await
+            .status()
+        })
+    };
+    crate::lease_state::wait_for_lock_waiters(&app, 1).await;
+    for n in 0..4 {
+        let response = allocate(&app.client, &base, &key, "default").await;
+        assert_eq!(
+            response.status(),
+            StatusCode::OK,
+            "allocate {n} while the window's seed was read: {}",
+            response.text().await.unwrap()
+        );
+    }
+    hook.open().await;
+    assert_eq!(putting.await.unwrap(), StatusCode::OK);
+    let answers =
+        futures::future::join_all((0..3).map(|_| allocate(&app.client, &base, &key, "default")))
+            .await;
+    let granted = answers
+        .iter()
+        .filter(|a| a.status() == StatusCode::OK)
+        .count();
+    assert_eq!(
+        granted, 1,
+        "the window of 8 did not count the 7 grants before it"
+    );
+    let (ok, report) = audit_verify(BIN, &app.database).await;
+    assert!(ok, "{report}");
+}

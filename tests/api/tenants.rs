@@ -1424,3 +1424,203 @@ async fn a_waiter_whose_process_is_gone_holds_no_slot_back() {
     assert_eq!(lease["key_id"], "k1");
     assert_eq!(lease["tenant"], "default");
 }
+
+/// The `pool_waiters` rows of tenant `tenant`, straight from the database.
+async fn waiter_rows(app: &TestApp, tenant: &str) -> i64 {
+    sqlx::query_scalar("SELECT count(*) FROM pool_waiters WHERE tenant = $1")
+        .bind(tenant)
+        .fetch_one(&app.db)
+        .await
+        .unwrap()
+}
+
+/// `POST /api/internal/allocate-key` of gpt-4o from `default` with `key`, waiting up to
+/// `wait_ms`.
+async fn allocate_waiting(app: &TestApp, key: &str, wait_ms: u64) -> reqwest::Response {
+    executor(
+        &app.client,
+        &app.url(""),
+        "/api/internal/allocate-key",
+        key,
+        json!({"provider": "openai", "model": "gpt-4o", "lease_seconds": 600, "wait_ms": wait_ms}),
+    )
+    .await
+}
+
+#[tokio::test]
+async fn fair_share_never_yields_to_a_tenant_whose_window_has_no_room() {
+    // Tenant `metered` may make one request per 10 minutes and has made it; a request of it
+    // waits (wait_ms) all the same. Tenant `busy` holds a lease and asks for the free slot with
+    // a wait. `metered` is further below its share, but it cannot take the slot: its window
+    // holds it back, not the pool. Before, `metered` was recorded as waiting for the pool and
+    // `busy` yielded to it for its whole wait: 429 with a slot free.
+    let _waiters = exclusive_waiters().await;
+    let app = TestApp::spawn().await;
+    let base = app.url("");
+    app.put_key("k1", "openai", "default", &["gpt-4o"], 2).await;
+    put_tenant(
+        &app.client,
+        &base,
+        "metered",
+        json!({"rate_limits": [{"requests": 1, "seconds": 600}]}),
+    )
+    .await;
+    let metered = mint(&app.client, &base, "metered").await.1;
+    put_tenant(&app.client, &base, "busy", json!({})).await;
+    let busy = mint(&app.client, &base, "busy").await.1;
+    let used = json_body(
+        allocate(&app.client, &base, &metered, "default").await,
+        StatusCode::OK,
+    )
+    .await;
+    let released = executor(
+        &app.client,
+        &base,
+        "/api/internal/release-key",
+        &metered,
+        lease_ref(&used),
+    )
+    .await;
+    assert_eq!(released.status(), StatusCode::OK);
+    json_body(
+        allocate(&app.client, &base, &busy, "default").await,
+        StatusCode::OK,
+    )
+    .await;
+    let held_back = {
+        let (app_client, base, metered) = (app.client.clone(), base.clone(), metered.clone());
+        tokio::spawn(async move {
+            executor(
+                &app_client,
+                &base,
+                "/api/internal/allocate-key",
+                &metered,
+                json!({"provider": "openai", "model": "gpt-4o", "wait_ms": 6_000}),
+            )
+            .await
+        })
+    };
+    // the metered request has been looked at (and refused by its window) at least once
+    for _ in 0..200 {
+        if sample(&app.metrics().await, "credpool_allocations_waiting") >= 1.0 {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    let served = allocate_waiting(&app, &busy, 2_000).await;
+    assert_eq!(
+        served.status(),
+        StatusCode::OK,
+        "the busy tenant yielded a free slot to a tenant that cannot take it"
+    );
+    let refused = held_back.await.unwrap();
+    assert_error(refused, StatusCode::TOO_MANY_REQUESTS, "tenant_limit").await;
+}
+
+#[tokio::test]
+async fn a_waiter_whose_caller_left_during_its_first_claim_leaves_no_row_behind() {
+    // A waiting request's first claim is held at `claim.before_lock` while its caller gives up;
+    // the claim then grants nothing (the only slot is held) and records the request as waiting.
+    // Before, that row outlived its caller until the end of its wait (20 s), and another
+    // tenant's waiting request yielded the free slot to nobody until then.
+    let _waiters = exclusive_waiters().await;
+    let app = crate::lease_state::app_with_hooks("claim.before_lock").await;
+    let base = app.url("");
+    app.put_key("k1", "openai", "default", &["gpt-4o"], 1).await;
+    put_tenant(&app.client, &base, "left", json!({})).await;
+    let left = mint(&app.client, &base, "left").await.1;
+    put_tenant(&app.client, &base, "stays", json!({})).await;
+    let stays = mint(&app.client, &base, "stays").await.1;
+    let held = json_body(
+        allocate(&app.client, &base, &stays, "default").await,
+        StatusCode::OK,
+    )
+    .await;
+    let hook = Hook::close(&app, "claim.before_lock").await;
+    let gone = app
+        .client
+        .post(app.url("/api/internal/allocate-key"))
+        .header("x-internal-key", &left)
+        .timeout(Duration::from_millis(300))
+        .json(&json!({"provider": "openai", "model": "gpt-4o", "wait_ms": 20_000}))
+        .send();
+    let (gone, ()) = tokio::join!(gone, wait_for_lock_waiters(&app, 1));
+    assert!(gone.is_err(), "the caller was answered: {gone:?}");
+    hook.open().await;
+    // the held claim runs (nothing to grant) and commits; its caller is gone by then (its wait
+    // had 20 s to go: a row still there 5 s later was left behind)
+    let mut left_rows = 1;
+    for _ in 0..50 {
+        left_rows = waiter_rows(&app, "left").await;
+        if left_rows == 0 {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    assert_eq!(
+        left_rows, 0,
+        "a departed caller is still recorded as waiting"
+    );
+    let released = executor(
+        &app.client,
+        &base,
+        "/api/internal/release-key",
+        &stays,
+        lease_ref(&held),
+    )
+    .await;
+    assert_eq!(released.status(), StatusCode::OK);
+    let lease = json_body(allocate_waiting(&app, &stays, 1_500).await, StatusCode::OK).await;
+    assert_eq!(lease["key_id"], "k1");
+}
+
+#[tokio::test]
+async fn a_lowered_cap_reopens_when_the_leases_over_it_end_without_maintenance() {
+    // Cap 3 -> 1 while three 2-second leases are held; their holders crash. Nothing runs the
+    // cleanup pass (the in-process app has no scheduler). Once the last of them has ended, on the
+    // database clock, the tenant is served again: exactly its new cap. Before, the tenant's rows
+    // stayed closed (`over_limit`) until a cleanup pass refitted it: tenant_limit meanwhile.
+    let app = TestApp::spawn().await;
+    let base = app.url("");
+    app.put_key("k1", "openai", "default", &["gpt-4o"], 8).await;
+    let key = capped_tenant(&app, "crashy", 3).await;
+    for _ in 0..3 {
+        json_body(
+            executor(
+                &app.client,
+                &base,
+                "/api/internal/allocate-key",
+                &key,
+                json!({"provider": "openai", "model": "gpt-4o", "lease_seconds": 2}),
+            )
+            .await,
+            StatusCode::OK,
+        )
+        .await;
+    }
+    put_tenant(
+        &app.client,
+        &base,
+        "crashy",
+        json!({"max_concurrent_leases": 1}),
+    )
+    .await;
+    assert_error(
+        allocate(&app.client, &base, &key, "default").await,
+        StatusCode::TOO_MANY_REQUESTS,
+        "tenant_limit",
+    )
+    .await;
+    tokio::time::sleep(Duration::from_millis(2_500)).await;
+    let answers =
+        futures::future::join_all((0..3).map(|_| allocate(&app.client, &base, &key, "default")))
+            .await;
+    let granted = answers
+        .iter()
+        .filter(|a| a.status() == StatusCode::OK)
+        .count();
+    assert_eq!(granted, 1, "not exactly the new cap once the leases ended");
+    let (ok, report) = audit_verify(BIN, &app.database).await;
+    assert!(ok, "{report}");
+}

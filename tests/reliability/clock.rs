@@ -59,6 +59,8 @@ enum Condition {
     Baseline,
     /// libfaketime with `FAKETIME=+10m`: the service's wall clock 10 minutes ahead of the host's.
     HostClockAhead,
+    /// libfaketime with `FAKETIME=-10m`: the service's wall clock 10 minutes behind the host's.
+    HostClockBehind,
     /// `TZ=Pacific/Kiritimati` on the process.
     ProcessTimeZone,
     /// Every database session of the service in `TimeZone=America/Los_Angeles`.
@@ -78,6 +80,66 @@ async fn process_time_zone_kiritimati_changes_no_expiry_or_cooldown_decision() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn database_session_time_zone_los_angeles_changes_no_expiry_or_cooldown_decision() {
     same_as_baseline(Condition::SessionTimeZone).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_waiting_request_is_recorded_on_the_database_clock_whatever_the_host_clock() {
+    // A request that waits (wait_ms) is recorded in `pool_waiters`, where every replica's claims
+    // read it (fair share) against the database clock. Before, its arrival and the end of its
+    // wait were the service host's clock: 10 minutes behind, the row had expired before it was
+    // written, and no other tenant ever yielded to it.
+    let service = Service::start(Condition::HostClockBehind).await;
+    let put = service
+        .client
+        .put(format!("{}/api/admin/keys/{KEY_ID}", service.serve.base))
+        .header("x-admin-key", ADMIN_KEY)
+        .json(
+            &json!({"provider": PROVIDER, "models": [MODEL], "max_concurrent_uses": 1,
+                      "secret": {"api_key": "sk-clock"}}),
+        )
+        .send()
+        .await
+        .unwrap();
+    assert!(put.status().is_success(), "{}", put.status());
+    json_body(service.allocate().await, StatusCode::OK).await;
+    let before = db_clock(&service.db).await;
+    let waiting = {
+        let (client, base) = (service.client.clone(), service.serve.base.clone());
+        tokio::spawn(async move {
+            post_json(
+                &client,
+                &format!("{base}/api/internal/allocate-key"),
+                ("x-internal-key", INTERNAL_KEY),
+                json!({"provider": PROVIDER, "model": MODEL, "wait_ms": 2_000}),
+            )
+            .await
+            .status()
+        })
+    };
+    let row = loop {
+        let row: Option<(OffsetDateTime, OffsetDateTime)> =
+            sqlx::query_as("SELECT since, until FROM pool_waiters")
+                .fetch_optional(&service.db)
+                .await
+                .unwrap();
+        if let Some(row) = row {
+            break row;
+        }
+        assert!(!waiting.is_finished(), "the request never waited");
+        tokio::time::sleep(std::time::Duration::from_millis(10)).await;
+    };
+    let after = db_clock(&service.db).await;
+    let (since, until) = row;
+    assert!(
+        before <= since && since <= after,
+        "arrival {since} is not on the database clock ({before} .. {after})"
+    );
+    let wait = (until - since).as_seconds_f64();
+    assert!(
+        (1.9..=2.01).contains(&wait),
+        "the wait recorded, {wait} s, is not the request's 2 s ({since} .. {until})"
+    );
+    assert_eq!(waiting.await.unwrap(), StatusCode::TOO_MANY_REQUESTS);
 }
 
 /// Runs the scenario under `condition` and under the baseline at the same time; both must pass
@@ -108,10 +170,15 @@ impl Service {
         let mut proxy = None;
         match condition {
             Condition::Baseline => env.push(("TZ", "UTC".into())),
-            Condition::HostClockAhead => {
+            Condition::HostClockAhead | Condition::HostClockBehind => {
                 env.push(("TZ", "UTC".into()));
                 env.push(("LD_PRELOAD", libfaketime().display().to_string()));
-                env.push(("FAKETIME", "+10m".into()));
+                let skew = if condition == Condition::HostClockAhead {
+                    "+10m"
+                } else {
+                    "-10m"
+                };
+                env.push(("FAKETIME", skew.into()));
                 // A host clock that is set wrong moves the wall clock (CLOCK_REALTIME) only;
                 // CLOCK_MONOTONIC, which Instant and tokio's timers read, keeps counting as before.
                 env.push(("FAKETIME_DONT_FAKE_MONOTONIC", "1".into()));
@@ -353,6 +420,7 @@ async fn scenario(condition: Condition) -> Vec<String> {
     let skew = service.wall_clock_skew().await;
     let expected_skew = match condition {
         Condition::HostClockAhead => SKEW_SECONDS,
+        Condition::HostClockBehind => -SKEW_SECONDS,
         _ => 0.0,
     };
     assert!(

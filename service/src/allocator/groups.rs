@@ -285,6 +285,20 @@ impl Operation for Claim {
     ) -> BoxFuture<'a, ()> {
         Box::pin(async move {
             let Some(granted) = output.granted else {
+                // A waiting request's claim that granted nothing recorded the request as waiting
+                // (or left its row there); its caller is gone, and its own goodbye may have run
+                // before this claim committed: without this, the row would outlive the caller
+                // until the end of its wait, and other tenants would yield to nobody.
+                if let Some(waiting) = &self.waiting {
+                    let forgotten = async {
+                        let mut work = conn.work().await?;
+                        leases::forget_waiter(&mut *work, waiting.waiter).await?;
+                        work.done().await
+                    };
+                    if let Err(error) = forgotten.await {
+                        tracing::debug!(error = %error, "cannot delete a departed waiter's row");
+                    }
+                }
                 return;
             };
             if self.request.is_some() {

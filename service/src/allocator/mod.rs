@@ -761,6 +761,7 @@ impl Allocator {
                 }
                 Step::Claim { batch, free_seen } => (batch, free_seen),
             };
+            let waiting_claim = keys.waiting.map(WaitingRequest::claim);
             let claim = ClaimRequest {
                 ranked: &batch,
                 provider,
@@ -773,7 +774,7 @@ impl Allocator {
                 tokens: request.tokens,
                 caller: request.caller,
                 affinity: keys.affinity,
-                waiting: keys.waiting.map(WaitingRequest::claim),
+                waiting: waiting_claim.as_ref(),
             };
             let result = self.claim(&claim).await?;
             pass.claimed = true;

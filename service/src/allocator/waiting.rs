@@ -280,7 +280,6 @@ impl Waits {
         pools: Vec<PoolName>,
         wait: Duration,
     ) -> WaitingRequest {
-        let now = time::OffsetDateTime::now_utc();
         if self.waiting.fetch_add(1, Ordering::SeqCst) == 0 {
             self.first_waiting.notify_one();
         }
@@ -297,13 +296,10 @@ impl Waits {
         }
         WaitingRequest {
             waits: self.clone(),
-            claim: ClaimWaiting {
-                waiter: uuid::Uuid::new_v4(),
-                instance: self.instance.clone(),
-                pools,
-                since: now,
-                until: now + wait,
-            },
+            waiter: uuid::Uuid::new_v4(),
+            pools,
+            arrived: tokio::time::Instant::now(),
+            wait,
             recorded: AtomicBool::new(false),
         }
     }
@@ -455,19 +451,35 @@ pub struct Registration {
 
 /// A request that may wait for a slot, as its claims record it in `pool_waiters` (the claim
 /// writes the row when it grants nothing and deletes it when it grants). Dropped with the
-/// request: a row its claims left (its wait ended without a lease) is deleted then.
+/// request: a row its claims left (its wait ended without a lease) is deleted then. A claim in
+/// flight when its caller leaves deletes the row it wrote itself ([`super::groups`]).
 #[derive(Debug)]
 pub struct WaitingRequest {
     waits: Arc<Waits>,
-    claim: ClaimWaiting,
+    /// The request's id for its row.
+    waiter: uuid::Uuid,
+    /// Its pool sequence.
+    pools: Vec<PoolName>,
+    /// When it arrived, on this process's monotonic clock (it counts durations; the database
+    /// clock dates them).
+    arrived: tokio::time::Instant,
+    /// How long it may wait in all.
+    wait: Duration,
     /// Whether its last claim may have left its row.
     recorded: AtomicBool,
 }
 
 impl WaitingRequest {
-    /// What its claims carry.
-    pub fn claim(&self) -> &ClaimWaiting {
-        &self.claim
+    /// What its next claim carries: how long it has waited, and how long it may still wait.
+    pub fn claim(&self) -> ClaimWaiting {
+        let waited = self.arrived.elapsed();
+        ClaimWaiting {
+            waiter: self.waiter,
+            instance: self.waits.instance.clone(),
+            pools: self.pools.clone(),
+            waited,
+            wait_left: self.wait.saturating_sub(waited),
+        }
     }
 
     /// One of its claims ran: `recorded` when it left the request's row (it granted nothing and
@@ -489,13 +501,11 @@ impl Drop for WaitingRequest {
         // (a row that cannot be deleted is ignored once its wait is over, and deleted a minute
         // later by any process that says it is alive)
         if let Ok(runtime) = tokio::runtime::Handle::try_current() {
-            let waiter = self.claim.waiter;
+            let waiter = self.waiter;
             runtime.spawn(async move {
                 let deleted = async {
                     let mut work = db.work().await?;
-                    sqlx::query!("DELETE FROM pool_waiters WHERE waiter = $1", waiter)
-                        .execute(&mut *work)
-                        .await?;
+                    crate::store::leases::forget_waiter(&mut *work, waiter).await?;
                     work.done().await
                 };
                 if let Err(error) = deleted.await {

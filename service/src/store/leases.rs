@@ -66,10 +66,14 @@ pub struct ClaimWaiting {
     pub instance: String,
     /// Its pool sequence.
     pub pools: Vec<PoolName>,
-    /// When it arrived (ties between tenants of equal share go to the earliest).
-    pub since: OffsetDateTime,
-    /// When its wait ends.
-    pub until: OffsetDateTime,
+    /// How long it has waited, when the claim is sent: the claim dates its arrival on the
+    /// database clock, that much before its own clock (ties between tenants of equal share go to
+    /// the earliest). Durations, never dates: every decision is on the database clock, whatever
+    /// the service host's.
+    pub waited: std::time::Duration,
+    /// How much longer it may wait, from when the claim is sent (the claim dates the end of the
+    /// wait on its clock likewise).
+    pub wait_left: std::time::Duration,
 }
 
 /// A claim's conversation affinity (docs/design.md "Affinity"): which binding it reads and
@@ -209,6 +213,19 @@ pub struct ClaimResult {
     pub yield_to: Option<String>,
 }
 
+/// Deletes waiting request `waiter`'s `pool_waiters` row (docs/design.md "Fair share"): its wait
+/// ended without a lease, or its caller left while a claim of it was in flight. Nothing when
+/// there is none.
+pub async fn forget_waiter(
+    executor: impl PgExecutor<'_>,
+    waiter: uuid::Uuid,
+) -> Result<(), sqlx::Error> {
+    sqlx::query!("DELETE FROM pool_waiters WHERE waiter = $1", waiter)
+        .execute(executor)
+        .await?;
+    Ok(())
+}
+
 /// Runs the claim for one request: [`claim_slots`] with a group of one.
 pub async fn claim_slot(
     conn: &mut PgConnection,
@@ -250,15 +267,12 @@ pub async fn claim_slots(
                 "tokens": request.tokens,
                 "key_hash": request.caller.map(|hash| hash.to_hex()),
                 "waiting": request.waiting.map(|waiting| {
-                    let rfc3339 = |at: OffsetDateTime| {
-                        at.format(&time::format_description::well_known::Rfc3339).ok()
-                    };
                     serde_json::json!({
                         "waiter": waiting.waiter,
                         "instance": waiting.instance,
                         "pools": waiting.pools.iter().map(PoolName::as_str).collect::<Vec<_>>(),
-                        "since": rfc3339(waiting.since),
-                        "until": rfc3339(waiting.until),
+                        "waited_ms": waiting.waited.as_secs_f64() * 1e3,
+                        "wait_ms": waiting.wait_left.as_secs_f64() * 1e3,
                     })
                 }),
             });
@@ -503,8 +517,6 @@ pub struct StagedRelease {
     result: ReleaseResult,
     /// The freed slot's credential, when it was over a lowered limit: it may now be back under.
     refit: Option<KeyId>,
-    /// The lease's tenant, when it is over a lowered cap: it may now be back under.
-    tenant_refit: Option<String>,
 }
 
 impl StagedRelease {
@@ -531,18 +543,6 @@ impl StagedRelease {
             };
             if let Err(error) = refitted.await {
                 tracing::warn!(key_id = %key_id, error = %error, "refit after release failed");
-            }
-        }
-        if let Some(tenant) = self.tenant_refit {
-            // likewise for a tenant over a lowered cap (credpool_fit_tenant takes the tenant's
-            // advisory lock, which a transaction holding rows must not wait for)
-            let refitted = async {
-                let mut tx = conn.begin().await?;
-                super::tenants::fit(&mut *tx, &tenant).await?;
-                tx.commit().await
-            };
-            if let Err(error) = refitted.await {
-                tracing::warn!(tenant = %tenant, error = %error, "tenant refit after release failed");
             }
         }
         self.result
@@ -586,7 +586,7 @@ pub async fn release_group_in(
     let rows = sqlx::query!(
         r#"
         SELECT release AS "release!", verdict AS "verdict!", key_id, probe AS "probe!",
-               refit AS "refit!", tenant_refit, usage_granted_at, usage_delta, counted AS "counted!", status,
+               refit AS "refit!", usage_granted_at, usage_delta, counted AS "counted!", status,
                status_reason, cooldown_until,
                health_successes, health_failures, health_rate_limits, health_decayed_at,
                recent_failures, cooldowns_in_a_row, last_success_at, recovered_at,
@@ -647,7 +647,6 @@ pub async fn release_group_in(
                 usage: row.usage_granted_at.zip(row.usage_delta),
             },
             refit: key_id.filter(|_| row.refit),
-            tenant_refit: row.tenant_refit,
         });
     }
 

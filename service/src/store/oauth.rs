@@ -132,6 +132,37 @@ pub async fn take_refresh(
     }))
 }
 
+/// Keeps `holder`'s marker on `key_id`'s refresh of `generation` for another `claim_for` from
+/// now, while it is still live and `holder`'s: `false` when it is not (written, given up, or
+/// taken over: there is nothing left to keep). One `UPDATE` of the `oauth_credentials` row alone,
+/// in its own transaction, like the marker's first take.
+pub async fn keep_refresh(
+    db: &Db,
+    key_id: &KeyId,
+    generation: i64,
+    holder: Uuid,
+    claim_for: Duration,
+) -> Result<bool, sqlx::Error> {
+    let mut work = db.work().await?;
+    let kept = sqlx::query!(
+        r#"
+        UPDATE oauth_credentials
+        SET refreshing_until = clock_timestamp() + make_interval(secs => $4)
+        WHERE key_id = $1 AND generation = $2 AND refreshing_holder = $3
+          AND refreshing_until > clock_timestamp()
+        "#,
+        key_id.as_str(),
+        generation,
+        holder,
+        claim_for.as_secs_f64(),
+    )
+    .execute(&mut *work)
+    .await?
+    .rows_affected();
+    work.done().await?;
+    Ok(kept > 0)
+}
+
 /// Locks `key_id`'s rows in the lock order and re-reads whether `holder` still holds the refresh
 /// of `taken`'s generation.
 async fn still_ours(

@@ -92,6 +92,7 @@ pub async fn upsert(
 ) -> Result<(TenantDetail, bool), sqlx::Error> {
     let rate_limits =
         serde_json::to_value(&spec.rate_limits).map_err(|e| sqlx::Error::Encode(Box::new(e)))?;
+    let seed = seed_windows(db, &spec.tenant_id, &rate_limits).await?;
     let mut tx = db.begin().await?;
     lock_tenant(&mut *tx, &spec.tenant_id).await?;
     let created = sqlx::query_scalar!(
@@ -110,7 +111,13 @@ pub async fn upsert(
     )
     .fetch_one(&mut *tx)
     .await?;
-    fit(&mut *tx, spec.tenant_id.as_str()).await?;
+    sqlx::query!(
+        "SELECT credpool_fit_tenant($1, $2)",
+        spec.tenant_id.as_str(),
+        seed
+    )
+    .execute(&mut *tx)
+    .await?;
     sqlx::query!(
         r#"
         INSERT INTO tenant_events (tenant_id, event, max_concurrent_leases, weight, rate_limits, actor, at)
@@ -132,6 +139,41 @@ pub async fn upsert(
     Ok((detail, created))
 }
 
+/// The windows `rate_limits` of `tenant` seeded from the trail, before the change that sets them
+/// takes the tenant's lock (SQL functions `credpool_tenant_cut` and `credpool_seed_tenant_windows`:
+/// read their comments): a first, short transaction waits for the tenant's grants in flight and
+/// marks the moment up to which every grant has committed; the trail up to it is then read with
+/// no lock held, so the tenant's claims go on while a long window's history is counted. `None`
+/// without windows.
+async fn seed_windows(
+    db: &Db,
+    tenant: &TenantId,
+    rate_limits: &serde_json::Value,
+) -> Result<Option<serde_json::Value>, sqlx::Error> {
+    if rate_limits.as_array().is_none_or(Vec::is_empty) {
+        return Ok(None);
+    }
+    let mut work = db.work().await?;
+    let cut = sqlx::query_scalar!(
+        r#"SELECT credpool_tenant_cut($1) AS "cut!""#,
+        tenant.as_str()
+    )
+    .fetch_one(&mut *work)
+    .await?;
+    work.done().await?;
+    let mut work = db.work().await?;
+    let seed = sqlx::query_scalar!(
+        r#"SELECT credpool_seed_tenant_windows($1, $2, $3) AS "seed!""#,
+        tenant.as_str(),
+        rate_limits,
+        cut,
+    )
+    .fetch_one(&mut *work)
+    .await?;
+    work.done().await?;
+    Ok(Some(seed))
+}
+
 /// The tenant's advisory lock (the first lock of every change of a tenant; `credpool_fit_tenant`
 /// takes it too, which is re-entrant within a transaction).
 async fn lock_tenant(executor: impl PgExecutor<'_>, tenant: &TenantId) -> Result<(), sqlx::Error> {
@@ -141,16 +183,6 @@ async fn lock_tenant(executor: impl PgExecutor<'_>, tenant: &TenantId) -> Result
     )
     .execute(executor)
     .await?;
-    Ok(())
-}
-
-/// Brings a tenant's slot rows in line with its cap (SQL function `credpool_fit_tenant`; read its
-/// comment), in the caller's transaction, which must hold no row lock (the tenant's advisory lock
-/// comes first in the lock order).
-pub async fn fit(executor: impl PgExecutor<'_>, tenant: &str) -> Result<(), sqlx::Error> {
-    sqlx::query!("SELECT credpool_fit_tenant($1)", tenant)
-        .execute(executor)
-        .await?;
     Ok(())
 }
 
