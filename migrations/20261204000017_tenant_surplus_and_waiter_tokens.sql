@@ -1,6 +1,6 @@
 -- A lowered tenant cap reopens on its own, as a lowered credential limit does, and fair share
--- knows what a waiting request would reserve. Tables only; what uses them is in sql/lease.sql
--- (credpool_fit_tenant, END, RENEW, CLAIM) and sql/lease.sql's fair share.
+-- knows what a waiting request would reserve. Tables only; what uses them is in sql/tenants.sql
+-- (credpool_fit_tenant), sql/release.sql (END), sql/renew.sql and sql/claim.sql (fair share).
 --
 -- tenant_slots.surplus: a row beyond a lowered cap (never claimed), as lease_slots.surplus is for
 -- a credential. With more leases in flight than a lowered cap, the `cap` rows whose leases end

@@ -2,17 +2,17 @@
 -- parts. Every function here is safe to run concurrently with itself and with allocation. It
 -- never makes a claim wait: it takes rows with SKIP LOCKED and advisory locks with a try-lock,
 -- and a credential row FOR NO KEY UPDATE, or FOR UPDATE only together with every slot row of the
--- credential (the refit, sql/lease.sql), so never against the key share lock that a claim's new
+-- credential (the refit, sql/fit.sql), so never against the key share lock that a claim's new
 -- affinity binding takes on the credential row of the slot it holds. It waits for a claim only
 -- where it ends leases or fits slot rows (the reaper's END, the refits): for the tenant slot rows
 -- of those leases, which a claim may hold until it commits (milliseconds; lock order 1b,
--- sql/lease.sql). It works in bounded batches, returns how much it did, and doing it twice does
+-- docs/design.md). It works in bounded batches, returns how much it did, and doing it twice does
 -- nothing more the second time.
 --
 -- Repeatable: the one current definition of each object below. credpool applies this file after
 -- the versioned migrations whenever its content changes (service/src/store/schema.rs), in one transaction;
--- every statement here must be safe to run again. It comes after sql/lease.sql and
--- sql/pools.sql, whose functions it calls.
+-- every statement here must be safe to run again. It comes after the files of the lease
+-- path (sql/locks.sql .. sql/tenants.sql) and sql/pools.sql, whose functions it calls.
 
 -- Records, once per cooldown, that a credential's cooldown has ended (`cooldown_ended`). The
 -- credential is usable again from that moment without this job (credential_usable); it stays

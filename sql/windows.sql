@@ -1,6 +1,6 @@
 -- Rate windows: the arithmetic of a credential's windows (table lease_windows) and a tenant's
 -- (table tenant_windows, the same columns), pure functions of a window row and a time. The claim
--- (sql/lease.sql) decides with them; service/src/allocator/windows.rs is the same rule in Rust
+-- (sql/claim.sql) decides with them; service/src/allocator/windows.rs is the same rule in Rust
 -- for ranking and Retry-After estimates, and a test holds the two equal.
 --
 -- Repeatable: the one current definition of each object below. credpool applies this file after
@@ -190,5 +190,185 @@ BEGIN
         END IF;
     END LOOP;
     RETURN NULL;
+END;
+$$;
+
+-- Seeding a new window from the trail, and fitting a window row to a configuration.
+
+-- The tokens a token window counts for lease `p_lease_id`, granted with reservation `p_reserved`,
+-- as the trail stood at `p_at` (NULL: now): the usage its release (or a late report) reported by
+-- then, else its reservation.
+CREATE OR REPLACE FUNCTION credpool_grant_tokens(p_lease_id uuid, p_reserved bigint, p_at timestamptz)
+RETURNS bigint
+LANGUAGE sql STABLE AS $$
+    SELECT coalesce((SELECT e.tokens FROM lease_events e
+                     WHERE e.lease_id = p_lease_id AND e.tokens IS NOT NULL
+                       AND e.event IN ('released', 'outcome_after_expiry')
+                       AND e.at <= coalesce(p_at, 'infinity')
+                     LIMIT 1), p_reserved, 0)
+$$;
+
+-- What a new window of `p_kind` and `p_seconds` has counted at `p_now`, from the trail: the
+-- grants of credential `p_key_id` (or, when it is NULL, of tenant `p_tenant`) in the buckets it
+-- counts (a grant's tokens: the usage its release reported, else its reservation), as the 17
+-- bucket numbers and charges of its ring (an empty bucket holds number 0, older than any).
+-- `p_upto`: the trail as it stood at that moment (grants and reports after it left out).
+-- `p_after`: only what changed after that moment, to add to a seed taken up to it: the grants
+-- made after it, and, for a grant made before it, its usage reported after it in place of its
+-- reservation. It reads only the trail after `p_after` (SEED TENANT WINDOWS takes the long seed
+-- without the tenant's lock; FIT TENANT adds this under it).
+DROP FUNCTION IF EXISTS credpool_seed_window(text, text, integer, timestamptz);
+DROP FUNCTION IF EXISTS credpool_seed_window(text, text, text, integer, timestamptz);
+CREATE OR REPLACE FUNCTION credpool_seed_window(
+    p_key_id text, p_tenant text, p_kind text, p_seconds integer, p_now timestamptz,
+    p_after timestamptz DEFAULT NULL, p_upto timestamptz DEFAULT NULL,
+    OUT ids bigint[], OUT charged bigint[])
+LANGUAGE sql STABLE AS $$
+    WITH scoped AS (
+        -- the grants made after p_after (two branches, one run: a credential's grants through
+        -- its (key_id, at) index, a tenant's through the trail's time index)
+        SELECT g.lease_id, g.at, g.tokens FROM lease_events g
+        WHERE p_key_id IS NOT NULL AND g.key_id = p_key_id AND g.event = 'granted'
+          AND g.at >= p_now - make_interval(secs => p_seconds * 17.0 / 16)
+          AND g.at > coalesce(p_after, '-infinity') AND g.at <= coalesce(p_upto, 'infinity')
+        UNION ALL
+        SELECT g.lease_id, g.at, g.tokens FROM lease_events g
+        WHERE p_key_id IS NULL AND g.tenant = p_tenant AND g.event = 'granted'
+          AND g.at >= p_now - make_interval(secs => p_seconds * 17.0 / 16)
+          AND g.at > coalesce(p_after, '-infinity') AND g.at <= coalesce(p_upto, 'infinity')
+        UNION ALL
+        -- with p_after, a token window's grants made up to it whose usage was reported after it
+        SELECT g.lease_id, g.at, g.tokens
+        FROM lease_events r
+        JOIN lease_events g ON g.lease_id = r.lease_id AND g.event = 'granted'
+        WHERE p_after IS NOT NULL AND p_kind = 'tokens'
+          AND r.event IN ('released', 'outcome_after_expiry') AND r.tokens IS NOT NULL
+          AND r.at > p_after AND r.at <= coalesce(p_upto, 'infinity')
+          AND g.at <= p_after AND g.at >= p_now - make_interval(secs => p_seconds * 17.0 / 16)
+          AND ((p_key_id IS NOT NULL AND g.key_id = p_key_id)
+               OR (p_key_id IS NULL AND g.tenant = p_tenant))
+    ),
+    grants AS (
+        -- each grant's amount as of p_upto, less what a seed up to p_after counted of it
+        SELECT credpool_window_bucket(g.at, p_seconds) AS bucket,
+               CASE WHEN p_kind = 'requests' THEN 1
+                    WHEN g.at > coalesce(p_after, '-infinity')
+                        THEN credpool_grant_tokens(g.lease_id, g.tokens, p_upto)
+                    ELSE credpool_grant_tokens(g.lease_id, g.tokens, p_upto)
+                         - credpool_grant_tokens(g.lease_id, g.tokens, p_after)
+               END AS amount
+        FROM scoped g
+    ),
+    buckets AS (
+        SELECT bucket, sum(amount)::bigint AS amount
+        FROM grants
+        WHERE bucket >= credpool_window_bucket(p_now, p_seconds) - 16
+        GROUP BY bucket
+    )
+    SELECT array_agg(coalesce(b.bucket, 0) ORDER BY ring.slot),
+           array_agg(coalesce(b.amount, 0) ORDER BY ring.slot)
+    FROM generate_series(0, 16) AS ring (slot)
+    LEFT JOIN buckets b ON b.bucket % 17 = ring.slot
+$$;
+
+-- Two rings of the same window added bucket by bucket: a bucket number both hold, their charges
+-- summed; else the newer number's (the older one is at least 17 buckets older, out of the window).
+CREATE OR REPLACE FUNCTION credpool_window_ring_sum(p_ids bigint[], p_charged bigint[],
+    p_more_ids bigint[], p_more_charged bigint[], OUT ids bigint[], OUT charged bigint[])
+LANGUAGE sql IMMUTABLE PARALLEL SAFE AS $$
+    SELECT array_agg(greatest(p_ids[i], p_more_ids[i]) ORDER BY i),
+           array_agg(CASE WHEN p_ids[i] = p_more_ids[i] THEN p_charged[i] + p_more_charged[i]
+                          WHEN p_ids[i] > p_more_ids[i] THEN p_charged[i]
+                          ELSE p_more_charged[i] END ORDER BY i)
+    FROM generate_subscripts(p_ids, 1) AS i
+$$;
+
+-- Windows `p_old` brought in line with `p_rate_limits` at `p_now`: a window kept (same kind and
+-- length) keeps its buckets, whatever its count; a new one is seeded from the trail of credential
+-- `p_key_id` (or, when it is NULL, of tenant `p_tenant`): credpool_seed_window, as the trail
+-- stood at `p_upto` (NULL: now). `p_seeded`: windows already seeded from the trail as it stood
+-- at `p_cut` (SEED TENANT WINDOWS); a new window among them takes that seed plus what changed
+-- since. `p_old` unchanged when the configuration is.
+DROP FUNCTION IF EXISTS credpool_windows_fitted(lease_windows, jsonb, text, text, timestamptz);
+CREATE OR REPLACE FUNCTION credpool_windows_fitted(p_old lease_windows, p_rate_limits jsonb,
+    p_key_id text, p_tenant text, p_now timestamptz, p_upto timestamptz DEFAULT NULL,
+    p_seeded lease_windows DEFAULT NULL, p_cut timestamptz DEFAULT NULL)
+RETURNS lease_windows
+LANGUAGE plpgsql STABLE AS $$
+DECLARE
+    v_new lease_windows := p_old;
+    v_config record;
+    v_seed record;
+    v_kept integer;
+    v_seeded integer;
+BEGIN
+    v_config := credpool_window_config(p_rate_limits);
+    IF (p_old.window_kinds, p_old.window_counts, p_old.window_seconds)
+       IS NOT DISTINCT FROM (v_config.kinds, v_config.counts, v_config.seconds) THEN
+        RETURN p_old;
+    END IF;
+    v_new.window_kinds := v_config.kinds;
+    v_new.window_counts := v_config.counts;
+    v_new.window_seconds := v_config.seconds;
+    v_new.bucket_ids := '{}';
+    v_new.bucket_charged := '{}';
+    FOR i IN 1 .. coalesce(cardinality(v_config.kinds), 0) LOOP
+        v_kept := credpool_window_index(p_old, v_config.kinds[i], v_config.seconds[i]);
+        v_seeded := credpool_window_index(p_seeded, v_config.kinds[i], v_config.seconds[i]);
+        IF v_kept IS NOT NULL THEN
+            v_new.bucket_ids := v_new.bucket_ids || p_old.bucket_ids[(v_kept - 1) * 17 + 1 : v_kept * 17];
+            v_new.bucket_charged := v_new.bucket_charged
+                || p_old.bucket_charged[(v_kept - 1) * 17 + 1 : v_kept * 17];
+        ELSIF v_seeded IS NOT NULL THEN
+            v_seed := credpool_seed_window(p_key_id, p_tenant, v_config.kinds[i], v_config.seconds[i],
+                                           p_now, p_after => p_cut, p_upto => p_upto);
+            v_seed := credpool_window_ring_sum(
+                p_seeded.bucket_ids[(v_seeded - 1) * 17 + 1 : v_seeded * 17],
+                p_seeded.bucket_charged[(v_seeded - 1) * 17 + 1 : v_seeded * 17],
+                v_seed.ids, v_seed.charged);
+            v_new.bucket_ids := v_new.bucket_ids || v_seed.ids;
+            v_new.bucket_charged := v_new.bucket_charged || v_seed.charged;
+        ELSE
+            v_seed := credpool_seed_window(p_key_id, p_tenant, v_config.kinds[i], v_config.seconds[i],
+                                           p_now, p_upto => p_upto);
+            v_new.bucket_ids := v_new.bucket_ids || v_seed.ids;
+            v_new.bucket_charged := v_new.bucket_charged || v_seed.charged;
+        END IF;
+    END LOOP;
+    RETURN v_new;
+END;
+$$;
+
+-- The 1-based position of the window of `p_kind` and `p_seconds` among windows `w`; NULL when
+-- `w` has none (or is NULL).
+CREATE OR REPLACE FUNCTION credpool_window_index(w lease_windows, p_kind text, p_seconds integer)
+RETURNS integer
+LANGUAGE sql IMMUTABLE PARALLEL SAFE AS $$
+    SELECT min(i)::integer FROM generate_subscripts(w.window_kinds, 1) AS i
+    WHERE w.window_kinds[i] = p_kind AND w.window_seconds[i] = p_seconds
+$$;
+
+-- Brings a credential's lease_windows row in line with its rate_limits (see credpool_fit_slots,
+-- which calls it holding the row's lock). Returns whether the credential has windows.
+CREATE OR REPLACE FUNCTION credpool_fit_windows(p_key_id text, p_rate_limits jsonb, p_now timestamptz)
+RETURNS boolean
+LANGUAGE plpgsql AS $$
+DECLARE
+    v_old lease_windows;
+    v_new lease_windows;
+BEGIN
+    SELECT * INTO v_old FROM lease_windows WHERE key_id = p_key_id;
+    IF NOT FOUND THEN
+        INSERT INTO lease_windows (key_id) VALUES (p_key_id) RETURNING * INTO v_old;
+    END IF;
+    v_new := credpool_windows_fitted(v_old, p_rate_limits, p_key_id, NULL, p_now);
+    IF v_new IS DISTINCT FROM v_old THEN
+        UPDATE lease_windows
+        SET window_kinds = v_new.window_kinds, window_counts = v_new.window_counts,
+            window_seconds = v_new.window_seconds, bucket_ids = v_new.bucket_ids,
+            bucket_charged = v_new.bucket_charged
+        WHERE key_id = p_key_id;
+    END IF;
+    RETURN cardinality(v_new.window_kinds) > 0;
 END;
 $$;

@@ -10,8 +10,8 @@
 //!   404/409/429 answer of an allocation that found nothing. Its pure parts (ranking, the attempt
 //!   state machine, scoring, health, windows) take time and randomness as parameters.
 //! - [`store`]: every SQL statement the Rust side runs; each lease transition is one SQL
-//!   function of `sql/lease.sql` (whose comments say why the claim cannot oversell, the lock order
-//!   and the clock rule); [`store::schema`] applies the migrations and the `sql/` files;
+//!   function of the `sql/` files, one file per transition (whose comments say why the claim
+//!   cannot oversell; docs/design.md gives the lock order and the clock rule); [`store::schema`] applies the migrations and the `sql/` files;
 //!   [`store::Db`] carries the statements straight to PostgreSQL or through a transaction pooler;
 //!   [`store::credentials`] is one file per operator transition.
 //! - [`http`]: the axum router, one module per audience (executors, operators, probes, the

@@ -1,7 +1,7 @@
 //! The lease-state transitions under the races they must survive, each window widened on purpose:
 //! transactions stepped by hand on separate connections, or paused inside the SQL functions at a
 //! test hook (`credpool_test_hook`, which waits for an advisory lock the test holds). Each of these
-//! failed before the lease state was defined once (sql/lease.sql): deadlocks between release
+//! failed before the lease state was defined once (sql/): deadlocks between release
 //! groups across pools and between an import and a release, a request_id claim waiting for a
 //! refit, a grant over a lowered limit, a claim waiting for a row lock. Plus: the claim reads
 //! only its candidates whatever the planner's statistics, and a database migrated by the previous

@@ -31,7 +31,7 @@ async fn liveness_readiness_and_the_old_health_name_answer_without_a_key() {
 }
 
 /// `/readyz` says "not ready" while the database is behind this binary: its newest migration not
-/// applied, or an SQL file (`sql/lease.sql`, ...) not this binary's version; and ready again
+/// applied, or an SQL file (`sql/claim.sql`, ...) not this binary's version; and ready again
 /// once it has caught up. (A load balancer then keeps traffic on the replicas that match the
 /// database during a rolling upgrade.)
 #[tokio::test]
@@ -67,12 +67,12 @@ async fn readiness_is_refused_while_the_database_lacks_a_migration_or_an_sql_fil
 
     // an SQL file another binary of the same revision applied: not this binary's functions
     let checksum: Vec<u8> =
-        sqlx::query_scalar("SELECT checksum FROM credpool_sql_files WHERE name = 'lease.sql'")
+        sqlx::query_scalar("SELECT checksum FROM credpool_sql_files WHERE name = 'claim.sql'")
             .fetch_one(&app.db)
             .await
             .unwrap();
     let set = async |value: &[u8]| {
-        sqlx::query("UPDATE credpool_sql_files SET checksum = $1 WHERE name = 'lease.sql'")
+        sqlx::query("UPDATE credpool_sql_files SET checksum = $1 WHERE name = 'claim.sql'")
             .bind(value)
             .execute(&app.db)
             .await

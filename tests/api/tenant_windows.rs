@@ -439,7 +439,7 @@ async fn an_upgrade_seeds_the_windows_set_before_they_were_enforced_and_names_li
     // As a database of the release before tenant windows would be when this one starts: a capped
     // tenant's lease in flight whose slot row names no tenant slot row, and a tenant whose
     // rate_limits were stored (never enforced) after two of its grants, without a tenant_windows
-    // row. The upgrade (sql/lease.sql applied again) names the lease's row, so its release frees
+    // row. The upgrade (sql/tenants.sql applied again) names the lease's row, so its release frees
     // the tenant's cap, and seeds the window from the trail, so the window of two is full.
     let app = TestApp::spawn().await;
     let base = app.url("");
@@ -464,7 +464,7 @@ async fn an_upgrade_seeds_the_windows_set_before_they_were_enforced_and_names_li
             "UPDATE tenants SET rate_limits = '[{\"requests\": 2, \"seconds\": 600}]'
              WHERE tenant_id = 'windowed';
              UPDATE lease_slots SET tenant_slot = NULL WHERE lease_id IS NOT NULL;
-             DELETE FROM credpool_sql_files WHERE name = 'lease.sql';",
+             DELETE FROM credpool_sql_files WHERE name = 'tenants.sql';",
         )
         .await
         .unwrap();

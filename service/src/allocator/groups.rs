@@ -24,7 +24,7 @@
 //!
 //! # Why grouped operations cannot deadlock
 //! A deadlock needs a cycle of transactions each waiting for a lock another holds. Every kind of
-//! group is one call of its SQL function (`sql/lease.sql`), and those follow one lock order
+//! group is one call of its SQL function (`sql/`), and those follow one lock order
 //! (docs/design.md, "Lock order"):
 //! - A claim group never waits for a lock: each claim takes its slot row (and, for a capped
 //!   tenant, a tenant slot row; for a credential with rate windows, its lease_windows row) with

@@ -16,7 +16,7 @@
 //! | quota_exhausted | -> exhausted until now + retry_after, or until an operator acts | same | same | disabled stays; pending -> exhausted |
 //!
 //! `auth_expired` on an OAuth credential says its access token was rejected, not the credential:
-//! the release takes that token out of traffic until its refresh (sql/lease.sql, RELEASE), and
+//! the release takes that token out of traffic until its refresh (sql/release.sql, RELEASE), and
 //! health does not change. On any other credential the store applies it as `auth_error`.
 //!
 //! "counts" means the decaying counters (successes, failures, rate limits) and the liveness time

@@ -3,7 +3,7 @@
 //!
 //! An allocation walks the pool sequence (`vip` falls back to `default`); for each pool it ranks
 //! the candidates of this process's view of the pool and runs the one-statement claim of
-//! `sql/lease.sql` over the best few, until a grant or an answer. The parts:
+//! `sql/claim.sql` over the best few, until a grant or an answer. The parts:
 //! - [`ranking`]: judging a pool from its view (404/409/429 or the candidates to claim) and the
 //!   ranking itself, pure;
 //! - [`attempt`]: one request's attempt at one pool as a small state machine (claim, read the

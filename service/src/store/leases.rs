@@ -1,4 +1,4 @@
-//! Lease state from Rust: each transition is one call of its SQL function (`sql/lease.sql`, which
+//! Lease state from Rust: each transition is one call of its SQL function (`sql/`, which
 //! says what each keeps and in which order it takes its locks): the claim, release with the
 //! outcome's effect on health, renewal, and fitting a credential's slots to its limit.
 
@@ -237,7 +237,7 @@ pub async fn claim_slot(
         .ok_or(sqlx::Error::RowNotFound)
 }
 
-/// Runs the claim (SQL function `credpool_claim` in `sql/lease.sql`; read its comment for why it
+/// Runs the claim (SQL function `credpool_claim` in `sql/claim.sql`; read its comment for why it
 /// cannot oversell and never waits for a lock) for each request, in order, in ONE statement: a
 /// group of claims costs one round trip. Returns one result per request, in the same order.
 ///
@@ -554,7 +554,7 @@ impl StagedRelease {
 /// says why not) and returns, under their rows' locks, the health of the credentials whose
 /// outcomes count; then the new health, computed here ([`crate::allocator::health::apply`], several reports on
 /// one credential one after the other, in request order), is written by `credpool_write_health`.
-/// Both follow the lock order of `sql/lease.sql`, so groups never deadlock one another.
+/// Both follow the lock order (docs/design.md), so groups never deadlock one another.
 ///
 /// `caller_announces`: the caller announces the slots freed by `released` results once the
 /// transaction has committed ([`crate::allocator::waiting::Waits::released_here`]), and the transaction

@@ -22,7 +22,12 @@ pub static MIGRATOR: sqlx::migrate::Migrator = sqlx::migrate!("../migrations");
 pub const SQL_FILES: &[(&str, &str)] = &[
     ("pools.sql", include_str!("../../../sql/pools.sql")),
     ("windows.sql", include_str!("../../../sql/windows.sql")),
-    ("lease.sql", include_str!("../../../sql/lease.sql")),
+    ("locks.sql", include_str!("../../../sql/locks.sql")),
+    ("claim.sql", include_str!("../../../sql/claim.sql")),
+    ("renew.sql", include_str!("../../../sql/renew.sql")),
+    ("release.sql", include_str!("../../../sql/release.sql")),
+    ("fit.sql", include_str!("../../../sql/fit.sql")),
+    ("tenants.sql", include_str!("../../../sql/tenants.sql")),
     ("audit.sql", include_str!("../../../sql/audit.sql")),
     (
         "maintenance.sql",

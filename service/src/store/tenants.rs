@@ -1,6 +1,6 @@
 //! Tenants and their executor keys (issue 29): who holds a lease, and the cap on the live leases
 //! each may hold. The cap itself is decided by the claim on the tenant's `tenant_slots` rows
-//! (`sql/lease.sql`, CLAIM, "Tenants"); this module writes the configuration, fits the rows to it
+//! (`sql/claim.sql`, CLAIM, "Tenants"); this module writes the configuration, fits the rows to it
 //! (`credpool_fit_tenant`) and keeps the keys, of which it stores only SHA-256 hashes.
 //!
 //! Every change is one transaction, with its `tenant_events` trail row dated `clock_timestamp()`

@@ -2,7 +2,7 @@
 //! releases, pool summaries, bulk import and resealing. Each operation is one transaction; every
 //! mutation writes `credential_events` (who, what, old and new values — never a secret).
 //!
-//! Lock order, as everywhere (`sql/lease.sql` lists it; docs/design.md "Lock order" says why no
+//! Lock order, as everywhere (docs/design.md "Lock order" lists it and says why no
 //! cycle can form): a credential's slot rows (ascending), then its lease_windows row, then the
 //! credential row.
 //!
@@ -62,7 +62,7 @@ impl Actor {
 
 /// Locks every slot row of `key_ids` (including rows a concurrent fit inserted while this waited),
 /// then their windows rows, then their credential rows, each kind in ascending order: the lock
-/// order of `sql/lease.sql` (`credpool_lock_credentials`). Returns how many of the credentials
+/// order (`credpool_lock_credentials`, `sql/locks.sql`). Returns how many of the credentials
 /// exist.
 async fn lock_credentials(conn: &mut PgConnection, key_ids: &[&str]) -> Result<usize, sqlx::Error> {
     let found = sqlx::query_scalar!(

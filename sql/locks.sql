@@ -1,0 +1,161 @@
+-- Locks and gates: the pause point tests widen races with, the operator locks and the one
+-- function that takes every lock an operator's change of credentials needs (LOCK), the tenant
+-- slot rows of leases that end or renew, and the gate that makes a change of what a claim decides
+-- on reach every slot row of the credential (GATES).
+--
+-- Repeatable: the one current definition of each object below. credpool applies this file after
+-- the versioned migrations whenever its content changes (service/src/store/schema.rs), in one
+-- transaction; every statement here must be safe to run again. Lock order and clocks:
+-- docs/design.md ("Lock order", "Clocks").
+
+-- A pause point for tests that widen a race window on purpose. Does nothing (returns true) unless
+-- the setting credpool.test_hooks names `p_point`; then it waits for the shared advisory lock
+-- of that point, which the test holds while it steps another transaction.
+CREATE OR REPLACE FUNCTION credpool_test_hook(p_point text) RETURNS boolean
+LANGUAGE plpgsql AS $$
+BEGIN
+    IF position(p_point IN coalesce(current_setting('credpool.test_hooks', true), '')) > 0 THEN
+        PERFORM pg_advisory_xact_lock_shared(hashtextextended('credpool.test_hook:' || p_point, 0));
+    END IF;
+    RETURN true;
+END;
+$$;
+
+-- The operator lock of key `p_key_id` (see LOCK): a transaction-scoped advisory lock key, one of
+-- 64 buckets over the key ids.
+CREATE OR REPLACE FUNCTION credpool_operator_lock(p_key_id text) RETURNS bigint
+LANGUAGE sql IMMUTABLE PARALLEL SAFE AS $$
+    SELECT hashtextextended('credpool.operator:' || (abs(hashtext(p_key_id)) % 64)::text, 0)
+$$;
+
+-- Locks the tenant_slots rows that hold the leases of slot rows `p_slots` (as the caller read
+-- them, under their locks: each names its row, `tenant_slot`), ascending (tenant_id, slot), in one
+-- statement: lock order 1b, right after the slot rows. Leases of uncapped tenants (`default`
+-- among them) have no such row. Returns
+-- whether it locked any. PL/pgSQL with the settings of END, so that its plan is made once per
+-- session and probes tenant_slots by its primary key whoever calls first (an SQL function that
+-- locks rows cannot be inlined, and would be planned again at every call).
+CREATE OR REPLACE FUNCTION credpool_lock_tenant_slots(p_slots lease_slots[]) RETURNS boolean
+LANGUAGE plpgsql
+SET enable_seqscan = off SET enable_bitmapscan = off SET enable_hashjoin = off
+SET enable_mergejoin = off SET enable_material = off SET jit = off
+SET plan_cache_mode = force_generic_plan
+AS $$
+BEGIN
+    PERFORM 1
+    FROM tenant_slots t
+    WHERE (t.tenant_id, t.slot, t.lease_id) IN (
+              SELECT x.tenant, x.tenant_slot, x.lease_id FROM unnest(p_slots) AS x
+              WHERE x.lease_id IS NOT NULL AND x.tenant_slot IS NOT NULL)
+    ORDER BY t.tenant_id, t.slot
+    FOR UPDATE;
+    RETURN FOUND;
+END;
+$$;
+
+-- LOCK, for an operator's change of credentials `p_key_ids` (and for FIT), in the lock order:
+--   * their operator locks (credpool_operator_lock), ascending: a credential that does not exist
+--     yet has no row to lock, and two transactions creating the same key would otherwise meet
+--     only at the INSERT, the second then writing slot rows after a credential row. Nobody waits
+--     for one while holding a row lock (REFIT only tries it, before its rows); claims never take
+--     one, releases only with an `auth_expired` report, before any row lock (RELEASE). 64
+--     buckets keep a large import's advisory locks well within PostgreSQL's lock table;
+--     operators' changes of two keys in one bucket wait for each other;
+--   * every slot row of each, ascending (key_id, slot), including rows that a fit which held them
+--     inserted while this call waited: a statement's snapshot does not see rows committed after
+--     it started, so the rows are read again afterwards, and if any is not among those locked the
+--     locks are given back (the block is a subtransaction: its row locks end with it) and taken
+--     again, so that no slot row is ever locked after a credential row or out of order;
+--   * the tenant_slots rows of their leases, their lease_windows rows, then (unless
+--     p_credential_rows is false) the credential rows, FOR UPDATE, each kind in one statement.
+--     Without the credential rows, the caller takes them itself later in the lock order: RELEASE
+--     writes its trail rows (lock order 3) before it takes them.
+-- Returns how many of the credentials exist.
+DROP FUNCTION IF EXISTS credpool_lock_credentials(text[]);
+CREATE OR REPLACE FUNCTION credpool_lock_credentials(p_key_ids text[],
+    p_credential_rows boolean DEFAULT true)
+RETURNS integer
+LANGUAGE plpgsql AS $$
+DECLARE
+    v_locked text[];
+    v_present text[];
+    v_found integer;
+BEGIN
+    PERFORM pg_advisory_xact_lock(b.bucket)
+    FROM (SELECT DISTINCT credpool_operator_lock(k) AS bucket FROM unnest(p_key_ids) AS k) AS b
+    ORDER BY b.bucket;
+    LOOP
+        BEGIN
+            SELECT coalesce(array_agg(format('%s/%s', l.key_id, l.slot) ORDER BY l.key_id, l.slot), '{}')
+            INTO v_locked
+            FROM (SELECT s.key_id, s.slot FROM lease_slots s
+                  WHERE s.key_id = ANY (p_key_ids)
+                  ORDER BY s.key_id, s.slot
+                  FOR UPDATE) AS l;
+            SELECT coalesce(array_agg(format('%s/%s', s.key_id, s.slot) ORDER BY s.key_id, s.slot), '{}')
+            INTO v_present
+            FROM lease_slots s
+            WHERE s.key_id = ANY (p_key_ids);
+            IF v_locked <> v_present THEN
+                RAISE EXCEPTION 'slot rows changed while they were locked' USING ERRCODE = 'CPL01';
+            END IF;
+            EXIT;
+        EXCEPTION WHEN SQLSTATE 'CPL01' THEN
+            NULL;
+        END;
+    END LOOP;
+    -- the tenant slot rows of their leases (END clears them: FIT ends expired leases), in the
+    -- lock order: after the slot rows, before the windows and credential rows
+    PERFORM credpool_lock_tenant_slots(ARRAY(
+        SELECT s FROM lease_slots s WHERE s.key_id = ANY (p_key_ids) AND s.lease_id IS NOT NULL));
+    PERFORM 1 FROM lease_windows w WHERE w.key_id = ANY (p_key_ids) ORDER BY w.key_id FOR UPDATE;
+    IF NOT p_credential_rows THEN
+        SELECT count(*)::integer INTO v_found FROM credentials c WHERE c.key_id = ANY (p_key_ids);
+        RETURN v_found;
+    END IF;
+    SELECT count(*)::integer INTO v_found
+    FROM (SELECT 1 FROM credentials c WHERE c.key_id = ANY (p_key_ids) ORDER BY c.key_id FOR UPDATE) AS l;
+    RETURN v_found;
+END;
+$$;
+
+-- GATES: a change of what a claim decides on (see CLAIM) moves the credential's configuration
+-- version, and writes it into every slot row of the credential in the same transaction. Health
+-- written from outcome reports (credpool_write_health, which sets credpool.health_write for its
+-- own run) does not: it holds a slot row and then the credential row, and writing the other slot
+-- rows after the credential row would break the lock order; the claim reads health from its
+-- snapshot by design. Every other writer of credentials locks the slot rows first
+-- (credpool_lock_credentials), so the slot update below never waits.
+CREATE OR REPLACE FUNCTION credentials_config_changed() RETURNS trigger
+LANGUAGE plpgsql AS $$
+BEGIN
+    IF TG_WHEN = 'BEFORE' THEN
+        NEW.config_version := OLD.config_version + 1;
+        RETURN NEW;
+    END IF;
+    PERFORM credpool_test_hook('config.before_slots');
+    UPDATE lease_slots s SET config_version = NEW.config_version
+    WHERE s.key_id = NEW.key_id AND s.config_version <> NEW.config_version;
+    RETURN NULL;
+END;
+$$;
+
+DROP TRIGGER IF EXISTS credentials_config_version ON credentials;
+CREATE TRIGGER credentials_config_version
+    BEFORE UPDATE ON credentials
+    FOR EACH ROW
+    WHEN ((OLD.provider, OLD.pool, OLD.models, OLD.model_aliases, OLD.max_concurrent_uses,
+           OLD.draining, OLD.rate_limits, OLD.secret, OLD.secret_ciphertext, OLD.token_expires_at)
+          IS DISTINCT FROM
+          (NEW.provider, NEW.pool, NEW.models, NEW.model_aliases, NEW.max_concurrent_uses,
+           NEW.draining, NEW.rate_limits, NEW.secret, NEW.secret_ciphertext, NEW.token_expires_at)
+          OR ((OLD.status, OLD.cooldown_until) IS DISTINCT FROM (NEW.status, NEW.cooldown_until)
+              AND current_setting('credpool.health_write', true) IS DISTINCT FROM 'on'))
+    EXECUTE FUNCTION credentials_config_changed();
+
+DROP TRIGGER IF EXISTS credentials_config_to_slots ON credentials;
+CREATE TRIGGER credentials_config_to_slots
+    AFTER UPDATE ON credentials
+    FOR EACH ROW
+    WHEN (OLD.config_version IS DISTINCT FROM NEW.config_version)
+    EXECUTE FUNCTION credentials_config_changed();
