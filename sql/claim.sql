@@ -271,189 +271,109 @@ AS $$
     DELETE FROM pool_waiter_processes WHERE seen_at < now() - interval '1 minute';
 $$;
 
--- CLAIM (DESIGN "The protocol", step 1), for one request or for a group.
+-- Whether credential `c`'s slot `s` may take a claim for (provider, pool, model) made at `p_at`
+-- whose lease would end at `p_until`: the one definition of an eligible candidate, for every shape
+-- of PICK. The credential may serve it (credpool_may_serve), the slot is open
+-- (credpool_slot_open), the credential row is the configuration the slot row was fitted to (the
+-- GATES: a change committed after the claim's snapshot moved the slot row's config_version), and
+-- an OAuth credential's token lasts the lease. Inlined into the statement.
+CREATE OR REPLACE FUNCTION credpool_slot_eligible(c credentials, s lease_slots, p_provider text,
+    p_pool text, p_model text, p_at timestamptz, p_until timestamptz)
+RETURNS boolean
+LANGUAGE sql IMMUTABLE PARALLEL SAFE AS $$
+    SELECT credpool_may_serve(c, p_provider, p_pool, p_model, p_at)
+       AND credpool_slot_open(s, c.status, p_at)
+       AND s.config_version = c.config_version
+       AND credpool_token_lasts(c, p_until)
+$$;
+
+-- CLAIM (DESIGN "The protocol", step 1), for one request or for a group: the driver over the
+-- phases below, each run only when a claim of the call needs it.
 --
--- p_claims jsonb: an array of claims, each {"ranked": [key_id, ...] (best first, the Rust
--- scoring), "provider", "pool", "model" (a model or alias), "lease_id" (the new lease's uuid),
--- "holder" (or null), "lease_seconds", "tokens" (the reservation for token windows; 0 or absent:
--- none), optionally "request_id" with "request_digest", "key_hash" (hex SHA-256 of the
--- executor key presented; absent: the configured internal key, tenant `default`), optionally
--- "waiting" (the request waits for a slot: {"waiter" (uuid, the request's), "instance" (its
--- process), "pools" (its pool sequence), "waited_ms" and "wait_ms" (milliseconds it has waited
--- and may still wait: the claim dates its arrival and the end of its wait on its own clock)};
--- FAIR SHARE, below), and
--- optionally the AFFINITY fields (below)}. Returns one row per claim, `claim` =
--- its 1-based position: the pool's version (NULL when the pool never had a credential), read
--- before any candidate, so the caller learns whether its candidate view is stale, and the lease,
--- NULL when no candidate could serve. `request` is NULL, 'replayed' (the request_id's live lease,
--- granted to an earlier attempt with the same parameters: no slot taken), 'conflict' (its live
--- lease was granted for other parameters), 'in_flight' (another transaction is claiming for the
--- same request_id right now) or 'busy' (nothing granted, but a candidate that may serve at once,
--- read after the claim, was held by another transaction or changed by one at that moment): for
--- the last two, claim again in a moment; 'unauthorized' (its key_hash names no live key: nothing
--- done) or 'tenant_limit' (nothing granted: every slot row of its tenant holds a live lease, or a
--- window of its tenant has no room, read after the claim) or 'yield' (nothing looked at: a waiting claim whose pool another tenant, further
--- below its share, waits for; `yield_to` names that tenant). `frees_at`, when nothing was granted: the earliest moment a candidate may
--- serve it (for 'tenant_limit': the earliest end of the tenant's leases, or when its windows
--- have room), and `held_by` what holds that candidate back (credpool_frees_at; 'tenant',
--- 'tenant_window'), for the answer's Retry-After, a
--- waiting request's timer and the held-back metric. `tenant` is the tenant the claim was made
--- for, `db_now` the call's clock.
+-- p_claims jsonb: an array of claims, each an object with credpool_claim's first attributes
+-- (migration 20261204000018): "ranked" (key ids, best first: the Rust scoring), "provider",
+-- "pool", "model" (a model or alias), "lease_id" (the new lease's uuid), "holder", "lease_seconds",
+-- "tokens" (the reservation for token windows; 0 or absent: none), "request_id" with
+-- "request_digest", "key_hash" (hex SHA-256 of the executor key presented; absent: the configured
+-- internal key, tenant `default`), "windowed" (whether a candidate has rate windows, as the
+-- service's view says; absent: the claim looks), the AFFINITY fields ("affinity_key",
+-- "affinity_pools": the pool sequence of the pool asked for, that pool first; "affinity_ttl_seconds";
+-- "affinity_mode": 'preferred' or 'strict') and "waiting" (the request waits for a slot: {"waiter"
+-- (uuid), "instance" (its process), "pools" (its pool sequence), "waited_ms" and "wait_ms"
+-- (milliseconds it has waited and may still wait: the claim dates them on its own clock)}).
 --
--- AFFINITY (issue 30; docs/design.md "Affinity"). A claim may name "affinity_key" (a conversation
--- id), "affinity_pools" (the pool sequence of the pool asked for, that pool first: the binding's
--- pool), "affinity_ttl_seconds" and "affinity_mode" ('preferred' or 'strict'). Its live binding
--- (affinity_bindings, expires_at after the call's clock) is read once, after the parse, and its
--- credential put first in the claim's ranked list (and taken out of the rest of it): PICK tries
--- it first, under every gate of the locked row like any candidate, and passes over it when it
--- cannot serve now (full, its windows full, disabled, drained, cooling down, in another pool,
--- its token expiring), so the claim is served by the next candidate in the same round: a binding
--- is a preference, never a wait. `strict`: while the bound credential could serve but for its
--- slots and windows, the claim considers it alone (in the pool of the sequence it is in; the
--- other pools' claims rank nothing) and answers `affinity` 'bound' when it granted nothing, so
--- the caller waits for that credential (or answers 429); when it could not serve at all, strict
--- is preferred. The answer's `affinity`, for a grant (not a replay): 'hit' (the bound credential
--- served), 'moved' (a live binding existed, another credential served) or 'new' (no live
--- binding); the `granted` trail row carries it too. After the rounds, ONE statement writes the
--- bindings of the call's grants (a hit refreshes last_hit_at and expires_at; new and moved bind
--- the credential that served), each only if this call got its affinity key's advisory lock with
--- a try-lock, and only where the binding's row, if it exists, could be locked with SKIP LOCKED:
--- a binding this call cannot write is left as it is (it is a hint), so the write never waits.
--- Nothing granted: no binding is written. Bindings are per tenant: a conversation key of one
--- tenant never reads or moves another tenant's binding.
+-- Returns one row per claim, `claim` = its 1-based position: the pool's version (NULL when the
+-- pool never had a credential), read before any candidate, so the caller learns whether its
+-- candidate view is stale; the lease, NULL when no candidate could serve; `request`: NULL,
+-- 'replayed' (the request_id's live lease, granted to an earlier attempt with the same
+-- parameters), 'conflict' (its live lease was granted for other parameters), 'in_flight' (another
+-- transaction is claiming for the same request_id right now), 'busy' (nothing granted, but a
+-- candidate that may serve at once, read after the claim, was held by another transaction or
+-- changed by one at that moment; or the tenant is being changed): for those two, claim again in a
+-- moment; 'unauthorized' (no live key: nothing done); 'tenant_limit' (its tenant's cap or windows
+-- hold it back, read after the claim); 'yield' (a waiting claim whose pool another tenant, further
+-- below its share, waits for; `yield_to` names it). `frees_at`, when nothing was granted: the
+-- earliest moment a candidate (or, for 'tenant_limit', the tenant) may serve it, and `held_by`
+-- what holds it back (credpool_frees_at; 'tenant', 'tenant_window', 'token_refresh'), for the
+-- answer's Retry-After, a waiting request's timer and the held-back metric. `tenant`: the tenant
+-- the claim was made for; `db_now`: the call's clock; `affinity`: 'hit', 'new', 'moved' for a
+-- grant, 'bound' for a strict claim that waits for its bound credential.
 --
--- A group of claims is one call: one round trip and, outside an explicit transaction, one commit.
--- Its claims are decided together, in rounds, each round two statements whatever the number of
--- claims (and one more for each thing only some winners need: ending the expired leases their
--- slots carry, charging windows, request ids' rows, probes' trail rows). PICK takes, for every
--- claim still open, the first candidate in its own ranked order that may serve it
--- (credpool_may_serve), whose token (OAuth) lasts the lease (credpool_token_lasts), and that has
--- a free slot (credpool_slot_open) and, if it has rate windows, room in every window
--- (credpool_window_room, sql/windows.sql), and locks that slot row (and the credential's
--- lease_windows row); of the claims that picked one credential, the first in array order wins
--- it, the others are open again in the next round. GRANT then begins the
--- winners' leases (the expired lease a slot still carries ended in the trail, the lease in the
--- slot, the windows charged, the request_id's row, the `granted` trail row, `probe_granted` for a
--- probe). Each round is a new statement, so it sees the grants of the rounds before it (and what
--- other transactions committed meanwhile); a credential is granted at most once per round, so
--- every grant and every window charge is decided on the slot and window rows as the grants before
--- it left them: the same as claiming one after the other, in array order, at a fraction of the
--- statements. A claim that picked nothing is not granted. Every round grants at least one claim,
--- so there are at most as many rounds as claims, and in practice one or two.
+-- Phases, in order (a plain call, whose claims use no tenant cap or window, no rate window, no
+-- affinity key, no request id and no wait, runs PARSE, PICK PLAIN, GRANT and ANSWERS: four
+-- statements, and a fifth for the expired leases its slots still carried, when they do):
+--   PARSE        the claims, their tenants (key, advisory lock in shared mode), pool versions
+--   AFFINITY     bound credentials first in their claims' lists            (an affinity key)
+--   REQUESTS     request ids: replayed, conflict, in_flight                 (a request id)
+--   FAIR SHARE   a waiting claim yields to a tenant further below its share (a wait)
+--   PICK, GRANT  rounds until no claim is left open: PICK PLAIN for the claims whose tenant
+--                has no cap and no windows and whose candidates have no windows, PICK for the
+--                others; GRANT begins the picked leases
+--   REMEMBER     the request ids' rows                                      (a request id)
+--   BIND         the grants' affinity bindings                              (an affinity key)
+--   TENANT HELD  whether a tenant's cap or windows hold back a claim that got nothing (a gated
+--                tenant)
+--   WAIT         the waiting requests' pool_waiters rows                    (a wait)
+--   ANSWERS      one row per claim
 --
 -- Why this cannot oversell: capacity is not counted, it is the set of slot rows, and a lease
--- exists only inside the slot row that holds it. Every condition that decides whether a grant may
--- happen is on a row PICK locks: whether the slot is free, whether its credential is over a
--- lowered limit, draining or has rate windows (credpool_fit_slots writes those gates into every
--- slot row under the rows' locks), and how much room its windows have (its lease_windows row).
--- Under READ COMMITTED, when FOR UPDATE meets a row that another transaction changed after this
--- statement's snapshot, PostgreSQL re-evaluates the WHERE clause against the newest version of the
--- locked rows (EvalPlanQual): a slot that a concurrent claim has just filled, a window a concurrent
--- claim has just charged, a slot a refit has just closed, no longer passes and is passed over.
--- SKIP LOCKED passes over rows another transaction holds right now, so concurrent claims spread
--- over the free slots instead of queueing. Two transactions can never both hold one slot row's
--- lock, so each slot carries at most one unexpired lease; nor one lease_windows row's, so each
--- window charge sees every charge before it. (The trap in DESIGN — lock the credential, count its
--- leases in a subquery — fails because the count reads the statement's snapshot, which
--- EvalPlanQual does not refresh for rows other than the locked ones.) Within one PICK, the claims
--- of this call do not see each other (one snapshot, and a transaction's own locks do not make it
--- skip a row): two of them may pick the same slot, which is why only one claim per credential
--- wins a round.
+-- exists only inside the slot row that holds it. Every condition that decides whether a grant
+-- may happen is on a row the pick locks (the slot row: free, not surplus, not draining, its
+-- windows gate, its config_version; the lease_windows row; the tenant slot and tenant_windows
+-- rows), or was read by a later statement than the one that took the tenant's lock (whether the
+-- tenant is capped or windowed). Under READ COMMITTED, when FOR UPDATE meets a row that another
+-- transaction changed after the statement's snapshot, PostgreSQL re-evaluates the WHERE clause
+-- against the newest version of the locked rows (EvalPlanQual): a slot a concurrent claim has just
+-- filled, a window just charged, a slot a refit has just closed, no longer passes and is passed
+-- over. SKIP LOCKED passes over rows another transaction holds right now, so concurrent claims
+-- spread over the free slots instead of queueing. Two transactions never hold one slot row's
+-- lock at once, so each slot carries at most one unexpired lease. (The trap in DESIGN — lock the
+-- credential, count its leases in a subquery — fails because the count reads the statement's
+-- snapshot, which EvalPlanQual does not refresh for rows other than the locked ones.) The claims
+-- of one call do not see each other within one pick (one snapshot; a transaction's own locks do
+-- not make it skip a row), so a round grants each credential (and tenant slot row, and windowed
+-- tenant) to the first of its claims only; the others pick again in the next round, a new
+-- statement that sees the grants before it. Every round grants at least one claim.
 --
 -- The credential row is read from the snapshot, not locked (locking it would make every claim on
--- a credential queue on one row). What the claim decides on it — provider, pool, models and
--- aliases, the secret it hands out, an operator's status — is gated through the slot row: every
--- change of those moves credentials.config_version and, in the same transaction, writes the new
--- version into every slot row of the credential (trigger credentials_config_version, above). The
--- claim grants only where `s.config_version = c.config_version`. A change committed after the
--- claim's snapshot and before its lock changed the slot row, so EvalPlanQual re-checks it: the
--- locked row's new version against the snapshot's old credential row, unequal, and the candidate
--- is passed over (the caller claims again and reads the new configuration). A change still in
--- progress holds the slot rows (operators lock all of them first), so SKIP LOCKED passes over
--- them; a change that starts after the lock waits for this claim's commit, and the grant comes
--- before it. Only health written from outcome reports (a cooldown, a status an outcome sets) is
--- read from the snapshot without a gate: a report committed while the claim runs may let this one
--- grant through, never a grant over a limit or a window.
+-- a credential queue on one row); what the claim decides on it is gated through the slot row's
+-- config_version (credpool_slot_eligible; GATES in sql/locks.sql). Only health written from
+-- outcome reports is read from the snapshot without a gate: a report committed while the claim
+-- runs may let this one grant through, never a grant over a limit or a window.
 --
--- OAuth (issue 28): a credential whose access token expires before the lease would end
--- (credentials.token_expires_at < the call's clock + lease_seconds) is passed over, and its
--- `frees_at` is when its refresh should land (credpool_token_refreshed_at; it waits for its
--- refresh, not for a slot, so the caller does not claim it again at once). The expiry is a column of the credential row, read from the snapshot like the secret it
--- belongs to, and gated the same way: a refresh writes a new secret and expiry together, which
--- moves config_version into every slot row. A winner's lease_until is never later than its
--- token's expiry: `at` (read when the slot row is read) may be a little after the call's clock,
--- so the grant takes the earlier of the two.
---
--- Tenants (issue 29): the key_hash names the tenant (a revoked key names none: read by the call's
--- first statement, so a request that starts after the revoke committed is refused on every
--- replica). That statement also tries the tenant's advisory lock in shared mode, which every
--- change of the tenant (an operator's PUT or DELETE, a fit) takes exclusively: held, no change of
--- the tenant commits until this call has, so PICK, a later statement with a later snapshot, reads
--- the tenant's cap and windows as they will stay until the grant commits, and a change waits
--- for the grant and counts it (a cap adopts its lease, a new window seeds it from the trail). Not
--- held (a change is in progress): the claim answers 'busy', and the caller claims again.
---
--- A claim of a tenant with a cap (max_concurrent_leases) takes, in PICK, a free row of the
--- tenant's `tenant_slots` (no lease, or an expired one; not over a lowered cap) with FOR UPDATE
--- SKIP LOCKED, before its credential slot, and grants only with one: the tenant's capacity is
--- that set of rows, decided on rows the claim locks exactly like a credential's (a row a
--- concurrent claim has just filled fails the re-check of the locked row and is passed over;
--- `tenants::a_claim_paused_before_the_tenant_lock...` holds a claim there). Within one PICK two
--- claims of the call may pick the same tenant row, so a claim wins a round only as the first of
--- its credential and the first of its tenant row; each claim starts its search at a random row
--- below the cap (wrapping around), so that the claims of one tenant in one call rarely meet on a
--- row and rarely need another round. A tenant row held by another transaction is skipped; if,
--- read after the claim, the tenant still has a free row, the answer is not 'tenant_limit' but
--- what the credentials say ('busy' when one may serve at once: the caller claims again), so a
--- claim racing its own tenant's claims gets no false 429.
---
--- Tenant windows: a claim of a tenant with rate windows (a `tenant_windows` row) locks that row
--- in PICK with FOR UPDATE SKIP LOCKED when every window has room for it
--- (credpool_window_room, on the locked row: a window a concurrent claim has just charged fails
--- the re-check; `tenant_windows::a_claim_paused_before_the_tenant_window_lock...`), and grants
--- only with it; GRANT charges it as a credential's. One claim of a tenant with windows wins a
--- round (the next round sees its charge). A row held by another transaction is skipped, and the
--- answer is 'tenant_limit' only if, read after the claim, a window has no room ('tenant_window'
--- with the moment it frees; NULL when a window can never hold the reservation). The claims of a
--- tenant with windows queue on its row as those of a credential with windows do; a tenant
--- without windows has no row, and its claims lock nothing of it.
---
--- FAIR SHARE (issue 29): a claim with "waiting" (its request waits up to wait_ms; not a request
--- that answers at once: nobody is refused while a slot is free) yields, before any pick, when
--- another tenant waits for its pool further below its weighted share (credpool_fair_share_ahead):
--- its answer is 'yield' and `yield_to` that tenant, whose waiter the caller wakes in its stead.
--- Decided on this call's snapshot: a share is an order among waiters, never a limit. A waiting
--- claim that got nothing writes its request's pool_waiters row (a later claim of the same request
--- finds it there; a strict affinity claim, which waits for one credential, writes none); one that
--- got a lease deletes it. Only the request's own claims write its row
--- (one after the other), so that write never waits.
---
--- Two shapes of pick, one for each shape of candidate list: a claim none of whose candidates has
--- windows locks only the slot row (a credential without windows must not make concurrent claims
--- queue on one row), and passes over a slot whose `windowed` gate says its credential has windows
--- now; a claim with a candidate that has windows locks that credential's lease_windows row with
--- the slot row (candidates without windows in the same list lock their empty row too).
---
--- Locks: the tenant's advisory lock in shared mode, tried; the tenant slot row and the
--- tenant_windows row, the slot row (and the lease_windows row), with SKIP LOCKED; request
--- ids' and affinity keys' advisory locks with a try-lock; affinity_bindings rows with SKIP LOCKED
--- (and the key share lock of the binding's foreign key on the credential row of a slot this call
--- holds, which no transaction holding a conflicting lock can have: docs/design.md "Lock order").
--- The call never waits for a lock, so any number of claims can share a
--- transaction without ever being part of a deadlock.
+-- Locks: the tenant's advisory lock in shared mode, tried; slot, lease_windows, tenant slot and
+-- tenant_windows rows with SKIP LOCKED; request ids' and affinity keys' advisory locks with a
+-- try-lock; affinity_bindings rows with SKIP LOCKED. The call never waits for a lock, so any
+-- number of claims can share a transaction without ever being part of a deadlock.
 --
 -- Clock: statement_timestamp(), the start of the call, decides usability, expiry and window room
--- (a lease that expires while the call runs is treated as still held). granted_at is
--- clock_timestamp(), read once per claim when its slot row is read, which for a slot freed after
--- the snapshot is after the lock: the slot was freed by a transaction that committed before this
--- claim saw it free, so the trail never shows two leases of one slot overlapping.
+-- (a lease that expires while the call runs is treated as still held). A grant's granted_at is
+-- clock_timestamp(), read when its slot row is read, after the lock for a slot freed after the
+-- snapshot: the trail never shows two leases of one slot overlapping.
 --
--- Plans: index probes whatever the planner's statistics say (a pool just loaded, never analyzed):
--- one primary-key probe per candidate into credentials (the LATERAL ... LIMIT 1 keeps the planner
--- from scanning the pool through its (provider, pool) index), lease_windows and lease_slots, and
--- the function's settings rule out the scans, joins and materializations that read whole tables
--- (a generic plan, which PL/pgSQL uses from a statement's sixth run on, would otherwise read the
--- slots table once into memory rather than probe it per candidate when it has no statistics).
+-- Plans: index probes whatever the planner's statistics say (a pool just loaded, never
+-- analyzed): each phase runs with sequential and bitmap scans, hash and merge joins and
+-- materialization turned off, and keeps its plans (plan_cache_mode = force_generic_plan).
 DROP FUNCTION IF EXISTS credpool_claim(jsonb);
 DROP FUNCTION IF EXISTS credpool_begin_lease(lease_slots, uuid, text, text, text, integer,
     timestamptz, bigint, text, text, text, timestamptz, boolean);
@@ -462,663 +382,794 @@ RETURNS TABLE (claim integer, pool_version bigint, key_id text, lease_id uuid, l
                granted_at timestamptz, lease_until timestamptz, probe boolean,
                provider_model text, sealed_secret bytea, pruned_expired boolean, fence bigint,
                request text, frees_at timestamptz, held_by text, tenant text, db_now timestamptz,
-               -- AFFINITY: 'hit', 'new', 'moved' for a grant; 'bound' for a strict claim that
-               -- waits for its bound credential; NULL without an affinity_key
-               affinity text,
-               -- FAIR SHARE: with request 'yield', the tenant yielded to
-               yield_to text)
+               affinity text, yield_to text)
+LANGUAGE plpgsql
+AS $$
+DECLARE
+    v_now timestamptz := statement_timestamp();
+    v_claims credpool_claim[];
+    v_gated boolean;
+    v_windowed boolean;
+    v_affine boolean;
+    v_requested boolean;
+    v_waiting boolean;
+    v_grants credpool_grant[] := '{}';
+    v_open integer[];
+    v_plain integer[];
+    v_rest integer[];
+    v_picks credpool_pick[];
+    v_regated integer[];
+BEGIN
+    SELECT * INTO v_claims, v_open, v_gated, v_windowed, v_affine, v_requested, v_waiting
+    FROM credpool_claim_parse(p_claims, v_now);
+    IF v_claims IS NULL THEN
+        RETURN;
+    END IF;
+    IF v_affine THEN
+        v_claims := credpool_claim_affinity(v_claims, v_now);
+        -- (a bound credential with windows makes its claim a windowed one)
+        v_windowed := v_windowed OR EXISTS (SELECT 1 FROM unnest(v_claims) AS c WHERE c.windowed);
+    END IF;
+    IF v_requested THEN
+        SELECT * INTO v_claims, v_grants FROM credpool_claim_requests(v_claims, v_now);
+    END IF;
+    IF v_waiting THEN
+        v_claims := credpool_claim_fair_share(v_claims, v_now);
+    END IF;
+    IF v_requested OR v_waiting THEN
+        v_open := ARRAY(SELECT c.n FROM unnest(v_claims) AS c WHERE c.request IS NULL ORDER BY c.n);
+    END IF;
+    -- the open claims: to plain rounds those whose tenant looked ungated and whose candidates
+    -- have no windows; the rest (and those whose tenant turns out gated) to the full rounds
+    IF v_gated OR v_windowed THEN
+        SELECT coalesce(array_agg(c.n ORDER BY c.n) FILTER (
+                   WHERE NOT (c.capped OR c.tenant_windowed OR c.windowed)), '{}'),
+               coalesce(array_agg(c.n ORDER BY c.n) FILTER (
+                   WHERE c.capped OR c.tenant_windowed OR c.windowed), '{}')
+        INTO v_plain, v_rest
+        FROM unnest(v_claims) AS c
+        WHERE c.n = ANY (v_open);
+    ELSE
+        v_plain := v_open;
+        v_rest := '{}';
+    END IF;
+    WHILE cardinality(v_plain) > 0 LOOP
+        SELECT * INTO v_picks, v_plain, v_regated
+        FROM credpool_claim_pick_plain(v_claims, v_plain, v_now);
+        v_rest := v_rest || v_regated;
+        v_gated := v_gated OR cardinality(v_regated) > 0;
+        EXIT WHEN cardinality(v_picks) = 0;
+        v_grants := v_grants || credpool_claim_grant(v_claims, v_picks);
+    END LOOP;
+    WHILE cardinality(v_rest) > 0 LOOP
+        SELECT * INTO v_picks, v_rest FROM credpool_claim_pick(v_claims, v_rest, v_now);
+        EXIT WHEN cardinality(v_picks) = 0;
+        v_grants := v_grants || credpool_claim_grant(v_claims, v_picks);
+    END LOOP;
+    IF v_requested AND cardinality(v_grants) > 0 THEN
+        PERFORM credpool_claim_remember(v_claims, v_grants);
+    END IF;
+    IF v_affine AND cardinality(v_grants) > 0 THEN
+        PERFORM credpool_claim_bind(v_claims, v_grants);
+    END IF;
+    IF v_gated THEN
+        v_claims := credpool_claim_tenant_held(v_claims, v_grants, v_now);
+    END IF;
+    IF v_waiting THEN
+        PERFORM credpool_claim_wait(v_claims, v_grants, v_now);
+    END IF;
+    RETURN QUERY SELECT * FROM credpool_claim_answers(v_claims, v_grants, v_now);
+END;
+$$;
+
+-- PARSE: the claims of a call as the service sent them (credpool_claim's first attributes), each
+-- with its place; its tenant (of the live key it presented, else `default`) and that tenant's
+-- advisory lock in shared mode, tried (held to the commit, so no change of the tenant commits
+-- before this call does: what the later statements read of it stays true; not held, a change is
+-- in progress: 'busy'); its pool's version; a waiting request's arrival and end of wait, dated on
+-- this clock. A claim without a live key is 'unauthorized'. Returns the claims still open, and
+-- says which phases the call needs
+-- (whether a tenant looks capped or windowed is read here BEFORE the lock was taken, so it is a
+-- hint: PICK PLAIN reads it again).
+DROP FUNCTION IF EXISTS credpool_claim_parse(jsonb, timestamptz);
+CREATE FUNCTION credpool_claim_parse(p_claims jsonb, p_now timestamptz,
+    OUT claims credpool_claim[], OUT open integer[], OUT gated boolean, OUT windowed boolean,
+    OUT affine boolean, OUT requested boolean, OUT waiting boolean)
+LANGUAGE plpgsql
+SET enable_seqscan = off SET enable_bitmapscan = off SET enable_hashjoin = off
+SET enable_mergejoin = off SET enable_material = off SET jit = off
+SET plan_cache_mode = force_generic_plan
+AS $$
+BEGIN
+    WITH x AS (
+        SELECT x.*, x.ordinality::integer AS place
+        FROM jsonb_populate_recordset(NULL::credpool_claim, p_claims) WITH ORDINALITY AS x
+    ),
+    versions AS (
+        SELECT d.provider, d.pool, credpool_pool_version(d.provider, d.pool) AS version
+        FROM (SELECT DISTINCT x.provider, x.pool FROM x) AS d
+    )
+    SELECT array_agg(ROW(
+               x.ranked, x.provider, x.pool, x.model, x.lease_id, x.holder, x.lease_seconds,
+               coalesce(x.tokens, 0), x.request_id, x.request_digest, x.key_hash, w.windowed,
+               x.affinity_key, x.affinity_pools, coalesce(x.affinity_ttl_seconds, 3600),
+               x.affinity_mode, x.waiting,
+               x.place, t.tenant_id, t.steady, coalesce(t.capped, false),
+               coalesce(t.windowed, false), 0, v.version,
+               p_now - make_interval(secs => (x.waiting ->> 'waited_ms')::numeric / 1000),
+               p_now + make_interval(secs => (x.waiting ->> 'wait_ms')::numeric / 1000),
+               NULL, false,
+               CASE WHEN t.tenant_id IS NULL THEN 'unauthorized' WHEN NOT t.steady THEN 'busy' END,
+               NULL, false, NULL, false, NULL)::credpool_claim ORDER BY x.place),
+           coalesce(array_agg(x.place ORDER BY x.place) FILTER (WHERE t.steady), '{}'),
+           coalesce(bool_or(t.steady AND (t.capped OR t.windowed)), false),
+           coalesce(bool_or(t.steady AND w.windowed), false),
+           coalesce(bool_or(t.steady AND x.affinity_key IS NOT NULL), false),
+           coalesce(bool_or(t.steady AND x.request_id IS NOT NULL), false),
+           coalesce(bool_or(t.steady AND jsonb_typeof(x.waiting) = 'object'), false)
+    INTO claims, open, gated, windowed, affine, requested, waiting
+    FROM x
+    JOIN versions v ON v.provider = x.provider AND v.pool = x.pool
+    LEFT JOIN LATERAL (
+        SELECT t.tenant_id, t.max_concurrent_leases IS NOT NULL AS capped,
+               EXISTS (SELECT 1 FROM tenant_windows w WHERE w.tenant_id = t.tenant_id) AS windowed,
+               pg_try_advisory_xact_lock_shared(
+                   hashtextextended('credpool.tenant:' || t.tenant_id, 0)) AS steady
+        FROM credpool_key_tenant(x.key_hash) AS k (tenant)
+        JOIN tenants t ON t.tenant_id = k.tenant
+    ) AS t ON true
+    -- (absent from the request: a probe per candidate; LIMIT 1 keeps the planner from reading
+    -- credentials in search of the few with windows)
+    CROSS JOIN LATERAL (
+        SELECT coalesce(x.windowed, EXISTS (
+                   SELECT 1 FROM unnest(x.ranked) AS r (key_id)
+                   CROSS JOIN LATERAL (SELECT c.rate_limits FROM credentials c
+                                       WHERE c.key_id = r.key_id LIMIT 1) AS c
+                   WHERE c.rate_limits <> '[]'::jsonb)) AS windowed
+    ) AS w;
+END;
+$$;
+
+-- AFFINITY, read: each claim's live binding (expires_at after the call's clock), its credential
+-- put first in the claim's ranked list (and taken out of the rest of it): PICK tries it first,
+-- under every gate of the locked row like any candidate, and passes over it when it cannot serve
+-- now, so the next candidate serves in the same round (a binding is a preference, never a wait).
+-- Strict, while the bound credential could serve but for its slots and windows (usable, not
+-- drained, serves the model, in a pool of the request's sequence; read from this snapshot like
+-- every candidate's credential row): that credential alone, in the claim of its pool; nothing in
+-- the sequence's other pools ('bound' answers that the caller waits for it). A bound credential
+-- with windows makes the claim a windowed one. Bindings are per tenant.
+CREATE OR REPLACE FUNCTION credpool_claim_affinity(p_claims credpool_claim[], p_now timestamptz)
+RETURNS credpool_claim[]
+LANGUAGE plpgsql
+SET enable_seqscan = off SET enable_bitmapscan = off SET enable_hashjoin = off
+SET enable_mergejoin = off SET enable_material = off SET jit = off
+SET plan_cache_mode = force_generic_plan
+AS $$
+DECLARE
+    v_claims credpool_claim[] := p_claims;
+    r record;
+BEGIN
+    FOR r IN
+        SELECT o.n, b.key_id AS bound, x.cred, coalesce(x.confined, false) AS confined
+        FROM unnest(p_claims) AS o
+        JOIN LATERAL (
+            SELECT b.key_id FROM affinity_bindings b
+            WHERE b.tenant = o.tenant AND b.provider = o.provider AND b.pool = o.affinity_pools[1]
+              AND b.affinity_key = o.affinity_key AND b.expires_at > p_now
+            LIMIT 1
+        ) AS b ON true
+        LEFT JOIN LATERAL (
+            SELECT c AS cred,
+                   o.affinity_mode = 'strict' AND c.pool = ANY (o.affinity_pools)
+                   AND credpool_may_serve(c, o.provider, c.pool, o.model, p_now) AS confined
+            FROM credentials c WHERE c.key_id = b.key_id LIMIT 1
+        ) AS x ON true
+        WHERE o.affinity_key IS NOT NULL AND o.request IS NULL
+    LOOP
+        v_claims[r.n].bound := r.bound;
+        v_claims[r.n].bound_only := r.confined;
+        v_claims[r.n].ranked := CASE
+            WHEN NOT r.confined THEN r.bound || array_remove(v_claims[r.n].ranked, r.bound)
+            WHEN (r.cred).pool = v_claims[r.n].pool THEN ARRAY[r.bound]
+            ELSE '{}' END;
+        v_claims[r.n].windowed := v_claims[r.n].windowed
+                                  OR coalesce((r.cred).rate_limits <> '[]'::jsonb, false);
+    END LOOP;
+    RETURN v_claims;
+END;
+$$;
+
+-- REQUESTS: request ids, each its tenant's. A claim whose request_id another transaction is
+-- claiming for right now (its advisory lock, tried, is taken) is 'in_flight'; one whose
+-- request_id has a live lease replays it ('replayed', a grant of the call) or, granted for other
+-- parameters, is a 'conflict'; of the claims of this call that name one request_id, the first
+-- claims and the others are 'in_flight' (claimed again, they replay its lease). The rows
+-- (lease_requests) are written only under their advisory lock: REMEMBER, after the rounds.
+CREATE OR REPLACE FUNCTION credpool_claim_requests(p_claims credpool_claim[], p_now timestamptz,
+    OUT claims credpool_claim[], OUT grants credpool_grant[])
+LANGUAGE plpgsql
+SET enable_seqscan = off SET enable_bitmapscan = off SET enable_hashjoin = off
+SET enable_mergejoin = off SET enable_material = off SET jit = off
+SET plan_cache_mode = force_generic_plan
+AS $$
+DECLARE
+    v_locked text[];
+    q record;
+    prior record;
+BEGIN
+    claims := p_claims;
+    grants := '{}';
+    SELECT coalesce(array_agg(d.request), '{}') INTO v_locked
+    FROM (SELECT DISTINCT c.tenant || '/' || c.request_id AS request
+          FROM unnest(p_claims) AS c
+          WHERE c.request_id IS NOT NULL AND c.request IS NULL) AS d
+    WHERE pg_try_advisory_xact_lock(hashtextextended('credpool.request_id:' || d.request, 0));
+    FOR q IN SELECT c.* FROM unnest(p_claims) AS c
+             WHERE c.request_id IS NOT NULL AND c.request IS NULL ORDER BY c.n LOOP
+        IF NOT (q.tenant || '/' || q.request_id) = ANY (v_locked)
+           OR EXISTS (SELECT 1 FROM unnest(p_claims) AS e
+                      WHERE e.n < q.n AND e.request IS NULL AND e.tenant = q.tenant
+                        AND e.request_id = q.request_id) THEN
+            claims[q.n].request := 'in_flight';
+            CONTINUE;
+        END IF;
+        SELECT s, r.request_digest = q.request_digest AS same_request, c.secret_ciphertext,
+               coalesce(c.model_aliases ->> q.model, q.model) AS provider_model
+        INTO prior
+        FROM lease_requests r
+        JOIN lease_slots s ON s.key_id = r.key_id AND s.lease_id = r.lease_id
+        JOIN credentials c ON c.key_id = s.key_id
+        WHERE r.tenant = q.tenant AND r.request_id = q.request_id AND s.lease_until > p_now;
+        IF FOUND THEN
+            claims[q.n].request := CASE WHEN prior.same_request THEN 'replayed' ELSE 'conflict' END;
+            IF prior.same_request THEN
+                grants := grants
+                    || ROW(q.n, prior.s, prior.secret_ciphertext, prior.provider_model, false)::credpool_grant;
+            END IF;
+        END IF;
+    END LOOP;
+END;
+$$;
+
+-- FAIR SHARE: a waiting claim yields to a tenant further below its weighted share that waits for
+-- its pool (credpool_fair_share_ahead; the claims of this call for the same pool that go ahead
+-- before it count as in flight): 'yield', and `yield_to` that tenant, whose waiter the caller
+-- wakes in its stead. A claim that does not wait never yields.
+CREATE OR REPLACE FUNCTION credpool_claim_fair_share(p_claims credpool_claim[], p_now timestamptz)
+RETURNS credpool_claim[]
+LANGUAGE plpgsql
+AS $$
+DECLARE
+    v_claims credpool_claim[] := p_claims;
+    q record;
+    v_ahead text;
+BEGIN
+    FOR q IN SELECT c.* FROM unnest(p_claims) AS c
+             WHERE c.since IS NOT NULL AND c.request IS NULL ORDER BY c.n LOOP
+        v_ahead := credpool_fair_share_ahead(q.provider, q.pool, q.model, q.tenant, q.since,
+            ARRAY(SELECT e.tenant FROM unnest(v_claims) AS e
+                  WHERE e.n < q.n AND e.since IS NOT NULL AND e.request IS NULL
+                    AND e.provider = q.provider AND e.pool = q.pool),
+            p_now);
+        IF v_ahead IS NOT NULL THEN
+            v_claims[q.n].request := 'yield';
+            v_claims[q.n].yield_to := v_ahead;
+        END IF;
+    END LOOP;
+    RETURN v_claims;
+END;
+$$;
+
+-- PICK PLAIN: for each of `p_open`'s claims (its tenant has no cap and no windows, its candidates
+-- no rate windows), its first candidate in its ranked order with an eligible slot
+-- (credpool_slot_eligible) that does not gate windows, locked FOR UPDATE SKIP LOCKED: ONE
+-- statement, which locks only slot rows. Of the claims that picked one credential, the first
+-- (in claim order) wins it; the others are `lost` (they pick again in the next round, which sees
+-- the grant). Whether the tenant has a cap or windows is read again here, after the call took the
+-- tenant's lock (PARSE read it before): a claim whose tenant turned out gated is `regated`, for
+-- PICK. A claim that picked nothing is in neither list: nothing can serve it now.
+CREATE OR REPLACE FUNCTION credpool_claim_pick_plain(p_claims credpool_claim[], p_open integer[],
+    p_now timestamptz, OUT picks credpool_pick[], OUT lost integer[], OUT regated integer[])
 LANGUAGE plpgsql
 SET enable_seqscan = off SET enable_bitmapscan = off SET enable_hashjoin = off
 SET enable_mergejoin = off SET enable_material = off SET jit = off
 SET plan_cache_mode = force_generic_plan SET join_collapse_limit = 1 SET from_collapse_limit = 1
 AS $$
-#variable_conflict use_column
-DECLARE
-    v_now timestamptz := statement_timestamp();
-    v_count integer := jsonb_array_length(p_claims);
-    -- the claims; v_number: each one's place in p_claims (the answer's `claim`)
-    v_number integer[];
-    v_ranked jsonb[];
-    v_provider text[];
-    v_pool text[];
-    v_model text[];
-    v_lease uuid[];
-    v_holder text[];
-    v_seconds integer[];
-    v_tokens bigint[];
-    v_request_id text[];
-    v_digest text[];
-    v_windowed boolean[];
-    v_pool_version bigint[];
-    -- each claim's tenant (NULL: its key is unknown or revoked)
-    v_tenant text[];
-    -- whether the call holds each claim's tenant's advisory lock in shared mode (tried)
-    v_steady boolean[];
-    -- where each claim of a capped tenant starts looking for a free tenant slot row: a random
-    -- row below the cap, so that the claims of one call rarely pick the same row (of the claims
-    -- that pick one row, only the first wins the round; starting all at row 0 made a call of n
-    -- claims of one tenant take n rounds)
-    v_tenant_start integer[];
-    -- claims answered before any pick (request ids), and their `request`
-    v_done boolean[];
-    v_request text[];
-    -- the claims the next round picks for
-    v_open integer[];
-    -- whether a winner of this round ends an expired lease to take its slot, names a request_id,
-    -- is a probe
-    v_pruned boolean;
-    v_requested boolean;
-    v_probed boolean;
-    -- one round's winners (claim order): the claim, its slot row as picked, what the grant and
-    -- the answer need of its credential
-    w_claim integer[];
-    w_slot lease_slots[];
-    w_status text[];
-    w_cooldown timestamptz[];
-    w_at timestamptz[];
-    w_charge boolean[];
-    w_secret bytea[];
-    w_model text[];
-    w_token timestamptz[];
-    w_tenant_slot integer[];
-    w_tenant_charge boolean[];
-    -- every lease the call answers with (granted, or replayed): the claim, the slot row as
-    -- granted, the sealed secret and the provider's model handed out, whether an expired lease
-    -- was ended to make room
-    g_claim integer[] := '{}';
-    g_slot lease_slots[] := '{}';
-    g_secret bytea[] := '{}';
-    g_model text[] := '{}';
-    g_pruned boolean[] := '{}';
-    v_requests text[];
-    q record;
-    prior record;
-    -- AFFINITY: each claim's affinity_key (NULL: none), the pool sequence it asked for (its
-    -- first pool is the binding's), TTL in seconds, whether strict; its live binding's key_id,
-    -- whether strict confines it to that credential; whether any claim names an affinity_key;
-    -- the grants (positions in g_claim) whose binding this call writes
-    v_affinity_key text[];
-    v_affinity_pools jsonb[];
-    v_affinity_ttl integer[];
-    v_affinity_strict boolean[];
-    v_bound text[];
-    v_bound_only boolean[];
-    v_affine boolean;
-    v_bind integer[];
-    -- FAIR SHARE: each waiting claim's "waiting" and its request's arrival (NULL: it does not
-    -- wait), and the tenant each yielding claim yields to
-    v_waiting jsonb[];
-    v_since timestamptz[];
-    v_yield_to text[];
-    -- TENANT: for each claim that got nothing, whether its tenant's cap or windows hold it back
-    -- (read after the rounds), and when each frees
-    v_cap_full boolean[];
-    v_cap_frees timestamptz[];
-    v_window_full boolean[];
-    v_window_frees timestamptz[];
 BEGIN
-    IF v_count = 0 THEN
+    WITH open AS (
+        SELECT o.*,
+               EXISTS (SELECT 1 FROM tenants t
+                       WHERE t.tenant_id = o.tenant AND t.max_concurrent_leases IS NOT NULL)
+               OR EXISTS (SELECT 1 FROM tenant_windows w WHERE w.tenant_id = o.tenant) AS gated
+        FROM unnest(p_claims) AS o
+        WHERE o.n = ANY (p_open)
+    ),
+    picked AS (
+        SELECT ROW(o.n, x.s, x.status, x.cooldown_until, x.at, x.secret_ciphertext,
+                   x.provider_model, x.token_expires_at, false, NULL, false)::credpool_pick AS p,
+               row_number() OVER (PARTITION BY (x.s).key_id ORDER BY o.n) = 1 AS first
+        FROM open o
+        CROSS JOIN LATERAL (
+            SELECT s, c.status, c.cooldown_until, c.secret_ciphertext,
+                   coalesce(c.model_aliases ->> o.model, o.model) AS provider_model,
+                   clock_timestamp() AS at, c.token_expires_at
+            FROM unnest(o.ranked) WITH ORDINALITY AS r (key_id, rank)
+            CROSS JOIN LATERAL (SELECT * FROM credentials c WHERE c.key_id = r.key_id LIMIT 1) AS c
+            JOIN lease_slots s ON s.key_id = c.key_id
+            WHERE (SELECT credpool_test_hook('claim.before_lock'))
+              AND credpool_slot_eligible(c, s, o.provider, o.pool, o.model, p_now,
+                                         p_now + make_interval(secs => o.lease_seconds))
+              AND NOT s.windowed
+            ORDER BY r.rank, s.slot
+            LIMIT 1
+            FOR UPDATE OF s SKIP LOCKED
+        ) AS x
+        WHERE NOT o.gated
+    )
+    SELECT coalesce((SELECT array_agg(p.p ORDER BY (p.p).n) FROM picked p WHERE p.first), '{}'),
+           coalesce((SELECT array_agg((p.p).n ORDER BY (p.p).n) FROM picked p WHERE NOT p.first), '{}'),
+           coalesce((SELECT array_agg(o.n ORDER BY o.n) FROM open o WHERE o.gated), '{}')
+    INTO picks, lost, regated;
+END;
+$$;
+
+-- PICK, for the claims whose tenant has a cap or windows or whose candidates have windows: ONE
+-- statement. First what each claim's tenant needs, read now (after the call took the tenant's
+-- lock, so no change of the tenant can have overtaken this snapshot): with a cap, a free row of
+-- its tenant_slots (credpool_tenant_slot_open: no live lease, not surplus), searched from a random
+-- row below the cap (the claims of one tenant in one call rarely meet on a row), locked FOR UPDATE
+-- SKIP LOCKED (a row a concurrent claim filled after the snapshot fails the re-check of the
+-- locked row: `tenants::a_claim_paused_before_the_tenant_lock...`); with windows, its
+-- tenant_windows row, locked FOR UPDATE SKIP LOCKED only when every window has room
+-- (credpool_window_room on the locked row). A claim of a capped or windowed tenant picks only
+-- with them. Then its first eligible slot (credpool_slot_eligible), in one of two shapes: a claim
+-- none of whose candidates has windows locks only slot rows, and passes over a slot whose
+-- `windowed` gate says its credential has windows now; a claim with a windowed candidate locks
+-- that credential's lease_windows row with the slot row, and only when every window has room for
+-- it. Of the claims that picked one credential, one tenant slot row or one windowed tenant, the
+-- first wins; the others are `lost` (they pick again next round).
+CREATE OR REPLACE FUNCTION credpool_claim_pick(p_claims credpool_claim[], p_open integer[],
+    p_now timestamptz, OUT picks credpool_pick[], OUT lost integer[])
+LANGUAGE plpgsql
+SET enable_seqscan = off SET enable_bitmapscan = off SET enable_hashjoin = off
+SET enable_mergejoin = off SET enable_material = off SET jit = off
+SET plan_cache_mode = force_generic_plan SET join_collapse_limit = 1 SET from_collapse_limit = 1
+AS $$
+BEGIN
+    WITH tenancy AS (
+        SELECT o, tn.capped, coalesce(ts_after.slot, ts_before.slot) AS tenant_slot,
+               coalesce(twx.windowed, false) AS tenant_windowed,
+               twl.tenant_id IS NOT NULL AS tenant_window_held
+        FROM unnest(p_claims) AS o
+        CROSS JOIN LATERAL (
+            SELECT t.max_concurrent_leases IS NOT NULL AS capped,
+                   floor(random() * coalesce(t.max_concurrent_leases, 0))::integer AS start
+            FROM tenants t WHERE t.tenant_id = o.tenant LIMIT 1
+        ) AS tn
+        LEFT JOIN LATERAL (
+            SELECT t.slot FROM tenant_slots t
+            WHERE tn.capped AND (SELECT credpool_test_hook('claim.before_tenant_lock'))
+              AND t.tenant_id = o.tenant AND t.slot >= tn.start
+              AND credpool_tenant_slot_open(t, p_now)
+            ORDER BY t.slot LIMIT 1
+            FOR UPDATE SKIP LOCKED
+        ) AS ts_after ON true
+        LEFT JOIN LATERAL (
+            SELECT t.slot FROM tenant_slots t
+            WHERE tn.capped AND ts_after.slot IS NULL
+              AND t.tenant_id = o.tenant AND t.slot < tn.start
+              AND credpool_tenant_slot_open(t, p_now)
+            ORDER BY t.slot LIMIT 1
+            FOR UPDATE SKIP LOCKED
+        ) AS ts_before ON true
+        LEFT JOIN LATERAL (
+            SELECT true AS windowed FROM tenant_windows tw WHERE tw.tenant_id = o.tenant LIMIT 1
+        ) AS twx ON true
+        LEFT JOIN LATERAL (
+            SELECT tw.tenant_id FROM tenant_windows tw
+            WHERE twx.windowed AND tw.tenant_id = o.tenant
+              AND (SELECT credpool_test_hook('claim.before_tenant_window_lock'))
+              AND credpool_window_room(credpool_tenant_window(tw), p_now, o.tokens)
+            LIMIT 1
+            FOR UPDATE SKIP LOCKED
+        ) AS twl ON true
+        WHERE o.n = ANY (p_open)
+    ),
+    picked AS (
+        SELECT ROW((q.o).n, x.s, x.status, x.cooldown_until, x.at, x.secret_ciphertext,
+                   x.provider_model, x.token_expires_at, false, q.tenant_slot,
+                   q.tenant_windowed)::credpool_pick AS p, (q.o).tenant
+        FROM tenancy q
+        CROSS JOIN LATERAL (
+            SELECT s, c.status, c.cooldown_until, c.secret_ciphertext,
+                   coalesce(c.model_aliases ->> (q.o).model, (q.o).model) AS provider_model,
+                   clock_timestamp() AS at, c.token_expires_at
+            FROM unnest((q.o).ranked) WITH ORDINALITY AS r (key_id, rank)
+            CROSS JOIN LATERAL (SELECT * FROM credentials c WHERE c.key_id = r.key_id LIMIT 1) AS c
+            JOIN lease_slots s ON s.key_id = c.key_id
+            WHERE (NOT q.capped OR q.tenant_slot IS NOT NULL)
+              AND (NOT q.tenant_windowed OR q.tenant_window_held)
+              AND (SELECT credpool_test_hook('claim.before_lock'))
+              AND credpool_slot_eligible(c, s, (q.o).provider, (q.o).pool, (q.o).model, p_now,
+                                         p_now + make_interval(secs => (q.o).lease_seconds))
+              AND NOT s.windowed
+            ORDER BY r.rank, s.slot LIMIT 1
+            FOR UPDATE OF s SKIP LOCKED
+        ) AS x
+        WHERE NOT (q.o).windowed
+        UNION ALL
+        SELECT ROW((q.o).n, x.s, x.status, x.cooldown_until, x.at, x.secret_ciphertext,
+                   x.provider_model, x.token_expires_at, true, q.tenant_slot,
+                   q.tenant_windowed)::credpool_pick AS p, (q.o).tenant
+        FROM tenancy q
+        CROSS JOIN LATERAL (
+            SELECT s, c.status, c.cooldown_until, c.secret_ciphertext,
+                   coalesce(c.model_aliases ->> (q.o).model, (q.o).model) AS provider_model,
+                   clock_timestamp() AS at, c.token_expires_at
+            FROM unnest((q.o).ranked) WITH ORDINALITY AS r (key_id, rank)
+            CROSS JOIN LATERAL (SELECT * FROM credentials c WHERE c.key_id = r.key_id LIMIT 1) AS c
+            JOIN lease_windows w ON w.key_id = c.key_id
+            JOIN lease_slots s ON s.key_id = c.key_id
+            WHERE (NOT q.capped OR q.tenant_slot IS NOT NULL)
+              AND (NOT q.tenant_windowed OR q.tenant_window_held)
+              AND (SELECT credpool_test_hook('claim.before_lock'))
+              AND credpool_slot_eligible(c, s, (q.o).provider, (q.o).pool, (q.o).model, p_now,
+                                         p_now + make_interval(secs => (q.o).lease_seconds))
+              AND credpool_window_room(w, p_now, (q.o).tokens)
+            ORDER BY r.rank, s.slot LIMIT 1
+            FOR UPDATE OF w, s SKIP LOCKED
+        ) AS x
+        WHERE (q.o).windowed
+    ),
+    ranked AS (
+        SELECT p.p,
+               row_number() OVER (PARTITION BY ((p.p).s).key_id ORDER BY (p.p).n) = 1
+               AND row_number() OVER (PARTITION BY p.tenant, coalesce((p.p).tenant_slot, -(p.p).n)
+                                      ORDER BY (p.p).n) = 1
+               -- (one grant per round charges a tenant's windows, as a credential's)
+               AND row_number() OVER (PARTITION BY p.tenant,
+                                                   CASE WHEN NOT (p.p).tenant_windowed
+                                                        THEN (p.p).n END
+                                      ORDER BY (p.p).n) = 1 AS first
+        FROM picked p
+    )
+    SELECT coalesce((SELECT array_agg(r.p ORDER BY (r.p).n) FROM ranked r WHERE r.first), '{}'),
+           coalesce((SELECT array_agg((r.p).n ORDER BY (r.p).n) FROM ranked r WHERE NOT r.first), '{}')
+    INTO picks, lost;
+END;
+$$;
+
+-- GRANT: begins the leases of `p_picks` (their slot rows locked by the pick): each slot row takes
+-- its lease (lease_until: the claim's length from the clock read with the slot row, never past an
+-- OAuth token's expiry), and its `granted` trail row is written, in ONE statement; then, each in
+-- a statement of its own run only when a pick needs it: the expired leases the slots still
+-- carried end in the trail (at their own lease_until), the tenant slot rows take their leases,
+-- the credentials' and tenants' windows are charged, a probe lease of a credential back from a
+-- cooldown is recorded. Returns the grants.
+CREATE OR REPLACE FUNCTION credpool_claim_grant(p_claims credpool_claim[], p_picks credpool_pick[])
+RETURNS credpool_grant[]
+LANGUAGE plpgsql
+SET enable_seqscan = off SET enable_bitmapscan = off SET enable_hashjoin = off
+SET enable_mergejoin = off SET enable_material = off SET jit = off
+SET plan_cache_mode = force_generic_plan
+AS $$
+DECLARE
+    v_grants credpool_grant[];
+    v_pruned boolean;
+    v_tenant_rows boolean;
+    v_windows boolean;
+    v_tenant_windows boolean;
+    v_probes boolean;
+BEGIN
+    WITH granted AS (
+        -- (the slot row is `ls` here: `s` is a field of the pick, the slot row as it was)
+        UPDATE lease_slots ls
+        SET lease_id = o.lease_id, provider = o.provider, pool = o.pool, holder = o.holder,
+            granted_at = p.at,
+            lease_until = least(p.at + make_interval(secs => o.lease_seconds), p.token_expires_at),
+            last_granted_at = p.at, probe = p.status <> 'available',
+            fence = nextval('lease_fence_seq'), reserved_tokens = o.tokens, tenant = o.tenant,
+            tenant_slot = p.tenant_slot
+        FROM unnest(p_picks) AS p
+        JOIN unnest(p_claims) AS o ON o.n = p.n
+        WHERE ls.key_id = (p.s).key_id AND ls.slot = (p.s).slot
+        RETURNING p.*, ls AS granted, o.affinity_key, o.bound
+    ),
+    trail AS (
+        INSERT INTO lease_events
+            (event, lease_id, key_id, provider, pool, slot, holder, lease_until, at, fence, tokens,
+             tenant, affinity)
+        SELECT 'granted', (g.granted).lease_id, (g.granted).key_id, (g.granted).provider,
+               (g.granted).pool, (g.granted).slot, (g.granted).holder, (g.granted).lease_until,
+               (g.granted).granted_at, (g.granted).fence, (g.granted).reserved_tokens,
+               (g.granted).tenant,
+               -- AFFINITY: the grant's result, for the dashboard's hit ratio
+               credpool_affinity_result(g.affinity_key, g.bound, (g.granted).key_id)
+        FROM granted g
+    )
+    SELECT coalesce(array_agg(ROW(g.n, g.granted, g.secret, g.provider_model,
+                                  (g.s).lease_id IS NOT NULL)::credpool_grant ORDER BY g.n), '{}'),
+           coalesce(bool_or((g.s).lease_id IS NOT NULL), false),
+           coalesce(bool_or(g.tenant_slot IS NOT NULL), false),
+           coalesce(bool_or(g.windowed), false), coalesce(bool_or(g.tenant_windowed), false),
+           coalesce(bool_or(g.status <> 'available'), false)
+    INTO v_grants, v_pruned, v_tenant_rows, v_windows, v_tenant_windows, v_probes
+    FROM granted g;
+    IF v_pruned THEN
+        PERFORM credpool_record_lease_ends(
+            ARRAY(SELECT p.s FROM unnest(p_picks) AS p WHERE (p.s).lease_id IS NOT NULL),
+            ARRAY(SELECT 'expired' FROM unnest(p_picks) AS p WHERE (p.s).lease_id IS NOT NULL),
+            ARRAY(SELECT (p.s).lease_until FROM unnest(p_picks) AS p WHERE (p.s).lease_id IS NOT NULL));
+    END IF;
+    IF v_tenant_rows THEN
+        -- a capped tenant's lease takes the tenant slot row PICK locked, with the same end
+        UPDATE tenant_slots t
+        SET lease_id = (g.s).lease_id, key_id = (g.s).key_id, lease_until = (g.s).lease_until
+        FROM unnest(v_grants) AS g
+        WHERE t.tenant_id = (g.s).tenant AND t.slot = (g.s).tenant_slot;
+    END IF;
+    IF v_windows THEN
+        UPDATE lease_windows lw
+        SET (bucket_ids, bucket_charged) =
+            (SELECT x.bucket_ids, x.bucket_charged
+             FROM credpool_window_charge(lw, p.at, (g.s).reserved_tokens) AS x)
+        FROM unnest(p_picks) AS p
+        JOIN unnest(v_grants) AS g ON g.n = p.n
+        WHERE p.windowed AND lw.key_id = (p.s).key_id AND cardinality(lw.window_kinds) > 0;
+    END IF;
+    IF v_tenant_windows THEN
+        UPDATE tenant_windows tw
+        SET (bucket_ids, bucket_charged) =
+            (SELECT x.bucket_ids, x.bucket_charged
+             FROM credpool_window_charge(credpool_tenant_window(tw), p.at,
+                                         (g.s).reserved_tokens) AS x)
+        FROM unnest(p_picks) AS p
+        JOIN unnest(v_grants) AS g ON g.n = p.n
+        WHERE p.tenant_windowed AND tw.tenant_id = (g.s).tenant;
+    END IF;
+    IF v_probes THEN
+        INSERT INTO credential_events
+            (key_id, event, old_status, new_status, reason, cooldown_until, lease_id, at)
+        SELECT (p.s).key_id, 'probe_granted', p.status, p.status,
+               'cooldown ended; single probe lease granted', p.cooldown_until, (g.s).lease_id, p.at
+        FROM unnest(p_picks) AS p
+        JOIN unnest(v_grants) AS g ON g.n = p.n
+        WHERE p.status <> 'available';
+    END IF;
+    RETURN v_grants;
+END;
+$$;
+
+-- REMEMBER: each request id of the call's grants (not its replays) remembers its lease, in its
+-- tenant's lease_requests row, written under the request id's advisory lock (REQUESTS took it),
+-- so no two transactions ever write one row, and a claim never writes a slot row it did not claim.
+CREATE OR REPLACE FUNCTION credpool_claim_remember(p_claims credpool_claim[], p_grants credpool_grant[])
+RETURNS void
+LANGUAGE plpgsql
+AS $$
+BEGIN
+    INSERT INTO lease_requests AS r (tenant, request_id, request_digest, lease_id, key_id, granted_at)
+    SELECT o.tenant, o.request_id, o.request_digest, (g.s).lease_id, (g.s).key_id, (g.s).granted_at
+    FROM unnest(p_grants) AS g
+    JOIN unnest(p_claims) AS o ON o.n = g.n
+    WHERE o.request_id IS NOT NULL AND o.request IS NULL
+    ON CONFLICT ON CONSTRAINT lease_requests_pkey DO UPDATE
+    SET request_digest = EXCLUDED.request_digest, lease_id = EXCLUDED.lease_id,
+        key_id = EXCLUDED.key_id, granted_at = EXCLUDED.granted_at;
+END;
+$$;
+
+-- BIND: the affinity bindings of the call's grants (not its replays), in one statement, the last
+-- grant of each affinity key in claim order: a hit refreshes last_hit_at and expires_at (the TTL
+-- counts from the last hit), 'new' and 'moved' bind the credential that served. Never waited for:
+-- first the affinity keys' advisory locks, tried, in a statement of their own, so that the write's
+-- snapshot, taken after them, sees every binding the lock's last holder wrote (a row the write
+-- does not see can only be inserted by a holder of the lock, so its INSERT never meets another
+-- transaction's row in progress); then each existing row locked with SKIP LOCKED (a row another
+-- transaction holds: a delete cascading, the maintenance pass, is left as it is: a binding is a
+-- hint), and only rows it locked or that do not exist are written.
+CREATE OR REPLACE FUNCTION credpool_claim_bind(p_claims credpool_claim[], p_grants credpool_grant[])
+RETURNS void
+LANGUAGE plpgsql
+SET enable_seqscan = off SET enable_bitmapscan = off SET enable_hashjoin = off
+SET enable_mergejoin = off SET enable_material = off SET jit = off
+SET plan_cache_mode = force_generic_plan
+AS $$
+DECLARE
+    v_bind integer[];
+BEGIN
+    SELECT coalesce(array_agg(d.n), '{}') INTO v_bind
+    FROM (SELECT DISTINCT ON (o.tenant, o.provider, o.affinity_pools[1], o.affinity_key)
+                 o.n, o.tenant, o.provider, o.affinity_pools[1] AS pool, o.affinity_key
+          FROM unnest(p_grants) AS g
+          JOIN unnest(p_claims) AS o ON o.n = g.n
+          WHERE o.affinity_key IS NOT NULL AND o.request IS NULL
+          ORDER BY o.tenant, o.provider, o.affinity_pools[1], o.affinity_key, o.n DESC) AS d
+    WHERE pg_try_advisory_xact_lock(credpool_affinity_lock(d.tenant, d.provider, d.pool,
+                                                           d.affinity_key));
+    IF v_bind = '{}' THEN
         RETURN;
     END IF;
-    -- The claims, read once, in one statement: each claim's pool version, read before any
-    -- candidate, and whether a candidate of it has rate windows (the slots' `windowed` gate covers
-    -- a credential given windows since). From here on a claim is its position in these arrays
-    -- (its place in p_claims, as the rows are read in that order); the answer names each by
-    -- v_number, so it never depends on that order.
-    WITH e AS (
-        SELECT x.n::integer AS n, x.c, x.c ->> 'provider' AS provider, x.c ->> 'pool' AS pool
-        FROM jsonb_array_elements(p_claims) WITH ORDINALITY AS x (c, n)
+    WITH wanted AS (
+        SELECT o.tenant, o.provider, o.affinity_pools[1] AS pool, o.affinity_key,
+               (g.s).key_id, (g.s).granted_at AS at, o.affinity_ttl_seconds AS ttl
+        FROM unnest(p_grants) AS g
+        JOIN unnest(p_claims) AS o ON o.n = g.n
+        WHERE o.n = ANY (v_bind)
     ),
-    pv AS (
-        SELECT d.provider, d.pool, credpool_pool_version(d.provider, d.pool) AS version
-        FROM (SELECT DISTINCT e.provider, e.pool FROM e) AS d
+    found AS (
+        SELECT w.*, e.found, l.locked
+        FROM wanted w
+        LEFT JOIN LATERAL (
+            SELECT true AS found FROM affinity_bindings b
+            WHERE b.tenant = w.tenant AND b.provider = w.provider AND b.pool = w.pool
+              AND b.affinity_key = w.affinity_key
+            LIMIT 1
+        ) AS e ON true
+        LEFT JOIN LATERAL (
+            SELECT true AS locked FROM affinity_bindings b
+            WHERE b.tenant = w.tenant AND b.provider = w.provider AND b.pool = w.pool
+              AND b.affinity_key = w.affinity_key
+            FOR UPDATE SKIP LOCKED
+        ) AS l ON e.found
     )
-    SELECT array_agg(o.c -> 'ranked'), array_agg(o.provider), array_agg(o.pool),
-           array_agg(o.c ->> 'model'), array_agg((o.c ->> 'lease_id')::uuid),
-           array_agg(o.c ->> 'holder'), array_agg((o.c ->> 'lease_seconds')::integer),
-           array_agg(coalesce((o.c ->> 'tokens')::bigint, 0)), array_agg(o.c ->> 'request_id'),
-           array_agg(o.c ->> 'request_digest'), array_agg(o.version), array_agg(o.windowed),
-           array_agg(o.n), array_agg(o.tenant),
-           array_agg(floor(random() * coalesce(o.cap, 0))::integer),
-           -- AFFINITY: the claim's affinity fields
-           array_agg(o.c ->> 'affinity_key'), array_agg(o.c -> 'affinity_pools'),
-           array_agg(coalesce((o.c ->> 'affinity_ttl_seconds')::integer, 3600)),
-           array_agg(coalesce(o.c ->> 'affinity_mode' = 'strict', false)),
-           -- FAIR SHARE: the request's arrival, on this clock: as long before it as the request
-           -- has waited (the service counts durations, never dates)
-           array_agg(o.c -> 'waiting'),
-           array_agg(v_now - make_interval(secs => (o.c -> 'waiting' ->> 'waited_ms')::numeric / 1000)),
-           array_agg(o.steady)
-    INTO v_ranked, v_provider, v_pool, v_model, v_lease, v_holder, v_seconds, v_tokens,
-         v_request_id, v_digest, v_pool_version, v_windowed, v_number, v_tenant,
-         v_tenant_start, v_affinity_key, v_affinity_pools, v_affinity_ttl, v_affinity_strict,
-         v_waiting, v_since, v_steady
-    FROM (
-        SELECT e.n, e.c, e.provider, e.pool, pv.version, t.tenant_id AS tenant, t.steady,
-               t.max_concurrent_leases AS cap,
-               -- (a probe per candidate: LIMIT 1 keeps the planner from reading credentials
-               -- in search of the few with windows)
-               EXISTS (SELECT 1
-                       FROM jsonb_array_elements_text(e.c -> 'ranked') AS r (key_id)
-                       CROSS JOIN LATERAL (
-                           SELECT c.rate_limits FROM credentials c WHERE c.key_id = r.key_id LIMIT 1
-                       ) AS c
-                       WHERE c.rate_limits <> '[]'::jsonb) AS windowed
-        FROM e
-        JOIN pv ON pv.provider = e.provider AND pv.pool = e.pool
-        -- the tenant: of the live key the claim presented, else (the internal key) `default`
-        -- and its advisory lock in shared mode, tried: held, no change of the tenant commits
-        -- before this call does, so what the later statements read of it stays true
-        LEFT JOIN LATERAL (
-            SELECT t.tenant_id, t.max_concurrent_leases,
-                   pg_try_advisory_xact_lock_shared(
-                       hashtextextended('credpool.tenant:' || t.tenant_id, 0)) AS steady
-            FROM credpool_key_tenant(e.c ->> 'key_hash') AS k (tenant)
-            JOIN tenants t ON t.tenant_id = k.tenant
-        ) AS t ON true
-        ORDER BY e.n
-    ) AS o;
+    INSERT INTO affinity_bindings AS b
+        (tenant, provider, pool, affinity_key, key_id, bound_at, last_hit_at, expires_at)
+    SELECT f.tenant, f.provider, f.pool, f.affinity_key, f.key_id, f.at, f.at,
+           f.at + make_interval(secs => f.ttl)
+    FROM found f
+    WHERE f.found IS NULL OR f.locked
+    ON CONFLICT ON CONSTRAINT affinity_bindings_pkey DO UPDATE
+    SET key_id = EXCLUDED.key_id,
+        -- a hit keeps when the conversation was bound; a move or an expired binding starts anew
+        bound_at = CASE WHEN b.key_id = EXCLUDED.key_id AND b.expires_at > EXCLUDED.bound_at
+                        THEN b.bound_at ELSE EXCLUDED.bound_at END,
+        last_hit_at = EXCLUDED.last_hit_at, expires_at = EXCLUDED.expires_at;
+END;
+$$;
 
-    -- AFFINITY, read: each claim's live binding, its credential first in the claim's ranked list
-    -- (taken out of the rest); a claim whose list had no candidate with windows but whose bound
-    -- credential has them picks with the windows' shape. Strict, while the bound credential
-    -- could serve but for slots and windows (read from this snapshot, like every candidate's
-    -- credential row): that credential alone, in its own pool; nothing in the sequence's others.
-    -- Run only when a claim names an affinity_key.
-    v_affine := array_remove(v_affinity_key, NULL) <> '{}';
-    IF v_affine THEN
-        SELECT array_agg(b.key_id ORDER BY k.n),
-               array_agg(CASE
-                   WHEN b.key_id IS NULL THEN v_ranked[k.n]
-                   WHEN x.confined THEN CASE WHEN (x.c).pool = v_pool[k.n]
-                                             THEN jsonb_build_array(b.key_id) ELSE '[]' END
-                   ELSE jsonb_build_array(b.key_id) || (v_ranked[k.n] - b.key_id) END ORDER BY k.n),
-               array_agg(v_windowed[k.n] OR coalesce((x.c).rate_limits <> '[]'::jsonb, false)
-                         ORDER BY k.n),
-               array_agg(coalesce(x.confined, false) ORDER BY k.n)
-        INTO v_bound, v_ranked, v_windowed, v_bound_only
-        FROM generate_subscripts(v_affinity_key, 1) AS k (n)
+-- TENANT HELD: for each claim that got nothing, of a capped tenant or one with windows, whether
+-- its tenant holds it back, read now: at its cap when no row of the tenant is open (each within
+-- the cap holds a live lease; it frees when the first of those ends); out of window room when a
+-- window of it cannot take the claim's reservation now (it frees when it can; never: NULL).
+CREATE OR REPLACE FUNCTION credpool_claim_tenant_held(p_claims credpool_claim[],
+    p_grants credpool_grant[], p_now timestamptz)
+RETURNS credpool_claim[]
+LANGUAGE plpgsql
+SET enable_seqscan = off SET enable_bitmapscan = off SET enable_hashjoin = off
+SET enable_mergejoin = off SET enable_material = off SET jit = off
+SET plan_cache_mode = force_generic_plan
+AS $$
+DECLARE
+    v_claims credpool_claim[] := p_claims;
+    r record;
+BEGIN
+    FOR r IN
+        SELECT o.n, coalesce(tl.full, false) AS cap_full, tl.frees_at AS cap_frees,
+               coalesce(tw.full, false) AS window_full, tw.frees_at AS window_frees
+        FROM unnest(p_claims) AS o
+        -- (a tenant has slot rows while it has a cap, and a tenant_windows row while it has windows)
         LEFT JOIN LATERAL (
-            SELECT b.key_id
-            FROM affinity_bindings b
-            WHERE b.tenant = v_tenant[k.n] AND b.provider = v_provider[k.n]
-              AND b.pool = v_affinity_pools[k.n] ->> 0 AND b.affinity_key = v_affinity_key[k.n]
-              AND b.expires_at > v_now
-            LIMIT 1
-        ) AS b ON v_affinity_key[k.n] IS NOT NULL
+            SELECT NOT coalesce(bool_or(credpool_tenant_slot_open(t, p_now)), false) AS full,
+                   min(t.lease_until) FILTER (WHERE t.lease_until > p_now AND NOT t.surplus) AS frees_at
+            FROM tenant_slots t
+            WHERE t.tenant_id = o.tenant
+            HAVING count(*) > 0
+        ) AS tl ON true
         LEFT JOIN LATERAL (
-            SELECT c,
-                   v_affinity_strict[k.n] AND v_affinity_pools[k.n] ? c.pool
-                   AND credpool_may_serve(c, v_provider[k.n], c.pool, v_model[k.n], v_now) AS confined
-            FROM credentials c
-            WHERE c.key_id = b.key_id
-            LIMIT 1
-        ) AS x ON true;
-    END IF;
-
-    -- Request ids: a claim whose request_id another transaction is claiming for right now is
-    -- 'in_flight'; one whose request_id has a live lease replays it (or is a 'conflict'); of the
-    -- claims of this call that name one request_id, the first claims and the others are
-    -- 'in_flight' (claimed again, they replay its lease).
-    v_done := array_fill(false, ARRAY[v_count]);
-    v_request := array_fill(NULL::text, ARRAY[v_count]);
-    -- a claim without a tenant presented no live key: refused, nothing looked at; one whose
-    -- tenant an operator is changing right now (its advisory lock held): 'busy', claim again
-    FOR q IN SELECT k AS n FROM generate_subscripts(v_tenant, 1) AS k
-             WHERE v_tenant[k] IS NULL OR NOT v_steady[k] LOOP
-        v_request[q.n] := CASE WHEN v_tenant[q.n] IS NULL THEN 'unauthorized' ELSE 'busy' END;
-        v_done[q.n] := true;
-        v_request_id[q.n] := NULL;
+            SELECT NOT credpool_window_room(credpool_tenant_window(tw), p_now, o.tokens) AS full,
+                   nullif(credpool_window_frees_at(credpool_tenant_window(tw), p_now, o.tokens),
+                          'infinity') AS frees_at
+            FROM tenant_windows tw
+            WHERE tw.tenant_id = o.tenant
+        ) AS tw ON true
+        WHERE o.request IS NULL AND NOT o.n = ANY (ARRAY(SELECT g.n FROM unnest(p_grants) AS g))
+          AND (tl.full OR tw.full)
+    LOOP
+        v_claims[r.n].cap_full := r.cap_full;
+        v_claims[r.n].cap_frees := r.cap_frees;
+        v_claims[r.n].window_full := r.window_full;
+        v_claims[r.n].window_frees := r.window_frees;
     END LOOP;
-    IF array_remove(v_request_id, NULL) <> '{}' THEN
-        SELECT coalesce(array_agg(ids.request_id), '{}') INTO v_requests
-        FROM (SELECT DISTINCT r AS request_id FROM unnest(v_request_id) AS r WHERE r IS NOT NULL) AS ids
-        WHERE pg_try_advisory_xact_lock(hashtextextended('credpool.request_id:' || ids.request_id, 0));
-        FOR q IN SELECT k AS n FROM generate_subscripts(v_request_id, 1) AS k
-                 WHERE v_request_id[k] IS NOT NULL ORDER BY k LOOP
-            IF NOT v_request_id[q.n] = ANY (v_requests)
-               OR v_request_id[q.n] = ANY (v_request_id[:q.n - 1]) THEN
-                v_request[q.n] := 'in_flight';
-                v_done[q.n] := true;
-                CONTINUE;
-            END IF;
-            -- (a request id names a lease of one tenant: another tenant's request conflicts)
-            SELECT s, r.request_digest = v_digest[q.n] AND s.tenant IS NOT DISTINCT FROM v_tenant[q.n]
-                          AS same_request, c.secret_ciphertext,
-                   coalesce(c.model_aliases ->> v_model[q.n], v_model[q.n]) AS provider_model
-            INTO prior
-            FROM lease_requests r
-            JOIN lease_slots s ON s.key_id = r.key_id AND s.lease_id = r.lease_id
-            JOIN credentials c ON c.key_id = s.key_id
-            WHERE r.request_id = v_request_id[q.n] AND s.lease_until > v_now;
-            IF FOUND THEN
-                v_done[q.n] := true;
-                IF prior.same_request THEN
-                    v_request[q.n] := 'replayed';
-                    g_claim := g_claim || q.n;
-                    g_slot := g_slot || prior.s;
-                    g_secret := g_secret || prior.secret_ciphertext;
-                    g_model := g_model || prior.provider_model;
-                    g_pruned := g_pruned || false;
-                ELSE
-                    v_request[q.n] := 'conflict';
-                END IF;
-            END IF;
-        END LOOP;
-    END IF;
+    RETURN v_claims;
+END;
+$$;
 
-    -- FAIR SHARE: a waiting claim yields to a tenant further below its share waiting for its pool
-    -- (the claims of this call for the same pool that go ahead before it count as in flight)
-    IF array_remove(v_since, NULL) <> '{}' THEN
-        FOR q IN SELECT k AS n FROM generate_subscripts(v_since, 1) AS k
-                 WHERE v_since[k] IS NOT NULL AND NOT v_done[k] ORDER BY k LOOP
-            v_yield_to[q.n] := credpool_fair_share_ahead(v_provider[q.n], v_pool[q.n], v_model[q.n],
-                v_tenant[q.n], v_since[q.n],
-                ARRAY(SELECT v_tenant[j] FROM generate_subscripts(v_since, 1) AS j
-                      WHERE j < q.n AND v_since[j] IS NOT NULL AND NOT v_done[j]
-                        AND v_provider[j] = v_provider[q.n] AND v_pool[j] = v_pool[q.n]),
-                v_now);
-            IF v_yield_to[q.n] IS NOT NULL THEN
-                v_request[q.n] := 'yield';
-                v_done[q.n] := true;
-            END IF;
-        END LOOP;
-    END IF;
+-- WAIT (fair share): a waiting claim that got nothing for want of a slot is (still) waiting: its
+-- request's pool_waiters row written (kept as it is when there: its first arrival and end of
+-- wait); one that got a lease (or replayed one), or that its own tenant holds back (its cap, its
+-- windows: not the pool), waits for no slot: no row (a tenant that cannot take a slot is never
+-- yielded to). Only the request's own claims write its row, one after the other, so the write
+-- never waits. A strict affinity claim waits for one credential: other tenants' claims must not
+-- yield every other slot of the pool to it, so it writes no row.
+CREATE OR REPLACE FUNCTION credpool_claim_wait(p_claims credpool_claim[], p_grants credpool_grant[],
+    p_now timestamptz)
+RETURNS void
+LANGUAGE plpgsql
+AS $$
+BEGIN
+    DELETE FROM pool_waiters w
+    WHERE w.waiter IN (SELECT (o.waiting ->> 'waiter')::uuid
+                       FROM unnest(p_claims) AS o
+                       WHERE o.since IS NOT NULL
+                         AND (o.n IN (SELECT g.n FROM unnest(p_grants) AS g)
+                              OR o.cap_full OR o.window_full));
+    INSERT INTO pool_waiters (waiter, instance, tenant, provider, pools, model, since, until, tokens)
+    SELECT (o.waiting ->> 'waiter')::uuid, o.waiting ->> 'instance', o.tenant, o.provider,
+           ARRAY(SELECT jsonb_array_elements_text(o.waiting -> 'pools')), o.model, o.since,
+           o.wait_until, o.tokens
+    FROM unnest(p_claims) AS o
+    WHERE o.since IS NOT NULL AND o.tenant IS NOT NULL
+      AND o.n NOT IN (SELECT g.n FROM unnest(p_grants) AS g)
+      AND NOT (o.cap_full OR o.window_full)
+      AND o.request IS DISTINCT FROM 'conflict' AND o.request IS DISTINCT FROM 'in_flight'
+      AND o.affinity_mode IS DISTINCT FROM 'strict'
+    ON CONFLICT (waiter) DO NOTHING;
+END;
+$$;
 
-    v_open := ARRAY(SELECT k FROM generate_subscripts(v_done, 1) AS k WHERE NOT v_done[k] ORDER BY k);
-    WHILE cardinality(v_open) > 0 LOOP
-        -- PICK: each open claim's first candidate with room, locked; the first claim (in array
-        -- order) that picked a credential wins it, the others are open again
-        SELECT coalesce(array_agg(p.n) FILTER (WHERE p.first), '{}'),
-               array_agg(p.s) FILTER (WHERE p.first),
-               array_agg(p.status) FILTER (WHERE p.first),
-               array_agg(p.cooldown_until) FILTER (WHERE p.first),
-               array_agg(p.at) FILTER (WHERE p.first),
-               array_agg(p.windowed) FILTER (WHERE p.first),
-               array_agg(p.secret_ciphertext) FILTER (WHERE p.first),
-               array_agg(p.provider_model) FILTER (WHERE p.first),
-               array_agg(p.token_expires_at) FILTER (WHERE p.first),
-               coalesce(array_agg(p.n) FILTER (WHERE NOT p.first), '{}'),
-               coalesce(bool_or((p.s).lease_id IS NOT NULL) FILTER (WHERE p.first), false),
-               coalesce(bool_or(v_request_id[p.n] IS NOT NULL) FILTER (WHERE p.first), false),
-               coalesce(bool_or(p.status <> 'available') FILTER (WHERE p.first), false),
-               array_agg(p.tenant_slot) FILTER (WHERE p.first),
-               array_agg(p.tenant_windowed) FILTER (WHERE p.first)
-        INTO w_claim, w_slot, w_status, w_cooldown, w_at, w_charge, w_secret, w_model, w_token,
-             v_open, v_pruned, v_requested, v_probed, w_tenant_slot, w_tenant_charge
-        FROM (
-            SELECT o.*,
-                   row_number() OVER (PARTITION BY (o.s).key_id ORDER BY o.n) = 1
-                   AND row_number() OVER (PARTITION BY v_tenant[o.n], coalesce(o.tenant_slot, -o.n)
-                                          ORDER BY o.n) = 1
-                   -- (one grant per round charges a tenant's windows, as a credential's)
-                   AND row_number() OVER (PARTITION BY v_tenant[o.n],
-                                                       CASE WHEN NOT o.tenant_windowed THEN o.n END
-                                          ORDER BY o.n) = 1 AS first
-            FROM (
-                -- what each claim's tenant needs, as it is now (this statement's snapshot, taken
-                -- after the call holds the tenant's advisory lock in shared mode, so a change of
-                -- the tenant either committed before it or waits for this call): with a cap, a
-                -- free row of its tenant_slots, from this claim's starting row on, else (only
-                -- then) the first before it ("Tenants" above); with windows, its tenant_windows
-                -- row, locked, when every window has room ("Tenant windows" above)
-                WITH tenancy AS (
-                    SELECT q.n, tn.capped, ts.slot AS tenant_slot,
-                           coalesce(twx.windowed, false) AS tenant_windowed,
-                           twl.tenant_id IS NOT NULL AS tenant_window_held
-                    FROM unnest(v_open) AS q (n)
-                    CROSS JOIN LATERAL (
-                        SELECT t.max_concurrent_leases IS NOT NULL AS capped
-                        FROM tenants t WHERE t.tenant_id = v_tenant[q.n] LIMIT 1
-                    ) AS tn
-                    LEFT JOIN LATERAL (
-                        SELECT t.slot
-                        FROM tenant_slots t
-                        WHERE tn.capped AND (SELECT credpool_test_hook('claim.before_tenant_lock'))
-                          AND t.tenant_id = v_tenant[q.n] AND t.slot >= v_tenant_start[q.n]
-                          AND credpool_tenant_slot_open(t, v_now)
-                        ORDER BY t.slot
-                        LIMIT 1
-                        FOR UPDATE SKIP LOCKED
-                    ) AS ts_after ON true
-                    LEFT JOIN LATERAL (
-                        SELECT t.slot
-                        FROM tenant_slots t
-                        WHERE tn.capped AND ts_after.slot IS NULL
-                          AND t.tenant_id = v_tenant[q.n] AND t.slot < v_tenant_start[q.n]
-                          AND credpool_tenant_slot_open(t, v_now)
-                        ORDER BY t.slot
-                        LIMIT 1
-                        FOR UPDATE SKIP LOCKED
-                    ) AS ts_before ON true
-                    CROSS JOIN LATERAL (SELECT coalesce(ts_after.slot, ts_before.slot) AS slot) AS ts
-                    LEFT JOIN LATERAL (
-                        SELECT true AS windowed FROM tenant_windows tw
-                        WHERE tw.tenant_id = v_tenant[q.n] LIMIT 1
-                    ) AS twx ON true
-                    LEFT JOIN LATERAL (
-                        SELECT tw.tenant_id
-                        FROM tenant_windows tw
-                        WHERE twx.windowed AND tw.tenant_id = v_tenant[q.n]
-                          AND (SELECT credpool_test_hook('claim.before_tenant_window_lock'))
-                          AND credpool_window_room(credpool_tenant_window(tw), v_now, v_tokens[q.n])
-                        LIMIT 1
-                        FOR UPDATE SKIP LOCKED
-                    ) AS twl ON true
-                )
-                SELECT q.n, x.*, false AS windowed, q.tenant_slot, q.tenant_windowed
-                FROM tenancy q
-                CROSS JOIN LATERAL (
-                    SELECT s, c.status, c.cooldown_until, c.secret_ciphertext,
-                           coalesce(c.model_aliases ->> v_model[q.n], v_model[q.n]) AS provider_model,
-                           clock_timestamp() AS at, c.token_expires_at
-                    FROM jsonb_array_elements_text(v_ranked[q.n]) WITH ORDINALITY AS r (key_id, rank)
-                    CROSS JOIN LATERAL (
-                        SELECT * FROM credentials c WHERE c.key_id = r.key_id LIMIT 1
-                    ) c
-                    JOIN lease_slots s ON s.key_id = c.key_id
-                    WHERE (NOT q.capped OR q.tenant_slot IS NOT NULL)
-                      AND (NOT q.tenant_windowed OR q.tenant_window_held)
-                      AND (SELECT credpool_test_hook('claim.before_lock'))
-                      AND credpool_may_serve(c, v_provider[q.n], v_pool[q.n], v_model[q.n], v_now)
-                      AND credpool_slot_open(s, c.status, v_now)
-                      AND s.config_version = c.config_version
-                      AND credpool_token_lasts(c, v_now + make_interval(secs => v_seconds[q.n]))
-                      AND NOT s.windowed
-                    ORDER BY r.rank, s.slot
-                    LIMIT 1
-                    FOR UPDATE OF s SKIP LOCKED
-                ) AS x
-                WHERE NOT v_windowed[q.n]
-                UNION ALL
-                SELECT q.n, x.*, true AS windowed, q.tenant_slot, q.tenant_windowed
-                FROM tenancy q
-                CROSS JOIN LATERAL (
-                    SELECT s, c.status, c.cooldown_until, c.secret_ciphertext,
-                           coalesce(c.model_aliases ->> v_model[q.n], v_model[q.n]) AS provider_model,
-                           clock_timestamp() AS at, c.token_expires_at
-                    FROM jsonb_array_elements_text(v_ranked[q.n]) WITH ORDINALITY AS r (key_id, rank)
-                    CROSS JOIN LATERAL (
-                        SELECT * FROM credentials c WHERE c.key_id = r.key_id LIMIT 1
-                    ) c
-                    JOIN lease_windows w ON w.key_id = c.key_id
-                    JOIN lease_slots s ON s.key_id = c.key_id
-                    WHERE (NOT q.capped OR q.tenant_slot IS NOT NULL)
-                      AND (NOT q.tenant_windowed OR q.tenant_window_held)
-                      AND (SELECT credpool_test_hook('claim.before_lock'))
-                      AND credpool_may_serve(c, v_provider[q.n], v_pool[q.n], v_model[q.n], v_now)
-                      AND credpool_slot_open(s, c.status, v_now)
-                      AND s.config_version = c.config_version
-                      AND credpool_token_lasts(c, v_now + make_interval(secs => v_seconds[q.n]))
-                      AND credpool_window_room(w, v_now, v_tokens[q.n])
-                    ORDER BY r.rank, s.slot
-                    LIMIT 1
-                    FOR UPDATE OF w, s SKIP LOCKED
-                ) AS x
-                WHERE v_windowed[q.n]
-            ) AS o
-            ORDER BY o.n
-        ) AS p;
-        EXIT WHEN cardinality(w_claim) = 0;
-
-        -- GRANT: the expired leases the winners' slots still carry end in the trail (at their
-        -- own lease_until); then every winner's lease begins (slot row and `granted` trail row),
-        -- in one statement
-        IF v_pruned THEN
-            PERFORM credpool_record_lease_ends(
-                ARRAY(SELECT s FROM unnest(w_slot) AS s WHERE s.lease_id IS NOT NULL),
-                ARRAY(SELECT 'expired' FROM unnest(w_slot) AS s WHERE s.lease_id IS NOT NULL),
-                ARRAY(SELECT s.lease_until FROM unnest(w_slot) AS s WHERE s.lease_id IS NOT NULL));
-        END IF;
-        WITH won AS (
-            SELECT w_claim[i] AS n, (w_slot[i]).key_id, (w_slot[i]).slot,
-                   (w_slot[i]).lease_id IS NOT NULL AS pruned, w_status[i] AS status,
-                   w_at[i] AS at, w_secret[i] AS secret, w_model[i] AS model,
-                   w_token[i] AS token_expires_at, v_lease[w_claim[i]] AS lease_id,
-                   v_provider[w_claim[i]] AS provider, v_pool[w_claim[i]] AS pool,
-                   v_holder[w_claim[i]] AS holder, v_seconds[w_claim[i]] AS seconds,
-                   v_tokens[w_claim[i]] AS tokens, v_tenant[w_claim[i]] AS tenant,
-                   w_tenant_slot[i] AS tenant_slot
-            FROM generate_subscripts(w_claim, 1) AS i
-        ),
-        granted AS (
-            UPDATE lease_slots s
-            SET lease_id = won.lease_id, provider = won.provider, pool = won.pool,
-                holder = won.holder, granted_at = won.at,
-                lease_until = least(won.at + make_interval(secs => won.seconds), won.token_expires_at),
-                last_granted_at = won.at, probe = won.status <> 'available',
-                fence = nextval('lease_fence_seq'), reserved_tokens = won.tokens,
-                tenant = won.tenant, tenant_slot = won.tenant_slot
-            FROM won
-            WHERE s.key_id = won.key_id AND s.slot = won.slot
-            RETURNING won.n, s, won.secret, won.model, won.pruned, won.tenant_slot
-        ),
-        -- a capped tenant's lease takes the tenant slot row PICK locked, with the same end
-        tenant_held AS (
-            UPDATE tenant_slots t
-            SET lease_id = (g.s).lease_id, key_id = (g.s).key_id, lease_until = (g.s).lease_until
-            FROM granted g
-            WHERE t.tenant_id = (g.s).tenant AND t.slot = g.tenant_slot
-        ),
-        trail AS (
-            INSERT INTO lease_events
-                (event, lease_id, key_id, provider, pool, slot, holder, lease_until, at, fence, tokens,
-                 tenant, affinity)
-            SELECT 'granted', (g.s).lease_id, (g.s).key_id, (g.s).provider, (g.s).pool, (g.s).slot,
-                   (g.s).holder, (g.s).lease_until, (g.s).granted_at, (g.s).fence,
-                   (g.s).reserved_tokens, (g.s).tenant,
-                   -- AFFINITY: the grant's result, for the dashboard's hit ratio
-                   credpool_affinity_result(v_affinity_key[g.n], v_bound[g.n], (g.s).key_id)
-            FROM granted g
-        )
-        SELECT g_claim || array_agg(g.n), g_slot || array_agg(g.s), g_secret || array_agg(g.secret),
-               g_model || array_agg(g.model), g_pruned || array_agg(g.pruned)
-        INTO g_claim, g_slot, g_secret, g_model, g_pruned
-        FROM granted g;
-        -- what only some winners need, each in a statement of its own run only then (a part of
-        -- the statement above costs its start-up whether or not a row needs it): the windows
-        -- charged (the credentials', the tenants'), the request ids' rows, the probes' trail rows
-        IF true = ANY (w_charge) THEN
-            UPDATE lease_windows lw
-            SET (bucket_ids, bucket_charged) =
-                (SELECT x.bucket_ids, x.bucket_charged
-                 FROM credpool_window_charge(lw, w_at[i], v_tokens[w_claim[i]]) AS x)
-            FROM generate_subscripts(w_claim, 1) AS i
-            WHERE w_charge[i] AND lw.key_id = (w_slot[i]).key_id
-              AND cardinality(lw.window_kinds) > 0;
-        END IF;
-        IF true = ANY (w_tenant_charge) THEN
-            UPDATE tenant_windows tw
-            SET (bucket_ids, bucket_charged) =
-                (SELECT x.bucket_ids, x.bucket_charged
-                 FROM credpool_window_charge(credpool_tenant_window(tw), w_at[i],
-                                             v_tokens[w_claim[i]]) AS x)
-            FROM generate_subscripts(w_claim, 1) AS i
-            WHERE w_tenant_charge[i] AND tw.tenant_id = v_tenant[w_claim[i]];
-        END IF;
-        IF v_requested THEN
-            INSERT INTO lease_requests AS r (request_id, request_digest, lease_id, key_id, granted_at)
-            SELECT v_request_id[w_claim[i]], v_digest[w_claim[i]], v_lease[w_claim[i]],
-                   (w_slot[i]).key_id, w_at[i]
-            FROM generate_subscripts(w_claim, 1) AS i
-            WHERE v_request_id[w_claim[i]] IS NOT NULL
-            ON CONFLICT ON CONSTRAINT lease_requests_pkey DO UPDATE
-            SET request_digest = EXCLUDED.request_digest, lease_id = EXCLUDED.lease_id,
-                key_id = EXCLUDED.key_id, granted_at = EXCLUDED.granted_at;
-        END IF;
-        IF v_probed THEN
-            INSERT INTO credential_events
-                (key_id, event, old_status, new_status, reason, cooldown_until, lease_id, at)
-            SELECT (w_slot[i]).key_id, 'probe_granted', w_status[i], w_status[i],
-                   'cooldown ended; single probe lease granted', w_cooldown[i],
-                   v_lease[w_claim[i]], w_at[i]
-            FROM generate_subscripts(w_claim, 1) AS i
-            WHERE w_status[i] <> 'available';
-        END IF;
-    END LOOP;
-
-    -- AFFINITY, write: the bindings of this call's grants (not replays), in one statement, the
-    -- last grant of each affinity key in claim order. First the affinity keys' advisory locks,
-    -- tried, in a statement of their own, so that the write's snapshot, taken after them, sees
-    -- every binding the lock's last holder wrote: a row the write does not see then can only be
-    -- inserted by a holder of the lock, so its INSERT never meets another transaction's row in
-    -- progress. Then each existing row is locked with SKIP LOCKED (a row another transaction
-    -- holds: an operator's delete cascading, the maintenance pass, a claim's write is left as
-    -- it is), and the write touches only rows it locked or that do not exist.
-    IF v_affine AND cardinality(g_claim) > 0 THEN
-        SELECT coalesce(array_agg(d.i ORDER BY d.i), '{}')
-        INTO v_bind
-        FROM (
-            SELECT DISTINCT ON (v_tenant[g_claim[i]], v_provider[g_claim[i]],
-                                v_affinity_pools[g_claim[i]] ->> 0, v_affinity_key[g_claim[i]]) i
-            FROM generate_subscripts(g_claim, 1) AS i
-            WHERE v_affinity_key[g_claim[i]] IS NOT NULL AND v_request[g_claim[i]] IS NULL
-            ORDER BY v_tenant[g_claim[i]], v_provider[g_claim[i]], v_affinity_pools[g_claim[i]] ->> 0,
-                     v_affinity_key[g_claim[i]], g_claim[i] DESC
-        ) AS d
-        WHERE pg_try_advisory_xact_lock(credpool_affinity_lock(v_tenant[g_claim[d.i]], v_provider[g_claim[d.i]],
-                  v_affinity_pools[g_claim[d.i]] ->> 0, v_affinity_key[g_claim[d.i]]));
-        IF v_bind <> '{}' THEN
-            WITH wanted AS (
-                SELECT v_tenant[n] AS tenant, v_provider[n] AS provider,
-                       v_affinity_pools[n] ->> 0 AS pool, v_affinity_key[n] AS affinity_key,
-                       (g_slot[i]).key_id, (g_slot[i]).granted_at AS at, v_affinity_ttl[n] AS ttl
-                FROM unnest(v_bind) AS i
-                CROSS JOIN LATERAL (SELECT g_claim[i] AS n) AS x
-            ),
-            found AS (
-                SELECT w.*, e.found, l.locked
-                FROM wanted w
-                LEFT JOIN LATERAL (
-                    SELECT true AS found FROM affinity_bindings b
-                    WHERE b.tenant = w.tenant AND b.provider = w.provider AND b.pool = w.pool
-                      AND b.affinity_key = w.affinity_key
-                    LIMIT 1
-                ) AS e ON true
-                LEFT JOIN LATERAL (
-                    SELECT true AS locked FROM affinity_bindings b
-                    WHERE b.tenant = w.tenant AND b.provider = w.provider AND b.pool = w.pool
-                      AND b.affinity_key = w.affinity_key
-                    FOR UPDATE SKIP LOCKED
-                ) AS l ON e.found
-            )
-            INSERT INTO affinity_bindings AS b
-                (tenant, provider, pool, affinity_key, key_id, bound_at, last_hit_at, expires_at)
-            SELECT f.tenant, f.provider, f.pool, f.affinity_key, f.key_id, f.at, f.at,
-                   f.at + make_interval(secs => f.ttl)
-            FROM found f
-            WHERE f.found IS NULL OR f.locked
-            ON CONFLICT ON CONSTRAINT affinity_bindings_pkey DO UPDATE
-            SET key_id = EXCLUDED.key_id,
-                -- a hit keeps when the conversation was bound; a move or an expired binding
-                -- starts anew
-                bound_at = CASE WHEN b.key_id = EXCLUDED.key_id AND b.expires_at > EXCLUDED.bound_at
-                                THEN b.bound_at ELSE EXCLUDED.bound_at END,
-                last_hit_at = EXCLUDED.last_hit_at, expires_at = EXCLUDED.expires_at;
-        END IF;
-    END IF;
-
-    -- TENANT: a claim that got nothing, of a capped tenant or one with windows: does its tenant
-    -- hold it back, read now? At its cap when no row of the tenant is open (each within the cap
-    -- holds a live lease; frees when the first of those ends); out of window room when a window
-    -- of it cannot take the claim's reservation now (frees when it can; never: NULL).
-    SELECT array_agg(coalesce(tl.full, false) ORDER BY k.n), array_agg(tl.frees_at ORDER BY k.n),
-           array_agg(coalesce(tw.full, false) ORDER BY k.n), array_agg(tw.frees_at ORDER BY k.n)
-    INTO v_cap_full, v_cap_frees, v_window_full, v_window_frees
-    FROM generate_subscripts(v_done, 1) AS k (n)
-    -- (a tenant has slot rows while it has a cap, and a tenant_windows row while it has windows)
-    LEFT JOIN LATERAL (
-        SELECT NOT coalesce(bool_or(credpool_tenant_slot_open(t, v_now)), false) AS full,
-               min(t.lease_until) FILTER (WHERE t.lease_until > v_now AND NOT t.surplus) AS frees_at
-        FROM tenant_slots t
-        WHERE NOT k.n = ANY (g_claim) AND NOT v_done[k.n] AND t.tenant_id = v_tenant[k.n]
-        HAVING count(*) > 0
-    ) AS tl ON true
-    LEFT JOIN LATERAL (
-        SELECT NOT credpool_window_room(credpool_tenant_window(tw), v_now, v_tokens[k.n]) AS full,
-               nullif(credpool_window_frees_at(credpool_tenant_window(tw), v_now, v_tokens[k.n]),
-                      'infinity') AS frees_at
-        FROM tenant_windows tw
-        WHERE NOT k.n = ANY (g_claim) AND NOT v_done[k.n] AND tw.tenant_id = v_tenant[k.n]
-    ) AS tw ON true;
-
-    -- FAIR SHARE: a waiting claim that got nothing for want of a slot is (still) waiting: its
-    -- request's row written (kept as it is when there, with its first claim's arrival and end of
-    -- wait, dated on this clock); one that got a lease (or replayed one), or that its own tenant
-    -- holds back (its cap, its windows: not the pool), waits for no slot: no row (a tenant that
-    -- cannot take a slot is never yielded to)
-    IF array_remove(v_since, NULL) <> '{}' THEN
-        DELETE FROM pool_waiters w
-        WHERE w.waiter IN (SELECT (v_waiting[k] ->> 'waiter')::uuid
-                           FROM generate_subscripts(v_since, 1) AS k
-                           WHERE v_since[k] IS NOT NULL
-                             AND (k = ANY (g_claim) OR v_cap_full[k] OR v_window_full[k]));
-        INSERT INTO pool_waiters (waiter, instance, tenant, provider, pools, model, since, until,
-                                  tokens)
-        SELECT (v_waiting[k] ->> 'waiter')::uuid, v_waiting[k] ->> 'instance', v_tenant[k],
-               v_provider[k], ARRAY(SELECT jsonb_array_elements_text(v_waiting[k] -> 'pools')),
-               v_model[k], v_since[k],
-               v_now + make_interval(secs => (v_waiting[k] ->> 'wait_ms')::numeric / 1000),
-               v_tokens[k]
-        FROM generate_subscripts(v_since, 1) AS k
-        WHERE v_since[k] IS NOT NULL AND v_tenant[k] IS NOT NULL AND NOT k = ANY (g_claim)
-          AND NOT (v_cap_full[k] OR v_window_full[k])
-          AND v_request[k] IS DISTINCT FROM 'conflict' AND v_request[k] IS DISTINCT FROM 'in_flight'
-          -- (a strict affinity waits for one credential: other tenants' claims must not yield
-          -- every other slot of the pool to it)
-          AND NOT v_affinity_strict[k]
-        ON CONFLICT (waiter) DO NOTHING;
-    END IF;
-
-    -- The answers, in claim order. Nothing granted: when may a candidate serve it (read now)? A
-    -- candidate whose slot or window row another transaction held (a concurrent claim, the
-    -- reaper, an operator's change) was passed over without knowing what that transaction
-    -- leaves: if, read now, one may serve at once, say so ('busy': the caller claims again).
-    -- A claim its tenant holds back (TENANT, above) is 'tenant_limit', whatever the credentials
-    -- say.
+-- ANSWERS: one row per claim, in claim order (the columns of credpool_claim). Nothing granted:
+-- when may a candidate serve it, read now? A candidate whose slot or window row another
+-- transaction held (a concurrent claim, the reaper, an operator's change) was passed over
+-- without knowing what that transaction leaves: if, read now, one may serve at once, the claim
+-- is 'busy' (the caller claims again). A claim its tenant holds back (TENANT HELD) is
+-- 'tenant_limit', whatever the credentials say (a tenant both at its cap and out of window room:
+-- the later of the two; NULL when its window can never hold the reservation).
+CREATE OR REPLACE FUNCTION credpool_claim_answers(p_claims credpool_claim[],
+    p_grants credpool_grant[], p_now timestamptz)
+RETURNS TABLE (claim integer, pool_version bigint, key_id text, lease_id uuid, lease_pool text,
+               granted_at timestamptz, lease_until timestamptz, probe boolean,
+               provider_model text, sealed_secret bytea, pruned_expired boolean, fence bigint,
+               request text, frees_at timestamptz, held_by text, tenant text, db_now timestamptz,
+               affinity text, yield_to text)
+LANGUAGE plpgsql
+SET enable_seqscan = off SET enable_bitmapscan = off SET enable_hashjoin = off
+SET enable_mergejoin = off SET enable_material = off SET jit = off
+SET plan_cache_mode = force_generic_plan
+AS $$
+#variable_conflict use_column
+BEGIN
     RETURN QUERY
-    SELECT v_number[k.n], v_pool_version[k.n], (g_slot[g.i]).key_id, (g_slot[g.i]).lease_id,
-           (g_slot[g.i]).pool, (g_slot[g.i]).granted_at, (g_slot[g.i]).lease_until,
-           (g_slot[g.i]).probe, g_model[g.i], g_secret[g.i], g_pruned[g.i], (g_slot[g.i]).fence,
-           CASE WHEN v_request[k.n] IS NOT NULL THEN v_request[k.n]
-                WHEN v_cap_full[k.n] OR v_window_full[k.n] THEN 'tenant_limit'
-                WHEN g.i IS NULL AND f.at <= v_now THEN 'busy' END,
-           -- (a tenant both at its cap and out of window room: the later of the two; NULL when
-           -- its window can never hold the reservation)
-           CASE WHEN v_window_full[k.n] AND v_window_frees[k.n] IS NULL THEN NULL
-                WHEN v_cap_full[k.n] OR v_window_full[k.n]
-                    THEN greatest(CASE WHEN v_cap_full[k.n] THEN v_cap_frees[k.n] END,
-                                  CASE WHEN v_window_full[k.n] THEN v_window_frees[k.n] END)
+    SELECT o.n, o.pool_version, (g.s).key_id, (g.s).lease_id, (g.s).pool, (g.s).granted_at,
+           (g.s).lease_until, (g.s).probe, g.provider_model, g.secret, g.pruned, (g.s).fence,
+           CASE WHEN o.request IS NOT NULL THEN o.request
+                WHEN o.cap_full OR o.window_full THEN 'tenant_limit'
+                WHEN g.n IS NULL AND f.at <= p_now THEN 'busy' END,
+           CASE WHEN o.window_full AND o.window_frees IS NULL THEN NULL
+                WHEN o.cap_full OR o.window_full
+                    THEN greatest(CASE WHEN o.cap_full THEN o.cap_frees END,
+                                  CASE WHEN o.window_full THEN o.window_frees END)
                 ELSE f.at END,
-           CASE WHEN v_window_full[k.n]
-                     AND (v_window_frees[k.n] IS NULL OR NOT v_cap_full[k.n]
-                          OR v_window_frees[k.n] > v_cap_frees[k.n]) THEN 'tenant_window'
-                WHEN v_cap_full[k.n] THEN 'tenant' ELSE f.held_by END,
-           coalesce((g_slot[g.i]).tenant, v_tenant[k.n]), v_now,
+           CASE WHEN o.window_full
+                     AND (o.window_frees IS NULL OR NOT o.cap_full
+                          OR o.window_frees > o.cap_frees) THEN 'tenant_window'
+                WHEN o.cap_full THEN 'tenant' ELSE f.held_by END,
+           coalesce((g.s).tenant, o.tenant), p_now,
            -- AFFINITY: the grant's result (a replay says none); a strict claim confined to its
            -- bound credential that granted nothing: 'bound'
-           CASE WHEN g.i IS NOT NULL AND v_request[k.n] IS NULL
-                THEN credpool_affinity_result(v_affinity_key[k.n], v_bound[k.n], (g_slot[g.i]).key_id)
-                WHEN g.i IS NULL AND v_bound_only[k.n] THEN 'bound' END,
-           v_yield_to[k.n]
-    FROM generate_subscripts(v_done, 1) AS k (n)
-    CROSS JOIN LATERAL (SELECT array_position(g_claim, k.n) AS i) AS g
+           CASE WHEN g.n IS NOT NULL AND o.request IS NULL
+                THEN credpool_affinity_result(o.affinity_key, o.bound, (g.s).key_id)
+                WHEN g.n IS NULL AND o.bound_only THEN 'bound' END,
+           o.yield_to
+    FROM unnest(p_claims) AS o
+    LEFT JOIN unnest(p_grants) AS g ON g.n = o.n
     LEFT JOIN LATERAL (
         SELECT greatest(f.at, t.at) AS at,
                CASE WHEN t.at > f.at THEN 'token_refresh' ELSE f.held_by END AS held_by
-        FROM jsonb_array_elements_text(v_ranked[k.n]) AS r (key_id)
+        FROM unnest(o.ranked) AS r (key_id)
         JOIN credentials c ON c.key_id = r.key_id
         LEFT JOIN lease_windows w ON w.key_id = c.key_id
-        CROSS JOIN LATERAL credpool_frees_at(c, w, v_tokens[k.n], v_now) AS f
+        CROSS JOIN LATERAL credpool_frees_at(c, w, o.tokens, p_now) AS f
         CROSS JOIN LATERAL credpool_token_refreshed_at(
-            c, v_now + make_interval(secs => v_seconds[k.n]), v_now) AS t (at)
-        WHERE g.i IS NULL AND NOT v_done[k.n]
-          AND c.provider = v_provider[k.n] AND c.pool = v_pool[k.n]
-          AND (v_model[k.n] = ANY (c.models) OR c.model_aliases ? v_model[k.n])
+            c, p_now + make_interval(secs => o.lease_seconds), p_now) AS t (at)
+        WHERE g.n IS NULL AND o.request IS NULL AND NOT (o.cap_full OR o.window_full)
+          AND c.provider = o.provider AND c.pool = o.pool
+          AND (o.model = ANY (c.models) OR c.model_aliases ? o.model)
           AND NOT c.draining AND f.at IS NOT NULL AND t.at IS NOT NULL
         ORDER BY greatest(f.at, t.at)
         LIMIT 1
     ) AS f ON true
-    ORDER BY k.n;
+    ORDER BY o.n;
 END;
 $$;

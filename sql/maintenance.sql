@@ -91,7 +91,7 @@ CREATE OR REPLACE FUNCTION credpool_purge_requests(p_keep interval DEFAULT '1 ho
 RETURNS integer
 LANGUAGE sql AS $$
     WITH doomed AS (
-        SELECT r.request_id
+        SELECT r.tenant, r.request_id
         FROM lease_requests r
         WHERE r.granted_at < now() - p_keep
           AND NOT EXISTS (SELECT 1 FROM lease_slots s
@@ -103,10 +103,11 @@ LANGUAGE sql AS $$
     deleted AS (
         DELETE FROM lease_requests r
         USING doomed
-        WHERE r.request_id = doomed.request_id
+        WHERE r.tenant = doomed.tenant AND r.request_id = doomed.request_id
           -- again on the row as it is when locked: a claim that granted it anew meanwhile wins
           AND r.granted_at < now() - p_keep
-          AND pg_try_advisory_xact_lock(hashtextextended('credpool.request_id:' || r.request_id, 0))
+          AND pg_try_advisory_xact_lock(
+                  hashtextextended('credpool.request_id:' || r.tenant || '/' || r.request_id, 0))
         RETURNING 1
     )
     SELECT count(*)::integer FROM deleted

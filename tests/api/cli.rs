@@ -215,8 +215,8 @@ async fn the_maintenance_command_reports_every_step_of_the_pass() {
     // the JSON and 5 from the text.
     let database = TestDatabase::create().await;
     sqlx::query(
-        "INSERT INTO lease_requests (request_id, request_digest, lease_id, key_id, granted_at)
-         VALUES ('long-gone', 'digest', gen_random_uuid(), 'k', now() - interval '2 hours')",
+        "INSERT INTO lease_requests (tenant, request_id, request_digest, lease_id, key_id, granted_at)
+         VALUES ('default', 'long-gone', 'digest', gen_random_uuid(), 'k', now() - interval '2 hours')",
     )
     .execute(&database.pool(1).await)
     .await

@@ -584,7 +584,7 @@ async fn a_claim_never_waits_for_a_lock() {
         "SELECT 1 FROM credentials FOR UPDATE",
         "SELECT 1 FROM lease_requests FOR UPDATE",
         "SELECT 1 FROM pool_versions FOR UPDATE",
-        "SELECT pg_advisory_xact_lock(hashtextextended('credpool.request_id:req-busy', 0))",
+        "SELECT pg_advisory_xact_lock(hashtextextended('credpool.request_id:default/req-busy', 0))",
     ] {
         holder.execute(statement).await.unwrap();
     }
@@ -930,4 +930,107 @@ async fn one_group_of_claims_over_the_same_credentials_fills_each_exactly_to_its
     .await
     .unwrap();
     assert_eq!((leases, slots_used, grants), (6, 6, 6));
+}
+
+/// Every statement PostgreSQL ran on `conn`'s server since the counters were reset, nested ones
+/// included (pg_stat_statements, `track = all`): (query, calls), the counters' own queries left
+/// out.
+async fn statements_run(conn: &mut PgConnection) -> Vec<(String, i64)> {
+    sqlx::query_as(
+        "SELECT regexp_replace(query, '\\s+', ' ', 'g'), calls FROM pg_stat_statements
+         WHERE query NOT ILIKE '%pg_stat_statements%'
+         ORDER BY query",
+    )
+    .fetch_all(conn)
+    .await
+    .unwrap()
+}
+
+#[tokio::test]
+async fn a_plain_claim_and_a_plain_release_run_only_their_own_statements() {
+    // The claim and the release as the service runs them, for a request that uses no tenant cap
+    // or window, no rate window, no affinity and no request id: the statements PostgreSQL
+    // executes, nested ones included, counted by pg_stat_statements in a private cluster that
+    // loads it. A feature that adds work to every claim or release (a statement, or a phase that
+    // runs when it is not used) fails this count.
+    use credpool::domain::{
+        Holder, KeyId, LeaseId, LeaseSeconds, ModelName, PoolName, ProviderName,
+    };
+    use credpool::store::leases::{self, ClaimRequest};
+
+    let dir = tempfile::Builder::new()
+        .prefix("credpool-statements-")
+        .tempdir_in("/tmp")
+        .unwrap();
+    let cluster = credpool::embedded::EmbeddedCluster::start_with_settings(
+        dir.path(),
+        None,
+        &[
+            ("shared_preload_libraries", "pg_stat_statements"),
+            ("pg_stat_statements.track", "all"),
+            ("pg_stat_statements.track_utility", "on"),
+        ],
+    )
+    .await
+    .expect("a private cluster with pg_stat_statements (postgresql-contrib)");
+    let pool = sqlx::PgPool::connect_with(cluster.connect_options())
+        .await
+        .unwrap();
+    store::migrate(&pool).await.unwrap();
+    sqlx::raw_sql(
+        "CREATE EXTENSION IF NOT EXISTS pg_stat_statements;
+         INSERT INTO credentials (key_id, provider, pool, models, max_concurrent_uses,
+                                  secret_ciphertext)
+         SELECT 'k' || g, 'openai', 'default', '{gpt-4o}', 4, '\\x00'::bytea
+         FROM generate_series(1, 16) AS g;
+         SELECT credpool_fit_slots('k' || g) FROM generate_series(1, 16) AS g;",
+    )
+    .execute(&pool)
+    .await
+    .unwrap();
+    let db = Db::from(pool.clone());
+    let ranked: Vec<KeyId> = (1..=16)
+        .map(|i| KeyId::parse(format!("k{i}")).unwrap())
+        .collect();
+    let (provider, pool_name, model) = (
+        ProviderName::parse("openai").unwrap(),
+        PoolName::parse("default").unwrap(),
+        ModelName::parse("gpt-4o").unwrap(),
+    );
+    let holder = Holder::parse("counted").unwrap();
+    let mut conn = db.acquire().await.unwrap();
+    let claim = async |conn: &mut credpool::store::Conn<'static>| {
+        let request = ClaimRequest {
+            ranked: &ranked,
+            provider: &provider,
+            pool: &pool_name,
+            model: &model,
+            lease_id: LeaseId::generate(),
+            holder: Some(&holder),
+            lease_seconds: LeaseSeconds::default_within(86_400),
+            request: None,
+            tokens: 0,
+            caller: None,
+            affinity: None,
+            waiting: None,
+        };
+        let mut work = conn.work().await.unwrap();
+        let result = leases::claim_slot(&mut work, &request).await.unwrap();
+        work.done().await.unwrap();
+        match result.granted.clone() {
+            Some(granted) => granted,
+            None => panic!("no lease: {result:?}"),
+        }
+    };
+    // once to warm the plans up, then counted
+    claim(&mut conn).await;
+    sqlx::query("SELECT pg_stat_statements_reset()")
+        .execute(&pool)
+        .await
+        .unwrap();
+    claim(&mut conn).await;
+    let mut counting = pool.acquire().await.unwrap();
+    let run = statements_run(&mut counting).await;
+    let total: i64 = run.iter().map(|(_, calls)| calls).sum();
+    assert_eq!(total, 9, "the plain claim ran {total} statements: {run:#?}");
 }

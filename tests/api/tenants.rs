@@ -1624,3 +1624,42 @@ async fn a_lowered_cap_reopens_when_the_leases_over_it_end_without_maintenance()
     let (ok, report) = audit_verify(BIN, &app.database).await;
     assert!(ok, "{report}");
 }
+
+#[tokio::test]
+async fn two_tenants_with_one_request_id_are_two_requests() {
+    // Request ids belong to the tenant that presents them. Before, a tenant that used another
+    // tenant's (predictable) request_id got 409 request_id_conflict, which also told it that the
+    // other tenant had used that id.
+    let app = TestApp::spawn().await;
+    let base = app.url("");
+    app.put_key("k1", "openai", "default", &["gpt-4o"], 4).await;
+    put_tenant(&app.client, &base, "alpha", json!({})).await;
+    let alpha = mint(&app.client, &base, "alpha").await.1;
+    put_tenant(&app.client, &base, "beta", json!({})).await;
+    let beta = mint(&app.client, &base, "beta").await.1;
+    let body = json!({"provider": "openai", "model": "gpt-4o", "lease_seconds": 600,
+                      "request_id": "job-42"});
+    let allocate_as = async |key: &str| {
+        executor(
+            &app.client,
+            &base,
+            "/api/internal/allocate-key",
+            key,
+            body.clone(),
+        )
+        .await
+    };
+    let first = json_body(allocate_as(&alpha).await, StatusCode::OK).await;
+    let other = json_body(allocate_as(&beta).await, StatusCode::OK).await;
+    assert_ne!(
+        first["lease_id"], other["lease_id"],
+        "one lease for two tenants"
+    );
+    assert_eq!(other["tenant"], "beta");
+    // each tenant's retry replays its own lease, and only its own
+    let again = json_body(allocate_as(&alpha).await, StatusCode::OK).await;
+    assert_eq!(again["lease_id"], first["lease_id"]);
+    let again = json_body(allocate_as(&beta).await, StatusCode::OK).await;
+    assert_eq!(again["lease_id"], other["lease_id"]);
+    assert_eq!(app.in_flight("k1").await, 2);
+}
