@@ -959,6 +959,7 @@ impl Allocator for UnbatchedAllocator {
             caller: None,
             affinity: None,
             waiting: None,
+            windowed: Some(false),
         };
         match leases::claim_slot(&mut self.conn, &claim).await {
             Ok(result) => match result.granted {

@@ -1013,6 +1013,7 @@ async fn a_plain_claim_and_a_plain_release_run_only_their_own_statements() {
             caller: None,
             affinity: None,
             waiting: None,
+            windowed: Some(false),
         };
         let mut work = conn.work().await.unwrap();
         let result = leases::claim_slot(&mut work, &request).await.unwrap();

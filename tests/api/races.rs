@@ -134,6 +134,8 @@ async fn statement_race(limit: u32) {
                         caller: None,
                         affinity: None,
                         waiting: None,
+                        // (the claim looks for windows itself)
+                        windowed: None,
                     };
                     barrier.wait().await;
                     let claimed = leases::claim_slot(&mut conn, &request).await.unwrap();

@@ -191,6 +191,12 @@ impl PoolView {
         self.db_now + self.loaded.elapsed()
     }
 
+    /// Whether any of `key_ids` has rate windows, as this view knows it (a credential it does not
+    /// know counts as windowed: the claim then looks for itself).
+    pub fn any_windowed<'a>(&self, mut key_ids: impl Iterator<Item = &'a KeyId>) -> bool {
+        key_ids.any(|k| self.index.get(k).is_none_or(|&i| self.rows[i].windowed))
+    }
+
     /// The entries that serve `model` (directly or through an alias), in key order.
     pub fn serving(&self, model: &str) -> &[usize] {
         self.by_model.get(model).map_or(&[], Vec::as_slice)

@@ -139,6 +139,7 @@ impl Groups {
                 caller: request.caller,
                 affinity: request.affinity.cloned(),
                 waiting: request.waiting.cloned(),
+                windowed: request.windowed,
             })
             .await
     }
@@ -229,6 +230,7 @@ struct Claim {
     caller: Option<TenantKeyHash>,
     affinity: Option<ClaimAffinity>,
     waiting: Option<ClaimWaiting>,
+    windowed: Option<bool>,
 }
 
 impl Claim {
@@ -246,6 +248,7 @@ impl Claim {
             caller: self.caller,
             affinity: self.affinity.as_ref(),
             waiting: self.waiting.as_ref(),
+            windowed: self.windowed,
         }
     }
 }

@@ -641,6 +641,7 @@ impl Allocator {
             caller: request.caller,
             affinity: None,
             waiting: None,
+            windowed: Some(false),
         };
         let result = self.claim(&claim).await?;
         if result.unauthorized {
@@ -716,9 +717,11 @@ impl Allocator {
     ) -> Result<Result<Allocation, PoolVerdict>, AllocateError> {
         let provider = &request.provider;
         let scoring = self.views.scoring().clone();
+        // (a freed credential that woke this request is claimed first: part of every batch)
+        let hinted = hint.clone();
         let mut attempt = PoolAttempt::new(&self.claims, hint);
         loop {
-            let ((verdict, age), loaded) = self
+            let ((verdict, age, windowed), loaded) = self
                 .views
                 .with_view(provider, pool, |view| {
                     let verdict = judge(
@@ -732,7 +735,15 @@ impl Allocator {
                         // a fast generator per ranking: jitter needs spread, not secrecy
                         &mut SmallRng::from_rng(&mut rand::rng()),
                     );
-                    (verdict, view.read_at().elapsed())
+                    // whether the claim must take the shape that locks window rows (the slots'
+                    // `windowed` gate covers a view that is behind)
+                    let windowed = match &verdict {
+                        PoolVerdict::Try { batch, .. } => {
+                            view.any_windowed(batch.iter().chain(hinted.as_ref()))
+                        }
+                        _ => false,
+                    };
+                    (verdict, view.read_at().elapsed(), windowed)
                 })
                 .await?;
             let (batch, free_seen) = match attempt.decide(verdict, loaded, age, &self.claims) {
@@ -775,6 +786,7 @@ impl Allocator {
                 caller: request.caller,
                 affinity: keys.affinity,
                 waiting: waiting_claim.as_ref(),
+                windowed: Some(windowed),
             };
             let result = self.claim(&claim).await?;
             pass.claimed = true;

@@ -55,6 +55,11 @@ pub struct ClaimRequest<'a> {
     /// nothing it records the request as waiting (docs/design.md "Fair share"). `None`: it
     /// answers at once and never yields.
     pub waiting: Option<&'a ClaimWaiting>,
+    /// Whether a candidate has rate windows, as the caller's view of the pool says (the claim
+    /// then locks window rows too; a credential given windows since is passed over by its slots'
+    /// gate until the view catches up). `None`: the claim looks for itself, one probe per
+    /// candidate.
+    pub windowed: Option<bool>,
 }
 
 /// A waiting request, as its claims record it in `pool_waiters` (docs/design.md "Fair share").
@@ -266,6 +271,7 @@ pub async fn claim_slots(
                 "request_digest": request.request.map(|r| r.digest.as_str()),
                 "tokens": request.tokens,
                 "key_hash": request.caller.map(|hash| hash.to_hex()),
+                "windowed": request.windowed,
                 "waiting": request.waiting.map(|waiting| {
                     serde_json::json!({
                         "waiter": waiting.waiter,
