@@ -207,7 +207,7 @@ BEGIN
         JOIN pool_waiter_processes p ON p.instance = w.instance
         WHERE w.provider = p_provider AND w.model = p_model AND p_pool = ANY (w.pools)
           AND w.until > p_now AND p.seen_at > p_now - interval '5 seconds'
-          AND w.tenant <> p_tenant
+          AND w.tenant <> p_tenant AND w.shares
         GROUP BY w.tenant
     ) AS w;
     IF v_waiting IS NULL THEN
@@ -372,8 +372,11 @@ $$;
 -- snapshot: the trail never shows two leases of one slot overlapping.
 --
 -- Plans: index probes whatever the planner's statistics say (a pool just loaded, never
--- analyzed): each phase runs with sequential and bitmap scans, hash and merge joins and
--- materialization turned off, and keeps its plans (plan_cache_mode = force_generic_plan).
+-- analyzed): the call runs with sequential and bitmap scans, hash and merge joins and
+-- materialization turned off, joins in the order written, and keeps its plans
+-- (plan_cache_mode = force_generic_plan). The settings are the driver's (SET clauses of the
+-- phases would cost each call a save and restore of every one): the phases are planned under them
+-- when the driver first runs them in a session, and only the driver calls them.
 DROP FUNCTION IF EXISTS credpool_claim(jsonb);
 DROP FUNCTION IF EXISTS credpool_begin_lease(lease_slots, uuid, text, text, text, integer,
     timestamptz, bigint, text, text, text, timestamptz, boolean);
@@ -384,6 +387,9 @@ RETURNS TABLE (claim integer, pool_version bigint, key_id text, lease_id uuid, l
                request text, frees_at timestamptz, held_by text, tenant text, db_now timestamptz,
                affinity text, yield_to text)
 LANGUAGE plpgsql
+SET enable_seqscan = off SET enable_bitmapscan = off SET enable_hashjoin = off
+SET enable_mergejoin = off SET enable_material = off SET jit = off
+SET plan_cache_mode = force_generic_plan SET join_collapse_limit = 1 SET from_collapse_limit = 1
 AS $$
 DECLARE
     v_now timestamptz := statement_timestamp();
@@ -399,9 +405,18 @@ DECLARE
     v_rest integer[];
     v_picks credpool_pick[];
     v_regated integer[];
+    v_parsed record;
+    v_round record;
 BEGIN
-    SELECT * INTO v_claims, v_open, v_gated, v_windowed, v_affine, v_requested, v_waiting
-    FROM credpool_claim_parse(p_claims, v_now);
+    -- (the phases are called in expressions, not statements: each costs a function call only)
+    v_parsed := credpool_claim_parse(p_claims, v_now);
+    v_claims := v_parsed.claims;
+    v_open := v_parsed.open;
+    v_gated := v_parsed.gated;
+    v_windowed := v_parsed.windowed;
+    v_affine := v_parsed.affine;
+    v_requested := v_parsed.requested;
+    v_waiting := v_parsed.waiting;
     IF v_claims IS NULL THEN
         RETURN;
     END IF;
@@ -411,7 +426,9 @@ BEGIN
         v_windowed := v_windowed OR EXISTS (SELECT 1 FROM unnest(v_claims) AS c WHERE c.windowed);
     END IF;
     IF v_requested THEN
-        SELECT * INTO v_claims, v_grants FROM credpool_claim_requests(v_claims, v_now);
+        v_round := credpool_claim_requests(v_claims, v_now);
+        v_claims := v_round.claims;
+        v_grants := v_round.grants;
     END IF;
     IF v_waiting THEN
         v_claims := credpool_claim_fair_share(v_claims, v_now);
@@ -434,15 +451,19 @@ BEGIN
         v_rest := '{}';
     END IF;
     WHILE cardinality(v_plain) > 0 LOOP
-        SELECT * INTO v_picks, v_plain, v_regated
-        FROM credpool_claim_pick_plain(v_claims, v_plain, v_now);
+        v_round := credpool_claim_pick_plain(v_claims, v_plain, v_now);
+        v_picks := v_round.picks;
+        v_plain := v_round.lost;
+        v_regated := v_round.regated;
         v_rest := v_rest || v_regated;
         v_gated := v_gated OR cardinality(v_regated) > 0;
         EXIT WHEN cardinality(v_picks) = 0;
         v_grants := v_grants || credpool_claim_grant(v_claims, v_picks);
     END LOOP;
     WHILE cardinality(v_rest) > 0 LOOP
-        SELECT * INTO v_picks, v_rest FROM credpool_claim_pick(v_claims, v_rest, v_now);
+        v_round := credpool_claim_pick(v_claims, v_rest, v_now);
+        v_picks := v_round.picks;
+        v_rest := v_round.lost;
         EXIT WHEN cardinality(v_picks) = 0;
         v_grants := v_grants || credpool_claim_grant(v_claims, v_picks);
     END LOOP;
@@ -476,9 +497,6 @@ CREATE FUNCTION credpool_claim_parse(p_claims jsonb, p_now timestamptz,
     OUT claims credpool_claim[], OUT open integer[], OUT gated boolean, OUT windowed boolean,
     OUT affine boolean, OUT requested boolean, OUT waiting boolean)
 LANGUAGE plpgsql
-SET enable_seqscan = off SET enable_bitmapscan = off SET enable_hashjoin = off
-SET enable_mergejoin = off SET enable_material = off SET jit = off
-SET plan_cache_mode = force_generic_plan
 AS $$
 BEGIN
     WITH x AS (
@@ -542,9 +560,6 @@ $$;
 CREATE OR REPLACE FUNCTION credpool_claim_affinity(p_claims credpool_claim[], p_now timestamptz)
 RETURNS credpool_claim[]
 LANGUAGE plpgsql
-SET enable_seqscan = off SET enable_bitmapscan = off SET enable_hashjoin = off
-SET enable_mergejoin = off SET enable_material = off SET jit = off
-SET plan_cache_mode = force_generic_plan
 AS $$
 DECLARE
     v_claims credpool_claim[] := p_claims;
@@ -589,9 +604,6 @@ $$;
 CREATE OR REPLACE FUNCTION credpool_claim_requests(p_claims credpool_claim[], p_now timestamptz,
     OUT claims credpool_claim[], OUT grants credpool_grant[])
 LANGUAGE plpgsql
-SET enable_seqscan = off SET enable_bitmapscan = off SET enable_hashjoin = off
-SET enable_mergejoin = off SET enable_material = off SET jit = off
-SET plan_cache_mode = force_generic_plan
 AS $$
 DECLARE
     v_locked text[];
@@ -664,17 +676,16 @@ $$;
 -- PICK PLAIN: for each of `p_open`'s claims (its tenant has no cap and no windows, its candidates
 -- no rate windows), its first candidate in its ranked order with an eligible slot
 -- (credpool_slot_eligible) that does not gate windows, locked FOR UPDATE SKIP LOCKED: ONE
--- statement, which locks only slot rows. Of the claims that picked one credential, the first
--- (in claim order) wins it; the others are `lost` (they pick again in the next round, which sees
--- the grant). Whether the tenant has a cap or windows is read again here, after the call took the
+-- statement, which locks only slot rows. Of the claims that picked one slot, the first (in claim
+-- order) wins it; the others are `lost` (they pick again in the next round, which sees the
+-- grant). A slot's decision depends on its own row only (no windows, no tenant rows: a
+-- recovering credential's single probe slot is one slot), so two claims of a round may take two
+-- slots of one credential. Whether the tenant has a cap or windows is read again here, after the call took the
 -- tenant's lock (PARSE read it before): a claim whose tenant turned out gated is `regated`, for
 -- PICK. A claim that picked nothing is in neither list: nothing can serve it now.
 CREATE OR REPLACE FUNCTION credpool_claim_pick_plain(p_claims credpool_claim[], p_open integer[],
     p_now timestamptz, OUT picks credpool_pick[], OUT lost integer[], OUT regated integer[])
 LANGUAGE plpgsql
-SET enable_seqscan = off SET enable_bitmapscan = off SET enable_hashjoin = off
-SET enable_mergejoin = off SET enable_material = off SET jit = off
-SET plan_cache_mode = force_generic_plan SET join_collapse_limit = 1 SET from_collapse_limit = 1
 AS $$
 BEGIN
     WITH open AS (
@@ -688,7 +699,7 @@ BEGIN
     picked AS (
         SELECT ROW(o.n, x.s, x.status, x.cooldown_until, x.at, x.secret_ciphertext,
                    x.provider_model, x.token_expires_at, false, NULL, false)::credpool_pick AS p,
-               row_number() OVER (PARTITION BY (x.s).key_id ORDER BY o.n) = 1 AS first
+               row_number() OVER (PARTITION BY (x.s).key_id, (x.s).slot ORDER BY o.n) = 1 AS first
         FROM open o
         CROSS JOIN LATERAL (
             SELECT s, c.status, c.cooldown_until, c.secret_ciphertext,
@@ -701,7 +712,9 @@ BEGIN
               AND credpool_slot_eligible(c, s, o.provider, o.pool, o.model, p_now,
                                          p_now + make_interval(secs => o.lease_seconds))
               AND NOT s.windowed
-            ORDER BY r.rank, s.slot
+            -- (each claim starts at another slot: claims of one call that rank one credential
+            -- first pick different slots of it, and all win the round)
+            ORDER BY r.rank, (s.slot + o.n) % c.max_concurrent_uses
             LIMIT 1
             FOR UPDATE OF s SKIP LOCKED
         ) AS x
@@ -732,9 +745,6 @@ $$;
 CREATE OR REPLACE FUNCTION credpool_claim_pick(p_claims credpool_claim[], p_open integer[],
     p_now timestamptz, OUT picks credpool_pick[], OUT lost integer[])
 LANGUAGE plpgsql
-SET enable_seqscan = off SET enable_bitmapscan = off SET enable_hashjoin = off
-SET enable_mergejoin = off SET enable_material = off SET jit = off
-SET plan_cache_mode = force_generic_plan SET join_collapse_limit = 1 SET from_collapse_limit = 1
 AS $$
 BEGIN
     WITH tenancy AS (
@@ -850,9 +860,6 @@ $$;
 CREATE OR REPLACE FUNCTION credpool_claim_grant(p_claims credpool_claim[], p_picks credpool_pick[])
 RETURNS credpool_grant[]
 LANGUAGE plpgsql
-SET enable_seqscan = off SET enable_bitmapscan = off SET enable_hashjoin = off
-SET enable_mergejoin = off SET enable_material = off SET jit = off
-SET plan_cache_mode = force_generic_plan
 AS $$
 DECLARE
     v_grants credpool_grant[];
@@ -897,7 +904,7 @@ BEGIN
     INTO v_grants, v_pruned, v_tenant_rows, v_windows, v_tenant_windows, v_probes
     FROM granted g;
     IF v_pruned THEN
-        PERFORM credpool_record_lease_ends(
+        v_pruned := 0 < credpool_record_lease_ends(
             ARRAY(SELECT p.s FROM unnest(p_picks) AS p WHERE (p.s).lease_id IS NOT NULL),
             ARRAY(SELECT 'expired' FROM unnest(p_picks) AS p WHERE (p.s).lease_id IS NOT NULL),
             ARRAY(SELECT (p.s).lease_until FROM unnest(p_picks) AS p WHERE (p.s).lease_id IS NOT NULL));
@@ -972,9 +979,6 @@ $$;
 CREATE OR REPLACE FUNCTION credpool_claim_bind(p_claims credpool_claim[], p_grants credpool_grant[])
 RETURNS void
 LANGUAGE plpgsql
-SET enable_seqscan = off SET enable_bitmapscan = off SET enable_hashjoin = off
-SET enable_mergejoin = off SET enable_material = off SET jit = off
-SET plan_cache_mode = force_generic_plan
 AS $$
 DECLARE
     v_bind integer[];
@@ -1037,9 +1041,6 @@ CREATE OR REPLACE FUNCTION credpool_claim_tenant_held(p_claims credpool_claim[],
     p_grants credpool_grant[], p_now timestamptz)
 RETURNS credpool_claim[]
 LANGUAGE plpgsql
-SET enable_seqscan = off SET enable_bitmapscan = off SET enable_hashjoin = off
-SET enable_mergejoin = off SET enable_material = off SET jit = off
-SET plan_cache_mode = force_generic_plan
 AS $$
 DECLARE
     v_claims credpool_claim[] := p_claims;
@@ -1076,13 +1077,14 @@ BEGIN
 END;
 $$;
 
--- WAIT (fair share): a waiting claim that got nothing for want of a slot is (still) waiting: its
--- request's pool_waiters row written (kept as it is when there: its first arrival and end of
--- wait); one that got a lease (or replayed one), or that its own tenant holds back (its cap, its
--- windows: not the pool), waits for no slot: no row (a tenant that cannot take a slot is never
--- yielded to). Only the request's own claims write its row, one after the other, so the write
--- never waits. A strict affinity claim waits for one credential: other tenants' claims must not
--- yield every other slot of the pool to it, so it writes no row.
+-- WAIT (fair share): a waiting claim that got nothing is (still) waiting: its request's
+-- pool_waiters row written (kept as it is when there: its first arrival and end of wait), so
+-- that a release of its pool announces the freed slot; one that got a lease (or replayed one)
+-- waits no more: no row. Whether other tenants yield to it (`shares`) is decided at each claim:
+-- not when its own tenant holds it back (its cap, its windows: it cannot take a slot, and is
+-- never yielded to), nor for a strict affinity claim (it waits for one credential: other tenants'
+-- claims must not yield every other slot of the pool to it). Only the request's own claims write
+-- its row, one after the other, so the write never waits.
 CREATE OR REPLACE FUNCTION credpool_claim_wait(p_claims credpool_claim[], p_grants credpool_grant[],
     p_now timestamptz)
 RETURNS void
@@ -1093,19 +1095,19 @@ BEGIN
     WHERE w.waiter IN (SELECT (o.waiting ->> 'waiter')::uuid
                        FROM unnest(p_claims) AS o
                        WHERE o.since IS NOT NULL
-                         AND (o.n IN (SELECT g.n FROM unnest(p_grants) AS g)
-                              OR o.cap_full OR o.window_full));
-    INSERT INTO pool_waiters (waiter, instance, tenant, provider, pools, model, since, until, tokens)
+                         AND o.n IN (SELECT g.n FROM unnest(p_grants) AS g));
+    INSERT INTO pool_waiters AS w (waiter, instance, tenant, provider, pools, model, since, until,
+                                   tokens, shares)
     SELECT (o.waiting ->> 'waiter')::uuid, o.waiting ->> 'instance', o.tenant, o.provider,
            ARRAY(SELECT jsonb_array_elements_text(o.waiting -> 'pools')), o.model, o.since,
-           o.wait_until, o.tokens
+           o.wait_until, o.tokens,
+           o.affinity_mode IS DISTINCT FROM 'strict' AND NOT (o.cap_full OR o.window_full)
     FROM unnest(p_claims) AS o
     WHERE o.since IS NOT NULL AND o.tenant IS NOT NULL
       AND o.n NOT IN (SELECT g.n FROM unnest(p_grants) AS g)
-      AND NOT (o.cap_full OR o.window_full)
       AND o.request IS DISTINCT FROM 'conflict' AND o.request IS DISTINCT FROM 'in_flight'
-      AND o.affinity_mode IS DISTINCT FROM 'strict'
-    ON CONFLICT (waiter) DO NOTHING;
+    ON CONFLICT (waiter) DO UPDATE SET shares = EXCLUDED.shares
+    WHERE w.shares IS DISTINCT FROM EXCLUDED.shares;
 END;
 $$;
 
@@ -1124,9 +1126,6 @@ RETURNS TABLE (claim integer, pool_version bigint, key_id text, lease_id uuid, l
                request text, frees_at timestamptz, held_by text, tenant text, db_now timestamptz,
                affinity text, yield_to text)
 LANGUAGE plpgsql
-SET enable_seqscan = off SET enable_bitmapscan = off SET enable_hashjoin = off
-SET enable_mergejoin = off SET enable_material = off SET jit = off
-SET plan_cache_mode = force_generic_plan
 AS $$
 #variable_conflict use_column
 BEGIN

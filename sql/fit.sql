@@ -137,7 +137,8 @@ END;
 $$;
 
 -- FORCE RELEASE: an operator ends leases: one (p_lease_id), or every live lease of a credential
--- (p_key_id), each as `force_released` with the operator's reason and name. Returns the leases
+-- (p_key_id), each as `force_released` with the operator's reason and name, and announces the
+-- freed slots to the waiting allocations of every process (at the commit). Returns the leases
 -- ended. Locks the whole credential first (credpool_lock_credentials: every slot row, the windows
 -- row, the credential row), so that a credential over a lowered limit is refitted in the same
 -- transaction and reopens at once. Decision clock: clock_timestamp() after the locks (`at` of the
@@ -176,6 +177,11 @@ BEGIN
     IF EXISTS (SELECT 1 FROM unnest(v_slots) AS x WHERE x.over_limit) THEN
         PERFORM credpool_fit_slots(v_key);
     END IF;
+    -- the freed slots, to every process's waiters of the pool, at the commit
+    PERFORM pg_notify('credpool_slot_freed', json_build_object(
+                'provider', x.provider, 'pool', x.pool, 'key_id', x.key_id, 'slot', x.slot)::text)
+    FROM unnest(v_slots) AS x
+    WHERE x.lease_id = ANY (v_ended);
     RETURN QUERY
     SELECT x.lease_id, x.key_id, x.holder
     FROM unnest(v_slots) AS x

@@ -121,7 +121,7 @@ $$;
 
 -- GATES: a change of what a claim decides on (see CLAIM) moves the credential's configuration
 -- version, and writes it into every slot row of the credential in the same transaction. Health
--- written from outcome reports (credpool_write_health, which sets credpool.health_write for its
+-- written from outcome reports (credpool_release_health, which sets credpool.health_write for its
 -- own run) does not: it holds a slot row and then the credential row, and writing the other slot
 -- rows after the credential row would break the lock order; the claim reads health from its
 -- snapshot by design. Every other writer of credentials locks the slot rows first

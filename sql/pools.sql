@@ -94,37 +94,20 @@ CREATE TRIGGER credentials_selection_changed
 
 -- Notifications for waiting allocations (`wait_ms`). Each service process LISTENs on one
 -- connection; channel names and payloads are documented in docs/executor-protocol.md.
---   credpool_slot_freed   {"provider","pool","key_id","slot"}: a slot's lease ended (force
---                         release, reaper, refit, a release by an older service process); sent
---                         at commit, one per slot. An executor's release through the service is
---                         announced by the releasing process itself, after its commit
---                         (credpool_announce_freed, payload {"provider","pool","key_id","from"}):
---                         a NOTIFY takes a database-wide lock from its transaction's commit until
---                         the commit is flushed, so release transactions that notified committed
---                         one at a time instead of sharing a WAL flush.
+--   credpool_slot_freed   {"provider","pool","key_id","from"}: a slot's lease was released: sent
+--                         by the releasing service process itself, after its commit, for the
+--                         pools where some request waits (credpool_announce_freed: a NOTIFY takes
+--                         a database-wide lock from its transaction's commit until the commit is
+--                         flushed, so release transactions that notified would commit one at a
+--                         time instead of sharing a WAL flush); {"provider","pool","key_id","slot"}
+--                         from an operator's forced release, at its commit.
 --   credpool_pool_changed {"provider","pool"}: the pool's version moved: every waiter of the
 --                         pool looks again.
--- A lease that expires while nothing frees its slot sends nothing at that moment: waiters know
--- when each lease and each cooldown ends and set their own timers for it.
-CREATE OR REPLACE FUNCTION lease_slots_notify_freed() RETURNS trigger
-LANGUAGE plpgsql AS $$
-BEGIN
-    -- set by credpool_release(…, p_caller_announces => true) for the rest of its transaction
-    IF current_setting('credpool.caller_announces_freed', true) = 'on' THEN
-        RETURN NULL;
-    END IF;
-    PERFORM pg_notify('credpool_slot_freed', json_build_object(
-        'provider', OLD.provider, 'pool', OLD.pool, 'key_id', OLD.key_id, 'slot', OLD.slot)::text);
-    RETURN NULL;
-END;
-$$;
-
+-- A lease that expires while nothing frees its slot sends nothing at that moment (nor does the
+-- reaper or a refit that ends it): waiters know when each lease and each cooldown ends and set
+-- their own timers for it.
 DROP TRIGGER IF EXISTS lease_slots_freed ON lease_slots;
-CREATE TRIGGER lease_slots_freed
-    AFTER UPDATE ON lease_slots
-    FOR EACH ROW
-    WHEN (OLD.lease_id IS NOT NULL AND NEW.lease_id IS NULL)
-    EXECUTE FUNCTION lease_slots_notify_freed();
+DROP FUNCTION IF EXISTS lease_slots_notify_freed();
 
 -- Sends the announcements of slots freed by a service process's committed releases, one
 -- notification each, on credpool_slot_freed. Its transaction holds nothing that needs to be

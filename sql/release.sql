@@ -10,12 +10,14 @@
 -- is released, expired or force_released; `p_at[i]` when it took effect (an expired lease's own
 -- lease_until); `p_outcomes`, `p_reasons`, `p_actors`, `p_tokens` (the usage its release
 -- reported) may be NULL as a whole. Writes lease_events only; the caller holds the slot rows'
--- locks.
+-- locks. Returns how many rows it wrote.
 DROP FUNCTION IF EXISTS credpool_record_lease_end(lease_slots, text, timestamptz, text, text, text, bigint);
-CREATE OR REPLACE FUNCTION credpool_record_lease_ends(
+DROP FUNCTION IF EXISTS credpool_record_lease_ends(lease_slots[], text[], timestamptz[], text[],
+    text[], text[], bigint[]);
+CREATE FUNCTION credpool_record_lease_ends(
     p_slots lease_slots[], p_events text[], p_at timestamptz[], p_outcomes text[] DEFAULT NULL,
     p_reasons text[] DEFAULT NULL, p_actors text[] DEFAULT NULL, p_tokens bigint[] DEFAULT NULL)
-RETURNS void
+RETURNS integer
 LANGUAGE plpgsql AS $$
 BEGIN
     INSERT INTO lease_events
@@ -26,6 +28,7 @@ BEGIN
            (p_slots[i]).lease_until, p_at[i], p_reasons[i], p_actors[i], p_tokens[i],
            (p_slots[i]).tenant
     FROM generate_subscripts(p_slots, 1) AS i;
+    RETURN cardinality(p_slots);
 END;
 $$;
 
@@ -47,8 +50,8 @@ $$;
 -- surplus too, for the credential's reason (FIT TENANT); the cleanup pass refits the tenant
 -- (credpool_refit_tenants).
 -- The caller has locked the slot rows (in the lock order) and decided, on its own clock, that the
--- leases end now. A freed slot announces itself (trigger lease_slots_freed). Returns the leases
--- it ended.
+-- leases end now. It announces nothing: the caller does when waiters must hear of it (a
+-- release, a forced release). Returns the leases it ended.
 DROP FUNCTION IF EXISTS credpool_end_lease(lease_slots, text, timestamptz, text, text, text, bigint);
 CREATE OR REPLACE FUNCTION credpool_end_leases(
     p_slots lease_slots[], p_events text[], p_at timestamptz[], p_outcomes text[] DEFAULT NULL,
@@ -61,6 +64,9 @@ SET plan_cache_mode = force_generic_plan
 AS $$
 DECLARE
     v_ended integer[];
+    v_leases uuid[];
+    v_tenant_rows boolean;
+    v_written integer;
 BEGIN
     WITH cleared AS (
         UPDATE lease_slots s
@@ -77,7 +83,10 @@ BEGIN
           AND s.lease_id = (p_slots[i]).lease_id
         RETURNING i
     )
-    SELECT array_agg(i ORDER BY i) INTO v_ended FROM cleared;
+    SELECT array_agg(i ORDER BY i), array_agg((p_slots[i]).lease_id ORDER BY i),
+           coalesce(bool_or((p_slots[i]).tenant_slot IS NOT NULL), false)
+    INTO v_ended, v_leases, v_tenant_rows
+    FROM cleared;
     IF v_ended IS NULL THEN
         RETURN '{}';
     END IF;
@@ -85,7 +94,11 @@ BEGIN
     -- the slot rows), then cleared where they still hold the lease (a row whose expired lease a
     -- claim has replaced holds another lease now); leases of uncapped tenants, `default` among
     -- them, have no row: nothing more to do
-    IF credpool_lock_tenant_slots(ARRAY(SELECT p_slots[i] FROM unnest(v_ended) AS i)) THEN
+    IF v_tenant_rows THEN
+        v_tenant_rows := credpool_lock_tenant_slots(ARRAY(SELECT p_slots[i]
+                                                          FROM unnest(v_ended) AS i));
+    END IF;
+    IF v_tenant_rows THEN
         UPDATE tenant_slots t
         SET lease_id = NULL, key_id = NULL, lease_until = NULL,
             surplus = t.surplus
@@ -98,10 +111,10 @@ BEGIN
           AND t.lease_id = (p_slots[i]).lease_id;
     END IF;
     IF cardinality(v_ended) = cardinality(p_slots) THEN
-        PERFORM credpool_record_lease_ends(p_slots, p_events, p_at, p_outcomes, p_reasons,
-                                           p_actors, p_tokens);
+        v_written := credpool_record_lease_ends(p_slots, p_events, p_at, p_outcomes, p_reasons,
+                                                p_actors, p_tokens);
     ELSE
-        PERFORM credpool_record_lease_ends(
+        v_written := credpool_record_lease_ends(
             ARRAY(SELECT p_slots[i] FROM unnest(v_ended) AS i),
             ARRAY(SELECT p_events[i] FROM unnest(v_ended) AS i),
             ARRAY(SELECT p_at[i] FROM unnest(v_ended) AS i),
@@ -110,7 +123,7 @@ BEGIN
             ARRAY(SELECT p_actors[i] FROM unnest(v_ended) AS i),
             ARRAY(SELECT p_tokens[i] FROM unnest(v_ended) AS i));
     END IF;
-    RETURN ARRAY(SELECT (p_slots[i]).lease_id FROM unnest(v_ended) AS i);
+    RETURN v_leases;
 END;
 $$;
 
@@ -136,451 +149,679 @@ BEGIN
 END;
 $$;
 
--- RELEASE, for one lease or a group: p_releases jsonb is an array of {"lease_id", "key_id",
--- "provider", "pool", "fence" (or null), "outcome" (or null), "usage_tokens" (or null),
--- "key_hash" (hex SHA-256 of the tenant key the executor presented, or null: the internal key,
--- tenant `default`)}. A release whose key_hash names no live key, or a key of another tenant than
--- the lease's (its slot row's `tenant`, or for a lease no longer in its slot, its `granted` trail
--- row's), does nothing (verdict 'unauthorized': no release, no late report; the key is read by this
--- call, so no replica honours a key once its revoke has committed). For each other, in the slot
--- row's lock:
---   * live and named by all of its values: ended as `released` with the outcome (verdict
---     'released');
---   * named by all of its values but expired: ended as `expired` at its own lease_until if it still
---     sits in its slot (verdict 'expired');
---   * in a slot but named with another key_id, provider, pool or fence: nothing (verdict
---     'mismatch');
---   * in no slot (never granted, released, reaped, reused): nothing (verdict 'not_found').
--- An outcome or a usage for an expired or ended lease that was granted with the values given is
--- recorded once as `outcome_after_expiry` (unique index lease_events_one_report_per_lease:
--- retries count once); the outcome still counts for health. A usage (tokens the call really used)
--- replaces the lease's reservation in its credential's token windows, once.
+-- RELEASE (DESIGN "The protocol", step 4), for one release or a group, in ONE statement: the
+-- driver over the phases below, each run only when a release of the call needs it.
 --
--- Returns one row per release, in order: the verdict; the credential (key_id); whether the lease
--- was a probe; `refit`: the slot was over a lowered limit, so the credential may be back under it
--- (the caller runs credpool_fit_slots in a transaction of its own once this one has committed);
--- `usage_granted_at`, `usage_delta`: when a usage replaced a reservation, the lease's grant time
--- and usage - reservation (for the caller's view of the windows); `counted`: the outcome is to be
--- applied to health. For counted rows, the credential's health
--- columns, read under its row lock, and db_now, the clock after that lock: the caller computes
--- the new health (service/src/allocator/health.rs) and writes it with credpool_write_health in
--- the same transaction.
+-- p_releases jsonb: an array of releases, each an object with credpool_release's first
+-- attributes (migration 20261204000019): "lease_id", "key_id", "provider", "pool", "fence" (or
+-- null), "outcome" (or null), "usage_tokens" (or null), "key_hash" (hex SHA-256 of the tenant key
+-- the executor presented; null: the internal key, tenant `default`), "retry_after_seconds", and
+-- "may_disable" (the reporter may take a credential out of traffic until an operator acts;
+-- absent: the internal key may, a tenant's key may not). p_policy: the service's health policy
+-- (credpool_health_apply).
 --
--- `auth_expired` on a lease of an OAuth credential's current token generation takes that token
--- out of traffic and makes its refresh due (below; a `token_rejected` row in
--- credential_events). `oauth`: the credential is an OAuth credential (for health: `auth_expired`
--- on any other credential is the provider refusing the key, as `auth_error`).
+-- For each release, in its slot row's lock: a key of another tenant than the lease's (its slot
+-- row's `tenant`, or for a lease no longer in its slot, its `granted` row's) or no live key does
+-- nothing ('unauthorized'); a live lease named by all of its values ends as `released` with the
+-- outcome ('released'); one named by all of its values but expired ends as `expired` at its own
+-- lease_until if it still sits in its slot ('expired'); one in a slot but named with another
+-- key_id, provider, pool or fence is left alone ('mismatch'); one in no slot is 'not_found'. An
+-- outcome or a usage for an expired or ended lease granted with the values given is recorded once
+-- as `outcome_after_expiry` (unique index lease_events_one_report_per_lease: retries count once)
+-- and still counts for health. A usage replaces the lease's reservation in its credential's and
+-- tenant's token windows, once. A counted outcome changes the credential's health
+-- (credpool_health_apply; several reports on one credential one after the other, in request
+-- order), with a `status_changed` row for each transition naming the reporter's tenant. An
+-- `auth_expired` report on a lease of an OAuth credential's current token generation takes that
+-- token out of traffic and makes its refresh due (`token_rejected`).
 --
--- Locks, in the lock order: with an `auth_expired` report on a lease of an OAuth credential (the
--- caller's own lease), first the operator locks and every slot row, tenant slot row and
--- lease_windows row of that credential (credpool_lock_credentials without its credential row); the named leases' slot rows,
--- ascending (key_id, slot), in one statement; their tenant slot rows, ascending (tenant_id, slot)
--- (credpool_lock_tenant_slots); the lease_windows rows of the credentials named with a usage,
--- ascending key_id; the tenant_windows rows of those leases' tenants, ascending tenant_id (whose
--- advisory locks, in shared mode, it takes before anything else); trail rows guarded by unique
--- indexes, ascending lease_id; then the credential
--- rows of counted outcomes, ascending key_id, in one statement (FOR NO KEY UPDATE; FOR UPDATE with
--- an `auth_expired` report, whose token write follows). Decision clock: clock_timestamp() after
--- the slot locks (`released` rows carry it as `at`).
+-- Returns one row per release, in order: the verdict; the credential (key_id); `refit`: the slot
+-- was over a lowered limit (the caller refits the credential in a transaction of its own once this
+-- one has committed); `usage_granted_at`, `usage_delta`: when a usage replaced a reservation;
+-- `counted` and the credential's health after the report (for the caller's view); `waiters`: a
+-- released lease's pool has a request waiting for a slot on some service process (the caller
+-- announces the freed slot after the commit, credpool_announce_freed; a slot freed as `expired`
+-- is never announced: it was claimable from its lease_until on, and waiters keep a timer for it).
 --
--- p_caller_announces: the caller announces the slots its `released` rows freed once its
--- transaction has committed (credpool_announce_freed), so nothing in this transaction sends a
--- notification for them. A slot freed as `expired` is not announced at all: it was claimable
--- from its lease_until on, and waiters keep a timer for that moment.
+-- Phases: PARSE (and the slot rows, locked), USAGE LOCKS (a usage), REJECTS (an auth_expired
+-- report), LOCK (tenant slot rows: a capped tenant's lease; windows rows: a usage), VERDICTS and
+-- END, LATE (a report for an ended lease, a usage), HEALTH (a counted outcome), TOKENS (an
+-- auth_expired report), ANSWERS. A plain release group (success reports of uncapped tenants'
+-- live leases, no usage) runs PARSE, VERDICTS and END, HEALTH and ANSWERS.
+--
+-- Locks, in the lock order (docs/design.md): the usage tenants' advisory locks in shared mode;
+-- for an `auth_expired` report on the caller's own lease of an OAuth credential, the operator
+-- locks and every slot row, tenant slot row and lease_windows row of that credential
+-- (credpool_lock_credentials without its credential row); the named leases' slot rows, ascending
+-- (key_id, slot), in one statement; their tenant slot rows (credpool_lock_tenant_slots); the
+-- lease_windows rows of the credentials named with a usage, then those leases' tenants'
+-- tenant_windows rows; trail rows guarded by unique indexes, ascending lease_id; the credential
+-- rows of counted outcomes, ascending key_id. Decision clock: clock_timestamp() after the slot
+-- locks (`released` rows carry it as `at`), and for health after the credential rows' locks.
 DROP FUNCTION IF EXISTS credpool_release(jsonb);
 DROP FUNCTION IF EXISTS credpool_release(jsonb, boolean);
-CREATE FUNCTION credpool_release(p_releases jsonb, p_caller_announces boolean DEFAULT false)
-RETURNS TABLE (release integer, verdict text, key_id text, probe boolean, refit boolean,
-               usage_granted_at timestamptz, usage_delta bigint,
-               counted boolean, status text, status_reason text, cooldown_until timestamptz,
-               health_successes double precision, health_failures double precision,
-               health_rate_limits double precision, health_decayed_at timestamptz,
-               recent_failures timestamptz[], cooldowns_in_a_row integer,
-               last_success_at timestamptz, recovered_at timestamptz, db_now timestamptz,
-               oauth boolean)
+DROP FUNCTION IF EXISTS credpool_release(jsonb, jsonb);
+DROP FUNCTION IF EXISTS credpool_write_health(jsonb, jsonb);
+CREATE FUNCTION credpool_release(p_releases jsonb, p_policy jsonb)
+RETURNS TABLE (release integer, verdict text, key_id text, refit boolean,
+               usage_granted_at timestamptz, usage_delta bigint, counted boolean, status text,
+               status_reason text, cooldown_until timestamptz, health_successes double precision,
+               health_failures double precision, health_rate_limits double precision,
+               health_decayed_at timestamptz, recent_failures timestamptz[],
+               cooldowns_in_a_row integer, last_success_at timestamptz, recovered_at timestamptz,
+               waiters boolean)
 LANGUAGE plpgsql
 SET enable_seqscan = off SET enable_bitmapscan = off SET enable_hashjoin = off
 SET enable_mergejoin = off SET enable_material = off SET jit = off
 SET plan_cache_mode = force_generic_plan
 AS $$
-#variable_conflict use_column
 DECLARE
-    v_now timestamptz;
-    v_health_now timestamptz;
+    v_parsed record;
+    v_verdicts record;
+    v_releases credpool_release[];
+    v_usage boolean;
     v_rejects boolean;
-    -- the credentials whose tokens the call's `auth_expired` reports may reject (their own
-    -- leases' OAuth credentials), ascending
-    v_reject_keys text[];
-    v_locked text;
-    -- per release: the grant time of a lease whose `auth_expired` report counts (else NULL)
-    v_rejected_granted_at timestamptz[];
-    -- one element per release, in request order (n): what it asked and what it found
-    v_n integer[];
-    v_lease uuid[];
-    v_asked_key text[];
-    v_provider text[];
-    v_pool text[];
-    v_fence bigint[];
-    v_outcome text[];
-    v_usage bigint[];
-    v_slot lease_slots[];
-    v_verdict text[];
-    -- and what it did
-    v_key text[];
-    v_probe boolean[];
-    v_refit boolean[];
-    v_counted boolean[];
-    v_usage_at timestamptz[];
-    v_usage_delta bigint[];
-    v_late record;
-    v_counted_keys text[];
-    v_usage_tenants text[];
-    i integer;
+    v_reject_keys text[] := '{}';
+    v_slots lease_slots[];
+    v_now timestamptz;
+    v_late boolean;
+    v_counted boolean;
+    v_hooked boolean;
 BEGIN
-    -- The tenants of the leases named with a usage (the lease's slot row says which, or, for a
-    -- lease no longer in it, its `granted` row; a lease's tenant never changes, so this read
-    -- needs no lock), ascending: their advisory locks in shared mode, before any other lock (no
-    -- transaction takes an operator lock before a tenant's), so that no change of one of them
-    -- adds or removes its tenant_windows row, or seeds a new window from the trail, while this
-    -- release charges its usage: the rows locked below are the rows the usage is charged to.
-    v_usage_tenants := ARRAY(
-        SELECT DISTINCT coalesce(s.tenant, g.tenant)
-        FROM jsonb_array_elements(p_releases) AS e
-        LEFT JOIN lease_slots s
-            ON s.key_id = e ->> 'key_id' AND s.lease_id = (e ->> 'lease_id')::uuid
-        LEFT JOIN LATERAL (
-            SELECT g.tenant FROM lease_events g
-            WHERE s.lease_id IS NULL AND g.lease_id = (e ->> 'lease_id')::uuid
-              AND g.event = 'granted'
-            LIMIT 1
-        ) AS g ON true
-        WHERE e ->> 'usage_tokens' IS NOT NULL AND coalesce(s.tenant, g.tenant) IS NOT NULL
-        ORDER BY 1);
-    IF v_usage_tenants <> '{}' THEN
-        PERFORM pg_advisory_xact_lock_shared(hashtextextended('credpool.tenant:' || t.tenant, 0))
-        FROM unnest(v_usage_tenants) WITH ORDINALITY AS t (tenant, n);
+    -- (the phases are called in expressions, not statements: each costs a function call only)
+    v_parsed := credpool_release_parse(p_releases);
+    v_releases := v_parsed.releases;
+    v_usage := v_parsed.usage;
+    v_rejects := v_parsed.rejects;
+    IF v_releases IS NULL THEN
+        RETURN;
     END IF;
-    IF p_caller_announces THEN
-        -- the caller announces the released slots after its commit (credpool_announce_freed):
-        -- no NOTIFY from this transaction (see lease_slots_notify_freed)
-        PERFORM set_config('credpool.caller_announces_freed', 'on', true);
-    END IF;
-    -- An `auth_expired` report on a lease of an OAuth credential may take its token out of
-    -- traffic, a write of the credential row that moves config_version into every slot row of
-    -- the credential: so every slot row of that credential first (with its tenant and windows
-    -- rows, in the lock order: credpool_lock_credentials), and its credential row only after the
-    -- trail rows, below. Only the reporting lease's own credential: the lease it names sits on
-    -- that credential (its slot row says so, or, once it left it, its `granted` row) and the key
-    -- presented is of the lease's tenant (read from this snapshot: a lease's credential and
-    -- tenant never change). A report naming any other credential locks nothing of it: an
-    -- executor's report reaches only its own lease's credential. Rare; a call without such a
-    -- report locks only its leases' rows.
-    v_reject_keys := ARRAY(
-        SELECT DISTINCT e ->> 'key_id'
-        FROM jsonb_array_elements(p_releases) AS e
-        JOIN oauth_credentials o ON o.key_id = e ->> 'key_id'
-        LEFT JOIN lease_slots s
-            ON s.key_id = e ->> 'key_id' AND s.lease_id = (e ->> 'lease_id')::uuid
-        LEFT JOIN LATERAL (
-            SELECT g.key_id, coalesce(g.tenant, 'default') AS tenant
-            FROM lease_events g
-            WHERE s.lease_id IS NULL AND g.lease_id = (e ->> 'lease_id')::uuid
-              AND g.event = 'granted'
-            LIMIT 1
-        ) AS g ON true
-        JOIN LATERAL credpool_key_tenant(e ->> 'key_hash') AS k (tenant) ON true
-        WHERE e ->> 'outcome' = 'auth_expired'
-          AND coalesce(s.key_id, g.key_id) = e ->> 'key_id'
-          AND coalesce(s.tenant, g.tenant) = k.tenant
-        ORDER BY 1);
-    v_rejects := v_reject_keys <> '{}';
     IF v_rejects THEN
-        PERFORM credpool_lock_credentials(v_reject_keys, false);
+        -- (the credentials' rows before every other row: their slot rows come first)
+        v_reject_keys := credpool_release_rejects(v_releases);
+        IF v_reject_keys <> '{}' THEN
+            PERFORM credpool_lock_credentials(v_reject_keys, false);
+        END IF;
     END IF;
-    PERFORM 1
-    FROM lease_slots s
-    WHERE s.key_id = ANY (ARRAY(SELECT e ->> 'key_id' FROM jsonb_array_elements(p_releases) AS e))
-      AND s.lease_id = ANY (ARRAY(SELECT (e ->> 'lease_id')::uuid FROM jsonb_array_elements(p_releases) AS e))
-    ORDER BY s.key_id, s.slot
-    FOR UPDATE;
-    -- their tenant slot rows (END clears them), right after the slot rows, before the windows
-    PERFORM credpool_lock_tenant_slots(ARRAY(
-        SELECT s FROM lease_slots s
-        WHERE s.key_id = ANY (ARRAY(SELECT e ->> 'key_id' FROM jsonb_array_elements(p_releases) AS e))
-          AND s.lease_id = ANY (ARRAY(SELECT (e ->> 'lease_id')::uuid
-                                      FROM jsonb_array_elements(p_releases) AS e))));
-    PERFORM 1
-    FROM lease_windows w
-    WHERE w.key_id = ANY (ARRAY(SELECT e ->> 'key_id' FROM jsonb_array_elements(p_releases) AS e
-                                WHERE e ->> 'usage_tokens' IS NOT NULL))
-    ORDER BY w.key_id
-    FOR UPDATE;
-    PERFORM credpool_test_hook('release.locked');
-    -- the tenant_windows rows of the tenants of the leases named with a usage (their advisory
-    -- locks held since the top)
-    IF v_usage_tenants <> '{}' THEN
-        PERFORM 1
-        FROM tenant_windows tw
-        WHERE tw.tenant_id = ANY (v_usage_tenants)
+    v_slots := credpool_release_lock(v_releases, v_usage);
+    v_hooked := credpool_test_hook('release.locked');
+    v_now := clock_timestamp();
+    v_verdicts := credpool_release_verdicts(v_releases, v_slots, v_usage, v_now);
+    v_releases := v_verdicts.releases;
+    v_late := v_verdicts.late;
+    v_counted := v_verdicts.counted;
+    IF v_late THEN
+        v_releases := credpool_release_late(v_releases, v_now);
+        v_counted := EXISTS (SELECT 1 FROM unnest(v_releases) AS r WHERE r.counted);
+    END IF;
+    IF v_counted THEN
+        v_releases := credpool_release_health(v_releases, v_reject_keys, p_policy);
+    END IF;
+    IF v_reject_keys <> '{}' THEN
+        v_hooked := credpool_release_tokens(v_releases, v_reject_keys, v_now);
+    END IF;
+    RETURN QUERY
+    SELECT r.n, r.verdict, CASE WHEN r.verdict IN ('released', 'expired') OR r.counted
+                                THEN r.key_id END,
+           r.verdict IN ('released', 'expired') AND coalesce((r.slot).over_limit, false),
+           r.usage_at, r.usage_delta, coalesce(r.counted, false), (r.health).status,
+           (r.health).status_reason, (r.health).cooldown_until, (r.health).health_successes,
+           (r.health).health_failures, (r.health).health_rate_limits,
+           (r.health).health_decayed_at, (r.health).recent_failures,
+           (r.health).cooldowns_in_a_row, (r.health).last_success_at, (r.health).recovered_at,
+           r.verdict = 'released'
+           AND EXISTS (SELECT 1 FROM pool_waiters w
+                       WHERE w.provider = r.provider AND r.pool = ANY (w.pools) AND w.until > v_now)
+    FROM unnest(v_releases) AS r
+    ORDER BY r.n;
+END;
+$$;
+
+-- PARSE: the releases of a call as the service sent them, each with its place and its key's
+-- tenant (NULL: no live key; read by this statement, so no replica honours a key once its revoke
+-- has committed); whether any reports a usage, and whether any reports `auth_expired`. With a
+-- usage, the tenants of the leases it names take their advisory locks in shared mode here, first
+-- of every lock (no change of one of them adds or removes its tenant_windows row, or seeds a new
+-- window from the trail, while this call charges its usage).
+CREATE OR REPLACE FUNCTION credpool_release_parse(p_releases jsonb,
+    OUT releases credpool_release[], OUT usage boolean, OUT rejects boolean)
+LANGUAGE plpgsql
+AS $$
+BEGIN
+    SELECT array_agg(ROW(x.lease_id, x.key_id, x.provider, x.pool, x.fence, x.outcome,
+                         x.usage_tokens, x.key_hash, x.retry_after_seconds,
+                         coalesce(x.may_disable, x.key_hash IS NULL), x.ordinality::integer,
+                         k.tenant, NULL, NULL, NULL, NULL, false, NULL)::credpool_release
+                     ORDER BY x.ordinality),
+           coalesce(bool_or(x.usage_tokens IS NOT NULL), false),
+           coalesce(bool_or(x.outcome = 'auth_expired'), false)
+    INTO releases, usage, rejects
+    FROM jsonb_populate_recordset(NULL::credpool_release, p_releases) WITH ORDINALITY AS x
+    LEFT JOIN LATERAL credpool_key_tenant(x.key_hash) AS k (tenant) ON true;
+    IF usage THEN
+        PERFORM pg_advisory_xact_lock_shared(hashtextextended('credpool.tenant:' || t.tenant, 0))
+        FROM (SELECT DISTINCT coalesce(s.tenant, g.tenant) AS tenant
+              FROM unnest(releases) AS r
+              LEFT JOIN lease_slots s ON s.key_id = r.key_id AND s.lease_id = r.lease_id
+              LEFT JOIN LATERAL (
+                  SELECT g.tenant FROM lease_events g
+                  WHERE s.lease_id IS NULL AND g.lease_id = r.lease_id AND g.event = 'granted'
+                  LIMIT 1
+              ) AS g ON true
+              WHERE r.usage_tokens IS NOT NULL AND coalesce(s.tenant, g.tenant) IS NOT NULL
+              ORDER BY 1) AS t;
+    END IF;
+END;
+$$;
+
+-- REJECTS: the OAuth credentials whose tokens the call's `auth_expired` reports may reject,
+-- ascending: only a reporting lease's own (the lease named sits on it: its slot row says so, or,
+-- once it left it, its `granted` row; and the key presented is of the lease's tenant; read from
+-- this snapshot: a lease's credential and tenant never change). A report naming any other
+-- credential locks nothing of it.
+CREATE OR REPLACE FUNCTION credpool_release_rejects(p_releases credpool_release[])
+RETURNS text[]
+LANGUAGE sql STABLE
+AS $$
+    SELECT coalesce(array_agg(DISTINCT r.key_id ORDER BY r.key_id), '{}')
+    FROM unnest(p_releases) AS r
+    JOIN oauth_credentials o ON o.key_id = r.key_id
+    LEFT JOIN lease_slots s ON s.key_id = r.key_id AND s.lease_id = r.lease_id
+    LEFT JOIN LATERAL (
+        SELECT g.key_id, coalesce(g.tenant, 'default') AS tenant FROM lease_events g
+        WHERE s.lease_id IS NULL AND g.lease_id = r.lease_id AND g.event = 'granted'
+        LIMIT 1
+    ) AS g ON true
+    WHERE r.outcome = 'auth_expired' AND r.tenant IS NOT NULL
+      AND coalesce(s.key_id, g.key_id) = r.key_id AND coalesce(s.tenant, g.tenant) = r.tenant
+$$;
+
+-- LOCK: the slot rows of the named leases, ascending (key_id, slot), in one statement: returned
+-- as locked (their newest versions); their tenant slot rows right after (lock order 1b: END
+-- clears them), only when a lease has one; with a usage, the lease_windows rows of the
+-- credentials named with one, then the tenant_windows rows of those leases' tenants (whose
+-- advisory locks PARSE took).
+CREATE OR REPLACE FUNCTION credpool_release_lock(p_releases credpool_release[], p_usage boolean)
+RETURNS lease_slots[]
+LANGUAGE plpgsql
+AS $$
+DECLARE
+    v_slots lease_slots[];
+    v_tenant_rows boolean;
+BEGIN
+    SELECT coalesce(array_agg(l.s), '{}'), coalesce(bool_or((l.s).tenant_slot IS NOT NULL), false)
+    INTO v_slots, v_tenant_rows
+    FROM (SELECT s FROM lease_slots s
+          WHERE (s.key_id, s.lease_id) IN (SELECT r.key_id, r.lease_id FROM unnest(p_releases) AS r)
+          ORDER BY s.key_id, s.slot
+          FOR UPDATE) AS l;
+    IF v_tenant_rows THEN
+        v_tenant_rows := credpool_lock_tenant_slots(v_slots);
+    END IF;
+    IF p_usage THEN
+        PERFORM 1 FROM lease_windows w
+        WHERE w.key_id IN (SELECT r.key_id FROM unnest(p_releases) AS r
+                           WHERE r.usage_tokens IS NOT NULL)
+        ORDER BY w.key_id
+        FOR UPDATE;
+        PERFORM 1 FROM tenant_windows tw
+        WHERE tw.tenant_id IN (SELECT coalesce(x.tenant, g.tenant)
+                               FROM unnest(p_releases) AS r
+                               LEFT JOIN unnest(v_slots) AS x
+                                   ON x.key_id = r.key_id AND x.lease_id = r.lease_id
+                               LEFT JOIN LATERAL (
+                                   SELECT g.tenant FROM lease_events g
+                                   WHERE x.lease_id IS NULL AND g.lease_id = r.lease_id
+                                     AND g.event = 'granted'
+                                   LIMIT 1
+                               ) AS g ON true
+                               WHERE r.usage_tokens IS NOT NULL)
         ORDER BY tw.tenant_id
         FOR UPDATE;
     END IF;
-    v_now := clock_timestamp();
+    RETURN v_slots;
+END;
+$$;
 
-    -- The verdicts, in one statement (the aggregates read its rows in request order). A lease
-    -- named twice in one call is ended by the first request (in order) that names it by all of
-    -- its values; the others find it gone.
-    SELECT array_agg(j.n), array_agg(j.lease_id), array_agg(j.key_id), array_agg(j.provider),
-           array_agg(j.pool), array_agg(j.fence), array_agg(j.outcome), array_agg(j.usage_tokens),
-           array_agg(j.slot_row),
-           array_agg(CASE
-                         WHEN NOT j.authorized THEN 'unauthorized'
-                         WHEN j.found AND j.matches AND j.nth = 1 THEN
-                             CASE WHEN (j.slot_row).lease_until > v_now THEN 'released'
-                                  ELSE 'expired' END
-                         WHEN j.found AND NOT j.matches THEN 'mismatch'
-                         ELSE 'not_found'
-                     END)
-    INTO v_n, v_lease, v_asked_key, v_provider, v_pool, v_fence, v_outcome, v_usage, v_slot,
-         v_verdict
+-- VERDICTS and END: each release's verdict, decided on its lease's slot row as locked (`p_slots`)
+-- and the clock read after the locks: a lease named twice in one call is ended by the first
+-- request (in order) that names it by all of its values; the others find it gone. Then every
+-- lease that ends, in one call of END: released now (with its outcome and usage), or found
+-- expired in its slot (at its own lease_until). Says whether a late report or a usage is left
+-- for LATE, and whether an outcome counts for HEALTH.
+CREATE OR REPLACE FUNCTION credpool_release_verdicts(p_releases credpool_release[],
+    p_slots lease_slots[], p_usage boolean, p_now timestamptz,
+    OUT releases credpool_release[], OUT late boolean, OUT counted boolean)
+LANGUAGE plpgsql
+AS $$
+BEGIN
+    SELECT array_agg(ROW(j.lease_id, j.key_id, j.provider, j.pool, j.fence, j.outcome,
+                         j.usage_tokens, j.key_hash, j.retry_after_seconds, j.may_disable, j.n,
+                         j.tenant, j.s, j.decided, NULL, NULL,
+                         j.decided = 'released' AND j.outcome IS NOT NULL, NULL)::credpool_release
+                     ORDER BY j.n),
+           coalesce(bool_or(j.decided IN ('expired', 'not_found')
+                            AND (j.outcome IS NOT NULL OR j.usage_tokens IS NOT NULL)
+                            OR j.decided = 'released' AND j.usage_tokens IS NOT NULL), false),
+           coalesce(bool_or(j.decided = 'released' AND j.outcome IS NOT NULL), false)
+    INTO releases, late, counted
     FROM (
-        SELECT w.n::integer AS n, w.lease_id, w.key_id, w.provider, w.pool, w.fence, w.outcome,
-               w.usage_tokens, s AS slot_row, a.authorized,
-               -- in a slot of the credential named, or (named with another key_id) of its own,
-               -- which its `granted` row in the trail names
-               s.lease_id IS NOT NULL
-                   OR EXISTS (SELECT 1
-                              FROM lease_events g
-                              JOIN lease_slots o ON o.key_id = g.key_id AND o.lease_id = g.lease_id
-                              WHERE g.lease_id = w.lease_id AND g.event = 'granted') AS found,
-               coalesce(s.provider = w.provider AND s.pool = w.pool
-                        AND (w.fence IS NULL OR s.fence = w.fence), false) AS matches,
-               row_number() OVER (
-                   PARTITION BY w.lease_id, a.authorized,
-                                coalesce(s.provider = w.provider AND s.pool = w.pool
-                                         AND (w.fence IS NULL OR s.fence = w.fence), false)
-                   ORDER BY w.n) AS nth
-        FROM ROWS FROM (jsonb_to_recordset(p_releases) AS (
-                 lease_id uuid, key_id text, provider text, pool text, fence bigint, outcome text,
-                 usage_tokens bigint, key_hash text))
-             WITH ORDINALITY AS w (lease_id, key_id, provider, pool, fence, outcome, usage_tokens,
-                                   key_hash, n)
-        LEFT JOIN lease_slots s ON s.key_id = w.key_id AND s.lease_id = w.lease_id
-        -- the key must be live (absent: the configured internal key, tenant `default`; read by
-        -- this statement, so a release that starts after a revoke committed is refused) and of
-        -- the lease's tenant: its slot row's, or (a lease no longer in the slot named) its
-        -- `granted` row's (NULL there: granted before tenants existed, to `default`)
-        LEFT JOIN LATERAL credpool_key_tenant(w.key_hash) AS k (tenant) ON true
+        SELECT b.*,
+               CASE WHEN NOT b.authorized THEN 'unauthorized'
+                    WHEN (b.s).lease_id IS NOT NULL AND b.matches AND b.nth = 1 THEN
+                        CASE WHEN (b.s).lease_until > p_now THEN 'released' ELSE 'expired' END
+                    WHEN b.found AND NOT b.matches THEN 'mismatch'
+                    ELSE 'not_found' END AS decided
+        FROM (
+        SELECT r.*, x AS s, a.authorized, a.found, a.matches,
+               row_number() OVER (PARTITION BY r.lease_id, a.authorized, a.matches
+                                  ORDER BY r.n) AS nth
+        FROM unnest(p_releases) AS r
+        LEFT JOIN unnest(p_slots) AS x ON x.key_id = r.key_id AND x.lease_id = r.lease_id
+        -- for a lease no longer in the slot named: its `granted` row (its tenant; NULL there:
+        -- granted before tenants existed, to `default`), and whether it sits in another slot
         LEFT JOIN LATERAL (
-            SELECT coalesce(g.tenant, 'default') AS tenant
+            SELECT coalesce(g.tenant, 'default') AS tenant,
+                   EXISTS (SELECT 1 FROM lease_slots o
+                           WHERE o.key_id = g.key_id AND o.lease_id = g.lease_id) AS elsewhere
             FROM lease_events g
-            WHERE s.lease_id IS NULL AND g.lease_id = w.lease_id AND g.event = 'granted'
+            WHERE x.lease_id IS NULL AND g.lease_id = r.lease_id AND g.event = 'granted'
             LIMIT 1
         ) AS g ON true
         CROSS JOIN LATERAL (
-            SELECT k.tenant IS NOT NULL
-                   AND coalesce(s.tenant, g.tenant, k.tenant) = k.tenant AS authorized
+            -- the key must be live (absent: the configured internal key, tenant `default`) and
+            -- of the lease's tenant: its slot row's, or its `granted` row's
+            SELECT r.tenant IS NOT NULL
+                   AND coalesce(x.tenant, g.tenant, r.tenant) = r.tenant AS authorized,
+                   x.lease_id IS NOT NULL OR coalesce(g.elsewhere, false) AS found,
+                   coalesce(x.provider = r.provider AND x.pool = r.pool
+                            AND (r.fence IS NULL OR x.fence = r.fence), false) AS matches
         ) AS a
-        ORDER BY w.n
+        ) AS b
     ) AS j;
-
-    -- Every lease that ends, in one call: released now, or found expired in its slot.
     PERFORM credpool_end_leases(
-        ARRAY(SELECT v_slot[k] FROM generate_subscripts(v_n, 1) AS k
-              WHERE v_verdict[k] IN ('released', 'expired') ORDER BY k),
-        ARRAY(SELECT v_verdict[k] FROM generate_subscripts(v_n, 1) AS k
-              WHERE v_verdict[k] IN ('released', 'expired') ORDER BY k),
-        ARRAY(SELECT CASE WHEN v_verdict[k] = 'released' THEN v_now ELSE (v_slot[k]).lease_until END
-              FROM generate_subscripts(v_n, 1) AS k
-              WHERE v_verdict[k] IN ('released', 'expired') ORDER BY k),
-        ARRAY(SELECT CASE WHEN v_verdict[k] = 'released' THEN v_outcome[k] END
-              FROM generate_subscripts(v_n, 1) AS k
-              WHERE v_verdict[k] IN ('released', 'expired') ORDER BY k),
+        ARRAY(SELECT r.slot FROM unnest(releases) AS r
+              WHERE r.verdict IN ('released', 'expired') ORDER BY r.n),
+        ARRAY(SELECT r.verdict FROM unnest(releases) AS r
+              WHERE r.verdict IN ('released', 'expired') ORDER BY r.n),
+        ARRAY(SELECT CASE WHEN r.verdict = 'released' THEN p_now ELSE (r.slot).lease_until END
+              FROM unnest(releases) AS r WHERE r.verdict IN ('released', 'expired') ORDER BY r.n),
+        ARRAY(SELECT CASE WHEN r.verdict = 'released' THEN r.outcome END
+              FROM unnest(releases) AS r WHERE r.verdict IN ('released', 'expired') ORDER BY r.n),
         NULL,
         NULL,
-        ARRAY(SELECT CASE WHEN v_verdict[k] = 'released' THEN v_usage[k] END
-              FROM generate_subscripts(v_n, 1) AS k
-              WHERE v_verdict[k] IN ('released', 'expired') ORDER BY k));
+        CASE WHEN p_usage THEN
+            ARRAY(SELECT CASE WHEN r.verdict = 'released' THEN r.usage_tokens END
+                  FROM unnest(releases) AS r WHERE r.verdict IN ('released', 'expired') ORDER BY r.n)
+        END);
+END;
+$$;
 
-    -- What each did for health and the windows: a released outcome counts, and its usage replaces
-    -- its reservation; an outcome or usage for a lease that had ended counts once, as a late
-    -- report (after the ends above, so a release and a late report of one lease in one call
-    -- meet the unique index in that order).
-    v_key := array_fill(NULL::text, ARRAY[coalesce(cardinality(v_n), 0)]);
-    v_probe := array_fill(NULL::boolean, ARRAY[coalesce(cardinality(v_n), 0)]);
-    v_refit := v_probe; v_counted := v_probe;
-    v_usage_at := array_fill(NULL::timestamptz, ARRAY[coalesce(cardinality(v_n), 0)]);
-    v_usage_delta := array_fill(NULL::bigint, ARRAY[coalesce(cardinality(v_n), 0)]);
-    v_rejected_granted_at := v_usage_at;
-    -- in ascending lease_id (the lock order of the trail's unique indexes: two groups reporting
-    -- the same leases wait for each other's trail rows in one order)
-    FOR i IN SELECT k FROM generate_subscripts(v_n, 1) AS k ORDER BY v_lease[k], k LOOP
-        v_key[i] := CASE WHEN v_verdict[i] IN ('released', 'expired') THEN v_asked_key[i] END;
-        v_probe[i] := v_verdict[i] = 'released' AND (v_slot[i]).probe;
-        v_refit[i] := v_verdict[i] IN ('released', 'expired') AND (v_slot[i]).over_limit;
-        v_counted[i] := v_verdict[i] = 'released' AND v_outcome[i] IS NOT NULL;
-        v_usage_at[i] := NULL;
-        v_usage_delta[i] := NULL;
-        IF v_counted[i] AND v_outcome[i] = 'auth_expired' THEN
-            v_rejected_granted_at[i] := (v_slot[i]).granted_at;
-        END IF;
-        IF v_verdict[i] = 'released' AND v_usage[i] IS NOT NULL THEN
-            v_usage_at[i] := (v_slot[i]).granted_at;
-            v_usage_delta[i] := v_usage[i] - coalesce((v_slot[i]).reserved_tokens, 0);
-            PERFORM credpool_charge_usage(v_asked_key[i], (v_slot[i]).tenant, v_usage_at[i],
-                                          v_usage_delta[i]);
-        ELSIF v_verdict[i] IN ('expired', 'not_found')
-              AND (v_outcome[i] IS NOT NULL OR v_usage[i] IS NOT NULL) THEN
+-- LATE: what each release did for the windows, and the late reports: a released lease's usage
+-- replaces its reservation; an outcome or usage for a lease that had ended (expired, or in no
+-- slot: granted with the values given, by its `granted` row) is recorded once as
+-- `outcome_after_expiry` and counts like a release's (after the ends, so a release and a late
+-- report of one lease in one call meet the unique index in that order). In ascending lease_id,
+-- the lock order of the trail's unique indexes: two groups reporting the same leases wait for
+-- each other's trail rows in one order.
+CREATE OR REPLACE FUNCTION credpool_release_late(p_releases credpool_release[], p_now timestamptz)
+RETURNS credpool_release[]
+LANGUAGE plpgsql
+AS $$
+DECLARE
+    v_releases credpool_release[] := p_releases;
+    r credpool_release;
+    v_late record;
+BEGIN
+    FOR r IN SELECT x.* FROM unnest(p_releases) AS x ORDER BY x.lease_id, x.n LOOP
+        IF r.verdict = 'released' AND r.usage_tokens IS NOT NULL THEN
+            v_releases[r.n].usage_at := (r.slot).granted_at;
+            v_releases[r.n].usage_delta := r.usage_tokens - coalesce((r.slot).reserved_tokens, 0);
+            PERFORM credpool_charge_usage(r.key_id, (r.slot).tenant, (r.slot).granted_at,
+                                          r.usage_tokens - coalesce((r.slot).reserved_tokens, 0));
+        ELSIF r.verdict IN ('expired', 'not_found')
+              AND (r.outcome IS NOT NULL OR r.usage_tokens IS NOT NULL) THEN
             INSERT INTO lease_events
                 (event, lease_id, key_id, provider, pool, slot, holder, outcome, lease_until, at,
                  tokens, tenant)
-            SELECT 'outcome_after_expiry', g.lease_id, g.key_id, g.provider, g.pool, g.slot, g.holder,
-                   v_outcome[i],
-                   (SELECT max(e.lease_until) FROM lease_events e WHERE e.lease_id = v_lease[i]),
-                   v_now, v_usage[i], g.tenant
+            SELECT 'outcome_after_expiry', g.lease_id, g.key_id, g.provider, g.pool, g.slot,
+                   g.holder, r.outcome,
+                   (SELECT max(e.lease_until) FROM lease_events e WHERE e.lease_id = r.lease_id),
+                   p_now, r.usage_tokens, g.tenant
             FROM lease_events g
-            WHERE g.lease_id = v_lease[i] AND g.event = 'granted'
-              AND g.key_id = v_asked_key[i] AND g.provider = v_provider[i] AND g.pool = v_pool[i]
-              AND (v_fence[i] IS NULL OR g.fence IS NULL OR g.fence = v_fence[i])
+            WHERE g.lease_id = r.lease_id AND g.event = 'granted'
+              AND g.key_id = r.key_id AND g.provider = r.provider AND g.pool = r.pool
+              AND (r.fence IS NULL OR g.fence IS NULL OR g.fence = r.fence)
             LIMIT 1
             ON CONFLICT (lease_id) WHERE event IN ('released', 'outcome_after_expiry') DO NOTHING
             RETURNING (SELECT g2.at FROM lease_events g2
-                       WHERE g2.lease_id = v_lease[i] AND g2.event = 'granted' LIMIT 1) AS granted_at,
+                       WHERE g2.lease_id = r.lease_id AND g2.event = 'granted' LIMIT 1) AS granted_at,
                       (SELECT g2.tokens FROM lease_events g2
-                       WHERE g2.lease_id = v_lease[i] AND g2.event = 'granted' LIMIT 1) AS reserved,
+                       WHERE g2.lease_id = r.lease_id AND g2.event = 'granted' LIMIT 1) AS reserved,
                       tenant
             INTO v_late;
             IF FOUND THEN
-                v_key[i] := v_asked_key[i];
-                v_counted[i] := v_outcome[i] IS NOT NULL;
-                IF v_outcome[i] = 'auth_expired' THEN
-                    v_rejected_granted_at[i] := v_late.granted_at;
-                END IF;
-                IF v_usage[i] IS NOT NULL THEN
-                    v_usage_at[i] := v_late.granted_at;
-                    v_usage_delta[i] := v_usage[i] - coalesce(v_late.reserved, 0);
-                    PERFORM credpool_charge_usage(v_asked_key[i], v_late.tenant, v_usage_at[i],
-                                                  v_usage_delta[i]);
+                v_releases[r.n].counted := r.outcome IS NOT NULL;
+                IF r.usage_tokens IS NOT NULL THEN
+                    v_releases[r.n].usage_at := v_late.granted_at;
+                    v_releases[r.n].usage_delta := r.usage_tokens - coalesce(v_late.reserved, 0);
+                    PERFORM credpool_charge_usage(r.key_id, v_late.tenant, v_late.granted_at,
+                                                  r.usage_tokens - coalesce(v_late.reserved, 0));
                 END IF;
             END IF;
         END IF;
     END LOOP;
-
-    -- The credential rows of counted outcomes (lock order 4: after the trail rows), for the
-    -- health write, FOR NO KEY UPDATE; FOR UPDATE, the strength credpool_lock_credentials takes
-    -- for a write of the token, on the credentials whose slot rows the `auth_expired` reports
-    -- took above (only those: a claim binding a conversation holds one slot row of the
-    -- credential and a key share lock on its row, which FOR UPDATE conflicts with). One row at
-    -- a time, ascending key_id, when the strengths differ.
-    v_counted_keys := ARRAY(SELECT k FROM unnest(v_key, v_counted) AS x (k, counted) WHERE x.counted);
-    IF v_rejects THEN
-        FOR v_locked IN SELECT DISTINCT k FROM unnest(v_counted_keys) AS k ORDER BY k LOOP
-            IF v_locked = ANY (v_reject_keys) THEN
-                PERFORM 1 FROM credentials c WHERE c.key_id = v_locked FOR UPDATE;
-            ELSE
-                PERFORM 1 FROM credentials c WHERE c.key_id = v_locked FOR NO KEY UPDATE;
-            END IF;
-        END LOOP;
-    ELSE
-        PERFORM 1 FROM credentials c WHERE c.key_id = ANY (v_counted_keys) ORDER BY c.key_id
-        FOR NO KEY UPDATE;
-    END IF;
-    v_health_now := clock_timestamp();
-
-    -- `auth_expired` on a lease of the current generation (granted at or after the generation
-    -- began; the credentials' operator locks and slot rows are held since the top, so no refresh
-    -- or PUT is writing meanwhile, and their rows since the statement above): the token counts
-    -- as expired from now, so no claim grants it again (credpool_token_lasts, gated by
-    -- config_version) and the refresher finds it due at once, which refreshes it exactly once
-    -- however many reports arrive (the refresh is taken per generation, service/src/oauth.rs).
-    -- A report on a lease of an older generation says nothing about the current token.
-    IF v_rejects THEN
-        WITH rejected AS (
-            SELECT DISTINCT ON (x.key_id) x.key_id, x.lease_id, o.generation
-            FROM unnest(v_key, v_lease, v_rejected_granted_at) AS x (key_id, lease_id, granted_at)
-            JOIN oauth_credentials o ON o.key_id = x.key_id
-            WHERE x.granted_at >= o.generation_at AND x.key_id = ANY (v_reject_keys)
-            ORDER BY x.key_id, x.granted_at
-        ),
-        expired AS (
-            UPDATE credentials c
-            SET token_expires_at = v_now
-            FROM rejected r
-            WHERE c.key_id = r.key_id AND c.token_expires_at > v_now
-            RETURNING c.key_id
-        )
-        INSERT INTO credential_events (key_id, event, reason, lease_id, actor, details, at)
-        SELECT r.key_id, 'token_rejected',
-               'auth_expired reported: the provider rejected the access token; refresh due now',
-               r.lease_id, 'executor', jsonb_build_object('generation', r.generation), v_now
-        FROM rejected r
-        JOIN expired e ON e.key_id = r.key_id;
-    END IF;
-
-    RETURN QUERY
-    SELECT v.n, v.verdict, v.key_id, v.probe, v.refit, v.usage_at, v.usage_delta,
-           v.counted AND c.key_id IS NOT NULL,
-           c.status, c.status_reason, c.cooldown_until, c.health_successes, c.health_failures,
-           c.health_rate_limits, c.health_decayed_at, c.recent_failures, c.cooldowns_in_a_row,
-           c.last_success_at, c.recovered_at, v_health_now, c.token_expires_at IS NOT NULL
-    FROM unnest(v_n, v_verdict, v_key, v_probe, v_refit, v_counted, v_usage_at, v_usage_delta)
-         AS v (n, verdict, key_id, probe, refit, counted, usage_at, usage_delta)
-    LEFT JOIN credentials c ON c.key_id = v.key_id AND v.counted
-    ORDER BY v.n;
+    RETURN v_releases;
 END;
 $$;
 
--- HEALTH: writes the health that applying outcome reports produced (service/src/allocator/health.rs computes it
--- from the rows credpool_release returned) and the status transitions to credential_events, in
--- one statement. p_next: [{"key_id", "status", "status_reason", "cooldown_until",
--- "health_successes", "health_failures", "health_rate_limits", "health_decayed_at",
--- "recent_failures", "cooldowns_in_a_row", "last_success_at", "recovered_at"}]; p_transitions:
--- [{"key_id", "old_status", "new_status", "reason", "cooldown_until", "lease_id", "at"}]. The
--- caller holds the credential rows' locks (credpool_release took them, ascending key_id). A
--- credential deleted meanwhile is skipped, with its transitions.
-CREATE OR REPLACE FUNCTION credpool_write_health(p_next jsonb, p_transitions jsonb) RETURNS integer
+-- HEALTH: the credential rows of counted outcomes, locked (lock order 4: after the trail rows;
+-- FOR UPDATE on the credentials whose slot rows an `auth_expired` report took, `p_reject_keys`,
+-- whose token write follows, FOR NO KEY UPDATE on the others, one row at a time, ascending, when
+-- the strengths differ), then each counted outcome applied in request order per credential
+-- (credpool_health_apply, on the clock read after the locks; `auth_expired` on a credential that
+-- is not OAuth is the provider refusing the key: `auth_error`), the rows written, and a
+-- `status_changed` row for each transition, naming the reporter's tenant. Each release carries
+-- its credential's health after its report.
+CREATE OR REPLACE FUNCTION credpool_release_health(p_releases credpool_release[],
+    p_reject_keys text[], p_policy jsonb)
+RETURNS credpool_release[]
 LANGUAGE plpgsql
+-- (health written from reports moves no configuration version: GATES, sql/locks.sql)
 SET credpool.health_write = 'on'
-SET enable_seqscan = off SET enable_bitmapscan = off SET enable_hashjoin = off
-SET enable_mergejoin = off SET enable_material = off SET jit = off
-SET plan_cache_mode = force_generic_plan
 AS $$
 DECLARE
-    v_updated integer;
+    v_releases credpool_release[] := p_releases;
+    v_rows credentials[] := '{}';
+    v_written credentials[] := '{}';
+    v_at integer := 0;
+    v_current credentials;
+    v_now timestamptz;
+    v_events jsonb := '[]';
+    v_key text;
+    r credpool_release;
+    a record;
 BEGIN
-    WITH next AS (
-        SELECT *
-        FROM jsonb_to_recordset(p_next) AS n (
-            key_id text, status text, status_reason text, cooldown_until timestamptz,
-            health_successes double precision, health_failures double precision,
-            health_rate_limits double precision, health_decayed_at timestamptz,
-            recent_failures timestamptz[], cooldowns_in_a_row integer,
-            last_success_at timestamptz, recovered_at timestamptz)
-    ),
-    updated AS (
-        UPDATE credentials c
-        SET status = n.status, status_reason = n.status_reason,
-            cooldown_until = n.cooldown_until, health_successes = n.health_successes,
-            health_failures = n.health_failures, health_rate_limits = n.health_rate_limits,
-            health_decayed_at = n.health_decayed_at, recent_failures = n.recent_failures,
-            cooldowns_in_a_row = n.cooldowns_in_a_row, last_success_at = n.last_success_at,
-            recovered_at = n.recovered_at
-        FROM next n
-        WHERE c.key_id = n.key_id
-        RETURNING c.key_id
-    ),
-    transitions AS (
+    IF p_reject_keys <> '{}' THEN
+        FOR v_key IN SELECT DISTINCT x.key_id FROM unnest(p_releases) AS x
+                     WHERE x.counted ORDER BY x.key_id LOOP
+            IF v_key = ANY (p_reject_keys) THEN
+                v_rows := v_rows || ARRAY(SELECT c FROM credentials c WHERE c.key_id = v_key FOR UPDATE);
+            ELSE
+                v_rows := v_rows || ARRAY(SELECT c FROM credentials c WHERE c.key_id = v_key
+                                          FOR NO KEY UPDATE);
+            END IF;
+        END LOOP;
+    ELSE
+        v_rows := ARRAY(SELECT c FROM credentials c
+                        WHERE c.key_id IN (SELECT x.key_id FROM unnest(p_releases) AS x
+                                           WHERE x.counted)
+                        ORDER BY c.key_id
+                        FOR NO KEY UPDATE);
+    END IF;
+    v_now := clock_timestamp();
+    -- (both in ascending key_id: the rows are walked once, alongside the reports)
+    FOR r IN SELECT x.* FROM unnest(p_releases) AS x WHERE x.counted ORDER BY x.key_id, x.n LOOP
+        IF v_current.key_id IS DISTINCT FROM r.key_id THEN
+            IF v_current.key_id IS NOT NULL THEN
+                v_written := v_written || v_current;
+            END IF;
+            LOOP
+                v_at := v_at + 1;
+                EXIT WHEN v_at > cardinality(v_rows) OR v_rows[v_at].key_id >= r.key_id;
+            END LOOP;
+            IF v_at > cardinality(v_rows) OR v_rows[v_at].key_id <> r.key_id THEN
+                -- deleted meanwhile: nothing to apply
+                v_current := NULL;
+                v_at := v_at - 1;
+                v_releases[r.n].counted := false;
+                CONTINUE;
+            END IF;
+            v_current := v_rows[v_at];
+        END IF;
+        a := credpool_health_apply(
+            v_current,
+            CASE WHEN r.outcome = 'auth_expired' AND v_current.token_expires_at IS NULL
+                 THEN 'auth_error' ELSE r.outcome END,
+            r.retry_after_seconds, coalesce((r.slot).probe, false), r.may_disable, v_now,
+            p_policy);
+        IF a.changed THEN
+            v_events := v_events || jsonb_build_object(
+                'key_id', r.key_id, 'old_status', v_current.status, 'new_status', (a.next).status,
+                'reason', (a.next).status_reason, 'cooldown_until', (a.next).cooldown_until,
+                'lease_id', r.lease_id, 'actor', 'tenant:' || r.tenant,
+                'details', jsonb_build_object('tenant', r.tenant, 'outcome', r.outcome,
+                                              'retry_after_seconds', r.retry_after_seconds,
+                                              'clamped_from_seconds', a.clamped_from));
+        END IF;
+        v_current := a.next;
+        v_releases[r.n].health := v_current;
+    END LOOP;
+    IF v_current.key_id IS NOT NULL THEN
+        v_written := v_written || v_current;
+    END IF;
+    UPDATE credentials c
+    SET status = n.status, status_reason = n.status_reason, cooldown_until = n.cooldown_until,
+        health_successes = n.health_successes, health_failures = n.health_failures,
+        health_rate_limits = n.health_rate_limits, health_decayed_at = n.health_decayed_at,
+        recent_failures = n.recent_failures, cooldowns_in_a_row = n.cooldowns_in_a_row,
+        last_success_at = n.last_success_at, recovered_at = n.recovered_at
+    FROM unnest(v_written) AS n
+    WHERE c.key_id = n.key_id;
+    IF v_events <> '[]' THEN
         INSERT INTO credential_events
-            (key_id, event, old_status, new_status, reason, cooldown_until, lease_id, at)
+            (key_id, event, old_status, new_status, reason, cooldown_until, lease_id, at, actor,
+             details)
         SELECT t.key_id, 'status_changed', t.old_status, t.new_status, t.reason, t.cooldown_until,
-               t.lease_id, coalesce(t.at, statement_timestamp())
-        FROM jsonb_to_recordset(p_transitions) AS t (
+               t.lease_id, v_now, t.actor, t.details
+        FROM jsonb_to_recordset(v_events) AS t (
             key_id text, old_status text, new_status text, reason text,
-            cooldown_until timestamptz, lease_id uuid, at timestamptz)
-        WHERE t.key_id IN (SELECT key_id FROM updated)
-        RETURNING 1
+            cooldown_until timestamptz, lease_id uuid, actor text, details jsonb);
+    END IF;
+    RETURN v_releases;
+END;
+$$;
+
+-- TOKENS: `auth_expired` on a lease of an OAuth credential's current generation (granted at or
+-- after the generation began; the credential's operator locks and slot rows are held since REJECTS,
+-- so no refresh or PUT is writing meanwhile, and its row since HEALTH): the token counts as
+-- expired from now, so no claim grants it again (credpool_token_lasts, gated by config_version),
+-- and the refresher finds it due at once, which refreshes it exactly once however many reports
+-- arrive (the refresh is taken per generation, service/src/oauth.rs). A report on a lease of an
+-- older generation says nothing about the current token.
+DROP FUNCTION IF EXISTS credpool_release_tokens(credpool_release[], text[], timestamptz);
+CREATE FUNCTION credpool_release_tokens(p_releases credpool_release[],
+    p_reject_keys text[], p_now timestamptz)
+RETURNS boolean
+LANGUAGE plpgsql
+AS $$
+BEGIN
+    WITH rejected AS (
+        SELECT DISTINCT ON (r.key_id) r.key_id, r.lease_id, o.generation
+        FROM unnest(p_releases) AS r
+        JOIN oauth_credentials o ON o.key_id = r.key_id
+        CROSS JOIN LATERAL (
+            SELECT coalesce((r.slot).granted_at,
+                            (SELECT g.at FROM lease_events g
+                             WHERE g.lease_id = r.lease_id AND g.event = 'granted' LIMIT 1)) AS granted_at
+        ) AS g
+        WHERE r.counted AND r.outcome = 'auth_expired' AND r.key_id = ANY (p_reject_keys)
+          AND g.granted_at >= o.generation_at
+        ORDER BY r.key_id, g.granted_at
+    ),
+    expired AS (
+        UPDATE credentials c
+        SET token_expires_at = p_now
+        FROM rejected r
+        WHERE c.key_id = r.key_id AND c.token_expires_at > p_now
+        RETURNING c.key_id
     )
-    SELECT count(*)::integer INTO v_updated FROM updated;
-    RETURN v_updated;
+    INSERT INTO credential_events (key_id, event, reason, lease_id, actor, details, at)
+    SELECT r.key_id, 'token_rejected',
+           'auth_expired reported: the provider rejected the access token; refresh due now',
+           r.lease_id, 'executor', jsonb_build_object('generation', r.generation), p_now
+    FROM rejected r
+    JOIN expired e ON e.key_id = r.key_id;
+    RETURN FOUND;
+END;
+$$;
+
+-- HEALTH (docs/selection.md): credential `c`'s health after an outcome report at `p_now` under
+-- policy `p_policy` (the service's: {"half_life_seconds", "failure_threshold",
+-- "failure_window_seconds", "cooldown_seconds", "max_cooldown_seconds", "rate_limit_seconds",
+-- "max_report_rest_seconds"}, seconds). `p_outcome` as the release applies it (`auth_expired` on a
+-- credential that is not OAuth arrives as `auth_error`); `p_probe`: the lease was the probe of a
+-- recovering credential; `p_may_disable`: the reporter may take the credential out of traffic
+-- until an operator acts. The state machine of service/src/allocator/health.rs, rule for rule (a
+-- test holds the two equal on random reports): `next` is `c` with its health columns changed,
+-- `changed` whether the status or the cooldown's end changed (a transition for the trail), and
+-- `clamped_from` the retry_after a report asked for when it was longer than the longest rest a
+-- report may give.
+CREATE OR REPLACE FUNCTION credpool_health_apply(c credentials, p_outcome text,
+    p_retry_after integer, p_probe boolean, p_may_disable boolean, p_now timestamptz,
+    p_policy jsonb, OUT next credentials, OUT changed boolean, OUT clamped_from integer)
+LANGUAGE plpgsql IMMUTABLE AS $$
+DECLARE
+    v_half float8 := (p_policy ->> 'half_life_seconds')::float8;
+    v_keep integer := greatest((p_policy ->> 'failure_threshold')::integer, 1);
+    v_window float8 := (p_policy ->> 'failure_window_seconds')::float8;
+    v_max_rest float8 := (p_policy ->> 'max_report_rest_seconds')::float8;
+    v_elapsed float8;
+    v_factor float8 := 1;
+    v_recovering boolean := c.status <> 'available'
+                            AND credential_usable(c.status, c.cooldown_until, p_now);
+    v_hold boolean := c.status IN ('disabled', 'pending');
+    v_wait float8;
+    v_rest float8;
+    v_until timestamptz;
+BEGIN
+    next := c;
+    IF c.health_decayed_at IS NOT NULL THEN
+        v_elapsed := greatest(extract(epoch FROM p_now - c.health_decayed_at)::float8, 0);
+        v_factor := CASE WHEN v_half > 0 THEN power(0.5::float8, v_elapsed / v_half)
+                         WHEN v_elapsed > 0 THEN 0 ELSE 1 END;
+    END IF;
+    next.health_successes := c.health_successes * v_factor;
+    next.health_failures := c.health_failures * v_factor;
+    next.health_rate_limits := c.health_rate_limits * v_factor;
+    next.health_decayed_at := p_now;
+    IF p_outcome = 'success' THEN
+        next.health_successes := next.health_successes + 1;
+        next.last_success_at := p_now;
+        IF v_recovering THEN
+            next.status := 'available';
+            next.cooldown_until := NULL;
+            next.cooldowns_in_a_row := 0;
+            next.recovered_at := p_now;
+            next.status_reason := CASE WHEN p_probe THEN 'probe succeeded'
+                                       ELSE 'success after the cooldown ended' END;
+        END IF;
+    ELSIF p_outcome = 'failure' THEN
+        next.health_failures := next.health_failures + 1;
+        next.recent_failures := (coalesce(c.recent_failures, '{}') || p_now)
+            [greatest(cardinality(coalesce(c.recent_failures, '{}')) + 2 - v_keep, 1):];
+        IF v_recovering AND p_probe THEN
+            next := credpool_health_cooldown(next, p_now, p_policy, 'probe failed');
+        ELSIF c.status = 'available'
+              AND (SELECT count(*) FROM unnest(next.recent_failures) AS t
+                   WHERE t > p_now - make_interval(secs => v_window)) >= v_keep THEN
+            next := credpool_health_cooldown(next, p_now, p_policy,
+                format('%s failures within %s s', v_keep, v_window));
+        END IF;
+    ELSIF p_outcome = 'rate_limited' THEN
+        next.health_rate_limits := next.health_rate_limits + 1;
+        IF NOT v_hold AND c.status <> 'exhausted' THEN
+            -- 0 or absent means "use the default", never "no cooldown"
+            IF p_retry_after >= 1 THEN
+                v_wait := least(p_retry_after::float8, greatest(v_max_rest, 1));
+                clamped_from := CASE WHEN p_retry_after > greatest(v_max_rest, 1) THEN p_retry_after END;
+            ELSE
+                v_wait := least((p_policy ->> 'rate_limit_seconds')::float8, v_max_rest);
+            END IF;
+            v_until := p_now + make_interval(secs => v_wait);
+            IF v_recovering AND p_probe THEN
+                v_until := greatest(v_until, p_now + credpool_health_backoff(p_policy, c.cooldowns_in_a_row));
+                next.cooldowns_in_a_row := c.cooldowns_in_a_row + 1;
+            END IF;
+            -- a shorter report never shortens a longer cooldown
+            next.status := 'rate_limited';
+            next.cooldown_until := greatest(v_until, c.cooldown_until);
+            next.status_reason := CASE WHEN clamped_from IS NULL
+                THEN format('rate limited by the provider (rest %s s)', v_wait)
+                ELSE format('rate limited by the provider (rest %s s: the report''s retry_after of %s s clamped by --max-report-rest-seconds)',
+                            v_wait, clamped_from) END;
+        END IF;
+    ELSIF p_outcome = 'auth_error' AND p_may_disable THEN
+        next.status := 'disabled';
+        next.cooldown_until := NULL;
+        next.status_reason := 'auth_error reported: the provider rejected the credential';
+    ELSIF p_outcome = 'auth_error' THEN
+        -- a reporter that may not disable: a failure that rests the credential for the backoff;
+        -- its probe finds out again when the rest ends
+        next.health_failures := next.health_failures + 1;
+        IF NOT v_hold AND NOT (c.status = 'exhausted' AND c.cooldown_until IS NULL) THEN
+            v_rest := least(extract(epoch FROM credpool_health_backoff(p_policy, c.cooldowns_in_a_row))::float8,
+                            greatest(v_max_rest, 1));
+            next.status := 'cooldown';
+            next.cooldown_until := greatest(p_now + make_interval(secs => v_rest), c.cooldown_until);
+            next.cooldowns_in_a_row := c.cooldowns_in_a_row + 1;
+            next.recent_failures := '{}';
+            next.status_reason := format(
+                'auth_error reported by an executor that may not disable credentials; resting %s s',
+                trunc(v_rest)::bigint);
+        END IF;
+    ELSIF p_outcome = 'quota_exhausted' THEN
+        IF c.status <> 'disabled' THEN
+            v_rest := CASE WHEN p_retry_after >= 1 THEN least(p_retry_after::float8, greatest(v_max_rest, 1))
+                           WHEN NOT p_may_disable THEN v_max_rest END;
+            clamped_from := CASE WHEN p_retry_after > greatest(v_max_rest, 1) THEN p_retry_after END;
+            next.status := 'exhausted';
+            next.cooldown_until := CASE WHEN v_rest IS NOT NULL
+                                        THEN p_now + make_interval(secs => greatest(v_rest, 1)) END;
+            next.status_reason := CASE
+                WHEN v_rest IS NULL THEN 'quota exhausted; waiting for an operator'
+                WHEN p_retry_after >= 1 AND clamped_from IS NULL
+                    THEN 'quota exhausted until the provider''s retry_after'
+                WHEN p_retry_after >= 1
+                    THEN format('quota exhausted; the report''s retry_after of %s s clamped to %s s (--max-report-rest-seconds)',
+                                p_retry_after, v_rest)
+                ELSE format('quota exhausted; reported by an executor that may not rest a credential until an operator acts: resting %s s',
+                            v_rest) END;
+        END IF;
+    END IF;
+    -- (`auth_expired` on an OAuth credential: the token, not the credential; nothing changes)
+    changed := (next.status, next.cooldown_until) IS DISTINCT FROM (c.status, c.cooldown_until);
+    IF NOT changed THEN
+        -- no transition: the stored reason stays as it was
+        next.status_reason := c.status_reason;
+    END IF;
+END;
+$$;
+
+-- The cooldown after `p_cooldowns_in_a_row` earlier ones (credpool_health_apply): the policy's
+-- cooldown doubled that many times (at most 30), at most its longest, at least a second.
+CREATE OR REPLACE FUNCTION credpool_health_backoff(p_policy jsonb, p_cooldowns_in_a_row integer)
+RETURNS interval
+LANGUAGE sql IMMUTABLE PARALLEL SAFE AS $$
+    SELECT make_interval(secs => greatest(least(
+        (p_policy ->> 'cooldown_seconds')::float8 * power(2::float8, least(greatest(p_cooldowns_in_a_row, 0), 30)),
+        (p_policy ->> 'max_cooldown_seconds')::float8), 1))
+$$;
+
+-- A cooldown begins (credpool_health_apply): `c` rests for the backoff, counts one more cooldown
+-- in a row, forgets its recent failures, and says why and for how long.
+CREATE OR REPLACE FUNCTION credpool_health_cooldown(c credentials, p_now timestamptz,
+    p_policy jsonb, p_reason text)
+RETURNS credentials
+LANGUAGE plpgsql IMMUTABLE AS $$
+DECLARE
+    v_rest interval := credpool_health_backoff(p_policy, c.cooldowns_in_a_row);
+BEGIN
+    c.status := 'cooldown';
+    c.cooldown_until := p_now + v_rest;
+    c.cooldowns_in_a_row := c.cooldowns_in_a_row + 1;
+    c.recent_failures := '{}';
+    c.status_reason := format('%s; resting %s s', p_reason, trunc(extract(epoch FROM v_rest))::bigint);
+    RETURN c;
 END;
 $$;

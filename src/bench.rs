@@ -1144,8 +1144,7 @@ fn print_server_time(reports: &[ModeReport], source: &server_time::Source) {
         println!(
             "  instead, client-observed: each allocate and each release of the sql baseline above \
              is one statement in one round trip on its own loopback connection (an upper bound on \
-             its server time); unbatched's allocate is one statement, its release four round trips \
-             (BEGIN, credpool_release, credpool_write_health, COMMIT)"
+             its server time); unbatched's allocate and release are one statement each"
         );
     }
     let measured: Vec<&ModeReport> = reports.iter().filter(|r| r.server_time.is_some()).collect();

@@ -243,12 +243,6 @@ const KINDS: &[Kind] = &[
         counts: true,
     },
     Kind {
-        operation: "release",
-        matches: |q| q.contains("credpool_write_health("),
-        per_row: false,
-        counts: false,
-    },
-    Kind {
         operation: "claim",
         matches: |q| q.starts_with("UPDATE slots s SET lease_id"),
         per_row: false,
@@ -398,13 +392,18 @@ mod tests {
     }
 
     #[test]
-    fn group_claims_count_per_row_and_release_adds_its_health_write() {
+    fn group_claims_and_releases_count_per_row() {
         let before = snapshot(&[(1, "SELECT claim FROM credpool_claim($1)", 5, 10, 4.0)]);
         let after = snapshot(&[
             (1, "SELECT claim FROM credpool_claim($1)", 15, 50, 24.0),
-            (2, "SELECT release FROM credpool_release($1)", 10, 40, 10.0),
-            (3, "SELECT credpool_write_health($1, $2)", 10, 10, 6.0),
-            (4, "COMMIT", 10, 0, 0.5),
+            (
+                2,
+                "SELECT release FROM credpool_release($1, $2)",
+                10,
+                40,
+                16.0,
+            ),
+            (4, "SELECT credpool_announce_freed($1)", 10, 10, 0.5),
             (5, "SELECT * FROM pg_stat_statements", 1, 1, 9.0),
         ]);
         let time = between(&before, &after, 40);
@@ -416,7 +415,11 @@ mod tests {
         assert!((release.ms_per_operation - 0.4).abs() < 1e-9);
         // everything but the snapshot's own query, per cycle
         assert!((time.ms_per_cycle.unwrap() - 36.5 / 40.0).abs() < 1e-9);
-        assert!(time.statements.iter().any(|s| s.statement == "COMMIT"));
+        assert!(
+            time.statements
+                .iter()
+                .any(|s| s.statement.contains("credpool_announce_freed"))
+        );
     }
 
     #[test]

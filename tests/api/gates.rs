@@ -16,8 +16,8 @@ use credpool_test_support::*;
 
 use crate::BIN;
 use crate::lease_state::{
-    Hook, app_with_hooks, backend_pid, claim_body, connect, deadlocks, hooked, until_waiting,
-    wait_for_lock_waiters,
+    Hook, app_with_hooks, backend_pid, claim_body, connect, deadlocks, hooked, policy,
+    until_waiting, wait_for_lock_waiters,
 };
 
 /// An operator's request with the admin key.
@@ -468,8 +468,9 @@ async fn release_held_at_the_credential_row(
                        "usage_tokens": null}]);
     let releasing = tokio::spawn(async move {
         executor.execute("BEGIN").await?;
-        sqlx::query("SELECT verdict FROM credpool_release($1)")
+        sqlx::query("SELECT verdict FROM credpool_release($1, $2)")
             .bind(body)
+            .bind(policy())
             .fetch_all(&mut executor)
             .await?;
         executor.execute("COMMIT").await?;
@@ -515,8 +516,9 @@ async fn late_reports_of_the_same_leases_in_opposite_orders_never_deadlock() {
     } else {
         (&b, &a)
     };
-    sqlx::query("SELECT verdict FROM credpool_release($1)")
+    sqlx::query("SELECT verdict FROM credpool_release($1, $2)")
         .bind(json!([report(low)]))
+        .bind(policy())
         .fetch_all(&mut first)
         .await
         .unwrap();
@@ -525,16 +527,18 @@ async fn late_reports_of_the_same_leases_in_opposite_orders_never_deadlock() {
     let body = json!([report(high), report(low)]);
     let reporting = tokio::spawn(async move {
         second.execute("BEGIN").await?;
-        sqlx::query("SELECT verdict FROM credpool_release($1)")
+        sqlx::query("SELECT verdict FROM credpool_release($1, $2)")
             .bind(body)
+            .bind(policy())
             .fetch_all(&mut second)
             .await?;
         second.execute("COMMIT").await?;
         Ok::<_, sqlx::Error>(())
     });
     until_waiting(&app, second_pid).await;
-    let finished = sqlx::query("SELECT verdict FROM credpool_release($1)")
+    let finished = sqlx::query("SELECT verdict FROM credpool_release($1, $2)")
         .bind(json!([report(high)]))
+        .bind(policy())
         .fetch_all(&mut first)
         .await;
     finished.expect("the first group's report failed");

@@ -210,12 +210,13 @@ async fn a_freed_slot_whose_announcement_never_came_still_reaches_a_waiter() {
         }
         tokio::time::sleep(Duration::from_millis(10)).await;
     }
-    sqlx::query("SELECT verdict FROM credpool_release($1, true)")
+    sqlx::query("SELECT verdict FROM credpool_release($1, $2)")
         .bind(
             json!([{"lease_id": held["lease_id"], "key_id": "k", "provider": "openai",
                        "pool": "default", "fence": held["fence"], "outcome": "success",
                        "usage_tokens": null}]),
         )
+        .bind(crate::lease_state::policy())
         .fetch_all(&app.db)
         .await
         .unwrap();

@@ -128,6 +128,11 @@ pub(crate) async fn hooked(app: &TestApp, points: &str) -> PgConnection {
     conn
 }
 
+/// The default health policy, as the service passes it to `credpool_release`.
+pub(crate) fn policy() -> Value {
+    credpool::store::leases::policy_json(&credpool::allocator::health::HealthPolicy::default())
+}
+
 /// One claim over `ranked` as the service sends it to `credpool_claim`.
 pub(crate) fn claim_body(ranked: &[&str], pool: &str, request_id: Option<&str>) -> Value {
     json!([{
@@ -348,8 +353,9 @@ async fn a_release_group_with_an_auth_expired_report_and_a_late_report_never_dea
     let releasing = tokio::spawn(async move {
         group.execute("BEGIN").await?;
         let verdicts: Vec<String> =
-            sqlx::query_scalar("SELECT verdict FROM credpool_release($1) ORDER BY release")
+            sqlx::query_scalar("SELECT verdict FROM credpool_release($1, $2) ORDER BY release")
                 .bind(body)
+                .bind(policy())
                 .fetch_all(&mut group)
                 .await?;
         group.execute("COMMIT").await?;
@@ -719,11 +725,13 @@ async fn the_claim_release_and_renewal_read_only_their_rows_whatever_the_statist
             .iter()
             .map(|(key, lease)| json!({"lease_id": lease, "key_id": key, "provider": "openai", "pool": "big", "fence": null, "outcome": "success"}))
             .collect();
-        let verdicts: Vec<String> = sqlx::query_scalar("SELECT verdict FROM credpool_release($1)")
-            .bind(Value::Array(releases))
-            .fetch_all(&mut conn)
-            .await
-            .unwrap();
+        let verdicts: Vec<String> =
+            sqlx::query_scalar("SELECT verdict FROM credpool_release($1, $2)")
+                .bind(Value::Array(releases))
+                .bind(policy())
+                .fetch_all(&mut conn)
+                .await
+                .unwrap();
         assert!(verdicts.iter().all(|v| v == "released"), "{verdicts:?}");
         for (table, seq_scans, rows) in reads(&mut conn).await {
             assert_eq!(seq_scans, 0, "{phase}: a sequential scan of {table}");
@@ -845,8 +853,9 @@ async fn a_database_migrated_by_the_previous_release_upgrades_cleanly() {
         assert!(renewed.is_some(), "{key}: lease lost in the upgrade");
         let body = json!([{"lease_id": lease, "key_id": key, "provider": "openai", "pool": "default", "fence": fence, "outcome": null}]);
         let (verdict, refit): (String, bool) =
-            sqlx::query_as("SELECT verdict, refit FROM credpool_release($1)")
+            sqlx::query_as("SELECT verdict, refit FROM credpool_release($1, $2)")
                 .bind(body)
+                .bind(policy())
                 .fetch_one(&pool)
                 .await
                 .unwrap();
@@ -1029,9 +1038,48 @@ async fn a_plain_claim_and_a_plain_release_run_only_their_own_statements() {
         .execute(&pool)
         .await
         .unwrap();
-    claim(&mut conn).await;
+    let granted = claim(&mut conn).await;
     let mut counting = pool.acquire().await.unwrap();
     let run = statements_run(&mut counting).await;
     let total: i64 = run.iter().map(|(_, calls)| calls).sum();
-    assert_eq!(total, 9, "the plain claim ran {total} statements: {run:#?}");
+    assert_eq!(total, 7, "the plain claim ran {total} statements: {run:#?}");
+
+    // the release of a lease with its outcome, as a release group runs it
+    let release = |granted: leases::GrantedLease| leases::ReleaseRequest {
+        lease: leases::LeaseRef {
+            key_id: granted.key_id,
+            provider: provider.clone(),
+            pool: granted.pool,
+            lease_id: granted.lease_id,
+            fence: Some(granted.fence),
+        },
+        outcome: Some(credpool::domain::Outcome::Success),
+        retry_after_seconds: None,
+        usage_tokens: None,
+        caller: None,
+    };
+    let policy = credpool::allocator::health::HealthPolicy::default();
+    let warm = release(claim(&mut conn).await);
+    let mut work = conn.work().await.unwrap();
+    leases::release_group(&mut *work, &[&warm], &policy)
+        .await
+        .unwrap();
+    work.done().await.unwrap();
+    let counted = release(granted);
+    sqlx::query("SELECT pg_stat_statements_reset()")
+        .execute(&pool)
+        .await
+        .unwrap();
+    let mut work = conn.work().await.unwrap();
+    let released = leases::release_group(&mut *work, &[&counted], &policy)
+        .await
+        .unwrap();
+    work.done().await.unwrap();
+    assert!(released[0].result().released.is_ok());
+    let run = statements_run(&mut counting).await;
+    let total: i64 = run.iter().map(|(_, calls)| calls).sum();
+    assert_eq!(
+        total, 11,
+        "the plain release ran {total} statements: {run:#?}"
+    );
 }

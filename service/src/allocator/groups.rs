@@ -350,11 +350,12 @@ impl Operation for Release {
     type Output = ReleaseResult;
     const KIND: &'static str = "release";
 
+    /// A group of releases is one call of `credpool_release`.
     fn one_statement(_: usize) -> bool {
-        false
+        true
     }
 
-    /// The whole group in two statements ([`leases::release_group_in`]).
+    /// The whole group in one statement ([`leases::release_group`]).
     fn stage_group<'a>(
         group: Vec<&'a Self>,
         tx: &'a mut PgConnection,
@@ -367,7 +368,7 @@ impl Operation for Release {
             };
             // the freed slots are announced by `finish`, after the commit: a NOTIFY in this
             // transaction would make release groups commit one at a time
-            leases::release_group_in(tx, &requests, &first.policy, true).await
+            leases::release_group(tx, &requests, &first.policy).await
         })
     }
 
@@ -378,8 +379,12 @@ impl Operation for Release {
     ) -> BoxFuture<'a, ReleaseResult> {
         if staged.result().released.is_ok() {
             let lease = &self.request.lease;
-            self.waits
-                .released_here(&lease.provider, &lease.pool, &lease.key_id);
+            self.waits.released_here(
+                &lease.provider,
+                &lease.pool,
+                &lease.key_id,
+                staged.result().waiters,
+            );
         }
         Box::pin(staged.committed(conn))
     }

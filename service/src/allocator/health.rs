@@ -42,6 +42,10 @@ pub struct HealthPolicy {
     pub max_cooldown_seconds: f64,
     /// The rest after a `rate_limited` report without `retry_after_seconds`, in seconds.
     pub rate_limit_seconds: f64,
+    /// The longest rest one report may give a credential, in seconds: a `retry_after_seconds`
+    /// beyond it is clamped to it (`rate_limited`, `quota_exhausted`), and it is the rest of a
+    /// `quota_exhausted` without one from a reporter that may not disable.
+    pub max_report_rest_seconds: f64,
 }
 
 impl Default for HealthPolicy {
@@ -55,6 +59,7 @@ impl Default for HealthPolicy {
             cooldown_seconds: 60.0,
             max_cooldown_seconds: 900.0,
             rate_limit_seconds: 30.0,
+            max_report_rest_seconds: 3600.0,
         }
     }
 }

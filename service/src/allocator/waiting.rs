@@ -394,8 +394,18 @@ impl Waits {
     /// the announcement never be sent (this process stops between the commit and the
     /// announcement), the longest-waiting waiter of each pool in every process claims again every
     /// [`RECHECK_EVERY`] on its own, so a freed slot is never left unclaimed longer than that.
-    pub fn released_here(&self, provider: &ProviderName, pool: &PoolName, key_id: &KeyId) {
+    pub fn released_here(
+        &self,
+        provider: &ProviderName,
+        pool: &PoolName,
+        key_id: &KeyId,
+        waiters: bool,
+    ) {
         self.slot_freed(provider, pool, key_id);
+        if !waiters {
+            // nobody waits for this pool on any process (the release read `pool_waiters`)
+            return;
+        }
         if let Some(announcements) = &self.announcements {
             let announcement = serde_json::json!({
                 "provider": provider.as_str(),

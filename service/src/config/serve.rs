@@ -407,6 +407,7 @@ impl HealthArgs {
             cooldown_seconds: self.health_cooldown_seconds,
             max_cooldown_seconds: self.health_max_cooldown_seconds,
             rate_limit_seconds: self.health_rate_limit_seconds,
+            ..HealthPolicy::default()
         }
     }
 }

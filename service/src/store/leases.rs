@@ -2,14 +2,12 @@
 //! says what each keeps and in which order it takes its locks): the claim, release with the
 //! outcome's effect on health, renewal, and fitting a credential's slots to its limit.
 
-use std::collections::HashMap;
-
 use sqlx::{PgConnection, PgExecutor};
 
 use super::{Conn, Db};
 use time::OffsetDateTime;
 
-use crate::allocator::health::{self, Health, HealthPolicy, Report};
+use crate::allocator::health::{Health, HealthPolicy};
 use crate::domain::{
     AffinityKey, AffinityMode, AffinityResult, AffinityTtl, Holder, KeyId, LeaseId, LeaseSeconds,
     ModelName, Outcome, PoolName, ProviderName, RequestId, TenantKeyHash,
@@ -484,13 +482,18 @@ pub struct ReleaseResult {
     /// When a usage replaced the reservation: the lease's grant time and usage - reservation, for
     /// the caller's view of the windows.
     pub usage: Option<(OffsetDateTime, i64)>,
+    /// The lease was released and a request waits for a slot of its pool on some service process
+    /// (`pool_waiters`): the freed slot is to be announced to the other processes once the
+    /// release has committed.
+    pub waiters: bool,
 }
 
 /// Releases a lease if all four of its values (and the fence, when given) match and it has not
 /// expired: frees its slot, writes a `released` trail row with the outcome, and applies the
-/// outcome to the credential's health ([`crate::allocator::health::apply`]), all in one transaction. A lease
-/// that has already expired releases nothing, but its outcome still counts for health, once
-/// (`outcome_after_expiry`). A mismatch or an unknown lease changes nothing.
+/// outcome to the credential's health, all in one statement (SQL function `credpool_release`,
+/// sql/release.sql). A lease that has already expired releases nothing, but its outcome still
+/// counts for health, once (`outcome_after_expiry`). A mismatch or an unknown lease changes
+/// nothing.
 #[tracing::instrument(skip(db, policy), err(level = "debug"))]
 pub async fn release(
     db: &Db,
@@ -508,16 +511,16 @@ pub async fn release_on(
     request: &ReleaseRequest,
     policy: &HealthPolicy,
 ) -> Result<ReleaseResult, sqlx::Error> {
-    let mut tx = conn.begin().await?;
-    let staged = release_group_in(&mut tx, &[request], policy, false)
+    let mut work = conn.work().await?;
+    let staged = release_group(&mut *work, &[request], policy)
         .await?
         .pop()
         .ok_or(sqlx::Error::RowNotFound)?;
-    tx.commit().await?;
+    work.done().await?;
     Ok(staged.committed(conn).await)
 }
 
-/// A release done inside a transaction that has not committed yet.
+/// A release done by a statement whose transaction may not have committed yet.
 #[derive(Debug)]
 pub struct StagedRelease {
     result: ReleaseResult,
@@ -555,24 +558,28 @@ impl StagedRelease {
     }
 }
 
-/// The work of [`release`] for one lease or a group (the allocator's groups) inside the caller's
-/// transaction, in two statements whatever their number: `credpool_release` ends the leases (or
-/// says why not) and returns, under their rows' locks, the health of the credentials whose
-/// outcomes count; then the new health, computed here ([`crate::allocator::health::apply`], several reports on
-/// one credential one after the other, in request order), is written by `credpool_write_health`.
-/// Both follow the lock order (docs/design.md), so groups never deadlock one another.
-///
-/// `caller_announces`: the caller announces the slots freed by `released` results once the
-/// transaction has committed ([`crate::allocator::waiting::Waits::released_here`]), and the transaction
-/// sends no notification for them; otherwise the `lease_slots_freed` trigger sends one each, at
-/// commit.
-///
-/// Returns one result per request, in the order of `requests`.
-pub async fn release_group_in(
-    tx: &mut PgConnection,
+/// The health policy as `credpool_release` reads it (`p_policy`; seconds).
+pub fn policy_json(policy: &HealthPolicy) -> serde_json::Value {
+    serde_json::json!({
+        "half_life_seconds": policy.half_life_seconds,
+        "failure_threshold": policy.failure_threshold,
+        "failure_window_seconds": policy.failure_window_seconds,
+        "cooldown_seconds": policy.cooldown_seconds,
+        "max_cooldown_seconds": policy.max_cooldown_seconds,
+        "rate_limit_seconds": policy.rate_limit_seconds,
+        "max_report_rest_seconds": policy.max_report_rest_seconds,
+    })
+}
+
+/// The work of [`release`] for one lease or a group (the allocator's groups): ONE statement,
+/// `credpool_release` (sql/release.sql: it ends the leases or says why not, charges usage, applies
+/// every counted outcome to its credential's health in request order and writes it, under the
+/// lock order, so groups never deadlock one another). Needs no explicit transaction: autocommit
+/// makes it one. Returns one result per request, in the order of `requests`.
+pub async fn release_group(
+    executor: impl PgExecutor<'_>,
     requests: &[&ReleaseRequest],
     policy: &HealthPolicy,
-    caller_announces: bool,
 ) -> Result<Vec<StagedRelease>, sqlx::Error> {
     let releases: Vec<serde_json::Value> = requests
         .iter()
@@ -586,24 +593,24 @@ pub async fn release_group_in(
                 "outcome": r.outcome.map(Outcome::as_str),
                 "usage_tokens": r.usage_tokens,
                 "key_hash": r.caller.map(|hash| hash.to_hex()),
+                "retry_after_seconds": r.retry_after_seconds,
             })
         })
         .collect();
     let rows = sqlx::query!(
         r#"
-        SELECT release AS "release!", verdict AS "verdict!", key_id, probe AS "probe!",
-               refit AS "refit!", usage_granted_at, usage_delta, counted AS "counted!", status,
-               status_reason, cooldown_until,
-               health_successes, health_failures, health_rate_limits, health_decayed_at,
-               recent_failures, cooldowns_in_a_row, last_success_at, recovered_at,
-               db_now AS "db_now!", oauth AS "oauth!"
+        SELECT release AS "release!", verdict AS "verdict!", key_id, refit AS "refit!",
+               usage_granted_at, usage_delta, counted AS "counted!", status, status_reason,
+               cooldown_until, health_successes, health_failures, health_rate_limits,
+               health_decayed_at, recent_failures, cooldowns_in_a_row, last_success_at,
+               recovered_at, waiters AS "waiters!"
         FROM credpool_release($1, $2)
         ORDER BY release
         "#,
         serde_json::Value::Array(releases),
-        caller_announces,
+        policy_json(policy),
     )
-    .fetch_all(&mut *tx)
+    .fetch_all(executor)
     .await?;
     if rows.len() != requests.len() {
         return Err(sqlx::Error::Protocol(format!(
@@ -612,119 +619,46 @@ pub async fn release_group_in(
             requests.len()
         )));
     }
-
-    let mut current: HashMap<String, (Health, OffsetDateTime)> = HashMap::new();
-    let mut staged = Vec::with_capacity(rows.len());
-    let mut reports = Vec::new();
-    for (i, row) in rows.into_iter().enumerate() {
-        let key_id = row.key_id.map(|k| decoded(KeyId::parse(k))).transpose()?;
-        let released = match row.verdict.as_str() {
-            "released" => Ok(()),
-            "mismatch" => Err(NotReleased::Mismatch),
-            "expired" => Err(NotReleased::Expired),
-            "unauthorized" => Err(NotReleased::Unauthorized),
-            _ => Err(NotReleased::NotFound),
-        };
-        if row.counted
-            && let (Some(key_id), Some(status)) = (&key_id, row.status)
-        {
-            let health = Health {
-                status: decoded(crate::domain::Status::parse(&status))?,
-                status_reason: row.status_reason,
-                cooldown_until: row.cooldown_until,
-                successes: row.health_successes.unwrap_or(0.0),
-                failures: row.health_failures.unwrap_or(0.0),
-                rate_limits: row.health_rate_limits.unwrap_or(0.0),
-                decayed_at: row.health_decayed_at,
-                recent_failures: row.recent_failures.unwrap_or_default(),
-                cooldowns_in_a_row: row.cooldowns_in_a_row.unwrap_or(0),
-                last_success_at: row.last_success_at,
-                recovered_at: row.recovered_at,
+    rows.into_iter()
+        .map(|row| {
+            let key_id = row.key_id.map(|k| decoded(KeyId::parse(k))).transpose()?;
+            let released = match row.verdict.as_str() {
+                "released" => Ok(()),
+                "mismatch" => Err(NotReleased::Mismatch),
+                "expired" => Err(NotReleased::Expired),
+                "unauthorized" => Err(NotReleased::Unauthorized),
+                _ => Err(NotReleased::NotFound),
             };
-            current
-                .entry(key_id.as_str().to_owned())
-                .or_insert((health, row.db_now));
-            reports.push((i, key_id.clone(), row.probe, row.oauth));
-        }
-        staged.push(StagedRelease {
-            result: ReleaseResult {
-                released,
-                health: None,
-                usage: row.usage_granted_at.zip(row.usage_delta),
-            },
-            refit: key_id.filter(|_| row.refit),
-        });
-    }
-
-    let mut transitions = Vec::new();
-    for (i, key_id, probe, oauth) in reports {
-        let request = requests[i];
-        let Some(mut outcome) = request.outcome else {
-            continue;
-        };
-        if outcome == Outcome::AuthExpired && !oauth {
-            // no token to refresh: the provider refused the credential itself
-            outcome = Outcome::AuthError;
-        }
-        let Some((health, db_now)) = current.get_mut(key_id.as_str()) else {
-            continue;
-        };
-        let report = Report {
-            outcome,
-            retry_after_seconds: request.retry_after_seconds,
-            probe,
-        };
-        let (next, transition) = health::apply(health, report, *db_now, policy);
-        if let Some(t) = transition {
-            tracing::info!(key_id = %key_id, old = t.old_status.as_str(), new = t.new_status.as_str(), reason = %t.reason, "credential health changed");
-            transitions.push(serde_json::json!({
-                "key_id": key_id.as_str(),
-                "old_status": t.old_status.as_str(),
-                "new_status": t.new_status.as_str(),
-                "reason": t.reason,
-                "cooldown_until": next.cooldown_until.map(rfc3339),
-                "lease_id": request.lease.lease_id.as_uuid(),
-                "at": next.decayed_at.map(rfc3339),
-            }));
-        }
-        *health = next.clone();
-        staged[i].result.health = Some((key_id, next));
-    }
-    if !current.is_empty() {
-        let next: Vec<serde_json::Value> = current
-            .iter()
-            .map(|(key_id, (h, _))| {
-                serde_json::json!({
-                    "key_id": key_id,
-                    "status": h.status.as_str(),
-                    "status_reason": h.status_reason,
-                    "cooldown_until": h.cooldown_until.map(rfc3339),
-                    "health_successes": h.successes,
-                    "health_failures": h.failures,
-                    "health_rate_limits": h.rate_limits,
-                    "health_decayed_at": h.decayed_at.map(rfc3339),
-                    "recent_failures": h.recent_failures.iter().copied().map(rfc3339).collect::<Vec<_>>(),
-                    "cooldowns_in_a_row": h.cooldowns_in_a_row,
-                    "last_success_at": h.last_success_at.map(rfc3339),
-                    "recovered_at": h.recovered_at.map(rfc3339),
-                })
+            let health = match (&key_id, row.status) {
+                (Some(key_id), Some(status)) if row.counted => Some((
+                    key_id.clone(),
+                    Health {
+                        status: decoded(crate::domain::Status::parse(&status))?,
+                        status_reason: row.status_reason,
+                        cooldown_until: row.cooldown_until,
+                        successes: row.health_successes.unwrap_or(0.0),
+                        failures: row.health_failures.unwrap_or(0.0),
+                        rate_limits: row.health_rate_limits.unwrap_or(0.0),
+                        decayed_at: row.health_decayed_at,
+                        recent_failures: row.recent_failures.unwrap_or_default(),
+                        cooldowns_in_a_row: row.cooldowns_in_a_row.unwrap_or(0),
+                        last_success_at: row.last_success_at,
+                        recovered_at: row.recovered_at,
+                    },
+                )),
+                _ => None,
+            };
+            Ok(StagedRelease {
+                result: ReleaseResult {
+                    released,
+                    health,
+                    usage: row.usage_granted_at.zip(row.usage_delta),
+                    waiters: row.waiters,
+                },
+                refit: key_id.filter(|_| row.refit),
             })
-            .collect();
-        sqlx::query_scalar!(
-            "SELECT credpool_write_health($1, $2)",
-            serde_json::Value::Array(next),
-            serde_json::Value::Array(transitions),
-        )
-        .fetch_one(&mut *tx)
-        .await?;
-    }
-    Ok(staged)
-}
-
-/// `at` as RFC 3339 text, for timestamps passed to PostgreSQL inside JSON.
-fn rfc3339(at: OffsetDateTime) -> String {
-    at.format(&time::format_description::well_known::Rfc3339)
-        .unwrap_or_default()
+        })
+        .collect()
 }
 
 /// Renews leases (SQL function `credpool_renew`): each live lease named by all of its values gets
