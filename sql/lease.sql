@@ -1926,7 +1926,8 @@ $$;
 -- one statement. p_next: [{"key_id", "status", "status_reason", "cooldown_until",
 -- "health_successes", "health_failures", "health_rate_limits", "health_decayed_at",
 -- "recent_failures", "cooldowns_in_a_row", "last_success_at", "recovered_at"}]; p_transitions:
--- [{"key_id", "old_status", "new_status", "reason", "cooldown_until", "lease_id", "at"}]. The
+-- [{"key_id", "old_status", "new_status", "reason", "cooldown_until", "lease_id", "at", "actor"
+-- (whose report: `tenant:<id>`), "details" (the report: tenant, outcome, a clamped retry_after)}]. The
 -- caller holds the credential rows' locks (credpool_release took them, ascending key_id). A
 -- credential deleted meanwhile is skipped, with its transitions.
 CREATE OR REPLACE FUNCTION credpool_write_health(p_next jsonb, p_transitions jsonb) RETURNS integer
@@ -1962,12 +1963,13 @@ BEGIN
     ),
     transitions AS (
         INSERT INTO credential_events
-            (key_id, event, old_status, new_status, reason, cooldown_until, lease_id, at)
+            (key_id, event, old_status, new_status, reason, cooldown_until, lease_id, at, actor,
+             details)
         SELECT t.key_id, 'status_changed', t.old_status, t.new_status, t.reason, t.cooldown_until,
-               t.lease_id, coalesce(t.at, statement_timestamp())
+               t.lease_id, coalesce(t.at, statement_timestamp()), t.actor, t.details
         FROM jsonb_to_recordset(p_transitions) AS t (
             key_id text, old_status text, new_status text, reason text,
-            cooldown_until timestamptz, lease_id uuid, at timestamptz)
+            cooldown_until timestamptz, lease_id uuid, at timestamptz, actor text, details jsonb)
         WHERE t.key_id IN (SELECT key_id FROM updated)
         RETURNING 1
     )

@@ -18,7 +18,9 @@ use metrics_exporter_prometheus::{Matcher, PrometheusBuilder, PrometheusHandle};
 
 /// Allocations by `provider`, `pool` (asked for), `served_pool` (after any fallback; empty unless
 /// leased) and `result`: [`ALLOCATION_RESULTS`] for requests that reached the allocator,
-/// [`REFUSED_RESULTS`] (with empty provider and pool) for those refused before.
+/// [`REFUSED_RESULTS`] (with empty provider and pool) for those refused before. A refused
+/// request's provider and pool are labels only when the pool exists (this process's view of it
+/// has credentials); otherwise both are empty, so no request can add series (issue 42).
 pub const ALLOCATIONS: &str = "credpool_allocations_total";
 /// Allocate requests by the caller's `tenant` (a configured tenant: bounded) and `result` (as
 /// [`ALLOCATIONS`]).
@@ -122,12 +124,15 @@ pub const ALLOCATION_RESULTS: [&str; 10] = [
     "store_unavailable",
 ];
 
-/// The `result` of an allocation refused before its provider and pool were read (counted with
-/// empty `provider`, `pool` and `served_pool`): a malformed body, a wrong key, a panic, a
-/// request timeout.
-pub const REFUSED_RESULTS: [&str; 4] = [
+/// The `result` of an allocation refused before its provider and pool were read, or of one
+/// whose pool does not exist (counted with empty `provider`, `pool` and `served_pool`): a
+/// malformed body, a wrong key, a pool outside the tenant's scope, a pool without credentials, a
+/// panic, a request timeout.
+pub const REFUSED_RESULTS: [&str; 6] = [
     "bad_request",
     "unauthorized",
+    "pool_not_allowed",
+    "pool_not_found",
     "internal_error",
     "store_unavailable",
 ];
@@ -166,7 +171,7 @@ pub const METRICS: &[Metric] = &[
         kind: Kind::Counter,
         labels: &["provider", "pool", "served_pool", "result"],
         unit: "requests",
-        help: "Allocate requests by provider and pool asked for, the pool that served (empty unless leased) and result: leased, pool_exhausted (429, no capacity), tenant_limit (429, the caller's tenant at its cap), store_unavailable (503, store down), or another error code.",
+        help: "Allocate requests by provider and pool asked for (both empty when the pool does not exist or the request was refused before it was read), the pool that served (empty unless leased) and result: leased, pool_exhausted (429, no capacity), tenant_limit (429, the caller's tenant at its cap), pool_not_allowed (403, outside the tenant's pools), store_unavailable (503, store down), or another error code.",
     },
     Metric {
         name: TENANT_ALLOCATIONS,

@@ -340,3 +340,76 @@ fn the_metrics_list_the_dashboard_and_the_alerts_name_only_exported_metrics() {
         .collect();
     assert!(unknown.is_empty(), "docs/alerts.yml names {unknown:?}");
 }
+
+#[tokio::test]
+async fn refused_allocations_of_pools_that_do_not_exist_add_no_series() {
+    // 300 allocates with random provider and pool names used to add 300 series to
+    // credpool_allocations_total (the refused request's names became labels). The metrics are the
+    // process's, shared with the tests running beside this one: the check is on this test's own
+    // random names, which no other test uses.
+    let app = TestApp::spawn().await;
+    app.put_key("k", "openai", "default", &["gpt-4o"], 1).await;
+    let names: Vec<(String, String)> = (0..300)
+        .map(|_| {
+            let id = hex::encode(rand::random::<[u8; 6]>());
+            (format!("p{id}"), format!("q{id}"))
+        })
+        .collect();
+    for (provider, pool) in &names {
+        let response = app
+            .allocate(json!({"provider": provider, "model": "gpt-4o", "pool": pool}))
+            .await;
+        assert_error(response, reqwest::StatusCode::NOT_FOUND, "pool_not_found").await;
+    }
+    let page = app.metrics().await;
+    let named: Vec<&str> = page
+        .lines()
+        .filter(|l| !l.starts_with('#'))
+        .filter(|l| {
+            names
+                .iter()
+                .any(|(provider, pool)| l.contains(provider.as_str()) || l.contains(pool.as_str()))
+        })
+        .collect();
+    assert!(
+        named.is_empty(),
+        "{} series name a pool that does not exist, e.g. {:?}",
+        named.len(),
+        named.first()
+    );
+    // they are counted, under empty provider and pool
+    let refused = samples(&page)
+        .into_iter()
+        .filter(|((name, labels), _)| {
+            name == telemetry::ALLOCATIONS
+                && labels.get("result").map(String::as_str) == Some("pool_not_found")
+                && labels.get("provider").map(String::as_str) == Some("")
+        })
+        .map(|(_, value)| value)
+        .sum::<f64>();
+    assert!(refused >= 300.0, "{refused}");
+    // a pool that exists keeps its labels
+    let leased = app
+        .allocate(json!({"provider": "openai", "model": "gpt-4o"}))
+        .await;
+    json_body(leased, reqwest::StatusCode::OK).await;
+    let full = app
+        .allocate(json!({"provider": "openai", "model": "gpt-4o"}))
+        .await;
+    assert_error(
+        full,
+        reqwest::StatusCode::TOO_MANY_REQUESTS,
+        "pool_exhausted",
+    )
+    .await;
+    let page = app.metrics().await;
+    assert!(
+        page.lines()
+            .any(|l| l.starts_with("credpool_allocations_total{")
+                && l.contains("provider=\"openai\"")
+                && l.contains("pool=\"default\"")
+                && l.contains("result=\"pool_exhausted\"")
+                && !l.ends_with(" 0")),
+        "no pool_exhausted series for openai/default"
+    );
+}

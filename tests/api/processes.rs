@@ -640,7 +640,7 @@ async fn no_secret_reaches_a_log_line_a_metric_or_a_database_row_even_at_trace_l
     let tenant = admin(
         reqwest::Method::PUT,
         "/api/admin/tenants/leaky",
-        Some(json!({"max_concurrent_leases": 2})),
+        Some(json!({"max_concurrent_leases": 2, "pools": ["*/*"]})),
     )
     .await
     .unwrap();

@@ -441,6 +441,16 @@ impl CandidateViews {
         }
     }
 
+    /// Whether this process's view of `provider`/`pool` holds a credential, as the last read of
+    /// the pool found it; `false` without a view. Never reads the database: for metric labels,
+    /// which name a pool only when it exists ([`crate::telemetry::allocation`]).
+    pub fn has_credentials(&self, provider: &ProviderName, pool: &PoolName) -> bool {
+        self.existing(provider, pool).is_some_and(|slot| {
+            let guard = slot.view.read().unwrap_or_else(|p| p.into_inner());
+            guard.as_ref().is_some_and(|view| !view.entries.is_empty())
+        })
+    }
+
     /// Whether `key_id` of `provider`/`pool` serves `model` (directly or through an alias), as
     /// far as this process's view knows; `None` when it has no view of the pool or the credential.
     /// Never reads the database.

@@ -395,6 +395,13 @@ pub struct HealthArgs {
     /// Rest after a `rate_limited` report without retry_after_seconds, in seconds.
     #[arg(long, env = "CREDPOOL_HEALTH_RATE_LIMIT_SECONDS", default_value_t = HealthPolicy::default().rate_limit_seconds, value_parser = positive)]
     pub health_rate_limit_seconds: f64,
+    /// The longest one outcome report may rest a credential, in seconds (1..=2,678,400): a
+    /// release's `retry_after_seconds` beyond it is clamped to it (the trail records the clamp),
+    /// and it is the rest of a `quota_exhausted` report without one from a tenant whose reports
+    /// may not disable. Keeps one tenant's reports from resting every credential for a month.
+    #[arg(long, env = "CREDPOOL_MAX_REPORT_REST_SECONDS", default_value_t = HealthPolicy::default().max_report_rest_seconds as u32,
+          value_parser = clap::value_parser!(u32).range(1..=2_678_400))]
+    pub max_report_rest_seconds: u32,
 }
 
 impl HealthArgs {
@@ -407,6 +414,7 @@ impl HealthArgs {
             cooldown_seconds: self.health_cooldown_seconds,
             max_cooldown_seconds: self.health_max_cooldown_seconds,
             rate_limit_seconds: self.health_rate_limit_seconds,
+            max_report_rest_seconds: f64::from(self.max_report_rest_seconds),
         }
     }
 }

@@ -356,6 +356,16 @@ pub enum ApiError {
     /// operator route).
     #[error("this key may not use this route")]
     Forbidden,
+    /// 403 `pool_not_allowed`: the caller's tenant may not lease from this provider and pool
+    /// (its `pools`). Decided before anything is read: the same answer whether or not the pool
+    /// exists. Changes nothing.
+    #[error("this key may not lease from provider {provider} pool {pool}")]
+    PoolNotAllowed {
+        /// The provider the request named.
+        provider: String,
+        /// The pool the request named.
+        pool: String,
+    },
     /// 404 `pool_not_found`: no credentials at all for the provider and pool (as asked for).
     #[error("no credentials for provider {provider} in pool {pool}")]
     PoolNotFound {
@@ -464,6 +474,7 @@ impl ApiError {
             ApiError::TokenUrlNotAllowed(_) => (StatusCode::BAD_REQUEST, "token_url_not_allowed"),
             ApiError::Unauthorized => (StatusCode::UNAUTHORIZED, "unauthorized"),
             ApiError::Forbidden => (StatusCode::FORBIDDEN, "forbidden"),
+            ApiError::PoolNotAllowed { .. } => (StatusCode::FORBIDDEN, "pool_not_allowed"),
             ApiError::PoolNotFound { .. } => (StatusCode::NOT_FOUND, "pool_not_found"),
             ApiError::RouteNotFound => (StatusCode::NOT_FOUND, "route_not_found"),
             ApiError::CredentialNotFound => (StatusCode::NOT_FOUND, "credential_not_found"),
@@ -580,7 +591,8 @@ pub struct ErrorBody {
 /// A stable snake_case code and a human-readable message.
 #[derive(Debug, serde::Serialize, utoipa::ToSchema)]
 pub struct ErrorDetail {
-    /// Stable, snake_case: `invalid_request`, `unauthorized`, `forbidden`, `pool_not_found`,
+    /// Stable, snake_case: `invalid_request`, `unauthorized`, `forbidden`, `pool_not_allowed`,
+    /// `pool_not_found`,
     /// `credential_not_found`, `tenant_not_found`, `tenant_key_not_found`, `route_not_found`,
     /// `method_not_allowed`, `model_not_supported`, `no_usable_credentials`,
     /// `request_id_conflict`, `tokens_exceed_budget`, `tenant_in_use`, `lease_lost`,
@@ -684,54 +696,103 @@ fn key_matches(headers: &HeaderMap, name: &str, expected: &str) -> bool {
         .is_some_and(|given| given.as_bytes().ct_eq(expected.as_bytes()).into())
 }
 
-/// The executor key a request carries (`X-Internal-Key`): the configured internal key (tenant
-/// `default`), or something shaped like a tenant's key (`cpk_` + 64 hex digits), which only the
-/// store can vouch for: the statement that serves the call checks it (the claim, the renewal, the
-/// release: no extra round trip), so a revoked key is refused on every replica as soon as its
-/// DELETE has answered (no process keeps keys). Anything else: 401 at once.
-#[derive(Debug, Clone, Copy)]
-pub enum ExecutorKey {
-    /// The configured internal key: tenant `default`.
-    Internal,
-    /// A tenant's key, by its hash (the key itself is dropped here).
-    Tenant(crate::domain::TenantKeyHash),
+/// Who an executor request comes from (`X-Internal-Key`), established before its body is read
+/// and before any statement but the key's own look-up runs (docs/src/security.md,
+/// "Authentication first"): the configured internal key, compared in process in constant time
+/// (tenant `default`, every pool, full reach of its reports); or a tenant's key (`cpk_` + 64 hex
+/// digits), looked up by its hash in one statement ([`crate::store::tenants::key_tenant`]),
+/// which also gives the tenant's scope. Anything else, or a tenant key that is unknown or revoked:
+/// 401 at once. The statements that serve the call (claim, renewal, release) check a tenant key
+/// again themselves, so a revoke that commits meanwhile still holds.
+#[derive(Debug, Clone)]
+pub struct Caller {
+    /// The tenant key's hash, which the claim, renewal and release statements check again;
+    /// `None`: the internal key.
+    key: Option<crate::domain::TenantKeyHash>,
+    /// The caller's tenant.
+    tenant: crate::domain::TenantId,
+    /// Where it may lease.
+    pools: crate::domain::TenantScope,
+    /// Whether its reports may take a credential out of traffic until an operator acts.
+    reports_may_disable: bool,
 }
 
-impl ExecutorKey {
-    /// The hash the store checks, for a tenant key.
-    pub fn tenant_key(self) -> Option<crate::domain::TenantKeyHash> {
-        match self {
-            ExecutorKey::Internal => None,
-            ExecutorKey::Tenant(hash) => Some(hash),
+impl Caller {
+    /// The configured internal key: tenant `default`, every provider and pool, and reports of
+    /// full reach (what it could before tenants were scoped).
+    pub fn internal() -> Self {
+        Self {
+            key: None,
+            tenant: crate::domain::TenantId::default_tenant(),
+            pools: crate::domain::TenantScope::everything(),
+            reports_may_disable: true,
         }
     }
 
-    /// The tenant this key belongs to, read from the store: `default` for the internal key;
-    /// `Err(Unauthorized)` for a key that is unknown or revoked.
-    pub async fn tenant(self, db: &crate::store::Db) -> Result<crate::domain::TenantId, ApiError> {
-        match self {
-            ExecutorKey::Internal => Ok(crate::domain::TenantId::default_tenant()),
-            ExecutorKey::Tenant(hash) => crate::store::tenants::key_tenant(db, hash)
-                .await?
-                .ok_or(ApiError::Unauthorized),
+    /// The hash the claim, renewal and release statements check; `None` for the internal key.
+    pub fn tenant_key(&self) -> Option<crate::domain::TenantKeyHash> {
+        self.key
+    }
+
+    /// The caller's tenant.
+    pub fn tenant(&self) -> &crate::domain::TenantId {
+        &self.tenant
+    }
+
+    /// The pool sequence an allocate of `provider`/`pool` tries for this caller: the pool's
+    /// sequence less the pools outside the caller's scope. 403 `pool_not_allowed` when the pool
+    /// asked for is outside it, decided before anything is read, so the answer is the same
+    /// whether or not the pool exists.
+    pub fn pools(
+        &self,
+        provider: &crate::domain::ProviderName,
+        pool: &crate::domain::PoolName,
+    ) -> Result<Vec<crate::domain::PoolName>, ApiError> {
+        if !self.pools.admits(provider, pool) {
+            return Err(ApiError::PoolNotAllowed {
+                provider: provider.to_string(),
+                pool: pool.to_string(),
+            });
+        }
+        Ok(pool
+            .sequence()
+            .into_iter()
+            .filter(|p| self.pools.admits(provider, p))
+            .collect())
+    }
+
+    /// Who the trail names for this caller's outcome reports, and how far they reach.
+    pub fn reporter(&self) -> crate::store::leases::Reporter {
+        crate::store::leases::Reporter {
+            tenant: self.tenant.to_string(),
+            may_disable: self.reports_may_disable,
         }
     }
 }
 
-impl FromRequestParts<AppState> for ExecutorKey {
+impl FromRequestParts<AppState> for Caller {
     type Rejection = ApiError;
 
     async fn from_request_parts(parts: &mut Parts, state: &AppState) -> Result<Self, ApiError> {
         if key_matches(&parts.headers, "x-internal-key", &state.keys.internal) {
-            return Ok(ExecutorKey::Internal);
+            return Ok(Caller::internal());
         }
-        parts
+        let hash = parts
             .headers
             .get("x-internal-key")
             .and_then(|given| given.to_str().ok())
             .and_then(crate::domain::TenantKey::parse)
-            .map(|key| ExecutorKey::Tenant(key.hash()))
-            .ok_or(ApiError::Unauthorized)
+            .map(|key| key.hash())
+            .ok_or(ApiError::Unauthorized)?;
+        let found = crate::store::tenants::key_tenant(&state.db, hash)
+            .await?
+            .ok_or(ApiError::Unauthorized)?;
+        Ok(Caller {
+            key: Some(hash),
+            tenant: found.tenant,
+            pools: found.pools,
+            reports_may_disable: found.reports_may_disable,
+        })
     }
 }
 

@@ -451,6 +451,32 @@ pub struct ReleaseRequest {
     /// [`NotReleased::Unauthorized`]); `None`: the configured internal key (tenant `default`).
     /// The service giving a lease back passes the key that claimed it.
     pub caller: Option<crate::domain::TenantKeyHash>,
+    /// Who reports the outcome: how far the report may reach, and who the trail names.
+    pub reporter: Reporter,
+}
+
+/// Who reports an outcome (issue 42): the caller's tenant, named in the trail of every change of
+/// health its report causes (`credential_events.actor` `tenant:<id>`, and `details.tenant`), and
+/// whether its report alone may take a credential out of traffic until an operator acts.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Reporter {
+    /// The caller's tenant (`default` for the configured internal key).
+    pub tenant: String,
+    /// Whether its reports may disable a credential (`auth_error`) or rest it with no end
+    /// (`quota_exhausted` without a retry_after): the internal key, or a tenant with
+    /// `reports_may_disable`.
+    pub may_disable: bool,
+}
+
+impl Reporter {
+    /// The configured internal key (tenant `default`): full reach, as it always had. Also the
+    /// reporter of releases the service makes itself, which report no outcome.
+    pub fn internal() -> Self {
+        Self {
+            tenant: crate::domain::TenantId::default_tenant().to_string(),
+            may_disable: true,
+        }
+    }
 }
 
 /// What a release did.
@@ -668,10 +694,11 @@ pub async fn release_group_in(
             outcome,
             retry_after_seconds: request.retry_after_seconds,
             probe,
+            may_disable: request.reporter.may_disable,
         };
         let (next, transition) = health::apply(health, report, *db_now, policy);
         if let Some(t) = transition {
-            tracing::info!(key_id = %key_id, old = t.old_status.as_str(), new = t.new_status.as_str(), reason = %t.reason, "credential health changed");
+            tracing::info!(key_id = %key_id, old = t.old_status.as_str(), new = t.new_status.as_str(), reason = %t.reason, tenant = %request.reporter.tenant, "credential health changed");
             transitions.push(serde_json::json!({
                 "key_id": key_id.as_str(),
                 "old_status": t.old_status.as_str(),
@@ -680,6 +707,14 @@ pub async fn release_group_in(
                 "cooldown_until": next.cooldown_until.map(rfc3339),
                 "lease_id": request.lease.lease_id.as_uuid(),
                 "at": next.decayed_at.map(rfc3339),
+                // whose report it was, and what it asked for when that was clamped
+                "actor": format!("tenant:{}", request.reporter.tenant),
+                "details": {
+                    "tenant": request.reporter.tenant,
+                    "outcome": outcome.as_str(),
+                    "retry_after_seconds": request.retry_after_seconds,
+                    "clamped_from_seconds": t.clamped_from,
+                },
             }));
         }
         *health = next.clone();
