@@ -263,6 +263,22 @@ struct TokenError {
 /// The access token's lifetime when the answer has no `expires_in`, in seconds.
 const DEFAULT_EXPIRES_IN: u64 = 3600;
 
+/// The longest access token lifetime taken from a token endpoint, in seconds (ten years): an
+/// `expires_in` beyond it is refused as the credential's refresh error. (A value near `u64::MAX`
+/// overflowed the expiry's timestamp and panicked the refresher, which then never ran again.)
+pub const MAX_EXPIRES_IN_SECONDS: u64 = 10 * 365 * 86_400;
+
+/// A token answer's lifetime in seconds: its `expires_in` (absent: [`DEFAULT_EXPIRES_IN`]), 1..=
+/// [`MAX_EXPIRES_IN_SECONDS`]; anything else is the refresh's error, retried with backoff. Pure.
+pub fn expires_in(given: Option<u64>) -> Result<i64, RefreshError> {
+    match given.unwrap_or(DEFAULT_EXPIRES_IN) {
+        seconds @ 1..=MAX_EXPIRES_IN_SECONDS => Ok(seconds as i64),
+        seconds => Err(RefreshError::Failed(format!(
+            "the token endpoint answered an expires_in of {seconds} s; credpool takes 1 to {MAX_EXPIRES_IN_SECONDS} s"
+        ))),
+    }
+}
+
 /// The largest token endpoint answer read, in bytes.
 const MAX_ANSWER_BYTES: usize = 64 * 1024;
 
@@ -323,18 +339,27 @@ impl Refresher {
     }
 
     /// Runs [`Refresher::run_once`] every `check_every` until `alive` can no longer be upgraded
-    /// (the application it belongs to was dropped).
-    pub fn spawn<T: Send + Sync + 'static>(self, alive: Weak<T>) -> tokio::task::JoinHandle<()> {
-        tokio::spawn(async move {
-            let mut ticker = tokio::time::interval(self.settings.check_every);
-            ticker.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
-            loop {
-                ticker.tick().await;
-                if alive.upgrade().is_none() {
-                    return;
-                }
-                if let Err(error) = self.run_once().await {
-                    tracing::warn!(error = %error, "OAuth refresh pass failed");
+    /// (the application it belongs to was dropped), as task `oauth_refresher` of `supervisor`
+    /// (made again should it panic).
+    pub fn spawn<T: Send + Sync + 'static>(
+        self,
+        alive: Weak<T>,
+        supervisor: &crate::background::Supervisor,
+    ) -> tokio::task::JoinHandle<()> {
+        let refresher = Arc::new(self);
+        supervisor.spawn("oauth_refresher", move || {
+            let (refresher, alive) = (refresher.clone(), alive.clone());
+            async move {
+                let mut ticker = tokio::time::interval(refresher.settings.check_every);
+                ticker.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+                loop {
+                    ticker.tick().await;
+                    if alive.upgrade().is_none() {
+                        return;
+                    }
+                    if let Err(error) = refresher.run_once().await {
+                        tracing::warn!(error = %error, "OAuth refresh pass failed");
+                    }
                 }
             }
         })
@@ -381,8 +406,8 @@ impl Refresher {
         };
         match self.call(&taken, &grant).await {
             Ok((answer, expires_in)) => {
-                let expires_at = taken.started_at
-                    + time::Duration::seconds(i64::try_from(expires_in).unwrap_or(i64::MAX / 2));
+                // within MAX_EXPIRES_IN_SECONDS (`call` refuses more): this cannot overflow
+                let expires_at = taken.started_at + time::Duration::seconds(expires_in);
                 let refresh_token = answer
                     .refresh_token
                     .as_deref()
@@ -472,12 +497,12 @@ impl Refresher {
     }
 
     /// The refresh request (RFC 6749 section 6), form-encoded, client authentication in the body.
-    /// Returns the answer and its lifetime in seconds.
+    /// Returns the answer and its lifetime in seconds (1..=[`MAX_EXPIRES_IN_SECONDS`]).
     async fn call(
         &self,
         taken: &RefreshTaken,
         grant: &Secret,
-    ) -> Result<(TokenAnswer, u64), RefreshError> {
+    ) -> Result<(TokenAnswer, i64), RefreshError> {
         let mut form: Vec<(&str, &str)> = vec![
             ("grant_type", "refresh_token"),
             (
@@ -539,7 +564,7 @@ impl Refresher {
                     "the token endpoint answered an empty access_token".to_owned(),
                 ));
             }
-            let expires_in = answer.expires_in.unwrap_or(DEFAULT_EXPIRES_IN);
+            let expires_in = expires_in(answer.expires_in)?;
             return Ok((answer, expires_in));
         }
         // only the standard error code is quoted (a closed set of short words), never the body
@@ -576,6 +601,35 @@ mod tests {
         assert!(check_token_url("ftp://127.0.0.1/token").is_err());
         assert!(check_token_url("https://user:pw@auth.example.com/token").is_err());
         assert!(check_token_url("not a url").is_err());
+    }
+
+    #[test]
+    fn an_expires_in_that_cannot_be_a_timestamp_is_the_refresh_error() {
+        assert_eq!(expires_in(None), Ok(3600));
+        assert_eq!(expires_in(Some(1)), Ok(1));
+        assert_eq!(
+            expires_in(Some(MAX_EXPIRES_IN_SECONDS)),
+            Ok(MAX_EXPIRES_IN_SECONDS as i64)
+        );
+        for seconds in [
+            0,
+            MAX_EXPIRES_IN_SECONDS + 1,
+            1_000_000_000_000_000,
+            u64::MAX,
+        ] {
+            match expires_in(Some(seconds)) {
+                Err(RefreshError::Failed(error)) => {
+                    assert!(error.contains("expires_in"), "{error}")
+                }
+                other => panic!("{seconds}: {other:?}"),
+            }
+        }
+        // the largest accepted lifetime is a timestamp far from overflowing
+        let now = OffsetDateTime::now_utc();
+        assert!(
+            now.checked_add(time::Duration::seconds(MAX_EXPIRES_IN_SECONDS as i64))
+                .is_some()
+        );
     }
 
     #[test]

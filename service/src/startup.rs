@@ -17,6 +17,7 @@ use crate::allocator::Allocator;
 use crate::allocator::candidates::CandidateViews;
 use crate::allocator::groups::Groups;
 use crate::allocator::waiting::{ListenTarget, Waits};
+use crate::background::Supervisor;
 use crate::config::{DatabaseArgs, SecretArgs, ServeArgs, ServiceSettings};
 use crate::database::Database;
 use crate::embedded;
@@ -49,12 +50,13 @@ impl Application {
         let db = db.into();
         // install the metrics recorder before the first request records anything
         crate::telemetry::prometheus();
+        let background = Supervisor::new();
         let views = CandidateViews::new(
             db.clone(),
             settings.scoring.clone(),
             settings.health.clone(),
         );
-        views.spawn_refresher(settings.view_refresh, VIEW_FORGET_AFTER);
+        views.spawn_refresher(settings.view_refresh, VIEW_FORGET_AFTER, &background);
         let listen = match (&settings.listen_url, db.is_pooled()) {
             (Some(url), _) => ListenTarget::Url(url.clone()),
             (None, false) => ListenTarget::SameAs(db.clone()),
@@ -67,10 +69,10 @@ impl Application {
                 ListenTarget::None
             }
         };
-        let waits = Waits::new(views.clone(), listen, Some(db.clone()));
+        let waits = Waits::new(views.clone(), listen, Some(db.clone()), background.clone());
         let state = AppState::new(Shared {
             allocator: Allocator::new(
-                Groups::start(db.clone(), settings.groups),
+                Groups::start(db.clone(), settings.groups, &background),
                 views,
                 waits,
                 settings.claims,
@@ -85,6 +87,7 @@ impl Application {
             request_timeout: settings.request_timeout,
             max_wait: settings.max_wait,
             shutting_down: ShuttingDown::default(),
+            background: background.clone(),
         });
         // the OAuth refresher runs in every replica; PostgreSQL picks one writer per generation
         crate::oauth::Refresher::new(
@@ -92,7 +95,7 @@ impl Application {
             state.keyring.clone(),
             settings.oauth.clone(),
         )
-        .spawn(state.downgrade());
+        .spawn(state.downgrade(), &background);
         // the pools there are now: their series exist (at zero) from the first scrape on
         crate::telemetry::sample_pools(&state.db).await;
         Ok(Self { listener, state })
@@ -101,6 +104,13 @@ impl Application {
     /// The address actually bound.
     pub fn local_addr(&self) -> std::io::Result<SocketAddr> {
         self.listener.local_addr()
+    }
+
+    /// The supervisor of this application's background tasks: a task spawned on it that panics is
+    /// made again after a backoff, counted in `credpool_background_task_restarts_total`, and
+    /// makes `/readyz` answer 503 until then.
+    pub fn supervisor(&self) -> &Supervisor {
+        &self.state.background
     }
 
     /// Serves until `shutdown` resolves, then stops accepting and lets in-flight requests finish
@@ -525,10 +535,12 @@ async fn serve_on(
             database.pool.clone(),
             Duration::from_secs(args.maintenance.maintenance_interval_seconds),
             args.maintenance.retention(),
+            app.supervisor(),
         ),
         crate::telemetry::spawn_sampler(
             database.pool.clone(),
             Duration::from_secs(args.metrics_sample_seconds),
+            app.supervisor(),
         ),
     ];
     // the caller closes the pool and the embedded database after this returns

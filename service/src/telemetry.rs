@@ -90,6 +90,13 @@ pub const HELD_BY: [&str; 6] = [
     "fair_share",
 ];
 
+/// Background tasks that panicked and were made again, by `task` (a fixed name:
+/// [`crate::background`]).
+pub const BACKGROUND_TASK_RESTARTS: &str = "credpool_background_task_restarts_total";
+/// Instances of a background task that panicked and wait to be made again, by `task`; `/readyz`
+/// answers 503 while one does.
+pub const BACKGROUND_TASKS_DOWN: &str = "credpool_background_tasks_down";
+
 /// Operations per group transaction (the allocator's claim, release and renewal groups), by `kind` (`claim`, `release`,
 /// `renewal`).
 pub const GROUP_SIZE: &str = "credpool_group_size";
@@ -221,6 +228,20 @@ pub const METRICS: &[Metric] = &[
         labels: &["source"],
         unit: "leases",
         help: "Leases that ended by running out instead of a release (a crashed or slow executor), by who noticed: claim (an allocation reused the slot) or reaper (this process's cleanup).",
+    },
+    Metric {
+        name: BACKGROUND_TASK_RESTARTS,
+        kind: Kind::Counter,
+        labels: &["task"],
+        unit: "restarts",
+        help: "Background tasks of this process that panicked and were started again after a backoff, by task (oauth_refresher, view_refresher, claim_group, release_group, renewal_group, waits_listener, waiters_alive, slot_announcer, maintenance, metrics_sampler).",
+    },
+    Metric {
+        name: BACKGROUND_TASKS_DOWN,
+        kind: Kind::Gauge,
+        labels: &["task"],
+        unit: "tasks",
+        help: "Instances of a background task that panicked and wait to be started again, by task; /readyz answers 503 not_ready while one does.",
     },
     Metric {
         name: DB_ACQUIRE_TIMEOUTS,
@@ -545,6 +566,22 @@ pub fn release(released: bool, reason: &'static str) {
     counter!(RELEASES, "result" => result, "reason" => reason).increment(1);
 }
 
+/// Creates a background task's series at zero (adding nothing to those that exist).
+pub fn background_task_known(task: &'static str) {
+    counter!(BACKGROUND_TASK_RESTARTS, "task" => task).increment(0);
+    gauge!(BACKGROUND_TASKS_DOWN, "task" => task).increment(0.0);
+}
+
+/// Counts a restart of a panicked background task.
+pub fn background_task_restarted(task: &'static str) {
+    counter!(BACKGROUND_TASK_RESTARTS, "task" => task).increment(1);
+}
+
+/// Sets how many instances of a background task are down now.
+pub fn background_tasks_down(task: &'static str, down: usize) {
+    gauge!(BACKGROUND_TASKS_DOWN, "task" => task).set(down as f64);
+}
+
 /// Counts an OAuth refresh by `result` (see [`OAUTH_REFRESHES`]).
 pub fn oauth_refresh(result: &'static str) {
     counter!(OAUTH_REFRESHES, "result" => result).increment(1);
@@ -624,17 +661,24 @@ pub async fn sample_pools(db: &Db) -> bool {
 }
 
 /// Samples the per-pool gauges from PostgreSQL every `interval` (not per scrape), until the pool
-/// closes ([`sample_pools`]).
-pub fn spawn_sampler(db: Db, interval: Duration) -> tokio::task::JoinHandle<()> {
-    tokio::spawn(async move {
-        let mut ticker = tokio::time::interval(interval);
-        ticker.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
-        loop {
-            ticker.tick().await;
-            if db.pool().is_closed() {
-                return;
+/// closes ([`sample_pools`]), as task `metrics_sampler` of `supervisor`.
+pub fn spawn_sampler(
+    db: Db,
+    interval: Duration,
+    supervisor: &crate::background::Supervisor,
+) -> tokio::task::JoinHandle<()> {
+    supervisor.spawn("metrics_sampler", move || {
+        let db = db.clone();
+        async move {
+            let mut ticker = tokio::time::interval(interval);
+            ticker.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+            loop {
+                ticker.tick().await;
+                if db.pool().is_closed() {
+                    return;
+                }
+                sample_pools(&db).await;
             }
-            sample_pools(&db).await;
         }
     })
 }

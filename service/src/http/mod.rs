@@ -108,6 +108,8 @@ pub struct Shared {
     pub max_wait: Duration,
     /// Set when the service starts to shut down.
     pub shutting_down: ShuttingDown,
+    /// The background tasks' supervisor: `/readyz` fails while one of them is down.
+    pub background: crate::background::Supervisor,
 }
 
 /// Whether the service has begun to shut down (SIGINT/SIGTERM; [`crate::startup`]): from then on
