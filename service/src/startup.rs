@@ -8,7 +8,6 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use anyhow::{Context, bail};
-use axum::serve::ListenerExt;
 use futures::{Stream, StreamExt};
 use serde::{Deserialize, Serialize};
 use tokio::net::TcpListener;
@@ -21,6 +20,7 @@ use crate::background::Supervisor;
 use crate::config::{DatabaseArgs, SecretArgs, ServeArgs, ServiceSettings};
 use crate::database::Database;
 use crate::embedded;
+use crate::http::server::HttpLimits;
 use crate::http::{self, ApiKeys, AppState, Shared, ShuttingDown};
 use crate::secrets::{Keyring, MasterKey};
 use crate::store::{self, credentials::Actor};
@@ -33,6 +33,8 @@ const VIEW_FORGET_AFTER: std::time::Duration = std::time::Duration::from_secs(60
 pub struct Application {
     listener: TcpListener,
     state: AppState,
+    /// The connection limits it serves under (the cap fitted to the open-file limit).
+    http: HttpLimits,
 }
 
 impl Application {
@@ -48,6 +50,9 @@ impl Application {
     ) -> std::io::Result<Self> {
         let listener = TcpListener::bind(listen).await?;
         let db = db.into();
+        let http = settings
+            .http
+            .fitted_to_open_files(db.pool().options().get_max_connections());
         // install the metrics recorder before the first request records anything
         crate::telemetry::prometheus();
         let background = Supervisor::new();
@@ -98,7 +103,11 @@ impl Application {
         .spawn(state.downgrade(), &background);
         // the pools there are now: their series exist (at zero) from the first scrape on
         crate::telemetry::sample_pools(&state.db).await;
-        Ok(Self { listener, state })
+        Ok(Self {
+            listener,
+            state,
+            http,
+        })
     }
 
     /// The address actually bound.
@@ -114,22 +123,13 @@ impl Application {
     }
 
     /// Serves until `shutdown` resolves, then stops accepting and lets in-flight requests finish
-    /// (however long they take). `credpool serve` stops in phases instead:
-    /// [`Application::run_with_shutdown`].
+    /// (however long they take), under the connection limits ([`http::server`]). `credpool serve`
+    /// stops in phases instead: [`Application::run_with_shutdown`].
     pub async fn run_until(
         self,
         shutdown: impl Future<Output = ()> + Send + 'static,
     ) -> std::io::Result<()> {
-        // small request / response pairs: without TCP_NODELAY a response written in two segments
-        // can wait for the client's delayed ACK (~40 ms)
-        let listener = self.listener.tap_io(|tcp| {
-            if let Err(error) = tcp.set_nodelay(true) {
-                tracing::debug!(error = %error, "could not set TCP_NODELAY");
-            }
-        });
-        axum::serve(listener, http::app(self.state))
-            .with_graceful_shutdown(shutdown)
-            .await
+        http::server::serve(self.listener, http::app(self.state), self.http, shutdown).await
     }
 
     /// Serves until the first item of `stops` (a SIGINT or SIGTERM: [`stop_signals`]), then shuts

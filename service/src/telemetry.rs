@@ -97,6 +97,13 @@ pub const BACKGROUND_TASK_RESTARTS: &str = "credpool_background_task_restarts_to
 /// answers 503 while one does.
 pub const BACKGROUND_TASKS_DOWN: &str = "credpool_background_tasks_down";
 
+/// HTTP connections open now in this process.
+pub const HTTP_CONNECTIONS: &str = "credpool_http_connections";
+/// HTTP connections the service closed itself, by `reason` ([`HTTP_DROP_REASONS`]).
+pub const HTTP_CONNECTIONS_DROPPED: &str = "credpool_http_connections_dropped_total";
+/// What `reason` of [`HTTP_CONNECTIONS_DROPPED`] can say.
+pub const HTTP_DROP_REASONS: [&str; 3] = ["header_timeout", "idle_timeout", "evicted"];
+
 /// Operations per group transaction (the allocator's claim, release and renewal groups), by `kind` (`claim`, `release`,
 /// `renewal`).
 pub const GROUP_SIZE: &str = "credpool_group_size";
@@ -242,6 +249,20 @@ pub const METRICS: &[Metric] = &[
         labels: &["task"],
         unit: "tasks",
         help: "Instances of a background task that panicked and wait to be started again, by task; /readyz answers 503 not_ready while one does.",
+    },
+    Metric {
+        name: HTTP_CONNECTIONS_DROPPED,
+        kind: Kind::Counter,
+        labels: &["reason"],
+        unit: "connections",
+        help: "HTTP connections the service closed itself, by reason: header_timeout (a request head not sent whole within --http-header-read-timeout-seconds, or nothing sent on a new connection within it), idle_timeout (a keep-alive connection with no request for --http-idle-timeout-seconds), evicted (at --http-max-connections, the oldest connection with no request in flight made room for a new one).",
+    },
+    Metric {
+        name: HTTP_CONNECTIONS,
+        kind: Kind::Gauge,
+        labels: &[],
+        unit: "connections",
+        help: "HTTP connections open now in this process (at most --http-max-connections, as fitted to the open-file limit, plus the one being accepted).",
     },
     Metric {
         name: DB_ACQUIRE_TIMEOUTS,
@@ -452,6 +473,10 @@ fn zero_series() {
         counter!(LEASES_EXPIRED, "source" => source).absolute(0);
     }
     counter!(DB_ACQUIRE_TIMEOUTS).absolute(0);
+    for reason in HTTP_DROP_REASONS {
+        counter!(HTTP_CONNECTIONS_DROPPED, "reason" => reason).absolute(0);
+    }
+    gauge!(HTTP_CONNECTIONS).set(0.0);
     gauge!(WAITERS).set(0.0);
     gauge!(WAITS_LISTENING).set(0.0);
     for result in ["leased", "pool_exhausted", "tenant_limit"] {
@@ -564,6 +589,16 @@ pub fn held_back(
 pub fn release(released: bool, reason: &'static str) {
     let result = if released { "released" } else { "not_released" };
     counter!(RELEASES, "result" => result, "reason" => reason).increment(1);
+}
+
+/// Sets how many HTTP connections are open.
+pub fn http_connections(open: usize) {
+    gauge!(HTTP_CONNECTIONS).set(open as f64);
+}
+
+/// Counts a connection the service closed itself, by `reason` ([`HTTP_DROP_REASONS`]).
+pub fn http_connection_dropped(reason: &'static str) {
+    counter!(HTTP_CONNECTIONS_DROPPED, "reason" => reason).increment(1);
 }
 
 /// Creates a background task's series at zero (adding nothing to those that exist).

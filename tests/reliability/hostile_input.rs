@@ -1294,3 +1294,114 @@ async fn hostile_requests_to_every_route_get_their_4xx_code_and_change_nothing()
     );
     assert!(rows.len() >= 30, "{} rows", rows.len());
 }
+
+/// How long a probe or an allocate may take to answer while the sockets are open: a readiness
+/// probe's own timeout is seconds (Kubernetes' default is 1 s); 5 s leaves room for a loaded
+/// machine. A bound on waiting, not a speed requirement.
+const PROBE_ANSWERS_WITHIN: Duration = Duration::from_secs(5);
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn silent_and_half_sent_sockets_do_not_starve_probes_or_allocations() {
+    // With the process's open-file limit at 128, 200 sockets that sent nothing or half a request
+    // head were never closed: accept failed with "too many open files" every second, and
+    // /livez, /readyz and allocate timed out for as long as the sockets stayed open.
+    let database = TestDatabase::create().await;
+    let env = keyed_env(&database);
+    let serve = ServeProcess::start_with_open_files(
+        crate::BIN,
+        &env,
+        &["--http-header-read-timeout-seconds", "3"],
+        128,
+    )
+    .await;
+    let client = reqwest::Client::builder()
+        .timeout(PROBE_ANSWERS_WITHIN)
+        .build()
+        .unwrap();
+    let put = client
+        .put(format!("{}/api/admin/keys/k", serve.base))
+        .header("x-admin-key", ADMIN_KEY)
+        .json(
+            &json!({"provider": "openai", "models": ["gpt-4o"], "max_concurrent_uses": 4,
+                       "secret": {"api_key": SECRET}}),
+        )
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(put.status(), StatusCode::CREATED);
+
+    let addr = serve.base.strip_prefix("http://").unwrap().to_owned();
+    let mut sockets = Vec::new();
+    for i in 0..200 {
+        let mut socket = tokio::net::TcpStream::connect(&addr).await.unwrap();
+        if i % 2 == 1 {
+            socket
+                .write_all(
+                    b"POST /api/internal/allocate-key HTTP/1.1\r\nhost: credpool\r\ncontent-le",
+                )
+                .await
+                .unwrap();
+        }
+        sockets.push(socket);
+    }
+
+    for path in ["/livez", "/readyz"] {
+        let answer = client.get(format!("{}{path}", serve.base)).send().await;
+        let answer = answer.unwrap_or_else(|e| {
+            panic!(
+                "{path}: no answer within {PROBE_ANSWERS_WITHIN:?} beside 200 idle sockets: {e:?}"
+            )
+        });
+        assert_eq!(answer.status(), StatusCode::OK, "{path}");
+    }
+    let lease = client
+        .post(format!("{}/api/internal/allocate-key", serve.base))
+        .header("x-internal-key", INTERNAL_KEY)
+        .json(&json!({"provider": "openai", "model": "gpt-4o"}))
+        .send()
+        .await
+        .unwrap_or_else(|e| {
+            panic!(
+                "allocate: no answer within {PROBE_ANSWERS_WITHIN:?} beside 200 idle sockets: {e}"
+            )
+        });
+    assert_eq!(lease.status(), StatusCode::OK);
+
+    // every one of the sockets is closed by the service: at once to make room, or when its
+    // header read timeout (3 s here) runs out
+    for (i, socket) in sockets.iter_mut().enumerate() {
+        let mut byte = [0u8; 1];
+        let read = tokio::time::timeout(Duration::from_secs(30), socket.read(&mut byte))
+            .await
+            .unwrap_or_else(|_| panic!("socket {i} still open 30 s later"));
+        assert!(
+            matches!(read, Ok(0) | Err(_)),
+            "socket {i}: the service sent {read:?}"
+        );
+    }
+    let page = client
+        .get(format!("{}/metrics", serve.base))
+        .send()
+        .await
+        .unwrap()
+        .text()
+        .await
+        .unwrap();
+    let dropped = |reason: &str| {
+        page.lines()
+            .find_map(|l| {
+                l.strip_prefix(&format!(
+                    "credpool_http_connections_dropped_total{{reason=\"{reason}\"}} "
+                ))
+            })
+            .map_or(0.0, |v| v.parse::<f64>().unwrap())
+    };
+    assert!(
+        dropped("evicted") + dropped("header_timeout") >= 200.0,
+        "{}",
+        page.lines()
+            .filter(|l| l.contains("connections_dropped"))
+            .collect::<Vec<_>>()
+            .join("\n")
+    );
+}

@@ -6,6 +6,7 @@ mod admin;
 mod dashboard;
 mod executor;
 mod ops;
+pub mod server;
 mod tenants;
 
 pub use executor::parse_allocate;
