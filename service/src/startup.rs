@@ -93,6 +93,7 @@ impl Application {
             max_wait: settings.max_wait,
             shutting_down: ShuttingDown::default(),
             background: background.clone(),
+            allow_private_token_urls: settings.oauth.allow_private_token_urls,
         });
         // the OAuth refresher runs in every replica; PostgreSQL picks one writer per generation
         crate::oauth::Refresher::new(

@@ -40,8 +40,8 @@ pub fn keyring() -> std::sync::Arc<credpool::secrets::Keyring> {
     let key = credpool::secrets::MasterKey::parse(MASTER_KEY).unwrap();
     std::sync::Arc::new(credpool::secrets::Keyring::new(key, vec![]))
 }
-/// The admin API key the tests' services accept.
-pub const ADMIN_KEY: &str = "test-admin-key";
+/// The admin API key the tests' services accept (16 characters: the shortest key a service takes).
+pub const ADMIN_KEY: &str = "test-admin-key-0";
 
 /// Reports that the running test skips itself, or a part of itself, as `skipped: <test>:
 /// <reason>`, on the process's stderr itself: libtest captures `eprintln!` of a passing test and

@@ -147,6 +147,7 @@ fn fast() -> OAuthSettings {
         claim_for: Duration::from_secs(10),
         backoff_first: Duration::from_millis(100),
         backoff_max: Duration::from_millis(400),
+        ..OAuthSettings::default()
     }
 }
 

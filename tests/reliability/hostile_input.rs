@@ -683,6 +683,55 @@ fn table(lease: &Value) -> Vec<Row> {
         put_a().bytes(not_utf8(&put, "provider")),
     );
     t.bad("empty body", put_a().bytes(""));
+    // an OAuth credential: its client_id, scope and token_url are stored and sent to the token
+    // endpoint (a NUL was a 503 from PostgreSQL; control characters were stored)
+    let oauth_put = json!({"provider": "openai", "models": ["gpt-4o"], "max_concurrent_uses": 1,
+        "secret": {"access_token": "at", "refresh_token": "rt", "expires_at": "2030-01-01T00:00:00Z"},
+        "oauth": {"token_url": "http://127.0.0.1:9/token", "client_id": "client", "scope": "read"}});
+    let oauth = |field: &str, value: &str| {
+        let mut body = oauth_put.clone();
+        body["oauth"][field] = json!(value);
+        put_a().json(body)
+    };
+    t.bad(
+        "oauth.client_id with a NUL",
+        oauth("client_id", "cli\u{0}ent"),
+    );
+    t.bad(
+        "oauth.client_id with an escape sequence",
+        oauth("client_id", "\u{1b}[2Jclient"),
+    );
+    t.bad("oauth.scope with a NUL", oauth("scope", "read\u{0}"));
+    t.bad("oauth.scope with a newline", oauth("scope", "read\nwrite"));
+    t.bad(
+        "oauth.scope of 1025 characters",
+        oauth("scope", &long(1025)),
+    );
+    for (what, url) in [
+        ("with a NUL in its path", "http://127.0.0.1:9/tok\u{0}en"),
+        (
+            "https to the metadata address",
+            "https://169.254.169.254/latest/meta-data",
+        ),
+        ("https to a private address", "https://10.0.0.5/token"),
+        (
+            "https to an IPv6 link-local address",
+            "https://[fe80::1]/token",
+        ),
+        ("https to localhost", "https://localhost/token"),
+        (
+            "https to an IPv4-mapped loopback address",
+            "https://[::ffff:127.0.0.1]/token",
+        ),
+    ] {
+        let (status, code) = (StatusCode::BAD_REQUEST, "token_url_not_allowed");
+        t.row(
+            format!("oauth.token_url {what}"),
+            oauth("token_url", url).wire(),
+            status,
+            code,
+        );
+    }
     t.bad(
         "key_id in the path with SQL",
         admin(
@@ -1041,8 +1090,40 @@ fn table(lease: &Value) -> Vec<Row> {
             json!({"rate_limits": [{"requests": 1, "seconds": 0}]}),
         ),
         ("unknown field", json!({"priority": "high"})),
+        ("pools not an array", json!({"pools": "openai/*"})),
+        ("a pool without its provider", json!({"pools": ["default"]})),
+        ("a pool pattern * alone", json!({"pools": ["*"]})),
+        (
+            "a pool pattern inside a name",
+            json!({"pools": ["openai/v*"]}),
+        ),
+        ("a pool in upper case", json!({"pools": ["OpenAI/default"]})),
+        (
+            "a pool with a NUL",
+            json!({"pools": ["openai/default\u{0}"]}),
+        ),
+        ("65 pools", json!({"pools": vec!["*/*"; 65]})),
+        (
+            "reports_may_disable \"yes\"",
+            json!({"reports_may_disable": "yes"}),
+        ),
     ] {
         t.bad(what, admin(Method::PUT, team).json(body));
+    }
+    for (what, body) in [
+        (
+            "pools for the default tenant",
+            json!({"pools": ["openai/*"]}),
+        ),
+        (
+            "reports_may_disable for the default tenant",
+            json!({"reports_may_disable": false}),
+        ),
+    ] {
+        t.bad(
+            what,
+            admin(Method::PUT, "/api/admin/tenants/default").json(body),
+        );
     }
     for (what, path) in [
         ("tenant_id with a quote", "/api/admin/tenants/team'"),
@@ -1404,4 +1485,52 @@ async fn silent_and_half_sent_sockets_do_not_starve_probes_or_allocations() {
             .collect::<Vec<_>>()
             .join("\n")
     );
+}
+
+#[tokio::test]
+async fn a_client_request_id_is_kept_only_when_short_and_plain() {
+    // Any X-Request-Id was echoed and written into every log line of its request: 60 KB of it,
+    // or a value crafted to forge log text. Now only 1..=128 of `A-Z a-z 0-9 . _ : - + / =` is
+    // kept; anything else is replaced by a generated id.
+    let app = TestApp::spawn().await;
+    let echoed = |sent: Vec<u8>| {
+        let request = app
+            .client
+            .get(app.url("/livez"))
+            .header(
+                "x-request-id",
+                reqwest::header::HeaderValue::from_bytes(&sent).unwrap(),
+            )
+            .send();
+        async move {
+            let response = request.await.unwrap();
+            assert_eq!(response.status(), StatusCode::OK);
+            let ids: Vec<_> = response.headers().get_all("x-request-id").iter().collect();
+            assert_eq!(ids.len(), 1, "{ids:?}");
+            ids[0].as_bytes().to_vec()
+        }
+    };
+    for kept in [
+        "0af7651916cd43dd8448eb211c80319c",
+        "7f9c0c1e-52b4-4a55-9d7e-55c4b1c2e0f1",
+        "Root=1-5759e988:bd862e3fe1be46a994272793",
+        &"a".repeat(128),
+    ] {
+        assert_eq!(echoed(kept.as_bytes().to_vec()).await, kept.as_bytes());
+    }
+    for replaced in [
+        "a".repeat(60 * 1024),
+        "a".repeat(129),
+        "abc\" level=ERROR msg=\"forged".to_owned(),
+        "id with spaces".to_owned(),
+        "semi;colon".to_owned(),
+    ] {
+        let answer = echoed(replaced.clone().into_bytes()).await;
+        assert_ne!(answer, replaced.as_bytes());
+        let answer = String::from_utf8(answer).unwrap();
+        assert!(
+            uuid::Uuid::parse_str(&answer).is_ok(),
+            "not a generated id: {answer}"
+        );
+    }
 }

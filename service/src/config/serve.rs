@@ -210,6 +210,15 @@ pub struct ServiceArgs {
           value_parser = clap::value_parser!(u64).range(1..=3600))]
     pub oauth_backoff_max_seconds: u64,
 
+    /// Lets an OAuth credential's https `token_url` reach a private (RFC 1918, unique local),
+    /// loopback, link-local (cloud metadata services answer there) or otherwise non-public
+    /// address: its host as stored, and every address its name resolves to at each refresh.
+    /// Off by default: an operator's typo or a hostile PUT cannot point the refresher at an
+    /// internal service. (http on a loopback address is always allowed, for local token
+    /// proxies and tests.)
+    #[arg(long, env = "CREDPOOL_OAUTH_ALLOW_PRIVATE_TOKEN_URLS")]
+    pub oauth_allow_private_token_urls: bool,
+
     /// Seconds a client has to send a request head whole, from its first byte; also how long a
     /// new connection may stay silent before its first request. Then the service closes the
     /// connection (sockets that send nothing or half a request cannot hold descriptors).
@@ -272,6 +281,7 @@ impl ServiceArgs {
                 call_timeout: Duration::from_secs(self.oauth_call_timeout_seconds),
                 claim_for: Duration::from_secs((3 * self.oauth_call_timeout_seconds).max(30)),
                 backoff_max: Duration::from_secs(self.oauth_backoff_max_seconds),
+                allow_private_token_urls: self.oauth_allow_private_token_urls,
                 ..crate::oauth::OAuthSettings::default()
             },
         }

@@ -38,11 +38,24 @@ pub struct ApiKeys {
     admin: Arc<str>,
 }
 
+/// The shortest internal or admin key accepted, in characters: a key short enough to guess (or to
+/// have been typed as a placeholder: `secret`, `changeme`) is refused at start-up. Generated keys
+/// are 64 hex digits; `openssl rand -hex 32` makes one.
+pub const MIN_KEY_CHARS: usize = 16;
+
 impl ApiKeys {
-    /// The two keys must differ, so that one can never stand in for the other.
+    /// Each key at least [`MIN_KEY_CHARS`] characters, without control characters; and the two
+    /// must differ, so that one can never stand in for the other.
     pub fn new(internal: String, admin: String) -> Result<Self, &'static str> {
-        if internal.is_empty() || admin.is_empty() {
-            return Err("the internal and admin keys must not be empty");
+        for key in [&internal, &admin] {
+            if key.chars().count() < MIN_KEY_CHARS {
+                return Err(
+                    "the internal and admin keys must be at least 16 characters (generate one with `openssl rand -hex 32`)",
+                );
+            }
+            if key.chars().any(char::is_control) {
+                return Err("the internal and admin keys must not hold control characters");
+            }
         }
         if internal == admin {
             return Err("the internal and admin keys must differ");
@@ -111,6 +124,9 @@ pub struct Shared {
     pub shutting_down: ShuttingDown,
     /// The background tasks' supervisor: `/readyz` fails while one of them is down.
     pub background: crate::background::Supervisor,
+    /// Whether an OAuth credential's https token URL may reach a private, loopback or link-local
+    /// address (`--oauth-allow-private-token-urls`).
+    pub allow_private_token_urls: bool,
 }
 
 /// Whether the service has begun to shut down (SIGINT/SIGTERM; [`crate::startup`]): from then on
@@ -190,8 +206,9 @@ fn routes() -> utoipa_axum::router::OpenApiRouter<AppState> {
 /// The whole router: executor routes under `/api/internal`, operator routes under `/api/admin`,
 /// the operator dashboard under `/dashboard`, `/livez`, `/readyz`, `/healthz`, `/metrics` and
 /// `/openapi.json`, and JSON errors for unknown routes and
-/// methods. Every request gets an id (`X-Request-Id`, taken from the request or generated, echoed
-/// in the response and on every log line of the request), the caller's W3C trace context on its
+/// methods. Every request gets an id (`X-Request-Id`, taken from the request when
+/// [`request_id_is_safe`], else generated; echoed in the response and on every log line of the
+/// request), the caller's W3C trace context on its
 /// span when it sent a valid `traceparent`, a latency sample, and an answer within
 /// `request_timeout` (else 503).
 pub fn app(state: AppState) -> Router {
@@ -227,7 +244,43 @@ pub fn app(state: AppState) -> Router {
             request_id,
             tower_http::request_id::MakeRequestUuid,
         ))
+        // before all of the above: a client's id that is not safe to echo and log is replaced
+        .layer(axum::middleware::map_request(drop_unsafe_request_id))
         .with_state(state)
+}
+
+/// The longest `X-Request-Id` kept from a client, in characters.
+pub const MAX_REQUEST_ID_CHARS: usize = 128;
+
+/// Whether a client's `X-Request-Id` is kept (echoed in the response and written on every log
+/// line of the request): 1..=[`MAX_REQUEST_ID_CHARS`] characters from `A-Z a-z 0-9 . _ : - + / =`
+/// (UUIDs, hex and base64 trace ids fit). Anything else (60 KB of it, or a value crafted to forge
+/// log text) is replaced by a generated UUID.
+pub fn request_id_is_safe(value: &[u8]) -> bool {
+    (1..=MAX_REQUEST_ID_CHARS).contains(&value.len())
+        && value
+            .iter()
+            .all(|b| b.is_ascii_alphanumeric() || b"._:-+/=".contains(b))
+}
+
+/// Removes a client's `X-Request-Id` that [`request_id_is_safe`] refuses, so that
+/// `SetRequestIdLayer` generates one instead.
+async fn drop_unsafe_request_id(mut request: Request) -> Request {
+    let keep = match request
+        .headers()
+        .get_all("x-request-id")
+        .iter()
+        .collect::<Vec<_>>()[..]
+    {
+        [] => true,
+        [one] => request_id_is_safe(one.as_bytes()),
+        // two ids: neither is the request's
+        _ => false,
+    };
+    if !keep {
+        request.headers_mut().remove("x-request-id");
+    }
+    request
 }
 
 /// The span of one request, on every log line it writes: method, path, request id, and the
@@ -349,7 +402,8 @@ pub enum ApiError {
     #[error("{0}")]
     InvalidRequest(String),
     /// 400 `token_url_not_allowed`: an OAuth credential's `token_url` is neither https nor http on
-    /// a loopback address. Changes nothing.
+    /// a loopback address, or is https to a host that is (or resolves to) a private, loopback or
+    /// link-local address while the operator does not allow it. Changes nothing.
     #[error("{0}")]
     TokenUrlNotAllowed(String),
     /// 401 `unauthorized`: the key header is missing or wrong.
