@@ -1395,8 +1395,11 @@ async fn silent_and_half_sent_sockets_do_not_starve_probes_or_allocations() {
         128,
     )
     .await;
+    // a new connection per request, as a probe makes (a kept-alive one from before the sockets
+    // opened would not be a probe coming in)
     let client = reqwest::Client::builder()
         .timeout(PROBE_ANSWERS_WITHIN)
+        .pool_max_idle_per_host(0)
         .build()
         .unwrap();
     let put = client
