@@ -137,8 +137,8 @@ fn tokens(given: Option<u64>, field: &'static str) -> Result<Option<u64>, ApiErr
 }
 
 /// Parses an allocate body as `POST /api/internal/allocate-key` does once its key is checked
-/// (here: the internal key): the JSON (unknown fields refused, every name validated), then the lease length under
-/// `max_lease_seconds` and the wait under `max_wait`. A bad body is the handler's 400
+/// (here: the internal key): the JSON (unknown fields refused, every name validated), then the
+/// lease length under `max_lease_seconds` and the wait under `max_wait`. A bad body is the handler's 400
 /// `invalid_request`. Public for the request-parsing benchmark.
 pub fn parse_allocate(
     body: &[u8],
@@ -221,23 +221,27 @@ async fn allocate(
     ApiJson(body): ApiJson<AllocateBody>,
 ) -> Result<Response, ApiError> {
     let tenant = caller.tenant().to_string();
+    let (provider, pool) = (body.provider.clone(), body.pool.clone());
     // A refused request names its provider and pool in the metric labels only when the pool
     // exists (this process's view has credentials in it), so that no request can add series.
-    let refused = |provider: &str, pool: &str, result| {
-        let known = ProviderName::parse(provider)
-            .ok()
-            .zip(PoolName::parse(pool).ok())
-            .is_some_and(|(provider, pool)| state.allocator.knows_pool(&provider, &pool));
-        let (provider, pool) = if known { (provider, pool) } else { ("", "") };
+    let refused = |result| {
+        let known = state.allocator.knows_pool(&provider, &pool);
         AllocationOutcome {
-            provider: provider.to_owned(),
-            pool: pool.to_owned(),
+            provider: if known {
+                provider.to_string()
+            } else {
+                String::new()
+            },
+            pool: if known {
+                pool.to_string()
+            } else {
+                String::new()
+            },
             served_pool: String::new(),
             tenant: tenant.clone(),
             result,
         }
     };
-    let (provider, pool) = (body.provider.to_string(), body.pool.to_string());
     let request = match allocate_request(body, state.max_lease_seconds, state.max_wait, &caller) {
         Ok(request) => request,
         Err(error) => {
@@ -245,7 +249,7 @@ async fn allocate(
                 ApiError::PoolNotAllowed { .. } => "pool_not_allowed",
                 _ => "bad_request",
             };
-            let labels = refused(&provider, &pool, result);
+            let labels = refused(result);
             let mut response = error.into_response();
             response.extensions_mut().insert(labels);
             return Ok(response);
@@ -261,14 +265,14 @@ async fn allocate(
     let (mut response, labels) = match allocated {
         Ok(lease) => {
             let labels = AllocationOutcome {
-                provider: provider.clone(),
-                pool: pool.clone(),
+                provider: provider.to_string(),
+                pool: pool.to_string(),
                 served_pool: lease.pool.to_string(),
                 tenant: lease.tenant.clone(),
                 result: "leased",
             };
             if let Some(result) = lease.affinity {
-                crate::telemetry::affinity(&provider, &pool, result);
+                crate::telemetry::affinity(provider.as_str(), pool.as_str(), result);
             }
             let body = AllocateResponse {
                 key_id: lease.key_id,
@@ -287,8 +291,8 @@ async fn allocate(
             (Json(body).into_response(), labels)
         }
         Err(error) => {
-            let labels = refused(&provider, &pool, error.result());
-            let error = ApiError::from_allocate(error, &provider, &pool);
+            let labels = refused(error.result());
+            let error = ApiError::from_allocate(error, provider.as_str(), pool.as_str());
             (error.into_response(), labels)
         }
     };

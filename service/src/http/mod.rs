@@ -648,9 +648,9 @@ pub struct ErrorBody {
 /// A stable snake_case code and a human-readable message.
 #[derive(Debug, serde::Serialize, utoipa::ToSchema)]
 pub struct ErrorDetail {
-    /// Stable, snake_case: `invalid_request`, `unauthorized`, `forbidden`, `pool_not_allowed`,
-    /// `pool_not_found`,
-    /// `credential_not_found`, `tenant_not_found`, `tenant_key_not_found`, `route_not_found`,
+    /// Stable, snake_case: `invalid_request`, `token_url_not_allowed`, `unauthorized`,
+    /// `forbidden`, `pool_not_allowed`, `pool_not_found`, `credential_not_found`,
+    /// `tenant_not_found`, `tenant_key_not_found`, `route_not_found`,
     /// `method_not_allowed`, `model_not_supported`, `no_usable_credentials`,
     /// `request_id_conflict`, `tokens_exceed_budget`, `tenant_in_use`, `lease_lost`,
     /// `payload_too_large`, `unsupported_media_type`, `pool_exhausted`, `tenant_limit`,
