@@ -41,7 +41,7 @@ async fn health(app: &TestApp, key_id: &str) -> (String, Option<f64>) {
 async fn transitions(app: &TestApp, key_id: &str) -> Vec<(String, Option<String>, Option<String>)> {
     sqlx::query_as(
         "SELECT event, old_status, new_status FROM credential_events
-         WHERE key_id = $1 AND actor IS NULL ORDER BY event_id",
+         WHERE key_id = $1 AND (actor IS NULL OR actor LIKE 'tenant:%') ORDER BY event_id",
     )
     .bind(key_id)
     .fetch_all(&app.db)

@@ -1799,3 +1799,58 @@ async fn an_unauthenticated_request_is_refused_before_its_body_is_read_or_a_clai
     lock.rollback().await.unwrap();
     assert_error(response, StatusCode::UNAUTHORIZED, "unauthorized").await;
 }
+
+#[tokio::test]
+async fn an_upgrade_keeps_existing_tenants_leasing_everywhere_and_new_ones_start_with_none() {
+    // A database of the release before scopes, with a tenant and its key: after the upgrade the
+    // tenant still leases from every pool (nobody's traffic stops), its reports may not disable,
+    // and a tenant created afterwards leases nowhere until it is given pools.
+    let database = TestDatabase::create_empty().await;
+    let pool = database.pool(2).await;
+    credpool::store::schema::MIGRATOR
+        .run_to(20261203000016, &pool)
+        .await
+        .expect("the migrations before scopes");
+    let key = format!("cpk_{}", "ab".repeat(32));
+    let hash = credpool::domain::TenantKey::parse(&key).unwrap().hash();
+    sqlx::raw_sql(sqlx::AssertSqlSafe(format!(
+        "INSERT INTO tenants (tenant_id) VALUES ('old-team');
+         INSERT INTO tenant_keys (key_id, tenant_id, key_hash)
+         VALUES (gen_random_uuid(), 'old-team', '\\x{}'::bytea)",
+        hex::encode(hash.0)
+    )))
+    .execute(&pool)
+    .await
+    .unwrap();
+    credpool::store::migrate(&pool).await.expect("the upgrade");
+    pool.close().await;
+
+    let app = TestApp::spawn_on(database, AppOptions::default()).await;
+    let base = app.url("");
+    app.put_key("vip-key", "openai", "vip", &["gpt-4o"], 2)
+        .await;
+    let old = tenant_line(&app.client, &base, "old-team").await;
+    assert_eq!(old["pools"], json!(["*/*"]), "{old}");
+    assert_eq!(old["reports_may_disable"], false, "{old}");
+    let lease = json_body(
+        allocate(&app.client, &base, &key, "vip").await,
+        StatusCode::OK,
+    )
+    .await;
+    assert_eq!(lease["tenant"], "old-team");
+    let default = tenant_line(&app.client, &base, "default").await;
+    assert_eq!(default["reports_may_disable"], true, "{default}");
+    let created = json_body(
+        admin(
+            &app.client,
+            &base,
+            reqwest::Method::PUT,
+            "/api/admin/tenants/new-team",
+            Some(json!({})),
+        )
+        .await,
+        StatusCode::CREATED,
+    )
+    .await;
+    assert_eq!(created["pools"], json!([]));
+}
