@@ -33,7 +33,9 @@ impl InvalidValue {
     }
 }
 
-fn check_name(
+/// `value` of `field` is 1..=`max_len` characters, each `allowed`; the error names the field and
+/// `rule`, never the value.
+pub(crate) fn check_name(
     field: &'static str,
     value: &str,
     max_len: usize,

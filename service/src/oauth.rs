@@ -87,14 +87,13 @@ pub struct OAuthSpec {
 /// escape, ...): what reaches the database and the token endpoint's form is text a person can
 /// read, and PostgreSQL refuses a NUL in text (which was a 503).
 fn printable(field: &'static str, value: &str, max: usize) -> Result<(), InvalidValue> {
-    let length = value.chars().count();
-    if length == 0 || length > max || value.chars().any(char::is_control) {
-        return Err(InvalidValue::new(
-            field,
-            format!("must be 1 to {max} printable characters (no control characters)"),
-        ));
-    }
-    Ok(())
+    crate::domain::check_name(
+        field,
+        value,
+        max,
+        |c| !c.is_control(),
+        "printable characters",
+    )
 }
 
 /// Whether `url` may be a token endpoint: https, or http on a loopback host. The error names the
