@@ -135,7 +135,7 @@ pub fn is_public(ip: std::net::IpAddr) -> bool {
     use std::net::IpAddr;
     match ip {
         IpAddr::V4(v4) => {
-            let [a, b, ..] = v4.octets();
+            let [a, b, c, _] = v4.octets();
             !(v4.is_private()
                 || v4.is_loopback()
                 || v4.is_link_local()
@@ -145,7 +145,7 @@ pub fn is_public(ip: std::net::IpAddr) -> bool {
                 || v4.is_documentation()
                 || a == 0
                 || (a == 100 && (64..128).contains(&b))
-                || (a == 192 && b == 0 && v4.octets()[2] == 0)
+                || (a == 192 && b == 0 && c == 0)
                 || (a == 198 && (18..20).contains(&b))
                 || a >= 240)
         }
