@@ -604,6 +604,8 @@ async fn bench_tenant(
         max_concurrent_leases: (cap > 0).then_some(cap as i32),
         weight: 1,
         rate_limits: Default::default(),
+        pools: credpool::domain::TenantScope::everything(),
+        reports_may_disable: false,
     };
     tenants::upsert(db, &spec, actor)
         .await
@@ -992,6 +994,7 @@ impl Allocator for UnbatchedAllocator {
             retry_after_seconds: None,
             usage_tokens: None,
             caller: None,
+            reporter: credpool::store::leases::Reporter::internal(),
         };
         let released =
             leases::release_on(&mut Conn::direct(&mut self.conn), &release, &self.policy).await;

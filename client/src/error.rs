@@ -26,6 +26,10 @@ pub enum Error {
     /// 403 `forbidden`: the key is valid but not for this route (for example the admin key).
     #[error("credpool refused this key for this route (403 forbidden)")]
     Forbidden,
+    /// 403 `pool_not_allowed`: the tenant of the client's key may not lease from this provider and
+    /// pool (its `pools`); an operator adds the pool to the tenant. Retrying will not help.
+    #[error("this key's tenant may not lease from this provider and pool (403 pool_not_allowed)")]
+    PoolNotAllowed,
     /// 404 `pool_not_found`: no credentials at all for this provider and pool.
     #[error("credpool has no credentials for this provider and pool (404 pool_not_found)")]
     PoolNotFound,
@@ -132,6 +136,7 @@ impl Error {
             Error::InvalidRequest { .. } => "invalid_request",
             Error::Unauthorized => "unauthorized",
             Error::Forbidden => "forbidden",
+            Error::PoolNotAllowed => "pool_not_allowed",
             Error::PoolNotFound => "pool_not_found",
             Error::ModelNotSupported => "model_not_supported",
             Error::NoUsableCredentials => "no_usable_credentials",
@@ -299,6 +304,7 @@ pub(crate) fn from_answer(
         },
         "unauthorized" => Error::Unauthorized,
         "forbidden" => Error::Forbidden,
+        "pool_not_allowed" => Error::PoolNotAllowed,
         "pool_not_found" => Error::PoolNotFound,
         "model_not_supported" => Error::ModelNotSupported,
         "no_usable_credentials" => Error::NoUsableCredentials,
@@ -342,6 +348,9 @@ mod tests {
             matches!(answer(400, &body("invalid_request")), Error::InvalidRequest { message } if message == "m")
         );
         assert!(matches!(answer(410, &body("lease_lost")), Error::LeaseLost));
+        let not_allowed = answer(403, &body("pool_not_allowed"));
+        assert!(matches!(not_allowed, Error::PoolNotAllowed));
+        assert_eq!(not_allowed.code(), Some("pool_not_allowed"));
         assert!(matches!(
             answer(503, &body("store_unavailable")),
             Error::StoreUnavailable

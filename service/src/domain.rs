@@ -6,6 +6,7 @@
 //! - provider and pool: 1..=64 characters from `a-z 0-9 . _ -`, starting with a letter or digit.
 //! - model: 1..=200 characters from `A-Z a-z 0-9 . _ : / @ + -`.
 //! - holder: 1..=200 characters, no control characters.
+//! - a tenant's pool pattern: `provider/pool`, each half a name or `*`.
 
 use std::fmt;
 
@@ -32,7 +33,9 @@ impl InvalidValue {
     }
 }
 
-fn check_name(
+/// `value` of `field` is 1..=`max_len` characters, each `allowed`; the error names the field and
+/// `rule`, never the value.
+pub(crate) fn check_name(
     field: &'static str,
     value: &str,
     max_len: usize,
@@ -191,6 +194,78 @@ impl TenantId {
     /// The tenant of the configured internal key.
     pub fn default_tenant() -> Self {
         Self("default".to_owned())
+    }
+}
+
+string_newtype!(
+    /// Where a tenant may lease (`PUT /api/admin/tenants/{id}`, `pools`): `provider/pool`, each
+    /// half a name (as [`ProviderName`] and [`PoolName`] spell them) or `*` for any:
+    /// `openai/default`, `openai/*`, `*/*` (everything).
+    PoolPattern,
+    "pools",
+    "^([a-z0-9][a-z0-9._-]{0,63}|\\*)/([a-z0-9][a-z0-9._-]{0,63}|\\*)$",
+    |v| check_pool_pattern(&v)
+);
+
+fn check_pool_pattern(value: &str) -> Result<(), InvalidValue> {
+    let refuse = || {
+        InvalidValue::new(
+            "pools",
+            "each entry must be provider/pool, each half a name (lowercase letters, digits and . _ -) or * (openai/*, */*)",
+        )
+    };
+    let (provider, pool) = value.split_once('/').ok_or_else(refuse)?;
+    let half = |name: &str| name == "*" || check_lower_name("pools", name).is_ok();
+    if half(provider) && half(pool) {
+        Ok(())
+    } else {
+        Err(refuse())
+    }
+}
+
+impl PoolPattern {
+    /// Whether this pattern admits `provider`/`pool`.
+    pub fn admits(&self, provider: &ProviderName, pool: &PoolName) -> bool {
+        let (p, q) = self.0.split_once('/').unwrap_or_default();
+        (p == "*" || p == provider.as_str()) && (q == "*" || q == pool.as_str())
+    }
+}
+
+/// The pools a tenant may lease from: the union of its [`PoolPattern`]s. Empty: none (a tenant
+/// created without `pools`). Decided by the allocate handler from what the key look-up returned,
+/// before any candidate is read, so a refusal says nothing about what exists.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct TenantScope(Vec<PoolPattern>);
+
+impl TenantScope {
+    /// The most patterns a tenant may have.
+    pub const MAX_PATTERNS: usize = 64;
+
+    /// A scope of `patterns`: at most [`TenantScope::MAX_PATTERNS`].
+    pub fn new(patterns: Vec<PoolPattern>) -> Result<Self, InvalidValue> {
+        if patterns.len() > Self::MAX_PATTERNS {
+            return Err(InvalidValue::new(
+                "pools",
+                format!("at most {} entries", Self::MAX_PATTERNS),
+            ));
+        }
+        Ok(Self(patterns))
+    }
+
+    /// Every provider and pool (`*/*`): the configured internal key's, and existing tenants'
+    /// after the upgrade that introduced scopes.
+    pub fn everything() -> Self {
+        Self(vec![PoolPattern("*/*".to_owned())])
+    }
+
+    /// Whether some pattern admits `provider`/`pool`.
+    pub fn admits(&self, provider: &ProviderName, pool: &PoolName) -> bool {
+        self.0.iter().any(|p| p.admits(provider, pool))
+    }
+
+    /// The patterns, as stored.
+    pub fn patterns(&self) -> &[PoolPattern] {
+        &self.0
     }
 }
 
@@ -659,6 +734,50 @@ mod tests {
     fn invalid_value_message_never_echoes_the_value() {
         let err = KeyId::parse("sk-secret value").unwrap_err();
         assert!(!err.to_string().contains("sk-secret"), "{err}");
+    }
+
+    #[test]
+    fn pool_patterns_admit_their_provider_and_pool_or_any() {
+        let openai = ProviderName::parse("openai").unwrap();
+        let anthropic = ProviderName::parse("anthropic").unwrap();
+        let (default, vip) = (PoolName::default_pool(), PoolName::parse("vip").unwrap());
+        let scope = |patterns: &[&str]| {
+            TenantScope::new(
+                patterns
+                    .iter()
+                    .map(|p| PoolPattern::parse(*p).unwrap())
+                    .collect(),
+            )
+            .unwrap()
+        };
+        let only_openai_vip = scope(&["openai/vip"]);
+        assert!(only_openai_vip.admits(&openai, &vip));
+        assert!(!only_openai_vip.admits(&openai, &default));
+        assert!(!only_openai_vip.admits(&anthropic, &vip));
+        let all_openai = scope(&["openai/*"]);
+        assert!(all_openai.admits(&openai, &default) && all_openai.admits(&openai, &vip));
+        assert!(!all_openai.admits(&anthropic, &default));
+        let every_default = scope(&["*/default"]);
+        assert!(every_default.admits(&anthropic, &default));
+        assert!(!every_default.admits(&anthropic, &vip));
+        assert!(TenantScope::everything().admits(&anthropic, &vip));
+        assert!(!TenantScope::default().admits(&openai, &default));
+        for bad in [
+            "openai",
+            "openai/",
+            "/vip",
+            "open*/vip",
+            "openai/v*",
+            "OpenAI/vip",
+            "a/b/c",
+            "*",
+            "openai/vip\u{0}",
+            "",
+        ] {
+            assert!(PoolPattern::parse(bad).is_err(), "{bad:?}");
+        }
+        let too_many = vec![PoolPattern::parse("*/*").unwrap(); TenantScope::MAX_PATTERNS + 1];
+        assert!(TenantScope::new(too_many).is_err());
     }
 
     #[test]

@@ -20,12 +20,14 @@
 //!   [`embedded`]: the private PostgreSQL cluster launcher; [`config`]: the service's flags and
 //!   environment variables; [`secrets`]: sealing credential material; [`telemetry`]: metrics
 //!   and trace context; [`oauth`]: OAuth credentials, their access tokens refreshed by one
-//!   writer per generation.
+//!   writer per generation; [`background`]: the supervisor that restarts a background task
+//!   that panicked, and tells `/readyz` and the metrics.
 //!
 //! The `credpool` command (the repository's root package) runs this library's service and
 //! carries the tooling around it: the operator commands, the demo fleet and the load generator.
 
 pub mod allocator;
+pub mod background;
 pub mod config;
 pub mod database;
 pub mod domain;

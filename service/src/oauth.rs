@@ -86,6 +86,19 @@ pub struct OAuthSpec {
     pub token_expires_at: OffsetDateTime,
 }
 
+/// `value` of `field` is 1..=`max` characters, none of them a control character (NUL, newline,
+/// escape, ...): what reaches the database and the token endpoint's form is text a person can
+/// read, and PostgreSQL refuses a NUL in text (which was a 503).
+fn printable(field: &'static str, value: &str, max: usize) -> Result<(), InvalidValue> {
+    crate::domain::check_name(
+        field,
+        value,
+        max,
+        |c| !c.is_control(),
+        "printable characters",
+    )
+}
+
 /// Whether `url` may be a token endpoint: https, or http on a loopback host. The error names the
 /// rule, never more of the URL than the operator sent.
 pub fn check_token_url(url: &str) -> Result<url::Url, InvalidValue> {
@@ -95,6 +108,11 @@ pub fn check_token_url(url: &str) -> Result<url::Url, InvalidValue> {
             "must be an https URL, or http on a loopback address (127.0.0.1, ::1, localhost)",
         )
     };
+    // the URL parser would percent-encode a control character of the path, but the URL is
+    // stored as given
+    if url.len() > 2048 || url.chars().any(char::is_control) {
+        return Err(refuse());
+    }
     let parsed = url::Url::parse(url).map_err(|_| refuse())?;
     if !parsed.username().is_empty() || parsed.password().is_some() {
         return Err(refuse());
@@ -112,6 +130,154 @@ pub fn check_token_url(url: &str) -> Result<url::Url, InvalidValue> {
     }
 }
 
+/// Whether `ip` is a public unicast address a token endpoint may have: not loopback, private
+/// (RFC 1918, unique local `fc00::/7`), link-local (`169.254.0.0/16`, where cloud metadata
+/// services answer, and `fe80::/10`), shared (`100.64.0.0/10`), unspecified, multicast, broadcast,
+/// documentation or otherwise reserved; an IPv4-mapped IPv6 address is judged as its IPv4.
+pub fn is_public(ip: std::net::IpAddr) -> bool {
+    use std::net::IpAddr;
+    match ip {
+        IpAddr::V4(v4) => {
+            let [a, b, c, _] = v4.octets();
+            !(v4.is_private()
+                || v4.is_loopback()
+                || v4.is_link_local()
+                || v4.is_unspecified()
+                || v4.is_multicast()
+                || v4.is_broadcast()
+                || v4.is_documentation()
+                || a == 0
+                || (a == 100 && (64..128).contains(&b))
+                || (a == 192 && b == 0 && c == 0)
+                || (a == 198 && (18..20).contains(&b))
+                || a >= 240)
+        }
+        IpAddr::V6(v6) => match v6.to_ipv4_mapped() {
+            Some(v4) => is_public(IpAddr::V4(v4)),
+            None => {
+                let first = v6.segments()[0];
+                !(v6.is_loopback()
+                    || v6.is_unspecified()
+                    || v6.is_multicast()
+                    || v6.is_unique_local()
+                    || v6.is_unicast_link_local()
+                    || first == 0x2001 && v6.segments()[1] == 0x0db8
+                    || first == 0)
+            }
+        },
+    }
+}
+
+/// The refusal of a token URL that reaches a non-public address.
+fn private_refused() -> InvalidValue {
+    InvalidValue::new(
+        "oauth.token_url",
+        "an https token_url must not point at a private, loopback or link-local address (an operator allows it with --oauth-allow-private-token-urls)",
+    )
+}
+
+/// The part of the private-address rule that needs no name resolution: an https token URL whose
+/// host is an IP address that is not [`is_public`], or `localhost`, is refused unless
+/// `allow_private`. (http is only ever allowed on loopback, by [`check_token_url`], for tests and
+/// local token proxies.) Checked when a credential is stored and before every refresh.
+pub fn check_token_url_host(url: &url::Url, allow_private: bool) -> Result<(), InvalidValue> {
+    if allow_private || url.scheme() != "https" {
+        return Ok(());
+    }
+    let public = match url.host() {
+        Some(url::Host::Ipv4(ip)) => is_public(ip.into()),
+        Some(url::Host::Ipv6(ip)) => is_public(ip.into()),
+        Some(url::Host::Domain(name)) => {
+            let name = name.trim_end_matches('.').to_ascii_lowercase();
+            name != "localhost" && !name.ends_with(".localhost")
+        }
+        None => false,
+    };
+    if public {
+        Ok(())
+    } else {
+        Err(private_refused())
+    }
+}
+
+/// [`check_token_url_host`], and for a host name the addresses it resolves to now: one that is
+/// not [`is_public`] is refused unless `allow_private`. A name that does not resolve within
+/// 2 s is let through: every refresh resolves it again and connects only to public addresses
+/// ([`PublicResolver`]), which also holds against a name that changes its answer later.
+pub async fn check_token_url_reach(url: &str, allow_private: bool) -> Result<(), InvalidValue> {
+    let parsed = check_token_url(url)?;
+    check_token_url_host(&parsed, allow_private)?;
+    if allow_private || parsed.scheme() != "https" {
+        return Ok(());
+    }
+    let (Some(url::Host::Domain(name)), Some(port)) =
+        (parsed.host(), parsed.port_or_known_default())
+    else {
+        return Ok(());
+    };
+    let resolved = tokio::time::timeout(
+        Duration::from_secs(2),
+        tokio::net::lookup_host((name, port)),
+    )
+    .await;
+    match resolved {
+        Ok(Ok(addresses)) => {
+            let addresses: Vec<_> = addresses.collect();
+            if addresses.iter().any(|a| !is_public(a.ip())) {
+                return Err(private_refused());
+            }
+            Ok(())
+        }
+        _ => Ok(()),
+    }
+}
+
+/// The refresher's name resolution: the system's (`getaddrinfo`), keeping only public addresses
+/// ([`is_public`]) unless the operator allows private ones, or the name is `localhost` (reached
+/// only by the http-on-loopback URLs [`check_token_url`] admits). A token endpoint whose name
+/// resolves to nothing public fails to connect: that credential's refresh error.
+#[derive(Clone)]
+pub struct PublicResolver {
+    inner: hyper_util::client::legacy::connect::dns::GaiResolver,
+    allow_private: bool,
+}
+
+/// The error of a name that resolves only to addresses a token endpoint may not have.
+const PRIVATE_ONLY: &str = "the name resolves only to private, loopback or link-local addresses";
+
+impl tower_service::Service<hyper_util::client::legacy::connect::dns::Name> for PublicResolver {
+    type Response = std::vec::IntoIter<std::net::SocketAddr>;
+    type Error = std::io::Error;
+    type Future = std::pin::Pin<
+        Box<dyn std::future::Future<Output = Result<Self::Response, std::io::Error>> + Send>,
+    >;
+
+    fn poll_ready(
+        &mut self,
+        cx: &mut std::task::Context<'_>,
+    ) -> std::task::Poll<Result<(), std::io::Error>> {
+        self.inner.poll_ready(cx)
+    }
+
+    fn call(&mut self, name: hyper_util::client::legacy::connect::dns::Name) -> Self::Future {
+        let allow = self.allow_private || name.as_str().eq_ignore_ascii_case("localhost");
+        let resolving = self.inner.call(name);
+        Box::pin(async move {
+            let kept: Vec<std::net::SocketAddr> = resolving
+                .await?
+                .filter(|address| allow || is_public(address.ip()))
+                .collect();
+            if kept.is_empty() {
+                return Err(std::io::Error::new(
+                    std::io::ErrorKind::PermissionDenied,
+                    PRIVATE_ONLY,
+                ));
+            }
+            Ok(kept.into_iter())
+        })
+    }
+}
+
 impl OAuthInput {
     /// Checks the configuration and splits `secret` (`{"access_token", "refresh_token",
     /// "expires_at"}`) into what executors receive (`{"access_token", "expires_at"}`, returned
@@ -123,11 +289,9 @@ impl OAuthInput {
         keyring: &Keyring,
     ) -> Result<(OAuthSpec, Secret), InvalidValue> {
         check_token_url(&self.token_url)?;
-        if self.client_id.is_empty() || self.client_id.len() > 512 {
-            return Err(InvalidValue::new(
-                "oauth.client_id",
-                "must be 1 to 512 characters",
-            ));
+        printable("oauth.client_id", &self.client_id, 512)?;
+        if let Some(scope) = &self.scope {
+            printable("oauth.scope", scope, 1024)?;
         }
         let refresh_before = self
             .refresh_before_seconds
@@ -213,6 +377,9 @@ pub struct OAuthSettings {
     pub backoff_first: Duration,
     /// The longest retry delay (default 60 s).
     pub backoff_max: Duration,
+    /// Whether an https token URL may reach a private, loopback or link-local address (default
+    /// false: `--oauth-allow-private-token-urls`).
+    pub allow_private_token_urls: bool,
 }
 
 impl Default for OAuthSettings {
@@ -223,6 +390,7 @@ impl Default for OAuthSettings {
             claim_for: Duration::from_secs(30),
             backoff_first: Duration::from_secs(1),
             backoff_max: Duration::from_secs(60),
+            allow_private_token_urls: false,
         }
     }
 }
@@ -302,11 +470,29 @@ struct TokenError {
 /// The access token's lifetime when the answer has no `expires_in`, in seconds.
 const DEFAULT_EXPIRES_IN: u64 = 3600;
 
+/// The longest access token lifetime taken from a token endpoint, in seconds (ten years): an
+/// `expires_in` beyond it is refused as the credential's refresh error. (A value near `u64::MAX`
+/// overflowed the expiry's timestamp and panicked the refresher, which then never ran again.)
+pub const MAX_EXPIRES_IN_SECONDS: u64 = 10 * 365 * 86_400;
+
+/// A token answer's lifetime in seconds: its `expires_in` (absent: [`DEFAULT_EXPIRES_IN`]), 1..=
+/// [`MAX_EXPIRES_IN_SECONDS`]; anything else is the refresh's error, retried with backoff. Pure.
+pub fn expires_in(given: Option<u64>) -> Result<i64, RefreshError> {
+    match given.unwrap_or(DEFAULT_EXPIRES_IN) {
+        seconds @ 1..=MAX_EXPIRES_IN_SECONDS => Ok(seconds as i64),
+        seconds => Err(RefreshError::Failed(format!(
+            "the token endpoint answered an expires_in of {seconds} s; credpool takes 1 to {MAX_EXPIRES_IN_SECONDS} s"
+        ))),
+    }
+}
+
 /// The largest token endpoint answer read, in bytes.
 const MAX_ANSWER_BYTES: usize = 64 * 1024;
 
 type HttpsClient = hyper_util::client::legacy::Client<
-    hyper_rustls::HttpsConnector<hyper_util::client::legacy::connect::HttpConnector>,
+    hyper_rustls::HttpsConnector<
+        hyper_util::client::legacy::connect::HttpConnector<PublicResolver>,
+    >,
     http_body_util::Full<bytes::Bytes>,
 >;
 
@@ -343,12 +529,19 @@ impl Refresher {
         })
         .with_no_client_auth();
         // https for any host, http for the loopback hosts check_token_url admits (it redirects
-        // nowhere: hyper's client does not follow redirects)
+        // nowhere: hyper's client does not follow redirects); names resolved to public
+        // addresses only, unless the operator allows private ones
+        let mut resolving =
+            hyper_util::client::legacy::connect::HttpConnector::new_with_resolver(PublicResolver {
+                inner: hyper_util::client::legacy::connect::dns::GaiResolver::new(),
+                allow_private: settings.allow_private_token_urls,
+            });
+        resolving.enforce_http(false);
         let connector = hyper_rustls::HttpsConnectorBuilder::new()
             .with_tls_config(tls)
             .https_or_http()
             .enable_http1()
-            .build();
+            .wrap_connector(resolving);
         let http =
             hyper_util::client::legacy::Client::builder(hyper_util::rt::TokioExecutor::new())
                 .build(connector);
@@ -362,18 +555,27 @@ impl Refresher {
     }
 
     /// Runs [`Refresher::run_once`] every `check_every` until `alive` can no longer be upgraded
-    /// (the application it belongs to was dropped).
-    pub fn spawn<T: Send + Sync + 'static>(self, alive: Weak<T>) -> tokio::task::JoinHandle<()> {
-        tokio::spawn(async move {
-            let mut ticker = tokio::time::interval(self.settings.check_every);
-            ticker.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
-            loop {
-                ticker.tick().await;
-                if alive.upgrade().is_none() {
-                    return;
-                }
-                if let Err(error) = self.run_once().await {
-                    tracing::warn!(error = %error, "OAuth refresh pass failed");
+    /// (the application it belongs to was dropped), as task `oauth_refresher` of `supervisor`
+    /// (made again should it panic).
+    pub fn spawn<T: Send + Sync + 'static>(
+        self,
+        alive: Weak<T>,
+        supervisor: &crate::background::Supervisor,
+    ) -> tokio::task::JoinHandle<()> {
+        let refresher = Arc::new(self);
+        supervisor.spawn("oauth_refresher", move || {
+            let (refresher, alive) = (refresher.clone(), alive.clone());
+            async move {
+                let mut ticker = tokio::time::interval(refresher.settings.check_every);
+                ticker.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+                loop {
+                    ticker.tick().await;
+                    if alive.upgrade().is_none() {
+                        return;
+                    }
+                    if let Err(error) = refresher.run_once().await {
+                        tracing::warn!(error = %error, "OAuth refresh pass failed");
+                    }
                 }
             }
         })
@@ -427,8 +629,8 @@ impl Refresher {
         };
         match self.call(&taken, &grant).await {
             Ok((answer, expires_in)) => {
-                let expires_at = taken.started_at
-                    + time::Duration::seconds(i64::try_from(expires_in).unwrap_or(i64::MAX / 2));
+                // within MAX_EXPIRES_IN_SECONDS (`call` refuses more): this cannot overflow
+                let expires_at = taken.started_at + time::Duration::seconds(expires_in);
                 let refresh_token = answer
                     .refresh_token
                     .as_deref()
@@ -518,12 +720,12 @@ impl Refresher {
     }
 
     /// The refresh request (RFC 6749 section 6), form-encoded, client authentication in the body.
-    /// Returns the answer and its lifetime in seconds.
+    /// Returns the answer and its lifetime in seconds (1..=[`MAX_EXPIRES_IN_SECONDS`]).
     async fn call(
         &self,
         taken: &RefreshTaken,
         grant: &Secret,
-    ) -> Result<(TokenAnswer, u64), RefreshError> {
+    ) -> Result<(TokenAnswer, i64), RefreshError> {
         let mut form: Vec<(&str, &str)> = vec![
             ("grant_type", "refresh_token"),
             (
@@ -540,6 +742,10 @@ impl Refresher {
         }
         let body = serde_urlencoded::to_string(&form)
             .map_err(|_| RefreshError::Failed("the refresh form did not encode".to_owned()))?;
+        // the rule in force now, not only the one of the day it was stored
+        check_token_url(&taken.token_url)
+            .and_then(|url| check_token_url_host(&url, self.settings.allow_private_token_urls))
+            .map_err(|refused| RefreshError::Failed(refused.to_string()))?;
         let request = http::Request::post(taken.token_url.as_str())
             .header(
                 http::header::CONTENT_TYPE,
@@ -551,7 +757,17 @@ impl Refresher {
                 RefreshError::Failed("the token_url is not a valid request URI".to_owned())
             })?;
         let exchange = async {
-            let response = self.http.request(request).await.map_err(|_| {
+            let response = self.http.request(request).await.map_err(|error| {
+                // the only cause quoted: ours (never a URL or a body)
+                let mut cause: Option<&(dyn std::error::Error + 'static)> = Some(&error);
+                while let Some(e) = cause {
+                    if e.to_string() == PRIVATE_ONLY {
+                        return RefreshError::Failed(format!(
+                            "the token endpoint could not be reached: {PRIVATE_ONLY} (--oauth-allow-private-token-urls)"
+                        ));
+                    }
+                    cause = e.source();
+                }
                 RefreshError::Failed("the token endpoint could not be reached".to_owned())
             })?;
             let status = response.status();
@@ -585,7 +801,7 @@ impl Refresher {
                     "the token endpoint answered an empty access_token".to_owned(),
                 ));
             }
-            let expires_in = answer.expires_in.unwrap_or(DEFAULT_EXPIRES_IN);
+            let expires_in = expires_in(answer.expires_in)?;
             return Ok((answer, expires_in));
         }
         // only the standard error code is quoted (a closed set of short words), never the body
@@ -622,6 +838,133 @@ mod tests {
         assert!(check_token_url("ftp://127.0.0.1/token").is_err());
         assert!(check_token_url("https://user:pw@auth.example.com/token").is_err());
         assert!(check_token_url("not a url").is_err());
+    }
+
+    #[test]
+    fn an_expires_in_that_cannot_be_a_timestamp_is_the_refresh_error() {
+        assert_eq!(expires_in(None), Ok(3600));
+        assert_eq!(expires_in(Some(1)), Ok(1));
+        assert_eq!(
+            expires_in(Some(MAX_EXPIRES_IN_SECONDS)),
+            Ok(MAX_EXPIRES_IN_SECONDS as i64)
+        );
+        for seconds in [
+            0,
+            MAX_EXPIRES_IN_SECONDS + 1,
+            1_000_000_000_000_000,
+            u64::MAX,
+        ] {
+            match expires_in(Some(seconds)) {
+                Err(RefreshError::Failed(error)) => {
+                    assert!(error.contains("expires_in"), "{error}")
+                }
+                other => panic!("{seconds}: {other:?}"),
+            }
+        }
+        // the largest accepted lifetime is a timestamp far from overflowing
+        let now = OffsetDateTime::now_utc();
+        assert!(
+            now.checked_add(time::Duration::seconds(MAX_EXPIRES_IN_SECONDS as i64))
+                .is_some()
+        );
+    }
+
+    #[test]
+    fn private_loopback_and_link_local_addresses_are_not_public() {
+        for private in [
+            "10.1.2.3",
+            "172.16.0.1",
+            "192.168.1.1",
+            "127.0.0.1",
+            "169.254.169.254",
+            "0.0.0.0",
+            "100.64.0.1",
+            "255.255.255.255",
+            "224.0.0.1",
+            "192.0.2.1",
+            "240.0.0.1",
+            "::1",
+            "::",
+            "fc00::1",
+            "fd12::1",
+            "fe80::1",
+            "::ffff:10.0.0.1",
+            "::ffff:127.0.0.1",
+            "2001:db8::1",
+        ] {
+            assert!(!is_public(private.parse().unwrap()), "{private}");
+        }
+        for public in [
+            "1.1.1.1",
+            "93.184.216.34",
+            "2606:4700::1111",
+            "::ffff:8.8.8.8",
+        ] {
+            assert!(is_public(public.parse().unwrap()), "{public}");
+        }
+    }
+
+    #[test]
+    fn an_https_token_url_on_a_private_host_is_refused_unless_allowed() {
+        let url = |u: &str| check_token_url(u).unwrap();
+        for refused in [
+            "https://10.0.0.5/token",
+            "https://169.254.169.254/latest/meta-data",
+            "https://[::1]/token",
+            "https://[fe80::1]/token",
+            "https://localhost/token",
+            "https://auth.localhost/token",
+        ] {
+            assert!(
+                check_token_url_host(&url(refused), false).is_err(),
+                "{refused}"
+            );
+            assert!(
+                check_token_url_host(&url(refused), true).is_ok(),
+                "{refused}"
+            );
+        }
+        for allowed in [
+            "https://auth.example.com/token",
+            "https://1.1.1.1/token",
+            // http is loopback only, and loopback http stays allowed (tests, local proxies)
+            "http://127.0.0.1:8080/token",
+            "http://localhost/token",
+        ] {
+            assert!(
+                check_token_url_host(&url(allowed), false).is_ok(),
+                "{allowed}"
+            );
+        }
+        // and control characters never pass
+        assert!(check_token_url("https://auth.example.com/to\u{0}ken").is_err());
+        assert!(check_token_url("https://auth.example.com/to\nken").is_err());
+    }
+
+    #[tokio::test]
+    async fn the_refreshers_resolver_keeps_public_addresses_only_unless_allowed() {
+        use hyper_util::client::legacy::connect::dns::{GaiResolver, Name};
+        use std::str::FromStr;
+        use tower_service::Service;
+        let resolve = |name: &str, allow_private: bool| {
+            let mut resolver = PublicResolver {
+                inner: GaiResolver::new(),
+                allow_private,
+            };
+            resolver.call(Name::from_str(name).unwrap())
+        };
+        // a name that resolves to loopback (a numeric name resolves to itself)
+        let refused = resolve("127.0.0.1", false).await.unwrap_err();
+        assert_eq!(refused.kind(), std::io::ErrorKind::PermissionDenied);
+        assert_eq!(refused.to_string(), PRIVATE_ONLY);
+        let refused = resolve("169.254.169.254", false).await.unwrap_err();
+        assert_eq!(refused.kind(), std::io::ErrorKind::PermissionDenied);
+        let allowed: Vec<_> = resolve("127.0.0.1", true).await.unwrap().collect();
+        assert!(allowed.iter().all(|a| a.ip().is_loopback()) && !allowed.is_empty());
+        // localhost: reached only by the loopback http URLs check_token_url admits
+        assert!(resolve("localhost", false).await.unwrap().next().is_some());
+        let public: Vec<_> = resolve("1.1.1.1", false).await.unwrap().collect();
+        assert_eq!(public.len(), 1);
     }
 
     #[test]

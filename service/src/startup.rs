@@ -8,7 +8,6 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use anyhow::{Context, bail};
-use axum::serve::ListenerExt;
 use futures::{Stream, StreamExt};
 use serde::{Deserialize, Serialize};
 use tokio::net::TcpListener;
@@ -17,9 +16,11 @@ use crate::allocator::Allocator;
 use crate::allocator::candidates::CandidateViews;
 use crate::allocator::groups::Groups;
 use crate::allocator::waiting::{ListenTarget, Waits};
+use crate::background::Supervisor;
 use crate::config::{DatabaseArgs, SecretArgs, ServeArgs, ServiceSettings};
 use crate::database::Database;
 use crate::embedded;
+use crate::http::server::HttpLimits;
 use crate::http::{self, ApiKeys, AppState, Shared, ShuttingDown};
 use crate::secrets::{Keyring, MasterKey};
 use crate::store::{self, credentials::Actor};
@@ -32,6 +33,8 @@ const VIEW_FORGET_AFTER: std::time::Duration = std::time::Duration::from_secs(60
 pub struct Application {
     listener: TcpListener,
     state: AppState,
+    /// The connection limits it serves under (the cap fitted to the open-file limit).
+    http: HttpLimits,
 }
 
 impl Application {
@@ -47,14 +50,18 @@ impl Application {
     ) -> std::io::Result<Self> {
         let listener = TcpListener::bind(listen).await?;
         let db = db.into();
+        let http = settings
+            .http
+            .fitted_to_open_files(db.pool().options().get_max_connections());
         // install the metrics recorder before the first request records anything
         crate::telemetry::prometheus();
+        let background = Supervisor::new();
         let views = CandidateViews::new(
             db.clone(),
             settings.scoring.clone(),
             settings.health.clone(),
         );
-        views.spawn_refresher(settings.view_refresh, VIEW_FORGET_AFTER);
+        views.spawn_refresher(settings.view_refresh, VIEW_FORGET_AFTER, &background);
         let listen = match (&settings.listen_url, db.is_pooled()) {
             (Some(url), _) => ListenTarget::Url(url.clone()),
             (None, false) => ListenTarget::SameAs(db.clone()),
@@ -67,10 +74,10 @@ impl Application {
                 ListenTarget::None
             }
         };
-        let waits = Waits::new(views.clone(), listen, Some(db.clone()));
+        let waits = Waits::new(views.clone(), listen, Some(db.clone()), background.clone());
         let state = AppState::new(Shared {
             allocator: Allocator::new(
-                Groups::start(db.clone(), settings.groups),
+                Groups::start(db.clone(), settings.groups, &background),
                 views,
                 waits,
                 settings.claims,
@@ -85,6 +92,8 @@ impl Application {
             request_timeout: settings.request_timeout,
             max_wait: settings.max_wait,
             shutting_down: ShuttingDown::default(),
+            background: background.clone(),
+            allow_private_token_urls: settings.oauth.allow_private_token_urls,
         });
         // the OAuth refresher runs in every replica; PostgreSQL picks one writer per generation
         crate::oauth::Refresher::new(
@@ -92,10 +101,14 @@ impl Application {
             state.keyring.clone(),
             settings.oauth.clone(),
         )
-        .spawn(state.downgrade());
+        .spawn(state.downgrade(), &background);
         // the pools there are now: their series exist (at zero) from the first scrape on
         crate::telemetry::sample_pools(&state.db).await;
-        Ok(Self { listener, state })
+        Ok(Self {
+            listener,
+            state,
+            http,
+        })
     }
 
     /// The address actually bound.
@@ -103,23 +116,21 @@ impl Application {
         self.listener.local_addr()
     }
 
+    /// The supervisor of this application's background tasks: a task spawned on it that panics is
+    /// made again after a backoff, counted in `credpool_background_task_restarts_total`, and
+    /// makes `/readyz` answer 503 until then.
+    pub fn supervisor(&self) -> &Supervisor {
+        &self.state.background
+    }
+
     /// Serves until `shutdown` resolves, then stops accepting and lets in-flight requests finish
-    /// (however long they take). `credpool serve` stops in phases instead:
-    /// [`Application::run_with_shutdown`].
+    /// (however long they take), under the connection limits ([`http::server`]). `credpool serve`
+    /// stops in phases instead: [`Application::run_with_shutdown`].
     pub async fn run_until(
         self,
         shutdown: impl Future<Output = ()> + Send + 'static,
     ) -> std::io::Result<()> {
-        // small request / response pairs: without TCP_NODELAY a response written in two segments
-        // can wait for the client's delayed ACK (~40 ms)
-        let listener = self.listener.tap_io(|tcp| {
-            if let Err(error) = tcp.set_nodelay(true) {
-                tracing::debug!(error = %error, "could not set TCP_NODELAY");
-            }
-        });
-        axum::serve(listener, http::app(self.state))
-            .with_graceful_shutdown(shutdown)
-            .await
+        http::server::serve(self.listener, http::app(self.state), self.http, shutdown).await
     }
 
     /// Serves until the first item of `stops` (a SIGINT or SIGTERM: [`stop_signals`]), then shuts
@@ -525,10 +536,12 @@ async fn serve_on(
             database.pool.clone(),
             Duration::from_secs(args.maintenance.maintenance_interval_seconds),
             args.maintenance.retention(),
+            app.supervisor(),
         ),
         crate::telemetry::spawn_sampler(
             database.pool.clone(),
             Duration::from_secs(args.metrics_sample_seconds),
+            app.supervisor(),
         ),
     ];
     // the caller closes the pool and the embedded database after this returns

@@ -18,7 +18,9 @@ use metrics_exporter_prometheus::{Matcher, PrometheusBuilder, PrometheusHandle};
 
 /// Allocations by `provider`, `pool` (asked for), `served_pool` (after any fallback; empty unless
 /// leased) and `result`: [`ALLOCATION_RESULTS`] for requests that reached the allocator,
-/// [`REFUSED_RESULTS`] (with empty provider and pool) for those refused before.
+/// [`REFUSED_RESULTS`] (with empty provider and pool) for those refused before. A refused
+/// request's provider and pool are labels only when the pool exists (this process's view of it
+/// has credentials); otherwise both are empty, so no request can add series (issue 42).
 pub const ALLOCATIONS: &str = "credpool_allocations_total";
 /// Allocate requests by the caller's `tenant` (a configured tenant: bounded) and `result` (as
 /// [`ALLOCATIONS`]).
@@ -88,6 +90,20 @@ pub const HELD_BY: [&str; 6] = [
     "fair_share",
 ];
 
+/// Background tasks that panicked and were made again, by `task` (a fixed name:
+/// [`crate::background`]).
+pub const BACKGROUND_TASK_RESTARTS: &str = "credpool_background_task_restarts_total";
+/// Instances of a background task that panicked and wait to be made again, by `task`; `/readyz`
+/// answers 503 while one does.
+pub const BACKGROUND_TASKS_DOWN: &str = "credpool_background_tasks_down";
+
+/// HTTP connections open now in this process.
+pub const HTTP_CONNECTIONS: &str = "credpool_http_connections";
+/// HTTP connections the service closed itself, by `reason` ([`HTTP_DROP_REASONS`]).
+pub const HTTP_CONNECTIONS_DROPPED: &str = "credpool_http_connections_dropped_total";
+/// What `reason` of [`HTTP_CONNECTIONS_DROPPED`] can say.
+pub const HTTP_DROP_REASONS: [&str; 3] = ["header_timeout", "idle_timeout", "evicted"];
+
 /// Operations per group transaction (the allocator's claim, release and renewal groups), by `kind` (`claim`, `release`,
 /// `renewal`).
 pub const GROUP_SIZE: &str = "credpool_group_size";
@@ -122,12 +138,15 @@ pub const ALLOCATION_RESULTS: [&str; 10] = [
     "store_unavailable",
 ];
 
-/// The `result` of an allocation refused before its provider and pool were read (counted with
-/// empty `provider`, `pool` and `served_pool`): a malformed body, a wrong key, a panic, a
-/// request timeout.
-pub const REFUSED_RESULTS: [&str; 4] = [
+/// The `result` of an allocation refused before its provider and pool were read, or of one
+/// whose pool does not exist (counted with empty `provider`, `pool` and `served_pool`): a
+/// malformed body, a wrong key, a pool outside the tenant's scope, a pool without credentials, a
+/// panic, a request timeout.
+pub const REFUSED_RESULTS: [&str; 6] = [
     "bad_request",
     "unauthorized",
+    "pool_not_allowed",
+    "pool_not_found",
     "internal_error",
     "store_unavailable",
 ];
@@ -166,7 +185,7 @@ pub const METRICS: &[Metric] = &[
         kind: Kind::Counter,
         labels: &["provider", "pool", "served_pool", "result"],
         unit: "requests",
-        help: "Allocate requests by provider and pool asked for, the pool that served (empty unless leased) and result: leased, pool_exhausted (429, no capacity), tenant_limit (429, the caller's tenant at its cap), store_unavailable (503, store down), or another error code.",
+        help: "Allocate requests by provider and pool asked for (both empty when the pool does not exist or the request was refused before it was read), the pool that served (empty unless leased) and result: leased, pool_exhausted (429, no capacity), tenant_limit (429, the caller's tenant at its cap), pool_not_allowed (403, outside the tenant's pools), store_unavailable (503, store down), or another error code.",
     },
     Metric {
         name: TENANT_ALLOCATIONS,
@@ -216,6 +235,34 @@ pub const METRICS: &[Metric] = &[
         labels: &["source"],
         unit: "leases",
         help: "Leases that ended by running out instead of a release (a crashed or slow executor), by who noticed: claim (an allocation reused the slot) or reaper (this process's cleanup).",
+    },
+    Metric {
+        name: BACKGROUND_TASK_RESTARTS,
+        kind: Kind::Counter,
+        labels: &["task"],
+        unit: "restarts",
+        help: "Background tasks of this process that panicked and were started again after a backoff, by task (oauth_refresher, view_refresher, claim_group, release_group, renewal_group, waits_listener, waiters_alive, slot_announcer, maintenance, metrics_sampler).",
+    },
+    Metric {
+        name: BACKGROUND_TASKS_DOWN,
+        kind: Kind::Gauge,
+        labels: &["task"],
+        unit: "tasks",
+        help: "Instances of a background task that panicked and wait to be started again, by task; /readyz answers 503 not_ready while one does.",
+    },
+    Metric {
+        name: HTTP_CONNECTIONS_DROPPED,
+        kind: Kind::Counter,
+        labels: &["reason"],
+        unit: "connections",
+        help: "HTTP connections the service closed itself, by reason: header_timeout (a request head not sent whole within --http-header-read-timeout-seconds, or nothing sent on a new connection within it), idle_timeout (a keep-alive connection with no request for --http-idle-timeout-seconds), evicted (at --http-max-connections, the oldest connection with no request in flight made room for a new one).",
+    },
+    Metric {
+        name: HTTP_CONNECTIONS,
+        kind: Kind::Gauge,
+        labels: &[],
+        unit: "connections",
+        help: "HTTP connections open now in this process (at most --http-max-connections, as fitted to the open-file limit, plus the one being accepted).",
     },
     Metric {
         name: DB_ACQUIRE_TIMEOUTS,
@@ -426,6 +473,10 @@ fn zero_series() {
         counter!(LEASES_EXPIRED, "source" => source).absolute(0);
     }
     counter!(DB_ACQUIRE_TIMEOUTS).absolute(0);
+    for reason in HTTP_DROP_REASONS {
+        counter!(HTTP_CONNECTIONS_DROPPED, "reason" => reason).absolute(0);
+    }
+    gauge!(HTTP_CONNECTIONS).set(0.0);
     gauge!(WAITERS).set(0.0);
     gauge!(WAITS_LISTENING).set(0.0);
     for result in ["leased", "pool_exhausted", "tenant_limit"] {
@@ -540,6 +591,32 @@ pub fn release(released: bool, reason: &'static str) {
     counter!(RELEASES, "result" => result, "reason" => reason).increment(1);
 }
 
+/// Sets how many HTTP connections are open.
+pub fn http_connections(open: usize) {
+    gauge!(HTTP_CONNECTIONS).set(open as f64);
+}
+
+/// Counts a connection the service closed itself, by `reason` ([`HTTP_DROP_REASONS`]).
+pub fn http_connection_dropped(reason: &'static str) {
+    counter!(HTTP_CONNECTIONS_DROPPED, "reason" => reason).increment(1);
+}
+
+/// Creates a background task's series at zero (adding nothing to those that exist).
+pub fn background_task_known(task: &'static str) {
+    counter!(BACKGROUND_TASK_RESTARTS, "task" => task).increment(0);
+    gauge!(BACKGROUND_TASKS_DOWN, "task" => task).increment(0.0);
+}
+
+/// Counts a restart of a panicked background task.
+pub fn background_task_restarted(task: &'static str) {
+    counter!(BACKGROUND_TASK_RESTARTS, "task" => task).increment(1);
+}
+
+/// Sets how many instances of a background task are down now.
+pub fn background_tasks_down(task: &'static str, down: usize) {
+    gauge!(BACKGROUND_TASKS_DOWN, "task" => task).set(down as f64);
+}
+
 /// Counts an OAuth refresh by `result` (see [`OAUTH_REFRESHES`]).
 pub fn oauth_refresh(result: &'static str) {
     counter!(OAUTH_REFRESHES, "result" => result).increment(1);
@@ -619,17 +696,24 @@ pub async fn sample_pools(db: &Db) -> bool {
 }
 
 /// Samples the per-pool gauges from PostgreSQL every `interval` (not per scrape), until the pool
-/// closes ([`sample_pools`]).
-pub fn spawn_sampler(db: Db, interval: Duration) -> tokio::task::JoinHandle<()> {
-    tokio::spawn(async move {
-        let mut ticker = tokio::time::interval(interval);
-        ticker.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
-        loop {
-            ticker.tick().await;
-            if db.pool().is_closed() {
-                return;
+/// closes ([`sample_pools`]), as task `metrics_sampler` of `supervisor`.
+pub fn spawn_sampler(
+    db: Db,
+    interval: Duration,
+    supervisor: &crate::background::Supervisor,
+) -> tokio::task::JoinHandle<()> {
+    supervisor.spawn("metrics_sampler", move || {
+        let db = db.clone();
+        async move {
+            let mut ticker = tokio::time::interval(interval);
+            ticker.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+            loop {
+                ticker.tick().await;
+                if db.pool().is_closed() {
+                    return;
+                }
+                sample_pools(&db).await;
             }
-            sample_pools(&db).await;
         }
     })
 }

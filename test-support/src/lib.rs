@@ -40,8 +40,8 @@ pub fn keyring() -> std::sync::Arc<credpool::secrets::Keyring> {
     let key = credpool::secrets::MasterKey::parse(MASTER_KEY).unwrap();
     std::sync::Arc::new(credpool::secrets::Keyring::new(key, vec![]))
 }
-/// The admin API key the tests' services accept.
-pub const ADMIN_KEY: &str = "test-admin-key";
+/// The admin API key the tests' services accept (16 characters: the shortest key a service takes).
+pub const ADMIN_KEY: &str = "test-admin-key-0";
 
 /// Reports that the running test skips itself, or a part of itself, as `skipped: <test>:
 /// <reason>`, on the process's stderr itself: libtest captures `eprintln!` of a passing test and
@@ -726,6 +726,41 @@ impl ServeProcess {
         envs: &[(&str, String)],
         args: &[&str],
     ) -> Self {
+        Self::launch(Self::command(bin, cwd, stderr, envs, args)).await
+    }
+
+    /// [`ServeProcess::start`] with the process's open-file limit (soft and hard) at
+    /// `open_files`, as `ulimit -n` would set it.
+    pub async fn start_with_open_files(
+        bin: &str,
+        envs: &[(&str, String)],
+        args: &[&str],
+        open_files: u64,
+    ) -> Self {
+        let mut command = Self::command(bin, None, Stdio::inherit(), envs, args);
+        // SAFETY: between fork and exec the closure only calls setrlimit, which is
+        // async-signal-safe, and allocates nothing.
+        unsafe {
+            command.pre_exec(move || {
+                nix::sys::resource::setrlimit(
+                    nix::sys::resource::Resource::RLIMIT_NOFILE,
+                    open_files,
+                    open_files,
+                )
+                .map_err(std::io::Error::from)
+            });
+        }
+        Self::launch(command).await
+    }
+
+    /// The command [`ServeProcess::start_in`] runs.
+    fn command(
+        bin: &str,
+        cwd: Option<&Path>,
+        stderr: Stdio,
+        envs: &[(&str, String)],
+        args: &[&str],
+    ) -> Command {
         let mut command = Command::new(bin);
         command.arg("serve");
         if !args.contains(&"--listen") {
@@ -749,6 +784,11 @@ impl ServeProcess {
         for (name, value) in envs {
             command.env(name, value);
         }
+        command
+    }
+
+    /// Starts `command` and reads its stdout up to the line that says where it listens.
+    async fn launch(mut command: Command) -> Self {
         let mut child = command.spawn().expect("spawn credpool serve");
         let mut stdout = BufReader::new(child.stdout.take().unwrap());
         let mut banner = Vec::new();

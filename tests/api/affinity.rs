@@ -701,7 +701,7 @@ async fn a_conversation_key_is_bound_per_tenant() {
         .client
         .put(app.url("/api/admin/tenants/other-team"))
         .header("x-admin-key", ADMIN_KEY)
-        .json(&json!({}))
+        .json(&json!({"pools": ["*/*"]}))
         .send()
         .await
         .unwrap();

@@ -324,7 +324,7 @@ async fn windowed_tenant(app: &TestApp, id: &str, rate_limits: Value) -> String 
         .client
         .put(app.url(&format!("/api/admin/tenants/{id}")))
         .header("x-admin-key", ADMIN_KEY)
-        .json(&json!({ "rate_limits": rate_limits }))
+        .json(&json!({ "rate_limits": rate_limits, "pools": ["*/*"] }))
         .send()
         .await
         .unwrap();

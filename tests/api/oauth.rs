@@ -31,6 +31,8 @@ enum Mode {
     Unavailable,
     /// 400 `{"error": "invalid_grant"}`.
     InvalidGrant,
+    /// A token with an `expires_in` no timestamp can hold (10^15 s).
+    Unrepresentable,
 }
 
 /// The mock answers at once.
@@ -83,6 +85,11 @@ async fn token(
                 axum::Json(json!({"error": "invalid_grant", "error_description": "expired"})),
             )
                 .into_response();
+        }
+        Mode::Unrepresentable => {
+            return axum::Json(json!({"access_token": "at-forever", "token_type": "Bearer",
+                                     "expires_in": 1_000_000_000_000_000_u64}))
+            .into_response();
         }
         Mode::Ok { delay } => tokio::time::sleep(delay).await,
     }
@@ -140,6 +147,7 @@ fn fast() -> OAuthSettings {
         claim_for: Duration::from_secs(10),
         backoff_first: Duration::from_millis(100),
         backoff_max: Duration::from_millis(400),
+        ..OAuthSettings::default()
     }
 }
 
@@ -1198,4 +1206,52 @@ async fn an_auth_expired_report_locks_nothing_of_a_credential_that_is_not_its_le
         admin_get(&app, "/api/admin/keys/k").await["oauth"]["generation"],
         1
     );
+}
+
+#[tokio::test]
+async fn an_expires_in_no_timestamp_can_hold_is_that_credentials_error_and_other_tokens_still_refresh()
+ {
+    // `"expires_in": 10^15` panicked the refresher (a timestamp out of range): no token of any
+    // credential was refreshed again in that process, and /readyz still said ready.
+    let app = app().await;
+    let (bad, bad_url) = mock_endpoint(Mode::Unrepresentable, 3600).await;
+    let (good, good_url) = mock_endpoint(ANSWERS, 3600).await;
+    let put = |key_id: &'static str, url: String| {
+        app.put_key_raw(
+            key_id,
+            json!({
+                "provider": "openai", "models": ["gpt-4o"], "max_concurrent_uses": 4,
+                "secret": {"access_token": "at-0", "refresh_token": "rtok-0",
+                           "expires_at": rfc3339(OffsetDateTime::now_utc() + time::Duration::seconds(120))},
+                "oauth": {"token_url": url, "client_id": "client-1", "refresh_before_seconds": 110},
+            }),
+        )
+    };
+    // the bad answer first: due at once
+    assert_eq!(put("bad", bad_url).await.status(), StatusCode::CREATED);
+    until("the bad endpoint's answer", || async { bad.calls() >= 1 }).await;
+    // then a credential whose endpoint answers well: refreshed all the same
+    assert_eq!(put("good", good_url).await.status(), StatusCode::CREATED);
+    until("the good credential's refresh", || async {
+        admin_get(&app, "/api/admin/keys/good").await["oauth"]["generation"] == 2
+    })
+    .await;
+    assert_eq!(good.calls(), 1);
+    // the bad answer is the bad credential's error, retried with backoff, its token serving on
+    until("a retry of the bad endpoint", || async { bad.calls() >= 2 }).await;
+    let detail = admin_get(&app, "/api/admin/keys/bad").await;
+    assert_eq!(detail["status"], "available", "{detail}");
+    assert_eq!(detail["oauth"]["generation"], 1, "{detail}");
+    let error = detail["oauth"]["last_error"].as_str().unwrap_or_default();
+    assert!(error.contains("expires_in"), "{detail}");
+    let failed: i64 = sqlx::query_scalar(
+        "SELECT count(*) FROM credential_events WHERE key_id = 'bad' AND event = 'token_refresh_failed'",
+    )
+    .fetch_one(&app.db)
+    .await
+    .unwrap();
+    assert!(failed >= 1);
+    // the process is ready, and no background task was restarted
+    let ready = app.client.get(app.url("/readyz")).send().await.unwrap();
+    assert_eq!(ready.status(), StatusCode::OK);
 }

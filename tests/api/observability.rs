@@ -340,3 +340,170 @@ fn the_metrics_list_the_dashboard_and_the_alerts_name_only_exported_metrics() {
         .collect();
     assert!(unknown.is_empty(), "docs/alerts.yml names {unknown:?}");
 }
+
+#[tokio::test]
+async fn refused_allocations_of_pools_that_do_not_exist_add_no_series() {
+    // 300 allocates with random provider and pool names used to add 300 series to
+    // credpool_allocations_total (the refused request's names became labels). The metrics are the
+    // process's, shared with the tests running beside this one: the check is on this test's own
+    // random names, which no other test uses.
+    let app = TestApp::spawn().await;
+    app.put_key("k", "openai", "default", &["gpt-4o"], 1).await;
+    let names: Vec<(String, String)> = (0..300)
+        .map(|_| {
+            let id = hex::encode(rand::random::<[u8; 6]>());
+            (format!("p{id}"), format!("q{id}"))
+        })
+        .collect();
+    for (provider, pool) in &names {
+        let response = app
+            .allocate(json!({"provider": provider, "model": "gpt-4o", "pool": pool}))
+            .await;
+        assert_error(response, reqwest::StatusCode::NOT_FOUND, "pool_not_found").await;
+    }
+    let page = app.metrics().await;
+    let named: Vec<&str> = page
+        .lines()
+        .filter(|l| !l.starts_with('#'))
+        .filter(|l| {
+            names
+                .iter()
+                .any(|(provider, pool)| l.contains(provider.as_str()) || l.contains(pool.as_str()))
+        })
+        .collect();
+    assert!(
+        named.is_empty(),
+        "{} series name a pool that does not exist, e.g. {:?}",
+        named.len(),
+        named.first()
+    );
+    // they are counted, under empty provider and pool
+    let refused = samples(&page)
+        .into_iter()
+        .filter(|((name, labels), _)| {
+            name == telemetry::ALLOCATIONS
+                && labels.get("result").map(String::as_str) == Some("pool_not_found")
+                && labels.get("provider").map(String::as_str) == Some("")
+        })
+        .map(|(_, value)| value)
+        .sum::<f64>();
+    assert!(refused >= 300.0, "{refused}");
+    // a pool that exists keeps its labels
+    let leased = app
+        .allocate(json!({"provider": "openai", "model": "gpt-4o"}))
+        .await;
+    json_body(leased, reqwest::StatusCode::OK).await;
+    let full = app
+        .allocate(json!({"provider": "openai", "model": "gpt-4o"}))
+        .await;
+    assert_error(
+        full,
+        reqwest::StatusCode::TOO_MANY_REQUESTS,
+        "pool_exhausted",
+    )
+    .await;
+    let page = app.metrics().await;
+    assert!(
+        page.lines()
+            .any(|l| l.starts_with("credpool_allocations_total{")
+                && l.contains("provider=\"openai\"")
+                && l.contains("pool=\"default\"")
+                && l.contains("result=\"pool_exhausted\"")
+                && !l.ends_with(" 0")),
+        "no pool_exhausted series for openai/default"
+    );
+}
+
+#[tokio::test]
+async fn a_background_task_that_panics_is_restarted_and_shows_in_readyz_and_metrics() {
+    // Before, a background task that panicked (the OAuth refresher, on a token answer it could
+    // not represent) was gone for the life of the process, and /readyz said ready.
+    let database = TestDatabase::create().await;
+    let pool = database.pool(8).await;
+    let keys = credpool::http::ApiKeys::new(INTERNAL_KEY.into(), ADMIN_KEY.into()).unwrap();
+    let app = credpool::startup::Application::bind(
+        "127.0.0.1:0",
+        pool,
+        keys,
+        keyring(),
+        &credpool::config::ServiceSettings::default(),
+    )
+    .await
+    .unwrap();
+    let base = format!("http://{}", app.local_addr().unwrap());
+    // its first run panics; the run made after it works on (here: forever)
+    let runs = std::sync::Arc::new(std::sync::atomic::AtomicUsize::new(0));
+    let counted = runs.clone();
+    app.supervisor().spawn("test_injected_panic", move || {
+        let run = counted.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+        async move {
+            if run == 0 {
+                panic!("injected by the test");
+            }
+            std::future::pending::<()>().await
+        }
+    });
+    let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+    tokio::spawn(app.run_until(async {
+        let _ = stopped.await;
+    }));
+    let client = client();
+    let get = |path: &'static str| {
+        let (client, base) = (client.clone(), base.clone());
+        async move { client.get(format!("{base}{path}")).send().await.unwrap() }
+    };
+    let series = |page: &str, name: &str| {
+        samples(page)
+            .into_iter()
+            .find(|((n, labels), _)| {
+                n == name && labels.get("task").map(String::as_str) == Some("test_injected_panic")
+            })
+            .map(|(_, value)| value)
+    };
+    // down: not ready (within a moment of the panic), and the metrics say which task and that
+    // it was restarted
+    let mut not_ready = get("/readyz").await;
+    for _ in 0..50 {
+        if not_ready.status() != reqwest::StatusCode::OK {
+            break;
+        }
+        tokio::time::sleep(std::time::Duration::from_millis(20)).await;
+        not_ready = get("/readyz").await;
+    }
+    let body = assert_error(
+        not_ready,
+        reqwest::StatusCode::SERVICE_UNAVAILABLE,
+        "not_ready",
+    )
+    .await;
+    assert!(
+        body["error"]["message"]
+            .as_str()
+            .unwrap()
+            .contains("test_injected_panic"),
+        "{body}"
+    );
+    let page = get("/metrics").await.text().await.unwrap();
+    assert_eq!(
+        series(&page, telemetry::BACKGROUND_TASK_RESTARTS),
+        Some(1.0)
+    );
+    assert_eq!(series(&page, telemetry::BACKGROUND_TASKS_DOWN), Some(1.0));
+    // made again after its delay: ready, and the gauge back at 0
+    let mut ready = false;
+    for _ in 0..100 {
+        if get("/readyz").await.status() == reqwest::StatusCode::OK {
+            ready = true;
+            break;
+        }
+        tokio::time::sleep(std::time::Duration::from_millis(100)).await;
+    }
+    assert!(
+        ready,
+        "not ready 10 s after the task was due to be made again"
+    );
+    assert_eq!(runs.load(std::sync::atomic::Ordering::SeqCst), 2);
+    let page = get("/metrics").await.text().await.unwrap();
+    assert_eq!(series(&page, telemetry::BACKGROUND_TASKS_DOWN), Some(0.0));
+    let _ = stop.send(());
+}

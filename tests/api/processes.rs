@@ -211,6 +211,37 @@ async fn serve_with_database_url_and_no_keys_refuses_to_start() {
 }
 
 #[tokio::test]
+async fn serve_refuses_a_key_shorter_than_16_characters_without_quoting_it() {
+    // Configured keys had no minimum length: `CREDPOOL_ADMIN_KEY=admin` started a service
+    // whose operator routes a guess would open.
+    let database = TestDatabase::create().await;
+    for (internal, admin) in [
+        (INTERNAL_KEY, "short-admin-key"),
+        ("short-exec-key", ADMIN_KEY),
+    ] {
+        let output = tokio::time::timeout(
+            Duration::from_secs(60),
+            Command::new(BIN)
+                .args(["serve", "--listen", "127.0.0.1:0"])
+                .env("DATABASE_URL", database.url())
+                .env("CREDPOOL_INTERNAL_KEY", internal)
+                .env("CREDPOOL_ADMIN_KEY", admin)
+                .env("CREDPOOL_MASTER_KEY", MASTER_KEY)
+                .env("CREDPOOL_SHUTDOWN_DELAY_SECONDS", "0")
+                .kill_on_drop(true)
+                .output(),
+        )
+        .await
+        .expect("credpool serve started with a 15-character key");
+        let output = output.unwrap();
+        assert!(!output.status.success());
+        let stderr = String::from_utf8_lossy(&output.stderr);
+        assert!(stderr.contains("at least 16 characters"), "{stderr}");
+        assert!(!stderr.contains("short-"), "the key is quoted: {stderr}");
+    }
+}
+
+#[tokio::test]
 async fn env_without_generated_keys_says_where_they_would_be() {
     let dir = tempfile::tempdir().unwrap();
     let output = Command::new(BIN)
@@ -640,7 +671,7 @@ async fn no_secret_reaches_a_log_line_a_metric_or_a_database_row_even_at_trace_l
     let tenant = admin(
         reqwest::Method::PUT,
         "/api/admin/tenants/leaky",
-        Some(json!({"max_concurrent_leases": 2})),
+        Some(json!({"max_concurrent_leases": 2, "pools": ["*/*"]})),
     )
     .await
     .unwrap();
@@ -1198,7 +1229,7 @@ async fn serve_refuses_a_secret_file_others_can_read_and_a_secret_given_both_way
         assert!(!output.status.success(), "credpool serve started");
         String::from_utf8_lossy(&output.stderr).into_owned()
     };
-    let owner_only = secret_file(files.path(), "admin", "admin-key-value\n", 0o600);
+    let owner_only = secret_file(files.path(), "admin", "admin-key-value-0\n", 0o600);
     let url = secret_file(
         files.path(),
         "url",
@@ -1225,16 +1256,16 @@ async fn serve_refuses_a_secret_file_others_can_read_and_a_secret_given_both_way
             "{stderr}"
         );
         assert!(stderr.contains("chmod 600"), "{stderr}");
-        for secret in ["readable-secret-value", "admin-key-value", "url-password"] {
+        for secret in ["readable-secret-value", "admin-key-value-0", "url-password"] {
             assert!(!stderr.contains(secret), "{secret} in the error: {stderr}");
         }
     }
     // a value and a file for the same secret: refused, whichever way each is given
     let stderr = run(vec![
-        ("CREDPOOL_ADMIN_KEY", "admin-key-value".to_owned()),
+        ("CREDPOOL_ADMIN_KEY", "admin-key-value-0".to_owned()),
         ("CREDPOOL_ADMIN_KEY_FILE", owner_only.clone()),
     ])
     .await;
     assert!(stderr.contains("--admin-key"), "{stderr}");
-    assert!(!stderr.contains("admin-key-value"), "{stderr}");
+    assert!(!stderr.contains("admin-key-value-0"), "{stderr}");
 }

@@ -397,7 +397,7 @@ async fn a_window_set_while_a_claim_of_the_tenant_is_in_flight_counts_that_claim
     // the trail without the claim's grant, which committed after it: the next allocate found
     // the window of one request empty and a second request was granted into it.
     let (key_id, put, after) = change_while_a_claim_is_in_flight(
-        json!({"rate_limits": [{"requests": 1, "seconds": 600}]}),
+        json!({"rate_limits": [{"requests": 1, "seconds": 600}], "pools": ["*/*"]}),
     )
     .await;
     assert_eq!(
@@ -419,7 +419,8 @@ async fn a_cap_set_while_a_claim_of_the_tenant_is_in_flight_counts_that_claim() 
     // the claim's lease lived outside them and the next allocate took the one free row: two
     // leases for a tenant capped at one.
     let (key_id, put, after) =
-        change_while_a_claim_is_in_flight(json!({"max_concurrent_leases": 1})).await;
+        change_while_a_claim_is_in_flight(json!({"max_concurrent_leases": 1, "pools": ["*/*"]}))
+            .await;
     assert_eq!(
         key_id.as_deref(),
         Some("ka"),

@@ -31,13 +31,17 @@ pub(crate) async fn admin(
     request.send().await.expect("admin request")
 }
 
-/// Creates or updates tenant `id` with `body`; panics unless it answers 200 or 201.
+/// Creates or updates tenant `id` with `body`, scoped to every pool (`"pools": ["*/*"]`) unless
+/// `body` names its `pools`; panics unless it answers 200 or 201.
 pub(crate) async fn put_tenant(
     client: &reqwest::Client,
     base: &str,
     id: &str,
-    body: Value,
+    mut body: Value,
 ) -> Value {
+    if let Some(fields) = body.as_object_mut() {
+        fields.entry("pools").or_insert(json!(["*/*"]));
+    }
     let response = admin(
         client,
         base,
@@ -609,36 +613,33 @@ async fn a_key_of_another_tenant_neither_renews_nor_releases_a_lease() {
 
 #[tokio::test]
 async fn a_store_failure_reading_the_key_is_a_503_counted_as_store_unavailable() {
-    // An allocate the pool cannot serve is answered without a claim, so its key is read then;
-    // when that read fails, the answer is 503 `store_unavailable`, and the allocations counter
-    // must say so too. Before, it counted the 503 under `unauthorized`.
+    // A tenant key is read before anything else of the request (its body included); when that
+    // read fails, the answer is 503 `store_unavailable`, never 401, and the allocations counter
+    // says so too (under empty provider and pool: the body was never read). Before, it counted
+    // the 503 under `unauthorized`. (The counter is the process's, shared with the tests running
+    // beside this one: the check is that it grew.)
     let app = TestApp::spawn().await;
     let base = app.url("");
-    let provider = format!("keyread{}", hex::encode(rand::random::<[u8; 3]>()));
-    app.put_key("k", &provider, "default", &["gpt-4o"], 1).await;
+    app.put_key("k", "openai", "default", &["gpt-4o"], 1).await;
     put_tenant(&app.client, &base, "team", json!({})).await;
     let (_, key) = mint(&app.client, &base, "team").await;
+    let before = allocations(&app.metrics().await, "", "store_unavailable");
     // the key's table is gone for this database: reading any key fails
     sqlx::query("ALTER TABLE tenant_keys RENAME TO tenant_keys_away")
         .execute(&app.db)
         .await
         .unwrap();
-    let body = json!({"provider": provider, "model": "gpt-4o", "pool": "nowhere",
-                      "lease_seconds": 60});
+    let body = json!({"provider": "openai", "model": "gpt-4o", "lease_seconds": 60});
     assert_error(
         executor(&app.client, &base, "/api/internal/allocate-key", &key, body).await,
         StatusCode::SERVICE_UNAVAILABLE,
         "store_unavailable",
     )
     .await;
-    let page = app.metrics().await;
-    assert_eq!(
-        (
-            allocations(&page, &provider, "store_unavailable"),
-            allocations(&page, &provider, "unauthorized")
-        ),
-        (1.0, 0.0),
-        "the 503 counted as (store_unavailable, unauthorized)"
+    let after = allocations(&app.metrics().await, "", "store_unavailable");
+    assert!(
+        after > before,
+        "the 503 was not counted as store_unavailable"
     );
 }
 
@@ -1423,6 +1424,435 @@ async fn a_waiter_whose_process_is_gone_holds_no_slot_back() {
     let lease = json_body(allocate_waiting().await, StatusCode::OK).await;
     assert_eq!(lease["key_id"], "k1");
     assert_eq!(lease["tenant"], "default");
+}
+
+/// `base` + `/api/admin/keys/{key_id}`'s credential, as an operator reads it.
+async fn credential(client: &reqwest::Client, base: &str, key_id: &str) -> Value {
+    json_body(
+        admin(
+            client,
+            base,
+            reqwest::Method::GET,
+            &format!("/api/admin/keys/{key_id}"),
+            None,
+        )
+        .await,
+        StatusCode::OK,
+    )
+    .await
+}
+
+/// Asserts 403 `pool_not_allowed` for an allocate of `provider`/`pool` with `key`, with the
+/// message that names only what the request named.
+async fn assert_not_allowed(app: &TestApp, key: &str, provider: &str, pool: &str) {
+    let response = executor(
+        &app.client,
+        &app.url(""),
+        "/api/internal/allocate-key",
+        key,
+        json!({"provider": provider, "model": "gpt-4o", "pool": pool}),
+    )
+    .await;
+    let body = assert_error(response, StatusCode::FORBIDDEN, "pool_not_allowed").await;
+    assert_eq!(
+        body["error"]["message"],
+        format!("this key may not lease from provider {provider} pool {pool}"),
+        "{body}"
+    );
+}
+
+#[tokio::test]
+async fn a_tenant_key_outside_its_pools_gets_the_same_403_whether_the_pool_exists_or_not() {
+    let app = TestApp::spawn().await;
+    let base = app.url("");
+    app.put_key("openai-default", "openai", "default", &["gpt-4o"], 4)
+        .await;
+    app.put_key("openai-vip", "openai", "vip", &["gpt-4o"], 4)
+        .await;
+    app.put_key("anthropic-default", "anthropic", "default", &["gpt-4o"], 4)
+        .await;
+    let team = put_tenant(
+        &app.client,
+        &base,
+        "team",
+        json!({"pools": ["openai/default"]}),
+    )
+    .await;
+    assert_eq!(team["pools"], json!(["openai/default"]));
+    assert_eq!(team["reports_may_disable"], false);
+    let (_, key) = mint(&app.client, &base, "team").await;
+
+    let lease = json_body(
+        allocate(&app.client, &base, &key, "default").await,
+        StatusCode::OK,
+    )
+    .await;
+    assert_eq!(lease["key_id"], "openai-default");
+    // a pool that exists and one that does not, another provider that exists and one that does
+    // not: one answer, which names only what the request named
+    assert_not_allowed(&app, &key, "openai", "vip").await;
+    assert_not_allowed(&app, &key, "openai", "nothing-here").await;
+    assert_not_allowed(&app, &key, "anthropic", "default").await;
+    assert_not_allowed(&app, &key, "nobody", "default").await;
+    // the internal key keeps its meaning: every provider and pool
+    let vip = json_body(
+        app.allocate(json!({"provider": "openai", "model": "gpt-4o", "pool": "vip"}))
+            .await,
+        StatusCode::OK,
+    )
+    .await;
+    assert_eq!(vip["key_id"], "openai-vip");
+
+    // a pattern: every pool of one provider
+    put_tenant(
+        &app.client,
+        &base,
+        "team",
+        json!({"pools": ["anthropic/*"]}),
+    )
+    .await;
+    assert_not_allowed(&app, &key, "openai", "default").await;
+    let other = json_body(
+        executor(
+            &app.client,
+            &base,
+            "/api/internal/allocate-key",
+            &key,
+            json!({"provider": "anthropic", "model": "gpt-4o"}),
+        )
+        .await,
+        StatusCode::OK,
+    )
+    .await;
+    assert_eq!(other["key_id"], "anthropic-default");
+}
+
+#[tokio::test]
+async fn a_new_tenant_leases_nowhere_until_an_operator_names_its_pools() {
+    let app = TestApp::spawn().await;
+    let base = app.url("");
+    app.put_key("k", "openai", "default", &["gpt-4o"], 4).await;
+    // created without pools (the raw PUT, not the helper, which names every pool)
+    let created = json_body(
+        admin(
+            &app.client,
+            &base,
+            reqwest::Method::PUT,
+            "/api/admin/tenants/newcomer",
+            Some(json!({"max_concurrent_leases": 2})),
+        )
+        .await,
+        StatusCode::CREATED,
+    )
+    .await;
+    assert_eq!(created["pools"], json!([]));
+    let (_, key) = mint(&app.client, &base, "newcomer").await;
+    assert_not_allowed(&app, &key, "openai", "default").await;
+    let before = app.snapshot().await;
+    assert_not_allowed(&app, &key, "openai", "vip").await;
+    assert_eq!(app.snapshot().await, before, "a refusal changed something");
+    // the default tenant is the internal key's: it cannot be scoped (mint tenant keys instead)
+    for body in [
+        json!({"pools": ["openai/default"]}),
+        json!({"reports_may_disable": false}),
+    ] {
+        let response = admin(
+            &app.client,
+            &base,
+            reqwest::Method::PUT,
+            "/api/admin/tenants/default",
+            Some(body),
+        )
+        .await;
+        assert_error(response, StatusCode::BAD_REQUEST, "invalid_request").await;
+    }
+    let default = tenant_line(&app.client, &base, "default").await;
+    assert_eq!(default["pools"], json!(["*/*"]), "{default}");
+    assert_eq!(default["reports_may_disable"], true, "{default}");
+    // named: it leases
+    put_tenant(
+        &app.client,
+        &base,
+        "newcomer",
+        json!({"pools": ["openai/default"]}),
+    )
+    .await;
+    json_body(
+        allocate(&app.client, &base, &key, "default").await,
+        StatusCode::OK,
+    )
+    .await;
+    let trail: Vec<Option<Vec<String>>> = sqlx::query_scalar(
+        "SELECT pools FROM tenant_events WHERE tenant_id = 'newcomer' AND event IN ('created', 'updated') ORDER BY event_id",
+    )
+    .fetch_all(&app.db)
+    .await
+    .unwrap();
+    assert_eq!(
+        trail,
+        [Some(vec![]), Some(vec!["openai/default".to_owned()])]
+    );
+}
+
+#[tokio::test]
+async fn vip_falls_back_to_default_only_where_the_tenant_may_lease_from_default() {
+    let app = TestApp::spawn().await;
+    let base = app.url("");
+    app.put_key("open", "openai", "default", &["gpt-4o"], 4)
+        .await;
+    app.put_key("held", "openai", "vip", &["gpt-4o"], 1).await;
+    put_tenant(
+        &app.client,
+        &base,
+        "vip-only",
+        json!({"pools": ["openai/vip"]}),
+    )
+    .await;
+    let (_, key) = mint(&app.client, &base, "vip-only").await;
+    let first = json_body(
+        allocate(&app.client, &base, &key, "vip").await,
+        StatusCode::OK,
+    )
+    .await;
+    assert_eq!(first["key_id"], "held");
+    // vip is full: the fallback to default is outside the tenant's pools
+    let full = allocate(&app.client, &base, &key, "vip").await;
+    assert_error(full, StatusCode::TOO_MANY_REQUESTS, "pool_exhausted").await;
+    // the internal key falls back as always
+    let fallback = json_body(
+        app.allocate(json!({"provider": "openai", "model": "gpt-4o", "pool": "vip"}))
+            .await,
+        StatusCode::OK,
+    )
+    .await;
+    assert_eq!(
+        (&fallback["key_id"], &fallback["pool"]),
+        (&json!("open"), &json!("default"))
+    );
+}
+
+/// Seconds until `key_id`'s cooldown ends (database clock).
+async fn rest_seconds(db: &sqlx::PgPool, key_id: &str) -> f64 {
+    sqlx::query_scalar(
+        "SELECT extract(epoch FROM cooldown_until - now())::float8 FROM credentials WHERE key_id = $1",
+    )
+    .bind(key_id)
+    .fetch_one(db)
+    .await
+    .unwrap()
+}
+
+#[tokio::test]
+async fn a_tenants_report_rests_a_credential_at_most_the_bound_and_cannot_disable_it() {
+    // One tenant's executor reported a 31-day quota rest and an auth_error: every other tenant
+    // got 429 for a month. Now a report rests a credential for at most --max-report-rest-seconds
+    // (an hour by default; the clamp is in the trail), a tenant's auth_error rests it for the
+    // backoff instead of disabling it, and the trail names the tenant.
+    let app = TestApp::spawn().await;
+    let base = app.url("");
+    app.put_key("k1", "openai", "default", &["gpt-4o"], 1).await;
+    app.put_key("k2", "openai", "default", &["gpt-4o"], 1).await;
+    put_tenant(&app.client, &base, "team", json!({})).await;
+    let (_, key) = mint(&app.client, &base, "team").await;
+    let release = |lease: &Value, outcome: &str, retry_after: Option<u32>| {
+        let mut body = lease_ref(lease);
+        body["outcome"] = json!(outcome);
+        if let Some(seconds) = retry_after {
+            body["retry_after_seconds"] = json!(seconds);
+        }
+        executor(&app.client, &base, "/api/internal/release-key", &key, body)
+    };
+
+    let first = json_body(
+        allocate(&app.client, &base, &key, "default").await,
+        StatusCode::OK,
+    )
+    .await;
+    let rested = first["key_id"].as_str().unwrap().to_owned();
+    json_body(
+        release(&first, "quota_exhausted", Some(2_678_400)).await,
+        StatusCode::OK,
+    )
+    .await;
+    let detail = credential(&app.client, &base, &rested).await;
+    assert_eq!(detail["status"], "exhausted", "{detail}");
+    let left = rest_seconds(&app.db, &rested).await;
+    assert!(
+        (3500.0..=3600.0).contains(&left),
+        "rested for {left} s, not at most the hour's bound"
+    );
+
+    let second = json_body(
+        allocate(&app.client, &base, &key, "default").await,
+        StatusCode::OK,
+    )
+    .await;
+    let reported = second["key_id"].as_str().unwrap().to_owned();
+    assert_ne!(reported, rested);
+    json_body(release(&second, "auth_error", None).await, StatusCode::OK).await;
+    let detail = credential(&app.client, &base, &reported).await;
+    assert_eq!(detail["status"], "cooldown", "{detail}");
+    let left = rest_seconds(&app.db, &reported).await;
+    assert!((0.0..=60.0).contains(&left), "rested for {left} s");
+
+    // the trail: which tenant's report changed each credential, and the clamp
+    let events: Vec<(String, String, Option<String>, Option<Value>)> = sqlx::query_as(
+        "SELECT key_id, reason, actor, details FROM credential_events
+         WHERE event = 'status_changed' ORDER BY event_id",
+    )
+    .fetch_all(&app.db)
+    .await
+    .unwrap();
+    assert_eq!(events.len(), 2, "{events:?}");
+    let (key_id, reason, actor, details) = &events[0];
+    assert_eq!(key_id, &rested);
+    assert!(reason.contains("clamped"), "{reason}");
+    assert_eq!(actor.as_deref(), Some("tenant:team"));
+    let details = details.as_ref().unwrap();
+    assert_eq!(details["tenant"], "team", "{details}");
+    assert_eq!(details["retry_after_seconds"], 2_678_400, "{details}");
+    assert_eq!(details["clamped_from_seconds"], 2_678_400, "{details}");
+    let (key_id, _, actor, details) = &events[1];
+    assert_eq!(key_id, &reported);
+    assert_eq!(actor.as_deref(), Some("tenant:team"));
+    assert_eq!(details.as_ref().unwrap()["outcome"], "auth_error");
+
+    // an operator who trusts the tenant's reports says so: then its auth_error disables
+    put_tenant(
+        &app.client,
+        &base,
+        "trusted",
+        json!({"reports_may_disable": true}),
+    )
+    .await;
+    let (_, trusted) = mint(&app.client, &base, "trusted").await;
+    app.set_status(&reported, "available", None).await;
+    let lease = json_body(
+        allocate(&app.client, &base, &trusted, "default").await,
+        StatusCode::OK,
+    )
+    .await;
+    let mut body = lease_ref(&lease);
+    body["outcome"] = json!("auth_error");
+    json_body(
+        executor(
+            &app.client,
+            &base,
+            "/api/internal/release-key",
+            &trusted,
+            body,
+        )
+        .await,
+        StatusCode::OK,
+    )
+    .await;
+    let detail = credential(&app.client, &base, lease["key_id"].as_str().unwrap()).await;
+    assert_eq!(detail["status"], "disabled", "{detail}");
+}
+
+#[tokio::test]
+async fn an_unauthenticated_request_is_refused_before_its_body_is_read_or_a_claim_runs() {
+    // A key shaped like a tenant's passed a first check, the body was parsed (400 with the
+    // fields' names) and the claim ran in PostgreSQL before the 401. Now the key's look-up is the
+    // only statement: with every table a claim reads locked, the answer is still 401 at once.
+    let app = TestApp::spawn().await;
+    app.put_key("k", "openai", "default", &["gpt-4o"], 4).await;
+    let unknown = format!("cpk_{}", "0".repeat(64));
+    let base = app.url("");
+    for path in [
+        "/api/internal/allocate-key",
+        "/api/internal/renew-lease",
+        "/api/internal/release-key",
+    ] {
+        for key in [unknown.as_str(), "not-a-key-at-all"] {
+            let response = app
+                .client
+                .post(format!("{base}{path}"))
+                .header("x-internal-key", key)
+                .header("content-type", "application/json")
+                .body("{\"provider\": 42, garbage")
+                .send()
+                .await
+                .unwrap();
+            assert_error(response, StatusCode::UNAUTHORIZED, "unauthorized").await;
+        }
+    }
+    let mut lock = app.db.begin().await.unwrap();
+    sqlx::query(
+        "LOCK TABLE credentials, lease_slots, lease_requests, pool_versions IN ACCESS EXCLUSIVE MODE",
+    )
+    .execute(&mut *lock)
+    .await
+    .unwrap();
+    let response = tokio::time::timeout(
+        Duration::from_secs(30),
+        executor(
+            &app.client,
+            &base,
+            "/api/internal/allocate-key",
+            &unknown,
+            json!({"provider": "openai", "model": "gpt-4o"}),
+        ),
+    )
+    .await
+    .expect("no answer within 30 s");
+    lock.rollback().await.unwrap();
+    assert_error(response, StatusCode::UNAUTHORIZED, "unauthorized").await;
+}
+
+#[tokio::test]
+async fn an_upgrade_keeps_existing_tenants_leasing_everywhere_and_new_ones_start_with_none() {
+    // A database of the release before scopes, with a tenant and its key: after the upgrade the
+    // tenant still leases from every pool (nobody's traffic stops), its reports may not disable,
+    // and a tenant created afterwards leases nowhere until it is given pools.
+    let database = TestDatabase::create_empty().await;
+    let pool = database.pool(2).await;
+    credpool::store::schema::MIGRATOR
+        .run_to(20261203000016, &pool)
+        .await
+        .expect("the migrations before scopes");
+    let key = format!("cpk_{}", "ab".repeat(32));
+    let hash = credpool::domain::TenantKey::parse(&key).unwrap().hash();
+    sqlx::raw_sql(sqlx::AssertSqlSafe(format!(
+        "INSERT INTO tenants (tenant_id) VALUES ('old-team');
+         INSERT INTO tenant_keys (key_id, tenant_id, key_hash)
+         VALUES (gen_random_uuid(), 'old-team', '\\x{}'::bytea)",
+        hex::encode(hash.0)
+    )))
+    .execute(&pool)
+    .await
+    .unwrap();
+    credpool::store::migrate(&pool).await.expect("the upgrade");
+    pool.close().await;
+
+    let app = TestApp::spawn_on(database, AppOptions::default()).await;
+    let base = app.url("");
+    app.put_key("vip-key", "openai", "vip", &["gpt-4o"], 2)
+        .await;
+    let old = tenant_line(&app.client, &base, "old-team").await;
+    assert_eq!(old["pools"], json!(["*/*"]), "{old}");
+    assert_eq!(old["reports_may_disable"], false, "{old}");
+    let lease = json_body(
+        allocate(&app.client, &base, &key, "vip").await,
+        StatusCode::OK,
+    )
+    .await;
+    assert_eq!(lease["tenant"], "old-team");
+    let default = tenant_line(&app.client, &base, "default").await;
+    assert_eq!(default["reports_may_disable"], true, "{default}");
+    let created = json_body(
+        admin(
+            &app.client,
+            &base,
+            reqwest::Method::PUT,
+            "/api/admin/tenants/new-team",
+            Some(json!({})),
+        )
+        .await,
+        StatusCode::CREATED,
+    )
+    .await;
+    assert_eq!(created["pools"], json!([]));
 }
 
 /// The `pool_waiters` rows of tenant `tenant`, straight from the database.

@@ -683,6 +683,55 @@ fn table(lease: &Value) -> Vec<Row> {
         put_a().bytes(not_utf8(&put, "provider")),
     );
     t.bad("empty body", put_a().bytes(""));
+    // an OAuth credential: its client_id, scope and token_url are stored and sent to the token
+    // endpoint (a NUL was a 503 from PostgreSQL; control characters were stored)
+    let oauth_put = json!({"provider": "openai", "models": ["gpt-4o"], "max_concurrent_uses": 1,
+        "secret": {"access_token": "at", "refresh_token": "rt", "expires_at": "2030-01-01T00:00:00Z"},
+        "oauth": {"token_url": "http://127.0.0.1:9/token", "client_id": "client", "scope": "read"}});
+    let oauth = |field: &str, value: &str| {
+        let mut body = oauth_put.clone();
+        body["oauth"][field] = json!(value);
+        put_a().json(body)
+    };
+    t.bad(
+        "oauth.client_id with a NUL",
+        oauth("client_id", "cli\u{0}ent"),
+    );
+    t.bad(
+        "oauth.client_id with an escape sequence",
+        oauth("client_id", "\u{1b}[2Jclient"),
+    );
+    t.bad("oauth.scope with a NUL", oauth("scope", "read\u{0}"));
+    t.bad("oauth.scope with a newline", oauth("scope", "read\nwrite"));
+    t.bad(
+        "oauth.scope of 1025 characters",
+        oauth("scope", &long(1025)),
+    );
+    for (what, url) in [
+        ("with a NUL in its path", "http://127.0.0.1:9/tok\u{0}en"),
+        (
+            "https to the metadata address",
+            "https://169.254.169.254/latest/meta-data",
+        ),
+        ("https to a private address", "https://10.0.0.5/token"),
+        (
+            "https to an IPv6 link-local address",
+            "https://[fe80::1]/token",
+        ),
+        ("https to localhost", "https://localhost/token"),
+        (
+            "https to an IPv4-mapped loopback address",
+            "https://[::ffff:127.0.0.1]/token",
+        ),
+    ] {
+        let (status, code) = (StatusCode::BAD_REQUEST, "token_url_not_allowed");
+        t.row(
+            format!("oauth.token_url {what}"),
+            oauth("token_url", url).wire(),
+            status,
+            code,
+        );
+    }
     t.bad(
         "key_id in the path with SQL",
         admin(
@@ -1041,8 +1090,40 @@ fn table(lease: &Value) -> Vec<Row> {
             json!({"rate_limits": [{"requests": 1, "seconds": 0}]}),
         ),
         ("unknown field", json!({"priority": "high"})),
+        ("pools not an array", json!({"pools": "openai/*"})),
+        ("a pool without its provider", json!({"pools": ["default"]})),
+        ("a pool pattern * alone", json!({"pools": ["*"]})),
+        (
+            "a pool pattern inside a name",
+            json!({"pools": ["openai/v*"]}),
+        ),
+        ("a pool in upper case", json!({"pools": ["OpenAI/default"]})),
+        (
+            "a pool with a NUL",
+            json!({"pools": ["openai/default\u{0}"]}),
+        ),
+        ("65 pools", json!({"pools": vec!["*/*"; 65]})),
+        (
+            "reports_may_disable \"yes\"",
+            json!({"reports_may_disable": "yes"}),
+        ),
     ] {
         t.bad(what, admin(Method::PUT, team).json(body));
+    }
+    for (what, body) in [
+        (
+            "pools for the default tenant",
+            json!({"pools": ["openai/*"]}),
+        ),
+        (
+            "reports_may_disable for the default tenant",
+            json!({"reports_may_disable": false}),
+        ),
+    ] {
+        t.bad(
+            what,
+            admin(Method::PUT, "/api/admin/tenants/default").json(body),
+        );
     }
     for (what, path) in [
         ("tenant_id with a quote", "/api/admin/tenants/team'"),
@@ -1293,4 +1374,166 @@ async fn hostile_requests_to_every_route_get_their_4xx_code_and_change_nothing()
         "routes without hostile rows: {missing:?}"
     );
     assert!(rows.len() >= 30, "{} rows", rows.len());
+}
+
+/// How long a probe or an allocate may take to answer while the sockets are open: a readiness
+/// probe's own timeout is seconds (Kubernetes' default is 1 s); 5 s leaves room for a loaded
+/// machine. A bound on waiting, not a speed requirement.
+const PROBE_ANSWERS_WITHIN: Duration = Duration::from_secs(5);
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn silent_and_half_sent_sockets_do_not_starve_probes_or_allocations() {
+    // With the process's open-file limit at 128, 200 sockets that sent nothing or half a request
+    // head were never closed: accept failed with "too many open files" every second, and
+    // /livez, /readyz and allocate timed out for as long as the sockets stayed open.
+    let database = TestDatabase::create().await;
+    let env = keyed_env(&database);
+    let serve = ServeProcess::start_with_open_files(
+        crate::BIN,
+        &env,
+        &["--http-header-read-timeout-seconds", "3"],
+        128,
+    )
+    .await;
+    // a new connection per request, as a probe makes (a kept-alive one from before the sockets
+    // opened would not be a probe coming in)
+    let client = reqwest::Client::builder()
+        .timeout(PROBE_ANSWERS_WITHIN)
+        .pool_max_idle_per_host(0)
+        .build()
+        .unwrap();
+    let put = client
+        .put(format!("{}/api/admin/keys/k", serve.base))
+        .header("x-admin-key", ADMIN_KEY)
+        .json(
+            &json!({"provider": "openai", "models": ["gpt-4o"], "max_concurrent_uses": 4,
+                       "secret": {"api_key": SECRET}}),
+        )
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(put.status(), StatusCode::CREATED);
+
+    let addr = serve.base.strip_prefix("http://").unwrap().to_owned();
+    let mut sockets = Vec::new();
+    for i in 0..200 {
+        let mut socket = tokio::net::TcpStream::connect(&addr).await.unwrap();
+        if i % 2 == 1 {
+            socket
+                .write_all(
+                    b"POST /api/internal/allocate-key HTTP/1.1\r\nhost: credpool\r\ncontent-le",
+                )
+                .await
+                .unwrap();
+        }
+        sockets.push(socket);
+    }
+
+    for path in ["/livez", "/readyz"] {
+        let answer = client.get(format!("{}{path}", serve.base)).send().await;
+        let answer = answer.unwrap_or_else(|e| {
+            panic!(
+                "{path}: no answer within {PROBE_ANSWERS_WITHIN:?} beside 200 idle sockets: {e:?}"
+            )
+        });
+        assert_eq!(answer.status(), StatusCode::OK, "{path}");
+    }
+    let lease = client
+        .post(format!("{}/api/internal/allocate-key", serve.base))
+        .header("x-internal-key", INTERNAL_KEY)
+        .json(&json!({"provider": "openai", "model": "gpt-4o"}))
+        .send()
+        .await
+        .unwrap_or_else(|e| {
+            panic!(
+                "allocate: no answer within {PROBE_ANSWERS_WITHIN:?} beside 200 idle sockets: {e}"
+            )
+        });
+    assert_eq!(lease.status(), StatusCode::OK);
+
+    // every one of the sockets is closed by the service: at once to make room, or when its
+    // header read timeout (3 s here) runs out
+    for (i, socket) in sockets.iter_mut().enumerate() {
+        let mut byte = [0u8; 1];
+        let read = tokio::time::timeout(Duration::from_secs(30), socket.read(&mut byte))
+            .await
+            .unwrap_or_else(|_| panic!("socket {i} still open 30 s later"));
+        assert!(
+            matches!(read, Ok(0) | Err(_)),
+            "socket {i}: the service sent {read:?}"
+        );
+    }
+    let page = client
+        .get(format!("{}/metrics", serve.base))
+        .send()
+        .await
+        .unwrap()
+        .text()
+        .await
+        .unwrap();
+    let dropped = |reason: &str| {
+        page.lines()
+            .find_map(|l| {
+                l.strip_prefix(&format!(
+                    "credpool_http_connections_dropped_total{{reason=\"{reason}\"}} "
+                ))
+            })
+            .map_or(0.0, |v| v.parse::<f64>().unwrap())
+    };
+    assert!(
+        dropped("evicted") + dropped("header_timeout") >= 200.0,
+        "{}",
+        page.lines()
+            .filter(|l| l.contains("connections_dropped"))
+            .collect::<Vec<_>>()
+            .join("\n")
+    );
+}
+
+#[tokio::test]
+async fn a_client_request_id_is_kept_only_when_short_and_plain() {
+    // Any X-Request-Id was echoed and written into every log line of its request: 60 KB of it,
+    // or a value crafted to forge log text. Now only 1..=128 of `A-Z a-z 0-9 . _ : - + / =` is
+    // kept; anything else is replaced by a generated id.
+    let app = TestApp::spawn().await;
+    let echoed = |sent: Vec<u8>| {
+        let request = app
+            .client
+            .get(app.url("/livez"))
+            .header(
+                "x-request-id",
+                reqwest::header::HeaderValue::from_bytes(&sent).unwrap(),
+            )
+            .send();
+        async move {
+            let response = request.await.unwrap();
+            assert_eq!(response.status(), StatusCode::OK);
+            let ids: Vec<_> = response.headers().get_all("x-request-id").iter().collect();
+            assert_eq!(ids.len(), 1, "{ids:?}");
+            ids[0].as_bytes().to_vec()
+        }
+    };
+    for kept in [
+        "0af7651916cd43dd8448eb211c80319c",
+        "7f9c0c1e-52b4-4a55-9d7e-55c4b1c2e0f1",
+        "Root=1-5759e988:bd862e3fe1be46a994272793",
+        &"a".repeat(128),
+    ] {
+        assert_eq!(echoed(kept.as_bytes().to_vec()).await, kept.as_bytes());
+    }
+    for replaced in [
+        "a".repeat(60 * 1024),
+        "a".repeat(129),
+        "abc\" level=ERROR msg=\"forged".to_owned(),
+        "id with spaces".to_owned(),
+        "semi;colon".to_owned(),
+    ] {
+        let answer = echoed(replaced.clone().into_bytes()).await;
+        assert_ne!(answer, replaced.as_bytes());
+        let answer = String::from_utf8(answer).unwrap();
+        assert!(
+            uuid::Uuid::parse_str(&answer).is_ok(),
+            "not a generated id: {answer}"
+        );
+    }
 }

@@ -284,23 +284,27 @@ impl CandidateViews {
     }
 
     /// Reloads every view used within the last `forget_after` every `interval`, and forgets the
-    /// others. Stops when the views are dropped.
+    /// others, as task `view_refresher` of `supervisor`. Stops when the views are dropped.
     pub fn spawn_refresher(
         self: &Arc<Self>,
         interval: Duration,
         forget_after: Duration,
+        supervisor: &crate::background::Supervisor,
     ) -> tokio::task::JoinHandle<()> {
         let weak: Weak<Self> = Arc::downgrade(self);
-        tokio::spawn(async move {
-            let mut ticker = tokio::time::interval(interval);
-            ticker.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
-            ticker.tick().await;
-            loop {
+        supervisor.spawn("view_refresher", move || {
+            let weak = weak.clone();
+            async move {
+                let mut ticker = tokio::time::interval(interval);
+                ticker.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
                 ticker.tick().await;
-                let Some(views) = weak.upgrade() else { return };
-                for key in views.live_pools(forget_after) {
-                    if let Err(error) = views.reload(&key.0, &key.1, None).await {
-                        tracing::warn!(provider = %key.0, pool = %key.1, error = %error, "candidate view refresh failed");
+                loop {
+                    ticker.tick().await;
+                    let Some(views) = weak.upgrade() else { return };
+                    for key in views.live_pools(forget_after) {
+                        if let Err(error) = views.reload(&key.0, &key.1, None).await {
+                            tracing::warn!(provider = %key.0, pool = %key.1, error = %error, "candidate view refresh failed");
+                        }
                     }
                 }
             }
@@ -445,6 +449,16 @@ impl CandidateViews {
                 view.change(key_id, f);
             }
         }
+    }
+
+    /// Whether this process's view of `provider`/`pool` holds a credential, as the last read of
+    /// the pool found it; `false` without a view. Never reads the database: for metric labels,
+    /// which name a pool only when it exists ([`crate::telemetry::allocation`]).
+    pub fn has_credentials(&self, provider: &ProviderName, pool: &PoolName) -> bool {
+        self.existing(provider, pool).is_some_and(|slot| {
+            let guard = slot.view.read().unwrap_or_else(|p| p.into_inner());
+            guard.as_ref().is_some_and(|view| !view.entries.is_empty())
+        })
     }
 
     /// Whether `key_id` of `provider`/`pool` serves `model` (directly or through an alias), as

@@ -61,6 +61,7 @@ use tokio::sync::{Mutex, mpsc, oneshot};
 
 use super::health::HealthPolicy;
 use super::waiting::Waits;
+use crate::background::Supervisor;
 use crate::domain::{
     Holder, KeyId, LeaseId, LeaseSeconds, ModelName, PoolName, ProviderName, TenantKeyHash,
 };
@@ -112,12 +113,14 @@ pub struct Groups {
 }
 
 impl Groups {
-    /// Starts the group workers over `db`. Must run in a Tokio runtime.
-    pub fn start(db: Db, settings: GroupSettings) -> Self {
+    /// Starts the group workers over `db`, under `supervisor` (a worker that panics is made
+    /// again; the operations of its group were answered with an error). Must run in a Tokio
+    /// runtime.
+    pub fn start(db: Db, settings: GroupSettings, supervisor: &Supervisor) -> Self {
         Self {
-            claims: Queue::start(&db, settings),
-            releases: Queue::start(&db, settings),
-            renewals: Queue::start(&db, settings),
+            claims: Queue::start(&db, settings, supervisor),
+            releases: Queue::start(&db, settings, supervisor),
+            renewals: Queue::start(&db, settings, supervisor),
         }
     }
 
@@ -188,6 +191,8 @@ trait Operation: Send + Sync + Sized + 'static {
     type Output: Send + 'static;
     /// The `kind` label of the group-size metric.
     const KIND: &'static str;
+    /// The name its workers run under in the [`Supervisor`] (a metric label).
+    const TASK: &'static str;
 
     /// Whether [`Operation::stage_group`] writes a group of `operations` in one statement, so that
     /// it needs no explicit transaction (a group of one then costs one round trip, as ungrouped).
@@ -257,6 +262,7 @@ impl Operation for Claim {
     type Staged = ClaimResult;
     type Output = ClaimResult;
     const KIND: &'static str = "claim";
+    const TASK: &'static str = "claim_group";
 
     fn one_statement(_: usize) -> bool {
         true
@@ -326,6 +332,7 @@ impl Operation for Claim {
                 usage_tokens: None,
                 // the claim's own key: a lease is released only by a key of its tenant
                 caller: self.caller,
+                reporter: leases::Reporter::internal(),
             };
             match leases::release_on(conn, &release, &HealthPolicy::default()).await {
                 Ok(_) => {
@@ -349,6 +356,7 @@ impl Operation for Release {
     type Staged = StagedRelease;
     type Output = ReleaseResult;
     const KIND: &'static str = "release";
+    const TASK: &'static str = "release_group";
 
     /// A group of releases is one call of `credpool_release`.
     fn one_statement(_: usize) -> bool {
@@ -400,6 +408,7 @@ impl Operation for Renewal {
     type Staged = Renewed;
     type Output = Renewed;
     const KIND: &'static str = "renewal";
+    const TASK: &'static str = "renewal_group";
 
     /// A group of renewals is one call of `credpool_renew`.
     fn one_statement(_: usize) -> bool {
@@ -451,17 +460,15 @@ impl<O: Operation> std::fmt::Debug for Queue<O> {
 }
 
 impl<O: Operation> Queue<O> {
-    fn start(db: &Db, settings: GroupSettings) -> Self {
+    fn start(db: &Db, settings: GroupSettings, supervisor: &Supervisor) -> Self {
         let (sender, receiver) = mpsc::unbounded_channel();
         let receiver = Arc::new(Mutex::new(receiver));
         let running = Arc::new(AtomicUsize::new(0));
         for _ in 0..settings.transactions.max(1) {
-            tokio::spawn(work(
-                db.clone(),
-                receiver.clone(),
-                running.clone(),
-                settings,
-            ));
+            let (db, receiver, running) = (db.clone(), receiver.clone(), running.clone());
+            supervisor.spawn(O::TASK, move || {
+                work(db.clone(), receiver.clone(), running.clone(), settings)
+            });
         }
         Self { sender }
     }
@@ -517,8 +524,18 @@ async fn work<O: Operation>(
             }
         }
         running.fetch_add(1, Ordering::Relaxed);
+        // counted down also if the group panics (its worker is then made again)
+        let _running = Running(&running);
         run_group(&db, group).await;
-        running.fetch_sub(1, Ordering::Relaxed);
+    }
+}
+
+/// One group in flight, counted in its kind's `running` until dropped.
+struct Running<'a>(&'a AtomicUsize);
+
+impl Drop for Running<'_> {
+    fn drop(&mut self) {
+        self.0.fetch_sub(1, Ordering::Relaxed);
     }
 }
 

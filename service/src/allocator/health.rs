@@ -11,9 +11,18 @@
 //! | success | counts | -> available (recovered; backoff resets) | counts | counts |
 //! | failure | counts; the Nth failure within the window -> cooldown for the backoff | the probe's failure -> cooldown for the next, longer backoff; other leases count | counts | counts |
 //! | rate_limited | -> rate_limited until max(cooldown_until, now + retry_after or default) | same, at least the next backoff if it was the probe | same (never shortens) | counts |
-//! | auth_error | -> disabled | -> disabled | -> disabled | -> disabled (stays) |
+//! | auth_error, may disable | -> disabled | -> disabled | -> disabled | -> disabled (stays) |
+//! | auth_error, may not | counts as a failure; -> cooldown for the backoff | same | same (never shortens) | counts |
 //! | auth_expired (OAuth) | stays | stays | stays | stays |
-//! | quota_exhausted | -> exhausted until now + retry_after, or until an operator acts | same | same | disabled stays; pending -> exhausted |
+//! | quota_exhausted | -> exhausted until now + retry_after, or (may disable) until an operator acts, or (may not) for the longest rest | same | same | disabled stays; pending -> exhausted |
+//!
+//! **Reach** (issue 42): a report is an executor's word, and an executor of one tenant must not
+//! take every other tenant's credentials out of traffic. So a report rests a credential for at
+//! most [`HealthPolicy::max_report_rest_seconds`] (a longer `retry_after_seconds` is clamped, and
+//! the transition says so: [`Transition::clamped_from`]), and only a reporter the operator allows
+//! ([`Report::may_disable`]: the configured internal key, or a tenant with `reports_may_disable`)
+//! may take a credential out of traffic until an operator acts. A credential that stays bad is
+//! found again by its probe lease when the rest ends, and rested again.
 //!
 //! `auth_expired` on an OAuth credential says its access token was rejected, not the credential:
 //! the release takes that token out of traffic until its refresh (sql/release.sql, RELEASE), and
@@ -50,7 +59,8 @@ pub struct HealthPolicy {
 
 impl Default for HealthPolicy {
     /// Half-life 600 s; 5 failures within 60 s; cooldown 60 s doubling up to 900 s; rate limits
-    /// rest 30 s unless the report says otherwise.
+    /// rest 30 s unless the report says otherwise; no report rests a credential longer than an
+    /// hour.
     fn default() -> Self {
         Self {
             half_life_seconds: 600.0,
@@ -69,6 +79,18 @@ impl HealthPolicy {
     pub fn backoff(&self, cooldowns_in_a_row: i32) -> Duration {
         let doubled = self.cooldown_seconds * 2f64.powi(cooldowns_in_a_row.clamp(0, 30));
         Duration::seconds_f64(doubled.min(self.max_cooldown_seconds).max(1.0))
+    }
+
+    /// The rest a report's `retry_after_seconds` gives, in seconds: `seconds`, at most
+    /// [`HealthPolicy::max_report_rest_seconds`]; sets `clamped_from` when it was longer.
+    fn clamp_rest(&self, seconds: u32, clamped_from: &mut Option<u32>) -> f64 {
+        let bound = self.max_report_rest_seconds.max(1.0);
+        if f64::from(seconds) > bound {
+            *clamped_from = Some(seconds);
+            bound
+        } else {
+            f64::from(seconds)
+        }
     }
 
     /// `0.5^(elapsed / half-life)`: what a count is worth after `elapsed`.
@@ -210,6 +232,10 @@ pub struct Report {
     pub retry_after_seconds: Option<u32>,
     /// Whether the lease was the probe of a recovering credential.
     pub probe: bool,
+    /// Whether the reporter may take the credential out of traffic until an operator acts
+    /// (`auth_error` disables; `quota_exhausted` without a retry_after has no end): the
+    /// configured internal key, or a tenant the operator allowed (`reports_may_disable`).
+    pub may_disable: bool,
 }
 
 /// A change of status (or of a cooldown's end) that a report caused; written to the trail.
@@ -223,6 +249,9 @@ pub struct Transition {
     pub reason: String,
     /// The cooldown's end after the change.
     pub cooldown_until: Option<OffsetDateTime>,
+    /// The `retry_after_seconds` the report asked for, when it was longer than
+    /// [`HealthPolicy::max_report_rest_seconds`] and clamped to it.
+    pub clamped_from: Option<u32>,
 }
 
 /// Applies `report` at `now` (database clock). Returns the new health and the transition, if the
@@ -243,6 +272,7 @@ pub fn apply(
     };
     let recovering = health.recovering(now);
     let operator_hold = matches!(health.status, Status::Disabled | Status::Pending);
+    let mut clamped_from = None;
 
     match report.outcome {
         Outcome::Success => {
@@ -284,8 +314,10 @@ pub fn apply(
             if !operator_hold && health.status != Status::Exhausted {
                 // 0 or absent means "use the default", never "no cooldown"
                 let wait = match report.retry_after_seconds {
-                    Some(seconds) if seconds >= 1 => f64::from(seconds),
-                    _ => policy.rate_limit_seconds,
+                    Some(seconds) if seconds >= 1 => policy.clamp_rest(seconds, &mut clamped_from),
+                    _ => policy
+                        .rate_limit_seconds
+                        .min(policy.max_report_rest_seconds),
                 };
                 let mut until = now + Duration::seconds_f64(wait);
                 if recovering && report.probe {
@@ -298,27 +330,67 @@ pub fn apply(
                 }
                 next.status = Status::RateLimited;
                 next.cooldown_until = Some(until);
-                next.status_reason = Some(format!("rate limited by the provider (rest {wait} s)"));
+                next.status_reason = Some(match clamped_from {
+                    Some(asked) => format!(
+                        "rate limited by the provider (rest {wait} s: the report's retry_after of {asked} s clamped by --max-report-rest-seconds)"
+                    ),
+                    None => format!("rate limited by the provider (rest {wait} s)"),
+                });
             }
         }
-        Outcome::AuthError => {
+        Outcome::AuthError if report.may_disable => {
             next.status = Status::Disabled;
             next.cooldown_until = None;
             next.status_reason =
                 Some("auth_error reported: the provider rejected the credential".into());
         }
+        // a reporter that may not disable: a failure that rests the credential for the backoff;
+        // its probe finds out again when the rest ends
+        Outcome::AuthError => {
+            next.failures += 1.0;
+            let waits_for_operator =
+                health.status == Status::Exhausted && health.cooldown_until.is_none();
+            if !operator_hold && !waits_for_operator {
+                let rest = policy
+                    .backoff(health.cooldowns_in_a_row)
+                    .min(Duration::seconds_f64(
+                        policy.max_report_rest_seconds.max(1.0),
+                    ));
+                let until = health
+                    .cooldown_until
+                    .map_or(now + rest, |e| e.max(now + rest));
+                next.status = Status::Cooldown;
+                next.cooldown_until = Some(until);
+                next.cooldowns_in_a_row = health.cooldowns_in_a_row.saturating_add(1);
+                next.recent_failures.clear();
+                next.status_reason = Some(format!(
+                    "auth_error reported by an executor that may not disable credentials; resting {} s",
+                    rest.whole_seconds()
+                ));
+            }
+        }
         // the token, not the credential: the release took the token out of traffic
         Outcome::AuthExpired => {}
         Outcome::QuotaExhausted => {
             if health.status != Status::Disabled {
+                let rest = match report.retry_after_seconds.filter(|s| *s >= 1) {
+                    Some(seconds) => Some(policy.clamp_rest(seconds, &mut clamped_from)),
+                    None if report.may_disable => None,
+                    None => Some(policy.max_report_rest_seconds),
+                };
                 next.status = Status::Exhausted;
-                next.cooldown_until = report
-                    .retry_after_seconds
-                    .filter(|s| *s >= 1)
-                    .map(|s| now + Duration::seconds(i64::from(s)));
-                next.status_reason = Some(match next.cooldown_until {
-                    Some(_) => "quota exhausted until the provider's retry_after".into(),
-                    None => "quota exhausted; waiting for an operator".into(),
+                next.cooldown_until = rest.map(|s| now + Duration::seconds_f64(s.max(1.0)));
+                next.status_reason = Some(match (rest, report.retry_after_seconds) {
+                    (Some(_), Some(s)) if s >= 1 && clamped_from.is_none() => {
+                        "quota exhausted until the provider's retry_after".into()
+                    }
+                    (Some(rest), Some(s)) if s >= 1 => format!(
+                        "quota exhausted; the report's retry_after of {s} s clamped to {rest} s (--max-report-rest-seconds)"
+                    ),
+                    (Some(rest), _) => format!(
+                        "quota exhausted; reported by an executor that may not rest a credential until an operator acts: resting {rest} s"
+                    ),
+                    (None, _) => "quota exhausted; waiting for an operator".into(),
                 });
             }
         }
@@ -330,6 +402,7 @@ pub fn apply(
             new_status: next.status,
             reason: next.status_reason.clone().unwrap_or_default(),
             cooldown_until: next.cooldown_until,
+            clamped_from,
         });
     if transition.is_none() {
         // no transition: keep the stored reason as it was
@@ -360,6 +433,7 @@ mod tests {
             outcome,
             retry_after_seconds: None,
             probe: false,
+            may_disable: true,
         }
     }
 
@@ -462,6 +536,7 @@ mod tests {
                     outcome: Outcome::RateLimited,
                     retry_after_seconds: retry_after,
                     probe: false,
+                    may_disable: true,
                 },
                 now(),
                 &policy,
@@ -519,10 +594,116 @@ mod tests {
             outcome: Outcome::QuotaExhausted,
             retry_after_seconds: Some(3600),
             probe: false,
+            may_disable: true,
         };
         let (next, _) = apply(&Health::new(Status::Available), with_retry, now(), &policy);
         assert_eq!(next.cooldown_until, Some(now() + Duration::hours(1)));
         assert!(next.usable(now() + Duration::hours(1)));
+    }
+
+    /// A report of a reporter that may not disable (a tenant's, by default).
+    fn tenants(outcome: Outcome, retry_after_seconds: Option<u32>) -> Report {
+        Report {
+            outcome,
+            retry_after_seconds,
+            probe: false,
+            may_disable: false,
+        }
+    }
+
+    #[test]
+    fn a_report_rests_a_credential_at_most_the_bound_and_says_it_clamped() {
+        let policy = HealthPolicy::default();
+        let month = 31 * 86_400;
+        for outcome in [Outcome::RateLimited, Outcome::QuotaExhausted] {
+            for may_disable in [false, true] {
+                let report = Report {
+                    may_disable,
+                    ..tenants(outcome, Some(month))
+                };
+                let (next, transition) =
+                    apply(&Health::new(Status::Available), report, now(), &policy);
+                assert_eq!(
+                    next.cooldown_until,
+                    Some(now() + Duration::hours(1)),
+                    "{outcome:?}, may_disable {may_disable}"
+                );
+                let transition = transition.unwrap();
+                assert_eq!(transition.clamped_from, Some(month), "{outcome:?}");
+                assert!(
+                    transition.reason.contains("clamped"),
+                    "{}",
+                    transition.reason
+                );
+            }
+            // within the bound: as asked, and nothing clamped
+            let (next, transition) = apply(
+                &Health::new(Status::Available),
+                tenants(outcome, Some(600)),
+                now(),
+                &policy,
+            );
+            assert_eq!(next.cooldown_until, Some(now() + Duration::minutes(10)));
+            assert_eq!(transition.unwrap().clamped_from, None);
+        }
+    }
+
+    #[test]
+    fn auth_error_of_a_reporter_that_may_not_disable_rests_for_the_backoff() {
+        let policy = HealthPolicy::default();
+        let (next, transition) = apply(
+            &Health::new(Status::Available),
+            tenants(Outcome::AuthError, None),
+            now(),
+            &policy,
+        );
+        assert_eq!(next.status, Status::Cooldown);
+        assert_eq!(next.cooldown_until, Some(now() + Duration::seconds(60)));
+        assert_eq!(next.failures, 1.0);
+        assert!(next.usable(now() + Duration::seconds(60)));
+        assert!(transition.unwrap().reason.contains("may not disable"));
+        // the backoff doubles, and never beyond the longest rest of a report
+        let mut again = next.clone();
+        again.cooldowns_in_a_row = 30;
+        let tight = HealthPolicy {
+            max_cooldown_seconds: 86_400.0,
+            max_report_rest_seconds: 120.0,
+            ..HealthPolicy::default()
+        };
+        let (next, _) = apply(&again, tenants(Outcome::AuthError, None), now(), &tight);
+        assert_eq!(next.cooldown_until, Some(now() + Duration::seconds(120)));
+        // an operator's hold stays
+        let (next, transition) = apply(
+            &Health::new(Status::Disabled),
+            tenants(Outcome::AuthError, None),
+            now(),
+            &policy,
+        );
+        assert_eq!((next.status, transition), (Status::Disabled, None));
+    }
+
+    #[test]
+    fn quota_exhausted_without_retry_after_waits_for_an_operator_only_if_the_reporter_may_disable()
+    {
+        let policy = HealthPolicy::default();
+        let (next, _) = apply(
+            &Health::new(Status::Available),
+            tenants(Outcome::QuotaExhausted, None),
+            now(),
+            &policy,
+        );
+        assert_eq!(next.status, Status::Exhausted);
+        assert_eq!(next.cooldown_until, Some(now() + Duration::hours(1)));
+        let (next, _) = apply(
+            &Health::new(Status::Available),
+            report(Outcome::QuotaExhausted),
+            now(),
+            &policy,
+        );
+        assert_eq!(
+            (next.status, next.cooldown_until),
+            (Status::Exhausted, None)
+        );
     }
 
     #[test]
@@ -550,6 +731,7 @@ mod tests {
             outcome: Outcome::Success,
             retry_after_seconds: None,
             probe: true,
+            may_disable: true,
         };
         let (next, transition) = apply(&health, probe, now(), &HealthPolicy::default());
         assert_eq!(next.status, Status::Available);
@@ -565,6 +747,7 @@ mod tests {
             outcome: Outcome::Failure,
             retry_after_seconds: None,
             probe: true,
+            may_disable: true,
         };
         let mut health = cooling(Status::Cooldown, -1);
         health.cooldowns_in_a_row = 1;

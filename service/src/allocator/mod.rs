@@ -62,6 +62,11 @@ pub struct AllocateRequest {
     pub model: ModelName,
     /// The pool asked for; the pool sequence may serve it from another (`vip` -> `default`).
     pub pool: PoolName,
+    /// The pool sequence tried, in order: the pool's [`PoolName::sequence`], less the pools the
+    /// caller's tenant may not lease from (`vip` -> `default` only where both are in its scope).
+    /// The pool asked for comes first and is always in it (the HTTP layer refuses one outside the
+    /// scope before any candidate is read).
+    pub pools: Vec<PoolName>,
     /// How long the lease lasts unless renewed.
     pub lease_seconds: LeaseSeconds,
     /// The executor's name for itself.
@@ -355,6 +360,13 @@ impl Allocator {
         self.waits.stop_waiting();
     }
 
+    /// Whether `provider`/`pool` has credentials, as this process last read the pool (never reads
+    /// the database): a refused request names a pool in metric labels only when it does, so that
+    /// no request can add series.
+    pub fn knows_pool(&self, provider: &ProviderName, pool: &PoolName) -> bool {
+        self.views.has_credentials(provider, pool)
+    }
+
     /// Renews a lease (through the next renewal group) for the caller presenting key `caller`
     /// (`None`: the internal key, tenant `default`): [`Renewed`](crate::store::leases::Renewed),
     /// the new lease_until, lost, or unauthorized (the key is not live, or is another tenant's
@@ -419,13 +431,13 @@ impl Allocator {
         // credential is in this sequence
         let affinity = request.affinity.as_ref().map(|a| ClaimAffinity {
             key: a.key.clone(),
-            pools: request.pool.sequence(),
+            pools: request.pools.clone(),
             ttl: a.ttl,
             mode: a.mode,
         });
         let waiting = (!request.wait.is_zero()).then(|| {
             self.waits
-                .waiting_request(request.pool.sequence(), request.wait)
+                .waiting_request(request.pools.clone(), request.wait)
         });
         let key = Keys {
             request: request_key.as_ref(),
@@ -459,7 +471,7 @@ impl Allocator {
             .waits
             .register(
                 &request.provider,
-                &request.pool.sequence(),
+                &request.pools,
                 &request.model,
                 match &first {
                     Err(refusal) => refusal.tenant.clone(),
@@ -552,7 +564,7 @@ impl Allocator {
         let mut held: Option<HeldBy> = None;
         let mut pass = Pass::default();
 
-        for pool in request.pool.sequence() {
+        for pool in request.pools.iter().cloned() {
             let hint_here = hint.take_if(|(hinted, _)| *hinted == pool).map(|(_, k)| k);
             let verdict = self
                 .allocate_in(request, &pool, keys, hint_here.clone(), &mut pass)
@@ -680,6 +692,8 @@ impl Allocator {
                     retry_after_seconds: None,
                     usage_tokens: None,
                     caller: request.caller,
+                    // no outcome: nothing to reach
+                    reporter: leases::Reporter::internal(),
                 };
                 self.groups
                     .release(release, &HealthPolicy::default(), &self.waits)

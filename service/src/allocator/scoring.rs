@@ -400,6 +400,7 @@ mod tests {
                 outcome: crate::domain::Outcome::Success,
                 retry_after_seconds: None,
                 probe: false,
+                may_disable: true,
             },
             later,
             &HealthPolicy::default(),
@@ -544,6 +545,7 @@ mod tests {
                 outcome,
                 retry_after_seconds: None,
                 probe: false,
+                may_disable: true,
             };
             healths[chosen] =
                 crate::allocator::health::apply(&healths[chosen], report, at, &decay).0;

@@ -56,6 +56,7 @@ use sqlx::postgres::PgListener;
 use tokio::sync::{Notify, mpsc, watch};
 
 use super::candidates::CandidateViews;
+use crate::background::Supervisor;
 use crate::domain::{KeyId, ModelName, PoolName, ProviderName};
 use crate::store::leases::ClaimWaiting;
 use crate::store::{Db, PoolSettings, Target};
@@ -128,6 +129,8 @@ pub struct Waits {
     stopped: watch::Sender<bool>,
     /// This process's name in its announcements (random), so that its listener skips them.
     instance: String,
+    /// Runs the listener and the waiters' liveness.
+    supervisor: Supervisor,
     /// Sends this process's announcements of freed slots; `None`: nobody is told.
     announcements: Option<mpsc::UnboundedSender<String>>,
     /// Where waiting requests' rows are deleted and this process says it is alive (the database
@@ -181,17 +184,24 @@ struct Announcement {
 impl Waits {
     /// Waits over `views` (to tell which waiters a freed credential can serve), listening through
     /// `target` once the first allocation waits, and announcing this process's freed slots
-    /// through `announce_on` (`None`: to nobody else; tests). Call within a Tokio runtime.
+    /// through `announce_on` (`None`: to nobody else; tests). Its tasks (the listener, the
+    /// liveness of its waiters, the announcements) run under `supervisor`. Call within a Tokio
+    /// runtime.
     pub fn new(
         views: Arc<CandidateViews>,
         target: ListenTarget,
         announce_on: Option<Db>,
+        supervisor: Supervisor,
     ) -> Arc<Self> {
         let (stop_tx, stop_rx) = watch::channel(());
         let shared = announce_on.clone();
         let announcements = announce_on.map(|db| {
             let (sender, receiver) = mpsc::unbounded_channel();
-            tokio::spawn(announce(db, receiver));
+            // shared, so that a run made again after a panic takes up the same channel
+            let receiver = Arc::new(tokio::sync::Mutex::new(receiver));
+            supervisor.spawn("slot_announcer", move || {
+                announce(db.clone(), receiver.clone())
+            });
             sender
         });
         Arc::new(Self {
@@ -207,6 +217,7 @@ impl Waits {
             instance: format!("{:016x}", rand::random::<u64>()),
             announcements,
             shared,
+            supervisor,
             waiting: Arc::new(AtomicU64::new(0)),
             first_waiting: Arc::new(Notify::new()),
             seen_started: AtomicBool::new(false),
@@ -286,13 +297,22 @@ impl Waits {
         if let Some(db) = &self.shared
             && !self.seen_started.swap(true, Ordering::SeqCst)
         {
-            tokio::spawn(keep_seen(
+            let (db, instance, waiting, first, stop) = (
                 db.clone(),
                 self.instance.clone(),
                 self.waiting.clone(),
                 self.first_waiting.clone(),
                 self.stop.clone(),
-            ));
+            );
+            self.supervisor.spawn("waiters_alive", move || {
+                keep_seen(
+                    db.clone(),
+                    instance.clone(),
+                    waiting.clone(),
+                    first.clone(),
+                    stop.clone(),
+                )
+            });
         }
         WaitingRequest {
             waits: self.clone(),
@@ -423,12 +443,20 @@ impl Waits {
             return;
         }
         if !self.started.swap(true, Ordering::SeqCst) {
-            tokio::spawn(listen(
+            let (waits, target, first_connect, stop) = (
                 Arc::downgrade(self),
                 self.target.clone(),
                 self.first_connect.clone(),
                 self.stop.clone(),
-            ));
+            );
+            self.supervisor.spawn("waits_listener", move || {
+                listen(
+                    waits.clone(),
+                    target.clone(),
+                    first_connect.clone(),
+                    stop.clone(),
+                )
+            });
         }
         let mut connected = self.first_connect.subscribe();
         let _ = tokio::time::timeout(connect_within, connected.wait_for(|done| *done)).await;
@@ -589,7 +617,8 @@ impl Drop for Registration {
 
 /// The announcing task: sends what `announcements` receives, up to [`ANNOUNCE_BATCH`] per
 /// statement (`credpool_announce_freed`), until every sender is gone.
-async fn announce(db: Db, mut announcements: mpsc::UnboundedReceiver<String>) {
+async fn announce(db: Db, announcements: Arc<tokio::sync::Mutex<mpsc::UnboundedReceiver<String>>>) {
+    let mut announcements = announcements.lock().await;
     let mut batch = Vec::with_capacity(ANNOUNCE_BATCH);
     while announcements.recv_many(&mut batch, ANNOUNCE_BATCH).await > 0 {
         let mut pause = ANNOUNCE_RETRY.0;
@@ -788,7 +817,7 @@ mod tests {
             ScoringPolicy::default(),
             HealthPolicy::default(),
         );
-        Waits::new(views, ListenTarget::None, None)
+        Waits::new(views, ListenTarget::None, None, Supervisor::new())
     }
 
     fn names() -> (ProviderName, PoolName, ModelName) {

@@ -11,6 +11,7 @@ use crate::allocator::ClaimSettings;
 use crate::allocator::groups::GroupSettings;
 use crate::allocator::health::HealthPolicy;
 use crate::allocator::scoring::ScoringPolicy;
+use crate::http::server::HttpLimits;
 
 /// How often the cleanup runs and what it keeps.
 #[derive(Debug, Clone, Args)]
@@ -209,6 +210,37 @@ pub struct ServiceArgs {
           value_parser = clap::value_parser!(u64).range(1..=3600))]
     pub oauth_backoff_max_seconds: u64,
 
+    /// Lets an OAuth credential's https `token_url` reach a private (RFC 1918, unique local),
+    /// loopback, link-local (cloud metadata services answer there) or otherwise non-public
+    /// address: its host as stored, and every address its name resolves to at each refresh.
+    /// Off by default: an operator's typo or a hostile PUT cannot point the refresher at an
+    /// internal service. (http on a loopback address is always allowed, for local token
+    /// proxies and tests.)
+    #[arg(long, env = "CREDPOOL_OAUTH_ALLOW_PRIVATE_TOKEN_URLS")]
+    pub oauth_allow_private_token_urls: bool,
+
+    /// Seconds a client has to send a request head whole, from its first byte; also how long a
+    /// new connection may stay silent before its first request. Then the service closes the
+    /// connection (sockets that send nothing or half a request cannot hold descriptors).
+    #[arg(long, env = "CREDPOOL_HTTP_HEADER_READ_TIMEOUT_SECONDS", default_value_t = HttpLimits::default().header_read_timeout.as_secs(),
+          value_parser = clap::value_parser!(u64).range(1..=3600))]
+    pub http_header_read_timeout_seconds: u64,
+
+    /// Seconds a keep-alive connection stays open with no request before the service closes it.
+    /// Keep it longer than the idle timeout of the load balancer in front (60 s on many), so that
+    /// the balancer closes first.
+    #[arg(long, env = "CREDPOOL_HTTP_IDLE_TIMEOUT_SECONDS", default_value_t = HttpLimits::default().idle_timeout.as_secs(),
+          value_parser = clap::value_parser!(u64).range(1..=3600))]
+    pub http_idle_timeout_seconds: u64,
+
+    /// HTTP connections open at once. At the cap, a new connection closes the oldest one that
+    /// has no request in flight (so probes and executors get in however many idle sockets are
+    /// open); when every one has a request in flight, accepting waits. Lowered at start-up to fit
+    /// the open-file limit (`ulimit -n`) less the database pool and 64 for the rest.
+    #[arg(long, env = "CREDPOOL_HTTP_MAX_CONNECTIONS", default_value_t = HttpLimits::default().max_connections as u32,
+          value_parser = clap::value_parser!(u32).range(16..=1_000_000))]
+    pub http_max_connections: u32,
+
     /// Scoring weights.
     #[command(flatten)]
     pub scoring: ScoringArgs,
@@ -237,6 +269,11 @@ impl ServiceArgs {
             request_timeout: Duration::from_millis(self.request_timeout_ms),
             max_wait: Duration::from_millis(self.max_wait_ms),
             listen_url: self.db_listen_url.clone(),
+            http: HttpLimits {
+                header_read_timeout: Duration::from_secs(self.http_header_read_timeout_seconds),
+                idle_timeout: Duration::from_secs(self.http_idle_timeout_seconds),
+                max_connections: self.http_max_connections as usize,
+            },
             scoring: self.scoring.policy(),
             health: self.health.policy(),
             oauth: crate::oauth::OAuthSettings {
@@ -244,6 +281,7 @@ impl ServiceArgs {
                 call_timeout: Duration::from_secs(self.oauth_call_timeout_seconds),
                 claim_for: Duration::from_secs((3 * self.oauth_call_timeout_seconds).max(30)),
                 backoff_max: Duration::from_secs(self.oauth_backoff_max_seconds),
+                allow_private_token_urls: self.oauth_allow_private_token_urls,
                 ..crate::oauth::OAuthSettings::default()
             },
         }
@@ -268,6 +306,8 @@ pub struct ServiceSettings {
     pub max_wait: Duration,
     /// Where waiting allocations LISTEN (`None`: a connection like the service's others).
     pub listen_url: Option<String>,
+    /// The limits on HTTP connections.
+    pub http: HttpLimits,
     /// Scoring weights.
     pub scoring: ScoringPolicy,
     /// How outcome reports change health.
@@ -289,6 +329,7 @@ impl Default for ServiceSettings {
             request_timeout: Duration::from_secs(10),
             max_wait: Duration::from_secs(30),
             listen_url: None,
+            http: HttpLimits::default(),
             scoring: ScoringPolicy::default(),
             health: HealthPolicy::default(),
             oauth: crate::oauth::OAuthSettings::default(),
@@ -395,6 +436,13 @@ pub struct HealthArgs {
     /// Rest after a `rate_limited` report without retry_after_seconds, in seconds.
     #[arg(long, env = "CREDPOOL_HEALTH_RATE_LIMIT_SECONDS", default_value_t = HealthPolicy::default().rate_limit_seconds, value_parser = positive)]
     pub health_rate_limit_seconds: f64,
+    /// The longest one outcome report may rest a credential, in seconds (1..=2,678,400): a
+    /// release's `retry_after_seconds` beyond it is clamped to it (the trail records the clamp),
+    /// and it is the rest of a `quota_exhausted` report without one from a tenant whose reports
+    /// may not disable. Keeps one tenant's reports from resting every credential for a month.
+    #[arg(long, env = "CREDPOOL_MAX_REPORT_REST_SECONDS", default_value_t = HealthPolicy::default().max_report_rest_seconds as u32,
+          value_parser = clap::value_parser!(u32).range(1..=2_678_400))]
+    pub max_report_rest_seconds: u32,
 }
 
 impl HealthArgs {
@@ -407,7 +455,7 @@ impl HealthArgs {
             cooldown_seconds: self.health_cooldown_seconds,
             max_cooldown_seconds: self.health_max_cooldown_seconds,
             rate_limit_seconds: self.health_rate_limit_seconds,
-            ..HealthPolicy::default()
+            max_report_rest_seconds: f64::from(self.max_report_rest_seconds),
         }
     }
 }

@@ -92,7 +92,7 @@ fn if_match_generation(headers: &axum::http::HeaderMap) -> Result<Option<i64>, A
         (status = 200, description = "updated", body = CredentialDetail),
         (status = 412, description = "`generation_moved`: If-Match names another generation", body = ErrorBody),
         (status = 201, description = "created", body = CredentialDetail),
-        (status = 400, description = "`invalid_request`; `token_url_not_allowed`: an OAuth `token_url` that is neither https nor http on a loopback address", body = ErrorBody),
+        (status = 400, description = "`invalid_request`; `token_url_not_allowed`: an OAuth `token_url` that is neither https nor http on a loopback address, or an https one whose host is or resolves to a private, loopback or link-local address (unless --oauth-allow-private-token-urls)", body = ErrorBody),
         (status = 401, description = "`unauthorized`: missing or wrong key", body = ErrorBody),
         (status = 403, description = "`forbidden`: the executor key", body = ErrorBody),
         (status = 503, description = "`store_unavailable`", body = ErrorBody),
@@ -110,7 +110,8 @@ async fn put_key(
     let key_id = key_id(raw_key_id)?;
     let if_generation = if_match_generation(&headers)?;
     if let Some(oauth) = &body.oauth {
-        crate::oauth::check_token_url(&oauth.token_url)
+        crate::oauth::check_token_url_reach(&oauth.token_url, state.allow_private_token_urls)
+            .await
             .map_err(|e| ApiError::TokenUrlNotAllowed(e.to_string()))?;
     }
     let spec = body.into_spec(key_id, &state.keyring)?;

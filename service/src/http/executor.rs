@@ -9,8 +9,8 @@ use time::OffsetDateTime;
 use utoipa_axum::router::OpenApiRouter;
 use utoipa_axum::routes;
 
-use super::{AllocationOutcome, ApiError, ApiJson, AppState, ErrorBody, ExecutorKey};
-use crate::allocator::{Affinity, AllocateError, AllocateRequest};
+use super::{AllocationOutcome, ApiError, ApiJson, AppState, Caller, ErrorBody};
+use crate::allocator::{Affinity, AllocateRequest};
 use crate::domain::{
     AffinityKey, AffinityMode, AffinityResult, AffinityTtl, Holder, InvalidValue, KeyId, LeaseId,
     LeaseSeconds, ModelName, Outcome, PoolName, ProviderName, RequestId, Secret,
@@ -76,10 +76,11 @@ fn allocate_request(
     body: AllocateBody,
     max_lease_seconds: u32,
     max_wait: Duration,
-    caller: ExecutorKey,
+    caller: &Caller,
 ) -> Result<AllocateRequest, ApiError> {
     Ok(AllocateRequest {
         lease_seconds: lease_seconds(body.lease_seconds, max_lease_seconds)?,
+        pools: caller.pools(&body.provider, &body.pool)?,
         provider: body.provider,
         model: body.model,
         pool: body.pool,
@@ -135,9 +136,9 @@ fn tokens(given: Option<u64>, field: &'static str) -> Result<Option<u64>, ApiErr
     }
 }
 
-/// Parses an allocate body as `POST /api/internal/allocate-key` does once its headers are
-/// checked: the JSON (unknown fields refused, every name validated), then the lease length under
-/// `max_lease_seconds` and the wait under `max_wait`. A bad body is the handler's 400
+/// Parses an allocate body as `POST /api/internal/allocate-key` does once its key is checked
+/// (here: the internal key): the JSON (unknown fields refused, every name validated), then the
+/// lease length under `max_lease_seconds` and the wait under `max_wait`. A bad body is the handler's 400
 /// `invalid_request`. Public for the request-parsing benchmark.
 pub fn parse_allocate(
     body: &[u8],
@@ -146,7 +147,7 @@ pub fn parse_allocate(
 ) -> Result<AllocateRequest, ApiError> {
     let body: AllocateBody = serde_json::from_slice(body)
         .map_err(|error| ApiError::InvalidRequest(error.to_string()))?;
-    allocate_request(body, max_lease_seconds, max_wait, ExecutorKey::Internal)
+    allocate_request(body, max_lease_seconds, max_wait, &Caller::internal())
 }
 
 /// A granted lease.
@@ -202,7 +203,8 @@ fn lease_seconds(requested: Option<u64>, max: u32) -> Result<LeaseSeconds, ApiEr
     responses(
         (status = 200, description = "leased: use it, then release", body = AllocateResponse),
         (status = 400, description = "`invalid_request`", body = ErrorBody),
-        (status = 401, description = "`unauthorized`: missing or wrong key", body = ErrorBody),
+        (status = 401, description = "`unauthorized`: missing or wrong key (answered before the body is read)", body = ErrorBody),
+        (status = 403, description = "`pool_not_allowed`: the caller's tenant may not lease from this provider and pool (its `pools`); the same answer whether or not the pool exists", body = ErrorBody),
         (status = 404, description = "`pool_not_found`: no credentials for the provider and pool", body = ErrorBody),
         (status = 409, description = "`model_not_supported`, `no_usable_credentials` (every credential that serves the model waits for an operator), `request_id_conflict` (the request_id holds a live lease granted for other parameters), or `tokens_exceed_budget` (the `tokens` estimate is larger than a token window of every credential that serves the model, or of the caller's tenant)", body = ErrorBody),
         (status = 413, description = "`payload_too_large`", body = ErrorBody),
@@ -215,16 +217,43 @@ fn lease_seconds(requested: Option<u64>, max: u32) -> Result<LeaseSeconds, ApiEr
 #[tracing::instrument(skip_all, fields(provider = %body.provider, pool = %body.pool, model = %body.model))]
 async fn allocate(
     State(state): State<AppState>,
-    key: ExecutorKey,
+    caller: Caller,
     ApiJson(body): ApiJson<AllocateBody>,
 ) -> Result<Response, ApiError> {
-    let request = allocate_request(body, state.max_lease_seconds, state.max_wait, key)?;
-    let outcome = |served_pool: &str, tenant: &str, result| AllocationOutcome {
-        provider: request.provider.to_string(),
-        pool: request.pool.to_string(),
-        served_pool: served_pool.to_owned(),
-        tenant: tenant.to_owned(),
-        result,
+    let tenant = caller.tenant().to_string();
+    let (provider, pool) = (body.provider.clone(), body.pool.clone());
+    // A refused request names its provider and pool in the metric labels only when the pool
+    // exists (this process's view has credentials in it), so that no request can add series.
+    let refused = |result| {
+        let known = state.allocator.knows_pool(&provider, &pool);
+        AllocationOutcome {
+            provider: if known {
+                provider.to_string()
+            } else {
+                String::new()
+            },
+            pool: if known {
+                pool.to_string()
+            } else {
+                String::new()
+            },
+            served_pool: String::new(),
+            tenant: tenant.clone(),
+            result,
+        }
+    };
+    let request = match allocate_request(body, state.max_lease_seconds, state.max_wait, &caller) {
+        Ok(request) => request,
+        Err(error) => {
+            let result = match error {
+                ApiError::PoolNotAllowed { .. } => "pool_not_allowed",
+                _ => "bad_request",
+            };
+            let labels = refused(result);
+            let mut response = error.into_response();
+            response.extensions_mut().insert(labels);
+            return Ok(response);
+        }
     };
     // the request timeout bounds the work; a waiting request gets its wait on top
     let allocated = tokio::time::timeout(
@@ -235,13 +264,15 @@ async fn allocate(
     .map_err(|_| ApiError::Timeout)?;
     let (mut response, labels) = match allocated {
         Ok(lease) => {
-            let labels = outcome(lease.pool.as_str(), &lease.tenant, "leased");
+            let labels = AllocationOutcome {
+                provider: provider.to_string(),
+                pool: pool.to_string(),
+                served_pool: lease.pool.to_string(),
+                tenant: lease.tenant.clone(),
+                result: "leased",
+            };
             if let Some(result) = lease.affinity {
-                crate::telemetry::affinity(
-                    request.provider.as_str(),
-                    request.pool.as_str(),
-                    result,
-                );
+                crate::telemetry::affinity(provider.as_str(), pool.as_str(), result);
             }
             let body = AllocateResponse {
                 key_id: lease.key_id,
@@ -260,36 +291,9 @@ async fn allocate(
             (Json(body).into_response(), labels)
         }
         Err(error) => {
-            // The tenant, for the answer and the label: the claim named it; an answer reached
-            // without a claim (a 404 or 409 judged from the pool, a store failure) reads the key
-            // now, so that an unknown or revoked key gets 401, never a word about the pool.
-            let tenant = match &error {
-                AllocateError::TenantLimit { tenant, .. } => Ok(tenant.clone()),
-                AllocateError::Unauthorized | AllocateError::Store(_) => Ok(String::new()),
-                _ => key.tenant(&state.db).await.map(|t| t.to_string()),
-            };
-            match tenant {
-                Ok(tenant) => {
-                    let label = if matches!(error, AllocateError::Unauthorized) {
-                        ""
-                    } else {
-                        tenant.as_str()
-                    };
-                    let labels = outcome("", label, error.result());
-                    let error = ApiError::from_allocate(
-                        error,
-                        request.provider.as_str(),
-                        request.pool.as_str(),
-                    );
-                    (error.into_response(), labels)
-                }
-                // a key unknown or revoked (401), or a store that failed to say (503): the
-                // label is the answer's code
-                Err(refused) => {
-                    let (_, code) = refused.status_and_code();
-                    (refused.into_response(), outcome("", "", code))
-                }
-            }
+            let labels = refused(error.result());
+            let error = ApiError::from_allocate(error, provider.as_str(), pool.as_str());
+            (error.into_response(), labels)
         }
     };
     response.extensions_mut().insert(labels);
@@ -356,7 +360,7 @@ struct ReleaseResponse {
 #[tracing::instrument(skip_all, fields(key_id = %body.key_id, lease_id = %body.lease_id))]
 async fn release(
     State(state): State<AppState>,
-    key: ExecutorKey,
+    caller: Caller,
     ApiJson(body): ApiJson<ReleaseBody>,
 ) -> Result<Json<ReleaseResponse>, ApiError> {
     if body
@@ -380,9 +384,11 @@ async fn release(
         outcome: body.outcome,
         retry_after_seconds: body.retry_after_seconds,
         usage_tokens: tokens(body.usage.map(|u| u.tokens), "usage.tokens")?,
-        // the key is checked by the release statement itself: a revoked key, or a key of
-        // another tenant than the lease's, releases nothing (the lease frees at its lease_until)
-        caller: key.tenant_key(),
+        // the key is checked again by the release statement itself: a key revoked meanwhile,
+        // or a key of another tenant than the lease's, releases nothing (the lease frees at its
+        // lease_until)
+        caller: caller.tenant_key(),
+        reporter: caller.reporter(),
     };
     let result = state.allocator.release(request.clone()).await?;
     let reason = result.released.err();
@@ -460,7 +466,7 @@ struct RenewResponse {
 #[tracing::instrument(skip_all, fields(key_id = %body.key_id, lease_id = %body.lease_id))]
 async fn renew(
     State(state): State<AppState>,
-    key: ExecutorKey,
+    caller: Caller,
     ApiJson(body): ApiJson<RenewBody>,
 ) -> Result<Json<RenewResponse>, ApiError> {
     let seconds = lease_seconds(body.lease_seconds, state.max_lease_seconds)?;
@@ -471,11 +477,11 @@ async fn renew(
         lease_id: body.lease_id,
         fence: fence(body.fence)?,
     };
-    // the key is checked by the renewal statement itself: a revoked key, or a key of another
-    // tenant than the lease's, renews nothing
+    // the key is checked again by the renewal statement itself: a key revoked meanwhile, or a
+    // key of another tenant than the lease's, renews nothing
     match state
         .allocator
-        .renew(lease, seconds, key.tenant_key())
+        .renew(lease, seconds, caller.tenant_key())
         .await?
     {
         Renewed::Until(lease_until) => {

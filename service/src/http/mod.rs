@@ -6,6 +6,7 @@ mod admin;
 mod dashboard;
 mod executor;
 mod ops;
+pub mod server;
 mod tenants;
 
 pub use executor::parse_allocate;
@@ -37,11 +38,24 @@ pub struct ApiKeys {
     admin: Arc<str>,
 }
 
+/// The shortest internal or admin key accepted, in characters: a key short enough to guess (or to
+/// have been typed as a placeholder: `secret`, `changeme`) is refused at start-up. Generated keys
+/// are 64 hex digits; `openssl rand -hex 32` makes one.
+pub const MIN_KEY_CHARS: usize = 16;
+
 impl ApiKeys {
-    /// The two keys must differ, so that one can never stand in for the other.
+    /// Each key at least [`MIN_KEY_CHARS`] characters, without control characters; and the two
+    /// must differ, so that one can never stand in for the other.
     pub fn new(internal: String, admin: String) -> Result<Self, &'static str> {
-        if internal.is_empty() || admin.is_empty() {
-            return Err("the internal and admin keys must not be empty");
+        for key in [&internal, &admin] {
+            if key.chars().count() < MIN_KEY_CHARS {
+                return Err(
+                    "the internal and admin keys must be at least 16 characters (generate one with `openssl rand -hex 32`)",
+                );
+            }
+            if key.chars().any(char::is_control) {
+                return Err("the internal and admin keys must not hold control characters");
+            }
         }
         if internal == admin {
             return Err("the internal and admin keys must differ");
@@ -108,6 +122,11 @@ pub struct Shared {
     pub max_wait: Duration,
     /// Set when the service starts to shut down.
     pub shutting_down: ShuttingDown,
+    /// The background tasks' supervisor: `/readyz` fails while one of them is down.
+    pub background: crate::background::Supervisor,
+    /// Whether an OAuth credential's https token URL may reach a private, loopback or link-local
+    /// address (`--oauth-allow-private-token-urls`).
+    pub allow_private_token_urls: bool,
 }
 
 /// Whether the service has begun to shut down (SIGINT/SIGTERM; [`crate::startup`]): from then on
@@ -187,8 +206,9 @@ fn routes() -> utoipa_axum::router::OpenApiRouter<AppState> {
 /// The whole router: executor routes under `/api/internal`, operator routes under `/api/admin`,
 /// the operator dashboard under `/dashboard`, `/livez`, `/readyz`, `/healthz`, `/metrics` and
 /// `/openapi.json`, and JSON errors for unknown routes and
-/// methods. Every request gets an id (`X-Request-Id`, taken from the request or generated, echoed
-/// in the response and on every log line of the request), the caller's W3C trace context on its
+/// methods. Every request gets an id (`X-Request-Id`, taken from the request when
+/// [`request_id_is_safe`], else generated; echoed in the response and on every log line of the
+/// request), the caller's W3C trace context on its
 /// span when it sent a valid `traceparent`, a latency sample, and an answer within
 /// `request_timeout` (else 503).
 pub fn app(state: AppState) -> Router {
@@ -224,7 +244,43 @@ pub fn app(state: AppState) -> Router {
             request_id,
             tower_http::request_id::MakeRequestUuid,
         ))
+        // before all of the above: a client's id that is not safe to echo and log is replaced
+        .layer(axum::middleware::map_request(drop_unsafe_request_id))
         .with_state(state)
+}
+
+/// The longest `X-Request-Id` kept from a client, in characters.
+pub const MAX_REQUEST_ID_CHARS: usize = 128;
+
+/// Whether a client's `X-Request-Id` is kept (echoed in the response and written on every log
+/// line of the request): 1..=[`MAX_REQUEST_ID_CHARS`] characters from `A-Z a-z 0-9 . _ : - + / =`
+/// (UUIDs, hex and base64 trace ids fit). Anything else (60 KB of it, or a value crafted to forge
+/// log text) is replaced by a generated UUID.
+pub fn request_id_is_safe(value: &[u8]) -> bool {
+    (1..=MAX_REQUEST_ID_CHARS).contains(&value.len())
+        && value
+            .iter()
+            .all(|b| b.is_ascii_alphanumeric() || b"._:-+/=".contains(b))
+}
+
+/// Removes a client's `X-Request-Id` that [`request_id_is_safe`] refuses, so that
+/// `SetRequestIdLayer` generates one instead.
+async fn drop_unsafe_request_id(mut request: Request) -> Request {
+    let keep = match request
+        .headers()
+        .get_all("x-request-id")
+        .iter()
+        .collect::<Vec<_>>()[..]
+    {
+        [] => true,
+        [one] => request_id_is_safe(one.as_bytes()),
+        // two ids: neither is the request's
+        _ => false,
+    };
+    if !keep {
+        request.headers_mut().remove("x-request-id");
+    }
+    request
 }
 
 /// The span of one request, on every log line it writes: method, path, request id, and the
@@ -346,7 +402,8 @@ pub enum ApiError {
     #[error("{0}")]
     InvalidRequest(String),
     /// 400 `token_url_not_allowed`: an OAuth credential's `token_url` is neither https nor http on
-    /// a loopback address. Changes nothing.
+    /// a loopback address, or is https to a host that is (or resolves to) a private, loopback or
+    /// link-local address while the operator does not allow it. Changes nothing.
     #[error("{0}")]
     TokenUrlNotAllowed(String),
     /// 401 `unauthorized`: the key header is missing or wrong.
@@ -356,6 +413,16 @@ pub enum ApiError {
     /// operator route).
     #[error("this key may not use this route")]
     Forbidden,
+    /// 403 `pool_not_allowed`: the caller's tenant may not lease from this provider and pool
+    /// (its `pools`). Decided before anything is read: the same answer whether or not the pool
+    /// exists. Changes nothing.
+    #[error("this key may not lease from provider {provider} pool {pool}")]
+    PoolNotAllowed {
+        /// The provider the request named.
+        provider: String,
+        /// The pool the request named.
+        pool: String,
+    },
     /// 404 `pool_not_found`: no credentials at all for the provider and pool (as asked for).
     #[error("no credentials for provider {provider} in pool {pool}")]
     PoolNotFound {
@@ -464,6 +531,7 @@ impl ApiError {
             ApiError::TokenUrlNotAllowed(_) => (StatusCode::BAD_REQUEST, "token_url_not_allowed"),
             ApiError::Unauthorized => (StatusCode::UNAUTHORIZED, "unauthorized"),
             ApiError::Forbidden => (StatusCode::FORBIDDEN, "forbidden"),
+            ApiError::PoolNotAllowed { .. } => (StatusCode::FORBIDDEN, "pool_not_allowed"),
             ApiError::PoolNotFound { .. } => (StatusCode::NOT_FOUND, "pool_not_found"),
             ApiError::RouteNotFound => (StatusCode::NOT_FOUND, "route_not_found"),
             ApiError::CredentialNotFound => (StatusCode::NOT_FOUND, "credential_not_found"),
@@ -580,8 +648,9 @@ pub struct ErrorBody {
 /// A stable snake_case code and a human-readable message.
 #[derive(Debug, serde::Serialize, utoipa::ToSchema)]
 pub struct ErrorDetail {
-    /// Stable, snake_case: `invalid_request`, `unauthorized`, `forbidden`, `pool_not_found`,
-    /// `credential_not_found`, `tenant_not_found`, `tenant_key_not_found`, `route_not_found`,
+    /// Stable, snake_case: `invalid_request`, `token_url_not_allowed`, `unauthorized`,
+    /// `forbidden`, `pool_not_allowed`, `pool_not_found`, `credential_not_found`,
+    /// `tenant_not_found`, `tenant_key_not_found`, `route_not_found`,
     /// `method_not_allowed`, `model_not_supported`, `no_usable_credentials`,
     /// `request_id_conflict`, `tokens_exceed_budget`, `tenant_in_use`, `lease_lost`,
     /// `payload_too_large`, `unsupported_media_type`, `pool_exhausted`, `tenant_limit`,
@@ -684,54 +753,103 @@ fn key_matches(headers: &HeaderMap, name: &str, expected: &str) -> bool {
         .is_some_and(|given| given.as_bytes().ct_eq(expected.as_bytes()).into())
 }
 
-/// The executor key a request carries (`X-Internal-Key`): the configured internal key (tenant
-/// `default`), or something shaped like a tenant's key (`cpk_` + 64 hex digits), which only the
-/// store can vouch for: the statement that serves the call checks it (the claim, the renewal, the
-/// release: no extra round trip), so a revoked key is refused on every replica as soon as its
-/// DELETE has answered (no process keeps keys). Anything else: 401 at once.
-#[derive(Debug, Clone, Copy)]
-pub enum ExecutorKey {
-    /// The configured internal key: tenant `default`.
-    Internal,
-    /// A tenant's key, by its hash (the key itself is dropped here).
-    Tenant(crate::domain::TenantKeyHash),
+/// Who an executor request comes from (`X-Internal-Key`), established before its body is read
+/// and before any statement but the key's own look-up runs (docs/src/security.md,
+/// "Authentication first"): the configured internal key, compared in process in constant time
+/// (tenant `default`, every pool, full reach of its reports); or a tenant's key (`cpk_` + 64 hex
+/// digits), looked up by its hash in one statement ([`crate::store::tenants::key_tenant`]),
+/// which also gives the tenant's scope. Anything else, or a tenant key that is unknown or revoked:
+/// 401 at once. The statements that serve the call (claim, renewal, release) check a tenant key
+/// again themselves, so a revoke that commits meanwhile still holds.
+#[derive(Debug, Clone)]
+pub struct Caller {
+    /// The tenant key's hash, which the claim, renewal and release statements check again;
+    /// `None`: the internal key.
+    key: Option<crate::domain::TenantKeyHash>,
+    /// The caller's tenant.
+    tenant: crate::domain::TenantId,
+    /// Where it may lease.
+    pools: crate::domain::TenantScope,
+    /// Whether its reports may take a credential out of traffic until an operator acts.
+    reports_may_disable: bool,
 }
 
-impl ExecutorKey {
-    /// The hash the store checks, for a tenant key.
-    pub fn tenant_key(self) -> Option<crate::domain::TenantKeyHash> {
-        match self {
-            ExecutorKey::Internal => None,
-            ExecutorKey::Tenant(hash) => Some(hash),
+impl Caller {
+    /// The configured internal key: tenant `default`, every provider and pool, and reports of
+    /// full reach (what it could before tenants were scoped).
+    pub fn internal() -> Self {
+        Self {
+            key: None,
+            tenant: crate::domain::TenantId::default_tenant(),
+            pools: crate::domain::TenantScope::everything(),
+            reports_may_disable: true,
         }
     }
 
-    /// The tenant this key belongs to, read from the store: `default` for the internal key;
-    /// `Err(Unauthorized)` for a key that is unknown or revoked.
-    pub async fn tenant(self, db: &crate::store::Db) -> Result<crate::domain::TenantId, ApiError> {
-        match self {
-            ExecutorKey::Internal => Ok(crate::domain::TenantId::default_tenant()),
-            ExecutorKey::Tenant(hash) => crate::store::tenants::key_tenant(db, hash)
-                .await?
-                .ok_or(ApiError::Unauthorized),
+    /// The hash the claim, renewal and release statements check; `None` for the internal key.
+    pub fn tenant_key(&self) -> Option<crate::domain::TenantKeyHash> {
+        self.key
+    }
+
+    /// The caller's tenant.
+    pub fn tenant(&self) -> &crate::domain::TenantId {
+        &self.tenant
+    }
+
+    /// The pool sequence an allocate of `provider`/`pool` tries for this caller: the pool's
+    /// sequence less the pools outside the caller's scope. 403 `pool_not_allowed` when the pool
+    /// asked for is outside it, decided before anything is read, so the answer is the same
+    /// whether or not the pool exists.
+    pub fn pools(
+        &self,
+        provider: &crate::domain::ProviderName,
+        pool: &crate::domain::PoolName,
+    ) -> Result<Vec<crate::domain::PoolName>, ApiError> {
+        if !self.pools.admits(provider, pool) {
+            return Err(ApiError::PoolNotAllowed {
+                provider: provider.to_string(),
+                pool: pool.to_string(),
+            });
+        }
+        Ok(pool
+            .sequence()
+            .into_iter()
+            .filter(|p| self.pools.admits(provider, p))
+            .collect())
+    }
+
+    /// Who the trail names for this caller's outcome reports, and how far they reach.
+    pub fn reporter(&self) -> crate::store::leases::Reporter {
+        crate::store::leases::Reporter {
+            tenant: self.tenant.to_string(),
+            may_disable: self.reports_may_disable,
         }
     }
 }
 
-impl FromRequestParts<AppState> for ExecutorKey {
+impl FromRequestParts<AppState> for Caller {
     type Rejection = ApiError;
 
     async fn from_request_parts(parts: &mut Parts, state: &AppState) -> Result<Self, ApiError> {
         if key_matches(&parts.headers, "x-internal-key", &state.keys.internal) {
-            return Ok(ExecutorKey::Internal);
+            return Ok(Caller::internal());
         }
-        parts
+        let hash = parts
             .headers
             .get("x-internal-key")
             .and_then(|given| given.to_str().ok())
             .and_then(crate::domain::TenantKey::parse)
-            .map(|key| ExecutorKey::Tenant(key.hash()))
-            .ok_or(ApiError::Unauthorized)
+            .map(|key| key.hash())
+            .ok_or(ApiError::Unauthorized)?;
+        let found = crate::store::tenants::key_tenant(&state.db, hash)
+            .await?
+            .ok_or(ApiError::Unauthorized)?;
+        Ok(Caller {
+            key: Some(hash),
+            tenant: found.tenant,
+            pools: found.pools,
+            reports_may_disable: found.reports_may_disable,
+        })
     }
 }
 

@@ -50,18 +50,28 @@ async fn healthz() -> Json<Health> {
     livez().await
 }
 
-/// Whether this process should get traffic (for a readiness probe): not shutting down, and the
+/// Whether this process should get traffic (for a readiness probe): not shutting down, no
+/// background task down (one that panicked is restarting: [`crate::background`]), and the
 /// database answers within a second and is current for this binary ([`crate::store::ready`]:
 /// migrations applied, and whatever else the store needs).
 #[utoipa::path(get, path = "/readyz", tag = "operations",
     responses(
         (status = 200, description = "ready", body = Health),
-        (status = 503, description = "`shutting_down`: SIGTERM received, the service is about to stop (it still serves for --shutdown-delay-seconds); `not_ready`: the database is unreachable, slow, or not current for this version", body = ErrorBody),
+        (status = 503, description = "`shutting_down`: SIGTERM received, the service is about to stop (it still serves for --shutdown-delay-seconds); `not_ready`: a background task panicked and is restarting, or the database is unreachable, slow, or not current for this version", body = ErrorBody),
     ))]
 async fn readyz(State(state): State<AppState>) -> Response {
     if state.shutting_down.is_set() {
         let body = serde_json::json!({"error": {"code": "shutting_down",
             "message": "the service is shutting down; send requests to another replica"}});
+        return (StatusCode::SERVICE_UNAVAILABLE, Json(body)).into_response();
+    }
+    let down = state.background.down();
+    if !down.is_empty() {
+        let message = format!(
+            "background task {} panicked and is restarting (credpool_background_task_restarts_total)",
+            down.join(", ")
+        );
+        let body = serde_json::json!({"error": {"code": "not_ready", "message": message}});
         return (StatusCode::SERVICE_UNAVAILABLE, Json(body)).into_response();
     }
     let reason = match tokio::time::timeout(READY_TIMEOUT, crate::store::ready(&state.db)).await {

@@ -14,7 +14,7 @@ use uuid::Uuid;
 use super::admin::Operator;
 use super::{ApiError, ApiJson, ApiPath, AppState, ErrorBody};
 use crate::allocator::windows::RateLimits;
-use crate::domain::{InvalidValue, TenantId};
+use crate::domain::{InvalidValue, PoolPattern, TenantId, TenantScope};
 use crate::store::tenants::{self, DeleteRefused, TenantDetail, TenantSpec};
 
 pub(super) fn routes() -> OpenApiRouter<AppState> {
@@ -54,6 +54,19 @@ struct TenantInput {
     /// replica; without room an allocate gets 429 `tenant_limit`, and an estimate larger than a
     /// token window 409 `tokens_exceed_budget`. Absent: none.
     rate_limits: Option<RateLimits>,
+    /// The providers and pools the tenant's keys may lease from, up to 64 `provider/pool`
+    /// patterns whose halves are names or `*`: `["openai/*", "anthropic/default"]`, `["*/*"]`
+    /// for everything. Absent or `[]`: none (every allocate answers 403 `pool_not_allowed`
+    /// until an operator names its pools). A `vip` request falls back to `default` only when
+    /// both are in it. Not settable for `default` (the internal key leases from every pool).
+    #[schema(value_type = Option<Vec<String>>, example = json!(["openai/*"]))]
+    pools: Option<Vec<PoolPattern>>,
+    /// Whether an outcome report of the tenant's leases alone may take a credential out of
+    /// traffic until an operator acts: `auth_error` disables it, `quota_exhausted` without
+    /// `retry_after_seconds` rests it with no end. Default `false`: such a report rests the
+    /// credential for a bounded time instead (docs/src/security.md). Not settable for `default`
+    /// (the internal key's reports always could).
+    reports_may_disable: Option<bool>,
 }
 
 /// Creates (201) or updates (200) a tenant and fits its slot rows to its cap, in one
@@ -105,11 +118,31 @@ async fn put_tenant(
             .into());
         }
     };
+    // the internal key's tenant: it leases from every pool and its reports have full reach,
+    // whatever a row says (its key is compared in process, no row is read)
+    let is_default = tenant_id == TenantId::default_tenant();
+    if is_default && (body.pools.is_some() || body.reports_may_disable.is_some()) {
+        return Err(InvalidValue::new(
+            "pools",
+            "the default tenant is the internal key's: it leases from every pool and its reports may disable credentials; mint tenant keys for executors that should have less (pools and reports_may_disable are not settable for default)",
+        )
+        .into());
+    }
+    let (pools, reports_may_disable) = if is_default {
+        (TenantScope::everything(), true)
+    } else {
+        (
+            TenantScope::new(body.pools.unwrap_or_default())?,
+            body.reports_may_disable.unwrap_or(false),
+        )
+    };
     let spec = TenantSpec {
         tenant_id,
         max_concurrent_leases,
         weight,
         rate_limits: body.rate_limits.unwrap_or_default(),
+        pools,
+        reports_may_disable,
     };
     let (detail, created) = tenants::upsert(&state.db, &spec, &actor).await?;
     tracing::info!(created, actor = actor.as_str(), "tenant stored");

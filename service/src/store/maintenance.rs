@@ -101,41 +101,48 @@ pub async fn run_steps(
         .map_err(|e| sqlx::Error::Decode(Box::new(e)))
 }
 
-/// Runs the in-process scheduler until the pool closes: a pass every `interval`, logging what it
-/// did. Used only where pg_cron is not scheduled (each pass checks).
+/// Runs the in-process scheduler until the pool closes, as task `maintenance` of `supervisor`: a
+/// pass every `interval`, logging what it did. Used only where pg_cron is not scheduled (each
+/// pass checks).
 pub fn spawn_scheduler(
     db: Db,
     interval: Duration,
     retention: Duration,
+    supervisor: &crate::background::Supervisor,
 ) -> tokio::task::JoinHandle<()> {
-    tokio::spawn(async move {
-        let mut ticker = tokio::time::interval(interval);
-        ticker.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
-        loop {
-            ticker.tick().await;
-            if db.pool().is_closed() {
-                return;
-            }
-            match run_pass(&db, retention).await {
-                Ok(Ok(report)) if report != MaintenanceReport::default() => {
-                    crate::telemetry::expired("reaper", report.expired_leases_reaped.max(0) as u64);
-                    tracing::info!(
-                        reaped = report.expired_leases_reaped,
-                        credentials_refitted = report.credentials_refitted,
-                        cooldowns = report.cooldowns_recorded,
-                        purged = report.audit_rows_purged,
-                        request_ids = report.request_ids_purged,
-                        pool_versions = report.pool_versions_folded,
-                        tenants_refitted = report.tenants_refitted,
-                        affinity_bindings = report.affinity_bindings_purged,
-                        "maintenance pass"
-                    );
-                }
-                Ok(_) => {}
-                Err(error) => tracing::warn!(error = %error, "maintenance pass failed"),
-            }
-        }
+    supervisor.spawn("maintenance", move || {
+        scheduler(db.clone(), interval, retention)
     })
+}
+
+/// The scheduler's loop: a pass every `interval` until the pool closes.
+async fn scheduler(db: Db, interval: Duration, retention: Duration) {
+    let mut ticker = tokio::time::interval(interval);
+    ticker.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    loop {
+        ticker.tick().await;
+        if db.pool().is_closed() {
+            return;
+        }
+        match run_pass(&db, retention).await {
+            Ok(Ok(report)) if report != MaintenanceReport::default() => {
+                crate::telemetry::expired("reaper", report.expired_leases_reaped.max(0) as u64);
+                tracing::info!(
+                    reaped = report.expired_leases_reaped,
+                    credentials_refitted = report.credentials_refitted,
+                    cooldowns = report.cooldowns_recorded,
+                    purged = report.audit_rows_purged,
+                    request_ids = report.request_ids_purged,
+                    pool_versions = report.pool_versions_folded,
+                    tenants_refitted = report.tenants_refitted,
+                    affinity_bindings = report.affinity_bindings_purged,
+                    "maintenance pass"
+                );
+            }
+            Ok(_) => {}
+            Err(error) => tracing::warn!(error = %error, "maintenance pass failed"),
+        }
+    }
 }
 
 /// The pg_cron jobs credpool schedules: (name suffix, schedule, SQL).

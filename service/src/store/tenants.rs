@@ -16,7 +16,7 @@ use uuid::Uuid;
 use super::Db;
 use super::credentials::Actor;
 use crate::allocator::windows::RateLimits;
-use crate::domain::{TenantId, TenantKey, TenantKeyHash};
+use crate::domain::{PoolPattern, TenantId, TenantKey, TenantKeyHash, TenantScope};
 
 /// A tenant's configuration as an operator sets it (`PUT /api/admin/tenants/{tenant_id}`).
 #[derive(Debug, Clone)]
@@ -30,6 +30,12 @@ pub struct TenantSpec {
     pub weight: i32,
     /// Its rate windows over all its leases, decided in the claim (its tenant_windows row).
     pub rate_limits: RateLimits,
+    /// The providers and pools its keys may lease from (empty: none).
+    pub pools: TenantScope,
+    /// Whether an outcome report of its leases alone may take a credential out of traffic until
+    /// an operator acts (`auth_error`; `quota_exhausted` without a retry_after); otherwise such a
+    /// report rests the credential for a bounded time.
+    pub reports_may_disable: bool,
 }
 
 /// A tenant as the admin API shows it: its configuration, its usage now, and its keys (ids
@@ -46,6 +52,12 @@ pub struct TenantDetail {
     /// Its rate windows, as set: an array of `{"requests" | "tokens": N, "seconds": S}`.
     #[schema(value_type = Vec<Object>)]
     pub rate_limits: serde_json::Value,
+    /// The providers and pools its keys may lease from: `provider/pool` patterns whose halves
+    /// are names or `*` (`[]`: none).
+    pub pools: Vec<String>,
+    /// Whether a report of its leases alone may disable a credential (`auth_error`) or rest it
+    /// until an operator acts (`quota_exhausted` without `retry_after_seconds`).
+    pub reports_may_disable: bool,
     /// Live leases it holds now (lease_until after the database clock), over every credential.
     pub in_flight: i64,
     /// Its executor keys, live and revoked (never the key or its hash).
@@ -93,21 +105,31 @@ pub async fn upsert(
     let rate_limits =
         serde_json::to_value(&spec.rate_limits).map_err(|e| sqlx::Error::Encode(Box::new(e)))?;
     let seed = seed_windows(db, &spec.tenant_id, &rate_limits).await?;
+    let pools: Vec<&str> = spec
+        .pools
+        .patterns()
+        .iter()
+        .map(PoolPattern::as_str)
+        .collect();
     let mut tx = db.begin().await?;
     lock_tenant(&mut *tx, &spec.tenant_id).await?;
     let created = sqlx::query_scalar!(
         r#"
-        INSERT INTO tenants AS t (tenant_id, max_concurrent_leases, weight, rate_limits)
-        VALUES ($1, $2, $3, $4)
+        INSERT INTO tenants AS t (tenant_id, max_concurrent_leases, weight, rate_limits, pools,
+                                  reports_may_disable)
+        VALUES ($1, $2, $3, $4, $5, $6)
         ON CONFLICT ON CONSTRAINT tenants_pkey DO UPDATE
         SET max_concurrent_leases = EXCLUDED.max_concurrent_leases, weight = EXCLUDED.weight,
-            rate_limits = EXCLUDED.rate_limits, updated_at = clock_timestamp()
+            rate_limits = EXCLUDED.rate_limits, pools = EXCLUDED.pools,
+            reports_may_disable = EXCLUDED.reports_may_disable, updated_at = clock_timestamp()
         RETURNING (xmax = 0) AS "created!"
         "#,
         spec.tenant_id.as_str(),
         spec.max_concurrent_leases,
         spec.weight,
         rate_limits,
+        &pools[..] as &[&str],
+        spec.reports_may_disable,
     )
     .fetch_one(&mut *tx)
     .await?;
@@ -120,14 +142,17 @@ pub async fn upsert(
     .await?;
     sqlx::query!(
         r#"
-        INSERT INTO tenant_events (tenant_id, event, max_concurrent_leases, weight, rate_limits, actor, at)
-        VALUES ($1, $2, $3, $4, $5, $6, clock_timestamp())
+        INSERT INTO tenant_events (tenant_id, event, max_concurrent_leases, weight, rate_limits,
+                                   pools, reports_may_disable, actor, at)
+        VALUES ($1, $2, $3, $4, $5, $6, $7, $8, clock_timestamp())
         "#,
         spec.tenant_id.as_str(),
         if created { "created" } else { "updated" },
         spec.max_concurrent_leases,
         spec.weight,
         rate_limits,
+        &pools[..] as &[&str],
+        spec.reports_may_disable,
         actor.as_str(),
     )
     .execute(&mut *tx)
@@ -202,13 +227,15 @@ async fn read(db: &Db, only: Option<&TenantId>) -> Result<Vec<TenantDetail>, sql
     let rows = sqlx::query!(
         r#"
         SELECT u.tenant_id AS "tenant_id!", u.max_concurrent_leases, u.weight AS "weight!",
-               u.rate_limits AS "rate_limits!", u.in_flight AS "in_flight!",
+               u.rate_limits AS "rate_limits!", t.pools, t.reports_may_disable,
+               u.in_flight AS "in_flight!",
                u.created_at AS "created_at!", u.updated_at AS "updated_at!",
                coalesce((SELECT jsonb_agg(jsonb_build_object(
                                     'key_id', k.key_id, 'created_at', k.created_at,
                                     'revoked_at', k.revoked_at) ORDER BY k.created_at, k.key_id)
                          FROM tenant_keys k WHERE k.tenant_id = u.tenant_id), '[]') AS "keys!"
         FROM tenant_usage u
+        JOIN tenants t ON t.tenant_id = u.tenant_id
         WHERE $1::text IS NULL OR u.tenant_id = $1
         ORDER BY u.tenant_id
         "#,
@@ -234,6 +261,8 @@ async fn read(db: &Db, only: Option<&TenantId>) -> Result<Vec<TenantDetail>, sql
                 max_concurrent_leases: r.max_concurrent_leases,
                 weight: r.weight,
                 rate_limits: r.rate_limits,
+                pools: r.pools,
+                reports_may_disable: r.reports_may_disable,
                 in_flight: r.in_flight,
                 keys: keys
                     .into_iter()
@@ -385,22 +414,51 @@ async fn key_event(
     Ok(())
 }
 
-/// The tenant of a live key with this hash; `None` for a key that is unknown or revoked (SQL
-/// function `credpool_key_tenant`, the definition renew and release check keys with in their own
-/// statement). For an allocate answered without a claim (a 404 or 409 judged from the pool, a
-/// store failure), whose key the claim did not check: one index probe, read at the call, so a
-/// revoke is seen by every replica as soon as it has committed.
-pub async fn key_tenant(db: &Db, hash: TenantKeyHash) -> Result<Option<TenantId>, sqlx::Error> {
+/// What a live tenant key may do: its tenant, the pools it may lease from and whether its
+/// reports may disable a credential.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct KeyTenant {
+    /// The key's tenant.
+    pub tenant: TenantId,
+    /// The providers and pools it may lease from.
+    pub pools: TenantScope,
+    /// Whether a report of its leases alone may take a credential out of traffic until an
+    /// operator acts.
+    pub reports_may_disable: bool,
+}
+
+/// The tenant of a live key with this hash, with its scope; `None` for a key that is unknown or
+/// revoked. One statement: an index probe of `tenant_keys` (SQL function `credpool_key_tenant`,
+/// the definition claim, renew and release check keys with in their own statements) and one of
+/// `tenants`, read at the call, so a revoke or a change of scope is seen by every replica as soon
+/// as it has committed. Every executor request with a tenant key makes it before its body is read
+/// (docs/src/security.md, "Authentication first").
+pub async fn key_tenant(db: &Db, hash: TenantKeyHash) -> Result<Option<KeyTenant>, sqlx::Error> {
     let mut work = db.work().await?;
-    let tenant = sqlx::query_scalar!(
-        r#"SELECT k.tenant AS "tenant!" FROM credpool_key_tenant($1) AS k (tenant)"#,
+    let row = sqlx::query!(
+        r#"
+        SELECT t.tenant_id, t.pools, t.reports_may_disable
+        FROM credpool_key_tenant($1) AS k (tenant)
+        JOIN tenants t ON t.tenant_id = k.tenant
+        "#,
         hash.to_hex(),
     )
     .fetch_optional(&mut *work)
     .await?;
     work.done().await?;
-    tenant
-        .map(TenantId::parse)
-        .transpose()
-        .map_err(|e| sqlx::Error::Decode(Box::new(e)))
+    let Some(row) = row else {
+        return Ok(None);
+    };
+    let decode = |e: crate::domain::InvalidValue| sqlx::Error::Decode(Box::new(e));
+    let patterns = row
+        .pools
+        .into_iter()
+        .map(PoolPattern::parse)
+        .collect::<Result<Vec<_>, _>>()
+        .map_err(decode)?;
+    Ok(Some(KeyTenant {
+        tenant: TenantId::parse(row.tenant_id).map_err(decode)?,
+        pools: TenantScope::new(patterns).map_err(decode)?,
+        reports_may_disable: row.reports_may_disable,
+    }))
 }
