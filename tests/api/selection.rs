@@ -432,3 +432,183 @@ async fn a_credential_failing_half_its_calls_gets_clearly_less_traffic() {
         "flaky {flaky}, healthy mean {healthy_mean} ({counts:?})"
     );
 }
+
+#[tokio::test]
+async fn the_sql_health_rules_match_the_rust_state_machine_on_random_reports() {
+    // The release applies outcome reports in SQL (credpool_health_apply); the scoring simulation
+    // and the documentation's table are the Rust state machine (allocator::health::apply). Both
+    // on the same 3,000 random (health, report) pairs, under the default policy and a tight one:
+    // every field of the health after the report, whether it is a transition, and what a clamp
+    // says, must be equal.
+    use credpool::allocator::health::{Health, HealthPolicy, Report, apply};
+    use credpool::domain::{Outcome, Status};
+    use rand::{RngExt, SeedableRng};
+    use time::{Duration, OffsetDateTime};
+
+    let app = TestApp::spawn().await;
+    let mut rng = rand::rngs::StdRng::seed_from_u64(36_37);
+    // microseconds, as the database keeps them
+    let now = OffsetDateTime::from_unix_timestamp(1_800_000_000).unwrap()
+        + Duration::microseconds(123_456);
+    let tight = HealthPolicy {
+        failure_threshold: 2,
+        failure_window_seconds: 30.0,
+        cooldown_seconds: 5.0,
+        max_cooldown_seconds: 40.0,
+        rate_limit_seconds: 15.0,
+        max_report_rest_seconds: 20.0,
+        ..HealthPolicy::default()
+    };
+    let outcomes = [
+        Outcome::Success,
+        Outcome::Failure,
+        Outcome::RateLimited,
+        Outcome::AuthError,
+        Outcome::AuthExpired,
+        Outcome::QuotaExhausted,
+    ];
+    let around = |rng: &mut rand::rngs::StdRng| {
+        now + Duration::microseconds(rng.random_range(-600_000_000..600_000_000))
+    };
+    let mut cases = Vec::new();
+    for i in 0..3_000 {
+        let policy = if i % 2 == 0 {
+            HealthPolicy::default()
+        } else {
+            tight.clone()
+        };
+        let status = Status::ALL[rng.random_range(0..Status::ALL.len())];
+        let health = Health {
+            status,
+            status_reason: rng.random_bool(0.5).then(|| format!("reason {i}")),
+            cooldown_until: rng.random_bool(0.7).then(|| around(&mut rng)),
+            successes: rng.random_range(0.0..20.0),
+            failures: rng.random_range(0.0..20.0),
+            rate_limits: rng.random_range(0.0..5.0),
+            decayed_at: rng.random_bool(0.8).then(|| around(&mut rng).min(now)),
+            recent_failures: (0..rng.random_range(0..6))
+                .map(|_| now - Duration::microseconds(rng.random_range(0..90_000_000)))
+                .collect(),
+            cooldowns_in_a_row: rng.random_range(0..6),
+            last_success_at: rng.random_bool(0.5).then(|| around(&mut rng)),
+            recovered_at: rng.random_bool(0.3).then(|| around(&mut rng)),
+        };
+        let report = Report {
+            outcome: outcomes[rng.random_range(0..outcomes.len())],
+            retry_after_seconds: match rng.random_range(0..4) {
+                0 => None,
+                1 => Some(0),
+                2 => Some(rng.random_range(1..60)),
+                _ => Some(rng.random_range(1..3_000_000)),
+            },
+            probe: rng.random_bool(0.3),
+            may_disable: rng.random_bool(0.5),
+        };
+        cases.push((health, report, policy));
+    }
+    let rfc = |at: OffsetDateTime| {
+        at.format(&time::format_description::well_known::Rfc3339)
+            .unwrap()
+    };
+    let body: Vec<Value> = cases
+        .iter()
+        .map(|(h, r, p)| {
+            json!({
+                "row": {
+                    "key_id": "k", "provider": "openai", "pool": "default", "models": ["m"],
+                    "max_concurrent_uses": 1, "status": h.status.as_str(),
+                    "status_reason": h.status_reason, "cooldown_until": h.cooldown_until.map(rfc),
+                    "health_successes": h.successes, "health_failures": h.failures,
+                    "health_rate_limits": h.rate_limits,
+                    "health_decayed_at": h.decayed_at.map(rfc),
+                    "recent_failures": h.recent_failures.iter().copied().map(rfc).collect::<Vec<_>>(),
+                    "cooldowns_in_a_row": h.cooldowns_in_a_row,
+                    "last_success_at": h.last_success_at.map(rfc),
+                    "recovered_at": h.recovered_at.map(rfc),
+                },
+                "outcome": r.outcome.as_str(), "retry_after": r.retry_after_seconds,
+                "probe": r.probe, "may_disable": r.may_disable,
+                "policy": credpool::store::leases::policy_json(p),
+            })
+        })
+        .collect();
+    type Row = (
+        String,
+        Option<String>,
+        Option<OffsetDateTime>,
+        f64,
+        f64,
+        f64,
+        Option<OffsetDateTime>,
+        Option<Vec<OffsetDateTime>>,
+        i32,
+        Option<OffsetDateTime>,
+        Option<OffsetDateTime>,
+        bool,
+        Option<i32>,
+    );
+    let rows: Vec<Row> = sqlx::query_as(
+        "SELECT (a.next).status, (a.next).status_reason, (a.next).cooldown_until,
+                (a.next).health_successes, (a.next).health_failures, (a.next).health_rate_limits,
+                (a.next).health_decayed_at, (a.next).recent_failures,
+                (a.next).cooldowns_in_a_row, (a.next).last_success_at, (a.next).recovered_at,
+                a.changed, a.clamped_from
+         FROM jsonb_array_elements($1) WITH ORDINALITY AS e (c, n)
+         CROSS JOIN LATERAL credpool_health_apply(
+             jsonb_populate_record(NULL::credentials, e.c -> 'row'), e.c ->> 'outcome',
+             (e.c ->> 'retry_after')::integer, (e.c ->> 'probe')::boolean,
+             (e.c ->> 'may_disable')::boolean, $2, e.c -> 'policy') AS a
+         ORDER BY e.n",
+    )
+    .bind(Value::Array(body))
+    .bind(now)
+    .fetch_all(&app.db)
+    .await
+    .unwrap();
+    let close = |a: f64, b: f64| (a - b).abs() <= 1e-9 * a.abs().max(b.abs()).max(1.0);
+    for ((health, report, policy), row) in cases.iter().zip(rows) {
+        let (next, transition) = apply(health, *report, now, policy);
+        let sql = format!(
+            "({:?}, {:?}, {:?}, {}, {}, {}, {:?}, {:?}, {}, {:?}, {:?}, {}, {:?})",
+            row.0,
+            row.1,
+            row.2,
+            row.3,
+            row.4,
+            row.5,
+            row.6,
+            row.7,
+            row.8,
+            row.9,
+            row.10,
+            row.11,
+            row.12
+        );
+        let case = format!(
+            "{health:?} + {report:?} under {policy:?}: sql {sql}, rust {next:?} {transition:?}"
+        );
+        assert_eq!(row.0, next.status.as_str(), "status: {case}");
+        assert_eq!(row.1, next.status_reason, "status_reason: {case}");
+        assert_eq!(row.2, next.cooldown_until, "cooldown_until: {case}");
+        assert!(close(row.3, next.successes), "successes: {case}");
+        assert!(close(row.4, next.failures), "failures: {case}");
+        assert!(close(row.5, next.rate_limits), "rate_limits: {case}");
+        assert_eq!(row.6, next.decayed_at, "decayed_at: {case}");
+        assert_eq!(
+            row.7.unwrap_or_default(),
+            next.recent_failures,
+            "recent_failures: {case}"
+        );
+        assert_eq!(row.8, next.cooldowns_in_a_row, "cooldowns_in_a_row: {case}");
+        assert_eq!(row.9, next.last_success_at, "last_success_at: {case}");
+        assert_eq!(row.10, next.recovered_at, "recovered_at: {case}");
+        assert_eq!(row.11, transition.is_some(), "transition: {case}");
+        if let Some(transition) = transition {
+            assert_eq!(
+                row.12.map(|s| s as u32),
+                transition.clamped_from,
+                "clamped_from: {case}"
+            );
+        }
+    }
+}

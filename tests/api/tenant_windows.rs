@@ -663,7 +663,10 @@ async fn a_window_set_on_a_busy_tenant_never_holds_its_claims_back_while_it_read
                 &base,
                 reqwest::Method::PUT,
                 "/api/admin/tenants/team",
-                Some(json!({"rate_limits": [{"requests": 8, "seconds": 600}]})),
+                Some(json!({
+                    "pools": ["*/*"],
+                    "rate_limits": [{"requests": 8, "seconds": 600}]
+                })),
             )
             .await
             .status()
