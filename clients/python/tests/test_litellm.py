@@ -20,6 +20,7 @@ import pytest
 
 litellm = pytest.importorskip("litellm")
 
+from credpool import AsyncClient, PoolExhausted  # noqa: E402
 from credpool.integrations.litellm import CredpoolLeases  # noqa: E402
 from harness import (  # noqa: E402
     SCHEDULING_SLACK_SECONDS,
@@ -381,3 +382,26 @@ def test_a_synchronous_call_is_not_leased_and_says_so(
     assert upstream.served["sk-own-key"] == 1
     warnings = [r.getMessage() for r in caplog.records if r.name == "credpool"]
     assert any("synchronous completion calls are not leased" in w for w in warnings)
+
+
+async def test_a_call_that_finds_every_slot_taken_raises_pool_exhausted_and_sends_nothing(
+    service: Service, admin: Admin, provider: str, upstream: MockUpstream
+) -> None:
+    key_id, secret = f"{provider}-a", f"sk-{provider}"
+    admin.put_key(key_id, provider, limit=1, secret={"api_key": secret})
+    callback = CredpoolLeases(
+        service.base_url, internal_key=service.internal_key, provider=provider, wait=0
+    )
+    saved = litellm.callbacks
+    litellm.callbacks = [callback]
+    try:
+        async with AsyncClient(service.base_url, internal_key=service.internal_key) as other:
+            async with other.lease(provider, "gpt-4o"):
+                with pytest.raises(PoolExhausted) as refused:
+                    await completion(upstream)
+        assert refused.value.retry_after >= 1
+    finally:
+        await callback.aclose()
+        litellm.callbacks = saved
+    assert upstream.served[secret] == 0
+    assert [event for event, _ in trail(service.database_url, key_id)] == ["granted", "released"]
