@@ -5,6 +5,7 @@ against the real service and a mock provider of the test's own on 127.0.0.1
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 import os
@@ -43,17 +44,26 @@ def upstream() -> Iterator[MockUpstream]:
         yield mock
 
 
+@contextlib.asynccontextmanager
+async def installed(callback: CredpoolLeases) -> AsyncIterator[CredpoolLeases]:
+    """``callback`` as LiteLLM's only one for the block; closed (its releases awaited) after."""
+    saved = litellm.callbacks
+    litellm.callbacks = [callback]
+    try:
+        yield callback
+    finally:
+        await callback.aclose()
+        litellm.callbacks = saved
+
+
 @pytest.fixture
 async def leases(service: Service, provider: str) -> AsyncIterator[CredpoolLeases]:
-    """The callback, installed as LiteLLM's only one for the test."""
+    """The callback for the test's provider, installed."""
     callback = CredpoolLeases(
         service.base_url, internal_key=service.internal_key, provider=provider, wait=60.0
     )
-    saved = litellm.callbacks
-    litellm.callbacks = [callback]
-    yield callback
-    await callback.aclose()
-    litellm.callbacks = saved
+    async with installed(callback):
+        yield callback
 
 
 async def completion(upstream: MockUpstream, **kwargs: Any) -> Any:
@@ -272,14 +282,9 @@ async def test_a_long_call_keeps_its_lease_renewed(
     callback = CredpoolLeases(
         service.base_url, internal_key=service.internal_key, provider=provider, lease_seconds=2
     )
-    saved = litellm.callbacks
-    litellm.callbacks = [callback]
-    try:
+    async with installed(callback):
         with MockUpstream(delay=5.0) as slow:
             answer = await completion(slow, timeout=60)
-    finally:
-        await callback.aclose()
-        litellm.callbacks = saved
     assert answer.usage.total_tokens == TOKENS_PER_ANSWER
     events = [event for event, _ in trail(service.database_url, key_id)]
     # a 2 s lease held for 5 s: renewed (every 2/3 s), then released, never expired
@@ -317,9 +322,7 @@ async def test_a_release_in_flight_survives_the_callers_cancellation(
     callback = CredpoolLeases(
         service.base_url, internal_key=service.internal_key, provider=provider, transport=transport
     )
-    saved = litellm.callbacks
-    litellm.callbacks = [callback]
-    try:
+    async with installed(callback):
         caller = asyncio.ensure_future(completion(upstream))
         await asyncio.wait_for(transport.started.wait(), 30)
         # the caller's own timeout fires while its failure hook waits for the release
@@ -328,9 +331,6 @@ async def test_a_release_in_flight_survives_the_callers_cancellation(
             await caller
         await until("the release", lambda: nothing_leased(admin, key_id), seconds=5)
         assert trail(service.database_url, key_id)[-1] == ("released", "rate_limited")
-    finally:
-        await callback.aclose()
-        litellm.callbacks = saved
 
 
 async def test_the_proxy_stream_hook_releases_when_the_client_goes_away(
@@ -392,16 +392,13 @@ async def test_a_call_that_finds_every_slot_taken_raises_pool_exhausted_and_send
     callback = CredpoolLeases(
         service.base_url, internal_key=service.internal_key, provider=provider, wait=0
     )
-    saved = litellm.callbacks
-    litellm.callbacks = [callback]
-    try:
-        async with AsyncClient(service.base_url, internal_key=service.internal_key) as other:
-            async with other.lease(provider, "gpt-4o"):
-                with pytest.raises(PoolExhausted) as refused:
-                    await completion(upstream)
-        assert refused.value.retry_after >= 1
-    finally:
-        await callback.aclose()
-        litellm.callbacks = saved
+    async with (
+        installed(callback),
+        AsyncClient(service.base_url, internal_key=service.internal_key) as other,
+        other.lease(provider, "gpt-4o"),
+    ):
+        with pytest.raises(PoolExhausted) as refused:
+            await completion(upstream)
+    assert refused.value.retry_after >= 1
     assert upstream.served[secret] == 0
     assert [event for event, _ in trail(service.database_url, key_id)] == ["granted", "released"]

@@ -299,8 +299,7 @@ class CredpoolLeases(CustomLogger):
         401, ``quota_exhausted``, else ``failure``."""
         call = self._call_of(request_data)
         if call is not None:
-            found = outcome_for(exception)
-            await self._finish(call, found.outcome, retry_after=found.retry_after)
+            await self._fail(call, exception)
 
     async def async_log_success_event(
         self, kwargs: Any, response_obj: Any, start_time: Any, end_time: Any
@@ -317,11 +316,10 @@ class CredpoolLeases(CustomLogger):
         call = self._call_of(kwargs)
         if call is not None and call.streamed:
             error = kwargs.get("exception") if isinstance(kwargs, Mapping) else None
-            found = outcome_for(error) if isinstance(error, BaseException) else None
-            if found is None:
-                await self._finish(call, "failure")
+            if isinstance(error, BaseException):
+                await self._fail(call, error)
             else:
-                await self._finish(call, found.outcome, retry_after=found.retry_after)
+                await self._finish(call, "failure")
 
     async def async_post_call_streaming_iterator_hook(
         self, user_api_key_dict: UserAPIKeyAuth, response: Any, request_data: Dict[str, Any]
@@ -335,8 +333,7 @@ class CredpoolLeases(CustomLogger):
                 yield item
         except Exception as error:
             if call is not None:
-                found = outcome_for(error)
-                await self._finish(call, found.outcome, retry_after=found.retry_after)
+                await self._fail(call, error)
             raise
         except BaseException:
             # GeneratorExit or CancelledError: the client disconnected.
@@ -443,6 +440,13 @@ class CredpoolLeases(CustomLogger):
         release = self._start(call, self._release(call, outcome, retry_after, usage_tokens))
         if release is not None:
             await asyncio.shield(release)
+
+    async def _fail(self, call: _Call, error: BaseException) -> None:
+        """Releases ``call`` with the outcome ``error`` stands for (:func:`credpool.outcome_for`):
+        ``rate_limited`` with its Retry-After, ``auth_expired``, ``quota_exhausted``, else
+        ``failure``."""
+        found = outcome_for(error)
+        await self._finish(call, found.outcome, retry_after=found.retry_after)
 
     def _collected(self, call: _Call) -> None:
         """The finalizer: the call's LiteLLM logging object was collected (its stream or answer
