@@ -10,6 +10,10 @@ from typing import Iterator, List
 
 import pytest
 
+# LiteLLM fetches its model price map from the internet when imported unless told to use the
+# copy it ships; the tests reach nothing but 127.0.0.1.
+os.environ.setdefault("LITELLM_LOCAL_MODEL_COST_MAP", "True")
+
 from harness import (
     DEFAULT_DATABASE_URL,
     Admin,

@@ -182,6 +182,7 @@ class Admin:
         pool: str = "default",
         status: Optional[str] = None,
         secret: Optional[Dict[str, Any]] = None,
+        oauth: Optional[Dict[str, Any]] = None,
     ) -> Any:
         body: Dict[str, Any] = {
             "provider": provider,
@@ -192,6 +193,8 @@ class Admin:
         }
         if status is not None:
             body["status"] = status
+        if oauth is not None:
+            body["oauth"] = oauth
         return self._ok(self._http.put(f"/keys/{key_id}", json=body))
 
     def key(self, key_id: str) -> Any:

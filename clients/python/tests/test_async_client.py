@@ -228,6 +228,9 @@ async def test_no_secret_or_key_in_logs_or_reprs_against_the_real_service(
     service: Service, admin: Admin, provider: str, caplog: pytest.LogCaptureFixture
 ) -> None:
     caplog.set_level(logging.DEBUG)  # httpx and httpcore log every request at DEBUG
+    # importing litellm (tests/test_litellm.py, in the same session) sets httpx's logger to
+    # WARNING; this test needs httpx's request lines
+    caplog.set_level(logging.DEBUG, logger="httpx")
     secret = "sk-REAL-SECRET-" + provider
     admin.put_key(f"{provider}-a", provider, secret={"api_key": secret, "org": "o-1"})
     shown = []
