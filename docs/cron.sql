@@ -33,9 +33,12 @@ INSERT INTO maintenance_schedule (scheduler) VALUES ('pg_cron') ON CONFLICT DO N
 --   credpool_reap_expired_leases(1000)   end expired leases in the trail, free their slots
 --   credpool_refit_over_limit(100)       refit credentials back under a lowered limit
 --   credpool_recover_cooldowns(1000)     record ended cooldowns (credential_events 'cooldown_ended')
---   credpool_purge_audit(retention, 10000)  delete audit rows older than the retention
+--   credpool_purge_audit(retention, 10000)  delete audit rows older than the retention (the
+--                                        credential trail, and the lease trail before partitions)
 --   credpool_purge_requests('1 hour', 10000)  delete request ids whose lease has ended
 --   credpool_compact_pool_versions()     fold the pool versions of exited backends
+--   credpool_make_trail_days(7)          make the lease trail's days a week ahead
+--   credpool_drop_trail_days(retention)  drop the lease trail's days past the retention, whole
 -- Each is safe to run concurrently with itself and with allocation, and idempotent.
 --
 -- Check the runs:

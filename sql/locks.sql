@@ -69,7 +69,7 @@ $$;
 --   * the tenant_slots rows of their leases, their lease_windows rows, then (unless
 --     p_credential_rows is false) the credential rows, FOR UPDATE, each kind in one statement.
 --     Without the credential rows, the caller takes them itself later in the lock order: RELEASE
---     writes its trail rows (lock order 3) before it takes them.
+--     takes its late reports' lease locks (lock order 3) before it takes them.
 -- Returns how many of the credentials exist.
 DROP FUNCTION IF EXISTS credpool_lock_credentials(text[]);
 CREATE OR REPLACE FUNCTION credpool_lock_credentials(p_key_ids text[],

@@ -49,26 +49,117 @@ LANGUAGE sql AS $$
     SELECT count(*)::integer FROM recorded
 $$;
 
--- Deletes up to p_batch rows of each trail older than p_retention. Never touches the history of
--- a lease that still holds a slot. Returns how many rows it deleted.
+-- The partitions of the lease trail, one per UTC day of `at` (and `lease_events_before`, the
+-- trail written before it was partitioned, from MINVALUE): each with the range of `at` it holds,
+-- [day_from, day_to); day_from NULL for MINVALUE.
+CREATE OR REPLACE FUNCTION credpool_trail_days(OUT day regclass, OUT day_from timestamptz,
+    OUT day_to timestamptz)
+RETURNS SETOF record
+LANGUAGE sql STABLE AS $$
+    SELECT c.oid::regclass,
+           (regexp_match(pg_get_expr(c.relpartbound, c.oid), 'FROM \(''([^'']+)''\)'))[1]::timestamptz,
+           (regexp_match(pg_get_expr(c.relpartbound, c.oid), 'TO \(''([^'']+)''\)'))[1]::timestamptz
+    FROM pg_inherits i
+    JOIN pg_class c ON c.oid = i.inhrelid
+    WHERE i.inhparent = 'lease_events'::regclass
+$$;
+
+-- Makes the trail's partitions for today and the next p_days UTC days that do not exist yet, so
+-- that a grant never finds no partition for its row (the trail has no default partition: one
+-- would have to be scanned, under a lock every trail reader waits behind, whenever a day is
+-- added). Each day is created on its own and then attached, which takes only a SHARE UPDATE
+-- EXCLUSIVE lock on the trail: claims, releases and proofs go on meanwhile. A day another
+-- session is adding (the attach waits more than a second) is left for the next pass. p_now: the
+-- clock. Returns how many days it made.
+CREATE OR REPLACE FUNCTION credpool_make_trail_days(p_days integer DEFAULT 7,
+    p_now timestamptz DEFAULT now())
+RETURNS integer
+LANGUAGE plpgsql AS $$
+DECLARE
+    v_today timestamptz := date_trunc('day', p_now AT TIME ZONE 'UTC') AT TIME ZONE 'UTC';
+    v_day timestamptz;
+    v_name text;
+    v_made integer := 0;
+BEGIN
+    PERFORM set_config('lock_timeout', '1s', true);
+    FOR i IN 0..p_days LOOP
+        v_day := v_today + make_interval(days => i);
+        CONTINUE WHEN EXISTS (SELECT 1 FROM credpool_trail_days() d
+                              WHERE coalesce(d.day_from, '-infinity') < v_day + interval '1 day'
+                                AND d.day_to > v_day);
+        v_name := 'lease_events_p' || to_char(v_day AT TIME ZONE 'UTC', 'YYYYMMDD');
+        BEGIN
+            EXECUTE format('CREATE TABLE %I (LIKE lease_events INCLUDING DEFAULTS INCLUDING CONSTRAINTS)',
+                           v_name);
+            EXECUTE format('ALTER TABLE lease_events ATTACH PARTITION %I FOR VALUES FROM (%L) TO (%L)',
+                           v_name, v_day, v_day + interval '1 day');
+            v_made := v_made + 1;
+        EXCEPTION WHEN lock_not_available OR duplicate_table THEN
+            RETURN v_made;
+        END;
+    END LOOP;
+    RETURN v_made;
+END;
+$$;
+
+-- Drops the trail's days that retention has passed: every row older than now() - p_retention,
+-- oldest first. Keeps a day that holds the grant of a lease still in its slot (its trail is
+-- whole until it ends).
+-- Dropping a day takes an ACCESS EXCLUSIVE lock on the trail for a moment; it waits for it at
+-- most 100 ms (a proof reading the trail holds it off: the day is dropped by a later pass), so
+-- claims and releases queue behind it no longer than that. p_now: the clock. Returns how many
+-- days it dropped.
+CREATE OR REPLACE FUNCTION credpool_drop_trail_days(p_retention interval DEFAULT '30 days',
+    p_now timestamptz DEFAULT now())
+RETURNS integer
+LANGUAGE plpgsql AS $$
+DECLARE
+    v_keep_from timestamptz := p_now - p_retention;
+    v_day record;
+    v_dropped integer := 0;
+BEGIN
+    v_keep_from := least(v_keep_from,
+                         (SELECT min(s.granted_at) FROM lease_slots s WHERE s.lease_id IS NOT NULL));
+    PERFORM set_config('lock_timeout', '100ms', true);
+    FOR v_day IN SELECT d.day, d.day_to FROM credpool_trail_days() d
+                 WHERE d.day_to <= v_keep_from ORDER BY d.day_to LOOP
+        BEGIN
+            EXECUTE format('DROP TABLE %s', v_day.day);
+            v_dropped := v_dropped + 1;
+        EXCEPTION
+            WHEN lock_not_available THEN
+                RETURN v_dropped;
+            WHEN undefined_table THEN
+                NULL; -- another session dropped it first
+        END;
+    END LOOP;
+    RETURN v_dropped;
+END;
+$$;
+
+-- Deletes up to p_batch rows of the trail written before it was partitioned
+-- (`lease_events_before`, until credpool_drop_trail_days drops it whole) and of the credential
+-- trail older than p_retention. Never touches the history of a lease that still holds a slot.
+-- Returns how many rows it deleted.
 CREATE OR REPLACE FUNCTION credpool_purge_audit(p_retention interval DEFAULT '30 days', p_batch integer DEFAULT 10000)
 RETURNS integer
 LANGUAGE plpgsql AS $$
 DECLARE
-    v_leases integer;
+    v_leases integer := 0;
     v_credentials integer;
 BEGIN
-    WITH doomed AS (
-        SELECT e.event_id
-        FROM lease_events e
-        WHERE e.at < now() - p_retention
-          AND NOT EXISTS (SELECT 1 FROM lease_slots s
-                          WHERE s.key_id = e.key_id AND s.lease_id = e.lease_id)
-        ORDER BY e.at
-        LIMIT p_batch
-    )
-    DELETE FROM lease_events WHERE event_id IN (SELECT event_id FROM doomed);
-    GET DIAGNOSTICS v_leases = ROW_COUNT;
+    IF to_regclass('lease_events_before') IS NOT NULL THEN
+        DELETE FROM lease_events_before
+        WHERE ctid = ANY (ARRAY(
+            SELECT e.ctid
+            FROM lease_events_before e
+            WHERE e.at < now() - p_retention
+              AND NOT EXISTS (SELECT 1 FROM lease_slots s
+                              WHERE s.key_id = e.key_id AND s.lease_id = e.lease_id)
+            ORDER BY e.at
+            LIMIT p_batch));
+        GET DIAGNOSTICS v_leases = ROW_COUNT;
+    END IF;
 
     WITH doomed AS (
         SELECT event_id FROM credential_events
@@ -178,7 +269,8 @@ $$;
 -- The steps of one maintenance pass, in order: reap expired leases, refit credentials back under
 -- a lowered limit, record ended cooldowns, purge old audit rows and request ids, fold the pool
 -- versions of exited backends, refit tenants over a lowered cap, purge expired affinity bindings
--- and keep them under their cap. Step `p_step` (1-based) runs and returns its name and how much it
+-- and keep them under their cap, make the trail's days a week ahead and drop the days retention
+-- has passed. Step `p_step` (1-based) runs and returns its name and how much it
 -- did; past the last step, both are NULL. Each step is meant to be its own transaction
 -- (credpool_maintenance, and the service's own scheduler, commit after each), so that the row
 -- locks of one step are gone before the next starts: a long audit purge never holds the slot rows
@@ -191,7 +283,8 @@ LANGUAGE plpgsql AS $$
 BEGIN
     name := (ARRAY['expired_leases_reaped', 'credentials_refitted', 'cooldowns_recorded',
                    'audit_rows_purged', 'request_ids_purged', 'pool_versions_folded',
-                   'tenants_refitted', 'affinity_bindings_purged'])[p_step];
+                   'tenants_refitted', 'affinity_bindings_purged', 'trail_days_made',
+                   'trail_days_dropped'])[p_step];
     IF name IS NULL THEN
         RETURN;
     END IF;
@@ -207,6 +300,8 @@ BEGIN
         WHEN 'request_ids_purged' THEN credpool_purge_requests('1 hour', 10000)
         WHEN 'pool_versions_folded' THEN credpool_compact_pool_versions()
         WHEN 'affinity_bindings_purged' THEN credpool_purge_affinity(NULL, 10000)
+        WHEN 'trail_days_made' THEN credpool_make_trail_days(7)
+        WHEN 'trail_days_dropped' THEN credpool_drop_trail_days(p_retention)
     END;
 END;
 $$;

@@ -167,7 +167,7 @@ $$;
 -- lease_until if it still sits in its slot ('expired'); one in a slot but named with another
 -- key_id, provider, pool or fence is left alone ('mismatch'); one in no slot is 'not_found'. An
 -- outcome or a usage for an expired or ended lease granted with the values given is recorded once
--- as `outcome_after_expiry` (unique index lease_events_one_report_per_lease: retries count once)
+-- as `outcome_after_expiry` (under the lease's advisory lock: retries count once)
 -- and still counts for health. A usage replaces the lease's reservation in its credential's and
 -- tenant's token windows, once. A counted outcome changes the credential's health
 -- (credpool_health_apply; several reports on one credential one after the other, in request
@@ -195,7 +195,7 @@ $$;
 -- (credpool_lock_credentials without its credential row); the named leases' slot rows, ascending
 -- (key_id, slot), in one statement; their tenant slot rows (credpool_lock_tenant_slots); the
 -- lease_windows rows of the credentials named with a usage, then those leases' tenants'
--- tenant_windows rows; trail rows guarded by unique indexes, ascending lease_id; the credential
+-- tenant_windows rows; late reports' lease advisory locks, ascending lease_id; the credential
 -- rows of counted outcomes, ascending key_id. Decision clock: clock_timestamp() after the slot
 -- locks (`released` rows carry it as `at`), and for health after the credential rows' locks.
 DROP FUNCTION IF EXISTS credpool_release(jsonb);
@@ -460,10 +460,10 @@ $$;
 -- LATE: what each release did for the windows, and the late reports: a released lease's usage
 -- replaces its reservation; an outcome or usage for a lease that had ended (expired, or in no
 -- slot: granted with the values given, by its `granted` row) is recorded once as
--- `outcome_after_expiry` and counts like a release's (after the ends, so a release and a late
--- report of one lease in one call meet the unique index in that order). In ascending lease_id,
--- the lock order of the trail's unique indexes: two groups reporting the same leases wait for
--- each other's trail rows in one order.
+-- `outcome_after_expiry` and counts like a release's (after the ends, so a late report sees the
+-- `released` row of a release of the same lease in the same call). Each late report takes its
+-- lease's advisory lock first, in ascending lease_id (lock order 3): two groups reporting the same
+-- leases wait for each other in one order, and the second finds the first's row.
 CREATE OR REPLACE FUNCTION credpool_release_late(p_releases credpool_release[], p_now timestamptz)
 RETURNS credpool_release[]
 LANGUAGE plpgsql
@@ -481,6 +481,9 @@ BEGIN
                                           r.usage_tokens - coalesce((r.slot).reserved_tokens, 0));
         ELSIF r.verdict IN ('expired', 'not_found')
               AND (r.outcome IS NOT NULL OR r.usage_tokens IS NOT NULL) THEN
+            -- once per lease: under the lease's advisory lock, so the check below sees the
+            -- row of any earlier holder (a retry in another group), committed
+            PERFORM pg_advisory_xact_lock(hashtextextended('credpool.lease:' || r.lease_id, 0));
             INSERT INTO lease_events
                 (event, lease_id, key_id, provider, pool, slot, holder, outcome, lease_until, at,
                  tokens, tenant)
@@ -492,8 +495,10 @@ BEGIN
             WHERE g.lease_id = r.lease_id AND g.event = 'granted'
               AND g.key_id = r.key_id AND g.provider = r.provider AND g.pool = r.pool
               AND (r.fence IS NULL OR g.fence IS NULL OR g.fence = r.fence)
+              AND NOT EXISTS (SELECT 1 FROM lease_events d
+                              WHERE d.lease_id = r.lease_id
+                                AND d.event IN ('released', 'outcome_after_expiry'))
             LIMIT 1
-            ON CONFLICT (lease_id) WHERE event IN ('released', 'outcome_after_expiry') DO NOTHING
             RETURNING (SELECT g2.at FROM lease_events g2
                        WHERE g2.lease_id = r.lease_id AND g2.event = 'granted' LIMIT 1) AS granted_at,
                       (SELECT g2.tokens FROM lease_events g2

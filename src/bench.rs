@@ -195,6 +195,8 @@ struct Plan {
     hold: Duration,
     /// Whether each HTTP allocate carries a fresh `request_id`.
     request_ids: bool,
+    /// Whether each HTTP allocate carries its executor's `affinity_key`.
+    affinity: bool,
     /// Cycles completed in the current mode so far, for the progress bar.
     progress: AtomicU64,
     /// The PostgreSQL server's postmaster, when it runs on this machine (for the CPU split).
@@ -306,9 +308,10 @@ async fn run_on(
     // whatever happens from here on (the run's tenant failing to be created included), the run's
     // credentials, tenant, tables and keys are removed again
     let measured = async {
-        let tenant_key = match args.tenant_cap {
-            Some(cap) => Some(bench_tenant(db, &tenant, cap, &actor).await?),
-            None => None,
+        let tenant_key = if args.tenanted() {
+            Some(bench_tenant(db, &tenant, args, &actor).await?)
+        } else {
+            None
         };
         if args.audit_rows > 0 {
             eprintln!("adding {} historical audit rows", args.audit_rows);
@@ -320,6 +323,7 @@ async fn run_on(
             lease_seconds: args.lease_seconds,
             hold: Duration::from_millis(args.hold_ms),
             request_ids: args.request_ids,
+            affinity: args.affinity,
             progress: AtomicU64::new(0),
             postmaster: sqlx::query_scalar::<_, i32>("SELECT pg_backend_pid()")
                 .fetch_one(db.pool())
@@ -389,13 +393,14 @@ async fn run_on(
     let removed = remove_credentials(db, &key_ids, &actor).await;
     // after the credentials: deleting them ended every lease the tenant held (a tenant whose
     // creation failed is not there to delete)
-    let tenant_removed = match args.tenant_cap {
-        Some(_) => match tenants::delete(db, &tenant, &actor).await {
+    let tenant_removed = if args.tenanted() {
+        match tenants::delete(db, &tenant, &actor).await {
             Ok(Ok(()) | Err(tenants::DeleteRefused::NotFound)) => Ok(()),
             Ok(Err(refused)) => Err(anyhow::anyhow!("{refused:?}")),
             Err(error) => Err(error.into()),
-        },
-        None => Ok(()),
+        }
+    } else {
+        Ok(())
     };
     let dropped = if baselines.contains(&BenchBaseline::Sql) {
         simple_sql::drop(db, &sql_schema).await
@@ -596,14 +601,14 @@ fn http_client(args: &BenchArgs) -> reqwest::Result<reqwest::Client> {
 async fn bench_tenant(
     db: &Db,
     tenant: &TenantId,
-    cap: u32,
+    args: &BenchArgs,
     actor: &Actor,
 ) -> anyhow::Result<TenantKey> {
     let spec = tenants::TenantSpec {
         tenant_id: tenant.clone(),
-        max_concurrent_leases: (cap > 0).then_some(cap as i32),
+        max_concurrent_leases: args.tenant_cap.filter(|&cap| cap > 0).map(|cap| cap as i32),
         weight: 1,
-        rate_limits: Default::default(),
+        rate_limits: args.tenant_rate_limits.clone().unwrap_or_default(),
         pools: credpool::domain::TenantScope::everything(),
         reports_may_disable: false,
     };
@@ -868,8 +873,15 @@ impl<'a> HttpAllocator<'a> {
             internal_key,
             allocate_url: format!("{base}/api/internal/allocate-key"),
             release_url: format!("{base}/api/internal/release-key"),
-            body: json!({"provider": PROVIDER, "pool": plan.pool.as_str(), "model": MODEL,
-                         "lease_seconds": plan.lease_seconds, "holder": format!("bench-{index}")}),
+            body: {
+                let mut body = json!({"provider": PROVIDER, "pool": plan.pool.as_str(),
+                                      "model": MODEL, "lease_seconds": plan.lease_seconds,
+                                      "holder": format!("bench-{index}")});
+                if plan.affinity {
+                    body["affinity_key"] = json!(format!("bench-{index}"));
+                }
+                body
+            },
             lease: None,
         }
     }

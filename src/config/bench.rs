@@ -149,6 +149,24 @@ pub struct BenchArgs {
     /// `'[{"requests": 600, "seconds": 60}]'`. Default: none.
     #[arg(long, env = "CREDPOOL_BENCH_RATE_LIMITS", value_parser = parse_rate_limits)]
     pub rate_limits: Option<credpool::allocator::windows::RateLimits>,
+
+    /// Rate windows of the run's tenant, as the API takes them (`'[{"requests": 100000,
+    /// "seconds": 60}]'`): the executors present a tenant's key, as with `--tenant-cap` (no cap
+    /// unless that flag gives one). Default: none.
+    #[arg(long, env = "CREDPOOL_BENCH_TENANT_RATE_LIMITS", value_parser = parse_rate_limits)]
+    pub tenant_rate_limits: Option<credpool::allocator::windows::RateLimits>,
+
+    /// Every allocate carries an `affinity_key`, one conversation per executor (`bench-<n>`), so
+    /// each executor's claims try the credential that served its last call first.
+    #[arg(long, env = "CREDPOOL_BENCH_AFFINITY")]
+    pub affinity: bool,
+}
+
+impl BenchArgs {
+    /// Whether the executors present a tenant's key (`--tenant-cap` or `--tenant-rate-limits`).
+    pub(crate) fn tenanted(&self) -> bool {
+        self.tenant_cap.is_some() || self.tenant_rate_limits.is_some()
+    }
 }
 
 fn parse_rate_limits(text: &str) -> Result<credpool::allocator::windows::RateLimits, String> {

@@ -483,9 +483,10 @@ async fn release_held_at_the_credential_row(
 #[tokio::test]
 async fn late_reports_of_the_same_leases_in_opposite_orders_never_deadlock() {
     // Two leases end (the reaper ended them); two release groups report outcomes for both, in
-    // opposite orders. Each late report inserts a trail row that a unique index guards, so the
-    // second group waits for the first's; written in request order, the first group (having
-    // reported `a`) waits for `b` while the second (having reported `b`) waits for `a`.
+    // opposite orders. Each late report takes its lease's advisory lock before it looks for an
+    // earlier report and writes its trail row, so the second group waits for the first's; taken
+    // in request order, the first group (having reported `a`) would wait for `b` while the second
+    // (having reported `b`) waits for `a`.
     let app = TestApp::spawn().await;
     app.put_key("ka", "openai", "default", &["gpt-4o"], 1).await;
     app.put_key("kb", "openai", "default", &["gpt-4o"], 1).await;

@@ -303,10 +303,11 @@ async fn an_import_and_a_release_group_never_deadlock() {
 async fn a_release_group_with_an_auth_expired_report_and_a_late_report_never_deadlocks() {
     // Release group G reports `auth_expired` on a live lease of `k` and, late, an outcome for an
     // expired lease of `k` that another group (stepped by hand here, in the lock order: its late
-    // report's trail row, then the credential row) reported first. Before, G locked every row of
-    // `k` up front, the credential row included (credpool_lock_credentials), and then waited for
-    // the other group's trail row, while that group waited for the credential row: a deadlock.
-    // Now G takes the credential rows after its trail rows, like every release.
+    // report's lease lock and trail row, then the credential row) reported first. Before, G
+    // locked every row of `k` up front, the credential row included (credpool_lock_credentials),
+    // and then waited for the other group's late report, while that group waited for the
+    // credential row: a deadlock. Now G takes the credential rows after its late reports' lease
+    // locks, like every release.
     let app = TestApp::spawn().await;
     app.put_key("k", "openai", "default", &["gpt-4o"], 2).await;
     let live = lease(&app, "default").await;
@@ -326,9 +327,16 @@ async fn a_release_group_with_an_auth_expired_report_and_a_late_report_never_dea
     assert_eq!(reaped, 1, "the short lease left its slot");
     let before = deadlocks(&app).await;
 
-    // the other group: its late report's trail row (lease_events_one_report_per_lease)
+    // the other group: its late report's lease lock and trail row (credpool_release_late)
     let mut other = connect(&app).await;
     other.execute("BEGIN").await.unwrap();
+    sqlx::query(
+        "SELECT pg_advisory_xact_lock(hashtextextended('credpool.lease:' || $1::text::uuid, 0))",
+    )
+    .bind(short["lease_id"].as_str().unwrap())
+    .execute(&mut other)
+    .await
+    .unwrap();
     sqlx::query(
         "INSERT INTO lease_events
              (event, lease_id, key_id, provider, pool, slot, holder, outcome, lease_until, at, tenant)
@@ -341,7 +349,7 @@ async fn a_release_group_with_an_auth_expired_report_and_a_late_report_never_dea
     .await
     .unwrap();
 
-    // G: waits for that trail row
+    // G: waits for that lease lock
     let mut group = connect(&app).await;
     let group_pid = backend_pid(&mut group).await;
     let body = json!([
@@ -626,11 +634,17 @@ async fn a_claim_never_waits_for_a_lock() {
 
 /// Seq scans and rows read, per table, by this transaction so far.
 async fn reads(conn: &mut PgConnection) -> Vec<(String, i64, i64)> {
+    // the trail's reads are its days' (partitions') reads
     sqlx::query_as(
-        "SELECT relname::text, seq_scan, coalesce(seq_tup_read, 0) + coalesce(idx_tup_fetch, 0)
-         FROM pg_stat_xact_user_tables
-         WHERE relname IN ('credentials', 'lease_slots', 'lease_requests', 'pool_versions', 'lease_events')
-         ORDER BY relname",
+        "SELECT CASE WHEN i.inhrelid IS NULL THEN t.relname::text ELSE 'lease_events' END AS name,
+                sum(t.seq_scan)::bigint,
+                sum(coalesce(t.seq_tup_read, 0) + coalesce(t.idx_tup_fetch, 0))::bigint
+         FROM pg_stat_xact_user_tables t
+         LEFT JOIN pg_inherits i ON i.inhrelid = t.relid AND i.inhparent = 'lease_events'::regclass
+         WHERE t.relname IN ('credentials', 'lease_slots', 'lease_requests', 'pool_versions')
+            OR i.inhrelid IS NOT NULL
+         GROUP BY 1
+         ORDER BY 1",
     )
     .fetch_all(conn)
     .await
@@ -643,12 +657,14 @@ async fn the_claim_release_and_renewal_read_only_their_rows_whatever_the_statist
     // were tiny (stale), then analyzed now. Each time 20 claims over 8 candidates, their renewals
     // and releases must do no sequential scan and read O(candidates) rows, not O(pool).
     let app = TestApp::spawn().await;
-    for table in [
-        "credentials",
-        "lease_slots",
-        "lease_events",
-        "lease_requests",
-    ] {
+    let days: Vec<String> = sqlx::query_scalar("SELECT day::text FROM credpool_trail_days()")
+        .fetch_all(&app.db)
+        .await
+        .unwrap();
+    for table in ["credentials", "lease_slots", "lease_requests"]
+        .into_iter()
+        .chain(days.iter().map(String::as_str))
+    {
         app.db
             .execute(sqlx::AssertSqlSafe(format!(
                 "ALTER TABLE {table} SET (autovacuum_enabled = false)"

@@ -28,4 +28,5 @@ mod release_renew;
 mod selection;
 mod tenant_windows;
 mod tenants;
+mod trail;
 mod windows;

@@ -2,7 +2,8 @@
 //! `credpool_maintenance_step`, in this order: reap expired leases, refit credentials back under a
 //! lowered limit, record ended cooldowns, purge old audit rows, purge old request ids, fold the
 //! pool versions of exited backends, refit tenants over a lowered cap, purge expired (and, over
-//! their cap, the least recently hit) affinity bindings): with pg_cron when it is installed
+//! their cap, the least recently hit) affinity bindings, make the trail's days a week ahead, drop
+//! the trail's days past retention): with pg_cron when it is installed
 //! (`credpool cron install`), else by each service process, one replica per tick.
 
 use std::time::Duration;
@@ -35,6 +36,11 @@ pub struct MaintenanceReport {
     /// Affinity bindings deleted: expired, or the least recently hit beyond the cap
     /// (`credpool_purge_affinity`).
     pub affinity_bindings_purged: i64,
+    /// Days of the lease trail made ahead, today and the next 7 (`credpool_make_trail_days`).
+    pub trail_days_made: i64,
+    /// Days of the lease trail dropped whole, retention having passed them
+    /// (`credpool_drop_trail_days`).
+    pub trail_days_dropped: i64,
 }
 
 /// Why a pass did not run.
@@ -136,6 +142,8 @@ async fn scheduler(db: Db, interval: Duration, retention: Duration) {
                     pool_versions = report.pool_versions_folded,
                     tenants_refitted = report.tenants_refitted,
                     affinity_bindings = report.affinity_bindings_purged,
+                    trail_days_made = report.trail_days_made,
+                    trail_days_dropped = report.trail_days_dropped,
                     "maintenance pass"
                 );
             }

@@ -1,0 +1,249 @@
+//! The lease trail in days: partitions made ahead, retention that drops whole days (never one
+//! holding a live lease's history), reports counted once without a unique index, and a trail of
+//! the release before partitions kept whole by the upgrade.
+
+use reqwest::StatusCode;
+use serde_json::{Value, json};
+use time::OffsetDateTime;
+
+use credpool_test_support::*;
+
+async fn lease(app: &TestApp, seconds: u32) -> Value {
+    let body = json!({"provider": "openai", "model": "gpt-4o", "lease_seconds": seconds});
+    json_body(app.allocate(body).await, StatusCode::OK).await
+}
+
+/// The trail's partitions, oldest first: (name, first instant or None for MINVALUE, end).
+async fn days(db: &sqlx::PgPool) -> Vec<(String, Option<OffsetDateTime>, OffsetDateTime)> {
+    sqlx::query_as("SELECT day::text, day_from, day_to FROM credpool_trail_days() ORDER BY day_to")
+        .fetch_all(db)
+        .await
+        .unwrap()
+}
+
+async fn trail_rows(db: &sqlx::PgPool) -> i64 {
+    sqlx::query_scalar("SELECT count(*) FROM lease_events")
+        .fetch_one(db)
+        .await
+        .unwrap()
+}
+
+#[tokio::test]
+async fn the_trail_is_kept_in_days_made_a_week_ahead() {
+    // Every grant needs a partition for its day: the maintenance pass keeps today and the next
+    // seven days there, each [midnight, midnight) UTC, and making them again does nothing.
+    let app = TestApp::spawn().await;
+    let made: i32 = sqlx::query_scalar("SELECT credpool_make_trail_days(7)")
+        .fetch_one(&app.db)
+        .await
+        .unwrap();
+    let again: i32 = sqlx::query_scalar("SELECT credpool_make_trail_days(7)")
+        .fetch_one(&app.db)
+        .await
+        .unwrap();
+    assert_eq!(again, 0, "a day made twice");
+    let days = days(&app.db).await;
+    let now: OffsetDateTime = sqlx::query_scalar("SELECT now()")
+        .fetch_one(&app.db)
+        .await
+        .unwrap();
+    let today = now.replace_time(time::Time::MIDNIGHT);
+    for ahead in 0..=7 {
+        let day = today + time::Duration::days(ahead);
+        assert!(
+            days.iter()
+                .any(|(_, from, to)| from.is_none_or(|from| from <= day) && *to > day),
+            "no partition for {day} ({made} made): {days:?}"
+        );
+    }
+    for (name, from, to) in &days {
+        if let Some(from) = from {
+            assert_eq!(*to - *from, time::Duration::days(1), "{name}");
+            assert_eq!(from.time(), time::Time::MIDNIGHT, "{name}");
+        }
+    }
+    // a day later (the clock given), the eighth day is made
+    let later: i32 =
+        sqlx::query_scalar("SELECT credpool_make_trail_days(7, now() + interval '1 day')")
+            .fetch_one(&app.db)
+            .await
+            .unwrap();
+    assert_eq!(later, 1);
+}
+
+#[tokio::test]
+async fn retention_drops_whole_days_but_never_one_holding_a_live_lease() {
+    // A lease held now, and a finished lease whose rows are three days ahead (written there by
+    // hand: a day of its own). Forty days later (the clock given), with 30 days of retention,
+    // every day is past retention, but the held lease's grant keeps its day and every later one;
+    // once it is released, those days are dropped whole, and the trail goes on in days made again.
+    let app = TestApp::spawn().await;
+    app.put_key("key-a", "openai", "default", &["gpt-4o"], 2)
+        .await;
+    sqlx::query("SELECT credpool_make_trail_days(7)")
+        .execute(&app.db)
+        .await
+        .unwrap();
+    let held = lease(&app, 600).await;
+    sqlx::query(
+        "INSERT INTO lease_events (event, lease_id, key_id, provider, pool, slot, lease_until, at)
+         SELECT e, '0190aaaa-0000-7000-8000-000000000001', 'key-a', 'openai', 'default', 1,
+                date_trunc('day', now()) + interval '3 days 12 hours',
+                date_trunc('day', now()) + interval '3 days 12 hours'
+         FROM unnest(ARRAY['granted', 'released']) AS e",
+    )
+    .execute(&app.db)
+    .await
+    .unwrap();
+    let rows = trail_rows(&app.db).await;
+    let before = days(&app.db).await;
+    let forty_days_on = "SELECT credpool_drop_trail_days('30 days', now() + interval '40 days')";
+    let dropped: i32 = sqlx::query_scalar(forty_days_on)
+        .fetch_one(&app.db)
+        .await
+        .unwrap();
+    assert_eq!(dropped, 0, "a day with a live lease's grant was dropped");
+    assert_eq!(days(&app.db).await, before);
+    assert_eq!(trail_rows(&app.db).await, rows);
+
+    json_body(
+        app.release(release_body(&held, "success")).await,
+        StatusCode::OK,
+    )
+    .await;
+    let dropped: i32 = sqlx::query_scalar(forty_days_on)
+        .fetch_one(&app.db)
+        .await
+        .unwrap();
+    assert_eq!(
+        dropped as usize,
+        before.len(),
+        "every day is past retention"
+    );
+    assert_eq!(trail_rows(&app.db).await, 0);
+    sqlx::query("SELECT credpool_make_trail_days(7)")
+        .execute(&app.db)
+        .await
+        .unwrap();
+    let again = lease(&app, 600).await;
+    assert_eq!(
+        app.events(again["lease_id"].as_str().unwrap()).await,
+        ["granted"]
+    );
+}
+
+#[tokio::test]
+async fn a_late_report_retried_while_the_first_is_uncommitted_counts_once() {
+    // The trail has no unique index (its partitions are by day): a report for a lease that has
+    // left its slot is written under the lease's advisory lock. A group reporting it while
+    // another group's report of the same lease is not committed waits, then finds that report
+    // and writes nothing: one `outcome_after_expiry` row, one failure counted.
+    let app = TestApp::spawn().await;
+    app.put_key("key-a", "openai", "default", &["gpt-4o"], 2)
+        .await;
+    let short = lease(&app, 1).await;
+    sqlx::query(
+        "UPDATE lease_slots SET granted_at = now() - interval '2 seconds',
+                lease_until = now() - interval '1 second'
+         WHERE lease_id IS NOT NULL",
+    )
+    .execute(&app.db)
+    .await
+    .unwrap();
+    sqlx::query("SELECT credpool_reap_expired_leases()")
+        .execute(&app.db)
+        .await
+        .unwrap();
+    let report = json!([{"lease_id": short["lease_id"], "key_id": "key-a", "provider": "openai",
+                         "pool": "default", "fence": null, "outcome": "failure",
+                         "usage_tokens": null}]);
+    let policy = crate::lease_state::policy();
+    let mut first = app.db.begin().await.unwrap();
+    let counted: Vec<bool> = sqlx::query_scalar("SELECT counted FROM credpool_release($1, $2)")
+        .bind(&report)
+        .bind(&policy)
+        .fetch_all(&mut *first)
+        .await
+        .unwrap();
+    assert_eq!(counted, [true]);
+    let second = {
+        let (db, report, policy) = (app.db.clone(), report.clone(), policy.clone());
+        tokio::spawn(async move {
+            sqlx::query_scalar::<_, bool>("SELECT counted FROM credpool_release($1, $2)")
+                .bind(report)
+                .bind(policy)
+                .fetch_all(&db)
+                .await
+        })
+    };
+    crate::lease_state::wait_for_lock_waiters(&app, 1).await;
+    first.commit().await.unwrap();
+    let counted = second.await.unwrap().unwrap();
+    assert_eq!(counted, [false], "the retry counted again");
+    let reports: i64 = sqlx::query_scalar(
+        "SELECT count(*) FROM lease_events WHERE event = 'outcome_after_expiry'",
+    )
+    .fetch_one(&app.db)
+    .await
+    .unwrap();
+    assert_eq!(reports, 1);
+}
+
+#[tokio::test]
+async fn an_upgrade_keeps_the_trail_before_partitions_whole_and_its_ids_go_on() {
+    // A database of the release before partitions, with a lease's history: after the upgrade
+    // the old rows are in the trail (the partition `lease_events_before`), new rows get larger
+    // event ids, the lease still releases, and retention deletes its old rows in batches until
+    // the whole partition is past retention.
+    let database = TestDatabase::create_empty().await;
+    let pool = database.pool(2).await;
+    credpool::store::schema::MIGRATOR
+        .run_to(20261204000020, &pool)
+        .await
+        .expect("the migrations before partitions");
+    sqlx::raw_sql(
+        "INSERT INTO lease_events (event, lease_id, key_id, provider, pool, slot, lease_until, at)
+         VALUES ('granted', '0190aaaa-0000-7000-8000-000000000002', 'gone', 'openai', 'default', 0,
+                 now() - interval '40 days', now() - interval '40 days' - interval '1 minute'),
+                ('released', '0190aaaa-0000-7000-8000-000000000002', 'gone', 'openai', 'default', 0,
+                 now() - interval '40 days', now() - interval '40 days'),
+                ('granted', '0190aaaa-0000-7000-8000-000000000003', 'gone', 'openai', 'default', 0,
+                 now() + interval '1 minute', now())",
+    )
+    .execute(&pool)
+    .await
+    .unwrap();
+    let last_id: i64 = sqlx::query_scalar("SELECT max(event_id) FROM lease_events")
+        .fetch_one(&pool)
+        .await
+        .unwrap();
+    credpool::store::migrate(&pool).await.expect("the upgrade");
+    pool.close().await;
+
+    let app = TestApp::spawn_on(database, AppOptions::default()).await;
+    assert_eq!(trail_rows(&app.db).await, 3);
+    let days = days(&app.db).await;
+    assert_eq!(days[0].0, "lease_events_before");
+    assert_eq!(days[0].1, None);
+    app.put_key("key-a", "openai", "default", &["gpt-4o"], 1)
+        .await;
+    let new = lease(&app, 600).await;
+    let id: i64 =
+        sqlx::query_scalar("SELECT event_id FROM lease_events WHERE lease_id = $1::text::uuid")
+            .bind(new["lease_id"].as_str())
+            .fetch_one(&app.db)
+            .await
+            .unwrap();
+    assert!(id > last_id, "event id {id} after {last_id}");
+    let purged: i32 = sqlx::query_scalar("SELECT credpool_purge_audit('30 days', 1000)")
+        .fetch_one(&app.db)
+        .await
+        .unwrap();
+    assert_eq!(purged, 2, "the finished lease's rows 40 days old");
+    assert_eq!(trail_rows(&app.db).await, 2);
+    // the trail stays append-only
+    let update = sqlx::query("UPDATE lease_events SET holder = 'x'")
+        .execute(&app.db)
+        .await;
+    assert!(update.is_err(), "an update of the trail was accepted");
+}
