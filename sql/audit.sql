@@ -83,59 +83,147 @@ LANGUAGE sql STABLE AS $$
       AND coalesce(l.released_at, l.last_until) > p_since
 $$;
 
+-- The concurrency proofs' one rule, for either scope: 'credential' (each credential's leases
+-- against its limit: the oversell proof) or 'tenant' (each tenant's leases over all its
+-- credentials against its cap; leases without a tenant, from before tenants, are not counted).
+-- Lowering a limit under load revokes nothing, so more leases than a lowered limit may be held
+-- for a while; what may never happen is a GRANT that leaves more leases held than the limit then.
+--
+-- Reads the trail rows in [p_from, p_until) and takes the leases live at p_from as `p_live` (a
+-- checkpoint's, or none when p_from is a lookback before the range judged). Returns every lease
+-- among them: its subject, grant, last lease_until before p_until and release; and for each lease
+-- granted at or after greatest(p_from, p_judge_from), `held` (its subject's leases held with this
+-- grant) and `allowed` (the limit or cap in force then, NULL for none): the grant breaks the rule
+-- when held > allowed. A lease lives from its `granted` row to its release (or forced release),
+-- else to the last lease_until it was granted or renewed to; at equal times an end sorts before a
+-- start, so a slot handed straight from one lease to the next does not count twice. The limit in
+-- force is what the subject's latest `created` / `updated` row at or before the grant set
+-- (credential_events' `new`, tenant_events' columns; a tenant's NULL cap: none), else the current
+-- one (rows are dated when the change took effect); a credential deleted without such a row has
+-- none, and its grants are not judged.
+--
+-- Chunks compose exactly: a lease is live at p_until when it has no release before it and its
+-- lease_until is later (the leases the next chunk must count), and a lease not live at a moment is
+-- never live again, since the service refuses to renew or release a lease whose lease_until has
+-- passed. One pass over the rows grouped by lease, then one window pass per subject in time
+-- order that counts the leases held and carries the limit forward from configuration rows merged
+-- into the same order (a look-up per grant cost 7 us, half the proof): no join of the trail with
+-- itself, and index credential_events_configuration_idx (tenant_events_tenant_at_idx) read once
+-- per subject.
+CREATE OR REPLACE FUNCTION credpool_scope_lease_check(p_scope text, p_from timestamptz,
+    p_until timestamptz, p_live audit_live_lease[], p_judge_from timestamptz)
+RETURNS TABLE (lease_id uuid, subject text, granted_at timestamptz, lease_until timestamptz,
+               released_at timestamptz, held bigint, allowed integer)
+LANGUAGE sql STABLE AS $$
+    WITH lives AS (
+        SELECT e.lease_id,
+               min(e.subject) FILTER (WHERE e.event = 'granted') AS subject,
+               min(e.at) FILTER (WHERE e.event = 'granted') AS granted_at,
+               min(e.at) FILTER (WHERE e.event IN ('released', 'force_released')) AS released_at,
+               max(e.lease_until) FILTER (WHERE e.event IN ('granted', 'renewed')) AS lease_until
+        FROM (SELECT le.lease_id, le.event, le.at, le.lease_until,
+                     CASE p_scope WHEN 'credential' THEN le.key_id ELSE le.tenant END AS subject
+              FROM lease_events le
+              WHERE le.at >= p_from AND le.at < p_until
+              UNION ALL
+              SELECT l.lease_id, 'granted', l.granted_at, l.lease_until, l.subject
+              FROM unnest(p_live) l) e
+        GROUP BY e.lease_id
+        -- a lease ended before p_from whose late rows (a report after expiry) are in the range
+        HAVING min(e.subject) FILTER (WHERE e.event = 'granted') IS NOT NULL
+    ),
+    -- each subject's configuration rows: its current limit (at -infinity: in force where no row
+    -- is), the latest row at or before the first grant judged, and every later one before
+    -- p_until, with what they allowed (NULL: no cap, or a credential deleted)
+    configs AS (
+        SELECT s.subject, c.at, c.event_id, c.allowed
+        FROM (SELECT DISTINCT l.subject FROM lives l) s
+        CROSS JOIN LATERAL (
+            SELECT '-infinity'::timestamptz AS at, 0::bigint AS event_id,
+                   CASE p_scope
+                       WHEN 'credential' THEN (SELECT c.max_concurrent_uses FROM credentials c
+                                               WHERE c.key_id = s.subject)
+                       ELSE (SELECT t.max_concurrent_leases FROM tenants t
+                             WHERE t.tenant_id = s.subject) END AS allowed
+            UNION ALL
+            (SELECT ce.at, ce.event_id, (ce.details -> 'new' ->> 'max_concurrent_uses')::integer
+             FROM credential_events ce
+             WHERE p_scope = 'credential' AND ce.key_id = s.subject
+               AND ce.event IN ('created', 'updated') AND ce.at <= greatest(p_from, p_judge_from)
+             ORDER BY ce.at DESC, ce.event_id DESC
+             LIMIT 1)
+            UNION ALL
+            SELECT ce.at, ce.event_id, (ce.details -> 'new' ->> 'max_concurrent_uses')::integer
+            FROM credential_events ce
+            WHERE p_scope = 'credential' AND ce.key_id = s.subject
+              AND ce.event IN ('created', 'updated')
+              AND ce.at > greatest(p_from, p_judge_from) AND ce.at < p_until
+            UNION ALL
+            (SELECT te.at, te.event_id, te.max_concurrent_leases
+             FROM tenant_events te
+             WHERE p_scope = 'tenant' AND te.tenant_id = s.subject
+               AND te.event IN ('created', 'updated') AND te.at <= greatest(p_from, p_judge_from)
+             ORDER BY te.at DESC, te.event_id DESC
+             LIMIT 1)
+            UNION ALL
+            SELECT te.at, te.event_id, te.max_concurrent_leases
+            FROM tenant_events te
+            WHERE p_scope = 'tenant' AND te.tenant_id = s.subject
+              AND te.event IN ('created', 'updated')
+              AND te.at > greatest(p_from, p_judge_from) AND te.at < p_until) c
+    ),
+    edges AS (
+        SELECT l.lease_id, l.subject, l.granted_at AS at, 1 AS delta, l.lease_until,
+               l.released_at, NULL::bigint AS setting
+        FROM lives l
+        UNION ALL
+        SELECT NULL, l.subject, coalesce(l.released_at, l.lease_until), -1, NULL, NULL, NULL
+        FROM lives l
+        UNION ALL
+        -- a configuration sorts after the ends and before the grants of its instant; `setting`
+        -- grows with the rows' order, so a running max is the latest row's: its rank in the high
+        -- bits, what it allowed + 1 (0: no cap) in the low 32
+        SELECT NULL, c.subject, c.at, 0, NULL, NULL,
+               (row_number() OVER (PARTITION BY c.subject ORDER BY c.at, c.event_id)) * 4294967296
+               + coalesce(c.allowed + 1, 0)
+        FROM configs c
+    ),
+    running AS (
+        SELECT e.*,
+               sum(e.delta) OVER w AS held,
+               max(e.setting) OVER w AS latest
+        FROM edges e
+        WINDOW w AS (PARTITION BY e.subject ORDER BY e.at, e.delta ROWS UNBOUNDED PRECEDING)
+    )
+    SELECT r.lease_id, r.subject, r.at, r.lease_until, r.released_at,
+           CASE WHEN r.at >= greatest(p_from, p_judge_from) THEN r.held END,
+           CASE WHEN r.at >= greatest(p_from, p_judge_from)
+                THEN nullif(r.latest % 4294967296, 0)::integer - 1 END
+    FROM running r
+    WHERE r.delta = 1
+$$;
+
 -- The oversell proof, from the trail alone: for every credential with leases granted in
 -- [p_since, p_until), how many, the most leases held at one moment, and every grant that took a
--- credential beyond its limit at that moment. The limit at a moment is the one its latest
--- `created` / `updated` audit row set (else the current one), looked up per grant through
--- credential_events_configuration_idx (a range join against every limit period let the planner
--- choose a nested loop over grants x periods: 10.7 s for 25,000 grants on 1,000 credentials).
--- Lowering a limit under load revokes nothing, so more leases than a lowered limit may be held for
--- a while; what may never happen is a GRANT that leaves more leases held than the limit allows —
--- `grants_over_limit` counts those. At equal times an end sorts before a start: a slot handed
--- straight from one lease to the next does not count twice.
+-- credential beyond its limit at that moment (`grants_over_limit`; the rule:
+-- credpool_scope_lease_check, scope 'credential'). The leases live at p_since are read from the
+-- day before it (a lease renewed for longer than a day is missed).
 CREATE OR REPLACE FUNCTION credpool_oversell_check(p_since timestamptz, p_until timestamptz)
 RETURNS TABLE (
     key_id text, max_concurrent_uses integer, leases bigint, peak bigint, grants_over_limit bigint,
     first_violation_at timestamptz)
 LANGUAGE sql STABLE AS $$
-    WITH lives AS (
-        SELECT * FROM credpool_lease_lifetimes(p_since, p_until)
-    ),
-    edges AS (
-        SELECT l.key_id, l.granted_at AS at, 1 AS delta FROM lives l
-        UNION ALL
-        SELECT l.key_id, coalesce(l.ended_at, 'infinity'::timestamptz), -1 FROM lives l
-    ),
-    running AS (
-        SELECT e.key_id, e.at, e.delta,
-               sum(e.delta) OVER (PARTITION BY e.key_id ORDER BY e.at, e.delta
-                                  ROWS UNBOUNDED PRECEDING) AS held
-        FROM edges e
-    ),
-    grants AS (
-        SELECT r.key_id, r.at, r.held,
-               coalesce(
-                   (SELECT (ce.details -> 'new' ->> 'max_concurrent_uses')::integer
-                    FROM credential_events ce
-                    WHERE ce.key_id = r.key_id
-                      AND ce.event IN ('created', 'updated')
-                      AND ce.at <= r.at
-                    ORDER BY ce.at DESC
-                    LIMIT 1),
-                   (SELECT c.max_concurrent_uses FROM credentials c WHERE c.key_id = r.key_id)
-               ) AS limit_then
-        FROM running r
-        WHERE r.delta = 1 AND r.at >= p_since AND r.at < p_until
-    )
-    SELECT g.key_id,
-           (SELECT c.max_concurrent_uses FROM credentials c WHERE c.key_id = g.key_id),
+    SELECT j.subject,
+           (SELECT c.max_concurrent_uses FROM credentials c WHERE c.key_id = j.subject),
            count(*),
-           max(g.held),
-           count(*) FILTER (WHERE g.held > g.limit_then),
-           min(g.at) FILTER (WHERE g.held > g.limit_then)
-    FROM grants g
-    GROUP BY g.key_id
-    ORDER BY g.key_id
+           max(j.held),
+           count(*) FILTER (WHERE j.held > j.allowed),
+           min(j.granted_at) FILTER (WHERE j.held > j.allowed)
+    FROM credpool_scope_lease_check('credential', p_since - interval '1 day', p_until, '{}',
+                                    p_since) j
+    WHERE j.held IS NOT NULL
+    GROUP BY j.subject
+    ORDER BY j.subject
 $$;
 
 -- Utilization per credential and hour, for every credential that exists now: lease-seconds held
@@ -358,66 +446,25 @@ CREATE TRIGGER tenant_events_append_only
     BEFORE UPDATE ON tenant_events
     FOR EACH ROW EXECUTE FUNCTION lease_events_forbid_update();
 
--- The tenant cap proof, from the trail alone (issue 29): for every tenant with leases granted in
+-- The tenant cap proof, from the trail alone: for every tenant with leases granted in
 -- [p_since, p_until), how many, the most it held at one moment, and every grant that left it
--- holding more leases than its cap at that moment. A lease lives from its `granted` row to its
--- release (or forced release), else to the last lease_until it was granted or renewed to, like
--- credpool_lease_lifetimes. The cap at a moment is the one its latest `created` / `updated`
--- tenant_events row at or before the grant set (else its current cap); NULL means no cap. As
--- for credentials, lowering a cap under load revokes nothing, so a tenant may hold more than a
--- lowered cap for a while: what may never happen is a GRANT over the cap (`grants_over_cap`).
--- At equal times an end sorts before a start.
+-- holding more leases than its cap at that moment (`grants_over_cap`; the rule:
+-- credpool_scope_lease_check, scope 'tenant'; the cap in force: credpool_tenant_cap_at). The
+-- leases live at p_since are read from the day before it, as for credpool_oversell_check.
 CREATE OR REPLACE FUNCTION credpool_tenant_cap_check(p_since timestamptz, p_until timestamptz)
 RETURNS TABLE (tenant_id text, max_concurrent_leases integer, leases bigint, peak bigint,
                grants_over_cap bigint, first_violation_at timestamptz)
 LANGUAGE sql STABLE AS $$
-    WITH lives AS (
-        SELECT e.lease_id,
-               min(e.tenant) FILTER (WHERE e.event = 'granted') AS tenant,
-               min(e.at) FILTER (WHERE e.event = 'granted') AS granted_at,
-               min(e.at) FILTER (WHERE e.event IN ('released', 'force_released')) AS released_at,
-               max(e.lease_until) FILTER (WHERE e.event IN ('granted', 'renewed')) AS last_until
-        FROM lease_events e
-        WHERE e.at >= p_since - interval '1 day'
-        GROUP BY e.lease_id
-        HAVING min(e.tenant) FILTER (WHERE e.event = 'granted') IS NOT NULL
-           AND min(e.at) FILTER (WHERE e.event = 'granted') < p_until
-    ),
-    edges AS (
-        SELECT l.tenant, l.granted_at AS at, 1 AS delta FROM lives l
-        UNION ALL
-        SELECT l.tenant, coalesce(l.released_at, l.last_until), -1 FROM lives l
-    ),
-    running AS (
-        SELECT e.tenant, e.at, e.delta,
-               sum(e.delta) OVER (PARTITION BY e.tenant ORDER BY e.at, e.delta
-                                  ROWS UNBOUNDED PRECEDING) AS held
-        FROM edges e
-    ),
-    grants AS (
-        SELECT r.tenant, r.at, r.held,
-               coalesce(
-                   (SELECT jsonb_build_object('cap', te.max_concurrent_leases)
-                    FROM tenant_events te
-                    WHERE te.tenant_id = r.tenant AND te.event IN ('created', 'updated')
-                      AND te.at <= r.at
-                    ORDER BY te.at DESC
-                    LIMIT 1),
-                   (SELECT jsonb_build_object('cap', t.max_concurrent_leases)
-                    FROM tenants t WHERE t.tenant_id = r.tenant)
-               ) ->> 'cap' AS cap_then
-        FROM running r
-        WHERE r.delta = 1 AND r.at >= p_since AND r.at < p_until
-    )
-    SELECT g.tenant,
-           (SELECT t.max_concurrent_leases FROM tenants t WHERE t.tenant_id = g.tenant),
+    SELECT j.subject,
+           (SELECT t.max_concurrent_leases FROM tenants t WHERE t.tenant_id = j.subject),
            count(*),
-           max(g.held),
-           count(*) FILTER (WHERE g.held > g.cap_then::integer),
-           min(g.at) FILTER (WHERE g.held > g.cap_then::integer)
-    FROM grants g
-    GROUP BY g.tenant
-    ORDER BY g.tenant
+           max(j.held),
+           count(*) FILTER (WHERE j.held > j.allowed),
+           min(j.granted_at) FILTER (WHERE j.held > j.allowed)
+    FROM credpool_scope_lease_check('tenant', p_since - interval '1 day', p_until, '{}', p_since) j
+    WHERE j.held IS NOT NULL
+    GROUP BY j.subject
+    ORDER BY j.subject
 $$;
 
 -- The rate windows tenant `p_tenant` had in force at `p_at`, from the trail: what its latest
@@ -451,3 +498,4 @@ RETURNS TABLE (tenant_id text, kind text, seconds integer, window_count bigint, 
 LANGUAGE sql STABLE AS $$
     SELECT * FROM credpool_scope_window_check('tenant', p_since, p_until)
 $$;
+
