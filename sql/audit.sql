@@ -1,5 +1,6 @@
 -- The audit trail: append-only, and what is read from it (lease lifetimes, the oversell, window
--- and tenant proofs, utilization). The trail tables are `lease_events`, `credential_events` and
+-- and tenant proofs, utilization), and the proofs' checkpoints (audit_checkpoints: each run proves
+-- only what the trail gained since). The trail tables are `lease_events`, `credential_events` and
 -- `tenant_events`; rows are inserted in the same statement or transaction as the state change they
 -- record, never edited, and removed only by retention (sql/maintenance.sql; it keeps
 -- tenant_events).
@@ -207,7 +208,8 @@ $$;
 -- [p_since, p_until), how many, the most leases held at one moment, and every grant that took a
 -- credential beyond its limit at that moment (`grants_over_limit`; the rule:
 -- credpool_scope_lease_check, scope 'credential'). The leases live at p_since are read from the
--- day before it (a lease renewed for longer than a day is missed).
+-- day before it (a lease renewed for longer than a day is missed); the checkpoints of
+-- credpool_audit_advance carry them instead.
 CREATE OR REPLACE FUNCTION credpool_oversell_check(p_since timestamptz, p_until timestamptz)
 RETURNS TABLE (
     key_id text, max_concurrent_uses integer, leases bigint, peak bigint, grants_over_limit bigint,
@@ -499,3 +501,215 @@ LANGUAGE sql STABLE AS $$
     SELECT * FROM credpool_scope_window_check('tenant', p_since, p_until)
 $$;
 
+-- INCREMENTAL PROOFS. A run (audit_checkpoints: the continuous proof, or one `credpool audit
+-- verify` over a range) records per proof up to which time every grant was judged and what was
+-- found; each chunk proves the trail rows since, plus the overlap the rules need: the leases live
+-- at the checkpoint (carried in the checkpoint row) and a window's lookback (read by time). So a
+-- chunk costs what it reads, not what the trail holds, and chunks judge every grant exactly as
+-- one proof over the whole range does.
+
+-- The time before which every trail row that any transaction will ever commit is committed now:
+-- the start of the oldest transaction still open in this database (a trail row is dated at or
+-- after its transaction's start: now(), statement_timestamp() or clock_timestamp()), else the
+-- moment of asking. A proof must not pass it, or a grant committed later would be skipped.
+-- Sessions of other roles are visible only to their role, superusers and pg_read_all_stats:
+-- run proofs as the service's role. Read it in a statement of its own, before the proof's (a
+-- transaction that commits between the two is then seen by the proof).
+CREATE OR REPLACE FUNCTION credpool_audit_horizon() RETURNS timestamptz
+LANGUAGE plpgsql VOLATILE AS $$
+DECLARE
+    v_asked timestamptz := clock_timestamp();
+BEGIN
+    -- pg_stat_activity is read once per transaction unless the snapshot is cleared
+    PERFORM pg_stat_clear_snapshot();
+    RETURN least(v_asked,
+                 (SELECT min(a.xact_start) FROM pg_stat_activity a
+                  WHERE a.datname = current_database() AND a.pid <> pg_backend_pid()
+                    AND a.backend_type = 'client backend'));
+END;
+$$;
+
+-- Where a chunk that starts at p_from ends: after at most p_rows trail rows (the first row after
+-- them, whose instant starts the next chunk), else at p_to; and how many rows it holds. Rows of
+-- one instant are never split (they may hold more than p_rows). Index lease_events_at_idx.
+CREATE OR REPLACE FUNCTION credpool_audit_chunk_end(p_from timestamptz, p_to timestamptz,
+    p_rows integer, OUT chunk_end timestamptz, OUT rows_read bigint)
+LANGUAGE sql STABLE AS $$
+    WITH firsts AS (
+        SELECT e.at FROM lease_events e
+        WHERE e.at >= p_from AND e.at < p_to
+        ORDER BY e.at
+        LIMIT p_rows + 1
+    ),
+    cut AS (
+        SELECT count(*) AS n, max(f.at) AS last FROM firsts f
+    )
+    SELECT CASE WHEN cut.n <= p_rows THEN p_to
+                WHEN cut.last > p_from THEN cut.last
+                -- more than p_rows rows at p_from itself: the chunk is that instant
+                ELSE coalesce((SELECT min(e.at) FROM lease_events e
+                               WHERE e.at > p_from AND e.at < p_to), p_to) END,
+           CASE WHEN cut.n <= p_rows THEN cut.n
+                WHEN cut.last > p_from THEN (SELECT count(*) FROM firsts f WHERE f.at < cut.last)
+                ELSE (SELECT count(*) FROM lease_events e WHERE e.at = p_from) END
+    FROM cut
+$$;
+
+-- Opens run `p_run` over [p_since, p_until) (p_until NULL: it follows the trail, as the
+-- continuous proof does), one checkpoint per proof; or keeps it when it exists with the same
+-- start, unfinished (a proof short of its until_target, or following the trail) and not past
+-- p_until, so that an interrupted run resumes (with p_until as its new end). Otherwise the run
+-- starts afresh: a finished range is proven again. The concurrency proofs start reading a day
+-- before p_since, judging nothing there, to learn the leases live at p_since (a lease renewed for
+-- longer than a day is missed, as in credpool_oversell_check). Ranged runs idle for a week are
+-- dropped. Returns whether it resumed.
+CREATE OR REPLACE FUNCTION credpool_audit_open(p_run text, p_since timestamptz, p_until timestamptz)
+RETURNS boolean
+LANGUAGE plpgsql AS $$
+DECLARE
+    v_resumed boolean;
+BEGIN
+    -- waits for a chunk of this run in progress (credpool_audit_advance holds the same lock)
+    PERFORM pg_advisory_xact_lock(hashtextextended('credpool.audit:' || p_run, 0));
+    SELECT count(*) > 0
+           AND bool_and(c.since = p_since AND c.proven_until <= coalesce(p_until, 'infinity'))
+           AND bool_or(c.until_target IS NULL OR c.proven_until < c.until_target)
+    INTO v_resumed
+    FROM audit_checkpoints c WHERE c.run = p_run;
+    IF NOT v_resumed THEN
+        DELETE FROM audit_checkpoints c WHERE c.run = p_run;
+    END IF;
+    DELETE FROM audit_checkpoints c
+    WHERE c.run LIKE 'range:%' AND c.run <> p_run AND c.updated_at < now() - interval '7 days';
+    INSERT INTO audit_checkpoints AS c (run, proof, since, until_target, proven_until)
+    SELECT p_run, proof, p_since, p_until,
+           CASE WHEN proof IN ('oversell', 'tenant_cap') THEN p_since - interval '1 day' ELSE p_since END
+    FROM unnest(ARRAY['oversell', 'windows', 'tenant_cap', 'tenant_windows']) AS proof
+    ON CONFLICT (run, proof) DO UPDATE SET until_target = EXCLUDED.until_target;
+    RETURN v_resumed;
+END;
+$$;
+
+-- One chunk of proof `p_proof` of run p_run: judges the grants in [proven_until, p_to) by the
+-- proof's rule (the concurrency proofs, `oversell` and `tenant_cap`, with the leases live at
+-- proven_until: credpool_scope_lease_check; the window proofs, `windows` and `tenant_windows`,
+-- with each window's lookback read by time: credpool_scope_window_check), adds what it found to
+-- the subjects' lines and the checkpoint, keeps the leases live at p_to, and moves the checkpoint
+-- to p_to. `p_rows`: the trail rows of the chunk (for progress).
+CREATE OR REPLACE FUNCTION credpool_audit_prove(p_run text, p_proof text, p_to timestamptz,
+    p_rows bigint) RETURNS void
+LANGUAGE sql
+-- a chunk's leases and edges in memory (its rows are bounded): no sort spills to disk
+SET work_mem = '64MB'
+AS $$
+    WITH checkpoint AS (
+        SELECT c.* FROM audit_checkpoints c WHERE c.run = p_run AND c.proof = p_proof
+    ),
+    leases AS MATERIALIZED (
+        SELECT j.*
+        FROM checkpoint c,
+             credpool_scope_lease_check(CASE c.proof WHEN 'oversell' THEN 'credential' ELSE 'tenant' END,
+                                        c.proven_until, p_to, c.live_leases, c.since) j
+        WHERE c.proof IN ('oversell', 'tenant_cap')
+    ),
+    found AS MATERIALIZED (
+        SELECT j.subject, '' AS kind, 0 AS seconds, NULL::bigint AS window_count,
+               count(*) AS grants, max(j.held) AS peak,
+               count(*) FILTER (WHERE j.held > j.allowed) AS violations,
+               min(j.granted_at) FILTER (WHERE j.held > j.allowed) AS first_violation_at
+        FROM leases j
+        WHERE j.held IS NOT NULL
+        GROUP BY j.subject
+        UNION ALL
+        SELECT w.scope_id, w.kind, w.seconds, w.window_count, w.grants, w.peak,
+               w.grants_over_window, w.first_violation_at
+        FROM checkpoint c,
+             credpool_scope_window_check(CASE c.proof WHEN 'windows' THEN 'credential' ELSE 'tenant' END,
+                                         c.proven_until, p_to) w
+        WHERE c.proof IN ('windows', 'tenant_windows')
+    ),
+    merged AS (
+        INSERT INTO audit_checkpoint_subjects AS s
+            (run, proof, subject, kind, seconds, window_count, grants, peak, violations,
+             first_violation_at)
+        SELECT p_run, p_proof, f.subject, f.kind, f.seconds, f.window_count, f.grants, f.peak,
+               f.violations, f.first_violation_at
+        FROM found f
+        ON CONFLICT (run, proof, subject, kind, seconds) DO UPDATE
+        SET window_count = greatest(s.window_count, EXCLUDED.window_count),
+            grants = s.grants + EXCLUDED.grants,
+            peak = greatest(s.peak, EXCLUDED.peak),
+            violations = s.violations + EXCLUDED.violations,
+            first_violation_at = least(s.first_violation_at, EXCLUDED.first_violation_at)
+    )
+    UPDATE audit_checkpoints c
+    SET proven_until = p_to,
+        live_leases = coalesce(
+            (SELECT array_agg(ROW(j.lease_id, j.subject, j.granted_at, j.lease_until)::audit_live_lease)
+             FROM leases j
+             WHERE j.released_at IS NULL AND j.lease_until > p_to), '{}'),
+        grants = c.grants + coalesce((SELECT sum(f.grants) FROM found f), 0),
+        violations = c.violations + coalesce((SELECT sum(f.violations) FROM found f), 0),
+        first_violation_at = least(c.first_violation_at,
+                                   (SELECT min(f.first_violation_at) FROM found f)),
+        rows_read = c.rows_read + p_rows,
+        chunks = c.chunks + 1,
+        updated_at = now()
+    WHERE c.run = p_run AND c.proof = p_proof
+$$;
+
+-- Advances every proof of run p_run by one chunk of at most p_rows trail rows, towards its
+-- until_target but never past credpool_audit_horizon(); the continuous proof (`continuous`) is
+-- opened on first use, from the trail's oldest row or a day ago, whichever is later. Each chunk
+-- commits with the caller's statement, so an interrupted run resumes from its last chunk.
+-- `rows_read`: the trail rows of the chunk (the most any proof read: each reads its chunk); NULL
+-- when another session is advancing this run right now (nothing done). `more`: a proof stopped
+-- short of its target (call again).
+-- Must run in READ COMMITTED: its statements after the horizon's need snapshots of their own.
+CREATE OR REPLACE FUNCTION credpool_audit_advance(p_run text, p_rows integer,
+    OUT rows_read bigint, OUT more boolean)
+LANGUAGE plpgsql AS $$
+DECLARE
+    v_horizon timestamptz;
+    v_checkpoint record;
+    v_target timestamptz;
+    v_from timestamptz;
+    v_to timestamptz;
+    v_rows bigint;
+BEGIN
+    IF current_setting('transaction_isolation') <> 'read committed' THEN
+        RAISE EXCEPTION 'credpool_audit_advance needs READ COMMITTED'
+            USING ERRCODE = 'invalid_transaction_state';
+    END IF;
+    IF NOT pg_try_advisory_xact_lock(hashtextextended('credpool.audit:' || p_run, 0)) THEN
+        RETURN;
+    END IF;
+    v_horizon := credpool_audit_horizon();
+    IF p_run = 'continuous' THEN
+        PERFORM credpool_audit_open(p_run, coalesce(
+            (SELECT min(c.since) FROM audit_checkpoints c WHERE c.run = p_run),
+            greatest((SELECT min(e.at) FROM lease_events e), now() - interval '1 day')), NULL);
+    END IF;
+    rows_read := 0;
+    more := false;
+    FOR v_checkpoint IN
+        SELECT c.proof, c.proven_until, least(coalesce(c.until_target, v_horizon), v_horizon) AS target
+        FROM audit_checkpoints c
+        WHERE c.run = p_run
+        ORDER BY c.proven_until, c.proof
+        FOR UPDATE
+    LOOP
+        CONTINUE WHEN v_checkpoint.proven_until >= v_checkpoint.target;
+        -- proofs at the same point share one chunk
+        IF v_from IS DISTINCT FROM v_checkpoint.proven_until OR v_target IS DISTINCT FROM v_checkpoint.target THEN
+            v_from := v_checkpoint.proven_until;
+            v_target := v_checkpoint.target;
+            SELECT e.chunk_end, e.rows_read INTO v_to, v_rows
+            FROM credpool_audit_chunk_end(v_from, v_target, p_rows) e;
+        END IF;
+        PERFORM credpool_audit_prove(p_run, v_checkpoint.proof, v_to, v_rows);
+        rows_read := greatest(rows_read, v_rows);
+        more := more OR v_to < v_target;
+    END LOOP;
+END;
+$$;
