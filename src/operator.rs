@@ -55,12 +55,13 @@ pub(crate) fn table(header: &[&str]) -> Table {
     table
 }
 
-/// Runs a command on an open database, then closes it whatever happened.
+/// Runs a command on an open database (with the operator's statement timeout), then closes it
+/// whatever happened.
 async fn with_database<T>(
     cli: &CliArgs,
     f: impl AsyncFnOnce(&Database) -> anyhow::Result<T>,
 ) -> anyhow::Result<T> {
-    let database = Database::open(&cli.db).await?;
+    let database = Database::open(&cli.database()).await?;
     let result = f(&database).await;
     database.close().await;
     result

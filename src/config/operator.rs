@@ -99,6 +99,25 @@ pub struct CliArgs {
     /// Who you are, for the audit trail (default `cli:<login name>`).
     #[arg(long, env = "CREDPOOL_OPERATOR", global = true)]
     pub operator: Option<String>,
+
+    /// Milliseconds a statement of an operator command may run before PostgreSQL cancels it; 0
+    /// leaves the server's setting. Operator commands do not take the service's
+    /// --db-statement-timeout-ms (CREDPOOL_DB_STATEMENT_TIMEOUT_MS, meant for requests): a proof
+    /// chunk or an import may need longer.
+    #[arg(long, env = "CREDPOOL_OPERATOR_STATEMENT_TIMEOUT_MS", global = true,
+          default_value_t = 3_600_000, value_parser = clap::value_parser!(u64).range(0..=86_400_000))]
+    pub statement_timeout_ms: u64,
+}
+
+impl CliArgs {
+    /// The database settings of an operator command: the shared ones with its own statement
+    /// timeout (`--statement-timeout-ms`) in place of the request path's.
+    pub fn database(&self) -> DatabaseArgs {
+        DatabaseArgs {
+            db_statement_timeout_ms: self.statement_timeout_ms,
+            ..self.db.clone()
+        }
+    }
 }
 
 /// `credpool keys ...`.
