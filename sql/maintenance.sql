@@ -177,21 +177,31 @@ $$;
 -- The steps of one maintenance pass, in order: reap expired leases, refit credentials back under
 -- a lowered limit, record ended cooldowns, purge old audit rows and request ids, fold the pool
 -- versions of exited backends, refit tenants over a lowered cap, purge expired affinity bindings
--- and keep them under their cap. Step `p_step` (1-based) runs and returns its name and how much it
--- did; past the last step, both are NULL. Each step is meant to be its own transaction
--- (credpool_maintenance, and the service's own scheduler, commit after each), so that the row
--- locks of one step are gone before the next starts: a long audit purge never holds the slot rows
--- the reaper ended, and no claim passes over a free slot, or answers 429, because a cleanup pass
--- is running. A step that another session is running right now (the same advisory lock, tried,
--- never waited for) is skipped: `done` is NULL.
+-- and keep them under their cap, and advance the continuous proof by one chunk of at most 200,000
+-- trail rows per proof (credpool_audit_advance; `done` is the trail rows it read, and `more` says
+-- that it stopped short of the trail's end: callers repeat the step while their pass has time).
+-- Step `p_step` (1-based) runs and returns its name and how much it did; past the last step, both
+-- are NULL. Each step is meant to be its own transaction (credpool_maintenance, and the service's
+-- own scheduler, commit after each), so that the row locks of one step are gone before the next
+-- starts: a long audit purge never holds the slot rows the reaper ended, and no claim passes over
+-- a free slot, or answers 429, because a cleanup pass is running. A step that another session is
+-- running right now (the same advisory lock, tried, never waited for) is skipped: `done` is NULL.
+DROP FUNCTION IF EXISTS credpool_maintenance_step(integer, interval);
 CREATE OR REPLACE FUNCTION credpool_maintenance_step(p_step integer, p_retention interval,
-    OUT name text, OUT done integer)
+    OUT name text, OUT done integer, OUT more boolean)
 LANGUAGE plpgsql AS $$
 BEGIN
+    more := false;
     name := (ARRAY['expired_leases_reaped', 'credentials_refitted', 'cooldowns_recorded',
                    'audit_rows_purged', 'request_ids_purged', 'pool_versions_folded',
-                   'tenants_refitted', 'affinity_bindings_purged'])[p_step];
+                   'tenants_refitted', 'affinity_bindings_purged', 'audit_rows_proven'])[p_step];
     IF name IS NULL THEN
+        RETURN;
+    END IF;
+    IF name = 'audit_rows_proven' THEN
+        -- the proof's own lock (per run) makes one session advance it at a time
+        SELECT a.rows_read::integer, coalesce(a.more, false) INTO done, more
+        FROM credpool_audit_advance('continuous', 200000) a;
         RETURN;
     END IF;
     IF NOT pg_try_advisory_xact_lock(hashtextextended('credpool.maintenance:' || name, 0)) THEN
@@ -212,22 +222,29 @@ $$;
 
 -- One maintenance pass, as pg_cron runs it (`CALL credpool_maintenance(...)`, alone in its
 -- command, so that it may commit): every step of credpool_maintenance_step, each committed before
--- the next. `report`: what each step did, {"expired_leases_reaped": n, ...}.
+-- the next; a step that says it has `more` to do runs again, committed each time, while the pass
+-- is younger than `p_seconds` (the service's own scheduler uses the same bound:
+-- service/src/store/maintenance.rs). `report`: what each step did, {"expired_leases_reaped": n, ...}.
 DROP FUNCTION IF EXISTS credpool_maintenance(interval);
+DROP PROCEDURE IF EXISTS credpool_maintenance(interval, jsonb);
 CREATE OR REPLACE PROCEDURE credpool_maintenance(p_retention interval DEFAULT '30 days',
-    INOUT report jsonb DEFAULT NULL)
+    INOUT report jsonb DEFAULT NULL, p_seconds double precision DEFAULT 30)
 LANGUAGE plpgsql AS $$
 DECLARE
     v_step record;
+    v_started timestamptz := clock_timestamp();
     i integer := 1;
 BEGIN
     report := '{}';
     LOOP
         SELECT * INTO v_step FROM credpool_maintenance_step(i, p_retention);
         EXIT WHEN v_step.name IS NULL;
-        report := report || jsonb_build_object(v_step.name, coalesce(v_step.done, 0));
+        report := report || jsonb_build_object(v_step.name,
+            coalesce((report ->> v_step.name)::bigint, 0) + coalesce(v_step.done, 0));
         COMMIT;
-        i := i + 1;
+        IF NOT v_step.more OR clock_timestamp() > v_started + make_interval(secs => p_seconds) THEN
+            i := i + 1;
+        END IF;
     END LOOP;
 END;
 $$;

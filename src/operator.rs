@@ -802,7 +802,7 @@ pub async fn maintenance(args: MaintenanceRunArgs) -> anyhow::Result<()> {
             println!(
                 "reaped {} expired leases, refitted {} credentials, recorded {} ended cooldowns, \
                  purged {} audit rows and {} request ids, folded {} pool version rows, \
-                 refitted {} tenants, purged {} affinity bindings",
+                 refitted {} tenants, purged {} affinity bindings, proved {} trail rows",
                 report.expired_leases_reaped,
                 report.credentials_refitted,
                 report.cooldowns_recorded,
@@ -810,7 +810,8 @@ pub async fn maintenance(args: MaintenanceRunArgs) -> anyhow::Result<()> {
                 report.request_ids_purged,
                 report.pool_versions_folded,
                 report.tenants_refitted,
-                report.affinity_bindings_purged
+                report.affinity_bindings_purged,
+                report.audit_rows_proven
             );
             Ok(())
         }

@@ -239,7 +239,7 @@ async fn the_maintenance_command_reports_every_step_of_the_pass() {
     .fetch_all(&database.pool(1).await)
     .await
     .unwrap();
-    assert_eq!(steps.len(), 8, "{steps:?}");
+    assert_eq!(steps.len(), 9, "{steps:?}");
     let reported: Vec<&String> = report.as_object().unwrap().keys().collect();
     for step in &steps {
         assert!(reported.contains(&step), "{step} missing from {report}");
@@ -256,6 +256,7 @@ async fn the_maintenance_command_reports_every_step_of_the_pass() {
         "pool version rows",
         "refitted 0 tenants",
         "purged 0 affinity bindings",
+        "trail rows",
     ] {
         assert!(
             out.stdout.contains(said),
