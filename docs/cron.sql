@@ -37,8 +37,14 @@ INSERT INTO maintenance_schedule (scheduler) VALUES ('pg_cron') ON CONFLICT DO N
 --                                        credential trail, and the lease trail before partitions)
 --   credpool_purge_requests('1 hour', 10000)  delete request ids whose lease has ended
 --   credpool_compact_pool_versions()     fold the pool versions of exited backends
+--   credpool_refit_tenants(100)          refit tenants back under a lowered cap
+--   credpool_purge_affinity(NULL, 10000) delete expired affinity bindings, keep them under their cap
 --   credpool_make_trail_days(7)          make the lease trail's days a week ahead
+--   credpool_audit_advance('continuous', 200000)  advance the continuous proof by a chunk of at
+--                                        most 200,000 trail rows per proof, again while it has
+--                                        more and the pass is under 30 s (docs/audit.md)
 --   credpool_drop_trail_days(retention)  drop the lease trail's days past the retention, whole
+--                                        (never one the continuous proof has not proven)
 -- Each is safe to run concurrently with itself and with allocation, and idempotent.
 --
 -- Check the runs:

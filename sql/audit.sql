@@ -1,5 +1,6 @@
 -- The audit trail: append-only, and what is read from it (lease lifetimes, the oversell, window
--- and tenant proofs, utilization). The trail tables are `lease_events`, `credential_events` and
+-- and tenant proofs, utilization), and the proofs' checkpoints (audit_checkpoints: each run proves
+-- only what the trail gained since). The trail tables are `lease_events`, `credential_events` and
 -- `tenant_events`; rows are inserted in the same statement or transaction as the state change they
 -- record, never edited, and removed only by retention (sql/maintenance.sql; it keeps
 -- tenant_events).
@@ -83,59 +84,148 @@ LANGUAGE sql STABLE AS $$
       AND coalesce(l.released_at, l.last_until) > p_since
 $$;
 
+-- The concurrency proofs' one rule, for either scope: 'credential' (each credential's leases
+-- against its limit: the oversell proof) or 'tenant' (each tenant's leases over all its
+-- credentials against its cap; leases without a tenant, from before tenants, are not counted).
+-- Lowering a limit under load revokes nothing, so more leases than a lowered limit may be held
+-- for a while; what may never happen is a GRANT that leaves more leases held than the limit then.
+--
+-- Reads the trail rows in [p_from, p_until) and takes the leases live at p_from as `p_live` (a
+-- checkpoint's, or none when p_from is a lookback before the range judged). Returns every lease
+-- among them: its subject, grant, last lease_until before p_until and release; and for each lease
+-- granted at or after greatest(p_from, p_judge_from), `held` (its subject's leases held with this
+-- grant) and `allowed` (the limit or cap in force then, NULL for none): the grant breaks the rule
+-- when held > allowed. A lease lives from its `granted` row to its release (or forced release),
+-- else to the last lease_until it was granted or renewed to; at equal times an end sorts before a
+-- start, so a slot handed straight from one lease to the next does not count twice. The limit in
+-- force is what the subject's latest `created` / `updated` row at or before the grant set
+-- (credential_events' `new`, tenant_events' columns; a tenant's NULL cap: none), else the current
+-- one (rows are dated when the change took effect); a credential deleted without such a row has
+-- none, and its grants are not judged.
+--
+-- Chunks compose exactly: a lease is live at p_until when it has no release before it and its
+-- lease_until is later (the leases the next chunk must count), and a lease not live at a moment is
+-- never live again, since the service refuses to renew or release a lease whose lease_until has
+-- passed. One pass over the rows grouped by lease, then one window pass per subject in time
+-- order that counts the leases held and carries the limit forward from configuration rows merged
+-- into the same order (a look-up per grant cost 7 us, half the proof): no join of the trail with
+-- itself, and index credential_events_configuration_idx (tenant_events_tenant_at_idx) read once
+-- per subject.
+CREATE OR REPLACE FUNCTION credpool_scope_lease_check(p_scope text, p_from timestamptz,
+    p_until timestamptz, p_live audit_live_lease[], p_judge_from timestamptz)
+RETURNS TABLE (lease_id uuid, subject text, granted_at timestamptz, lease_until timestamptz,
+               released_at timestamptz, held bigint, allowed integer)
+LANGUAGE sql STABLE AS $$
+    WITH lives AS (
+        SELECT e.lease_id,
+               min(e.subject) FILTER (WHERE e.event = 'granted') AS subject,
+               min(e.at) FILTER (WHERE e.event = 'granted') AS granted_at,
+               min(e.at) FILTER (WHERE e.event IN ('released', 'force_released')) AS released_at,
+               max(e.lease_until) FILTER (WHERE e.event IN ('granted', 'renewed')) AS lease_until
+        FROM (SELECT le.lease_id, le.event, le.at, le.lease_until,
+                     CASE p_scope WHEN 'credential' THEN le.key_id ELSE le.tenant END AS subject
+              FROM lease_events le
+              WHERE le.at >= p_from AND le.at < p_until
+              UNION ALL
+              SELECT l.lease_id, 'granted', l.granted_at, l.lease_until, l.subject
+              FROM unnest(p_live) l) e
+        GROUP BY e.lease_id
+        -- a lease ended before p_from whose late rows (a report after expiry) are in the range
+        HAVING min(e.subject) FILTER (WHERE e.event = 'granted') IS NOT NULL
+    ),
+    -- each subject's configuration rows: its current limit (at -infinity: in force where no row
+    -- is), the latest row at or before the first grant judged, and every later one before
+    -- p_until, with what they allowed (NULL: no cap, or a credential deleted)
+    configs AS (
+        SELECT s.subject, c.at, c.event_id, c.allowed
+        FROM (SELECT DISTINCT l.subject FROM lives l) s
+        CROSS JOIN LATERAL (
+            SELECT '-infinity'::timestamptz AS at, 0::bigint AS event_id,
+                   CASE p_scope
+                       WHEN 'credential' THEN (SELECT c.max_concurrent_uses FROM credentials c
+                                               WHERE c.key_id = s.subject)
+                       ELSE (SELECT t.max_concurrent_leases FROM tenants t
+                             WHERE t.tenant_id = s.subject) END AS allowed
+            UNION ALL
+            (SELECT ce.at, ce.event_id, (ce.details -> 'new' ->> 'max_concurrent_uses')::integer
+             FROM credential_events ce
+             WHERE p_scope = 'credential' AND ce.key_id = s.subject
+               AND ce.event IN ('created', 'updated') AND ce.at <= greatest(p_from, p_judge_from)
+             ORDER BY ce.at DESC, ce.event_id DESC
+             LIMIT 1)
+            UNION ALL
+            SELECT ce.at, ce.event_id, (ce.details -> 'new' ->> 'max_concurrent_uses')::integer
+            FROM credential_events ce
+            WHERE p_scope = 'credential' AND ce.key_id = s.subject
+              AND ce.event IN ('created', 'updated')
+              AND ce.at > greatest(p_from, p_judge_from) AND ce.at < p_until
+            UNION ALL
+            (SELECT te.at, te.event_id, te.max_concurrent_leases
+             FROM tenant_events te
+             WHERE p_scope = 'tenant' AND te.tenant_id = s.subject
+               AND te.event IN ('created', 'updated') AND te.at <= greatest(p_from, p_judge_from)
+             ORDER BY te.at DESC, te.event_id DESC
+             LIMIT 1)
+            UNION ALL
+            SELECT te.at, te.event_id, te.max_concurrent_leases
+            FROM tenant_events te
+            WHERE p_scope = 'tenant' AND te.tenant_id = s.subject
+              AND te.event IN ('created', 'updated')
+              AND te.at > greatest(p_from, p_judge_from) AND te.at < p_until) c
+    ),
+    edges AS (
+        SELECT l.lease_id, l.subject, l.granted_at AS at, 1 AS delta, l.lease_until,
+               l.released_at, NULL::bigint AS setting
+        FROM lives l
+        UNION ALL
+        SELECT NULL, l.subject, coalesce(l.released_at, l.lease_until), -1, NULL, NULL, NULL
+        FROM lives l
+        UNION ALL
+        -- a configuration sorts after the ends and before the grants of its instant; `setting`
+        -- grows with the rows' order, so a running max is the latest row's: its rank in the high
+        -- bits, what it allowed + 1 (0: no cap) in the low 32
+        SELECT NULL, c.subject, c.at, 0, NULL, NULL,
+               (row_number() OVER (PARTITION BY c.subject ORDER BY c.at, c.event_id)) * 4294967296
+               + coalesce(c.allowed + 1, 0)
+        FROM configs c
+    ),
+    running AS (
+        SELECT e.*,
+               sum(e.delta) OVER w AS held,
+               max(e.setting) OVER w AS latest
+        FROM edges e
+        WINDOW w AS (PARTITION BY e.subject ORDER BY e.at, e.delta ROWS UNBOUNDED PRECEDING)
+    )
+    SELECT r.lease_id, r.subject, r.at, r.lease_until, r.released_at,
+           CASE WHEN r.at >= greatest(p_from, p_judge_from) THEN r.held END,
+           CASE WHEN r.at >= greatest(p_from, p_judge_from)
+                THEN nullif(r.latest % 4294967296, 0)::integer - 1 END
+    FROM running r
+    WHERE r.delta = 1
+$$;
+
 -- The oversell proof, from the trail alone: for every credential with leases granted in
 -- [p_since, p_until), how many, the most leases held at one moment, and every grant that took a
--- credential beyond its limit at that moment. The limit at a moment is the one its latest
--- `created` / `updated` audit row set (else the current one), looked up per grant through
--- credential_events_configuration_idx (a range join against every limit period let the planner
--- choose a nested loop over grants x periods: 10.7 s for 25,000 grants on 1,000 credentials).
--- Lowering a limit under load revokes nothing, so more leases than a lowered limit may be held for
--- a while; what may never happen is a GRANT that leaves more leases held than the limit allows —
--- `grants_over_limit` counts those. At equal times an end sorts before a start: a slot handed
--- straight from one lease to the next does not count twice.
+-- credential beyond its limit at that moment (`grants_over_limit`; the rule:
+-- credpool_scope_lease_check, scope 'credential'). The leases live at p_since are read from the
+-- day before it (a lease renewed for longer than a day is missed); the checkpoints of
+-- credpool_audit_advance carry them instead.
 CREATE OR REPLACE FUNCTION credpool_oversell_check(p_since timestamptz, p_until timestamptz)
 RETURNS TABLE (
     key_id text, max_concurrent_uses integer, leases bigint, peak bigint, grants_over_limit bigint,
     first_violation_at timestamptz)
 LANGUAGE sql STABLE AS $$
-    WITH lives AS (
-        SELECT * FROM credpool_lease_lifetimes(p_since, p_until)
-    ),
-    edges AS (
-        SELECT l.key_id, l.granted_at AS at, 1 AS delta FROM lives l
-        UNION ALL
-        SELECT l.key_id, coalesce(l.ended_at, 'infinity'::timestamptz), -1 FROM lives l
-    ),
-    running AS (
-        SELECT e.key_id, e.at, e.delta,
-               sum(e.delta) OVER (PARTITION BY e.key_id ORDER BY e.at, e.delta
-                                  ROWS UNBOUNDED PRECEDING) AS held
-        FROM edges e
-    ),
-    grants AS (
-        SELECT r.key_id, r.at, r.held,
-               coalesce(
-                   (SELECT (ce.details -> 'new' ->> 'max_concurrent_uses')::integer
-                    FROM credential_events ce
-                    WHERE ce.key_id = r.key_id
-                      AND ce.event IN ('created', 'updated')
-                      AND ce.at <= r.at
-                    ORDER BY ce.at DESC
-                    LIMIT 1),
-                   (SELECT c.max_concurrent_uses FROM credentials c WHERE c.key_id = r.key_id)
-               ) AS limit_then
-        FROM running r
-        WHERE r.delta = 1 AND r.at >= p_since AND r.at < p_until
-    )
-    SELECT g.key_id,
-           (SELECT c.max_concurrent_uses FROM credentials c WHERE c.key_id = g.key_id),
+    SELECT j.subject,
+           (SELECT c.max_concurrent_uses FROM credentials c WHERE c.key_id = j.subject),
            count(*),
-           max(g.held),
-           count(*) FILTER (WHERE g.held > g.limit_then),
-           min(g.at) FILTER (WHERE g.held > g.limit_then)
-    FROM grants g
-    GROUP BY g.key_id
-    ORDER BY g.key_id
+           max(j.held),
+           count(*) FILTER (WHERE j.held > j.allowed),
+           min(j.granted_at) FILTER (WHERE j.held > j.allowed)
+    FROM credpool_scope_lease_check('credential', p_since - interval '1 day', p_until, '{}',
+                                    p_since) j
+    WHERE j.held IS NOT NULL
+    GROUP BY j.subject
+    ORDER BY j.subject
 $$;
 
 -- Utilization per credential and hour, for every credential that exists now: lease-seconds held
@@ -295,6 +385,10 @@ BEGIN
                     SELECT e.at, e.tokens FROM lease_events e
                     WHERE e.lease_id = g.lease_id AND e.tokens IS NOT NULL
                       AND e.event IN ('released', 'outcome_after_expiry')
+                      -- only a report within the grant's window and the range counts (the
+                      -- WHERE below); bounded here too, so only those days' partitions are read
+                      AND e.at >= g.at AND e.at < g.at + %5$L::interval
+                      AND e.at < %4$L::timestamptz
                     ORDER BY e.at
                     LIMIT 1) u
                 WHERE %1$L = 'tokens'
@@ -358,66 +452,25 @@ CREATE TRIGGER tenant_events_append_only
     BEFORE UPDATE ON tenant_events
     FOR EACH ROW EXECUTE FUNCTION lease_events_forbid_update();
 
--- The tenant cap proof, from the trail alone (issue 29): for every tenant with leases granted in
+-- The tenant cap proof, from the trail alone: for every tenant with leases granted in
 -- [p_since, p_until), how many, the most it held at one moment, and every grant that left it
--- holding more leases than its cap at that moment. A lease lives from its `granted` row to its
--- release (or forced release), else to the last lease_until it was granted or renewed to, like
--- credpool_lease_lifetimes. The cap at a moment is the one its latest `created` / `updated`
--- tenant_events row at or before the grant set (else its current cap); NULL means no cap. As
--- for credentials, lowering a cap under load revokes nothing, so a tenant may hold more than a
--- lowered cap for a while: what may never happen is a GRANT over the cap (`grants_over_cap`).
--- At equal times an end sorts before a start.
+-- holding more leases than its cap at that moment (`grants_over_cap`; the rule:
+-- credpool_scope_lease_check, scope 'tenant'; the cap in force: credpool_tenant_cap_at). The
+-- leases live at p_since are read from the day before it, as for credpool_oversell_check.
 CREATE OR REPLACE FUNCTION credpool_tenant_cap_check(p_since timestamptz, p_until timestamptz)
 RETURNS TABLE (tenant_id text, max_concurrent_leases integer, leases bigint, peak bigint,
                grants_over_cap bigint, first_violation_at timestamptz)
 LANGUAGE sql STABLE AS $$
-    WITH lives AS (
-        SELECT e.lease_id,
-               min(e.tenant) FILTER (WHERE e.event = 'granted') AS tenant,
-               min(e.at) FILTER (WHERE e.event = 'granted') AS granted_at,
-               min(e.at) FILTER (WHERE e.event IN ('released', 'force_released')) AS released_at,
-               max(e.lease_until) FILTER (WHERE e.event IN ('granted', 'renewed')) AS last_until
-        FROM lease_events e
-        WHERE e.at >= p_since - interval '1 day'
-        GROUP BY e.lease_id
-        HAVING min(e.tenant) FILTER (WHERE e.event = 'granted') IS NOT NULL
-           AND min(e.at) FILTER (WHERE e.event = 'granted') < p_until
-    ),
-    edges AS (
-        SELECT l.tenant, l.granted_at AS at, 1 AS delta FROM lives l
-        UNION ALL
-        SELECT l.tenant, coalesce(l.released_at, l.last_until), -1 FROM lives l
-    ),
-    running AS (
-        SELECT e.tenant, e.at, e.delta,
-               sum(e.delta) OVER (PARTITION BY e.tenant ORDER BY e.at, e.delta
-                                  ROWS UNBOUNDED PRECEDING) AS held
-        FROM edges e
-    ),
-    grants AS (
-        SELECT r.tenant, r.at, r.held,
-               coalesce(
-                   (SELECT jsonb_build_object('cap', te.max_concurrent_leases)
-                    FROM tenant_events te
-                    WHERE te.tenant_id = r.tenant AND te.event IN ('created', 'updated')
-                      AND te.at <= r.at
-                    ORDER BY te.at DESC
-                    LIMIT 1),
-                   (SELECT jsonb_build_object('cap', t.max_concurrent_leases)
-                    FROM tenants t WHERE t.tenant_id = r.tenant)
-               ) ->> 'cap' AS cap_then
-        FROM running r
-        WHERE r.delta = 1 AND r.at >= p_since AND r.at < p_until
-    )
-    SELECT g.tenant,
-           (SELECT t.max_concurrent_leases FROM tenants t WHERE t.tenant_id = g.tenant),
+    SELECT j.subject,
+           (SELECT t.max_concurrent_leases FROM tenants t WHERE t.tenant_id = j.subject),
            count(*),
-           max(g.held),
-           count(*) FILTER (WHERE g.held > g.cap_then::integer),
-           min(g.at) FILTER (WHERE g.held > g.cap_then::integer)
-    FROM grants g
-    GROUP BY g.tenant
-    ORDER BY g.tenant
+           max(j.held),
+           count(*) FILTER (WHERE j.held > j.allowed),
+           min(j.granted_at) FILTER (WHERE j.held > j.allowed)
+    FROM credpool_scope_lease_check('tenant', p_since - interval '1 day', p_until, '{}', p_since) j
+    WHERE j.held IS NOT NULL
+    GROUP BY j.subject
+    ORDER BY j.subject
 $$;
 
 -- The rate windows tenant `p_tenant` had in force at `p_at`, from the trail: what its latest
@@ -450,4 +503,217 @@ RETURNS TABLE (tenant_id text, kind text, seconds integer, window_count bigint, 
                peak bigint, grants_over_window bigint, first_violation_at timestamptz)
 LANGUAGE sql STABLE AS $$
     SELECT * FROM credpool_scope_window_check('tenant', p_since, p_until)
+$$;
+
+-- INCREMENTAL PROOFS. A run (audit_checkpoints: the continuous proof, or one `credpool audit
+-- verify` over a range) records per proof up to which time every grant was judged and what was
+-- found; each chunk proves the trail rows since, plus the overlap the rules need: the leases live
+-- at the checkpoint (carried in the checkpoint row) and a window's lookback (read by time). So a
+-- chunk costs what it reads, not what the trail holds, and chunks judge every grant exactly as
+-- one proof over the whole range does.
+
+-- The time before which every trail row that any transaction will ever commit is committed now:
+-- the start of the oldest transaction still open in this database (a trail row is dated at or
+-- after its transaction's start: now(), statement_timestamp() or clock_timestamp()), else the
+-- moment of asking. A proof must not pass it, or a grant committed later would be skipped.
+-- Sessions of other roles are visible only to their role, superusers and pg_read_all_stats:
+-- run proofs as the service's role. Read it in a statement of its own, before the proof's (a
+-- transaction that commits between the two is then seen by the proof).
+CREATE OR REPLACE FUNCTION credpool_audit_horizon() RETURNS timestamptz
+LANGUAGE plpgsql VOLATILE AS $$
+DECLARE
+    v_asked timestamptz := clock_timestamp();
+BEGIN
+    -- pg_stat_activity is read once per transaction unless the snapshot is cleared
+    PERFORM pg_stat_clear_snapshot();
+    RETURN least(v_asked,
+                 (SELECT min(a.xact_start) FROM pg_stat_activity a
+                  WHERE a.datname = current_database() AND a.pid <> pg_backend_pid()
+                    AND a.backend_type = 'client backend'));
+END;
+$$;
+
+-- Where a chunk that starts at p_from ends: after at most p_rows trail rows (the first row after
+-- them, whose instant starts the next chunk), else at p_to; and how many rows it holds. Rows of
+-- one instant are never split (they may hold more than p_rows). Index lease_events_at_idx.
+CREATE OR REPLACE FUNCTION credpool_audit_chunk_end(p_from timestamptz, p_to timestamptz,
+    p_rows integer, OUT chunk_end timestamptz, OUT rows_read bigint)
+LANGUAGE sql STABLE AS $$
+    WITH firsts AS (
+        SELECT e.at FROM lease_events e
+        WHERE e.at >= p_from AND e.at < p_to
+        ORDER BY e.at
+        LIMIT p_rows + 1
+    ),
+    cut AS (
+        SELECT count(*) AS n, max(f.at) AS last FROM firsts f
+    )
+    SELECT CASE WHEN cut.n <= p_rows THEN p_to
+                WHEN cut.last > p_from THEN cut.last
+                -- more than p_rows rows at p_from itself: the chunk is that instant
+                ELSE coalesce((SELECT min(e.at) FROM lease_events e
+                               WHERE e.at > p_from AND e.at < p_to), p_to) END,
+           CASE WHEN cut.n <= p_rows THEN cut.n
+                WHEN cut.last > p_from THEN (SELECT count(*) FROM firsts f WHERE f.at < cut.last)
+                ELSE (SELECT count(*) FROM lease_events e WHERE e.at = p_from) END
+    FROM cut
+$$;
+
+-- Opens run `p_run` over [p_since, p_until) (p_until NULL: it follows the trail, as the
+-- continuous proof does), one checkpoint per proof; or keeps it when it exists with the same
+-- start, unfinished (a proof short of its until_target, or following the trail) and not past
+-- p_until, so that an interrupted run resumes (with p_until as its new end). Otherwise the run
+-- starts afresh: a finished range is proven again. The concurrency proofs start reading a day
+-- before p_since, judging nothing there, to learn the leases live at p_since (a lease renewed for
+-- longer than a day is missed, as in credpool_oversell_check). Ranged runs idle for a week are
+-- dropped. Returns whether it resumed.
+CREATE OR REPLACE FUNCTION credpool_audit_open(p_run text, p_since timestamptz, p_until timestamptz)
+RETURNS boolean
+LANGUAGE plpgsql AS $$
+DECLARE
+    v_resumed boolean;
+BEGIN
+    -- waits for a chunk of this run in progress (credpool_audit_advance holds the same lock)
+    PERFORM pg_advisory_xact_lock(hashtextextended('credpool.audit:' || p_run, 0));
+    SELECT count(*) > 0
+           AND bool_and(c.since = p_since AND c.proven_until <= coalesce(p_until, 'infinity'))
+           AND bool_or(c.until_target IS NULL OR c.proven_until < c.until_target)
+    INTO v_resumed
+    FROM audit_checkpoints c WHERE c.run = p_run;
+    IF NOT v_resumed THEN
+        DELETE FROM audit_checkpoints c WHERE c.run = p_run;
+    END IF;
+    DELETE FROM audit_checkpoints c
+    WHERE c.run LIKE 'range:%' AND c.run <> p_run AND c.updated_at < now() - interval '7 days';
+    INSERT INTO audit_checkpoints AS c (run, proof, since, until_target, proven_until)
+    SELECT p_run, proof, p_since, p_until,
+           CASE WHEN proof IN ('oversell', 'tenant_cap') THEN p_since - interval '1 day' ELSE p_since END
+    FROM unnest(ARRAY['oversell', 'windows', 'tenant_cap', 'tenant_windows']) AS proof
+    ON CONFLICT (run, proof) DO UPDATE SET until_target = EXCLUDED.until_target;
+    RETURN v_resumed;
+END;
+$$;
+
+-- One chunk of proof `p_proof` of run p_run: judges the grants in [proven_until, p_to) by the
+-- proof's rule (the concurrency proofs, `oversell` and `tenant_cap`, with the leases live at
+-- proven_until: credpool_scope_lease_check; the window proofs, `windows` and `tenant_windows`,
+-- with each window's lookback read by time: credpool_scope_window_check), adds what it found to
+-- the subjects' lines and the checkpoint, keeps the leases live at p_to, and moves the checkpoint
+-- to p_to. `p_rows`: the trail rows of the chunk (for progress).
+CREATE OR REPLACE FUNCTION credpool_audit_prove(p_run text, p_proof text, p_to timestamptz,
+    p_rows bigint) RETURNS void
+LANGUAGE sql
+-- a chunk's leases and edges in memory (its rows are bounded): no sort spills to disk
+SET work_mem = '64MB'
+AS $$
+    WITH checkpoint AS (
+        SELECT c.* FROM audit_checkpoints c WHERE c.run = p_run AND c.proof = p_proof
+    ),
+    leases AS MATERIALIZED (
+        SELECT j.*
+        FROM checkpoint c,
+             credpool_scope_lease_check(CASE c.proof WHEN 'oversell' THEN 'credential' ELSE 'tenant' END,
+                                        c.proven_until, p_to, c.live_leases, c.since) j
+        WHERE c.proof IN ('oversell', 'tenant_cap')
+    ),
+    found AS MATERIALIZED (
+        SELECT j.subject, '' AS kind, 0 AS seconds, NULL::bigint AS window_count,
+               count(*) AS grants, max(j.held) AS peak,
+               count(*) FILTER (WHERE j.held > j.allowed) AS violations,
+               min(j.granted_at) FILTER (WHERE j.held > j.allowed) AS first_violation_at
+        FROM leases j
+        WHERE j.held IS NOT NULL
+        GROUP BY j.subject
+        UNION ALL
+        SELECT w.scope_id, w.kind, w.seconds, w.window_count, w.grants, w.peak,
+               w.grants_over_window, w.first_violation_at
+        FROM checkpoint c,
+             credpool_scope_window_check(CASE c.proof WHEN 'windows' THEN 'credential' ELSE 'tenant' END,
+                                         c.proven_until, p_to) w
+        WHERE c.proof IN ('windows', 'tenant_windows')
+    ),
+    merged AS (
+        INSERT INTO audit_checkpoint_subjects AS s
+            (run, proof, subject, kind, seconds, window_count, grants, peak, violations,
+             first_violation_at)
+        SELECT p_run, p_proof, f.subject, f.kind, f.seconds, f.window_count, f.grants, f.peak,
+               f.violations, f.first_violation_at
+        FROM found f
+        ON CONFLICT (run, proof, subject, kind, seconds) DO UPDATE
+        SET window_count = greatest(s.window_count, EXCLUDED.window_count),
+            grants = s.grants + EXCLUDED.grants,
+            peak = greatest(s.peak, EXCLUDED.peak),
+            violations = s.violations + EXCLUDED.violations,
+            first_violation_at = least(s.first_violation_at, EXCLUDED.first_violation_at)
+    )
+    UPDATE audit_checkpoints c
+    SET proven_until = p_to,
+        live_leases = coalesce(
+            (SELECT array_agg(ROW(j.lease_id, j.subject, j.granted_at, j.lease_until)::audit_live_lease)
+             FROM leases j
+             WHERE j.released_at IS NULL AND j.lease_until > p_to), '{}'),
+        grants = c.grants + coalesce((SELECT sum(f.grants) FROM found f), 0),
+        violations = c.violations + coalesce((SELECT sum(f.violations) FROM found f), 0),
+        first_violation_at = least(c.first_violation_at,
+                                   (SELECT min(f.first_violation_at) FROM found f)),
+        rows_read = c.rows_read + p_rows,
+        chunks = c.chunks + 1,
+        updated_at = now()
+    WHERE c.run = p_run AND c.proof = p_proof
+$$;
+
+-- Advances every proof of run p_run by one chunk of at most p_rows trail rows, towards its
+-- until_target but never past credpool_audit_horizon(); the continuous proof (`continuous`) is
+-- opened on first use, from the trail's oldest row or a day ago, whichever is later. Each chunk
+-- commits with the caller's statement, so an interrupted run resumes from its last chunk.
+-- `rows_read`: the trail rows of the chunk (the most any proof read: each reads its chunk); NULL
+-- when another session is advancing this run right now (nothing done). `more`: a proof stopped
+-- short of its target (call again).
+-- Must run in READ COMMITTED: its statements after the horizon's need snapshots of their own.
+CREATE OR REPLACE FUNCTION credpool_audit_advance(p_run text, p_rows integer,
+    OUT rows_read bigint, OUT more boolean)
+LANGUAGE plpgsql AS $$
+DECLARE
+    v_horizon timestamptz;
+    v_checkpoint record;
+    v_target timestamptz;
+    v_from timestamptz;
+    v_to timestamptz;
+    v_rows bigint;
+BEGIN
+    IF current_setting('transaction_isolation') <> 'read committed' THEN
+        RAISE EXCEPTION 'credpool_audit_advance needs READ COMMITTED'
+            USING ERRCODE = 'invalid_transaction_state';
+    END IF;
+    IF NOT pg_try_advisory_xact_lock(hashtextextended('credpool.audit:' || p_run, 0)) THEN
+        RETURN;
+    END IF;
+    v_horizon := credpool_audit_horizon();
+    IF p_run = 'continuous' THEN
+        PERFORM credpool_audit_open(p_run, coalesce(
+            (SELECT min(c.since) FROM audit_checkpoints c WHERE c.run = p_run),
+            greatest((SELECT min(e.at) FROM lease_events e), now() - interval '1 day')), NULL);
+    END IF;
+    rows_read := 0;
+    more := false;
+    FOR v_checkpoint IN
+        SELECT c.proof, c.proven_until, least(coalesce(c.until_target, v_horizon), v_horizon) AS target
+        FROM audit_checkpoints c
+        WHERE c.run = p_run
+        ORDER BY c.proven_until, c.proof
+        FOR UPDATE
+    LOOP
+        CONTINUE WHEN v_checkpoint.proven_until >= v_checkpoint.target;
+        -- proofs at the same point share one chunk
+        IF v_from IS DISTINCT FROM v_checkpoint.proven_until OR v_target IS DISTINCT FROM v_checkpoint.target THEN
+            v_from := v_checkpoint.proven_until;
+            v_target := v_checkpoint.target;
+            SELECT e.chunk_end, e.rows_read INTO v_to, v_rows
+            FROM credpool_audit_chunk_end(v_from, v_target, p_rows) e;
+        END IF;
+        PERFORM credpool_audit_prove(p_run, v_checkpoint.proof, v_to, v_rows);
+        rows_read := greatest(rows_read, v_rows);
+        more := more OR v_to < v_target;
+    END LOOP;
+END;
 $$;

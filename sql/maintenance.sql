@@ -104,7 +104,8 @@ $$;
 
 -- Drops the trail's days that retention has passed: every row older than now() - p_retention,
 -- oldest first. Keeps a day that holds the grant of a lease still in its slot (its trail is
--- whole until it ends).
+-- whole until it ends), and every day the continuous proof has not proven yet (a proof held back
+-- keeps the trail growing; the CredpoolAuditProofBehind alert says so).
 -- Dropping a day takes an ACCESS EXCLUSIVE lock on the trail for a moment; it waits for it at
 -- most 100 ms (a proof reading the trail holds it off: the day is dropped by a later pass), so
 -- claims and releases queue behind it no longer than that. p_now: the clock. Returns how many
@@ -119,7 +120,9 @@ DECLARE
     v_dropped integer := 0;
 BEGIN
     v_keep_from := least(v_keep_from,
-                         (SELECT min(s.granted_at) FROM lease_slots s WHERE s.lease_id IS NOT NULL));
+                         (SELECT min(s.granted_at) FROM lease_slots s WHERE s.lease_id IS NOT NULL),
+                         (SELECT min(c.proven_until) FROM audit_checkpoints c
+                          WHERE c.run = 'continuous'));
     PERFORM set_config('lock_timeout', '100ms', true);
     FOR v_day IN SELECT d.day, d.day_to FROM credpool_trail_days() d
                  WHERE d.day_to <= v_keep_from ORDER BY d.day_to LOOP
@@ -139,8 +142,8 @@ $$;
 
 -- Deletes up to p_batch rows of the trail written before it was partitioned
 -- (`lease_events_before`, until credpool_drop_trail_days drops it whole) and of the credential
--- trail older than p_retention. Never touches the history of a lease that still holds a slot.
--- Returns how many rows it deleted.
+-- trail older than p_retention. Never touches the history of a lease that still holds a slot, nor
+-- trail rows the continuous proof has not proven yet. Returns how many rows it deleted.
 CREATE OR REPLACE FUNCTION credpool_purge_audit(p_retention interval DEFAULT '30 days', p_batch integer DEFAULT 10000)
 RETURNS integer
 LANGUAGE plpgsql AS $$
@@ -154,6 +157,8 @@ BEGIN
             SELECT e.ctid
             FROM lease_events_before e
             WHERE e.at < now() - p_retention
+              AND e.at < coalesce((SELECT min(c.proven_until) FROM audit_checkpoints c
+                                   WHERE c.run = 'continuous'), 'infinity')
               AND NOT EXISTS (SELECT 1 FROM lease_slots s
                               WHERE s.key_id = e.key_id AND s.lease_id = e.lease_id)
             ORDER BY e.at
@@ -269,23 +274,33 @@ $$;
 -- The steps of one maintenance pass, in order: reap expired leases, refit credentials back under
 -- a lowered limit, record ended cooldowns, purge old audit rows and request ids, fold the pool
 -- versions of exited backends, refit tenants over a lowered cap, purge expired affinity bindings
--- and keep them under their cap, make the trail's days a week ahead and drop the days retention
--- has passed. Step `p_step` (1-based) runs and returns its name and how much it
--- did; past the last step, both are NULL. Each step is meant to be its own transaction
--- (credpool_maintenance, and the service's own scheduler, commit after each), so that the row
--- locks of one step are gone before the next starts: a long audit purge never holds the slot rows
--- the reaper ended, and no claim passes over a free slot, or answers 429, because a cleanup pass
--- is running. A step that another session is running right now (the same advisory lock, tried,
--- never waited for) is skipped: `done` is NULL.
+-- and keep them under their cap, make the trail's days a week ahead, advance the continuous proof
+-- by one chunk of at most 200,000 trail rows per proof (credpool_audit_advance; `done` is the
+-- trail rows it read, and `more` says that it stopped short of the trail's end: callers repeat
+-- the step while their pass has time), and drop the trail's days retention has passed.
+-- Step `p_step` (1-based) runs and returns its name and how much it did; past the last step, both
+-- are NULL. Each step is meant to be its own transaction (credpool_maintenance, and the service's
+-- own scheduler, commit after each), so that the row locks of one step are gone before the next
+-- starts: a long audit purge never holds the slot rows the reaper ended, and no claim passes over
+-- a free slot, or answers 429, because a cleanup pass is running. A step that another session is
+-- running right now (the same advisory lock, tried, never waited for) is skipped: `done` is NULL.
+DROP FUNCTION IF EXISTS credpool_maintenance_step(integer, interval);
 CREATE OR REPLACE FUNCTION credpool_maintenance_step(p_step integer, p_retention interval,
-    OUT name text, OUT done integer)
+    OUT name text, OUT done integer, OUT more boolean)
 LANGUAGE plpgsql AS $$
 BEGIN
+    more := false;
     name := (ARRAY['expired_leases_reaped', 'credentials_refitted', 'cooldowns_recorded',
                    'audit_rows_purged', 'request_ids_purged', 'pool_versions_folded',
                    'tenants_refitted', 'affinity_bindings_purged', 'trail_days_made',
-                   'trail_days_dropped'])[p_step];
+                   'audit_rows_proven', 'trail_days_dropped'])[p_step];
     IF name IS NULL THEN
+        RETURN;
+    END IF;
+    IF name = 'audit_rows_proven' THEN
+        -- the proof's own lock (per run) makes one session advance it at a time
+        SELECT a.rows_read::integer, coalesce(a.more, false) INTO done, more
+        FROM credpool_audit_advance('continuous', 200000) a;
         RETURN;
     END IF;
     IF NOT pg_try_advisory_xact_lock(hashtextextended('credpool.maintenance:' || name, 0)) THEN
@@ -308,22 +323,29 @@ $$;
 
 -- One maintenance pass, as pg_cron runs it (`CALL credpool_maintenance(...)`, alone in its
 -- command, so that it may commit): every step of credpool_maintenance_step, each committed before
--- the next. `report`: what each step did, {"expired_leases_reaped": n, ...}.
+-- the next; a step that says it has `more` to do runs again, committed each time, while the pass
+-- is younger than `p_seconds` (the service's own scheduler uses the same bound:
+-- service/src/store/maintenance.rs). `report`: what each step did, {"expired_leases_reaped": n, ...}.
 DROP FUNCTION IF EXISTS credpool_maintenance(interval);
+DROP PROCEDURE IF EXISTS credpool_maintenance(interval, jsonb);
 CREATE OR REPLACE PROCEDURE credpool_maintenance(p_retention interval DEFAULT '30 days',
-    INOUT report jsonb DEFAULT NULL)
+    INOUT report jsonb DEFAULT NULL, p_seconds double precision DEFAULT 30)
 LANGUAGE plpgsql AS $$
 DECLARE
     v_step record;
+    v_started timestamptz := clock_timestamp();
     i integer := 1;
 BEGIN
     report := '{}';
     LOOP
         SELECT * INTO v_step FROM credpool_maintenance_step(i, p_retention);
         EXIT WHEN v_step.name IS NULL;
-        report := report || jsonb_build_object(v_step.name, coalesce(v_step.done, 0));
+        report := report || jsonb_build_object(v_step.name,
+            coalesce((report ->> v_step.name)::bigint, 0) + coalesce(v_step.done, 0));
         COMMIT;
-        i := i + 1;
+        IF NOT v_step.more OR clock_timestamp() > v_started + make_interval(secs => p_seconds) THEN
+            i := i + 1;
+        END IF;
     END LOOP;
 END;
 $$;

@@ -26,8 +26,9 @@ async fn main() -> ExitCode {
     // per-lease log lines would bury).
     let default_filter = match cli.command {
         Command::Serve(_) => "credpool=info,warn",
-        // the bench's own bulk statements (history, the oversell proof) are slow by design
-        Command::Bench(_) => "warn,sqlx::query=error",
+        // the bench's own bulk statements (history, the oversell proof) and the proofs' chunks
+        // are slow by design
+        Command::Bench(_) | Command::Audit(_) | Command::Maintenance(_) => "warn,sqlx::query=error",
         _ => "warn",
     };
     let filter =

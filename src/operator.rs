@@ -23,10 +23,11 @@ use credpool::allocator::windows::RateLimits;
 use credpool::database::Database;
 use credpool::domain::{KeyId, PoolName, ProviderName, Status};
 use credpool::startup::{check_secret_config, prepare_keyring};
+use credpool::store::audit::{self, Run};
 use credpool::store::credentials::{
     self, Actor, CredentialInput, ListFilter, Patch, PatchOutcome, StateChange,
 };
-use credpool::store::{audit, maintenance};
+use credpool::store::maintenance;
 
 fn actor(cli: &CliArgs) -> anyhow::Result<Actor> {
     let name = match &cli.operator {
@@ -55,12 +56,13 @@ pub(crate) fn table(header: &[&str]) -> Table {
     table
 }
 
-/// Runs a command on an open database, then closes it whatever happened.
+/// Runs a command on an open database (with the operator's statement timeout), then closes it
+/// whatever happened.
 async fn with_database<T>(
     cli: &CliArgs,
     f: impl AsyncFnOnce(&Database) -> anyhow::Result<T>,
 ) -> anyhow::Result<T> {
-    let database = Database::open(&cli.db).await?;
+    let database = Database::open(&cli.database()).await?;
     let result = f(&database).await;
     database.close().await;
     result
@@ -358,7 +360,12 @@ pub async fn pools(cli: CliArgs) -> anyhow::Result<()> {
 pub async fn audit(args: AuditArgs) -> anyhow::Result<ExitCode> {
     let cli = &args.cli;
     match &args.command {
-        AuditCommand::Verify { since, until } => {
+        AuditCommand::Verify {
+            since,
+            until,
+            full,
+            chunk_rows,
+        } => {
             let parse = |label: &str,
                          text: &Option<String>|
              -> anyhow::Result<Option<OffsetDateTime>> {
@@ -372,82 +379,345 @@ pub async fn audit(args: AuditArgs) -> anyhow::Result<ExitCode> {
             };
             let (since, until) = (parse("since", since)?, parse("until", until)?);
             with_database(cli, async |db| {
-                let mut work = db.pool.work().await?;
-                let until = match until {
-                    Some(until) => until,
-                    None => audit::database_now(&mut *work).await?,
+                let (run, resumed) = match (since, until, full) {
+                    (None, None, false) => (Run::Continuous, true),
+                    _ => {
+                        let mut work = db.pool.work().await?;
+                        // the end of the trail is where it is settled when each chunk runs:
+                        // later grants are for the next run
+                        let until = match until {
+                            Some(until) => until,
+                            None => audit::database_now(&mut *work).await?,
+                        };
+                        let start = match since {
+                            Some(since) => since,
+                            // the whole trail; an empty one has nothing before now
+                            None if *full => audit::oldest_trail_row(&mut *work)
+                                .await?
+                                .unwrap_or(until)
+                                .min(until),
+                            None => until - time::Duration::days(1),
+                        };
+                        if until < start {
+                            bail!("--until must not be before --since");
+                        }
+                        let resumed = audit::open_range(&mut *work, start, until).await?;
+                        work.done().await?;
+                        (Run::Range { since: start }, resumed)
+                    }
                 };
-                let since = since.unwrap_or(until - time::Duration::days(1));
-                let rows = audit::oversell_check(&mut *work, since, until).await?;
-                let windows = audit::window_check(&mut *work, since, until).await?;
-                let tenants = audit::tenant_cap_check(&mut *work, since, until).await?;
-                let tenant_windows = audit::tenant_window_check(&mut *work, since, until).await?;
-                work.done().await?;
-                let over_limit: i64 = rows.iter().map(|r| r.grants_over_limit).sum();
-                let over_window: i64 = windows.iter().map(|r| r.grants_over_window).sum();
-                let over_cap: i64 = tenants.iter().map(|r| r.grants_over_cap).sum();
-                let over_tenant_window: i64 = tenant_windows.iter().map(|r| r.grants_over_window).sum();
-                let violations = over_limit + over_window + over_cap + over_tenant_window;
-                if cli.json {
-                    print_json(&serde_json::json!({"since": since.format(&Rfc3339)?, "until": until.format(&Rfc3339)?,
-                                                   "credentials": rows, "grants_over_limit": over_limit,
-                                                   "windows": windows, "grants_over_window": over_window,
-                                                   "tenants": tenants, "grants_over_cap": over_cap,
-                                                   "tenant_windows": tenant_windows,
-                                                   "grants_over_tenant_window": over_tenant_window}))?;
-                } else {
-                    let mut out = table(&["key_id", "limit", "leases", "peak", "grants over limit", "first at"]);
-                    for r in &rows {
-                        out.add_row(vec![
-                            r.key_id.clone(),
-                            r.max_concurrent_uses.map(|l| l.to_string()).unwrap_or_else(|| "(deleted)".into()),
-                            r.leases.to_string(),
-                            r.peak.to_string(),
-                            r.grants_over_limit.to_string(),
-                            r.first_violation_at.map(|t| t.to_string()).unwrap_or_default(),
-                        ]);
-                    }
-                    println!("{out}");
-                    println!(
-                        "{} credentials with leases between {} and {}: {}",
-                        rows.len(),
-                        since.format(&Rfc3339)?,
-                        until.format(&Rfc3339)?,
-                        if over_limit == 0 {
-                            "no grant ever exceeded a limit".to_owned()
-                        } else {
-                            format!("{over_limit} grants exceeded a limit")
-                        }
-                    );
-                    print_windows(&windows, "key_id", "rate windows", "a window");
-                    if !tenants.is_empty() {
-                        let mut out = table(&["tenant", "cap", "leases", "peak", "grants over cap", "first at"]);
-                        for r in &tenants {
-                            out.add_row(vec![
-                                r.tenant_id.clone(),
-                                r.max_concurrent_leases.map(|c| c.to_string()).unwrap_or_else(|| "none".into()),
-                                r.leases.to_string(),
-                                r.peak.to_string(),
-                                r.grants_over_cap.to_string(),
-                                r.first_violation_at.map(|t| t.to_string()).unwrap_or_default(),
-                            ]);
-                        }
-                        println!("{out}");
-                        println!(
-                            "tenants: {}",
-                            if over_cap == 0 {
-                                "no grant ever exceeded a tenant's cap".to_owned()
-                            } else {
-                                format!("{over_cap} grants exceeded a tenant's cap")
-                            }
-                        );
-                    }
-                    print_windows(&tenant_windows, "tenant", "tenant rate windows", "a tenant's window");
-                }
-                Ok(if violations == 0 { ExitCode::SUCCESS } else { ExitCode::FAILURE })
+                let proven = prove(db, &run, resumed, *chunk_rows, !cli.json).await?;
+                report(db, cli, &run, &proven).await
             })
             .await
         }
+    }
+}
+
+/// What one `credpool audit verify` did to its run.
+struct Proven {
+    /// Where the run stood when this command took it over, when it continued one (the latest
+    /// checkpoint of its proofs); `None`: it started afresh.
+    resumed_from: Option<OffsetDateTime>,
+    /// Trail rows this command proved (each chunk's rows once, however many proofs read it).
+    rows_read: i64,
+    /// Calls of `credpool_audit_advance` (each one chunk per proof, one statement, one commit).
+    chunks: u64,
+    /// How long it took.
+    elapsed: std::time::Duration,
+}
+
+/// Advances `run` chunk by chunk (at most `chunk_rows` trail rows each) until every proof has
+/// reached its target or the end of the settled trail, with a progress bar on a terminal when
+/// `show`. A chunk is committed as it finishes; another session advancing the same run (the
+/// maintenance pass) is waited for, its chunks counting for this run too. `resumed`: the run
+/// existed before this command (an interrupted range, or the continuous proof).
+async fn prove(
+    db: &Database,
+    run: &Run,
+    resumed: bool,
+    chunk_rows: u32,
+    show: bool,
+) -> anyhow::Result<Proven> {
+    let started = std::time::Instant::now();
+    let (before, now) = {
+        let mut work = db.pool.work().await?;
+        let before = audit::checkpoints(&mut *work, run).await?;
+        let now = audit::database_now(&mut *work).await?;
+        work.done().await?;
+        (before, now)
+    };
+    let resumed_from = before
+        .iter()
+        .map(|c| c.proven_until)
+        .max()
+        .filter(|_| resumed);
+    // the bar's axis: seconds of trail from the slowest proof's point to its target
+    let from = before.iter().map(|c| c.proven_until).min().unwrap_or(now);
+    let target = |checkpoints: &[audit::Checkpoint]| {
+        checkpoints
+            .iter()
+            .map(|c| c.until_target.map_or(now, |t| t.min(now)))
+            .min()
+            .unwrap_or(now)
+    };
+    let bar = if show {
+        indicatif::ProgressBar::new(1)
+    } else {
+        indicatif::ProgressBar::hidden()
+    };
+    bar.set_style(
+        indicatif::ProgressStyle::with_template(
+            "  proving [{bar:30}] {percent:>3}%  {msg}  (eta {eta})",
+        )
+        .expect("valid template")
+        .progress_chars("=> "),
+    );
+    let mut proven = Proven {
+        resumed_from,
+        rows_read: 0,
+        chunks: 0,
+        elapsed: std::time::Duration::ZERO,
+    };
+    loop {
+        let mut work = db.pool.work().await?;
+        let advanced = audit::advance(&mut *work, run, chunk_rows).await?;
+        work.done().await?;
+        let Some(advanced) = advanced else {
+            bar.set_message("waiting for another session's chunk of this proof");
+            tokio::time::sleep(std::time::Duration::from_millis(200)).await;
+            continue;
+        };
+        proven.rows_read += advanced.rows_read;
+        proven.chunks += 1;
+        let mut work = db.pool.work().await?;
+        let checkpoints = audit::checkpoints(&mut *work, run).await?;
+        work.done().await?;
+        let at = checkpoints
+            .iter()
+            .map(|c| c.proven_until)
+            .min()
+            .unwrap_or(now);
+        let span = (target(&checkpoints) - from).whole_milliseconds().max(1) as u64;
+        bar.set_length(span);
+        bar.set_position(((at - from).whole_milliseconds().max(0) as u64).min(span));
+        bar.set_message(format!(
+            "{} trail rows, up to {}",
+            proven.rows_read,
+            at.format(&Rfc3339)?
+        ));
+        if !advanced.more {
+            break;
+        }
+    }
+    bar.finish_and_clear();
+    proven.elapsed = started.elapsed();
+    Ok(proven)
+}
+
+/// Prints what `run` has found (tables, or `--json`) and a summary of the run and of the
+/// continuous proof; the exit code says whether any grant broke a rule.
+async fn report(
+    db: &Database,
+    cli: &CliArgs,
+    run: &Run,
+    proven: &Proven,
+) -> anyhow::Result<ExitCode> {
+    let mut work = db.pool.work().await?;
+    let checkpoints = audit::checkpoints(&mut *work, run).await?;
+    let found = audit::findings(&mut *work, run).await?;
+    let continuous = match run {
+        Run::Continuous => checkpoints.clone(),
+        Run::Range { .. } => audit::checkpoints(&mut *work, &Run::Continuous).await?,
+    };
+    let now = audit::database_now(&mut *work).await?;
+    work.done().await?;
+    let since = checkpoints.iter().map(|c| c.since).min().unwrap_or(now);
+    let until = checkpoints
+        .iter()
+        .map(|c| c.proven_until)
+        .min()
+        .unwrap_or(since)
+        .max(since);
+    let violations = |proof: &str| {
+        checkpoints
+            .iter()
+            .filter(|c| c.proof == proof)
+            .map(|c| c.violations)
+            .sum::<i64>()
+    };
+    let (over_limit, over_window, over_cap, over_tenant_window) = (
+        violations("oversell"),
+        violations("windows"),
+        violations("tenant_cap"),
+        violations("tenant_windows"),
+    );
+    let total = over_limit + over_window + over_cap + over_tenant_window;
+    let continuous = ContinuousState::of(&continuous, now);
+    if cli.json {
+        print_json(&serde_json::json!({
+            "run": run.name(),
+            "since": since.format(&Rfc3339)?, "until": until.format(&Rfc3339)?,
+            "credentials": found.credentials, "grants_over_limit": over_limit,
+            "windows": found.windows, "grants_over_window": over_window,
+            "tenants": found.tenants, "grants_over_cap": over_cap,
+            "tenant_windows": found.tenant_windows,
+            "grants_over_tenant_window": over_tenant_window,
+            "checkpoints": checkpoints,
+            "resumed_from": proven.resumed_from.map(|t| t.format(&Rfc3339)).transpose()?,
+            "rows_read": proven.rows_read,
+            "chunks": proven.chunks,
+            "seconds": proven.elapsed.as_secs_f64(),
+            "continuous": continuous,
+        }))?;
+    } else {
+        print_findings(&found, since, until, over_limit, over_cap)?;
+        println!(
+            "{}: every grant from {} to {} judged; this run read {} trail rows in {} chunks ({:.1} s){}",
+            match run {
+                Run::Continuous => "continuous proof",
+                Run::Range { .. } => "proof of the range",
+            },
+            since.format(&Rfc3339)?,
+            until.format(&Rfc3339)?,
+            proven.rows_read,
+            proven.chunks,
+            proven.elapsed.as_secs_f64(),
+            match proven.resumed_from {
+                Some(at) => format!(", from {}", at.format(&Rfc3339)?),
+                None => String::new(),
+            }
+        );
+        match &continuous {
+            Some(state) => println!(
+                "continuous proof: proven up to {} ({:.0} s behind the trail), {} grants over a \
+                 limit, cap or window since {}",
+                state.proven_until.format(&Rfc3339)?,
+                state.lag_seconds,
+                state.violations,
+                state.since.format(&Rfc3339)?,
+            ),
+            None => println!("continuous proof: not started (the maintenance pass starts it)"),
+        }
+    }
+    Ok(if total == 0 {
+        ExitCode::SUCCESS
+    } else {
+        ExitCode::FAILURE
+    })
+}
+
+/// The tables of `credpool audit verify`: credentials, their windows, tenants, their windows,
+/// each with its verdict over `[since, until)`.
+fn print_findings(
+    found: &audit::Findings,
+    since: OffsetDateTime,
+    until: OffsetDateTime,
+    over_limit: i64,
+    over_cap: i64,
+) -> anyhow::Result<()> {
+    let mut out = table(&[
+        "key_id",
+        "limit",
+        "leases",
+        "peak",
+        "grants over limit",
+        "first at",
+    ]);
+    for r in &found.credentials {
+        out.add_row(vec![
+            r.key_id.clone(),
+            r.max_concurrent_uses
+                .map(|l| l.to_string())
+                .unwrap_or_else(|| "(deleted)".into()),
+            r.leases.to_string(),
+            r.peak.to_string(),
+            r.grants_over_limit.to_string(),
+            r.first_violation_at
+                .map(|t| t.to_string())
+                .unwrap_or_default(),
+        ]);
+    }
+    println!("{out}");
+    println!(
+        "{} credentials with leases between {} and {}: {}",
+        found.credentials.len(),
+        since.format(&Rfc3339)?,
+        until.format(&Rfc3339)?,
+        if over_limit == 0 {
+            "no grant ever exceeded a limit".to_owned()
+        } else {
+            format!("{over_limit} grants exceeded a limit")
+        }
+    );
+    print_windows(&found.windows, "key_id", "rate windows", "a window");
+    if !found.tenants.is_empty() {
+        let mut out = table(&[
+            "tenant",
+            "cap",
+            "leases",
+            "peak",
+            "grants over cap",
+            "first at",
+        ]);
+        for r in &found.tenants {
+            out.add_row(vec![
+                r.tenant_id.clone(),
+                r.max_concurrent_leases
+                    .map(|c| c.to_string())
+                    .unwrap_or_else(|| "none".into()),
+                r.leases.to_string(),
+                r.peak.to_string(),
+                r.grants_over_cap.to_string(),
+                r.first_violation_at
+                    .map(|t| t.to_string())
+                    .unwrap_or_default(),
+            ]);
+        }
+        println!("{out}");
+        println!(
+            "tenants: {}",
+            if over_cap == 0 {
+                "no grant ever exceeded a tenant's cap".to_owned()
+            } else {
+                format!("{over_cap} grants exceeded a tenant's cap")
+            }
+        );
+    }
+    print_windows(
+        &found.tenant_windows,
+        "tenant",
+        "tenant rate windows",
+        "a tenant's window",
+    );
+    Ok(())
+}
+
+/// Where the continuous proof stands (`continuous` in `credpool audit verify --json`).
+#[derive(Debug, Serialize)]
+struct ContinuousState {
+    /// Where it began.
+    #[serde(with = "time::serde::rfc3339")]
+    since: OffsetDateTime,
+    /// Every grant before this moment has been judged (the slowest proof's checkpoint).
+    #[serde(with = "time::serde::rfc3339")]
+    proven_until: OffsetDateTime,
+    /// Seconds between `proven_until` and now (database clock).
+    lag_seconds: f64,
+    /// Grants it has found breaking a rule, over its proofs.
+    violations: i64,
+}
+
+impl ContinuousState {
+    /// From its checkpoints (`None`: it has not started).
+    fn of(checkpoints: &[audit::Checkpoint], now: OffsetDateTime) -> Option<Self> {
+        let proven_until = checkpoints.iter().map(|c| c.proven_until).min()?;
+        Some(Self {
+            since: checkpoints.iter().map(|c| c.since).min()?,
+            proven_until,
+            lag_seconds: (now - proven_until).as_seconds_f64().max(0.0),
+            violations: checkpoints.iter().map(|c| c.violations).sum(),
+        })
     }
 }
 
@@ -533,7 +803,7 @@ pub async fn maintenance(args: MaintenanceRunArgs) -> anyhow::Result<()> {
                 "reaped {} expired leases, refitted {} credentials, recorded {} ended cooldowns, \
                  purged {} audit rows and {} request ids, folded {} pool version rows, \
                  refitted {} tenants, purged {} affinity bindings, made {} trail days ahead, \
-                 dropped {} trail days",
+                 proved {} trail rows, dropped {} trail days",
                 report.expired_leases_reaped,
                 report.credentials_refitted,
                 report.cooldowns_recorded,
@@ -543,6 +813,7 @@ pub async fn maintenance(args: MaintenanceRunArgs) -> anyhow::Result<()> {
                 report.tenants_refitted,
                 report.affinity_bindings_purged,
                 report.trail_days_made,
+                report.audit_rows_proven,
                 report.trail_days_dropped
             );
             Ok(())

@@ -104,6 +104,14 @@ pub const HTTP_CONNECTIONS_DROPPED: &str = "credpool_http_connections_dropped_to
 /// What `reason` of [`HTTP_CONNECTIONS_DROPPED`] can say.
 pub const HTTP_DROP_REASONS: [&str; 3] = ["header_timeout", "idle_timeout", "evicted"];
 
+/// Seconds the continuous proof of the audit trail is behind, per `proof`
+/// ([`crate::store::audit::PROOFS`]): now minus the moment up to which it has judged every grant
+/// (sampled; +Inf before its first chunk).
+pub const AUDIT_PROOF_LAG: &str = "credpool_audit_proof_lag_seconds";
+/// Grants the continuous proof has found breaking its rule since it began, per `proof` (sampled):
+/// anything but 0 is a breach.
+pub const AUDIT_VIOLATIONS: &str = "credpool_audit_violations";
+
 /// Operations per group transaction (the allocator's claim, release and renewal groups), by `kind` (`claim`, `release`,
 /// `renewal`).
 pub const GROUP_SIZE: &str = "credpool_group_size";
@@ -370,6 +378,20 @@ pub const METRICS: &[Metric] = &[
         help: "1 while this process's LISTEN connection for waiting allocations is up; 0 while it is down or not opened yet (waiters then wake on their timers and this process's own releases only).",
     },
     Metric {
+        name: AUDIT_PROOF_LAG,
+        kind: Kind::Gauge,
+        labels: &["proof"],
+        unit: "seconds",
+        help: "How far behind the trail the continuous proof of the audit trail is, per proof (oversell, windows, tenant_cap, tenant_windows): now minus the moment up to which it has judged every grant, sampled from PostgreSQL (+Inf before its first chunk).",
+    },
+    Metric {
+        name: AUDIT_VIOLATIONS,
+        kind: Kind::Gauge,
+        labels: &["proof"],
+        unit: "grants",
+        help: "Grants the continuous proof of the audit trail has found over a credential's limit (oversell), a credential's rate window (windows), a tenant's cap (tenant_cap) or a tenant's rate window (tenant_windows) since it began, sampled from PostgreSQL: anything but 0 is a breach (credpool audit verify names them).",
+    },
+    Metric {
         name: BUILD_INFO,
         kind: Kind::Gauge,
         labels: &["version", "git_commit"],
@@ -485,6 +507,10 @@ fn zero_series() {
     for result in REFUSED_RESULTS {
         counter!(ALLOCATIONS, "provider" => "", "pool" => "", "served_pool" => "", "result" => result)
             .absolute(0);
+    }
+    for proof in crate::store::audit::PROOFS {
+        gauge!(AUDIT_PROOF_LAG, "proof" => proof).set(f64::INFINITY);
+        gauge!(AUDIT_VIOLATIONS, "proof" => proof).set(0.0);
     }
     gauge!(BUILD_INFO, "version" => env!("CARGO_PKG_VERSION"), "git_commit" => GIT_COMMIT).set(1.0);
 }
@@ -695,8 +721,33 @@ pub async fn sample_pools(db: &Db) -> bool {
     }
 }
 
-/// Samples the per-pool gauges from PostgreSQL every `interval` (not per scrape), until the pool
-/// closes ([`sample_pools`]), as task `metrics_sampler` of `supervisor`.
+/// Reads where the continuous proof of the audit trail stands and sets its gauges
+/// ([`AUDIT_PROOF_LAG`], [`AUDIT_VIOLATIONS`]); a failed read keeps the previous values (and
+/// [`sample_pools`] reports the store down).
+pub async fn sample_audit(db: &Db) {
+    use crate::store::audit::{self, Run};
+    let read = async {
+        let mut work = db.work().await?;
+        let checkpoints = audit::checkpoints(&mut *work, &Run::Continuous).await?;
+        let now = audit::database_now(&mut *work).await?;
+        work.done().await?;
+        Ok::<_, sqlx::Error>((checkpoints, now))
+    };
+    match read.await {
+        Ok((checkpoints, now)) => {
+            for c in checkpoints {
+                let lag = (now - c.proven_until).as_seconds_f64();
+                gauge!(AUDIT_PROOF_LAG, "proof" => c.proof.clone()).set(lag);
+                gauge!(AUDIT_VIOLATIONS, "proof" => c.proof).set(c.violations as f64);
+            }
+        }
+        Err(error) => tracing::debug!(error = %error, "audit sample failed"),
+    }
+}
+
+/// Samples the per-pool gauges and the continuous proof's from PostgreSQL every `interval` (not
+/// per scrape), until the pool closes ([`sample_pools`], [`sample_audit`]), as task
+/// `metrics_sampler` of `supervisor`.
 pub fn spawn_sampler(
     db: Db,
     interval: Duration,
@@ -713,6 +764,7 @@ pub fn spawn_sampler(
                     return;
                 }
                 sample_pools(&db).await;
+                sample_audit(&db).await;
             }
         }
     })

@@ -22,16 +22,26 @@ pub struct AuditArgs {
 /// The `credpool audit` subcommands.
 #[derive(Debug, Clone, Subcommand)]
 pub enum AuditCommand {
-    /// The proofs, from the trail alone: each credential's most simultaneous leases over the range
-    /// next to its limit, each tenant's next to its cap, and every credential's and tenant's rate
-    /// windows; exits non-zero if any grant ever exceeded a limit, a cap or a window.
+    /// The proofs, from the trail alone: each credential's most simultaneous leases next to its
+    /// limit, each tenant's next to its cap, and every credential's and tenant's rate windows;
+    /// exits non-zero if any grant ever exceeded a limit, a cap or a window. Without a range,
+    /// advances the continuous proof (which the maintenance pass keeps advancing) to the end of
+    /// the trail and reports everything it has found; with one, proves that range. Either way
+    /// in chunks, each committed as it goes: an interrupted run resumes where it stopped.
     Verify {
-        /// Start of the range, RFC 3339 (default: 24 hours before --until).
+        /// Start of a range to prove, RFC 3339 (default with --until: 24 hours before it).
         #[arg(long)]
         since: Option<String>,
-        /// End of the range, RFC 3339 (default: now).
+        /// End of a range to prove, RFC 3339 (default with --since: the end of the trail).
         #[arg(long)]
         until: Option<String>,
+        /// Prove the whole trail again, from its oldest row, instead of the continuous proof.
+        #[arg(long, conflicts_with = "since")]
+        full: bool,
+        /// Trail rows per chunk: each chunk is one statement and one commit.
+        #[arg(long, env = "CREDPOOL_AUDIT_CHUNK_ROWS", default_value_t = 200_000,
+              value_parser = clap::value_parser!(u32).range(1..=100_000_000))]
+        chunk_rows: u32,
     },
 }
 
@@ -99,6 +109,25 @@ pub struct CliArgs {
     /// Who you are, for the audit trail (default `cli:<login name>`).
     #[arg(long, env = "CREDPOOL_OPERATOR", global = true)]
     pub operator: Option<String>,
+
+    /// Milliseconds a statement of an operator command may run before PostgreSQL cancels it; 0
+    /// leaves the server's setting. Operator commands do not take the service's
+    /// --db-statement-timeout-ms (CREDPOOL_DB_STATEMENT_TIMEOUT_MS, meant for requests): a proof
+    /// chunk or an import may need longer.
+    #[arg(long, env = "CREDPOOL_OPERATOR_STATEMENT_TIMEOUT_MS", global = true,
+          default_value_t = 3_600_000, value_parser = clap::value_parser!(u64).range(0..=86_400_000))]
+    pub statement_timeout_ms: u64,
+}
+
+impl CliArgs {
+    /// The database settings of an operator command: the shared ones with its own statement
+    /// timeout (`--statement-timeout-ms`) in place of the request path's.
+    pub fn database(&self) -> DatabaseArgs {
+        DatabaseArgs {
+            db_statement_timeout_ms: self.statement_timeout_ms,
+            ..self.db.clone()
+        }
+    }
 }
 
 /// `credpool keys ...`.

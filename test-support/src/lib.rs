@@ -841,11 +841,12 @@ pub fn keyed_env(database: &TestDatabase) -> Vec<(&'static str, String)> {
     ]
 }
 
-/// `BIN audit verify` (`bin`: the suite's `CARGO_BIN_EXE_credpool`) over the whole trail of
-/// `database`: (passed, everything it printed).
+/// `BIN audit verify --full` (`bin`: the suite's `CARGO_BIN_EXE_credpool`): a proof of the
+/// whole trail of `database`, from scratch (rows a test writes into the past are judged too):
+/// (passed, everything it printed).
 pub async fn audit_verify(bin: &str, database: &TestDatabase) -> (bool, String) {
     let output = tokio::process::Command::new(bin)
-        .args(["audit", "verify"])
+        .args(["audit", "verify", "--full"])
         .env("DATABASE_URL", database.url())
         .env("RUST_LOG", "warn")
         .output()

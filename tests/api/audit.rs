@@ -17,6 +17,8 @@ use credpool_test_support::*;
 
 use crate::BIN;
 
+mod checkpoints;
+
 async fn lease(app: &TestApp, seconds: u32) -> Value {
     let body = json!({"provider": "openai", "model": "gpt-4o", "lease_seconds": seconds, "holder": "auditor"});
     json_body(app.allocate(body).await, StatusCode::OK).await

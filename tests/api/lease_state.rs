@@ -34,7 +34,9 @@ pub(crate) async fn backend_pid(conn: &mut PgConnection) -> i32 {
 
 /// Waits until backend `pid` waits for a lock (a row lock, or a test hook's advisory lock).
 pub(crate) async fn until_waiting(app: &TestApp, pid: i32) {
-    for _ in 0..2000 {
+    // a deadline, not a count of looks: on a loaded machine a look takes far longer than its sleep
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(60);
+    while tokio::time::Instant::now() < deadline {
         let waiting: Option<String> =
             sqlx::query_scalar("SELECT wait_event_type FROM pg_stat_activity WHERE pid = $1")
                 .bind(pid)
@@ -52,7 +54,8 @@ pub(crate) async fn until_waiting(app: &TestApp, pid: i32) {
 
 /// Waits until `n` backends of the app's database wait for a lock.
 pub(crate) async fn wait_for_lock_waiters(app: &TestApp, n: i64) {
-    for _ in 0..2000 {
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(60);
+    while tokio::time::Instant::now() < deadline {
         let waiting: i64 = sqlx::query_scalar(
             "SELECT count(*) FROM pg_stat_activity
              WHERE datname = current_database() AND wait_event_type = 'Lock'",

@@ -322,12 +322,14 @@ fn the_metrics_list_the_dashboard_and_the_alerts_name_only_exported_metrics() {
         );
     }
 
-    // the alerting rules: the three the runbook names, on exported metrics
+    // the alerting rules: the ones the runbook names, on exported metrics
     let alerts = doc("docs/alerts.yml");
     for alert in [
         "CredpoolStoreDown",
         "CredpoolPoolSaturated",
         "CredpoolCredentialDisabled",
+        "CredpoolAuditViolation",
+        "CredpoolAuditProofBehind",
     ] {
         assert!(
             alerts.contains(&format!("alert: {alert}")),

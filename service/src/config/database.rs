@@ -41,9 +41,10 @@ pub struct DatabaseArgs {
           value_parser = clap::value_parser!(u32).range(1..=1000))]
     pub db_max_connections: u32,
 
-    /// Milliseconds a database statement may run before PostgreSQL cancels it (then 503); 0 leaves
-    /// the server's setting. Sent as a connection startup parameter; with `--db-pooler
-    /// transaction`, set by each transaction for itself (`SET LOCAL`).
+    /// Milliseconds a database statement of the service may run before PostgreSQL cancels it
+    /// (then 503); 0 leaves the server's setting. Sent as a connection startup parameter; with
+    /// `--db-pooler transaction`, set by each transaction for itself (`SET LOCAL`). The operator
+    /// commands (`credpool audit`, `keys`, ...) take their own `--statement-timeout-ms` instead.
     #[arg(long, env = "CREDPOOL_DB_STATEMENT_TIMEOUT_MS", default_value_t = 5000,
           value_parser = clap::value_parser!(u64).range(0..=3_600_000))]
     pub db_statement_timeout_ms: u64,

@@ -1,5 +1,7 @@
 //! Questions answered from the audit trail alone (the SQL functions of `sql/audit.sql`;
-//! docs/audit.md shows each query).
+//! docs/audit.md shows each query), and the incremental proofs: runs that record in
+//! `audit_checkpoints` what they have proven, so that each chunk proves only what the trail gained
+//! since ([`advance`]).
 
 use sqlx::PgExecutor;
 
@@ -285,4 +287,228 @@ pub async fn now(db: &Db) -> Result<OffsetDateTime, sqlx::Error> {
     let now = database_now(&mut *work).await?;
     work.done().await?;
     Ok(now)
+}
+
+/// The proofs of `credpool audit verify`, in the order they are reported: `oversell` (credentials'
+/// limits), `windows` (credentials' rate windows), `tenant_cap`, `tenant_windows`. Each has a
+/// checkpoint per run (SQL table `audit_checkpoints`); the label values of the audit metrics.
+pub const PROOFS: [&str; 4] = ["oversell", "windows", "tenant_cap", "tenant_windows"];
+
+/// A record of proofs (SQL table `audit_checkpoints`): what was proven, up to when, and what
+/// was found.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Run {
+    /// The continuous proof: advanced by the maintenance pass and by `credpool audit verify`,
+    /// from the trail's oldest row (at most a day before it first ran) onwards, as the trail
+    /// grows.
+    Continuous,
+    /// One proof of a range from `since`: `credpool audit verify --since/--until/--full`, kept
+    /// by its start so that an interrupted run resumes.
+    Range {
+        /// Grants from this moment on are judged.
+        since: OffsetDateTime,
+    },
+}
+
+impl Run {
+    /// Its name in `audit_checkpoints.run`: `continuous`, or `range:` and its start in RFC 3339.
+    pub fn name(&self) -> String {
+        match self {
+            Run::Continuous => "continuous".to_owned(),
+            Run::Range { since } => format!(
+                "range:{}",
+                since
+                    .format(&time::format_description::well_known::Rfc3339)
+                    .unwrap_or_else(|_| since.unix_timestamp_nanos().to_string())
+            ),
+        }
+    }
+}
+
+/// Where one proof of a run stands (a row of `audit_checkpoints`).
+#[derive(Debug, Clone, serde::Serialize)]
+pub struct Checkpoint {
+    /// One of [`PROOFS`].
+    pub proof: String,
+    /// Grants from this moment on are judged.
+    #[serde(with = "time::serde::rfc3339")]
+    pub since: OffsetDateTime,
+    /// Where the run stops; `None`: it follows the trail.
+    #[serde(with = "time::serde::rfc3339::option")]
+    pub until_target: Option<OffsetDateTime>,
+    /// Every grant in `[since, proven_until)` has been judged. Before `since` while the run
+    /// still reads the day before its start for the leases live then (the concurrency proofs).
+    #[serde(with = "time::serde::rfc3339")]
+    pub proven_until: OffsetDateTime,
+    /// Grants judged.
+    pub grants: i64,
+    /// Grants that broke the proof's rule. Anything but 0 is a breach.
+    pub violations: i64,
+    /// When the first of them was granted.
+    #[serde(with = "time::serde::rfc3339::option")]
+    pub first_violation_at: Option<OffsetDateTime>,
+    /// Trail rows the proof has read, over its chunks.
+    pub rows_read: i64,
+    /// Chunks run.
+    pub chunks: i64,
+    /// When the checkpoint last moved (database clock).
+    #[serde(with = "time::serde::rfc3339")]
+    pub updated_at: OffsetDateTime,
+}
+
+/// What one call of [`advance`] did.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Advanced {
+    /// Trail rows of the chunk (the most any proof read; each proof reads its chunk).
+    pub rows_read: i64,
+    /// A proof stopped short of its target: call again.
+    pub more: bool,
+}
+
+/// Opens the ranged run from `since` to `until`, or keeps it when an earlier one with the same
+/// start was interrupted (it has not reached its end) and has not passed `until`, so that it
+/// resumes (SQL function `credpool_audit_open`); a finished range is proven again. Returns
+/// whether it resumed.
+pub async fn open_range(
+    executor: impl PgExecutor<'_>,
+    since: OffsetDateTime,
+    until: OffsetDateTime,
+) -> Result<bool, sqlx::Error> {
+    sqlx::query_scalar!(
+        r#"SELECT credpool_audit_open($1, $2, $3) AS "resumed!""#,
+        Run::Range { since }.name(),
+        since,
+        until,
+    )
+    .fetch_one(executor)
+    .await
+}
+
+/// Advances every proof of `run` by one chunk of at most `rows` trail rows, committed with the
+/// statement (SQL function `credpool_audit_advance`; the continuous proof is opened on first
+/// use). `None`: another session is advancing this run right now, nothing was done. The
+/// statement runs as long as its chunk needs: run it without the request path's statement
+/// timeout.
+pub async fn advance(
+    executor: impl PgExecutor<'_>,
+    run: &Run,
+    rows: u32,
+) -> Result<Option<Advanced>, sqlx::Error> {
+    let row = sqlx::query!(
+        r#"SELECT rows_read, more FROM credpool_audit_advance($1, $2)"#,
+        run.name(),
+        i32::try_from(rows).unwrap_or(i32::MAX),
+    )
+    .fetch_one(executor)
+    .await?;
+    Ok(row.rows_read.map(|rows_read| Advanced {
+        rows_read,
+        more: row.more.unwrap_or(false),
+    }))
+}
+
+/// The checkpoints of `run`, in the order of [`PROOFS`] (none before it first ran).
+pub async fn checkpoints(
+    executor: impl PgExecutor<'_>,
+    run: &Run,
+) -> Result<Vec<Checkpoint>, sqlx::Error> {
+    let mut rows = sqlx::query_as!(
+        Checkpoint,
+        r#"
+        SELECT proof, since, until_target, proven_until, grants, violations, first_violation_at,
+               rows_read, chunks, updated_at
+        FROM audit_checkpoints
+        WHERE run = $1
+        "#,
+        run.name(),
+    )
+    .fetch_all(executor)
+    .await?;
+    rows.sort_by_key(|c| PROOFS.iter().position(|p| *p == c.proof));
+    Ok(rows)
+}
+
+/// What a run has found, line by line, as the proof functions report it over its range.
+#[derive(Debug, Clone, Default, serde::Serialize)]
+pub struct Findings {
+    /// The oversell proof: one line per credential with grants judged.
+    pub credentials: Vec<OversellRow>,
+    /// The window proof: one line per credential and window.
+    pub windows: Vec<WindowRow>,
+    /// The tenant cap proof: one line per tenant.
+    pub tenants: Vec<TenantCapRow>,
+    /// The tenant window proof: one line per tenant and window.
+    pub tenant_windows: Vec<WindowRow>,
+}
+
+/// What `run` has found so far (SQL table `audit_checkpoint_subjects`), with each credential's
+/// limit and each tenant's cap as they are now.
+pub async fn findings(executor: impl PgExecutor<'_>, run: &Run) -> Result<Findings, sqlx::Error> {
+    let rows = sqlx::query!(
+        r#"
+        SELECT s.proof AS "proof!", s.subject AS "subject!", s.kind AS "kind!",
+               s.seconds AS "seconds!", s.window_count, s.grants AS "grants!", s.peak AS "peak!",
+               s.violations AS "violations!", s.first_violation_at,
+               CASE s.proof
+                   WHEN 'oversell' THEN (SELECT c.max_concurrent_uses FROM credentials c
+                                         WHERE c.key_id = s.subject)
+                   WHEN 'tenant_cap' THEN (SELECT t.max_concurrent_leases FROM tenants t
+                                           WHERE t.tenant_id = s.subject)
+               END AS limit_now
+        FROM audit_checkpoint_subjects s
+        WHERE s.run = $1
+        ORDER BY s.proof, s.subject, s.kind, s.seconds
+        "#,
+        run.name(),
+    )
+    .fetch_all(executor)
+    .await?;
+    let mut found = Findings::default();
+    for r in rows {
+        let window = |subject| WindowRow {
+            subject,
+            kind: r.kind.clone(),
+            seconds: r.seconds,
+            window_count: r.window_count.unwrap_or_default(),
+            grants: r.grants,
+            peak: r.peak,
+            grants_over_window: r.violations,
+            first_violation_at: r.first_violation_at,
+        };
+        match r.proof.as_str() {
+            "oversell" => found.credentials.push(OversellRow {
+                key_id: r.subject.clone(),
+                max_concurrent_uses: r.limit_now,
+                leases: r.grants,
+                peak: r.peak,
+                grants_over_limit: r.violations,
+                first_violation_at: r.first_violation_at,
+            }),
+            "windows" => found
+                .windows
+                .push(window(WindowSubject::KeyId(r.subject.clone()))),
+            "tenant_cap" => found.tenants.push(TenantCapRow {
+                tenant_id: r.subject.clone(),
+                max_concurrent_leases: r.limit_now,
+                leases: r.grants,
+                peak: r.peak,
+                grants_over_cap: r.violations,
+                first_violation_at: r.first_violation_at,
+            }),
+            _ => found
+                .tenant_windows
+                .push(window(WindowSubject::TenantId(r.subject.clone()))),
+        }
+    }
+    Ok(found)
+}
+
+/// The oldest trail row's time (`None`: the trail is empty): where `credpool audit verify
+/// --full` starts.
+pub async fn oldest_trail_row(
+    executor: impl PgExecutor<'_>,
+) -> Result<Option<OffsetDateTime>, sqlx::Error> {
+    sqlx::query_scalar!(r#"SELECT min(at) FROM lease_events"#)
+        .fetch_one(executor)
+        .await
 }

@@ -2,9 +2,10 @@
 //! `credpool_maintenance_step`, in this order: reap expired leases, refit credentials back under a
 //! lowered limit, record ended cooldowns, purge old audit rows, purge old request ids, fold the
 //! pool versions of exited backends, refit tenants over a lowered cap, purge expired (and, over
-//! their cap, the least recently hit) affinity bindings, make the trail's days a week ahead, drop
-//! the trail's days past retention): with pg_cron when it is installed
-//! (`credpool cron install`), else by each service process, one replica per tick.
+//! their cap, the least recently hit) affinity bindings, make the trail's days a week ahead,
+//! advance the continuous proof of the audit trail, drop the trail's days past retention): with
+//! pg_cron when it is installed (`credpool cron install`), else by each service process, one
+//! replica per tick.
 
 use std::time::Duration;
 
@@ -38,10 +39,18 @@ pub struct MaintenanceReport {
     pub affinity_bindings_purged: i64,
     /// Days of the lease trail made ahead, today and the next 7 (`credpool_make_trail_days`).
     pub trail_days_made: i64,
+    /// Trail rows the continuous proof covered in this pass, over its chunks
+    /// (`credpool_audit_advance`, docs/audit.md).
+    pub audit_rows_proven: i64,
     /// Days of the lease trail dropped whole, retention having passed them
     /// (`credpool_drop_trail_days`).
     pub trail_days_dropped: i64,
 }
+
+/// How long one pass may repeat a step that has more to do (the continuous proof, one bounded
+/// chunk per call), counted from the pass's start; the same bound as `credpool_maintenance`'s
+/// `p_seconds` (sql/maintenance.sql), which pg_cron runs.
+pub const PASS_SECONDS: Duration = Duration::from_secs(30);
 
 /// Why a pass did not run.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
@@ -77,16 +86,20 @@ pub async fn run_pass(
 /// One pass of the cleanup steps (`credpool_maintenance_step`), without the pg_cron check of
 /// [`run_pass`]. Each step is its own transaction, committed before the next starts, so a long
 /// step (an audit purge) never holds the row locks of an earlier one (the slot rows the reaper
-/// ended). Skipped as a whole when another session runs the first step right now.
+/// ended); a step with more to do (the continuous proof) runs again, a transaction each time,
+/// while the pass is younger than [`PASS_SECONDS`]. Skipped as a whole when another session runs
+/// the first step right now.
 pub async fn run_steps(
     db: &Db,
     retention: Duration,
 ) -> Result<Result<MaintenanceReport, Skipped>, sqlx::Error> {
+    let started = std::time::Instant::now();
     let mut report = serde_json::Map::new();
-    for step in 1.. {
+    let mut step = 1;
+    loop {
         let mut tx = db.begin().await?;
         let row = sqlx::query!(
-            r#"SELECT name, done FROM credpool_maintenance_step($1::integer, make_interval(secs => $2))"#,
+            r#"SELECT name, done, more FROM credpool_maintenance_step($1::integer, make_interval(secs => $2))"#,
             step,
             retention.as_secs_f64()
         )
@@ -96,10 +109,14 @@ pub async fn run_steps(
         let Some(name) = row.name else { break };
         match row.done {
             Some(done) => {
-                report.insert(name, done.into());
+                let before = report.get(&name).and_then(|v| v.as_i64()).unwrap_or(0);
+                report.insert(name, (before + i64::from(done)).into());
             }
             None if step == 1 => return Ok(Err(Skipped::OtherReplica)),
             None => {}
+        }
+        if !(row.more == Some(true) && started.elapsed() < PASS_SECONDS) {
+            step += 1;
         }
     }
     serde_json::from_value(serde_json::Value::Object(report))
@@ -143,6 +160,7 @@ async fn scheduler(db: Db, interval: Duration, retention: Duration) {
                     tenants_refitted = report.tenants_refitted,
                     affinity_bindings = report.affinity_bindings_purged,
                     trail_days_made = report.trail_days_made,
+                    audit_rows_proven = report.audit_rows_proven,
                     trail_days_dropped = report.trail_days_dropped,
                     "maintenance pass"
                 );
