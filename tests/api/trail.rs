@@ -1,6 +1,7 @@
 //! The lease trail in days: partitions made ahead, retention that drops whole days (never one
-//! holding a live lease's history), reports counted once without a unique index, and a trail of
-//! the release before partitions kept whole by the upgrade.
+//! holding a live lease's history or one the continuous proof has not proven), reports counted
+//! once without a unique index, and a trail of the release before partitions kept whole by the
+//! upgrade.
 
 use reqwest::StatusCode;
 use serde_json::{Value, json};
@@ -246,4 +247,65 @@ async fn an_upgrade_keeps_the_trail_before_partitions_whole_and_its_ids_go_on() 
         .execute(&app.db)
         .await;
     assert!(update.is_err(), "an update of the trail was accepted");
+}
+
+#[tokio::test]
+async fn retention_never_drops_a_day_the_continuous_proof_has_not_proven() {
+    // The continuous proof has judged the trail up to about now; rows dated three days ahead
+    // (written by hand) are not proven yet. Forty days on (the clock given) retention has passed
+    // every day, but only a proof that has judged a day lets it go: nothing is dropped while the
+    // proof stands where it is, and, with no continuous proof at all, every day is.
+    let app = TestApp::spawn().await;
+    app.put_key("key-a", "openai", "default", &["gpt-4o"], 2)
+        .await;
+    let held = lease(&app, 600).await;
+    json_body(
+        app.release(release_body(&held, "success")).await,
+        StatusCode::OK,
+    )
+    .await;
+    sqlx::query(
+        "INSERT INTO lease_events (event, lease_id, key_id, provider, pool, slot, lease_until, at)
+         SELECT e, '0190aaaa-0000-7000-8000-000000000004', 'key-a', 'openai', 'default', 1,
+                date_trunc('day', now()) + interval '3 days 12 hours',
+                date_trunc('day', now()) + interval '3 days 12 hours'
+         FROM unnest(ARRAY['granted', 'released']) AS e",
+    )
+    .execute(&app.db)
+    .await
+    .unwrap();
+    sqlx::query("SELECT * FROM credpool_audit_advance('continuous', 1000)")
+        .execute(&app.db)
+        .await
+        .unwrap();
+    let proven: OffsetDateTime = sqlx::query_scalar(
+        "SELECT min(proven_until) FROM audit_checkpoints WHERE run = 'continuous'",
+    )
+    .fetch_one(&app.db)
+    .await
+    .unwrap();
+    let now: OffsetDateTime = sqlx::query_scalar("SELECT now()")
+        .fetch_one(&app.db)
+        .await
+        .unwrap();
+    assert!(proven <= now, "the proof is past the clock: {proven}");
+    let rows = trail_rows(&app.db).await;
+    let forty_days_on = "SELECT credpool_drop_trail_days('30 days', now() + interval '40 days')";
+    let dropped: i32 = sqlx::query_scalar(forty_days_on)
+        .fetch_one(&app.db)
+        .await
+        .unwrap();
+    assert_eq!(dropped, 0, "a day the proof has not judged was dropped");
+    assert_eq!(trail_rows(&app.db).await, rows);
+
+    sqlx::query("DELETE FROM audit_checkpoints WHERE run = 'continuous'")
+        .execute(&app.db)
+        .await
+        .unwrap();
+    let dropped: i32 = sqlx::query_scalar(forty_days_on)
+        .fetch_one(&app.db)
+        .await
+        .unwrap();
+    assert!(dropped > 0);
+    assert_eq!(trail_rows(&app.db).await, 0);
 }
