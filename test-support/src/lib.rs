@@ -651,6 +651,31 @@ pub async fn exclusive_waiters() -> tokio::sync::MutexGuard<'static, ()> {
     WAITERS.lock().await
 }
 
+/// Waits until exactly `count` requests wait in `app`, queued for wake-ups: `count` live
+/// `pool_waiters` rows in its database (a waiting request's first claim writes its row) and
+/// the process's waiting gauge (`credpool_allocations_waiting`) at `count` (each registered,
+/// after that claim, for the wake-ups of its pools). Panics after 60 seconds. The gauge is one
+/// per test process: the caller holds [`exclusive_waiters`], and waiters queued by a test that
+/// does not hold it make this panic rather than pass for the caller's own.
+pub async fn waiters_queued(app: &TestApp, count: usize) {
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(60);
+    let (mut rows, mut gauge) = (0, 0.0);
+    while tokio::time::Instant::now() < deadline {
+        rows = sqlx::query_scalar::<_, i64>(
+            "SELECT count(*) FROM pool_waiters WHERE until > clock_timestamp()",
+        )
+        .fetch_one(&app.db)
+        .await
+        .expect("pool_waiters");
+        gauge = sample(&app.metrics().await, "credpool_allocations_waiting");
+        if rows == count as i64 && gauge == count as f64 {
+            return;
+        }
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    panic!("never {count} requests waiting: {rows} waiter rows, the process's gauge at {gauge}");
+}
+
 /// The value of the series `name` without labels on a Prometheus page (0 when absent: a gauge
 /// not set yet).
 pub fn sample(page: &str, name: &str) -> f64 {
@@ -830,13 +855,15 @@ impl ServeProcess {
     }
 }
 
-/// The environment of a `credpool serve` on `database` with the tests' keys and 32 connections.
+/// The environment of a `credpool serve` on `database` with the tests' keys and 8 connections
+/// (as an in-process app's: a pool keeps its connections open while idle, and two tests with
+/// two processes each must fit in a server's default 100 beside the suite's racers).
 pub fn keyed_env(database: &TestDatabase) -> Vec<(&'static str, String)> {
     vec![
         ("DATABASE_URL", database.url()),
         ("CREDPOOL_INTERNAL_KEY", INTERNAL_KEY.to_owned()),
         ("CREDPOOL_ADMIN_KEY", ADMIN_KEY.to_owned()),
-        ("CREDPOOL_DB_MAX_CONNECTIONS", "32".to_owned()),
+        ("CREDPOOL_DB_MAX_CONNECTIONS", "8".to_owned()),
         ("CREDPOOL_MASTER_KEY", MASTER_KEY.to_owned()),
     ]
 }

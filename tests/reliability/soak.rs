@@ -22,6 +22,12 @@ async fn soak(duration: Duration) {
     let _turn = race_turn().await;
     let database = TestDatabase::create().await;
     let mut env = keyed_env(&database);
+    // a pool of 32 for the soak's executors (keyed_env's 8 is sized for functional tests)
+    for (name, value) in env.iter_mut() {
+        if *name == "CREDPOOL_DB_MAX_CONNECTIONS" {
+            *value = "32".to_owned();
+        }
+    }
     env.push((
         "CREDPOOL_MAINTENANCE_INTERVAL_SECONDS",
         REAPER_SECONDS.to_string(),
