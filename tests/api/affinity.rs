@@ -126,6 +126,7 @@ async fn conversations_keep_their_credential_while_it_has_room_and_the_load_stay
 
 #[tokio::test]
 async fn a_full_bound_credential_moves_the_conversation_at_once_and_strict_waits_for_it() {
+    let _waiters = exclusive_waiters().await;
     let app = Arc::new(TestApp::spawn_with(AppOptions::deterministic()).await);
     app.put_key("key-a", "openai", "default", &["gpt-4o"], 1)
         .await;
@@ -172,7 +173,7 @@ async fn a_full_bound_credential_moves_the_conversation_at_once_and_strict_waits
         let (app, strict) = (app.clone(), strict.clone());
         tokio::spawn(async move { (lease(&app, strict).await, Instant::now()) })
     };
-    tokio::time::sleep(Duration::from_millis(500)).await;
+    waiters_queued(&app, 1).await;
     assert!(
         !waiting.is_finished(),
         "a strict call was served by another credential"

@@ -224,7 +224,7 @@ async fn a_waiting_lease_gets_the_slot_when_another_executor_finishes() {
                 .await;
             (lease, Instant::now())
         });
-        tokio::time::sleep(Duration::from_millis(200)).await;
+        waiters_queued(&app, 1).await;
         assert!(!waiter.is_finished(), "round {round}: served while full");
         let first_fence = holder.fence();
         assert!(holder.finish(Outcome::Success).await.unwrap().released);

@@ -185,6 +185,7 @@ async fn a_freed_slot_whose_announcement_never_came_still_reaches_a_waiter() {
     // Another process released the only lease and stopped before announcing it (a release that
     // leaves the announcement to its caller, which never makes it). Before, the waiter slept
     // until its deadline with the slot free; now the longest waiter claims again every second.
+    let _waiters = exclusive_waiters().await;
     let app = TestApp::spawn().await;
     app.put_key("k", "openai", "default", &["gpt-4o"], 1).await;
     let held = json_body(app.allocate(gpt4o(600)).await, StatusCode::OK).await;
@@ -203,13 +204,9 @@ async fn a_freed_slot_whose_announcement_never_came_still_reaches_a_waiter() {
                 .unwrap()
         })
     };
-    // the waiter has looked once and is waiting
-    for _ in 0..200 {
-        if sample(&app.metrics().await, "credpool_allocations_waiting") >= 1.0 {
-            break;
-        }
-        tokio::time::sleep(Duration::from_millis(10)).await;
-    }
+    // the waiter has looked once and is waiting: the slot freed now reaches it only by its
+    // recheck (nobody announces it)
+    waiters_queued(&app, 1).await;
     sqlx::query("SELECT verdict FROM credpool_release($1, $2)")
         .bind(
             json!([{"lease_id": held["lease_id"], "key_id": "k", "provider": "openai",
