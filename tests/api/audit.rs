@@ -274,9 +274,110 @@ async fn lowering_a_limit_under_load_is_not_an_oversell_but_a_grant_above_it_is(
         )
         .await;
     }
-    lease(&app, 600).await;
+    // the service grants again within the lowered limit: one lease, held to the end
+    let _held = lease(&app, 600).await;
     let (ok, output) = audit_verify(BIN, &app.database).await;
     assert!(ok, "{output}");
+    // a second grant beside it, written straight into the trail as a claim that read the old
+    // limit would have: two live leases, within the limit of 3 the credential once had but
+    // over the 1 it has had since
+    sqlx::query(
+        "INSERT INTO lease_events (event, lease_id, key_id, provider, pool, slot, lease_until, at)
+         VALUES ('granted', gen_random_uuid(), 'shrink', 'openai', 'default', 1,
+                 now() + interval '10 minutes', now())",
+    )
+    .execute(&app.db)
+    .await
+    .unwrap();
+    let (ok, output) = audit_verify(BIN, &app.database).await;
+    assert!(
+        !ok,
+        "a grant above the lowered limit passed (judged by the old one?): {output}"
+    );
+    assert!(
+        output.contains("shrink") && output.contains("1 grants exceeded a limit"),
+        "{output}"
+    );
+}
+
+#[tokio::test]
+async fn a_grant_over_a_tenants_cap_written_into_the_trail_fails_audit_verify() {
+    // The tenant cap proof must be able to fail: the service never grants past a cap, so the
+    // grant past it is written straight into the trail, as a claim that missed the tenant's
+    // slot rows would have. The cap was 2 and is 1 when the fabricated grant is made, so a
+    // proof that judged by the highest cap ever set would pass it too.
+    let app = TestApp::spawn().await;
+    app.put_key("east", "openai", "east", &["gpt-4o"], 4).await;
+    app.put_key("west", "openai", "west", &["gpt-4o"], 4).await;
+    let tenant = |cap: u32| {
+        app.client
+            .put(app.url("/api/admin/tenants/team"))
+            .header("x-admin-key", ADMIN_KEY)
+            .json(&json!({"max_concurrent_leases": cap, "pools": ["*/*"]}))
+            .send()
+    };
+    assert_eq!(tenant(2).await.unwrap().status(), StatusCode::CREATED);
+    let minted = app
+        .client
+        .post(app.url("/api/admin/tenants/team/keys"))
+        .header("x-admin-key", ADMIN_KEY)
+        .send()
+        .await
+        .unwrap();
+    let key = json_body(minted, StatusCode::CREATED).await["key"]
+        .as_str()
+        .unwrap()
+        .to_owned();
+    let allocate_url = app.url("/api/internal/allocate-key");
+    let allocate = |pool: &'static str| {
+        post_json(
+            &app.client,
+            &allocate_url,
+            ("x-internal-key", &key),
+            json!({"provider": "openai", "model": "gpt-4o", "pool": pool, "lease_seconds": 600}),
+        )
+    };
+    let first = json_body(allocate("east").await, StatusCode::OK).await;
+    let second = json_body(allocate("west").await, StatusCode::OK).await;
+    json_body(
+        post_json(
+            &app.client,
+            &app.url("/api/internal/release-key"),
+            ("x-internal-key", &key),
+            release_body(&second, "success"),
+        )
+        .await,
+        StatusCode::OK,
+    )
+    .await;
+    assert_eq!(tenant(1).await.unwrap().status(), StatusCode::OK);
+    let (ok, output) = audit_verify(BIN, &app.database).await;
+    assert!(
+        ok,
+        "two leases under a cap of 2, then one under 1: {output}"
+    );
+    assert!(
+        output.contains("no grant ever exceeded a tenant's cap"),
+        "{output}"
+    );
+
+    // beside the tenant's live lease on east, a second one on west, now that its cap is 1
+    sqlx::query(
+        "INSERT INTO lease_events (event, lease_id, key_id, provider, pool, slot, lease_until, at,
+                                   tenant)
+         VALUES ('granted', gen_random_uuid(), 'west', 'openai', 'west', 1,
+                 now() + interval '10 minutes', now(), 'team')",
+    )
+    .execute(&app.db)
+    .await
+    .unwrap();
+    let (ok, output) = audit_verify(BIN, &app.database).await;
+    assert!(!ok, "a grant past the tenant's cap passed: {output}");
+    assert!(
+        output.contains("team") && output.contains("1 grants exceeded a tenant's cap"),
+        "{output}"
+    );
+    assert_eq!(first["key_id"], "east");
 }
 
 #[tokio::test]

@@ -270,20 +270,9 @@ async fn an_import_and_a_release_group_never_deadlock() {
     let actor = credpool::store::credentials::Actor::parse("test").unwrap();
     let import =
         tokio::spawn(async move { store::credentials::import(&import_db, &specs, &actor).await });
-    // the import waits for the slot the test holds
-    for _ in 0..2000 {
-        let waiting: i64 = sqlx::query_scalar(
-            "SELECT count(*) FROM pg_stat_activity
-             WHERE datname = current_database() AND wait_event_type = 'Lock'",
-        )
-        .fetch_one(&app.db)
-        .await
-        .unwrap();
-        if waiting > 0 {
-            break;
-        }
-        tokio::time::sleep(Duration::from_millis(5)).await;
-    }
+    // the import waits for the slot the test holds: the race this test is for (an import
+    // that never waits has nothing to deadlock with, and must fail the test, not pass it)
+    wait_for_lock_waiters(&app, 1).await;
 
     let release = {
         let app_release = app.release(release_body(&released, "rate_limited"));

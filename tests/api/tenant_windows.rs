@@ -359,9 +359,11 @@ async fn change_while_a_claim_is_in_flight(
             .as_u16()
         })
     };
-    // the PUT waits for the tenant's lock, which the claim holds (shared) until it commits; if
-    // it does not wait, it answers first
-    for _ in 0..400 {
+    // the PUT waits for the tenant's lock, which the claim holds (shared) until it commits: a
+    // PUT that answers while the claim is paused did not wait, and the race this is for did
+    // not happen
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(60);
+    loop {
         let waiting: i64 = sqlx::query_scalar(
             "SELECT count(*) FROM pg_stat_activity
              WHERE datname = current_database() AND wait_event_type = 'Lock' AND pid <> $1",
@@ -370,9 +372,17 @@ async fn change_while_a_claim_is_in_flight(
         .fetch_one(&app.db)
         .await
         .unwrap();
-        if waiting > 0 || putting.is_finished() {
+        if waiting > 0 {
             break;
         }
+        assert!(
+            !putting.is_finished(),
+            "the PUT answered while a claim of the tenant was in flight"
+        );
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "the PUT never waited for the tenant's lock"
+        );
         tokio::time::sleep(Duration::from_millis(5)).await;
     }
     hook.open().await;
@@ -543,6 +553,19 @@ async fn a_late_report_of_usage_replaces_the_reservation_in_the_tenant_window() 
     let refused = allocate_tokens(&app.client, &base, &key, 800).await;
     assert_eq!(refused.status(), StatusCode::TOO_MANY_REQUESTS);
     tokio::time::sleep(Duration::from_millis(1500)).await;
+    let live: i64 =
+        sqlx::query_scalar("SELECT count(*) FROM lease_slots WHERE lease_until > now()")
+            .fetch_one(&app.db)
+            .await
+            .unwrap();
+    assert_eq!(live, 0, "the lease has not expired yet");
+    // expired, its reservation still holds: an expiry gives no tokens back, only a report does
+    let refused = allocate_tokens(&app.client, &base, &key, 800).await;
+    assert_eq!(
+        refused.status(),
+        StatusCode::TOO_MANY_REQUESTS,
+        "the expiry returned the reservation"
+    );
     let mut report = lease_ref(&lease);
     report["outcome"] = json!("success");
     report["usage"] = json!({"tokens": 100});
