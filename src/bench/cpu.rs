@@ -150,6 +150,84 @@ mod tests {
         assert!(stat.exited_children_seconds.abs() < 1e-9, "{stat:?}");
     }
 
+    /// A process named `postgres` (a copy of /bin/sh in `dir`) running `script`.
+    fn fake_postgres(dir: &std::path::Path, script: &str) -> std::process::Child {
+        std::process::Command::new(dir.join("postgres"))
+            .args(["-c", script])
+            .spawn()
+            .unwrap()
+    }
+
+    /// Waits until `done` holds, looking every 20 ms for at most 60 seconds.
+    fn until(mut done: impl FnMut() -> bool, what: &str) {
+        for _ in 0..3_000 {
+            if done() {
+                return;
+            }
+            std::thread::sleep(std::time::Duration::from_millis(20));
+        }
+        panic!("{what}");
+    }
+
+    /// `/proc/<pid>/stat` of a process of this test.
+    fn stat_of(pid: u32) -> (f64, f64, u32) {
+        let line = std::fs::read_to_string(format!("/proc/{pid}/stat")).unwrap();
+        let stat = parse_stat(&line).unwrap();
+        (stat.seconds, stat.exited_children_seconds, stat.parent)
+    }
+
+    #[test]
+    fn a_server_is_its_postmaster_its_children_and_the_children_that_exited_and_no_other() {
+        // Two stand-ins for PostgreSQL servers (processes named `postgres`): the first a
+        // "postmaster" whose "backend" burns CPU and exits, the second a busy server of its own.
+        // The first server's reading is its postmaster's CPU plus its exited backend's, exactly;
+        // the second's CPU is in the reading of every `postgres` (no postmaster known) only.
+        let dir = tempfile::tempdir().unwrap();
+        std::fs::copy("/bin/sh", dir.path().join("postgres")).unwrap();
+        let busy = "i=0; while [ $i -lt 400000 ]; do i=$((i+1)); done";
+        let backend = format!("'{}' -c '{busy}'", dir.path().join("postgres").display());
+        let mut postmaster = fake_postgres(dir.path(), &format!("{backend}; sleep 60"));
+        let mut other = fake_postgres(dir.path(), &format!("{busy}; sleep 60"));
+        let pm = postmaster.id();
+        // the backend runs under the postmaster, which postmaster_of finds
+        let mut backend_pid = None;
+        until(
+            || {
+                backend_pid = std::fs::read_dir("/proc").unwrap().flatten().find_map(|e| {
+                    let pid: u32 = e.file_name().to_str()?.parse().ok()?;
+                    (pid != pm && postmaster_of(pid) == Some(pm)).then_some(pid)
+                });
+                backend_pid.is_some() || stat_of(pm).1 > 0.0
+            },
+            "the backend never ran",
+        );
+        // it exits, and its CPU moves to the postmaster's exited children
+        until(|| stat_of(pm).1 >= 0.05, "the backend never finished");
+        until(
+            || stat_of(other.id()).0 >= 0.05,
+            "the other server never ran",
+        );
+        let (own, exited, _) = stat_of(pm);
+        let reading = read(Some(pm)).unwrap();
+        assert!(
+            (reading.postgres - (own + exited)).abs() < 0.015,
+            "the server's reading {} is not its postmaster's {own} s and exited children's {exited} s",
+            reading.postgres
+        );
+        let every = read(None).unwrap();
+        assert!(
+            every.postgres >= own + stat_of(other.id()).0 - 0.015,
+            "every postgres: {} s",
+            every.postgres
+        );
+        // this process is the generator, never a server
+        assert!(read(Some(pm)).unwrap().generator > 0.0);
+        postmaster.kill().unwrap();
+        other.kill().unwrap();
+        postmaster.wait().unwrap();
+        other.wait().unwrap();
+    }
+
     #[test]
     fn cpu_per_cycle_divides_each_groups_delta_by_the_cycles() {
         let before = CpuReading {

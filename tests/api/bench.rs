@@ -12,14 +12,17 @@ use credpool_test_support::*;
 
 use crate::BIN;
 
-/// The Redis the redis baseline runs on: `CREDPOOL_TEST_REDIS_URL`, else the local default.
-fn redis_url() -> String {
-    std::env::var("CREDPOOL_TEST_REDIS_URL").unwrap_or_else(|_| "redis://127.0.0.1:6379".into())
+/// The Redis the redis baseline runs on, with a connection to it.
+struct Redis {
+    url: String,
+    conn: redis::aio::MultiplexedConnection,
+    /// The redis-server this test started, stopped when dropped.
+    _server: Option<tokio::process::Child>,
 }
 
-/// A connection to that Redis, if it answers PING within a second.
-async fn redis_connection() -> Option<redis::aio::MultiplexedConnection> {
-    let client = redis::Client::open(redis_url()).ok()?;
+/// A connection to the Redis at `url`, if it answers PING within a second.
+async fn redis_connection(url: &str) -> Option<redis::aio::MultiplexedConnection> {
+    let client = redis::Client::open(url).ok()?;
     let config = redis::AsyncConnectionConfig::new()
         .set_connection_timeout(Some(Duration::from_secs(1)))
         .set_response_timeout(Some(Duration::from_secs(1)));
@@ -29,6 +32,65 @@ async fn redis_connection() -> Option<redis::aio::MultiplexedConnection> {
         .ok()?;
     let pong: String = redis::cmd("PING").query_async(&mut conn).await.ok()?;
     (pong == "PONG").then_some(conn)
+}
+
+/// The Redis for the redis baseline: `CREDPOOL_TEST_REDIS_URL` when set (it must answer); else
+/// the local default when one answers; else a `redis-server` of the test's own on a free port
+/// (no persistence). `None` (the baseline skipped, and said so) only with
+/// `CREDPOOL_TEST_SKIP_REDIS` set; without it a missing Redis fails the test naming the package.
+async fn redis() -> Option<Redis> {
+    if let Ok(url) = std::env::var("CREDPOOL_TEST_REDIS_URL") {
+        let conn = redis_connection(&url)
+            .await
+            .unwrap_or_else(|| panic!("no Redis answers at {url} (CREDPOOL_TEST_REDIS_URL)"));
+        return Some(Redis {
+            url,
+            conn,
+            _server: None,
+        });
+    }
+    let default = "redis://127.0.0.1:6379".to_owned();
+    if let Some(conn) = redis_connection(&default).await {
+        return Some(Redis {
+            url: default,
+            conn,
+            _server: None,
+        });
+    }
+    if std::env::var_os("CREDPOOL_TEST_SKIP_REDIS").is_some() {
+        report_skipped("the redis baseline: CREDPOOL_TEST_SKIP_REDIS is set");
+        return None;
+    }
+    let port = std::net::TcpListener::bind("127.0.0.1:0")
+        .and_then(|listener| listener.local_addr())
+        .unwrap()
+        .port();
+    let server = Command::new("redis-server")
+        .args(["--port", &port.to_string(), "--bind", "127.0.0.1"])
+        .args(["--save", "", "--appendonly", "no"])
+        .stdin(Stdio::null())
+        .stdout(Stdio::null())
+        .kill_on_drop(true)
+        .spawn()
+        .unwrap_or_else(|error| {
+            panic!(
+                "no Redis answers at {default}, and redis-server could not be started: {error} \
+                 (Debian: apt-get install redis-server); set CREDPOOL_TEST_SKIP_REDIS=1 to skip \
+                 the redis baseline"
+            )
+        });
+    let url = format!("redis://127.0.0.1:{port}");
+    for _ in 0..200 {
+        if let Some(conn) = redis_connection(&url).await {
+            return Some(Redis {
+                url,
+                conn,
+                _server: Some(server),
+            });
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    panic!("the redis-server started on port {port} never answered PING");
 }
 
 /// A run whose executors present the key of a tenant capped at 3, next to the internal key's.
@@ -41,9 +103,9 @@ const TENANT_RUN: &[&str] = &[
     "4",
 ];
 
-/// `credpool bench ARGS` on `database`: 8 credentials of limit 2, one second, no warm-up (the
-/// redis baseline, if asked for, on [`redis_url`]); its output, within two minutes.
-async fn bench(database: &TestDatabase, args: &[&str]) -> std::process::Output {
+/// `credpool bench ARGS` on `database_url`: 8 credentials of limit 2, one second, no warm-up (the
+/// redis baseline, if asked for, on `redis_url`); its output, within two minutes.
+async fn bench(database_url: &str, redis_url: Option<&str>, args: &[&str]) -> std::process::Output {
     tokio::time::timeout(
         Duration::from_secs(120),
         Command::new(BIN)
@@ -51,9 +113,9 @@ async fn bench(database: &TestDatabase, args: &[&str]) -> std::process::Output {
             .args(args)
             .args(["--credentials", "8", "--limit", "2"])
             .args(["--duration-seconds", "1", "--warmup-seconds", "0"])
-            .env("DATABASE_URL", database.url())
+            .env("DATABASE_URL", database_url)
             .env("CREDPOOL_MASTER_KEY", MASTER_KEY)
-            .env("CREDPOOL_BENCH_REDIS_URL", redis_url())
+            .envs(redis_url.map(|url| ("CREDPOOL_BENCH_REDIS_URL", url)))
             .env("RUST_LOG", "warn")
             .stdin(Stdio::null())
             .output(),
@@ -63,21 +125,51 @@ async fn bench(database: &TestDatabase, args: &[&str]) -> std::process::Output {
     .unwrap()
 }
 
+/// The report's server time is what its header says: measured for every PostgreSQL mode
+/// (claims and releases that took time) when it names `pg_stat_statements` as the source, and
+/// absent everywhere when it says that is unavailable (a server that does not load it).
+fn server_time_as_reported(stdout: &str, results: &[Value]) {
+    let header = stdout
+        .lines()
+        .find_map(|line| line.strip_prefix("server time: "))
+        .unwrap_or_else(|| panic!("no server time line: {stdout}"));
+    for result in results.iter().filter(|r| r["mode"] != "redis") {
+        if header.starts_with("pg_stat_statements unavailable") {
+            assert!(result["server_time"].is_null(), "{result}");
+            continue;
+        }
+        assert!(header.starts_with("pg_stat_statements"), "{header}");
+        let time = &result["server_time"];
+        assert_eq!(time["source"], "pg_stat_statements", "{result}");
+        assert!(
+            time["ms_per_cycle"].as_f64().is_some_and(|ms| ms > 0.0),
+            "{result}"
+        );
+        let operations = time["operations"].as_array().unwrap();
+        assert_eq!(operations.len(), 2, "a claim and a release: {result}");
+        for operation in operations {
+            assert!(
+                operation["count"].as_i64().is_some_and(|count| count > 0)
+                    && operation["ms_per_operation"]
+                        .as_f64()
+                        .is_some_and(|ms| ms > 0.0),
+                "{result}"
+            );
+        }
+    }
+}
+
 #[tokio::test]
 async fn every_baseline_completes_cycles_without_errors_next_to_credpool() {
     let database = TestDatabase::create().await;
-    let mut redis = redis_connection().await;
+    let mut redis = redis().await;
     let mut baselines = vec!["sql", "unbatched"];
     if redis.is_some() {
         baselines.push("redis");
-    } else {
-        report_skipped(&format!(
-            "the redis baseline: no Redis answers at {} (set CREDPOOL_TEST_REDIS_URL)",
-            redis_url()
-        ));
     }
     let output = bench(
-        &database,
+        &database.url(),
+        redis.as_ref().map(|r| r.url.as_str()),
         &["--baseline", &baselines.join(","), "--executors", "2"],
     )
     .await;
@@ -109,10 +201,7 @@ async fn every_baseline_completes_cycles_without_errors_next_to_credpool() {
     }
     assert_eq!(line["ratios"].as_array().unwrap().len(), baselines.len());
     assert_eq!(line["grants_over_limit"], 0);
-    assert!(
-        stdout.contains("server time: pg_stat_statements"),
-        "the report says where server time comes from: {stdout}"
-    );
+    server_time_as_reported(&stdout, results);
 
     // the run removed what it created: the sql baseline's schema, the Redis keys, the
     // credentials
@@ -134,7 +223,7 @@ async fn every_baseline_completes_cycles_without_errors_next_to_credpool() {
         .await
         .unwrap();
     assert_eq!(credentials, 0);
-    if let Some(conn) = redis.as_mut() {
+    if let Some(Redis { conn, .. }) = redis.as_mut() {
         let (_, keys): (u64, Vec<String>) = redis::cmd("SCAN")
             .arg(0)
             .arg("MATCH")
@@ -154,7 +243,7 @@ async fn every_baseline_completes_cycles_without_errors_next_to_credpool() {
 #[tokio::test]
 async fn a_run_with_a_tenant_key_compares_with_the_internal_key_and_removes_its_tenant() {
     let database = TestDatabase::create().await;
-    let output = bench(&database, TENANT_RUN).await;
+    let output = bench(&database.url(), None, TENANT_RUN).await;
     let (stdout, stderr) = (
         String::from_utf8_lossy(&output.stdout),
         String::from_utf8_lossy(&output.stderr),
@@ -237,7 +326,7 @@ async fn a_run_whose_tenant_cannot_be_created_still_removes_its_credentials() {
     .execute(&pool)
     .await
     .unwrap();
-    let output = bench(&database, TENANT_RUN).await;
+    let output = bench(&database.url(), None, TENANT_RUN).await;
     let stderr = String::from_utf8_lossy(&output.stderr);
     assert!(!output.status.success(), "the run succeeded: {stderr}");
     let credentials: i64 = sqlx::query_scalar("SELECT count(*) FROM credentials")
@@ -255,4 +344,58 @@ async fn a_run_whose_tenant_cannot_be_created_still_removes_its_credentials() {
         stderr.contains("creating the run's tenant"),
         "the run does not say what failed: {stderr}"
     );
+}
+
+#[tokio::test]
+async fn the_report_gives_the_cpu_and_server_time_of_the_server_it_ran_on() {
+    // A private cluster that loads pg_stat_statements, on this machine: the report measures
+    // each mode's server time, and its CPU per cycle counts this server's processes (found
+    // through its postmaster) and the load generator, which both did work for every cycle.
+    let dir = tempfile::Builder::new()
+        .prefix("credpool-bench-")
+        .tempdir_in("/tmp")
+        .unwrap();
+    let cluster = credpool::embedded::EmbeddedCluster::start_with_settings(
+        dir.path(),
+        None,
+        &[("shared_preload_libraries", "pg_stat_statements")],
+    )
+    .await
+    .expect("a private cluster with pg_stat_statements (postgresql-contrib)");
+    let options = cluster.connect_options();
+    let pool = sqlx::PgPool::connect_with(options.clone()).await.unwrap();
+    credpool::store::migrate(&pool).await.unwrap();
+    let output = bench(
+        &url_for(&options, "postgres"),
+        None,
+        &["--baseline", "sql", "--executors", "2"],
+    )
+    .await;
+    let (stdout, stderr) = (
+        String::from_utf8_lossy(&output.stdout),
+        String::from_utf8_lossy(&output.stderr),
+    );
+    assert!(output.status.success(), "{stdout}\n{stderr}");
+    assert!(
+        stdout.contains("server time: pg_stat_statements") && !stdout.contains("unavailable"),
+        "{stdout}"
+    );
+    let line: Value = stdout
+        .lines()
+        .rev()
+        .find_map(|line| serde_json::from_str(line).ok())
+        .unwrap_or_else(|| panic!("no JSON line in: {stdout}"));
+    let results = line["results"].as_array().unwrap();
+    assert_eq!(results.len(), 2, "{line}");
+    server_time_as_reported(&stdout, results);
+    for result in results {
+        let cpu = &result["cpu"];
+        for group in ["postgres_us", "generator_us"] {
+            assert!(
+                cpu[group].as_f64().is_some_and(|us| us > 0.0),
+                "{group} per cycle: {result}"
+            );
+        }
+    }
+    pool.close().await;
 }
