@@ -183,6 +183,7 @@ class Admin:
         status: Optional[str] = None,
         secret: Optional[Dict[str, Any]] = None,
         oauth: Optional[Dict[str, Any]] = None,
+        rate_limits: Optional[List[Dict[str, int]]] = None,
     ) -> Any:
         body: Dict[str, Any] = {
             "provider": provider,
@@ -195,7 +196,16 @@ class Admin:
             body["status"] = status
         if oauth is not None:
             body["oauth"] = oauth
+        if rate_limits is not None:
+            body["rate_limits"] = rate_limits
         return self._ok(self._http.put(f"/keys/{key_id}", json=body))
+
+    def tenant_key(self, tenant_id: str, settings: Dict[str, Any]) -> str:
+        """PUTs tenant ``tenant_id`` with ``settings`` (leasing from every pool) and mints a key
+        for it: the key."""
+        self._ok(self._http.put(f"/tenants/{tenant_id}", json={"pools": ["*/*"], **settings}))
+        key: str = self._ok(self._http.post(f"/tenants/{tenant_id}/keys"))["key"]
+        return key
 
     def key(self, key_id: str) -> Any:
         return self._ok(self._http.get(f"/keys/{key_id}"))

@@ -1,6 +1,6 @@
 """The protocol against a fake credpool: request bodies (``tokens`` and ``usage`` for rate
-windows, which the real server does not take yet), retries with one request_id, waiting,
-renewal and loss, release on every exit path; and the pure helpers."""
+windows; what the real server does with them is in test_tokens.py), retries with one request_id,
+waiting, renewal and loss, release on every exit path; and the pure helpers."""
 
 from __future__ import annotations
 
