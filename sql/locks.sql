@@ -66,14 +66,18 @@ $$;
 --     it started, so the rows are read again afterwards, and if any is not among those locked the
 --     locks are given back (the block is a subtransaction: its row locks end with it) and taken
 --     again, so that no slot row is ever locked after a credential row or out of order;
+--     with them, in the same statement and order, the slot rows of leases `p_lease_ids` of other
+--     credentials (RELEASE: its group's other leases, so that none of their rows is locked after
+--     a rejected credential's rows that sort after it);
 --   * the tenant_slots rows of their leases, their lease_windows rows, then (unless
 --     p_credential_rows is false) the credential rows, FOR UPDATE, each kind in one statement.
 --     Without the credential rows, the caller takes them itself later in the lock order: RELEASE
 --     takes its late reports' lease locks (lock order 3) before it takes them.
 -- Returns how many of the credentials exist.
 DROP FUNCTION IF EXISTS credpool_lock_credentials(text[]);
+DROP FUNCTION IF EXISTS credpool_lock_credentials(text[], boolean);
 CREATE OR REPLACE FUNCTION credpool_lock_credentials(p_key_ids text[],
-    p_credential_rows boolean DEFAULT true)
+    p_credential_rows boolean DEFAULT true, p_lease_ids uuid[] DEFAULT '{}')
 RETURNS integer
 LANGUAGE plpgsql AS $$
 DECLARE
@@ -89,13 +93,13 @@ BEGIN
             SELECT coalesce(array_agg(format('%s/%s', l.key_id, l.slot) ORDER BY l.key_id, l.slot), '{}')
             INTO v_locked
             FROM (SELECT s.key_id, s.slot FROM lease_slots s
-                  WHERE s.key_id = ANY (p_key_ids)
+                  WHERE s.key_id = ANY (p_key_ids) OR s.lease_id = ANY (p_lease_ids)
                   ORDER BY s.key_id, s.slot
                   FOR UPDATE) AS l;
             SELECT coalesce(array_agg(format('%s/%s', s.key_id, s.slot) ORDER BY s.key_id, s.slot), '{}')
             INTO v_present
             FROM lease_slots s
-            WHERE s.key_id = ANY (p_key_ids);
+            WHERE s.key_id = ANY (p_key_ids) OR s.lease_id = ANY (p_lease_ids);
             IF v_locked <> v_present THEN
                 RAISE EXCEPTION 'slot rows changed while they were locked' USING ERRCODE = 'CPL01';
             END IF;

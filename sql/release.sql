@@ -237,10 +237,12 @@ BEGIN
         RETURN;
     END IF;
     IF v_rejects THEN
-        -- (the credentials' rows before every other row: their slot rows come first)
+        -- (the credentials' rows before every other row: their slot rows come first, in one
+        -- order with the slot rows of the group's other leases)
         v_reject_keys := credpool_release_rejects(v_releases);
         IF v_reject_keys <> '{}' THEN
-            PERFORM credpool_lock_credentials(v_reject_keys, false);
+            PERFORM credpool_lock_credentials(v_reject_keys, false,
+                ARRAY(SELECT r.lease_id FROM unnest(v_releases) AS r));
         END IF;
     END IF;
     v_slots := credpool_release_lock(v_releases, v_usage);

@@ -291,6 +291,19 @@ async fn an_import_and_a_release_group_never_deadlock() {
     assert_eq!(deadlocks(&app).await, before);
 }
 
+/// Makes credential `key_id` one that refreshes by OAuth (an `oauth_credentials` row, whose token
+/// endpoint is never called here): what makes a release lock it whole on an `auth_expired` report.
+async fn oauth_refreshed(app: &TestApp, key_id: &str) {
+    sqlx::query(
+        "INSERT INTO oauth_credentials (key_id, token_url, client_id, refresh_ciphertext)
+         VALUES ($1, 'http://127.0.0.1:9/token', 'client', '\\x00')",
+    )
+    .bind(key_id)
+    .execute(&app.db)
+    .await
+    .unwrap();
+}
+
 #[tokio::test]
 async fn a_release_group_with_an_auth_expired_report_and_a_late_report_never_deadlocks() {
     // Release group G reports `auth_expired` on a live lease of `k` and, late, an outcome for an
@@ -302,6 +315,8 @@ async fn a_release_group_with_an_auth_expired_report_and_a_late_report_never_dea
     // locks, like every release.
     let app = TestApp::spawn().await;
     app.put_key("k", "openai", "default", &["gpt-4o"], 2).await;
+    // k refreshes by OAuth: an `auth_expired` report of its lease locks the whole credential
+    oauth_refreshed(&app, "k").await;
     let live = lease(&app, "default").await;
     let short = json_body(
         app.allocate(
@@ -378,6 +393,68 @@ async fn a_release_group_with_an_auth_expired_report_and_a_late_report_never_dea
     // the late report counted once, the other group's
     assert_eq!(verdicts, ["released", "not_found"]);
     assert_eq!(app.in_flight("k").await, 0);
+    assert_eq!(deadlocks(&app).await, before, "a deadlock was detected");
+}
+
+#[tokio::test]
+async fn a_release_group_with_an_auth_expired_report_locks_the_other_leases_slots_in_key_order() {
+    // Release group G reports `auth_expired` on a lease of `kb` and `success` on a lease of `ka`.
+    // Another transaction (a release or renewal group of both, in key order) holds ka's slot
+    // and then wants a slot row of kb. Before, G locked every slot row of kb first and then
+    // waited for ka's: a deadlock. Now G takes ka's slot row in the same ordered statement as
+    // kb's, so it waits there holding nothing of kb.
+    let app = TestApp::spawn().await;
+    app.put_key("ka", "openai", "a", &["gpt-4o"], 2).await;
+    app.put_key("kb", "openai", "b", &["gpt-4o"], 2).await;
+    // kb refreshes by OAuth: an `auth_expired` report of its lease locks the whole credential
+    oauth_refreshed(&app, "kb").await;
+    let on_a = lease(&app, "a").await;
+    let on_b = lease(&app, "b").await;
+    let before = deadlocks(&app).await;
+
+    let mut other = connect(&app).await;
+    other.execute("BEGIN").await.unwrap();
+    sqlx::query("SELECT 1 FROM lease_slots WHERE lease_id = $1::text::uuid FOR UPDATE")
+        .bind(on_a["lease_id"].as_str().unwrap())
+        .execute(&mut other)
+        .await
+        .unwrap();
+
+    let mut group = connect(&app).await;
+    let group_pid = backend_pid(&mut group).await;
+    let body = json!([
+        {"lease_id": on_b["lease_id"], "key_id": "kb", "provider": "openai", "pool": "b",
+         "fence": null, "outcome": "auth_expired", "usage_tokens": null},
+        {"lease_id": on_a["lease_id"], "key_id": "ka", "provider": "openai", "pool": "a",
+         "fence": null, "outcome": "success", "usage_tokens": null},
+    ]);
+    let releasing = tokio::spawn(async move {
+        sqlx::query_scalar::<_, String>(
+            "SELECT verdict FROM credpool_release($1, $2) ORDER BY release",
+        )
+        .bind(body)
+        .bind(policy())
+        .fetch_all(&mut group)
+        .await
+    });
+    until_waiting(&app, group_pid).await;
+
+    // the other transaction goes on in key order: a slot row of kb
+    let locked =
+        sqlx::query("SELECT 1 FROM lease_slots WHERE key_id = 'kb' AND slot = 1 FOR UPDATE")
+            .execute(&mut other)
+            .await;
+    let committed = other.execute("COMMIT").await;
+    let verdicts = tokio::time::timeout(Duration::from_secs(20), releasing)
+        .await
+        .expect("the release group hung")
+        .unwrap();
+    locked.expect("the other transaction's lock of kb's slot row failed");
+    committed.unwrap();
+    assert_eq!(
+        verdicts.expect("the release group failed"),
+        ["released", "released"]
+    );
     assert_eq!(deadlocks(&app).await, before, "a deadlock was detected");
 }
 
