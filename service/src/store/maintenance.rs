@@ -88,7 +88,10 @@ pub async fn run_pass(
 /// step (an audit purge) never holds the row locks of an earlier one (the slot rows the reaper
 /// ended); a step with more to do (the continuous proof) runs again, a transaction each time,
 /// while the pass is younger than [`PASS_SECONDS`]. Skipped as a whole when another session runs
-/// the first step right now.
+/// the first step right now. Steps run without a statement timeout, as under pg_cron: the
+/// service's connections carry the request path's (`--db-statement-timeout-ms`, 5 s), and a
+/// step is bounded by its own batch (the proof's chunk of 200,000 trail rows takes seconds),
+/// not by a request's budget.
 pub async fn run_steps(
     db: &Db,
     retention: Duration,
@@ -98,6 +101,9 @@ pub async fn run_steps(
     let mut step = 1;
     loop {
         let mut tx = db.begin().await?;
+        sqlx::query("SET LOCAL statement_timeout = 0")
+            .execute(&mut *tx)
+            .await?;
         let row = sqlx::query!(
             r#"SELECT name, done, more FROM credpool_maintenance_step($1::integer, make_interval(secs => $2))"#,
             step,

@@ -128,6 +128,37 @@ async fn a_proof_over_millions_of_trail_rows_completes_with_the_operator_default
 }
 
 #[tokio::test]
+async fn the_services_maintenance_pass_proves_a_chunk_longer_than_a_requests_statement_timeout() {
+    // The service runs its maintenance pass on the request path's pool, whose connections carry
+    // the request path's statement timeout; a proof chunk of 200,000 trail rows takes far longer
+    // than the 100 ms given here, and must not be cancelled by it.
+    let database = TestDatabase::create().await;
+    let db = database.pool(1).await;
+    bench_trail(&db, 100_000, 600.0).await;
+    let pool = sqlx::postgres::PgPoolOptions::new()
+        .max_connections(1)
+        .connect_with(
+            database
+                .options
+                .clone()
+                .options([("statement_timeout", "100")]),
+        )
+        .await
+        .unwrap();
+    let timeout: String = sqlx::query_scalar("SHOW statement_timeout")
+        .fetch_one(&pool)
+        .await
+        .unwrap();
+    assert_eq!(timeout, "100ms");
+    let report =
+        credpool::store::maintenance::run_steps(&pool.into(), Duration::from_secs(30 * 86_400))
+            .await
+            .expect("the maintenance pass failed")
+            .expect("the pass was skipped");
+    assert_eq!(report.audit_rows_proven, 200_000, "{report:?}");
+}
+
+#[tokio::test]
 async fn operator_commands_take_their_own_statement_timeout_not_the_request_paths() {
     let database = TestDatabase::create().await;
     let db = database.pool(2).await;
