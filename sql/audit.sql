@@ -142,8 +142,16 @@ LANGUAGE sql STABLE AS $$
         CROSS JOIN LATERAL (
             SELECT '-infinity'::timestamptz AS at, 0::bigint AS event_id,
                    CASE p_scope
-                       WHEN 'credential' THEN (SELECT c.max_concurrent_uses FROM credentials c
-                                               WHERE c.key_id = s.subject)
+                       -- before its oldest configuration row kept (retention purges older
+                       -- ones): what that row changed, else its current limit
+                       WHEN 'credential' THEN coalesce(
+                           (SELECT (ce.details -> 'old' ->> 'max_concurrent_uses')::integer
+                            FROM credential_events ce
+                            WHERE ce.key_id = s.subject AND ce.event IN ('created', 'updated')
+                            ORDER BY ce.at, ce.event_id
+                            LIMIT 1),
+                           (SELECT c.max_concurrent_uses FROM credentials c
+                            WHERE c.key_id = s.subject))
                        ELSE (SELECT t.max_concurrent_leases FROM tenants t
                              WHERE t.tenant_id = s.subject) END AS allowed
             UNION ALL

@@ -301,56 +301,70 @@ async fn lowering_a_limit_under_load_is_not_an_oversell_but_a_grant_above_it_is(
 }
 
 #[tokio::test]
+async fn grants_older_than_the_oldest_configuration_row_kept_are_judged_by_the_limit_it_changed() {
+    // Retention purged the credential's `created` row; the oldest row kept lowered its limit from
+    // 4 to 2 a minute ago, while 4 leases granted ten minutes ago were held. Those grants were
+    // within the limit of their time (4): the proof must take it from that row's `old`, not
+    // judge them by today's 2.
+    let app = TestApp::spawn().await;
+    app.put_key("aged", "openai", "default", &["gpt-4o"], 2)
+        .await;
+    sqlx::raw_sql(
+        "DELETE FROM credential_events WHERE key_id = 'aged';
+         INSERT INTO credential_events (key_id, event, reason, actor, details, at)
+         VALUES ('aged', 'updated', 'updated', 'test',
+                 '{\"old\": {\"max_concurrent_uses\": 4}, \"new\": {\"max_concurrent_uses\": 2}}',
+                 now() - interval '1 minute');
+         INSERT INTO lease_events (event, lease_id, key_id, provider, pool, slot, lease_until, at)
+         SELECT 'granted', gen_random_uuid(), 'aged', 'openai', 'default', s,
+                now() + interval '10 minutes', now() - interval '10 minutes' + s * interval '1 s'
+         FROM generate_series(0, 3) s",
+    )
+    .execute(&app.db)
+    .await
+    .unwrap();
+    let (ok, output) = audit_verify(BIN, &app.database).await;
+    assert!(ok, "grants judged by a limit set after them: {output}");
+}
+
+#[tokio::test]
 async fn a_grant_over_a_tenants_cap_written_into_the_trail_fails_audit_verify() {
     // The tenant cap proof must be able to fail: the service never grants past a cap, so the
     // grant past it is written straight into the trail, as a claim that missed the tenant's
     // slot rows would have. The cap was 2 and is 1 when the fabricated grant is made, so a
     // proof that judged by the highest cap ever set would pass it too.
+    use crate::tenants::{allocate, capped_tenant, executor, lease_ref, put_tenant};
     let app = TestApp::spawn().await;
+    let base = app.url("");
     app.put_key("east", "openai", "east", &["gpt-4o"], 4).await;
     app.put_key("west", "openai", "west", &["gpt-4o"], 4).await;
-    let tenant = |cap: u32| {
-        app.client
-            .put(app.url("/api/admin/tenants/team"))
-            .header("x-admin-key", ADMIN_KEY)
-            .json(&json!({"max_concurrent_leases": cap, "pools": ["*/*"]}))
-            .send()
-    };
-    assert_eq!(tenant(2).await.unwrap().status(), StatusCode::CREATED);
-    let minted = app
-        .client
-        .post(app.url("/api/admin/tenants/team/keys"))
-        .header("x-admin-key", ADMIN_KEY)
-        .send()
-        .await
-        .unwrap();
-    let key = json_body(minted, StatusCode::CREATED).await["key"]
-        .as_str()
-        .unwrap()
-        .to_owned();
-    let allocate_url = app.url("/api/internal/allocate-key");
-    let allocate = |pool: &'static str| {
-        post_json(
-            &app.client,
-            &allocate_url,
-            ("x-internal-key", &key),
-            json!({"provider": "openai", "model": "gpt-4o", "pool": pool, "lease_seconds": 600}),
-        )
-    };
-    let first = json_body(allocate("east").await, StatusCode::OK).await;
-    let second = json_body(allocate("west").await, StatusCode::OK).await;
+    let key = capped_tenant(&app, "team", 2).await;
+    // held to the end
     json_body(
-        post_json(
-            &app.client,
-            &app.url("/api/internal/release-key"),
-            ("x-internal-key", &key),
-            release_body(&second, "success"),
-        )
-        .await,
+        allocate(&app.client, &base, &key, "east").await,
         StatusCode::OK,
     )
     .await;
-    assert_eq!(tenant(1).await.unwrap().status(), StatusCode::OK);
+    let second = json_body(
+        allocate(&app.client, &base, &key, "west").await,
+        StatusCode::OK,
+    )
+    .await;
+    let release = executor(
+        &app.client,
+        &base,
+        "/api/internal/release-key",
+        &key,
+        lease_ref(&second),
+    );
+    json_body(release.await, StatusCode::OK).await;
+    put_tenant(
+        &app.client,
+        &base,
+        "team",
+        json!({"max_concurrent_leases": 1}),
+    )
+    .await;
     let (ok, output) = audit_verify(BIN, &app.database).await;
     assert!(
         ok,
