@@ -247,10 +247,13 @@ struct Watch {
     changed: Notify,
     /// Rings when the cap evicts it.
     evict: Notify,
+    /// The acceptor's [`Connections::room`] bell, rung when a request ends: this connection may
+    /// be evicted now.
+    room: Arc<Notify>,
 }
 
 impl Watch {
-    fn new(id: u64) -> Self {
+    fn new(id: u64, room: Arc<Notify>) -> Self {
         Self {
             id,
             accepted: Instant::now(),
@@ -261,6 +264,7 @@ impl Watch {
             evicting: AtomicBool::new(false),
             changed: Notify::new(),
             evict: Notify::new(),
+            room,
         }
     }
 
@@ -332,6 +336,7 @@ impl Drop for Busy {
         watch.served.store(true, Ordering::SeqCst);
         watch.busy.fetch_sub(1, Ordering::SeqCst);
         watch.changed.notify_one();
+        watch.room.notify_one();
     }
 }
 
@@ -437,7 +442,10 @@ impl Connections {
     }
 
     fn add(&self) -> Arc<Watch> {
-        let watch = Arc::new(Watch::new(self.next_id.fetch_add(1, Ordering::SeqCst)));
+        let watch = Arc::new(Watch::new(
+            self.next_id.fetch_add(1, Ordering::SeqCst),
+            self.room.clone(),
+        ));
         let mut open = self.lock();
         open.insert(watch.id, watch.clone());
         self.count.send_replace(open.len());
@@ -506,8 +514,32 @@ mod tests {
     }
 
     #[tokio::test(start_paused = true)]
+    async fn at_the_cap_a_request_that_ends_lets_the_acceptor_evict_its_connection_at_once() {
+        // One connection allowed, and it has a request in flight: the acceptor waits. When the
+        // request ends, the connection is idle and may be evicted: the acceptor is told then,
+        // not at its once-a-second look.
+        let connections = Connections::new(1);
+        let watch = connections.add();
+        let busy = Busy::start(watch.clone());
+        let acceptor = tokio::spawn({
+            let connections = connections.clone();
+            async move { connections.room().await }
+        });
+        tokio::time::sleep(Duration::from_millis(10)).await;
+        assert!(!watch.evicting.load(Ordering::SeqCst), "evicted while busy");
+        drop(busy);
+        tokio::time::sleep(Duration::from_millis(10)).await;
+        assert!(
+            watch.evicting.load(Ordering::SeqCst),
+            "the acceptor did not hear that the request ended"
+        );
+        connections.remove(&watch);
+        acceptor.await.unwrap();
+    }
+
+    #[tokio::test(start_paused = true)]
     async fn a_connection_has_the_header_timeout_until_served_then_the_idle_timeout() {
-        let watch = Arc::new(Watch::new(0));
+        let watch = Arc::new(Watch::new(0, Arc::new(Notify::new())));
         let start = watch.accepted;
         assert_eq!(
             watch.deadline(&limits()),
