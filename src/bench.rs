@@ -1006,7 +1006,7 @@ impl Allocator for UnbatchedAllocator {
             retry_after_seconds: None,
             usage_tokens: None,
             caller: None,
-            reporter: credpool::store::leases::Reporter::internal(),
+            may_disable: true,
         };
         let released =
             leases::release_on(&mut Conn::direct(&mut self.conn), &release, &self.policy).await;

@@ -531,18 +531,20 @@ async fn serve_on(
     // stdout, so that scripts and tests can read the bound port
     println!("credpool listening on http://{addr}");
     tracing::info!(%addr, "listening");
+    let (maintenance_every, retention) = (
+        Duration::from_secs(args.maintenance.maintenance_interval_seconds),
+        args.maintenance.retention(),
+    );
+    let sample_every = Duration::from_secs(args.metrics_sample_seconds);
+    let db = database.pool.clone();
     let background = [
-        store::maintenance::spawn_scheduler(
-            database.pool.clone(),
-            Duration::from_secs(args.maintenance.maintenance_interval_seconds),
-            args.maintenance.retention(),
-            app.supervisor(),
-        ),
-        crate::telemetry::spawn_sampler(
-            database.pool.clone(),
-            Duration::from_secs(args.metrics_sample_seconds),
-            app.supervisor(),
-        ),
+        app.supervisor().spawn("maintenance", {
+            let db = db.clone();
+            move || store::maintenance::scheduler(db.clone(), maintenance_every, retention)
+        }),
+        app.supervisor().spawn("metrics_sampler", move || {
+            crate::telemetry::sampler(db.clone(), sample_every)
+        }),
     ];
     // the caller closes the pool and the embedded database after this returns
     let served = app

@@ -91,7 +91,7 @@ pub const HELD_BY: [&str; 6] = [
 ];
 
 /// Background tasks that panicked and were made again, by `task` (a fixed name:
-/// [`crate::background`]).
+/// the background supervisor).
 pub const BACKGROUND_TASK_RESTARTS: &str = "credpool_background_task_restarts_total";
 /// Instances of a background task that panicked and wait to be made again, by `task`; `/readyz`
 /// answers 503 while one does.
@@ -746,28 +746,19 @@ pub async fn sample_audit(db: &Db) {
 }
 
 /// Samples the per-pool gauges and the continuous proof's from PostgreSQL every `interval` (not
-/// per scrape), until the pool closes ([`sample_pools`], [`sample_audit`]), as task
-/// `metrics_sampler` of `supervisor`.
-pub fn spawn_sampler(
-    db: Db,
-    interval: Duration,
-    supervisor: &crate::background::Supervisor,
-) -> tokio::task::JoinHandle<()> {
-    supervisor.spawn("metrics_sampler", move || {
-        let db = db.clone();
-        async move {
-            let mut ticker = tokio::time::interval(interval);
-            ticker.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
-            loop {
-                ticker.tick().await;
-                if db.pool().is_closed() {
-                    return;
-                }
-                sample_pools(&db).await;
-                sample_audit(&db).await;
-            }
+/// per scrape), until the pool closes ([`sample_pools`], [`sample_audit`]). The service runs it
+/// as the supervised background task `metrics_sampler`.
+pub async fn sampler(db: Db, interval: Duration) {
+    let mut ticker = tokio::time::interval(interval);
+    ticker.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    loop {
+        ticker.tick().await;
+        if db.pool().is_closed() {
+            return;
         }
-    })
+        sample_pools(&db).await;
+        sample_audit(&db).await;
+    }
 }
 
 /// The W3C trace context (`traceparent`) a request came with: credpool's request span carries

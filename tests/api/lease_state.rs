@@ -1142,7 +1142,7 @@ async fn a_plain_claim_and_a_plain_release_run_only_their_own_statements() {
         retry_after_seconds: None,
         usage_tokens: None,
         caller: None,
-        reporter: leases::Reporter::internal(),
+        may_disable: true,
     };
     let policy = credpool::allocator::health::HealthPolicy::default();
     let warm = release(claim(&mut conn).await);

@@ -332,7 +332,7 @@ impl Operation for Claim {
                 usage_tokens: None,
                 // the claim's own key: a lease is released only by a key of its tenant
                 caller: self.caller,
-                reporter: leases::Reporter::internal(),
+                may_disable: true,
             };
             match leases::release_on(conn, &release, &HealthPolicy::default()).await {
                 Ok(_) => {

@@ -693,7 +693,7 @@ impl Allocator {
                     usage_tokens: None,
                     caller: request.caller,
                     // no outcome: nothing to reach
-                    reporter: leases::Reporter::internal(),
+                    may_disable: true,
                 };
                 self.groups
                     .release(release, &HealthPolicy::default(), &self.waits)

@@ -388,7 +388,7 @@ async fn release(
         // or a key of another tenant than the lease's, releases nothing (the lease frees at its
         // lease_until)
         caller: caller.tenant_key(),
-        reporter: caller.reporter(),
+        may_disable: caller.reports_may_disable(),
     };
     let result = state.allocator.release(request.clone()).await?;
     let reason = result.released.err();

@@ -818,12 +818,10 @@ impl Caller {
             .collect())
     }
 
-    /// Who the trail names for this caller's outcome reports, and how far they reach.
-    pub fn reporter(&self) -> crate::store::leases::Reporter {
-        crate::store::leases::Reporter {
-            tenant: self.tenant.to_string(),
-            may_disable: self.reports_may_disable,
-        }
+    /// Whether this caller's outcome reports may take a credential out of traffic until an
+    /// operator acts (the internal key; a tenant with `reports_may_disable`).
+    pub fn reports_may_disable(&self) -> bool {
+        self.reports_may_disable
     }
 }
 

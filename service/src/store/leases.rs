@@ -469,32 +469,12 @@ pub struct ReleaseRequest {
     /// [`NotReleased::Unauthorized`]); `None`: the configured internal key (tenant `default`).
     /// The service giving a lease back passes the key that claimed it.
     pub caller: Option<crate::domain::TenantKeyHash>,
-    /// Who reports the outcome: how far the report may reach, and who the trail names.
-    pub reporter: Reporter,
-}
-
-/// Who reports an outcome (issue 42): the caller's tenant, named in the trail of every change of
-/// health its report causes (`credential_events.actor` `tenant:<id>`, and `details.tenant`), and
-/// whether its report alone may take a credential out of traffic until an operator acts.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct Reporter {
-    /// The caller's tenant (`default` for the configured internal key).
-    pub tenant: String,
-    /// Whether its reports may disable a credential (`auth_error`) or rest it with no end
-    /// (`quota_exhausted` without a retry_after): the internal key, or a tenant with
-    /// `reports_may_disable`.
+    /// Whether the reporter's outcome may take the credential out of traffic until an operator
+    /// acts (`auth_error`, or `quota_exhausted` without a retry_after): the internal key, a
+    /// tenant with `reports_may_disable`, and the service's own releases (which report no
+    /// outcome). Issue 42: a tenant's report has bounded reach by default; the trail names the
+    /// tenant of the key the release presents.
     pub may_disable: bool,
-}
-
-impl Reporter {
-    /// The configured internal key (tenant `default`): full reach, as it always had. Also the
-    /// reporter of releases the service makes itself, which report no outcome.
-    pub fn internal() -> Self {
-        Self {
-            tenant: crate::domain::TenantId::default_tenant().to_string(),
-            may_disable: true,
-        }
-    }
 }
 
 /// What a release did.
@@ -620,7 +600,7 @@ pub async fn release_group(
                 "usage_tokens": r.usage_tokens,
                 "key_hash": r.caller.map(|hash| hash.to_hex()),
                 "retry_after_seconds": r.retry_after_seconds,
-                "may_disable": r.reporter.may_disable,
+                "may_disable": r.may_disable,
             })
         })
         .collect();

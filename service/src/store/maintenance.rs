@@ -130,22 +130,10 @@ pub async fn run_steps(
         .map_err(|e| sqlx::Error::Decode(Box::new(e)))
 }
 
-/// Runs the in-process scheduler until the pool closes, as task `maintenance` of `supervisor`: a
-/// pass every `interval`, logging what it did. Used only where pg_cron is not scheduled (each
-/// pass checks).
-pub fn spawn_scheduler(
-    db: Db,
-    interval: Duration,
-    retention: Duration,
-    supervisor: &crate::background::Supervisor,
-) -> tokio::task::JoinHandle<()> {
-    supervisor.spawn("maintenance", move || {
-        scheduler(db.clone(), interval, retention)
-    })
-}
-
-/// The scheduler's loop: a pass every `interval` until the pool closes.
-async fn scheduler(db: Db, interval: Duration, retention: Duration) {
+/// The in-process scheduler: a pass every `interval`, logging what it did, until the pool
+/// closes. Used only where pg_cron is not scheduled (each pass checks). The service runs it as
+/// the supervised background task `maintenance`.
+pub async fn scheduler(db: Db, interval: Duration, retention: Duration) {
     let mut ticker = tokio::time::interval(interval);
     ticker.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     loop {
