@@ -510,18 +510,7 @@ async fn late_reports_of_the_same_leases_in_opposite_orders_never_deadlock() {
     app.put_key("kb", "openai", "default", &["gpt-4o"], 1).await;
     let a = leased(&app, 600).await;
     let b = leased(&app, 600).await;
-    sqlx::query(
-        "UPDATE lease_slots SET granted_at = now() - interval '2 seconds',
-                lease_until = now() - interval '1 second'
-         WHERE lease_id IS NOT NULL",
-    )
-    .execute(&app.db)
-    .await
-    .unwrap();
-    sqlx::query("SELECT credpool_reap_expired_leases()")
-        .execute(&app.db)
-        .await
-        .unwrap();
+    crate::lease_state::expire_and_reap(&app).await;
     let report = |lease: &Value| {
         json!({"lease_id": lease["lease_id"], "key_id": lease["key_id"], "provider": "openai",
                "pool": "default", "fence": null, "outcome": "failure", "usage_tokens": null})

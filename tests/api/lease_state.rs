@@ -94,6 +94,23 @@ pub(crate) async fn deadlocks(app: &TestApp) -> i64 {
         .unwrap()
 }
 
+/// Ends every lease held in `app` as if it had run out a second ago, and lets the reaper take
+/// them out of their slots: their reports from now on are late.
+pub(crate) async fn expire_and_reap(app: &TestApp) {
+    sqlx::query(
+        "UPDATE lease_slots SET granted_at = now() - interval '2 seconds',
+                lease_until = now() - interval '1 second'
+         WHERE lease_id IS NOT NULL",
+    )
+    .execute(&app.db)
+    .await
+    .unwrap();
+    sqlx::query("SELECT credpool_reap_expired_leases()")
+        .execute(&app.db)
+        .await
+        .unwrap();
+}
+
 /// Holds a test hook closed (see `credpool_test_hook`) until [`Hook::open`].
 pub(crate) struct Hook {
     conn: PgConnection,

@@ -1251,7 +1251,13 @@ async fn an_expires_in_no_timestamp_can_hold_is_that_credentials_error_and_other
     .await
     .unwrap();
     assert!(failed >= 1);
-    // the process is ready, and no background task was restarted
+    // the process is ready, and its refresher never panicked (a panic is restarted within a
+    // second, so readiness alone would not show one)
     let ready = app.client.get(app.url("/readyz")).send().await.unwrap();
     assert_eq!(ready.status(), StatusCode::OK);
+    let restarts = sample(
+        &app.metrics().await,
+        r#"credpool_background_task_restarts_total{task="oauth_refresher"}"#,
+    );
+    assert_eq!(restarts, 0.0, "the refresher panicked and was restarted");
 }

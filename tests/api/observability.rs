@@ -350,7 +350,21 @@ async fn refused_allocations_of_pools_that_do_not_exist_add_no_series() {
     // process's, shared with the tests running beside this one: the check is on this test's own
     // random names, which no other test uses.
     let app = TestApp::spawn().await;
-    app.put_key("k", "openai", "default", &["gpt-4o"], 1).await;
+    // the pool that exists has a name of this test's own too
+    let existing = format!("r{}", hex::encode(rand::random::<[u8; 6]>()));
+    app.put_key("k", "openai", &existing, &["gpt-4o"], 1).await;
+    let refused = |page: &str| {
+        samples(page)
+            .into_iter()
+            .filter(|((name, labels), _)| {
+                name == telemetry::ALLOCATIONS
+                    && labels.get("result").map(String::as_str) == Some("pool_not_found")
+                    && labels.get("provider").map(String::as_str) == Some("")
+            })
+            .map(|(_, value)| value)
+            .sum::<f64>()
+    };
+    let before = refused(&app.metrics().await);
     let names: Vec<(String, String)> = (0..300)
         .map(|_| {
             let id = hex::encode(rand::random::<[u8; 6]>());
@@ -379,24 +393,17 @@ async fn refused_allocations_of_pools_that_do_not_exist_add_no_series() {
         named.len(),
         named.first()
     );
-    // they are counted, under empty provider and pool
-    let refused = samples(&page)
-        .into_iter()
-        .filter(|((name, labels), _)| {
-            name == telemetry::ALLOCATIONS
-                && labels.get("result").map(String::as_str) == Some("pool_not_found")
-                && labels.get("provider").map(String::as_str) == Some("")
-        })
-        .map(|(_, value)| value)
-        .sum::<f64>();
-    assert!(refused >= 300.0, "{refused}");
+    // they are counted, under empty provider and pool (others' refusals may add to the counter,
+    // never take from it)
+    let counted = refused(&page) - before;
+    assert!(counted >= 300.0, "{counted}");
     // a pool that exists keeps its labels
     let leased = app
-        .allocate(json!({"provider": "openai", "model": "gpt-4o"}))
+        .allocate(json!({"provider": "openai", "model": "gpt-4o", "pool": existing}))
         .await;
     json_body(leased, reqwest::StatusCode::OK).await;
     let full = app
-        .allocate(json!({"provider": "openai", "model": "gpt-4o"}))
+        .allocate(json!({"provider": "openai", "model": "gpt-4o", "pool": existing}))
         .await;
     assert_error(
         full,
@@ -409,10 +416,10 @@ async fn refused_allocations_of_pools_that_do_not_exist_add_no_series() {
         page.lines()
             .any(|l| l.starts_with("credpool_allocations_total{")
                 && l.contains("provider=\"openai\"")
-                && l.contains("pool=\"default\"")
+                && l.contains(&format!("pool=\"{existing}\""))
                 && l.contains("result=\"pool_exhausted\"")
                 && !l.ends_with(" 0")),
-        "no pool_exhausted series for openai/default"
+        "no pool_exhausted series for openai/{existing}"
     );
 }
 

@@ -13,7 +13,7 @@ use sqlx::{Executor, Row};
 use credpool_test_support::*;
 
 use crate::BIN;
-use crate::lease_state::{Hook, backend_pid, hooked, until_waiting};
+use crate::lease_state::{Hook, backend_pid, hooked, until_waiting, wait_for_lock_waiters};
 use crate::tenants::{admin, allocate, executor, lease_ref, mint, put_tenant, two_replicas};
 
 /// An allocate of `pool` for tenant key `key` reserving `tokens`.
@@ -344,7 +344,7 @@ async fn change_while_a_claim_is_in_flight(
     let pid = backend_pid(&mut conn).await;
     let claiming = paused_claim(conn, "ka", "a", &hash);
     until_waiting(&app, pid).await;
-    let putting = {
+    let mut putting = {
         let (client, base) = (app.client.clone(), base.clone());
         tokio::spawn(async move {
             admin(
@@ -360,30 +360,11 @@ async fn change_while_a_claim_is_in_flight(
         })
     };
     // the PUT waits for the tenant's lock, which the claim holds (shared) until it commits: a
-    // PUT that answers while the claim is paused did not wait, and the race this is for did
-    // not happen
-    let deadline = tokio::time::Instant::now() + Duration::from_secs(60);
-    loop {
-        let waiting: i64 = sqlx::query_scalar(
-            "SELECT count(*) FROM pg_stat_activity
-             WHERE datname = current_database() AND wait_event_type = 'Lock' AND pid <> $1",
-        )
-        .bind(pid)
-        .fetch_one(&app.db)
-        .await
-        .unwrap();
-        if waiting > 0 {
-            break;
-        }
-        assert!(
-            !putting.is_finished(),
-            "the PUT answered while a claim of the tenant was in flight"
-        );
-        assert!(
-            tokio::time::Instant::now() < deadline,
-            "the PUT never waited for the tenant's lock"
-        );
-        tokio::time::sleep(Duration::from_millis(5)).await;
+    // second backend waiting beside the paused claim. A PUT that answers first did not wait, and
+    // the race this is for did not happen.
+    tokio::select! {
+        () = wait_for_lock_waiters(&app, 2) => {}
+        _ = &mut putting => panic!("the PUT answered while a claim of the tenant was in flight"),
     }
     hook.open().await;
     let (key_id, _) = tokio::time::timeout(Duration::from_secs(30), claiming)
@@ -695,7 +676,7 @@ async fn a_window_set_on_a_busy_tenant_never_holds_its_claims_back_while_it_read
             .status()
         })
     };
-    crate::lease_state::wait_for_lock_waiters(&app, 1).await;
+    wait_for_lock_waiters(&app, 1).await;
     for n in 0..4 {
         let response = allocate(&app.client, &base, &key, "default").await;
         assert_eq!(

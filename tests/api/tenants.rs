@@ -616,31 +616,38 @@ async fn a_store_failure_reading_the_key_is_a_503_counted_as_store_unavailable()
     // A tenant key is read before anything else of the request (its body included); when that
     // read fails, the answer is 503 `store_unavailable`, never 401, and the allocations counter
     // says so too (under empty provider and pool: the body was never read). Before, it counted
-    // the 503 under `unauthorized`. (The counter is the process's, shared with the tests running
-    // beside this one: the check is that it grew.)
-    let app = TestApp::spawn().await;
-    let base = app.url("");
-    app.put_key("k", "openai", "default", &["gpt-4o"], 1).await;
-    put_tenant(&app.client, &base, "team", json!({})).await;
-    let (_, key) = mint(&app.client, &base, "team").await;
-    let before = allocations(&app.metrics().await, "", "store_unavailable");
+    // the 503 under `unauthorized`. A service process of its own, so that its counters count
+    // this request alone.
+    let database = TestDatabase::create().await;
+    let serve = ServeProcess::start(BIN, &keyed_env(&database), &[]).await;
+    let client = client();
+    let base = serve.base.clone();
+    put_tenant(&client, &base, "team", json!({})).await;
+    let (_, key) = mint(&client, &base, "team").await;
     // the key's table is gone for this database: reading any key fails
+    let db = database.pool(1).await;
     sqlx::query("ALTER TABLE tenant_keys RENAME TO tenant_keys_away")
-        .execute(&app.db)
+        .execute(&db)
         .await
         .unwrap();
     let body = json!({"provider": "openai", "model": "gpt-4o", "lease_seconds": 60});
     assert_error(
-        executor(&app.client, &base, "/api/internal/allocate-key", &key, body).await,
+        executor(&client, &base, "/api/internal/allocate-key", &key, body).await,
         StatusCode::SERVICE_UNAVAILABLE,
         "store_unavailable",
     )
     .await;
-    let after = allocations(&app.metrics().await, "", "store_unavailable");
-    assert!(
-        after > before,
-        "the 503 was not counted as store_unavailable"
-    );
+    let page = client
+        .get(format!("{base}/metrics"))
+        .send()
+        .await
+        .unwrap()
+        .text()
+        .await
+        .unwrap();
+    assert_eq!(allocations(&page, "", "store_unavailable"), 1.0, "{page}");
+    assert_eq!(allocations(&page, "", "unauthorized"), 0.0, "{page}");
+    assert!(serve.terminate().await.success());
 }
 
 #[tokio::test]
@@ -1565,6 +1572,21 @@ async fn a_tenant_key_outside_its_pools_gets_the_same_403_whether_the_pool_exist
     )
     .await;
     assert_eq!(other["key_id"], "anthropic-default");
+
+    // narrowing the pools ended nothing held: the openai/default lease still renews and releases
+    let mut renew = lease_ref(&lease);
+    renew["lease_seconds"] = json!(600);
+    let renewed = executor(&app.client, &base, "/api/internal/renew-lease", &key, renew).await;
+    json_body(renewed, StatusCode::OK).await;
+    let released = executor(
+        &app.client,
+        &base,
+        "/api/internal/release-key",
+        &key,
+        lease_ref(&lease),
+    )
+    .await;
+    assert_eq!(json_body(released, StatusCode::OK).await["released"], true);
 }
 
 #[tokio::test]

@@ -29,6 +29,22 @@ async fn trail_rows(db: &sqlx::PgPool) -> i64 {
         .unwrap()
 }
 
+/// Writes the trail of a finished lease `lease_id` of `key-a` three and a half days ahead (a
+/// day of its own), by hand.
+async fn finished_lease_days_ahead(db: &sqlx::PgPool, lease_id: &str) {
+    sqlx::query(
+        "INSERT INTO lease_events (event, lease_id, key_id, provider, pool, slot, lease_until, at)
+         SELECT e, $1::uuid, 'key-a', 'openai', 'default', 1,
+                date_trunc('day', now()) + interval '3 days 12 hours',
+                date_trunc('day', now()) + interval '3 days 12 hours'
+         FROM unnest(ARRAY['granted', 'released']) AS e",
+    )
+    .bind(lease_id)
+    .execute(db)
+    .await
+    .unwrap();
+}
+
 #[tokio::test]
 async fn the_trail_is_kept_in_days_made_a_week_ahead() {
     // Every grant needs a partition for its day: the maintenance pass keeps today and the next
@@ -86,16 +102,7 @@ async fn retention_drops_whole_days_but_never_one_holding_a_live_lease() {
         .await
         .unwrap();
     let held = lease(&app, 600).await;
-    sqlx::query(
-        "INSERT INTO lease_events (event, lease_id, key_id, provider, pool, slot, lease_until, at)
-         SELECT e, '0190aaaa-0000-7000-8000-000000000001', 'key-a', 'openai', 'default', 1,
-                date_trunc('day', now()) + interval '3 days 12 hours',
-                date_trunc('day', now()) + interval '3 days 12 hours'
-         FROM unnest(ARRAY['granted', 'released']) AS e",
-    )
-    .execute(&app.db)
-    .await
-    .unwrap();
+    finished_lease_days_ahead(&app.db, "0190aaaa-0000-7000-8000-000000000001").await;
     let rows = trail_rows(&app.db).await;
     let before = days(&app.db).await;
     let forty_days_on = "SELECT credpool_drop_trail_days('30 days', now() + interval '40 days')";
@@ -143,18 +150,7 @@ async fn a_late_report_retried_while_the_first_is_uncommitted_counts_once() {
     app.put_key("key-a", "openai", "default", &["gpt-4o"], 2)
         .await;
     let short = lease(&app, 1).await;
-    sqlx::query(
-        "UPDATE lease_slots SET granted_at = now() - interval '2 seconds',
-                lease_until = now() - interval '1 second'
-         WHERE lease_id IS NOT NULL",
-    )
-    .execute(&app.db)
-    .await
-    .unwrap();
-    sqlx::query("SELECT credpool_reap_expired_leases()")
-        .execute(&app.db)
-        .await
-        .unwrap();
+    crate::lease_state::expire_and_reap(&app).await;
     let report = json!([{"lease_id": short["lease_id"], "key_id": "key-a", "provider": "openai",
                          "pool": "default", "fence": null, "outcome": "failure",
                          "usage_tokens": null}]);
@@ -264,16 +260,7 @@ async fn retention_never_drops_a_day_the_continuous_proof_has_not_proven() {
         StatusCode::OK,
     )
     .await;
-    sqlx::query(
-        "INSERT INTO lease_events (event, lease_id, key_id, provider, pool, slot, lease_until, at)
-         SELECT e, '0190aaaa-0000-7000-8000-000000000004', 'key-a', 'openai', 'default', 1,
-                date_trunc('day', now()) + interval '3 days 12 hours',
-                date_trunc('day', now()) + interval '3 days 12 hours'
-         FROM unnest(ARRAY['granted', 'released']) AS e",
-    )
-    .execute(&app.db)
-    .await
-    .unwrap();
+    finished_lease_days_ahead(&app.db, "0190aaaa-0000-7000-8000-000000000004").await;
     sqlx::query("SELECT * FROM credpool_audit_advance('continuous', 1000)")
         .execute(&app.db)
         .await

@@ -340,6 +340,7 @@ async fn an_interrupted_proof_resumes_from_its_checkpoint_and_finds_what_a_whole
         }
     });
     let mut blocker = PgConnection::connect_with(&database.options).await.unwrap();
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(60);
     loop {
         let chunks: Option<i64> = sqlx::query_scalar(
             "SELECT min(chunks) FROM audit_checkpoints WHERE run = $1 AND proof = 'oversell'",
@@ -351,6 +352,15 @@ async fn an_interrupted_proof_resumes_from_its_checkpoint_and_finds_what_a_whole
         if chunks.unwrap_or(0) >= 3 {
             break;
         }
+        assert!(
+            !running.is_finished(),
+            "the run ended before its third chunk: {:?}",
+            running.await.unwrap()
+        );
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "the run never proved three chunks"
+        );
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
     let mut lock = blocker.begin().await.unwrap();
@@ -488,7 +498,10 @@ async fn the_continuous_proof_finds_an_oversell_written_after_its_checkpoint_and
             .await
             .unwrap();
             let page = metrics().await;
-            if proven.is_some_and(|p| p > last_grant) && lag(&page).is_finite() {
+            // the gauges are exported (a missing series samples as 0), the lag no longer +Inf
+            let exported = page.contains(r#"credpool_audit_proof_lag_seconds{proof="oversell"}"#)
+                && page.contains(r#"credpool_audit_violations{proof="oversell"}"#);
+            if proven.is_some_and(|p| p > last_grant) && exported && lag(&page).is_finite() {
                 return page;
             }
             tokio::time::sleep(Duration::from_millis(100)).await;
