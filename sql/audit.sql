@@ -463,7 +463,7 @@ CREATE TRIGGER tenant_events_append_only
 -- The tenant cap proof, from the trail alone: for every tenant with leases granted in
 -- [p_since, p_until), how many, the most it held at one moment, and every grant that left it
 -- holding more leases than its cap at that moment (`grants_over_cap`; the rule:
--- credpool_scope_lease_check, scope 'tenant'; the cap in force: credpool_tenant_cap_at). The
+-- credpool_scope_lease_check, scope 'tenant', which also finds the cap in force). The
 -- leases live at p_since are read from the day before it, as for credpool_oversell_check.
 CREATE OR REPLACE FUNCTION credpool_tenant_cap_check(p_since timestamptz, p_until timestamptz)
 RETURNS TABLE (tenant_id text, max_concurrent_leases integer, leases bigint, peak bigint,

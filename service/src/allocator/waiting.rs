@@ -4,8 +4,9 @@
 //! up. It waits without polling the database, but for one floor (below):
 //! - **Notifications.** `credpool_slot_freed` tells that a lease's slot was freed, from every
 //!   replica: an executor's release is announced by the process that released it, right after
-//!   its group committed (its own waiters are woken directly; [`Waits::released_here`]), and
-//!   force release, reaper and refit by a trigger on `lease_slots`, at commit.
+//!   its group committed (its own waiters are woken directly; [`Waits::released_here`]) when the
+//!   release said a request waits for its pool, and by a forced release itself (a NOTIFY that
+//!   goes out at its commit); a lease that runs out is met by the timers below.
 //!   `credpool_pool_changed` tells that a pool's version moved (a credential added, enabled,
 //!   raised, drained...). Each service process LISTENs on ONE connection of its own, opened the
 //!   first time an allocation waits (a pooler in transaction mode cannot carry LISTEN: there it
