@@ -223,8 +223,11 @@ $$;
 -- REFIT, in the cleanup pass: fits the slots of up to p_batch credentials that are over a lowered
 -- limit with fewer leases in flight than the limit (their releases normally refit them at once;
 -- this catches a service that stopped in between, and removes the surplus rows once their leases
--- have ended). Never waits: a credential whose slot rows or row another transaction holds is left
--- for the next pass (its rows within the limit reopen on their own meanwhile).
+-- have ended). Never waits for a slot or credential row: a credential whose slot rows or row
+-- another transaction holds is left for the next pass (its rows within the limit reopen on their
+-- own meanwhile). It may wait for the tenant slot rows of the leases it ends
+-- (credpool_lock_credentials, lock order 1b), which a claim holds until it commits: never for
+-- long, and never in a cycle, since a claim takes no slot or credential row it waits for.
 -- Returns how many credentials it fitted.
 CREATE OR REPLACE FUNCTION credpool_refit_over_limit(p_batch integer DEFAULT 100) RETURNS integer
 LANGUAGE plpgsql AS $$
