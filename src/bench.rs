@@ -1,5 +1,5 @@
 //! `credpool bench`: a load generator for sizing a deployment, and the side-by-side measurement
-//! of credpool against honest baselines on the same machine in the same run (issue 19).
+//! of credpool against honest baselines on the same machine in the same run.
 //!
 //! W simulated executors loop for D seconds (after an unmeasured warm-up): allocate, hold the
 //! lease H milliseconds, release it with the outcome `success`. The credpool mode drives a

@@ -1,5 +1,5 @@
 //! `--baseline redis`: the original article's Redis + Lua design, the other figure a user
-//! compares credpool with (issue 19).
+//! compares credpool with.
 //!
 //! The article's ALLOCATE and RELEASE scripts (`allocate.lua`, `release.lua`; their comments say
 //! where the article's text had to be filled in) run with EVALSHA (loaded once before the

@@ -1,4 +1,4 @@
-//! Server time per operation (issue 19): what each claim and release costs the database itself,
+//! Server time per operation: what each claim and release costs the database itself,
 //! apart from round trips and the client.
 //!
 //! From `pg_stat_statements` when the server has it loaded (it needs

@@ -1,5 +1,5 @@
-//! `--baseline sql`: the simplest correct allocator one would write by hand on PostgreSQL
-//! (issue 19), the figure a user compares credpool with.
+//! `--baseline sql`: the simplest correct allocator one would write by hand on PostgreSQL, the
+//! figure a user compares credpool with.
 //!
 //! Its own tables, in a throwaway schema the run creates and drops (`bench_baseline_{run}`; it
 //! never touches credpool's tables): `credentials` (id, provider, pool, status) and `slots`, one
@@ -25,10 +25,10 @@ use super::{Allocator, Claimed, PROVIDER, Plan};
 use credpool::domain::LeaseId;
 use credpool::store::Db;
 
-/// Candidates each claim passes, as in the issue.
+/// Candidates each claim passes: a window of the ranking, as an executor would pass it.
 pub(super) const CANDIDATES: usize = 20;
 
-/// The claim, exactly as issue 19 gives it: $1 the new lease_id, $2 the lease length, $3/$4 the
+/// The claim, as one would write it by hand: $1 the new lease_id, $2 the lease length, $3/$4 the
 /// provider and pool, $5 the ranked key ids, best first. Returns the key_id leased, or no row
 /// when no candidate had a free slot.
 pub(super) const CLAIM: &str = "UPDATE slots s SET lease_id = $1, lease_until = now() + $2, \
@@ -45,7 +45,7 @@ pub(super) const CLAIM: &str = "UPDATE slots s SET lease_id = $1, lease_until = 
      WHERE (s.key_id, s.slot) = (pick.key_id, pick.slot) \
      RETURNING s.key_id";
 
-/// The release, exactly as issue 19 gives it: frees the slot only when all four values match
+/// The release, as one would write it by hand: frees the slot only when all four values match
 /// (an expired lease whose slot was taken again no longer matches its lease_id).
 pub(super) const RELEASE: &str = "UPDATE slots SET lease_id = NULL, lease_until = NULL \
      WHERE lease_id = $1 AND key_id = $2 AND provider = $3 AND pool = $4";
@@ -124,7 +124,7 @@ pub(super) async fn drop(db: &Db, schema: &str) -> anyhow::Result<()> {
 }
 
 /// Connection options of the baseline's executors: the database's, with the baseline's schema
-/// first on the search path, so that the statements read exactly as the issue writes them.
+/// first on the search path, so that the statements read exactly as one would write them by hand.
 pub(super) fn connect_options(database: &PgConnectOptions, schema: &str) -> PgConnectOptions {
     database.clone().options([("search_path", schema)])
 }

@@ -4,7 +4,7 @@ use clap::Args;
 
 use credpool::config::{DatabaseArgs, SecretArgs, ServiceArgs};
 
-/// An allocator `credpool bench` can measure next to the service (issue 19: honest baselines).
+/// An allocator `credpool bench` can measure next to the service (an honest baseline).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
 pub enum BenchBaseline {
     /// The simplest correct allocator one would write by hand on PostgreSQL: one slot row per
