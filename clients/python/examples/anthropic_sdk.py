@@ -14,6 +14,7 @@ another provider endpoint than Anthropic's (scripts/run-examples points it at a 
 
 import asyncio
 import os
+import sys
 from typing import List
 
 import anthropic
@@ -60,9 +61,22 @@ async def ask(client: AsyncClient, sdk: anthropic.AsyncAnthropic, stream: bool) 
     print(f"released: {lease.released}")
 
 
+def internal_key() -> str:
+    """The executor key, from ``CREDPOOL_INTERNAL_KEY``; without it, says so and exits 2."""
+    key = os.environ.get("CREDPOOL_INTERNAL_KEY")
+    if not key:
+        print(
+            "CREDPOOL_INTERNAL_KEY is not set: export the executor key first "
+            '(`eval "$(credpool env)"` exports it for the embedded default)',
+            file=sys.stderr,
+        )
+        sys.exit(2)
+    return key
+
+
 async def main() -> None:
     url = os.environ.get("CREDPOOL_URL", "http://127.0.0.1:8080")
-    key = os.environ["CREDPOOL_INTERNAL_KEY"]
+    key = internal_key()
     sdk = anthropic.AsyncAnthropic(api_key="leased per call")
     async with AsyncClient(url, internal_key=key) as client:
         await ask(client, sdk, stream=False)

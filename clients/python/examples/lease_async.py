@@ -12,6 +12,7 @@ stand-in defined below: replace it with your SDK's.
 
 import asyncio
 import os
+import sys
 
 from credpool import AsyncClient, PoolExhausted
 
@@ -32,9 +33,22 @@ async def call_upstream(api_key: str) -> str:
     return "the upstream answered"
 
 
+def internal_key() -> str:
+    """The executor key, from ``CREDPOOL_INTERNAL_KEY``; without it, says so and exits 2."""
+    key = os.environ.get("CREDPOOL_INTERNAL_KEY")
+    if not key:
+        print(
+            "CREDPOOL_INTERNAL_KEY is not set: export the executor key first "
+            '(`eval "$(credpool env)"` exports it for the embedded default)',
+            file=sys.stderr,
+        )
+        sys.exit(2)
+    return key
+
+
 async def main() -> None:
     url = os.environ.get("CREDPOOL_URL", "http://127.0.0.1:8080")
-    key = os.environ["CREDPOOL_INTERNAL_KEY"]
+    key = internal_key()
     async with AsyncClient(url, internal_key=key) as client:
         try:
             async with client.lease(

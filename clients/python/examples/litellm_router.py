@@ -12,6 +12,7 @@ provider endpoint than OpenAI's (scripts/run-examples points it at a mock).
 
 import asyncio
 import os
+import sys
 
 import litellm
 from litellm.router import Router
@@ -21,10 +22,23 @@ from credpool.integrations.litellm import CredpoolLeases
 QUESTION = [{"role": "user", "content": "Say hello."}]
 
 
+def internal_key() -> str:
+    """The executor key, from ``CREDPOOL_INTERNAL_KEY``; without it, says so and exits 2."""
+    key = os.environ.get("CREDPOOL_INTERNAL_KEY")
+    if not key:
+        print(
+            "CREDPOOL_INTERNAL_KEY is not set: export the executor key first "
+            '(`eval "$(credpool env)"` exports it for the embedded default)',
+            file=sys.stderr,
+        )
+        sys.exit(2)
+    return key
+
+
 async def main() -> None:
-    # CREDPOOL_URL and CREDPOOL_INTERNAL_KEY from the environment; provider and model from
-    # each call (openai, gpt-4o)
-    leases = CredpoolLeases(holder="litellm-example")
+    # CREDPOOL_URL from the environment (default http://127.0.0.1:8080); provider and model
+    # from each call (openai, gpt-4o)
+    leases = CredpoolLeases(internal_key=internal_key(), holder="litellm-example")
     litellm.callbacks = [leases]
     router = Router(
         model_list=[
