@@ -44,7 +44,7 @@ $$;
 
 -- Whether credential `c`'s access token is still valid at `p_until` (the end of the lease a
 -- claim would grant): always for a credential that is not OAuth (token_expires_at NULL). An OAuth
--- credential whose token would expire first is passed over until its refresh lands (issue 28).
+-- credential whose token would expire first is passed over until its refresh lands.
 CREATE OR REPLACE FUNCTION credpool_token_lasts(c credentials, p_until timestamptz)
 RETURNS boolean
 LANGUAGE sql IMMUTABLE PARALLEL SAFE AS $$
@@ -139,7 +139,7 @@ BEGIN
 END;
 $$;
 
--- AFFINITY (issue 30): a grant's affinity result, for a claim that named `p_affinity_key`, whose
+-- AFFINITY: a grant's affinity result, for a claim that named `p_affinity_key`, whose
 -- live binding was `p_bound` (NULL: none), served by `p_key_id`: 'hit' (the bound credential
 -- served), 'moved' (another one did), 'new' (there was no live binding); NULL without an
 -- affinity key.
@@ -163,7 +163,7 @@ LANGUAGE sql IMMUTABLE PARALLEL SAFE AS $$
         'credpool.affinity:' || p_tenant || '/' || p_provider || '/' || p_pool || '/' || p_affinity_key, 0)
 $$;
 
--- FAIR SHARE (issue 29; docs/design.md "Fair share"): the tenant a waiting claim yields to, or
+-- FAIR SHARE (docs/design.md, "Fair share"): the tenant a waiting claim yields to, or
 -- NULL. A claim of an allocation that waits (wait_ms) for a slot of p_pool, for p_model, made for
 -- p_tenant whose request arrived at p_since, yields when another tenant waits for the same
 -- provider, pool and model (a live pool_waiters row: its wait not over, its process alive within

@@ -194,7 +194,7 @@ $$;
 -- slots. Correctness never depends on it (a claim treats an expired lease as free and reuses its
 -- slot); it keeps the trail complete and "leases in flight" honest. Takes slot rows with SKIP
 -- LOCKED, deciding on statement_timestamp(); END then takes the leases' tenant rows (lock order
--- 1b), which it may wait for while a claim that locked one commits (milliseconds). Leaves the rows within a lowered limit (over_limit, not
+-- 4), which it may wait for while a claim that locked one commits (milliseconds). Leaves the rows within a lowered limit (over_limit, not
 -- surplus) to claims and to REFIT: ended here, END would close them while a surplus row still
 -- holds its (expired) lease. Returns how many leases it ended.
 CREATE OR REPLACE FUNCTION credpool_reap_expired_leases(p_batch integer DEFAULT 1000) RETURNS integer
@@ -226,7 +226,7 @@ $$;
 -- have ended). Never waits for a slot or credential row: a credential whose slot rows or row
 -- another transaction holds is left for the next pass (its rows within the limit reopen on their
 -- own meanwhile). It may wait for the tenant slot rows of the leases it ends
--- (credpool_lock_credentials, lock order 1b), which a claim holds until it commits: never for
+-- (credpool_lock_credentials, lock order 4), which a claim holds until it commits: never for
 -- long, and never in a cycle, since a claim takes no slot or credential row it waits for.
 -- Returns how many credentials it fitted.
 CREATE OR REPLACE FUNCTION credpool_refit_over_limit(p_batch integer DEFAULT 100) RETURNS integer

@@ -30,7 +30,7 @@ $$;
 
 -- Locks the tenant_slots rows that hold the leases of slot rows `p_slots` (as the caller read
 -- them, under their locks: each names its row, `tenant_slot`), ascending (tenant_id, slot), in one
--- statement: lock order 1b, right after the slot rows. Leases of uncapped tenants (`default`
+-- statement: lock order 4, right after the slot rows. Leases of uncapped tenants (`default`
 -- among them) have no such row. Returns
 -- whether it locked any. PL/pgSQL with the settings of END, so that its plan is made once per
 -- session and probes tenant_slots by its primary key whoever calls first (an SQL function that
@@ -72,7 +72,7 @@ $$;
 --   * the tenant_slots rows of their leases, their lease_windows rows, then (unless
 --     p_credential_rows is false) the credential rows, FOR UPDATE, each kind in one statement.
 --     Without the credential rows, the caller takes them itself later in the lock order: RELEASE
---     takes its late reports' lease locks (lock order 3) before it takes them.
+--     takes its late reports' lease locks (lock order 7) before it takes them.
 -- Returns how many of the credentials exist.
 DROP FUNCTION IF EXISTS credpool_lock_credentials(text[]);
 DROP FUNCTION IF EXISTS credpool_lock_credentials(text[], boolean);

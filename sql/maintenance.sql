@@ -5,7 +5,7 @@
 -- credential (the refit, sql/fit.sql), so never against the key share lock that a claim's new
 -- affinity binding takes on the credential row of the slot it holds. It waits for a claim only
 -- where it ends leases or fits slot rows (the reaper's END, the refits): for the tenant slot rows
--- of those leases, which a claim may hold until it commits (milliseconds; lock order 1b,
+-- of those leases, which a claim may hold until it commits (milliseconds; lock order 4,
 -- docs/design.md). It works in bounded batches, returns how much it did, and doing it twice does
 -- nothing more the second time.
 --
@@ -209,7 +209,7 @@ LANGUAGE sql AS $$
     SELECT count(*)::integer FROM deleted
 $$;
 
--- AFFINITY (issue 30): deletes up to p_batch affinity bindings that have expired, then, while more
+-- AFFINITY: deletes up to p_batch affinity bindings that have expired, then, while more
 -- than the cap of live bindings remain, up to p_batch of the least recently hit ones, so the table
 -- stays bounded. The cap: p_cap, else the setting `credpool.affinity_max_bindings` (e.g.
 -- `ALTER DATABASE credpool SET credpool.affinity_max_bindings = 5000000`), else 1,000,000. Each

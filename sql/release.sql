@@ -44,7 +44,7 @@ $$;
 -- A lease of a capped tenant leaves its tenant slot row in the same call (the row's lock taken
 -- here, after the slot rows, unless the caller took it right after them, as RELEASE and
 -- credpool_lock_credentials do: a caller that holds a lease_windows or credentials row must have,
--- lock order 1b), so the tenant's cap frees with the credential's slot: a tenant slot row holds a
+-- lock order 4), so the tenant's cap frees with the credential's slot: a tenant slot row holds a
 -- lease exactly while the lease's slot row does (or until both have expired). A tenant slot row
 -- within a lowered cap that frees while a surplus row of its tenant still holds a lease becomes
 -- surplus too, for the credential's reason (FIT TENANT); the cleanup pass refits the tenant
@@ -339,7 +339,7 @@ AS $$
 $$;
 
 -- LOCK: the slot rows of the named leases, ascending (key_id, slot), in one statement: returned
--- as locked (their newest versions); their tenant slot rows right after (lock order 1b: END
+-- as locked (their newest versions); their tenant slot rows right after (lock order 4: END
 -- clears them), only when a lease has one; with a usage, the lease_windows rows of the
 -- credentials named with one, then the tenant_windows rows of those leases' tenants (whose
 -- advisory locks PARSE took).
@@ -464,7 +464,7 @@ $$;
 -- slot: granted with the values given, by its `granted` row) is recorded once as
 -- `outcome_after_expiry` and counts like a release's (after the ends, so a late report sees the
 -- `released` row of a release of the same lease in the same call). Each late report takes its
--- lease's advisory lock first, in ascending lease_id (lock order 3): two groups reporting the same
+-- lease's advisory lock first, in ascending lease_id (lock order 7): two groups reporting the same
 -- leases wait for each other in one order, and the second finds the first's row.
 CREATE OR REPLACE FUNCTION credpool_release_late(p_releases credpool_release[], p_now timestamptz)
 RETURNS credpool_release[]
@@ -522,7 +522,7 @@ BEGIN
 END;
 $$;
 
--- HEALTH: the credential rows of counted outcomes, locked (lock order 4: after the trail rows;
+-- HEALTH: the credential rows of counted outcomes, locked (lock order 8: after the trail rows;
 -- FOR UPDATE on the credentials whose slot rows an `auth_expired` report took, `p_reject_keys`,
 -- whose token write follows, FOR NO KEY UPDATE on the others, one row at a time, ascending, when
 -- the strengths differ), then each counted outcome applied in request order per credential
