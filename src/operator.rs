@@ -1,6 +1,8 @@
-//! The operator commands (`credpool keys`, `credpool leases`, `credpool pools`): the same
-//! library functions as the operator API, straight against the database (`DATABASE_URL` or the
-//! embedded default), with human-readable tables or `--json`.
+//! The operator commands (`credpool keys`, `credpool leases`, `credpool pools`, `credpool
+//! audit`, ...): the same library functions as the operator API, straight against the database
+//! (`DATABASE_URL` or the embedded default), with human-readable tables or `--json`. Each
+//! command family run alone does its listing: `keys` lists the credentials, `leases` the leases
+//! held, `audit` runs `verify`.
 
 use std::collections::HashSet;
 use std::io::Read;
@@ -16,7 +18,7 @@ use time::format_description::well_known::Rfc3339;
 
 use crate::config::{
     AuditArgs, AuditCommand, CliArgs, CronArgs, CronCommand, KeysArgs, KeysCommand, LeasesArgs,
-    LeasesCommand, MaintenanceRunArgs,
+    LeasesCommand, MaintenanceRunArgs, VerifyArgs,
 };
 use credpool::allocator::health::HealthPolicy;
 use credpool::allocator::windows::RateLimits;
@@ -27,7 +29,7 @@ use credpool::store::audit::{self, Run};
 use credpool::store::credentials::{
     self, Actor, CredentialInput, ListFilter, Patch, PatchOutcome, StateChange,
 };
-use credpool::store::maintenance;
+use credpool::store::{dashboard, maintenance};
 
 fn actor(cli: &CliArgs) -> anyhow::Result<Actor> {
     let name = match &cli.operator {
@@ -73,7 +75,12 @@ pub async fn keys(args: KeysArgs) -> anyhow::Result<()> {
     let cli = &args.cli;
     let actor = actor(cli)?;
     let policy = HealthPolicy::default();
-    match &args.command {
+    let command = args.command.clone().unwrap_or(KeysCommand::List {
+        provider: None,
+        pool: None,
+        status: None,
+    });
+    match &command {
         KeysCommand::Import { file } => {
             check_secret_config(&cli.secrets, &cli.db)?;
             let text = read_input(file)?;
@@ -289,9 +296,10 @@ async fn apply_patch(
 /// `credpool leases ...`.
 pub async fn leases(args: LeasesArgs) -> anyhow::Result<()> {
     let cli = &args.cli;
-    let actor = actor(cli)?;
-    match &args.command {
+    match args.command.as_ref().unwrap_or(&LeasesCommand::List) {
+        LeasesCommand::List => list_leases(cli).await,
         LeasesCommand::ReleaseAll { key_id, reason } => {
+            let actor = actor(cli)?;
             let key_id = KeyId::parse(key_id.clone()).map_err(anyhow::Error::msg)?;
             if reason.trim().is_empty() {
                 bail!("--reason must not be empty");
@@ -312,6 +320,95 @@ pub async fn leases(args: LeasesArgs) -> anyhow::Result<()> {
             .await
         }
     }
+}
+
+/// A lease as `credpool leases --json` prints it.
+#[derive(Debug, Serialize)]
+struct HeldLease {
+    lease_id: String,
+    key_id: String,
+    provider: String,
+    pool: String,
+    slot: i32,
+    holder: Option<String>,
+    granted_at: Option<String>,
+    lease_until: String,
+    probe: bool,
+    fence: Option<i64>,
+}
+
+/// `credpool leases` (`list`): the leases held now, oldest grant first (the dashboard's read, so
+/// at most its first [`dashboard::MAX_HELD_LEASES`]), and how many are held in all.
+async fn list_leases(cli: &CliArgs) -> anyhow::Result<()> {
+    with_database(cli, async |db| {
+        let (rows, _now) = dashboard::leases(&db.pool).await?;
+        let held: i64 = credentials::pools(&db.pool)
+            .await?
+            .iter()
+            .map(|p| p.in_flight)
+            .sum();
+        let format = |t: OffsetDateTime| t.format(&Rfc3339);
+        let leases = rows
+            .into_iter()
+            .filter(|r| !r.expired)
+            .map(|r| {
+                Ok(HeldLease {
+                    granted_at: r.granted_at.map(format).transpose()?,
+                    lease_until: format(r.lease_until)?,
+                    lease_id: r.lease_id,
+                    key_id: r.key_id,
+                    provider: r.provider,
+                    pool: r.pool,
+                    slot: r.slot,
+                    holder: r.holder,
+                    probe: r.probe,
+                    fence: r.fence,
+                })
+            })
+            .collect::<anyhow::Result<Vec<_>>>()?;
+        if cli.json {
+            return print_json(&serde_json::json!({"held": held, "leases": leases}));
+        }
+        if leases.is_empty() && held == 0 {
+            println!("held now: 0");
+            return Ok(());
+        }
+        let mut out = table(&[
+            "lease_id",
+            "key_id",
+            "provider",
+            "pool",
+            "slot",
+            "holder",
+            "granted at",
+            "lease until",
+            "fence",
+        ]);
+        for l in &leases {
+            out.add_row(vec![
+                l.lease_id.clone(),
+                l.key_id.clone(),
+                l.provider.clone(),
+                l.pool.clone(),
+                l.slot.to_string(),
+                l.holder.clone().unwrap_or_default(),
+                l.granted_at.clone().unwrap_or_default(),
+                l.lease_until.clone(),
+                l.fence.map(|f| f.to_string()).unwrap_or_default(),
+            ]);
+        }
+        println!("{out}");
+        if (leases.len() as i64) < held {
+            println!(
+                "held now: {held} (listed: the {} granted first)",
+                leases.len()
+            );
+        } else {
+            println!("held now: {held}");
+        }
+        Ok(())
+    })
+    .await
 }
 
 /// `credpool pools`.
@@ -359,13 +456,17 @@ pub async fn pools(cli: CliArgs) -> anyhow::Result<()> {
 /// limit or rate window, or over a tenant's cap or rate window.
 pub async fn audit(args: AuditArgs) -> anyhow::Result<ExitCode> {
     let cli = &args.cli;
-    match &args.command {
-        AuditCommand::Verify {
+    let command = match args.command.clone() {
+        Some(command) => command,
+        None => AuditCommand::Verify(VerifyArgs::defaults()?),
+    };
+    match &command {
+        AuditCommand::Verify(VerifyArgs {
             since,
             until,
             full,
             chunk_rows,
-        } => {
+        }) => {
             let parse = |label: &str,
                          text: &Option<String>|
              -> anyhow::Result<Option<OffsetDateTime>> {

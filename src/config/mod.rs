@@ -17,7 +17,7 @@ pub use bench::{BenchArgs, BenchBaseline, BenchCreateBy};
 pub use demo::DemoArgs;
 pub use operator::{
     AuditArgs, AuditCommand, CliArgs, CronArgs, CronCommand, EnvArgs, KeysArgs, KeysCommand,
-    LeasesArgs, LeasesCommand, MaintenanceRunArgs,
+    LeasesArgs, LeasesCommand, MaintenanceRunArgs, VerifyArgs,
 };
 
 /// credpool: leases upstream credentials to executors under per-credential concurrency limits.
@@ -58,13 +58,15 @@ pub enum Command {
     /// Run the service in-process and drive a simulated executor fleet against it, then print a
     /// summary (exits non-zero if any credential was ever leased beyond its limit).
     Demo(DemoArgs),
-    /// Manage credentials, straight in the database (DATABASE_URL or the embedded default).
+    /// Manage credentials, straight in the database (DATABASE_URL or the embedded default);
+    /// alone, lists them.
     Keys(KeysArgs),
-    /// Force-release leases, straight in the database.
+    /// List the leases held now, or force-release leases, straight in the database; alone,
+    /// lists them.
     Leases(LeasesArgs),
     /// Show every (provider, pool): credentials by status, slots, in-flight leases.
     Pools(CliArgs),
-    /// Questions answered from the audit trail.
+    /// Questions answered from the audit trail; alone, runs `verify` (the continuous proof).
     Audit(AuditArgs),
     /// Schedule the cleanup functions with pg_cron.
     Cron(CronArgs),

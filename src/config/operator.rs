@@ -14,9 +14,9 @@ pub struct AuditArgs {
     #[command(flatten)]
     pub cli: CliArgs,
 
-    /// What to ask.
+    /// What to ask; without one, `verify` with its defaults (the continuous proof).
     #[command(subcommand)]
-    pub command: AuditCommand,
+    pub command: Option<AuditCommand>,
 }
 
 /// The `credpool audit` subcommands.
@@ -28,21 +28,40 @@ pub enum AuditCommand {
     /// advances the continuous proof (which the maintenance pass keeps advancing) to the end of
     /// the trail and reports everything it has found; with one, proves that range. Either way
     /// in chunks, each committed as it goes: an interrupted run resumes where it stopped.
-    Verify {
-        /// Start of a range to prove, RFC 3339 (default with --until: 24 hours before it).
-        #[arg(long)]
-        since: Option<String>,
-        /// End of a range to prove, RFC 3339 (default with --since: the end of the trail).
-        #[arg(long)]
-        until: Option<String>,
-        /// Prove the whole trail again, from its oldest row, instead of the continuous proof.
-        #[arg(long, conflicts_with = "since")]
-        full: bool,
-        /// Trail rows per chunk: each chunk is one statement and one commit.
-        #[arg(long, env = "CREDPOOL_AUDIT_CHUNK_ROWS", default_value_t = 200_000,
-              value_parser = clap::value_parser!(u32).range(1..=100_000_000))]
-        chunk_rows: u32,
-    },
+    /// `credpool audit` alone runs this with its defaults.
+    Verify(VerifyArgs),
+}
+
+/// `credpool audit verify`'s settings.
+#[derive(Debug, Clone, Args)]
+pub struct VerifyArgs {
+    /// Start of a range to prove, RFC 3339 (default with --until: 24 hours before it).
+    #[arg(long)]
+    pub since: Option<String>,
+    /// End of a range to prove, RFC 3339 (default with --since: the end of the trail).
+    #[arg(long)]
+    pub until: Option<String>,
+    /// Prove the whole trail again, from its oldest row, instead of the continuous proof.
+    #[arg(long, conflicts_with = "since")]
+    pub full: bool,
+    /// Trail rows per chunk: each chunk is one statement and one commit.
+    #[arg(long, env = "CREDPOOL_AUDIT_CHUNK_ROWS", default_value_t = 200_000,
+          value_parser = clap::value_parser!(u32).range(1..=100_000_000))]
+    pub chunk_rows: u32,
+}
+
+impl VerifyArgs {
+    /// The settings of `credpool audit verify` given no flag: what `credpool audit` alone runs
+    /// (the defaults, and `CREDPOOL_AUDIT_CHUNK_ROWS` when it is set).
+    pub fn defaults() -> Result<Self, clap::Error> {
+        /// `verify` on its own, to read its defaults the way clap reads them.
+        #[derive(clap::Parser)]
+        struct Verify {
+            #[command(flatten)]
+            args: VerifyArgs,
+        }
+        <Verify as clap::Parser>::try_parse_from(["verify"]).map(|v| v.args)
+    }
 }
 
 /// `credpool cron ...`.
@@ -137,9 +156,9 @@ pub struct KeysArgs {
     #[command(flatten)]
     pub cli: CliArgs,
 
-    /// What to do.
+    /// What to do; without one, `list` every credential.
     #[command(subcommand)]
-    pub command: KeysCommand,
+    pub command: Option<KeysCommand>,
 }
 
 /// The `credpool keys` subcommands.
@@ -152,7 +171,7 @@ pub enum KeysCommand {
         /// The file, or `-`.
         file: PathBuf,
     },
-    /// List credentials.
+    /// List credentials (`credpool keys` alone lists them all).
     List {
         /// Only this provider.
         #[arg(long)]
@@ -211,14 +230,17 @@ pub struct LeasesArgs {
     #[command(flatten)]
     pub cli: CliArgs,
 
-    /// What to do.
+    /// What to do; without one, `list` the leases held now.
     #[command(subcommand)]
-    pub command: LeasesCommand,
+    pub command: Option<LeasesCommand>,
 }
 
 /// The `credpool leases` subcommands.
 #[derive(Debug, Clone, Subcommand)]
 pub enum LeasesCommand {
+    /// List the leases held now (unexpired), oldest grant first: at most the first
+    /// 200, with the count of every lease held.
+    List,
     /// Force-release every in-flight lease of a credential.
     ReleaseAll {
         /// The credential.

@@ -207,6 +207,153 @@ async fn the_cli_imports_lists_changes_releases_and_removes_credentials() {
     );
 }
 
+/// Imports `entries` through `credpool keys import -`.
+async fn import(database: &TestDatabase, entries: &[String]) {
+    let out = credpool(
+        database,
+        MASTER_KEY,
+        None,
+        &["keys", "import", "-"],
+        Some(&entries.join("\n")),
+    )
+    .await;
+    assert!(out.success, "{}", out.stderr);
+}
+
+#[tokio::test]
+async fn bare_keys_lists_every_credential() {
+    // before, `credpool keys` alone printed its help and exited 2
+    let database = TestDatabase::create().await;
+    import(
+        &database,
+        &[entry("bare-a", "default", 2), entry("bare-b", "vip", 1)],
+    )
+    .await;
+    let out = credpool(&database, MASTER_KEY, None, &["keys"], None).await;
+    assert!(out.success, "{}", out.stderr);
+    for said in ["key_id", "bare-a", "bare-b", "0 / 2", "0 / 1"] {
+        assert!(
+            out.stdout.contains(said),
+            "{said:?} missing from {}",
+            out.stdout
+        );
+    }
+    let out = credpool(&database, MASTER_KEY, None, &["keys", "--json"], None).await;
+    assert!(out.success, "{}", out.stderr);
+    let keys: Vec<Value> = serde_json::from_str(&out.stdout).unwrap();
+    let ids: Vec<&str> = keys.iter().map(|k| k["key_id"].as_str().unwrap()).collect();
+    assert_eq!(ids, ["bare-a", "bare-b"]);
+}
+
+#[tokio::test]
+async fn bare_leases_lists_the_leases_held_now() {
+    // before, `credpool leases` alone printed its help and exited 2 (and no command listed leases)
+    let database = TestDatabase::create().await;
+    import(&database, &[entry("held-a", "default", 2)]).await;
+    let app_pool = credpool::store::connect_lazy(
+        database.options.clone(),
+        &credpool::store::PoolSettings {
+            max_connections: 4,
+            acquire_timeout: Duration::from_secs(5),
+        },
+    );
+    let (addr, _stop) = serve(app_pool, &AppOptions::default()).await;
+    let mut leases = Vec::new();
+    for holder in ["worker-1", "worker-2"] {
+        let lease = post_json(
+            &client(),
+            &format!("http://{addr}/api/internal/allocate-key"),
+            ("x-internal-key", INTERNAL_KEY),
+            json!({"provider": "openai", "model": "gpt-4o", "lease_seconds": 600,
+                   "holder": holder}),
+        )
+        .await;
+        leases.push(json_body(lease, StatusCode::OK).await);
+    }
+    // a lease released is no longer listed
+    let gone = &leases[1];
+    let released = post_json(
+        &client(),
+        &format!("http://{addr}/api/internal/release-key"),
+        ("x-internal-key", INTERNAL_KEY),
+        json!({"provider": gone["provider"], "pool": gone["pool"], "key_id": gone["key_id"],
+               "lease_id": gone["lease_id"], "outcome": "success"}),
+    )
+    .await;
+    assert_eq!(json_body(released, StatusCode::OK).await["released"], true);
+    let held = leases[0]["lease_id"].as_str().unwrap().replace('-', "");
+    let gone = gone["lease_id"].as_str().unwrap().replace('-', "");
+
+    let out = credpool(&database, MASTER_KEY, None, &["leases"], None).await;
+    assert!(out.success, "{}", out.stderr);
+    for said in [
+        "lease_id",
+        held.as_str(),
+        "held-a",
+        "worker-1",
+        "held now: 1",
+    ] {
+        assert!(
+            out.stdout.contains(said),
+            "{said:?} missing from {}",
+            out.stdout
+        );
+    }
+    assert!(!out.stdout.contains(&gone), "{}", out.stdout);
+    assert!(!out.stdout.contains("worker-2"), "{}", out.stdout);
+    let out = credpool(&database, MASTER_KEY, None, &["leases", "--json"], None).await;
+    assert!(out.success, "{}", out.stderr);
+    let listed: Value = serde_json::from_str(&out.stdout).unwrap();
+    assert_eq!(listed["held"], 1, "{listed}");
+    assert_eq!(listed["leases"].as_array().unwrap().len(), 1, "{listed}");
+    assert_eq!(listed["leases"][0]["lease_id"], held.as_str(), "{listed}");
+    assert_eq!(listed["leases"][0]["holder"], "worker-1", "{listed}");
+    assert!(!out.stdout.contains("sk-cli"), "{}", out.stdout);
+}
+
+#[tokio::test]
+async fn bare_audit_runs_the_continuous_proof() {
+    // before, `credpool audit` alone printed its help and exited 2; now it is `audit verify`
+    let database = TestDatabase::create().await;
+    import(&database, &[entry("proof-a", "default", 1)]).await;
+    let app_pool = credpool::store::connect_lazy(
+        database.options.clone(),
+        &credpool::store::PoolSettings {
+            max_connections: 4,
+            acquire_timeout: Duration::from_secs(5),
+        },
+    );
+    let (addr, _stop) = serve(app_pool, &AppOptions::default()).await;
+    let lease = post_json(
+        &client(),
+        &format!("http://{addr}/api/internal/allocate-key"),
+        ("x-internal-key", INTERNAL_KEY),
+        json!({"provider": "openai", "model": "gpt-4o", "lease_seconds": 600}),
+    )
+    .await;
+    json_body(lease, StatusCode::OK).await;
+
+    let out = credpool(&database, MASTER_KEY, None, &["audit"], None).await;
+    assert!(out.success, "{}", out.stderr);
+    for said in [
+        "proof-a",
+        "no grant ever exceeded a limit",
+        "continuous proof: every grant from",
+    ] {
+        assert!(
+            out.stdout.contains(said),
+            "{said:?} missing from {}",
+            out.stdout
+        );
+    }
+    let out = credpool(&database, MASTER_KEY, None, &["audit", "--json"], None).await;
+    assert!(out.success, "{}", out.stderr);
+    let report: Value = serde_json::from_str(&out.stdout).unwrap();
+    assert_eq!(report["run"], "continuous", "{report}");
+    assert_eq!(report["grants_over_limit"], 0, "{report}");
+    assert_eq!(report["credentials"][0]["key_id"], "proof-a", "{report}");
+}
+
 #[tokio::test]
 async fn the_maintenance_command_reports_every_step_of_the_pass() {
     // One step with work to do that the report left out before: a request id whose lease ended
