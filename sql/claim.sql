@@ -1111,7 +1111,9 @@ BEGIN
 END;
 $$;
 
--- ANSWERS: one row per claim, in claim order (the columns of credpool_claim). Nothing granted:
+-- ANSWERS: one row per claim, in claim order (the columns of credpool_claim); its words are those
+-- of the enum types credpool_claim_state, credpool_held_by and credpool_affinity_answer, through
+-- which they are cast (a new word must join its type, and the service's decoder). Nothing granted:
 -- when may a candidate serve it, read now? A candidate whose slot or window row another
 -- transaction held (a concurrent claim, the reaper, an operator's change) was passed over
 -- without knowing what that transaction leaves: if, read now, one may serve at once, the claim
@@ -1132,24 +1134,24 @@ BEGIN
     RETURN QUERY
     SELECT o.n, o.pool_version, (g.s).key_id, (g.s).lease_id, (g.s).pool, (g.s).granted_at,
            (g.s).lease_until, (g.s).probe, g.provider_model, g.secret, g.pruned, (g.s).fence,
-           CASE WHEN o.request IS NOT NULL THEN o.request
-                WHEN o.cap_full OR o.window_full THEN 'tenant_limit'
-                WHEN g.n IS NULL AND f.at <= p_now THEN 'busy' END,
+           (CASE WHEN o.request IS NOT NULL THEN o.request
+                 WHEN o.cap_full OR o.window_full THEN 'tenant_limit'
+                 WHEN g.n IS NULL AND f.at <= p_now THEN 'busy' END)::credpool_claim_state::text,
            CASE WHEN o.window_full AND o.window_frees IS NULL THEN NULL
                 WHEN o.cap_full OR o.window_full
                     THEN greatest(CASE WHEN o.cap_full THEN o.cap_frees END,
                                   CASE WHEN o.window_full THEN o.window_frees END)
                 ELSE f.at END,
-           CASE WHEN o.window_full
-                     AND (o.window_frees IS NULL OR NOT o.cap_full
-                          OR o.window_frees > o.cap_frees) THEN 'tenant_window'
-                WHEN o.cap_full THEN 'tenant' ELSE f.held_by END,
+           (CASE WHEN o.window_full
+                      AND (o.window_frees IS NULL OR NOT o.cap_full
+                           OR o.window_frees > o.cap_frees) THEN 'tenant_window'
+                 WHEN o.cap_full THEN 'tenant' ELSE f.held_by END)::credpool_held_by::text,
            coalesce((g.s).tenant, o.tenant), p_now,
            -- AFFINITY: the grant's result (a replay says none); a strict claim confined to its
            -- bound credential that granted nothing: 'bound'
-           CASE WHEN g.n IS NOT NULL AND o.request IS NULL
-                THEN credpool_affinity_result(o.affinity_key, o.bound, (g.s).key_id)
-                WHEN g.n IS NULL AND o.bound_only THEN 'bound' END,
+           (CASE WHEN g.n IS NOT NULL AND o.request IS NULL
+                 THEN credpool_affinity_result(o.affinity_key, o.bound, (g.s).key_id)
+                 WHEN g.n IS NULL AND o.bound_only THEN 'bound' END)::credpool_affinity_answer::text,
            o.yield_to
     FROM unnest(p_claims) AS o
     LEFT JOIN unnest(p_grants) AS g ON g.n = o.n

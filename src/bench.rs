@@ -47,13 +47,13 @@ use crate::config::{BenchArgs, BenchBaseline};
 use credpool::allocator::health::HealthPolicy;
 use credpool::database::Database;
 use credpool::domain::{
-    Holder, KeyId, LeaseId, LeaseSeconds, ModelName, Outcome, PoolName, ProviderName, Secret,
+    Holder, KeyId, LeaseSeconds, ModelName, Outcome, PoolName, ProviderName, Secret,
     Status, TenantId, TenantKey,
 };
 use credpool::http::ApiKeys;
 use credpool::startup::Application;
 use credpool::store::credentials::{self, Actor, CredentialSpec};
-use credpool::store::leases::{self, ClaimRequest, GrantedLease, LeaseRef, ReleaseRequest};
+use credpool::store::leases::{self, Claim, GrantedLease, LeaseRef, ReleaseRequest};
 use credpool::store::{Conn, Db, audit, tenants};
 
 use server_time::ServerTime;
@@ -960,23 +960,19 @@ impl Allocator for UnbatchedAllocator {
         let ranked: Vec<KeyId> = plan.window(UNBATCHED_CANDIDATES).cloned().collect();
         let lease_seconds =
             LeaseSeconds::parse(u64::from(plan.lease_seconds), u32::MAX).expect("at least 1 s");
-        let claim = ClaimRequest {
-            ranked: &ranked,
-            provider: &self.provider,
-            pool: &plan.pool,
-            model: &self.model,
-            lease_id: LeaseId::generate(),
-            holder: Some(&self.holder),
-            lease_seconds,
-            request: None,
-            tokens: 0,
-            caller: None,
-            affinity: None,
-            waiting: None,
+        let claim = Claim {
+            holder: Some(self.holder.clone()),
             windowed: Some(false),
+            ..Claim::new(
+                ranked,
+                self.provider.clone(),
+                plan.pool.clone(),
+                self.model.clone(),
+                lease_seconds,
+            )
         };
         match leases::claim_slot(&mut self.conn, &claim).await {
-            Ok(result) => match result.granted {
+            Ok(answer) => match answer.outcome.into_lease() {
                 Some(granted) => {
                     self.lease = Some(granted);
                     Claimed::Leased

@@ -4,6 +4,8 @@
 use std::fmt;
 use std::time::Duration;
 
+use credpool_protocol::ErrorCode;
+
 /// Everything a call to credpool can fail with.
 ///
 /// API errors carry one variant per stable error code of the executor API (the HTTP status and
@@ -132,32 +134,33 @@ impl Error {
     /// The API's stable error code (`"pool_exhausted"`, ...), or `None` for errors that did not
     /// come from a credpool error body (transport, malformed answers, configuration).
     pub fn code(&self) -> Option<&str> {
-        Some(match self {
-            Error::InvalidRequest { .. } => "invalid_request",
-            Error::Unauthorized => "unauthorized",
-            Error::Forbidden => "forbidden",
-            Error::PoolNotAllowed => "pool_not_allowed",
-            Error::PoolNotFound => "pool_not_found",
-            Error::ModelNotSupported => "model_not_supported",
-            Error::NoUsableCredentials => "no_usable_credentials",
-            Error::RequestIdConflict => "request_id_conflict",
-            Error::TokensExceedBudget => "tokens_exceed_budget",
-            Error::LeaseLost => "lease_lost",
-            Error::PayloadTooLarge => "payload_too_large",
-            Error::UnsupportedMediaType => "unsupported_media_type",
-            Error::PoolExhausted { .. } => "pool_exhausted",
-            Error::TenantLimit { .. } => "tenant_limit",
-            Error::Internal { .. } => "internal_error",
-            Error::StoreUnavailable => "store_unavailable",
-            Error::RouteNotFound => "route_not_found",
-            Error::MethodNotAllowed => "method_not_allowed",
-            Error::Api { code, .. } => code,
+        let code = match self {
+            Error::InvalidRequest { .. } => ErrorCode::InvalidRequest,
+            Error::Unauthorized => ErrorCode::Unauthorized,
+            Error::Forbidden => ErrorCode::Forbidden,
+            Error::PoolNotAllowed => ErrorCode::PoolNotAllowed,
+            Error::PoolNotFound => ErrorCode::PoolNotFound,
+            Error::ModelNotSupported => ErrorCode::ModelNotSupported,
+            Error::NoUsableCredentials => ErrorCode::NoUsableCredentials,
+            Error::RequestIdConflict => ErrorCode::RequestIdConflict,
+            Error::TokensExceedBudget => ErrorCode::TokensExceedBudget,
+            Error::LeaseLost => ErrorCode::LeaseLost,
+            Error::PayloadTooLarge => ErrorCode::PayloadTooLarge,
+            Error::UnsupportedMediaType => ErrorCode::UnsupportedMediaType,
+            Error::PoolExhausted { .. } => ErrorCode::PoolExhausted,
+            Error::TenantLimit { .. } => ErrorCode::TenantLimit,
+            Error::Internal { .. } => ErrorCode::InternalError,
+            Error::StoreUnavailable => ErrorCode::StoreUnavailable,
+            Error::RouteNotFound => ErrorCode::RouteNotFound,
+            Error::MethodNotAllowed => ErrorCode::MethodNotAllowed,
+            Error::Api { code, .. } => return Some(code),
             Error::Transport(_)
             | Error::UnexpectedResponse { .. }
             | Error::InvalidConfig { .. } => {
                 return None;
             }
-        })
+        };
+        Some(code.as_str())
     }
 
     /// True when the same call may succeed if made again later: [`Error::PoolExhausted`] (after
@@ -298,34 +301,45 @@ pub(crate) fn from_answer(
                 .into(),
         };
     };
-    match code.as_str() {
-        "invalid_request" => Error::InvalidRequest {
+    match ErrorCode::parse(&code) {
+        Some(ErrorCode::InvalidRequest) => Error::InvalidRequest {
             message: scrub(message),
         },
-        "unauthorized" => Error::Unauthorized,
-        "forbidden" => Error::Forbidden,
-        "pool_not_allowed" => Error::PoolNotAllowed,
-        "pool_not_found" => Error::PoolNotFound,
-        "model_not_supported" => Error::ModelNotSupported,
-        "no_usable_credentials" => Error::NoUsableCredentials,
-        "request_id_conflict" => Error::RequestIdConflict,
-        "tokens_exceed_budget" => Error::TokensExceedBudget,
-        "lease_lost" => Error::LeaseLost,
-        "payload_too_large" => Error::PayloadTooLarge,
-        "unsupported_media_type" => Error::UnsupportedMediaType,
-        "pool_exhausted" => Error::PoolExhausted {
+        Some(ErrorCode::Unauthorized) => Error::Unauthorized,
+        Some(ErrorCode::Forbidden) => Error::Forbidden,
+        Some(ErrorCode::PoolNotAllowed) => Error::PoolNotAllowed,
+        Some(ErrorCode::PoolNotFound) => Error::PoolNotFound,
+        Some(ErrorCode::ModelNotSupported) => Error::ModelNotSupported,
+        Some(ErrorCode::NoUsableCredentials) => Error::NoUsableCredentials,
+        Some(ErrorCode::RequestIdConflict) => Error::RequestIdConflict,
+        Some(ErrorCode::TokensExceedBudget) => Error::TokensExceedBudget,
+        Some(ErrorCode::LeaseLost) => Error::LeaseLost,
+        Some(ErrorCode::PayloadTooLarge) => Error::PayloadTooLarge,
+        Some(ErrorCode::UnsupportedMediaType) => Error::UnsupportedMediaType,
+        Some(ErrorCode::PoolExhausted) => Error::PoolExhausted {
             retry_after: crate::wire::retry_after(retry_after),
         },
-        "tenant_limit" => Error::TenantLimit {
+        Some(ErrorCode::TenantLimit) => Error::TenantLimit {
             retry_after: crate::wire::retry_after(retry_after),
         },
-        "internal_error" => Error::Internal {
+        Some(ErrorCode::InternalError) => Error::Internal {
             message: scrub(message),
         },
-        "store_unavailable" => Error::StoreUnavailable,
-        "route_not_found" => Error::RouteNotFound,
-        "method_not_allowed" => Error::MethodNotAllowed,
-        _ => Error::Api {
+        Some(ErrorCode::StoreUnavailable) => Error::StoreUnavailable,
+        Some(ErrorCode::RouteNotFound) => Error::RouteNotFound,
+        Some(ErrorCode::MethodNotAllowed) => Error::MethodNotAllowed,
+        // the operator routes' codes, the probes', and a newer server's: passed on as they came
+        Some(
+            ErrorCode::TokenUrlNotAllowed
+            | ErrorCode::CredentialNotFound
+            | ErrorCode::TenantNotFound
+            | ErrorCode::TenantKeyNotFound
+            | ErrorCode::TenantInUse
+            | ErrorCode::GenerationMoved
+            | ErrorCode::NotReady
+            | ErrorCode::ShuttingDown,
+        )
+        | None => Error::Api {
             status,
             code: scrub(code),
             message: scrub(message),
@@ -406,6 +420,15 @@ mod tests {
             Duration::from_secs(1)
         );
         assert_eq!(of(None), Duration::from_secs(1));
+    }
+
+    #[test]
+    fn every_code_of_the_api_reads_back_as_itself() {
+        for &code in ErrorCode::ALL {
+            let body = format!(r#"{{"error":{{"code":"{code}","message":"m"}}}}"#);
+            let error = from_answer(code.status(), Some("1"), body.as_bytes(), |m| m);
+            assert_eq!(error.code(), Some(code.as_str()), "{error:?}");
+        }
     }
 
     #[test]

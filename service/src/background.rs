@@ -1,4 +1,4 @@
-//! Supervised background tasks (issue 42): the loops a service process runs besides its requests
+//! Supervised background tasks: the loops a service process runs besides its requests
 //! (the OAuth refresher, the candidate views' refresh, the group workers, the waiters' listener,
 //! liveness and announcements, the cleanup scheduler, the metrics sampler) cannot die silently.
 //!

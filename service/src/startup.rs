@@ -24,6 +24,7 @@ use crate::http::server::HttpLimits;
 use crate::http::{self, ApiKeys, AppState, Shared, ShuttingDown};
 use crate::secrets::{Keyring, MasterKey};
 use crate::store::{self, credentials::Actor};
+use crate::telemetry;
 
 /// A pool nobody allocated from for this long drops out of the periodic view refresh.
 const VIEW_FORGET_AFTER: std::time::Duration = std::time::Duration::from_secs(600);
@@ -103,7 +104,7 @@ impl Application {
         )
         .spawn(state.downgrade(), &background);
         // the pools there are now: their series exist (at zero) from the first scrape on
-        crate::telemetry::sample_pools(&state.db).await;
+        sample_pools(&state.db).await;
         Ok(Self {
             listener,
             state,
@@ -543,7 +544,7 @@ async fn serve_on(
             move || store::maintenance::scheduler(db.clone(), maintenance_every, retention)
         }),
         app.supervisor().spawn("metrics_sampler", move || {
-            crate::telemetry::sampler(db.clone(), sample_every)
+            sample_metrics(db.clone(), sample_every)
         }),
     ];
     // the caller closes the pool and the embedded database after this returns
@@ -570,6 +571,74 @@ pub async fn migrate(args: crate::config::DatabaseArgs) -> anyhow::Result<()> {
     println!("credpool: migrations applied");
     database.close().await;
     Ok(())
+}
+
+/// Reads every pool's figures from PostgreSQL once and sets the per-pool gauges
+/// ([`telemetry::pool_sampled`]); `credpool_store_up` says whether it could. A failed sample
+/// keeps the previous values.
+pub async fn sample_pools(db: &store::Db) -> bool {
+    match store::credentials::pools(db).await {
+        Ok(pools) => {
+            for p in &pools {
+                telemetry::pool_sampled(telemetry::PoolFigures {
+                    provider: &p.provider,
+                    pool: &p.pool,
+                    in_flight: p.in_flight,
+                    total_slots: p.total_slots,
+                    cooling_down: p.cooling_down,
+                    draining: p.draining,
+                    oauth_expires_in_seconds: p.oauth_expires_in_seconds,
+                    by_status: &p.by_status,
+                });
+            }
+            telemetry::store_up(true);
+            true
+        }
+        Err(error) => {
+            tracing::debug!(error = %error, "metrics sample failed");
+            telemetry::store_up(false);
+            false
+        }
+    }
+}
+
+/// Reads where the continuous proof of the audit trail stands and sets its gauges
+/// ([`telemetry::audit_checkpoint`]: seconds behind the database clock, violations found); a
+/// failed read keeps the previous values (and [`sample_pools`] reports the store down).
+async fn sample_audit(db: &store::Db) {
+    use store::audit::{self, Run};
+    let read = async {
+        let mut work = db.work().await?;
+        let checkpoints = audit::checkpoints(&mut *work, &Run::Continuous).await?;
+        let now = audit::database_now(&mut *work).await?;
+        work.done().await?;
+        Ok::<_, sqlx::Error>((checkpoints, now))
+    };
+    match read.await {
+        Ok((checkpoints, now)) => {
+            for c in checkpoints {
+                let lag = (now - c.proven_until).as_seconds_f64();
+                telemetry::audit_checkpoint(&c.proof, lag, c.violations);
+            }
+        }
+        Err(error) => tracing::debug!(error = %error, "audit sample failed"),
+    }
+}
+
+/// Samples the per-pool gauges and the continuous proof's from PostgreSQL every `interval` (not
+/// per scrape), until the pool closes ([`sample_pools`], `sample_audit`). The service runs it
+/// as the supervised background task `metrics_sampler`.
+async fn sample_metrics(db: store::Db, interval: Duration) {
+    let mut ticker = tokio::time::interval(interval);
+    ticker.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    loop {
+        ticker.tick().await;
+        if db.pool().is_closed() {
+            return;
+        }
+        sample_pools(&db).await;
+        sample_audit(&db).await;
+    }
 }
 
 #[cfg(test)]

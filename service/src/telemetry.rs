@@ -8,9 +8,10 @@
 //! an alert on the second never fires for the first.
 
 use std::sync::OnceLock;
+
+use credpool_protocol::ErrorCode;
 use std::time::Duration;
 
-use crate::store::Db;
 use metrics::{
     Unit, counter, describe_counter, describe_gauge, describe_histogram, gauge, histogram,
 };
@@ -20,7 +21,7 @@ use metrics_exporter_prometheus::{Matcher, PrometheusBuilder, PrometheusHandle};
 /// leased) and `result`: [`ALLOCATION_RESULTS`] for requests that reached the allocator,
 /// [`REFUSED_RESULTS`] (with empty provider and pool) for those refused before. A refused
 /// request's provider and pool are labels only when the pool exists (this process's view of it
-/// has credentials); otherwise both are empty, so no request can add series (issue 42).
+/// has credentials); otherwise both are empty, so no request can add series.
 pub const ALLOCATIONS: &str = "credpool_allocations_total";
 /// Allocate requests by the caller's `tenant` (a configured tenant: bounded) and `result` (as
 /// [`ALLOCATIONS`]).
@@ -105,7 +106,7 @@ pub const HTTP_CONNECTIONS_DROPPED: &str = "credpool_http_connections_dropped_to
 pub const HTTP_DROP_REASONS: [&str; 3] = ["header_timeout", "idle_timeout", "evicted"];
 
 /// Seconds the continuous proof of the audit trail is behind, per `proof`
-/// ([`crate::store::audit::PROOFS`]): now minus the moment up to which it has judged every grant
+/// ([`crate::domain::AUDIT_PROOFS`]): now minus the moment up to which it has judged every grant
 /// (sampled; +Inf before its first chunk).
 pub const AUDIT_PROOF_LAG: &str = "credpool_audit_proof_lag_seconds";
 /// Grants the continuous proof has found breaking its rule since it began, per `proof` (sampled):
@@ -135,15 +136,15 @@ pub const VERSION: &str = concat!(
 /// the code of the error it answered with.
 pub const ALLOCATION_RESULTS: [&str; 10] = [
     "leased",
-    "pool_exhausted",
-    "tenant_limit",
-    "model_not_supported",
-    "no_usable_credentials",
-    "pool_not_found",
-    "request_id_conflict",
-    "tokens_exceed_budget",
-    "internal_error",
-    "store_unavailable",
+    ErrorCode::PoolExhausted.as_str(),
+    ErrorCode::TenantLimit.as_str(),
+    ErrorCode::ModelNotSupported.as_str(),
+    ErrorCode::NoUsableCredentials.as_str(),
+    ErrorCode::PoolNotFound.as_str(),
+    ErrorCode::RequestIdConflict.as_str(),
+    ErrorCode::TokensExceedBudget.as_str(),
+    ErrorCode::InternalError.as_str(),
+    ErrorCode::StoreUnavailable.as_str(),
 ];
 
 /// The `result` of an allocation refused before its provider and pool were read, or of one
@@ -152,11 +153,11 @@ pub const ALLOCATION_RESULTS: [&str; 10] = [
 /// panic, a request timeout.
 pub const REFUSED_RESULTS: [&str; 6] = [
     "bad_request",
-    "unauthorized",
-    "pool_not_allowed",
-    "pool_not_found",
-    "internal_error",
-    "store_unavailable",
+    ErrorCode::Unauthorized.as_str(),
+    ErrorCode::PoolNotAllowed.as_str(),
+    ErrorCode::PoolNotFound.as_str(),
+    ErrorCode::InternalError.as_str(),
+    ErrorCode::StoreUnavailable.as_str(),
 ];
 
 /// What kind of series a metric is.
@@ -501,14 +502,18 @@ fn zero_series() {
     gauge!(HTTP_CONNECTIONS).set(0.0);
     gauge!(WAITERS).set(0.0);
     gauge!(WAITS_LISTENING).set(0.0);
-    for result in ["leased", "pool_exhausted", "tenant_limit"] {
+    for result in [
+        "leased",
+        ErrorCode::PoolExhausted.as_str(),
+        ErrorCode::TenantLimit.as_str(),
+    ] {
         counter!(TENANT_ALLOCATIONS, "tenant" => "default", "result" => result).absolute(0);
     }
     for result in REFUSED_RESULTS {
         counter!(ALLOCATIONS, "provider" => "", "pool" => "", "served_pool" => "", "result" => result)
             .absolute(0);
     }
-    for proof in crate::store::audit::PROOFS {
+    for proof in crate::domain::AUDIT_PROOFS {
         gauge!(AUDIT_PROOF_LAG, "proof" => proof).set(f64::INFINITY);
         gauge!(AUDIT_VIOLATIONS, "proof" => proof).set(0.0);
     }
@@ -548,12 +553,12 @@ pub fn pool_known(provider: &str, pool: &str) {
     }
 }
 
-/// Renders every series, after updating the connection gauges of `db` and the process metrics.
-pub fn render(db: &Db) -> String {
+/// Renders every series, after updating the connection gauges (`connections` open in the
+/// service's pool, `idle` of them) and the process metrics.
+pub fn render(connections: u32, idle: usize) -> String {
     let handle = prometheus();
-    let db = db.pool();
-    let size = db.size() as f64;
-    let idle = db.num_idle() as f64;
+    let size = f64::from(connections);
+    let idle = idle as f64;
     gauge!(DB_CONNECTIONS, "state" => "in_use").set(size - idle);
     gauge!(DB_CONNECTIONS, "state" => "idle").set(idle);
     if let Some(process) = PROCESS.get() {
@@ -605,7 +610,7 @@ pub fn request(route: String, status: u16, elapsed: Duration) {
 pub fn held_back(
     provider: &crate::domain::ProviderName,
     pool: &crate::domain::PoolName,
-    held_by: crate::allocator::HeldBy,
+    held_by: crate::domain::HeldBy,
 ) {
     counter!(HELD_BACK, "provider" => provider.to_string(), "pool" => pool.to_string(),
              "held_by" => held_by.as_str())
@@ -688,77 +693,59 @@ pub fn acquired(elapsed: Duration, timed_out: bool) {
     }
 }
 
-/// Reads every pool's figures from PostgreSQL once and sets the per-pool gauges (and creates
-/// the allocation series of a pool seen for the first time, [`pool_known`]);
-/// `credpool_store_up` says whether it could. A failed sample keeps the previous values.
-pub async fn sample_pools(db: &Db) -> bool {
-    match crate::store::credentials::pools(db).await {
-        Ok(pools) => {
-            for p in pools {
-                pool_known(&p.provider, &p.pool);
-                let labels = [("provider", p.provider.clone()), ("pool", p.pool.clone())];
-                gauge!(LEASES_IN_FLIGHT, &labels).set(p.in_flight as f64);
-                gauge!(SLOTS_FREE, &labels).set((p.total_slots - p.in_flight).max(0) as f64);
-                gauge!(CREDENTIALS_COOLING, &labels).set(p.cooling_down as f64);
-                gauge!(CREDENTIALS_DRAINING, &labels).set(p.draining as f64);
-                gauge!(OAUTH_TOKEN_EXPIRES_IN, &labels)
-                    .set(p.oauth_expires_in_seconds.unwrap_or(f64::INFINITY));
-                for status in crate::domain::Status::ALL {
-                    let n = p.by_status.get(status.as_str()).copied().unwrap_or(0);
-                    gauge!(CREDENTIALS, "provider" => p.provider.clone(), "pool" => p.pool.clone(),
-                           "status" => status.as_str())
-                    .set(n as f64);
-                }
-            }
-            gauge!(STORE_UP).set(1.0);
-            true
-        }
-        Err(error) => {
-            tracing::debug!(error = %error, "metrics sample failed");
-            gauge!(STORE_UP).set(0.0);
-            false
-        }
+/// One pool's figures, as the metrics sampler read them from PostgreSQL (the per-pool gauges).
+#[derive(Debug, Clone, Copy)]
+pub struct PoolFigures<'a> {
+    /// The provider.
+    pub provider: &'a str,
+    /// The pool.
+    pub pool: &'a str,
+    /// Unexpired leases.
+    pub in_flight: i64,
+    /// Sum of the credentials' limits.
+    pub total_slots: i64,
+    /// Credentials cooling down now.
+    pub cooling_down: i64,
+    /// Credentials draining.
+    pub draining: i64,
+    /// Seconds until the earliest access token of its OAuth credentials expires (`None`: none).
+    pub oauth_expires_in_seconds: Option<f64>,
+    /// Credentials by status (a status absent: none).
+    pub by_status: &'a std::collections::BTreeMap<String, i64>,
+}
+
+/// Sets one pool's gauges from a sample (and creates its allocation series the first time,
+/// [`pool_known`]).
+pub fn pool_sampled(p: PoolFigures<'_>) {
+    pool_known(p.provider, p.pool);
+    let labels = [
+        ("provider", p.provider.to_owned()),
+        ("pool", p.pool.to_owned()),
+    ];
+    gauge!(LEASES_IN_FLIGHT, &labels).set(p.in_flight as f64);
+    gauge!(SLOTS_FREE, &labels).set((p.total_slots - p.in_flight).max(0) as f64);
+    gauge!(CREDENTIALS_COOLING, &labels).set(p.cooling_down as f64);
+    gauge!(CREDENTIALS_DRAINING, &labels).set(p.draining as f64);
+    gauge!(OAUTH_TOKEN_EXPIRES_IN, &labels)
+        .set(p.oauth_expires_in_seconds.unwrap_or(f64::INFINITY));
+    for status in crate::domain::Status::ALL {
+        let n = p.by_status.get(status.as_str()).copied().unwrap_or(0);
+        gauge!(CREDENTIALS, "provider" => p.provider.to_owned(), "pool" => p.pool.to_owned(),
+               "status" => status.as_str())
+        .set(n as f64);
     }
 }
 
-/// Reads where the continuous proof of the audit trail stands and sets its gauges
-/// ([`AUDIT_PROOF_LAG`], [`AUDIT_VIOLATIONS`]); a failed read keeps the previous values (and
-/// [`sample_pools`] reports the store down).
-pub async fn sample_audit(db: &Db) {
-    use crate::store::audit::{self, Run};
-    let read = async {
-        let mut work = db.work().await?;
-        let checkpoints = audit::checkpoints(&mut *work, &Run::Continuous).await?;
-        let now = audit::database_now(&mut *work).await?;
-        work.done().await?;
-        Ok::<_, sqlx::Error>((checkpoints, now))
-    };
-    match read.await {
-        Ok((checkpoints, now)) => {
-            for c in checkpoints {
-                let lag = (now - c.proven_until).as_seconds_f64();
-                gauge!(AUDIT_PROOF_LAG, "proof" => c.proof.clone()).set(lag);
-                gauge!(AUDIT_VIOLATIONS, "proof" => c.proof).set(c.violations as f64);
-            }
-        }
-        Err(error) => tracing::debug!(error = %error, "audit sample failed"),
-    }
+/// Sets `credpool_store_up`: whether the last sample could read the store.
+pub fn store_up(up: bool) {
+    gauge!(STORE_UP).set(if up { 1.0 } else { 0.0 });
 }
 
-/// Samples the per-pool gauges and the continuous proof's from PostgreSQL every `interval` (not
-/// per scrape), until the pool closes ([`sample_pools`], [`sample_audit`]). The service runs it
-/// as the supervised background task `metrics_sampler`.
-pub async fn sampler(db: Db, interval: Duration) {
-    let mut ticker = tokio::time::interval(interval);
-    ticker.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
-    loop {
-        ticker.tick().await;
-        if db.pool().is_closed() {
-            return;
-        }
-        sample_pools(&db).await;
-        sample_audit(&db).await;
-    }
+/// Sets the gauges of one proof of the continuous audit ([`AUDIT_PROOF_LAG`], seconds it lags
+/// behind the database clock; [`AUDIT_VIOLATIONS`], what it has found).
+pub fn audit_checkpoint(proof: &str, lag_seconds: f64, violations: i64) {
+    gauge!(AUDIT_PROOF_LAG, "proof" => proof.to_owned()).set(lag_seconds);
+    gauge!(AUDIT_VIOLATIONS, "proof" => proof.to_owned()).set(violations as f64);
 }
 
 /// The W3C trace context (`traceparent`) a request came with: credpool's request span carries

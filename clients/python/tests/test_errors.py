@@ -30,8 +30,7 @@ from credpool import (
 from harness import Admin, FakeCredpool, Service, error_response
 
 #: The book's "Errors" (docs/src/executor-api.md): every code the API answers with, its status
-#: and the class it maps to.
-#: (``credential_not_found`` is an operator-route code, mapped all the same.)
+#: and the class it maps to (the operator routes' and the probes' codes are mapped all the same).
 CODES = [
     (400, "invalid_request", credpool.InvalidRequest),
     (401, "unauthorized", credpool.Unauthorized),
@@ -51,6 +50,14 @@ CODES = [
     (429, "tenant_limit", credpool.TenantLimit),
     (500, "internal_error", credpool.InternalError),
     (503, "store_unavailable", credpool.StoreUnavailable),
+    (403, "pool_not_allowed", credpool.PoolNotAllowed),
+    (400, "token_url_not_allowed", credpool.TokenUrlNotAllowed),
+    (404, "tenant_not_found", credpool.TenantNotFound),
+    (404, "tenant_key_not_found", credpool.TenantKeyNotFound),
+    (409, "tenant_in_use", credpool.TenantInUse),
+    (412, "generation_moved", credpool.GenerationMoved),
+    (503, "not_ready", credpool.NotReady),
+    (503, "shutting_down", credpool.ShuttingDown),
 ]
 
 #: Retries give up at once, so a 503 comes back as its class instead of being retried.
@@ -187,6 +194,32 @@ def test_the_internal_key_is_scrubbed_from_server_messages(
 
 
 # -- the real service ----------------------------------------------------------------------
+
+
+def error_codes_of(document: object) -> set[str]:
+    """The members of the enum in ``document`` (an OpenAPI document) that lists the API's error
+    codes: the schema whose ``enum`` holds ``pool_exhausted``, wherever it is."""
+    found: set[str] = set()
+    if isinstance(document, dict):
+        members = document.get("enum")
+        if isinstance(members, list) and "pool_exhausted" in members:
+            found.update(str(member) for member in members)
+        for value in document.values():
+            found |= error_codes_of(value)
+    elif isinstance(document, list):
+        for value in document:
+            found |= error_codes_of(value)
+    return found
+
+
+def test_the_client_knows_every_code_the_openapi_document_lists(service: Service) -> None:
+    document = httpx.get(f"{service.base_url}/openapi.json", timeout=10).json()
+    listed = error_codes_of(document)
+    assert "store_unavailable" in listed, "the document lists no error codes"
+    unknown = listed - set(credpool.errors.ERRORS_BY_CODE)
+    assert not unknown, f"codes the server lists that the client does not know: {sorted(unknown)}"
+    stale = set(credpool.errors.ERRORS_BY_CODE) - listed
+    assert not stale, f"codes the client maps that the server no longer lists: {sorted(stale)}"
 
 
 async def test_the_real_service_answers_map_to_their_classes(

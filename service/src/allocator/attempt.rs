@@ -8,7 +8,8 @@ use std::time::Duration;
 use time::OffsetDateTime;
 
 use super::ClaimSettings;
-use super::ranking::{HeldBy, PoolVerdict};
+use super::ranking::PoolVerdict;
+use crate::domain::HeldBy;
 use crate::domain::KeyId;
 
 /// Largest batch a retried claim grows to.
@@ -59,7 +60,7 @@ pub(super) enum Step {
     /// expected a lease to have ended by now (a renewal moved that end, or the lease ran out;
     /// neither reaches the view), so its "full" and its Retry-After may both be wrong.
     CatchUp,
-    /// Answer with this verdict (after [`PoolAttempt::date_database_frees`] when a claim said
+    /// Answer with this verdict (after [`PoolAttempt::date_database_frees`], which dates it when a claim said
     /// when a candidate frees).
     Answer(PoolVerdict),
     /// Run the claim statement over `batch`, best first.
@@ -163,17 +164,11 @@ impl PoolAttempt {
         &mut self,
         batch: &[KeyId],
         frees_at: Option<OffsetDateTime>,
-        held_by: Option<&str>,
+        held_by: Option<HeldBy>,
     ) {
-        self.database_frees = frees_at.map(|at| (at, held_by.and_then(HeldBy::parse)));
+        self.database_frees = frees_at.map(|at| (at, held_by));
         self.tried.extend(batch.iter().cloned());
         self.batch_size = (self.batch_size * 2).min(MAX_BATCH);
-    }
-
-    /// Whether answering `verdict` needs [`PoolAttempt::date_database_frees`] (and so the view's
-    /// clock): a 429 after a claim that said when a candidate frees.
-    pub(super) fn needs_database_clock(&self, verdict: &PoolVerdict) -> bool {
-        self.database_frees.is_some() && matches!(verdict, PoolVerdict::Try { .. })
     }
 
     /// What the database said of the candidates it was asked about beats the view's estimate
@@ -413,7 +408,11 @@ mod tests {
             YOUNG,
             &settings,
         ));
-        attempt.missed(&batch, Some(now() + Duration::seconds(5)), Some("slots"));
+        attempt.missed(
+            &batch,
+            Some(now() + Duration::seconds(5)),
+            Some(HeldBy::Slots),
+        );
         let step = attempt.decide(
             try_verdict(&["key-b"], false, passed),
             false,
@@ -431,7 +430,11 @@ mod tests {
         let mut attempt = PoolAttempt::new(&settings, None);
         let (batch, _) =
             claimed(attempt.decide(try_verdict(&["key-a"], false, later), false, old, &settings));
-        attempt.missed(&batch, Some(now() + Duration::seconds(20)), Some("slots"));
+        attempt.missed(
+            &batch,
+            Some(now() + Duration::seconds(20)),
+            Some(HeldBy::Slots),
+        );
         let step = attempt.decide(try_verdict(&["key-b"], false, later), false, old, &settings);
         assert!(matches!(step, Step::CatchUp), "{step:?}");
         attempt.reloaded();
@@ -488,7 +491,6 @@ mod tests {
         let mut attempt = PoolAttempt::new(&settings(1), None);
         let estimate = Some((now() + Duration::seconds(1), now()));
         let mut verdict = try_verdict(&["key-a"], false, estimate);
-        assert!(!attempt.needs_database_clock(&verdict));
         attempt.date_database_frees(&mut verdict, now());
         assert!(matches!(
             verdict,
@@ -496,10 +498,11 @@ mod tests {
         ));
 
         let at = now() + Duration::seconds(30);
-        attempt.missed(&keys(&["key-a"]), Some(at), Some("tokens_window"));
-        assert!(attempt.needs_database_clock(&verdict));
-        assert!(!attempt.needs_database_clock(&PoolVerdict::NotFound));
+        attempt.missed(&keys(&["key-a"]), Some(at), Some(HeldBy::TokensWindow));
         attempt.date_database_frees(&mut verdict, now());
+        let mut not_found = PoolVerdict::NotFound;
+        attempt.date_database_frees(&mut not_found, now());
+        assert!(matches!(not_found, PoolVerdict::NotFound));
         assert!(matches!(
             verdict,
             PoolVerdict::Try {
@@ -509,9 +512,9 @@ mod tests {
             } if a == at && n == now()
         ));
 
-        // no reason given (or one this version does not know): the view's stays
+        // no reason given: the view's stays
         let mut verdict = try_verdict(&["key-a"], false, estimate);
-        attempt.missed(&keys(&["key-a"]), Some(at), Some("something_new"));
+        attempt.missed(&keys(&["key-a"]), Some(at), None);
         attempt.date_database_frees(&mut verdict, now());
         assert!(matches!(
             verdict,

@@ -15,8 +15,8 @@ use std::time::{Duration, Instant};
 
 use time::OffsetDateTime;
 
-use super::health::{Health, HealthPolicy, UsableFrom};
 use super::scoring::{self, ScoringPolicy};
+use crate::domain::health::{Health, HealthPolicy, UsableFrom};
 use crate::domain::{KeyId, ModelName, PoolName, ProviderName};
 use crate::store::Db;
 use crate::store::candidates::{self, CredentialFacts, PoolSnapshot};
@@ -632,7 +632,6 @@ mod tests {
             pruned_expired: false,
             pool: pool.clone(),
             fence: 1,
-            replayed: false,
             tenant: "default".into(),
             affinity: None,
         };

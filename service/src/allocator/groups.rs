@@ -2,7 +2,7 @@
 //!
 //! Every state change is one PostgreSQL transaction, and a durable commit costs a WAL flush: with
 //! one transaction per request, the flushes, not Rust or HTTP, cap the requests per second
-//! (issue 7 measured about 1,000 claim-and-release cycles/s on two cores). So claims, releases
+//! (one cycle per transaction measured about 1,000 claim-and-release cycles/s on two cores). So claims, releases
 //! and renewals that arrive while a transaction of their kind is in flight are queued, and the
 //! next free group worker runs all of them, each with its own statement and its own result, in
 //! ONE transaction with ONE commit. No request is answered before its group has committed, so a
@@ -59,15 +59,13 @@ use futures::future::BoxFuture;
 use sqlx::PgConnection;
 use tokio::sync::{Mutex, mpsc, oneshot};
 
-use super::health::HealthPolicy;
 use super::waiting::Waits;
 use crate::background::Supervisor;
-use crate::domain::{
-    Holder, KeyId, LeaseId, LeaseSeconds, ModelName, PoolName, ProviderName, TenantKeyHash,
-};
+use crate::domain::health::HealthPolicy;
+use crate::domain::{LeaseSeconds, TenantKeyHash};
 use crate::store::leases::{
-    self, ClaimAffinity, ClaimRequest, ClaimResult, ClaimWaiting, LeaseRef, ReleaseRequest,
-    ReleaseResult, Renewed, RequestKey, StagedRelease,
+    self, Claim, ClaimAnswer, ClaimOutcome, LeaseRef, ReleaseRequest, ReleaseResult, Renewed,
+    StagedRelease,
 };
 use crate::store::{Conn, Db};
 
@@ -124,27 +122,11 @@ impl Groups {
         }
     }
 
-    /// Runs the claim statement ([`leases::claim_slot`]) in the next claim group. If the caller
-    /// is gone before its group runs, nothing is claimed; if it is gone when its group has
-    /// committed, the lease it got is released at once rather than stranded until lease_until.
-    pub async fn claim(&self, request: &ClaimRequest<'_>) -> Result<ClaimResult, sqlx::Error> {
-        self.claims
-            .run(Claim {
-                ranked: request.ranked.to_vec(),
-                provider: request.provider.clone(),
-                pool: request.pool.clone(),
-                model: request.model.clone(),
-                lease_id: request.lease_id,
-                holder: request.holder.cloned(),
-                lease_seconds: request.lease_seconds,
-                request: request.request.cloned(),
-                tokens: request.tokens,
-                caller: request.caller,
-                affinity: request.affinity.cloned(),
-                waiting: request.waiting.cloned(),
-                windowed: request.windowed,
-            })
-            .await
+    /// Runs `claim` ([`leases::claim_slots`]) in the next claim group. If the caller is gone
+    /// before its group runs, nothing is claimed; if it is gone when its group has committed, the
+    /// lease it got is released at once rather than stranded until lease_until.
+    pub async fn claim(&self, claim: Claim) -> Result<ClaimAnswer, sqlx::Error> {
+        self.claims.run(claim).await
     }
 
     /// Releases a lease ([`leases::release`]) in the next release group. Once the group has
@@ -222,45 +204,9 @@ trait Operation: Send + Sync + Sized + 'static {
     }
 }
 
-struct Claim {
-    ranked: Vec<KeyId>,
-    provider: ProviderName,
-    pool: PoolName,
-    model: ModelName,
-    lease_id: LeaseId,
-    holder: Option<Holder>,
-    lease_seconds: LeaseSeconds,
-    request: Option<RequestKey>,
-    tokens: u64,
-    caller: Option<TenantKeyHash>,
-    affinity: Option<ClaimAffinity>,
-    waiting: Option<ClaimWaiting>,
-    windowed: Option<bool>,
-}
-
-impl Claim {
-    fn request(&self) -> ClaimRequest<'_> {
-        ClaimRequest {
-            ranked: &self.ranked,
-            provider: &self.provider,
-            pool: &self.pool,
-            model: &self.model,
-            lease_id: self.lease_id,
-            holder: self.holder.as_ref(),
-            lease_seconds: self.lease_seconds,
-            request: self.request.as_ref(),
-            tokens: self.tokens,
-            caller: self.caller,
-            affinity: self.affinity.as_ref(),
-            waiting: self.waiting.as_ref(),
-            windowed: self.windowed,
-        }
-    }
-}
-
 impl Operation for Claim {
-    type Staged = ClaimResult;
-    type Output = ClaimResult;
+    type Staged = ClaimAnswer;
+    type Output = ClaimAnswer;
     const KIND: &'static str = "claim";
     const TASK: &'static str = "claim_group";
 
@@ -272,28 +218,26 @@ impl Operation for Claim {
     fn stage_group<'a>(
         group: Vec<&'a Self>,
         tx: &'a mut PgConnection,
-    ) -> BoxFuture<'a, Result<Vec<ClaimResult>, sqlx::Error>> {
-        Box::pin(async move {
-            let requests: Vec<ClaimRequest<'_>> = group.iter().map(|c| c.request()).collect();
-            leases::claim_slots(tx, &requests).await
-        })
+    ) -> BoxFuture<'a, Result<Vec<ClaimAnswer>, sqlx::Error>> {
+        Box::pin(async move { leases::claim_slots(tx, &group).await })
     }
 
     fn finish<'a>(
         &'a self,
-        staged: ClaimResult,
+        staged: ClaimAnswer,
         _: &'a mut Conn<'static>,
-    ) -> BoxFuture<'a, ClaimResult> {
+    ) -> BoxFuture<'a, ClaimAnswer> {
         Box::pin(async move { staged })
     }
 
     fn abandoned<'a>(
         &'a self,
-        output: ClaimResult,
+        output: ClaimAnswer,
         conn: &'a mut Conn<'static>,
     ) -> BoxFuture<'a, ()> {
         Box::pin(async move {
-            let Some(granted) = output.granted else {
+            let (ClaimOutcome::Granted(granted) | ClaimOutcome::Replayed(granted)) = output.outcome
+            else {
                 // A waiting request's claim that granted nothing recorded the request as waiting
                 // (or left its row there); its caller is gone, and its own goodbye may have run
                 // before this claim committed: without this, the row would outlive the caller

@@ -8,8 +8,9 @@
 //!   ranking itself, pure;
 //! - [`attempt`]: one request's attempt at one pool as a small state machine (claim, read the
 //!   pool again, answer), pure;
-//! - [`scoring`], [`health`], [`windows`]: the score of a candidate, the outcome -> health state
-//!   machine and the rate windows' arithmetic, pure (clock and randomness passed in);
+//! - [`scoring`]: the score of a candidate, pure (clock and randomness passed in); the outcome ->
+//!   health state machine and the rate windows' arithmetic it uses are the domain's
+//!   ([`crate::domain::health`], [`crate::domain::windows`]);
 //! - [`candidates`]: each process's per-pool candidate views;
 //! - [`groups`]: claims, releases and renewals of concurrent requests sharing one transaction;
 //! - [`waiting`]: allocations that wait for a slot, woken when one frees.
@@ -19,11 +20,9 @@
 mod attempt;
 pub(crate) mod candidates;
 pub(crate) mod groups;
-pub mod health;
 mod ranking;
 pub mod scoring;
 pub(crate) mod waiting;
-pub mod windows;
 
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -32,26 +31,30 @@ use rand::SeedableRng;
 use rand::rngs::SmallRng;
 use time::OffsetDateTime;
 
+use crate::domain::health::HealthPolicy;
 use crate::domain::{
     AffinityKey, AffinityMode, AffinityResult, AffinityTtl, Holder, KeyId, LeaseId, LeaseSeconds,
     ModelName, PoolName, ProviderName, RequestId, Secret, TenantKeyHash,
 };
 use crate::secrets::{Keyring, SecretsError};
 use crate::store::leases::{
-    self, ClaimAffinity, ClaimRequest, ClaimResult, LeaseRef, ReleaseRequest, ReleaseResult,
+    self, Claim, ClaimAffinity, ClaimAnswer, ClaimOutcome, LeaseRef, ReleaseRequest, ReleaseResult,
     RequestKey,
 };
 use candidates::CandidateViews;
+use credpool_protocol::ErrorCode;
 use groups::Groups;
-use health::HealthPolicy;
 use waiting::{Hint, Registration, WaitingRequest, Waits};
 
 use attempt::{PoolAttempt, Step};
 use ranking::{PoolVerdict, judge, retry_after_seconds};
 
+/// The pure rules the allocator applies, kept at the bottom floor (`crate::domain`) so that the
+/// store can use them too; named here as well for callers that know them as the allocator's.
+pub use crate::domain::{HeldBy, health, windows};
 pub use candidates::PoolView;
 pub use groups::GroupSettings;
-pub use ranking::{HeldBy, rank};
+pub use ranking::rank;
 
 /// An executor's request for a lease.
 #[derive(Debug, Clone)]
@@ -147,6 +150,9 @@ pub enum AllocateError {
     PoolExhausted {
         /// Seconds until the earliest lease or cooldown among the candidates ends (>= 1).
         retry_after_seconds: u64,
+        /// What holds back the candidate that frees first (a slot, a cooldown, a window, an OAuth
+        /// token waiting for its refresh, fair share).
+        held_by: HeldBy,
     },
     /// 500: the credential's secret cannot be opened with the configured master keys (its lease
     /// was given back at once).
@@ -187,20 +193,25 @@ pub enum AllocateError {
 }
 
 impl AllocateError {
-    /// The `result` label of the allocation metrics for this error (the API's error code).
-    pub fn result(&self) -> &'static str {
+    /// The API's error code for this error (the `result` label of the allocation metrics).
+    pub fn code(&self) -> ErrorCode {
         match self {
-            AllocateError::PoolNotFound => "pool_not_found",
-            AllocateError::ModelNotSupported => "model_not_supported",
-            AllocateError::NoUsableCredentials => "no_usable_credentials",
-            AllocateError::PoolExhausted { .. } => "pool_exhausted",
-            AllocateError::TenantLimit { .. } => "tenant_limit",
-            AllocateError::Unauthorized => "unauthorized",
-            AllocateError::RequestIdConflict => "request_id_conflict",
-            AllocateError::TokensExceedBudget => "tokens_exceed_budget",
-            AllocateError::SecretUnreadable { .. } => "internal_error",
-            AllocateError::Store(_) => "store_unavailable",
+            AllocateError::PoolNotFound => ErrorCode::PoolNotFound,
+            AllocateError::ModelNotSupported => ErrorCode::ModelNotSupported,
+            AllocateError::NoUsableCredentials => ErrorCode::NoUsableCredentials,
+            AllocateError::PoolExhausted { .. } => ErrorCode::PoolExhausted,
+            AllocateError::TenantLimit { .. } => ErrorCode::TenantLimit,
+            AllocateError::Unauthorized => ErrorCode::Unauthorized,
+            AllocateError::RequestIdConflict => ErrorCode::RequestIdConflict,
+            AllocateError::TokensExceedBudget => ErrorCode::TokensExceedBudget,
+            AllocateError::SecretUnreadable { .. } => ErrorCode::InternalError,
+            AllocateError::Store(_) => ErrorCode::StoreUnavailable,
         }
+    }
+
+    /// The `result` label of the allocation metrics for this error: its code's spelling.
+    pub fn result(&self) -> &'static str {
+        self.code().as_str()
     }
 }
 
@@ -249,6 +260,34 @@ struct Keys<'a> {
     /// A request that may wait, as its claims record it (they yield to tenants further below
     /// their share); `None` for one that answers at once.
     waiting: Option<&'a WaitingRequest>,
+}
+
+impl Keys<'_> {
+    /// The claim of `request` over `ranked` (best first) in `pool`, carrying these keys; a new
+    /// lease id. `windowed`: whether a candidate has rate windows, as the view says.
+    fn claim(
+        &self,
+        request: &AllocateRequest,
+        pool: &PoolName,
+        ranked: Vec<KeyId>,
+        windowed: bool,
+    ) -> Claim {
+        Claim {
+            ranked,
+            provider: request.provider.clone(),
+            pool: pool.clone(),
+            model: request.model.clone(),
+            lease_id: LeaseId::generate(),
+            holder: request.holder.clone(),
+            lease_seconds: request.lease_seconds,
+            request: self.request.cloned(),
+            tokens: request.tokens,
+            caller: request.caller,
+            affinity: self.affinity.cloned(),
+            waiting: self.waiting.map(WaitingRequest::claim),
+            windowed: Some(windowed),
+        }
+    }
 }
 
 /// How long a claim waits before it tries again when another attempt of its request is in flight.
@@ -388,13 +427,22 @@ impl Allocator {
     /// (`busy`: a concurrent claim, a window row, the reaper, an operator's change) is made again
     /// too, for up to a second: that transaction commits within milliseconds and may or may not
     /// leave room.
-    async fn claim(&self, claim: &ClaimRequest<'_>) -> Result<ClaimResult, AllocateError> {
+    ///
+    /// The answer's outcome is never [`ClaimOutcome::Busy`] (settled once patience runs out) nor
+    /// [`ClaimOutcome::InFlight`].
+    async fn claim(&self, claim: Claim) -> Result<ClaimAnswer, AllocateError> {
         let started = Instant::now();
         loop {
-            let result = self.groups.claim(claim).await?;
-            let again = result.in_flight || (result.busy && started.elapsed() < BUSY_PATIENCE);
-            if !again {
-                return Ok(result);
+            let answer = self.groups.claim(claim.clone()).await?;
+            match answer.outcome {
+                ClaimOutcome::InFlight => {}
+                ClaimOutcome::Busy { .. } if started.elapsed() < BUSY_PATIENCE => {}
+                outcome => {
+                    return Ok(ClaimAnswer {
+                        outcome: outcome.settled(),
+                        ..answer
+                    });
+                }
             }
             tokio::time::sleep(IN_FLIGHT_PAUSE).await;
         }
@@ -543,7 +591,7 @@ impl Allocator {
                 () = tokio::time::sleep_until(wake_at.into()) => registration.take_hint(),
                 // the service's shutdown drain is over: answer this 429 now, not a reset connection
                 () = self.waits.waiting_stopped() => {
-                    crate::telemetry::waited("pool_exhausted", started.elapsed());
+                    crate::telemetry::waited(ErrorCode::PoolExhausted.as_str(), started.elapsed());
                     return result.map_err(|refusal| refusal.error);
                 }
             };
@@ -606,17 +654,15 @@ impl Allocator {
         }
         let error = match failure {
             Some(PoolVerdict::Try { .. }) => {
-                crate::telemetry::held_back(
-                    &request.provider,
-                    &request.pool,
-                    held.unwrap_or(if pass.yielded_to.is_some() {
-                        HeldBy::FairShare
-                    } else {
-                        HeldBy::Slots
-                    }),
-                );
+                let held_by = held.unwrap_or(if pass.yielded_to.is_some() {
+                    HeldBy::FairShare
+                } else {
+                    HeldBy::Slots
+                });
+                crate::telemetry::held_back(&request.provider, &request.pool, held_by);
                 AllocateError::PoolExhausted {
                     retry_after_seconds: retry_after_seconds(soonest),
+                    held_by,
                 }
             }
             Some(PoolVerdict::NoUsableCredentials) => AllocateError::NoUsableCredentials,
@@ -640,31 +686,19 @@ impl Allocator {
         request: &AllocateRequest,
         key: &RequestKey,
     ) -> Result<Option<Allocation>, AllocateError> {
-        let claim = ClaimRequest {
-            ranked: &[],
-            provider: &request.provider,
-            pool: &request.pool,
-            model: &request.model,
-            lease_id: LeaseId::generate(),
-            holder: request.holder.as_ref(),
-            lease_seconds: request.lease_seconds,
+        let keys = Keys {
             request: Some(key),
-            tokens: request.tokens,
-            caller: request.caller,
             affinity: None,
             waiting: None,
-            windowed: Some(false),
         };
-        let result = self.claim(&claim).await?;
-        if result.unauthorized {
-            return Err(AllocateError::Unauthorized);
-        }
-        if result.conflict {
-            return Err(AllocateError::RequestIdConflict);
-        }
-        match result.granted {
-            Some(granted) => Ok(Some(self.hand_out(request, granted).await?)),
-            None => Ok(None),
+        let claim = keys.claim(request, &request.pool, Vec::new(), false);
+        match self.claim(claim).await?.outcome {
+            ClaimOutcome::Unauthorized => Err(AllocateError::Unauthorized),
+            ClaimOutcome::Conflict => Err(AllocateError::RequestIdConflict),
+            ClaimOutcome::Granted(granted) | ClaimOutcome::Replayed(granted) => {
+                Ok(Some(self.hand_out(request, granted).await?))
+            }
+            _ => Ok(None),
         }
     }
 
@@ -719,8 +753,9 @@ impl Allocator {
         })
     }
 
-    /// One pool of the sequence: a lease, or the verdict to report if no pool serves. Ranks the
-    /// pool's view and runs whatever read or claim the [`PoolAttempt`]'s next step asks for.
+    /// One pool of the sequence: a lease, or the verdict to report if no pool serves. Each round
+    /// takes one [`Snapshot`] of the pool's view and runs whatever read or claim the
+    /// [`PoolAttempt`]'s next step asks for; nothing goes back to the view mid-round.
     async fn allocate_in(
         &self,
         request: &AllocateRequest,
@@ -730,186 +765,224 @@ impl Allocator {
         pass: &mut Pass,
     ) -> Result<Result<Allocation, PoolVerdict>, AllocateError> {
         let provider = &request.provider;
-        let scoring = self.views.scoring().clone();
         // (a freed credential that woke this request is claimed first: part of every batch)
         let hinted = hint.clone();
         let mut attempt = PoolAttempt::new(&self.claims, hint);
         loop {
-            let ((verdict, age, windowed), loaded) = self
+            let (view, loaded) = self
                 .views
                 .with_view(provider, pool, |view| {
-                    let verdict = judge(
+                    Snapshot::take(
                         view,
-                        &request.model,
-                        request.tokens,
-                        &attempt.tried,
-                        attempt.batch_size,
-                        self.claims.rank_window,
-                        &scoring,
-                        // a fast generator per ranking: jitter needs spread, not secrecy
-                        &mut SmallRng::from_rng(&mut rand::rng()),
-                    );
-                    // whether the claim must take the shape that locks window rows (the slots'
-                    // `windowed` gate covers a view that is behind)
-                    let windowed = match &verdict {
-                        PoolVerdict::Try { batch, .. } => {
-                            view.any_windowed(batch.iter().chain(hinted.as_ref()))
-                        }
-                        _ => false,
-                    };
-                    (verdict, view.read_at().elapsed(), windowed)
+                        request,
+                        &attempt,
+                        hinted.as_ref(),
+                        &self.claims,
+                        self.views.scoring(),
+                    )
                 })
                 .await?;
-            let (batch, free_seen) = match attempt.decide(verdict, loaded, age, &self.claims) {
-                Step::Reload => {
-                    self.views.reload(provider, pool, None).await?;
-                    attempt.reloaded();
-                    continue;
-                }
-                Step::CatchUp => {
-                    let (read_at, _) = self
-                        .views
-                        .with_view(provider, pool, |v| v.read_at())
-                        .await?;
-                    self.views
-                        .reload_unless_newer(provider, pool, read_at)
-                        .await?;
-                    attempt.reloaded();
-                    continue;
-                }
-                Step::Answer(mut verdict) => {
-                    if attempt.needs_database_clock(&verdict) {
-                        let (now, _) = self.views.with_view(provider, pool, |v| v.now()).await?;
-                        attempt.date_database_frees(&mut verdict, now);
+            let (batch, free_seen) =
+                match attempt.decide(view.verdict, loaded, view.read_at.elapsed(), &self.claims) {
+                    Step::Reload => {
+                        self.views.reload(provider, pool, None).await?;
+                        attempt.reloaded();
+                        continue;
                     }
-                    return Ok(Err(verdict));
-                }
-                Step::Claim { batch, free_seen } => (batch, free_seen),
-            };
-            let waiting_claim = keys.waiting.map(WaitingRequest::claim);
-            let claim = ClaimRequest {
-                ranked: &batch,
-                provider,
-                pool,
-                model: &request.model,
-                lease_id: LeaseId::generate(),
-                holder: request.holder.as_ref(),
-                lease_seconds: request.lease_seconds,
-                request: keys.request,
-                tokens: request.tokens,
-                caller: request.caller,
-                affinity: keys.affinity,
-                waiting: waiting_claim.as_ref(),
-                windowed: Some(windowed),
-            };
-            let result = self.claim(&claim).await?;
+                    Step::CatchUp => {
+                        self.views
+                            .reload_unless_newer(provider, pool, view.read_at)
+                            .await?;
+                        attempt.reloaded();
+                        continue;
+                    }
+                    Step::Answer(mut verdict) => {
+                        attempt.date_database_frees(&mut verdict, view.now);
+                        return Ok(Err(verdict));
+                    }
+                    Step::Claim { batch, free_seen } => (batch, free_seen),
+                };
+            let claim = keys.claim(request, pool, batch.clone(), view.windowed);
+            let answer = self.claim(claim).await?;
             pass.claimed = true;
             if let Some(waiting) = keys.waiting {
                 // (only a waiting request registers a waiter under its tenant)
-                if result.tenant.is_some() {
-                    pass.tenant.clone_from(&result.tenant);
+                if answer.tenant.is_some() {
+                    pass.tenant.clone_from(&answer.tenant);
                 }
-                waiting.claimed(
-                    result.granted.is_none()
-                        && !(result.unauthorized || result.conflict || result.in_flight),
-                );
+                waiting.claimed(matches!(
+                    answer.outcome,
+                    ClaimOutcome::TenantLimit { .. }
+                        | ClaimOutcome::Yield { .. }
+                        | ClaimOutcome::Bound(_)
+                        | ClaimOutcome::Nothing(_)
+                ));
             }
-            if let Some(ahead) = result.yield_to {
-                // a tenant further below its share waits for this pool: nothing was looked at,
-                // and the rest of the pool is that tenant's first
-                pass.yielded_to = Some((pool.clone(), ahead));
-                return Ok(Err(PoolVerdict::Try {
-                    batch: Vec::new(),
-                    free_seen: false,
-                    frees_at: None,
-                    held_by: Some(HeldBy::FairShare),
-                }));
-            }
-            if result.unauthorized {
-                return Err(AllocateError::Unauthorized);
-            }
-            if result.conflict {
-                return Err(AllocateError::RequestIdConflict);
-            }
-            if result.tenant_limit {
+            let stale = answer.pool_version != view.version;
+            let batch = match answer.outcome {
+                ClaimOutcome::Yield { to } => {
+                    // a tenant further below its share waits for this pool: nothing was looked
+                    // at, and the rest of the pool is that tenant's first
+                    pass.yielded_to = Some((pool.clone(), to));
+                    return Ok(Err(PoolVerdict::Try {
+                        batch: Vec::new(),
+                        free_seen: false,
+                        frees_at: None,
+                        held_by: Some(HeldBy::FairShare),
+                    }));
+                }
+                ClaimOutcome::Unauthorized => return Err(AllocateError::Unauthorized),
+                ClaimOutcome::Conflict => return Err(AllocateError::RequestIdConflict),
                 // the tenant's own cap or windows, whatever the pool has free: no other pool or
-                // candidate can serve it
-                let window = result.held_by.as_deref() == Some("tenant_window");
-                if window && result.frees_at.is_none() {
-                    // its token window is smaller than the estimate: it never frees
-                    return Err(AllocateError::TokensExceedBudget);
-                }
-                return Err(AllocateError::TenantLimit {
-                    tenant: result.tenant.unwrap_or_default(),
-                    window,
-                    retry_after_seconds: retry_after_seconds(result.frees_at.zip(result.db_now)),
-                });
-            }
-            let view_version = self.views.with_view(provider, pool, |v| v.version).await?.0;
-            let stale = result.pool_version != view_version;
-            if let Some(granted) = result.granted {
-                tracing::info!(
-                    key_id = %granted.key_id,
-                    lease_id = %granted.lease_id,
-                    served_pool = %granted.pool,
-                    probe = granted.probe,
-                    fence = granted.fence,
-                    replayed = granted.replayed,
-                    pruned_expired = granted.pruned_expired,
-                    "lease granted"
-                );
-                // a replayed lease was counted when it was granted
-                if !granted.replayed {
-                    self.views
-                        .note_grant(provider, pool, &granted, request.tokens);
-                }
-                crate::telemetry::expired("claim", u64::from(granted.pruned_expired));
-                if stale {
-                    let (views, provider, pool, version) = (
-                        self.views.clone(),
-                        provider.clone(),
-                        pool.clone(),
-                        result.pool_version,
-                    );
-                    tokio::spawn(async move {
-                        if let Err(error) = views.reload(&provider, &pool, version).await {
-                            tracing::warn!(error = %error, "candidate view reload failed");
-                        }
+                // candidate can serve it; a window that never frees is smaller than the estimate
+                ClaimOutcome::TenantLimit {
+                    window: true,
+                    frees_at: None,
+                } => return Err(AllocateError::TokensExceedBudget),
+                ClaimOutcome::TenantLimit { window, frees_at } => {
+                    return Err(AllocateError::TenantLimit {
+                        tenant: answer.tenant.unwrap_or_default(),
+                        window,
+                        retry_after_seconds: retry_after_seconds(frees_at.zip(answer.db_now)),
                     });
                 }
-                return self.hand_out(request, granted).await.map(Ok);
-            }
+                ClaimOutcome::Granted(granted) => {
+                    let reload = stale.then_some(answer.pool_version);
+                    return self
+                        .granted(request, pool, granted, false, reload)
+                        .await
+                        .map(Ok);
+                }
+                ClaimOutcome::Replayed(granted) => {
+                    let reload = stale.then_some(answer.pool_version);
+                    return self
+                        .granted(request, pool, granted, true, reload)
+                        .await
+                        .map(Ok);
+                }
+                ClaimOutcome::Bound(missed) => {
+                    // a strict binding confined the claim to its credential (in this pool, or in
+                    // another of the sequence): the rest of the batch was not looked at, and
+                    // claiming it again would not be either. The database's word on when the
+                    // bound one frees is the answer (and a waiting request's timer), dated on
+                    // the claim's own clock.
+                    attempt.missed(&batch, missed.frees_at, missed.held_by);
+                    let mut verdict = PoolVerdict::Try {
+                        batch: Vec::new(),
+                        free_seen: false,
+                        frees_at: None,
+                        held_by: None,
+                    };
+                    attempt.date_database_frees(&mut verdict, answer.db_now.unwrap_or(view.now));
+                    return Ok(Err(verdict));
+                }
+                ClaimOutcome::Nothing(missed) | ClaimOutcome::Busy { missed, .. } => {
+                    attempt.missed(&batch, missed.frees_at, missed.held_by);
+                    batch
+                }
+                ClaimOutcome::InFlight => {
+                    unreachable!("Allocator::claim claims again while an attempt is in flight")
+                }
+            };
             tracing::debug!(
                 candidates = batch.len(),
                 stale,
                 free_seen,
                 "claim found no free slot"
             );
-            attempt.missed(&batch, result.frees_at, result.held_by.as_deref());
-            if result.bound {
-                // a strict binding confined the claim to its credential (in this pool, or in
-                // another of the sequence): the rest of the batch was not looked at, and claiming
-                // it again would not be either. The database's word on when the bound one frees
-                // is the answer (and a waiting request's timer).
-                let mut verdict = PoolVerdict::Try {
-                    batch: Vec::new(),
-                    free_seen: false,
-                    frees_at: None,
-                    held_by: None,
-                };
-                if attempt.needs_database_clock(&verdict) {
-                    let (now, _) = self.views.with_view(provider, pool, |v| v.now()).await?;
-                    attempt.date_database_frees(&mut verdict, now);
-                }
-                return Ok(Err(verdict));
-            }
             self.views.note_full(provider, pool, &batch);
             if stale {
                 self.views
-                    .reload(provider, pool, result.pool_version)
+                    .reload(provider, pool, answer.pool_version)
                     .await?;
                 attempt.reloaded();
             }
+        }
+    }
+
+    /// A lease the claim granted (`replayed`: to an earlier attempt of the request) in `pool`:
+    /// logged, counted in the view (unless replayed: it was counted when granted), and handed
+    /// out. `reload`: the view was behind the pool's version (`Some(version)`), so it is read
+    /// again in the background.
+    async fn granted(
+        &self,
+        request: &AllocateRequest,
+        pool: &PoolName,
+        granted: leases::GrantedLease,
+        replayed: bool,
+        reload: Option<Option<i64>>,
+    ) -> Result<Allocation, AllocateError> {
+        let provider = &request.provider;
+        tracing::info!(
+            key_id = %granted.key_id,
+            lease_id = %granted.lease_id,
+            served_pool = %granted.pool,
+            probe = granted.probe,
+            fence = granted.fence,
+            replayed,
+            pruned_expired = granted.pruned_expired,
+            "lease granted"
+        );
+        if !replayed {
+            self.views
+                .note_grant(provider, pool, &granted, request.tokens);
+        }
+        crate::telemetry::expired("claim", u64::from(granted.pruned_expired));
+        if let Some(version) = reload {
+            let (views, provider, pool) = (self.views.clone(), provider.clone(), pool.clone());
+            tokio::spawn(async move {
+                if let Err(error) = views.reload(&provider, &pool, version).await {
+                    tracing::warn!(error = %error, "candidate view reload failed");
+                }
+            });
+        }
+        self.hand_out(request, granted).await
+    }
+}
+
+/// What one round of a pool attempt takes from the pool's view, in one visit: the verdict on the
+/// pool, when the view was read, its estimate of the database clock, its version, and whether
+/// the batch to claim has rate windows.
+struct Snapshot {
+    verdict: PoolVerdict,
+    read_at: Instant,
+    now: OffsetDateTime,
+    version: Option<i64>,
+    /// Whether the claim must take the shape that locks window rows (the slots' `windowed` gate
+    /// covers a view that is behind).
+    windowed: bool,
+}
+
+impl Snapshot {
+    fn take(
+        view: &PoolView,
+        request: &AllocateRequest,
+        attempt: &PoolAttempt,
+        hinted: Option<&KeyId>,
+        claims: &ClaimSettings,
+        scoring: &scoring::ScoringPolicy,
+    ) -> Self {
+        let verdict = judge(
+            view,
+            &request.model,
+            request.tokens,
+            &attempt.tried,
+            attempt.batch_size,
+            claims.rank_window,
+            scoring,
+            // a fast generator per ranking: jitter needs spread, not secrecy
+            &mut SmallRng::from_rng(&mut rand::rng()),
+        );
+        let windowed = match &verdict {
+            PoolVerdict::Try { batch, .. } => view.any_windowed(batch.iter().chain(hinted)),
+            _ => false,
+        };
+        Self {
+            verdict,
+            read_at: view.read_at(),
+            now: view.now(),
+            version: view.version,
+            windowed,
         }
     }
 }

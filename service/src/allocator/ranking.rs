@@ -9,55 +9,8 @@ use time::OffsetDateTime;
 
 use super::candidates::{PoolView, unix_seconds};
 use super::scoring::{self, ScoringPolicy};
-use super::windows::WindowKind;
-use crate::domain::{KeyId, ModelName};
-
-/// What holds back the candidate that frees first, when none can serve now: the `held_by` label
-/// of `credpool_allocations_held_back_total`.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum HeldBy {
-    /// Every slot is leased.
-    Slots,
-    /// Cooling down after rate limits or failures.
-    Cooldown,
-    /// A requests window is full.
-    RequestsWindow,
-    /// A tokens window has no room for the estimate.
-    TokensWindow,
-    /// An OAuth access token that would expire before the lease ends (or that an executor
-    /// reported rejected), waiting for its refresh.
-    TokenRefresh,
-    /// A waiting request yielded to another tenant further below its weighted share of the pool
-    /// (docs/design.md "Fair share").
-    FairShare,
-}
-
-impl HeldBy {
-    /// Parses the database's spelling (`credpool_frees_at`).
-    pub(super) fn parse(value: &str) -> Option<Self> {
-        match value {
-            "slots" => Some(HeldBy::Slots),
-            "cooldown" => Some(HeldBy::Cooldown),
-            "requests_window" => Some(HeldBy::RequestsWindow),
-            "tokens_window" => Some(HeldBy::TokensWindow),
-            "token_refresh" => Some(HeldBy::TokenRefresh),
-            "fair_share" => Some(HeldBy::FairShare),
-            _ => None,
-        }
-    }
-
-    /// The label value.
-    pub fn as_str(self) -> &'static str {
-        match self {
-            HeldBy::Slots => "slots",
-            HeldBy::Cooldown => "cooldown",
-            HeldBy::RequestsWindow => "requests_window",
-            HeldBy::TokensWindow => "tokens_window",
-            HeldBy::TokenRefresh => "token_refresh",
-            HeldBy::FairShare => "fair_share",
-        }
-    }
-}
+use crate::domain::windows::WindowKind;
+use crate::domain::{HeldBy, KeyId, ModelName};
 
 /// What one pool of the sequence can offer, judged from its candidate view. Pure.
 #[derive(Debug)]
@@ -289,8 +242,8 @@ pub(super) fn retry_after_seconds(soonest: Option<(OffsetDateTime, OffsetDateTim
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::allocator::health::HealthPolicy;
     use crate::domain::Status;
+    use crate::domain::health::HealthPolicy;
     use crate::store::candidates::{CredentialFacts, PoolSnapshot};
     use rand::SeedableRng;
     use rand::rngs::StdRng;

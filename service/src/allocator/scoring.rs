@@ -18,7 +18,7 @@
 use rand::RngExt;
 use time::OffsetDateTime;
 
-use super::health::{Health, HealthPolicy};
+use crate::domain::health::{Health, HealthPolicy};
 
 /// Weights and shapes of the score. Defaults in [`ScoringPolicy::default`].
 #[derive(Debug, Clone, PartialEq)]
@@ -394,9 +394,9 @@ mod tests {
         assert_eq!(terms(&half).success, 0.5);
         // the rate itself is a ratio of decayed counts; new successes outweigh old failures
         let later = now() + Duration::seconds(600);
-        let (next, _) = crate::allocator::health::apply(
+        let (next, _) = crate::domain::health::apply(
             &half,
-            crate::allocator::health::Report {
+            crate::domain::health::Report {
                 outcome: crate::domain::Outcome::Success,
                 retry_after_seconds: None,
                 probe: false,
@@ -541,14 +541,13 @@ mod tests {
             } else {
                 crate::domain::Outcome::Success
             };
-            let report = crate::allocator::health::Report {
+            let report = crate::domain::health::Report {
                 outcome,
                 retry_after_seconds: None,
                 probe: false,
                 may_disable: true,
             };
-            healths[chosen] =
-                crate::allocator::health::apply(&healths[chosen], report, at, &decay).0;
+            healths[chosen] = crate::domain::health::apply(&healths[chosen], report, at, &decay).0;
         }
         counts
     }

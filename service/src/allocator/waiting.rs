@@ -805,8 +805,8 @@ async fn listen(
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::allocator::health::HealthPolicy;
     use crate::allocator::scoring::ScoringPolicy;
+    use crate::domain::health::HealthPolicy;
 
     /// Waits with no listening connection and no views (every credential may serve any model).
     fn waits() -> Arc<Waits> {

@@ -9,8 +9,8 @@ use clap::Args;
 use super::{DatabaseArgs, SecretArgs, load_secret_file};
 use crate::allocator::ClaimSettings;
 use crate::allocator::groups::GroupSettings;
-use crate::allocator::health::HealthPolicy;
 use crate::allocator::scoring::ScoringPolicy;
+use crate::domain::health::HealthPolicy;
 use crate::http::server::HttpLimits;
 
 /// How often the cleanup runs and what it keeps.

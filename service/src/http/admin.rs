@@ -223,7 +223,7 @@ struct PatchBody {
     pool: Option<PoolName>,
     /// New rate windows (`[]` removes them): at most `requests` grants, or `tokens`
     /// reserved-or-used, in any `seconds`.
-    rate_limits: Option<crate::allocator::windows::RateLimits>,
+    rate_limits: Option<crate::domain::windows::RateLimits>,
 }
 
 /// Changes a credential while traffic flows: state (disable, enable, drain), limit, models,

@@ -9,7 +9,7 @@ use time::OffsetDateTime;
 use utoipa_axum::router::OpenApiRouter;
 use utoipa_axum::routes;
 
-use super::{AllocationOutcome, ApiError, ApiJson, AppState, Caller, ErrorBody};
+use super::{AllocationOutcome, ApiError, ApiJson, AppState, Caller, ErrorBody, ErrorCode};
 use crate::allocator::{Affinity, AllocateRequest};
 use crate::domain::{
     AffinityKey, AffinityMode, AffinityResult, AffinityTtl, Holder, InvalidValue, KeyId, LeaseId,
@@ -39,8 +39,8 @@ struct AllocateBody {
     #[schema(default = "default")]
     pool: PoolName,
     /// Lease length in seconds, 1..=`--max-lease-seconds` (default 3600); default 35.
-    #[schema(minimum = 1, maximum = 86400)]
-    lease_seconds: Option<u64>,
+    #[schema(value_type = Option<u64>, minimum = 1, maximum = 86400)]
+    lease_seconds: Option<i64>,
     /// The executor's name for itself, kept on the lease and in the audit trail.
     holder: Option<Holder>,
     /// An idempotency key the client chose (1..=128 of `A-Z a-z 0-9 . _ : -`; a UUID fits): a
@@ -124,11 +124,11 @@ fn affinity(
 /// A token count as the API takes it: 0..=10^9.
 fn tokens(given: Option<u64>, field: &'static str) -> Result<Option<u64>, ApiError> {
     match given {
-        Some(n) if n > crate::allocator::windows::MAX_COUNT => Err(InvalidValue::new(
+        Some(n) if n > crate::domain::windows::MAX_COUNT => Err(InvalidValue::new(
             field,
             format!(
                 "must be an integer from 0 to {}",
-                crate::allocator::windows::MAX_COUNT
+                crate::domain::windows::MAX_COUNT
             ),
         )
         .into()),
@@ -188,10 +188,16 @@ struct AllocateResponse {
     credential: Secret,
 }
 
-fn lease_seconds(requested: Option<u64>, max: u32) -> Result<LeaseSeconds, ApiError> {
+/// The lease length a body asked for (`None`: the default within `max`). Taken as any integer so
+/// that a negative one gets the API's own range sentence, as 0 does, rather than the JSON
+/// decoder's.
+fn lease_seconds(requested: Option<i64>, max: u32) -> Result<LeaseSeconds, ApiError> {
     match requested {
         None => Ok(LeaseSeconds::default_within(max)),
-        Some(seconds) => Ok(LeaseSeconds::parse(seconds, max)?),
+        Some(seconds) => Ok(LeaseSeconds::parse(
+            u64::try_from(seconds).unwrap_or(0),
+            max,
+        )?),
     }
 }
 
@@ -246,7 +252,7 @@ async fn allocate(
         Ok(request) => request,
         Err(error) => {
             let result = match error {
-                ApiError::PoolNotAllowed { .. } => "pool_not_allowed",
+                ApiError::PoolNotAllowed { .. } => ErrorCode::PoolNotAllowed.as_str(),
                 _ => "bad_request",
             };
             let labels = refused(result);
@@ -292,7 +298,7 @@ async fn allocate(
         }
         Err(error) => {
             let labels = refused(error.result());
-            let error = ApiError::from_allocate(error, provider.as_str(), pool.as_str());
+            let error = ApiError::from_allocate(error, &request);
             (error.into_response(), labels)
         }
     };
@@ -439,8 +445,8 @@ struct RenewBody {
     #[schema(minimum = 1)]
     fence: Option<u64>,
     /// 1..=`--max-lease-seconds` from now (database clock); default 35.
-    #[schema(minimum = 1, maximum = 86400)]
-    lease_seconds: Option<u64>,
+    #[schema(value_type = Option<u64>, minimum = 1, maximum = 86400)]
+    lease_seconds: Option<i64>,
 }
 
 #[derive(Debug, Serialize, utoipa::ToSchema)]

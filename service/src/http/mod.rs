@@ -24,6 +24,8 @@ use axum::{Json, Router};
 use serde::de::DeserializeOwned;
 use subtle::ConstantTimeEq;
 
+pub use credpool_protocol::ErrorCode;
+
 use crate::allocator::{AllocateError, Allocator};
 use crate::domain::InvalidValue;
 
@@ -112,7 +114,7 @@ pub struct Shared {
     /// Longest lease (and renewal) an executor may ask for, in seconds.
     pub max_lease_seconds: u32,
     /// How outcome reports change health.
-    pub health: crate::allocator::health::HealthPolicy,
+    pub health: crate::domain::health::HealthPolicy,
     /// Seals and opens credential secrets.
     pub keyring: Arc<crate::secrets::Keyring>,
     /// The longest a request may take before it is answered 503 (a waiting allocate: plus its
@@ -451,8 +453,15 @@ pub enum ApiError {
     #[error("method not allowed on this route")]
     MethodNotAllowed,
     /// 409 `model_not_supported`: the pool has credentials but none serves the model.
-    #[error("no credential in this pool serves the model")]
-    ModelNotSupported,
+    #[error("no credential of provider {provider} in pool {pool} serves model {model}")]
+    ModelNotSupported {
+        /// The provider the request named.
+        provider: String,
+        /// The pool the request named.
+        pool: String,
+        /// The model the request named.
+        model: String,
+    },
     /// 409 `no_usable_credentials`: every credential that serves the model waits for an operator
     /// (disabled, pending, exhausted without a retry_after, or cooling down with no known end).
     #[error(
@@ -487,11 +496,19 @@ pub enum ApiError {
     UnsupportedMediaType,
     /// 429 `pool_exhausted` with `Retry-After`: candidates exist but none is free now.
     #[error(
-        "every candidate credential is busy or cooling down; retry after {retry_after_seconds} s"
+        "{}; retry after {retry_after_seconds} s",
+        if *.oauth_refresh {
+            "every candidate credential waits for its OAuth access token to be refreshed (it expired or would expire within the lease, or its refresh is failing: see the credential's oauth state)"
+        } else {
+            "every candidate credential is busy or cooling down"
+        }
     )]
     PoolExhausted {
         /// Whole seconds, at least 1.
         retry_after_seconds: u64,
+        /// Whether what frees first is an OAuth access token's refresh (`held_by`
+        /// `token_refresh`): said in the message, since no slot is what it waits for.
+        oauth_refresh: bool,
     },
     /// 429 `tenant_limit` with `Retry-After`: the caller's tenant holds as many live leases as
     /// its `max_concurrent_leases` allows, or a window of its `rate_limits` has no room
@@ -524,39 +541,52 @@ pub enum ApiError {
 }
 
 impl ApiError {
-    /// The HTTP status and the stable error code.
-    pub fn status_and_code(&self) -> (StatusCode, &'static str) {
+    /// The stable error code (its HTTP status and whether it carries Retry-After are the code's).
+    pub fn code(&self) -> ErrorCode {
         match self {
-            ApiError::InvalidRequest(_) => (StatusCode::BAD_REQUEST, "invalid_request"),
-            ApiError::TokenUrlNotAllowed(_) => (StatusCode::BAD_REQUEST, "token_url_not_allowed"),
-            ApiError::Unauthorized => (StatusCode::UNAUTHORIZED, "unauthorized"),
-            ApiError::Forbidden => (StatusCode::FORBIDDEN, "forbidden"),
-            ApiError::PoolNotAllowed { .. } => (StatusCode::FORBIDDEN, "pool_not_allowed"),
-            ApiError::PoolNotFound { .. } => (StatusCode::NOT_FOUND, "pool_not_found"),
-            ApiError::RouteNotFound => (StatusCode::NOT_FOUND, "route_not_found"),
-            ApiError::CredentialNotFound => (StatusCode::NOT_FOUND, "credential_not_found"),
-            ApiError::TenantNotFound => (StatusCode::NOT_FOUND, "tenant_not_found"),
-            ApiError::TenantKeyNotFound => (StatusCode::NOT_FOUND, "tenant_key_not_found"),
-            ApiError::TenantInUse(_) => (StatusCode::CONFLICT, "tenant_in_use"),
-            ApiError::TenantLimit { .. } => (StatusCode::TOO_MANY_REQUESTS, "tenant_limit"),
-            ApiError::MethodNotAllowed => (StatusCode::METHOD_NOT_ALLOWED, "method_not_allowed"),
-            ApiError::ModelNotSupported => (StatusCode::CONFLICT, "model_not_supported"),
-            ApiError::NoUsableCredentials => (StatusCode::CONFLICT, "no_usable_credentials"),
-            ApiError::RequestIdConflict => (StatusCode::CONFLICT, "request_id_conflict"),
-            ApiError::TokensExceedBudget => (StatusCode::CONFLICT, "tokens_exceed_budget"),
-            ApiError::LeaseLost => (StatusCode::GONE, "lease_lost"),
-            ApiError::GenerationMoved => (StatusCode::PRECONDITION_FAILED, "generation_moved"),
-            ApiError::PayloadTooLarge => (StatusCode::PAYLOAD_TOO_LARGE, "payload_too_large"),
-            ApiError::UnsupportedMediaType => {
-                (StatusCode::UNSUPPORTED_MEDIA_TYPE, "unsupported_media_type")
-            }
-            ApiError::PoolExhausted { .. } => (StatusCode::TOO_MANY_REQUESTS, "pool_exhausted"),
-            ApiError::Internal => (StatusCode::INTERNAL_SERVER_ERROR, "internal_error"),
-            ApiError::StoreUnavailable(_) | ApiError::Timeout => {
-                (StatusCode::SERVICE_UNAVAILABLE, "store_unavailable")
-            }
+            ApiError::InvalidRequest(_) => ErrorCode::InvalidRequest,
+            ApiError::TokenUrlNotAllowed(_) => ErrorCode::TokenUrlNotAllowed,
+            ApiError::Unauthorized => ErrorCode::Unauthorized,
+            ApiError::Forbidden => ErrorCode::Forbidden,
+            ApiError::PoolNotAllowed { .. } => ErrorCode::PoolNotAllowed,
+            ApiError::PoolNotFound { .. } => ErrorCode::PoolNotFound,
+            ApiError::RouteNotFound => ErrorCode::RouteNotFound,
+            ApiError::CredentialNotFound => ErrorCode::CredentialNotFound,
+            ApiError::TenantNotFound => ErrorCode::TenantNotFound,
+            ApiError::TenantKeyNotFound => ErrorCode::TenantKeyNotFound,
+            ApiError::TenantInUse(_) => ErrorCode::TenantInUse,
+            ApiError::TenantLimit { .. } => ErrorCode::TenantLimit,
+            ApiError::MethodNotAllowed => ErrorCode::MethodNotAllowed,
+            ApiError::ModelNotSupported { .. } => ErrorCode::ModelNotSupported,
+            ApiError::NoUsableCredentials => ErrorCode::NoUsableCredentials,
+            ApiError::RequestIdConflict => ErrorCode::RequestIdConflict,
+            ApiError::TokensExceedBudget => ErrorCode::TokensExceedBudget,
+            ApiError::LeaseLost => ErrorCode::LeaseLost,
+            ApiError::GenerationMoved => ErrorCode::GenerationMoved,
+            ApiError::PayloadTooLarge => ErrorCode::PayloadTooLarge,
+            ApiError::UnsupportedMediaType => ErrorCode::UnsupportedMediaType,
+            ApiError::PoolExhausted { .. } => ErrorCode::PoolExhausted,
+            ApiError::Internal => ErrorCode::InternalError,
+            ApiError::StoreUnavailable(_) | ApiError::Timeout => ErrorCode::StoreUnavailable,
         }
     }
+
+    /// The HTTP status and the stable error code.
+    pub fn status_and_code(&self) -> (StatusCode, &'static str) {
+        let code = self.code();
+        (status_of(code), code.as_str())
+    }
+}
+
+/// The HTTP status of `code` (every code's status is a valid one).
+pub fn status_of(code: ErrorCode) -> StatusCode {
+    StatusCode::from_u16(code.status()).unwrap_or(StatusCode::INTERNAL_SERVER_ERROR)
+}
+
+/// An answer with `code`'s status and the API's error body.
+pub fn error_response(code: ErrorCode, message: &str) -> Response {
+    let body = serde_json::json!({"error": {"code": code, "message": message}});
+    (status_of(code), Json(body)).into_response()
 }
 
 impl IntoResponse for ApiError {
@@ -572,10 +602,11 @@ impl IntoResponse for ApiError {
             ApiError::Internal => tracing::error!("request handler panicked"),
             _ => tracing::debug!(code, message = %self, "request refused"),
         }
-        let body = serde_json::json!({"error": {"code": code, "message": self.to_string()}});
-        let mut response = (status, Json(body)).into_response();
+        let mut response = error_response(self.code(), &self.to_string());
+        debug_assert_eq!(response.status(), status);
         if let ApiError::PoolExhausted {
             retry_after_seconds,
+            ..
         }
         | ApiError::TenantLimit {
             retry_after_seconds,
@@ -603,21 +634,29 @@ impl From<InvalidValue> for ApiError {
 }
 
 impl ApiError {
-    /// The answer to an allocate of `provider` and `pool` that failed with `error`.
-    pub fn from_allocate(error: AllocateError, provider: &str, pool: &str) -> Self {
+    /// The answer to `request`, an allocate that failed with `error` (a refusal names the
+    /// provider, pool and model the request did).
+    pub fn from_allocate(
+        error: AllocateError,
+        request: &crate::allocator::AllocateRequest,
+    ) -> Self {
+        let (provider, pool) = (request.provider.to_string(), request.pool.to_string());
         match error {
-            AllocateError::PoolNotFound => ApiError::PoolNotFound {
-                provider: provider.to_owned(),
-                pool: pool.to_owned(),
+            AllocateError::PoolNotFound => ApiError::PoolNotFound { provider, pool },
+            AllocateError::ModelNotSupported => ApiError::ModelNotSupported {
+                provider,
+                pool,
+                model: request.model.to_string(),
             },
-            AllocateError::ModelNotSupported => ApiError::ModelNotSupported,
             AllocateError::NoUsableCredentials => ApiError::NoUsableCredentials,
             AllocateError::RequestIdConflict => ApiError::RequestIdConflict,
             AllocateError::TokensExceedBudget => ApiError::TokensExceedBudget,
             AllocateError::PoolExhausted {
                 retry_after_seconds,
+                held_by,
             } => ApiError::PoolExhausted {
                 retry_after_seconds,
+                oauth_refresh: held_by == crate::domain::HeldBy::TokenRefresh,
             },
             AllocateError::TenantLimit {
                 tenant,
@@ -648,14 +687,8 @@ pub struct ErrorBody {
 /// A stable snake_case code and a human-readable message.
 #[derive(Debug, serde::Serialize, utoipa::ToSchema)]
 pub struct ErrorDetail {
-    /// Stable, snake_case: `invalid_request`, `token_url_not_allowed`, `unauthorized`,
-    /// `forbidden`, `pool_not_allowed`, `pool_not_found`, `credential_not_found`,
-    /// `tenant_not_found`, `tenant_key_not_found`, `route_not_found`,
-    /// `method_not_allowed`, `model_not_supported`, `no_usable_credentials`,
-    /// `request_id_conflict`, `tokens_exceed_budget`, `tenant_in_use`, `lease_lost`,
-    /// `payload_too_large`, `unsupported_media_type`, `pool_exhausted`, `tenant_limit`,
-    /// `internal_error`, `store_unavailable`, `not_ready`, `shutting_down`.
-    pub code: String,
+    /// Stable, snake_case: one of [`ErrorCode`] (the list the clients share).
+    pub code: ErrorCode,
     /// What happened, for people.
     pub message: String,
 }

@@ -10,7 +10,9 @@ use std::time::Duration;
 
 use axum::Json;
 use axum::extract::State;
-use axum::http::{StatusCode, header};
+use axum::http::header;
+
+use super::ErrorCode;
 use axum::response::{IntoResponse, Response};
 use serde::Serialize;
 use utoipa_axum::router::OpenApiRouter;
@@ -61,9 +63,10 @@ async fn healthz() -> Json<Health> {
     ))]
 async fn readyz(State(state): State<AppState>) -> Response {
     if state.shutting_down.is_set() {
-        let body = serde_json::json!({"error": {"code": "shutting_down",
-            "message": "the service is shutting down; send requests to another replica"}});
-        return (StatusCode::SERVICE_UNAVAILABLE, Json(body)).into_response();
+        return super::error_response(
+            ErrorCode::ShuttingDown,
+            "the service is shutting down; send requests to another replica",
+        );
     }
     let down = state.background.down();
     if !down.is_empty() {
@@ -71,8 +74,7 @@ async fn readyz(State(state): State<AppState>) -> Response {
             "background task {} panicked and is restarting (credpool_background_task_restarts_total)",
             down.join(", ")
         );
-        let body = serde_json::json!({"error": {"code": "not_ready", "message": message}});
-        return (StatusCode::SERVICE_UNAVAILABLE, Json(body)).into_response();
+        return super::error_response(ErrorCode::NotReady, &message);
     }
     let reason = match tokio::time::timeout(READY_TIMEOUT, crate::store::ready(&state.db)).await {
         Ok(Ok(true)) => return Json(Health { status: "ready" }).into_response(),
@@ -80,8 +82,7 @@ async fn readyz(State(state): State<AppState>) -> Response {
         Ok(Err(_)) => "the database is unreachable",
         Err(_) => "the database did not answer within a second",
     };
-    let body = serde_json::json!({"error": {"code": "not_ready", "message": reason}});
-    (StatusCode::SERVICE_UNAVAILABLE, Json(body)).into_response()
+    super::error_response(ErrorCode::NotReady, reason)
 }
 
 /// Every metric in Prometheus text format (see [`crate::telemetry`] for the series).
@@ -90,7 +91,7 @@ async fn readyz(State(state): State<AppState>) -> Response {
 async fn metrics(State(state): State<AppState>) -> Response {
     (
         [(header::CONTENT_TYPE, "text/plain; version=0.0.4")],
-        crate::telemetry::render(&state.db),
+        crate::telemetry::render(state.db.pool().size(), state.db.pool().num_idle()),
     )
         .into_response()
 }

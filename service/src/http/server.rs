@@ -1,4 +1,4 @@
-//! The HTTP/1 server under connection limits (issue 42): sockets that send nothing, half a
+//! The HTTP/1 server under connection limits: sockets that send nothing, half a
 //! request, or nothing more after a response cannot starve the service.
 //!
 //! `axum::serve` keeps every connection until its client closes it: with the open-file limit at

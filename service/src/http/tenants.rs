@@ -13,7 +13,7 @@ use uuid::Uuid;
 
 use super::admin::Operator;
 use super::{ApiError, ApiJson, ApiPath, AppState, ErrorBody};
-use crate::allocator::windows::RateLimits;
+use crate::domain::windows::RateLimits;
 use crate::domain::{InvalidValue, PoolPattern, TenantId, TenantScope};
 use crate::store::tenants::{self, DeleteRefused, TenantDetail, TenantSpec};
 

@@ -289,10 +289,7 @@ pub async fn now(db: &Db) -> Result<OffsetDateTime, sqlx::Error> {
     Ok(now)
 }
 
-/// The proofs of `credpool audit verify`, in the order they are reported: `oversell` (credentials'
-/// limits), `windows` (credentials' rate windows), `tenant_cap`, `tenant_windows`. Each has a
-/// checkpoint per run (SQL table `audit_checkpoints`); the label values of the audit metrics.
-pub const PROOFS: [&str; 4] = ["oversell", "windows", "tenant_cap", "tenant_windows"];
+pub use crate::domain::AUDIT_PROOFS as PROOFS;
 
 /// A record of proofs (SQL table `audit_checkpoints`): what was proven, up to when, and what
 /// was found.

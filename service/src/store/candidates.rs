@@ -9,8 +9,8 @@ use sqlx::PgConnection;
 use time::OffsetDateTime;
 
 use super::leases::decoded;
-use crate::allocator::health::Health;
-use crate::allocator::windows::{RING, RateLimit, WindowKind, WindowState};
+use crate::domain::health::Health;
+use crate::domain::windows::{RING, RateLimit, WindowKind, WindowState};
 use crate::domain::{KeyId, PoolName, ProviderName};
 
 /// A `lease_windows` row's columns as a [`WindowState`]; a row whose arrays disagree in length is a

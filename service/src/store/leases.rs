@@ -2,15 +2,16 @@
 //! says what each keeps and in which order it takes its locks): the claim, release with the
 //! outcome's effect on health, renewal, and fitting a credential's slots to its limit.
 
+use serde::Serialize;
 use sqlx::{PgConnection, PgExecutor};
 
 use super::{Conn, Db};
 use time::OffsetDateTime;
 
-use crate::allocator::health::{Health, HealthPolicy};
+use crate::domain::health::{Health, HealthPolicy};
 use crate::domain::{
-    AffinityKey, AffinityMode, AffinityResult, AffinityTtl, Holder, KeyId, LeaseId, LeaseSeconds,
-    ModelName, Outcome, PoolName, ProviderName, RequestId, TenantKeyHash,
+    AffinityKey, AffinityMode, AffinityResult, AffinityTtl, HeldBy, Holder, KeyId, LeaseId,
+    LeaseSeconds, ModelName, Outcome, PoolName, ProviderName, RequestId, TenantKeyHash,
 };
 
 /// Values read back from the database passed the same validation on the way in (and the
@@ -19,40 +20,47 @@ pub(crate) fn decoded<T>(value: Result<T, crate::domain::InvalidValue>) -> Resul
     value.map_err(|e| sqlx::Error::Decode(Box::new(e)))
 }
 
-/// What the claim needs besides the ranked candidates.
-#[derive(Debug, Clone)]
-pub struct ClaimRequest<'a> {
+/// One claim, as the claim statement reads it: serialized once (serde) into the JSON object that
+/// `credpool_claim` takes apart (sql/claim.sql, PARSE). Owned: it travels from the allocator
+/// through the claim groups to the statement unchanged.
+#[derive(Debug, Clone, Serialize)]
+pub struct Claim {
     /// Candidate key ids, best first.
-    pub ranked: &'a [KeyId],
+    pub ranked: Vec<KeyId>,
     /// The provider requested.
-    pub provider: &'a ProviderName,
+    pub provider: ProviderName,
     /// The pool being tried (one step of the pool sequence).
-    pub pool: &'a PoolName,
+    pub pool: PoolName,
     /// The model requested.
-    pub model: &'a ModelName,
+    pub model: ModelName,
     /// The id the new lease will carry.
     pub lease_id: LeaseId,
     /// The executor's name for itself, if it gave one.
-    pub holder: Option<&'a Holder>,
-    /// The lease length.
+    pub holder: Option<Holder>,
+    /// The lease length, in seconds.
+    #[serde(serialize_with = "lease_seconds")]
     pub lease_seconds: LeaseSeconds,
-    /// The client's idempotency key, if it gave one: the claim then answers with the lease the
-    /// request already holds instead of taking a second slot.
-    pub request: Option<&'a RequestKey>,
+    /// The client's idempotency key, if it gave one (`request_id`, `request_digest`): the claim
+    /// then answers with the lease the request already holds instead of taking a second slot.
+    #[serde(flatten)]
+    pub request: Option<RequestKey>,
     /// The tokens the lease reserves in its credential's token windows (the allocate's estimate;
     /// 0: none).
     pub tokens: u64,
-    /// The hash of the tenant key presented (`None`: the internal key, tenant `default`): the
-    /// claim checks it is live and takes its tenant's cap.
+    /// The hash of the tenant key presented (`key_hash`, hex; `None`: the internal key, tenant
+    /// `default`): the claim checks it is live and takes its tenant's cap.
+    #[serde(rename = "key_hash", serialize_with = "key_hash")]
     pub caller: Option<TenantKeyHash>,
-    /// The request's conversation affinity, if it named an `affinity_key`: its binding's
-    /// credential is tried first, and the grant (re)binds it.
-    pub affinity: Option<&'a ClaimAffinity>,
+    /// The request's conversation affinity, if it named an `affinity_key` (`affinity_key`,
+    /// `affinity_pools`, `affinity_ttl_seconds`, `affinity_mode`): its binding's credential is
+    /// tried first, and the grant (re)binds it.
+    #[serde(flatten)]
+    pub affinity: Option<ClaimAffinity>,
     /// The request's wait, if it may wait for a slot (`wait_ms`): the claim then yields to a
     /// tenant further below its weighted share of the pool that waits too, and when it grants
     /// nothing it records the request as waiting (docs/design.md "Fair share"). `None`: it
     /// answers at once and never yields.
-    pub waiting: Option<&'a ClaimWaiting>,
+    pub waiting: Option<ClaimWaiting>,
     /// Whether a candidate has rate windows, as the caller's view of the pool says (the claim
     /// then locks window rows too; a credential given windows since is passed over by its slots'
     /// gate until the view catches up). `None`: the claim looks for itself, one probe per
@@ -60,8 +68,55 @@ pub struct ClaimRequest<'a> {
     pub windowed: Option<bool>,
 }
 
+impl Claim {
+    /// A claim of the internal key's tenant over `ranked` (best first) for a `lease_seconds`
+    /// lease, with nothing else: no holder, idempotency key, token estimate, affinity or wait; a
+    /// new lease id; the claim looks for rate windows itself.
+    pub fn new(
+        ranked: Vec<KeyId>,
+        provider: ProviderName,
+        pool: PoolName,
+        model: ModelName,
+        lease_seconds: LeaseSeconds,
+    ) -> Self {
+        Self {
+            ranked,
+            provider,
+            pool,
+            model,
+            lease_id: LeaseId::generate(),
+            holder: None,
+            lease_seconds,
+            request: None,
+            tokens: 0,
+            caller: None,
+            affinity: None,
+            waiting: None,
+            windowed: None,
+        }
+    }
+}
+
+fn lease_seconds<S: serde::Serializer>(value: &LeaseSeconds, s: S) -> Result<S::Ok, S::Error> {
+    s.serialize_u32(value.get())
+}
+
+fn key_hash<S: serde::Serializer>(value: &Option<TenantKeyHash>, s: S) -> Result<S::Ok, S::Error> {
+    match value {
+        Some(hash) => s.serialize_str(&hash.to_hex()),
+        None => s.serialize_none(),
+    }
+}
+
+fn milliseconds<S: serde::Serializer>(
+    value: &std::time::Duration,
+    s: S,
+) -> Result<S::Ok, S::Error> {
+    s.serialize_f64(value.as_secs_f64() * 1e3)
+}
+
 /// A waiting request, as its claims record it in `pool_waiters` (docs/design.md "Fair share").
-#[derive(Debug, Clone, PartialEq, Eq)]
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
 pub struct ClaimWaiting {
     /// The request's id for its row.
     pub waiter: uuid::Uuid,
@@ -69,40 +124,52 @@ pub struct ClaimWaiting {
     pub instance: String,
     /// Its pool sequence.
     pub pools: Vec<PoolName>,
-    /// How long it has waited, when the claim is sent: the claim dates its arrival on the
-    /// database clock, that much before its own clock (ties between tenants of equal share go to
-    /// the earliest). Durations, never dates: every decision is on the database clock, whatever
-    /// the service host's.
+    /// How long it has waited, when the claim is sent (`waited_ms`): the claim dates its arrival
+    /// on the database clock, that much before its own clock (ties between tenants of equal share
+    /// go to the earliest). Durations, never dates: every decision is on the database clock,
+    /// whatever the service host's.
+    #[serde(rename = "waited_ms", serialize_with = "milliseconds")]
     pub waited: std::time::Duration,
-    /// How much longer it may wait, from when the claim is sent (the claim dates the end of the
-    /// wait on its clock likewise).
+    /// How much longer it may wait, from when the claim is sent (`wait_ms`; the claim dates the
+    /// end of the wait on its clock likewise).
+    #[serde(rename = "wait_ms", serialize_with = "milliseconds")]
     pub wait_left: std::time::Duration,
 }
 
 /// A claim's conversation affinity (docs/design.md "Affinity"): which binding it reads and
 /// writes, how long a written binding lives, and whether it is strict.
-#[derive(Debug, Clone, PartialEq, Eq)]
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
 pub struct ClaimAffinity {
     /// The conversation's key.
+    #[serde(rename = "affinity_key")]
     pub key: AffinityKey,
     /// The pool sequence of the pool asked for, that pool first: the binding is the asked pool's
     /// (a `vip` conversation served from `default` stays a `vip` conversation), and a strict
     /// binding only confines a claim while its credential is in one of these pools.
+    #[serde(rename = "affinity_pools")]
     pub pools: Vec<PoolName>,
-    /// How long a binding this claim writes lives (refreshed on each hit).
+    /// How long a binding this claim writes lives, in seconds (refreshed on each hit).
+    #[serde(rename = "affinity_ttl_seconds", serialize_with = "ttl_seconds")]
     pub ttl: AffinityTtl,
     /// Preferred or strict.
+    #[serde(rename = "affinity_mode")]
     pub mode: AffinityMode,
+}
+
+fn ttl_seconds<S: serde::Serializer>(value: &AffinityTtl, s: S) -> Result<S::Ok, S::Error> {
+    s.serialize_u32(value.get())
 }
 
 /// An allocation's idempotency key: the client's `request_id` and a digest of the parameters it
 /// came with, so that a retry with other parameters is told apart (409 `request_id_conflict`).
-#[derive(Debug, Clone, PartialEq, Eq)]
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
 pub struct RequestKey {
     /// The client's key.
+    #[serde(rename = "request_id")]
     pub id: RequestId,
     /// SHA-256 (hex) of the request's provider, pool asked for, model, lease_seconds, holder and
     /// token estimate.
+    #[serde(rename = "request_digest")]
     pub digest: String,
 }
 
@@ -167,53 +234,173 @@ pub struct GrantedLease {
     /// The lease's fencing token: strictly increasing per credential with each grant, never
     /// reused (`lease_fence_seq`).
     pub fence: i64,
-    /// The lease was granted to an earlier attempt of the same request (same `request_id` and
-    /// parameters); this claim took no slot.
-    pub replayed: bool,
     /// The tenant holding the lease.
     pub tenant: String,
     /// For a claim with an affinity key (not a replay): whether its bound credential served.
     pub affinity: Option<AffinityResult>,
 }
 
-/// What one run of the claim statement found.
-#[derive(Debug, Clone)]
-pub struct ClaimResult {
+/// What one run of the claim statement answered for one claim: its outcome, and what every
+/// answer carries.
+#[derive(Debug)]
+pub struct ClaimAnswer {
+    /// What the claim came to.
+    pub outcome: ClaimOutcome,
     /// The pool's version when the statement ran; compare with the candidate view's.
     pub pool_version: Option<i64>,
-    /// The lease, if a slot was free (or the request already held one).
-    pub granted: Option<GrantedLease>,
-    /// The request's `request_id` holds a live lease granted for other parameters.
-    pub conflict: bool,
-    /// Another transaction is claiming for the same `request_id` right now (a retry that overtook
-    /// its first attempt): nothing was done; claim again in a moment to get that attempt's answer.
-    pub in_flight: bool,
-    /// Nothing was granted, but a candidate that may serve at once (read after the claim) was held
-    /// or changed by another transaction at that moment (a concurrent claim, the reaper, an
-    /// operator's change): claiming again soon may succeed.
-    pub busy: bool,
-    /// When nothing was granted: the earliest moment a candidate may serve the claim (a slot, a
-    /// cooldown or a window frees), on the database clock; `None` when nothing known ends.
-    pub frees_at: Option<OffsetDateTime>,
-    /// What holds that candidate back: `slots`, `cooldown`, `requests_window`, `tokens_window`
-    /// (`tenant` with `tenant_limit`).
-    pub held_by: Option<String>,
-    /// The tenant key presented is unknown or revoked: nothing was done.
-    pub unauthorized: bool,
-    /// Nothing granted: the tenant holds as many live leases as its cap allows (`frees_at`: the
-    /// earliest end of them).
-    pub tenant_limit: bool,
     /// The tenant the claim was made for (`None` when unauthorized).
     pub tenant: Option<String>,
-    /// The claim's clock (database), for a Retry-After from `frees_at`.
+    /// The claim's clock (database), for a Retry-After from a `frees_at`.
     pub db_now: Option<OffsetDateTime>,
-    /// Nothing was granted because a strict affinity binding confined the claim to its bound
-    /// credential (`frees_at` is that credential's): other candidates were not considered, and
-    /// claiming them again would not change that.
-    pub bound: bool,
+}
+
+/// What a claim came to: the outcomes exclude each other. Decoded once from the claim
+/// statement's row ([`ClaimOutcome::decode`]); a word the statement can say that this does not
+/// know is a decode error, never a silent fallthrough.
+#[derive(Debug)]
+pub enum ClaimOutcome {
+    /// A slot was free: the new lease.
+    Granted(GrantedLease),
+    /// The lease an earlier attempt of the same request (same `request_id` and parameters) was
+    /// granted, answered again; this claim took no slot.
+    Replayed(GrantedLease),
+    /// The request's `request_id` holds a live lease granted for other parameters.
+    Conflict,
+    /// Another transaction is claiming for the same `request_id` right now (a retry that overtook
+    /// its first attempt): nothing was done; claim again in a moment to get that attempt's answer.
+    InFlight,
+    /// The tenant key presented is unknown or revoked: nothing was done.
+    Unauthorized,
+    /// Nothing granted: the tenant holds as many live leases as its cap allows, or a window of
+    /// its rate limits has no room (`window`). `frees_at`: when it may be served again (`None`
+    /// for a window that can never hold the reservation).
+    TenantLimit {
+        /// Whether a window holds it back (else its cap).
+        window: bool,
+        /// When the tenant may be served again, on the database clock.
+        frees_at: Option<OffsetDateTime>,
+    },
     /// Nothing was looked at: the request waits, and this tenant, further below its weighted
     /// share of the pool, waits for it too (docs/design.md "Fair share"); wake its waiter.
-    pub yield_to: Option<String>,
+    Yield {
+        /// The tenant yielded to.
+        to: String,
+    },
+    /// Nothing was granted, but a candidate that may serve at once (read after the claim) was
+    /// held or changed by another transaction at that moment (a concurrent claim, the reaper, an
+    /// operator's change): claiming again soon may succeed. `bound`: the claim was confined to
+    /// a strict binding's credential ([`ClaimOutcome::Bound`] once it settles).
+    Busy {
+        /// Whether a strict binding confined the claim.
+        bound: bool,
+        /// When a candidate may serve, and what holds it back.
+        missed: Missed,
+    },
+    /// Nothing was granted because a strict affinity binding confined the claim to its bound
+    /// credential (`missed` is that credential's): other candidates were not considered, and
+    /// claiming them again would not change that.
+    Bound(Missed),
+    /// Nothing was granted: no candidate could serve.
+    Nothing(Missed),
+}
+
+/// When a claim that granted nothing may be served, and why not now.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct Missed {
+    /// The earliest moment a candidate may serve the claim (a slot, a cooldown, a window or a
+    /// token refresh ends), on the database clock; `None` when nothing known ends.
+    pub frees_at: Option<OffsetDateTime>,
+    /// What holds that candidate back.
+    pub held_by: Option<HeldBy>,
+}
+
+impl ClaimOutcome {
+    /// The lease the claim answered with, granted now or replayed; `None` for any other outcome.
+    pub fn into_lease(self) -> Option<GrantedLease> {
+        match self {
+            ClaimOutcome::Granted(lease) | ClaimOutcome::Replayed(lease) => Some(lease),
+            _ => None,
+        }
+    }
+
+    /// A [`ClaimOutcome::Busy`] taken as final (the caller stopped claiming again): what it
+    /// would have been had nothing been held. Any other outcome is itself.
+    pub fn settled(self) -> Self {
+        match self {
+            ClaimOutcome::Busy {
+                bound: true,
+                missed,
+            } => ClaimOutcome::Bound(missed),
+            ClaimOutcome::Busy {
+                bound: false,
+                missed,
+            } => ClaimOutcome::Nothing(missed),
+            other => other,
+        }
+    }
+
+    /// The outcome of a claim statement's row from its words (`state`: the `request` column,
+    /// `held_by`, `affinity`; the enum types `credpool_claim_state`, `credpool_held_by` and
+    /// `credpool_affinity_answer`), its `frees_at` and `yield_to`, and the lease it granted,
+    /// if any. Errors name a word this decoder does not know, or one out of place.
+    pub fn decode(
+        state: Option<&str>,
+        held_by: Option<&str>,
+        affinity: Option<&str>,
+        frees_at: Option<OffsetDateTime>,
+        yield_to: Option<String>,
+        granted: Option<GrantedLease>,
+    ) -> Result<Self, String> {
+        let unknown = |column: &str, word: &str| format!("the claim answered {column} {word:?}");
+        if let Some(affinity) = affinity
+            && affinity != "bound"
+            && AffinityResult::parse(affinity).is_none()
+        {
+            return Err(unknown("affinity", affinity));
+        }
+        let missed = || -> Result<Missed, String> {
+            Ok(Missed {
+                frees_at,
+                held_by: match held_by {
+                    None => None,
+                    Some(word) => {
+                        Some(HeldBy::parse(word).ok_or_else(|| unknown("held_by", word))?)
+                    }
+                },
+            })
+        };
+        let bound = affinity == Some("bound");
+        Ok(match (state, granted) {
+            (Some("replayed"), Some(lease)) => ClaimOutcome::Replayed(lease),
+            (None, Some(lease)) => ClaimOutcome::Granted(lease),
+            (state, Some(_)) => {
+                return Err(unknown("a grant with state", state.unwrap_or_default()));
+            }
+            (Some("conflict"), None) => ClaimOutcome::Conflict,
+            (Some("in_flight"), None) => ClaimOutcome::InFlight,
+            (Some("unauthorized"), None) => ClaimOutcome::Unauthorized,
+            (Some("tenant_limit"), None) => ClaimOutcome::TenantLimit {
+                window: match held_by {
+                    Some("tenant_window") => true,
+                    Some("tenant") => false,
+                    other => {
+                        return Err(unknown("tenant_limit held by", other.unwrap_or_default()));
+                    }
+                },
+                frees_at,
+            },
+            (Some("busy"), None) => ClaimOutcome::Busy {
+                bound,
+                missed: missed()?,
+            },
+            (Some("yield"), None) => ClaimOutcome::Yield {
+                to: yield_to.ok_or_else(|| unknown("yield to", "nobody"))?,
+            },
+            (Some(state), None) => return Err(unknown("state", state)),
+            (None, None) if bound => ClaimOutcome::Bound(missed()?),
+            (None, None) => ClaimOutcome::Nothing(missed()?),
+        })
+    }
 }
 
 /// Deletes waiting request `waiter`'s `pool_waiters` row (docs/design.md "Fair share"): its wait
@@ -229,78 +416,32 @@ pub async fn forget_waiter(
     Ok(())
 }
 
-/// Runs the claim for one request: [`claim_slots`] with a group of one.
+/// Runs one claim: [`claim_slots`] with a group of one.
 pub async fn claim_slot(
     conn: &mut PgConnection,
-    request: &ClaimRequest<'_>,
-) -> Result<ClaimResult, sqlx::Error> {
-    claim_slots(conn, std::slice::from_ref(request))
+    claim: &Claim,
+) -> Result<ClaimAnswer, sqlx::Error> {
+    claim_slots(conn, &[claim])
         .await?
         .pop()
         .ok_or(sqlx::Error::RowNotFound)
 }
 
 /// Runs the claim (SQL function `credpool_claim` in `sql/claim.sql`; read its comment for why it
-/// cannot oversell and never waits for a lock) for each request, in order, in ONE statement: a
-/// group of claims costs one round trip. Returns one result per request, in the same order.
+/// cannot oversell and never waits for a lock) for each of `claims`, in order, in ONE statement:
+/// a group of claims costs one round trip. Returns one answer per claim, in the same order.
 ///
 /// A lease the statement granted (or replayed) that cannot be turned into an answer — a column
-/// unexpectedly NULL, a value that does not parse — is given back at once (force released, as
-/// actor `credpool`, see [`give_back_unanswerable`]) rather than stranded until its lease_until,
-/// and its request is answered as if nothing had been granted; the error is logged (no secret in
-/// it).
-#[tracing::instrument(skip_all, fields(claims = requests.len()), err(level = "debug"))]
+/// unexpectedly NULL, a value that does not parse, a word the decoder does not know — is given
+/// back at once (force released, as actor `credpool`, see [`give_back_unanswerable`]) rather than
+/// stranded until its lease_until, and its claim is answered as if nothing had been granted; the
+/// error is logged (no secret in it). A word it does not know in an answer without a lease is a
+/// decode error.
+#[tracing::instrument(skip_all, fields(claims = claims.len()), err(level = "debug"))]
 pub async fn claim_slots(
     conn: &mut PgConnection,
-    requests: &[ClaimRequest<'_>],
-) -> Result<Vec<ClaimResult>, sqlx::Error> {
-    let claims: Vec<serde_json::Value> = requests
-        .iter()
-        .map(|request| {
-            let mut claim = serde_json::json!({
-                "ranked": request.ranked.iter().map(KeyId::as_str).collect::<Vec<_>>(),
-                "provider": request.provider.as_str(),
-                "pool": request.pool.as_str(),
-                "model": request.model.as_str(),
-                "lease_id": request.lease_id.as_uuid(),
-                "holder": request.holder.map(Holder::as_str),
-                "lease_seconds": i32::try_from(request.lease_seconds.get()).unwrap_or(i32::MAX),
-                "request_id": request.request.map(|r| r.id.as_str()),
-                "request_digest": request.request.map(|r| r.digest.as_str()),
-                "tokens": request.tokens,
-                "key_hash": request.caller.map(|hash| hash.to_hex()),
-                "windowed": request.windowed,
-                "waiting": request.waiting.map(|waiting| {
-                    serde_json::json!({
-                        "waiter": waiting.waiter,
-                        "instance": waiting.instance,
-                        "pools": waiting.pools.iter().map(PoolName::as_str).collect::<Vec<_>>(),
-                        "waited_ms": waiting.waited.as_secs_f64() * 1e3,
-                        "wait_ms": waiting.wait_left.as_secs_f64() * 1e3,
-                    })
-                }),
-            });
-            if let (Some(affinity), serde_json::Value::Object(claim)) =
-                (request.affinity, &mut claim)
-            {
-                claim.insert("affinity_key".into(), affinity.key.as_str().into());
-                claim.insert(
-                    "affinity_pools".into(),
-                    affinity.pools.iter().map(PoolName::as_str).collect(),
-                );
-                claim.insert("affinity_ttl_seconds".into(), affinity.ttl.get().into());
-                claim.insert(
-                    "affinity_mode".into(),
-                    match affinity.mode {
-                        AffinityMode::Preferred => "preferred",
-                        AffinityMode::Strict => "strict",
-                    }
-                    .into(),
-                );
-            }
-            claim
-        })
-        .collect();
+    claims: &[&Claim],
+) -> Result<Vec<ClaimAnswer>, sqlx::Error> {
     let rows = sqlx::query!(
         r#"
         SELECT claim AS "claim!", pool_version, key_id, lease_id, lease_pool, granted_at,
@@ -309,80 +450,80 @@ pub async fn claim_slots(
         FROM credpool_claim($1)
         ORDER BY claim
         "#,
-        serde_json::Value::Array(claims),
+        serde_json::to_value(claims).map_err(|e| sqlx::Error::Encode(Box::new(e)))?,
     )
     .fetch_all(&mut *conn)
     .await?;
-    if rows.len() != requests.len() {
+    if rows.len() != claims.len() {
         return Err(sqlx::Error::Protocol(format!(
             "credpool_claim returned {} rows for {} claims",
             rows.len(),
-            requests.len()
+            claims.len()
         )));
     }
     let mut unanswerable = Vec::new();
-    let results = rows
-        .into_iter()
-        .zip(requests)
-        .map(|(mut row, request)| {
-            // the granted row's owned parts are moved out, not copied (the claim's hot path)
-            let mut granted = || -> Result<Option<GrantedLease>, String> {
-                let Some(lease_id) = row.lease_id else {
-                    return Ok(None);
-                };
-                let missing = |column: &str| format!("{column} is NULL");
-                Ok(Some(GrantedLease {
-                    key_id: KeyId::parse(row.key_id.clone().ok_or_else(|| missing("key_id"))?)
-                        .map_err(|e| e.to_string())?,
-                    lease_id: LeaseId::from(lease_id),
-                    granted_at: row.granted_at.ok_or_else(|| missing("granted_at"))?,
-                    lease_until: row.lease_until.ok_or_else(|| missing("lease_until"))?,
-                    probe: row.probe.unwrap_or(false),
-                    provider_model: row
-                        .provider_model
-                        .take()
-                        .unwrap_or_else(|| request.model.as_str().to_owned()),
-                    sealed_secret: row
-                        .sealed_secret
-                        .take()
-                        .ok_or_else(|| missing("the sealed secret"))?,
-                    pruned_expired: row.pruned_expired.unwrap_or(false),
-                    pool: PoolName::parse(row.lease_pool.take().ok_or_else(|| missing("pool"))?)
-                        .map_err(|e| e.to_string())?,
-                    fence: row.fence.ok_or_else(|| missing("fence"))?,
-                    replayed: row.request.as_deref() == Some("replayed"),
-                    tenant: row.tenant.clone().ok_or_else(|| missing("tenant"))?,
-                    affinity: row.affinity.as_deref().and_then(AffinityResult::parse),
-                }))
+    let mut answers = Vec::with_capacity(rows.len());
+    for (mut row, claim) in rows.into_iter().zip(claims) {
+        // the granted row's owned parts are moved out, not copied (the claim's hot path)
+        let mut granted = || -> Result<Option<GrantedLease>, String> {
+            let Some(lease_id) = row.lease_id else {
+                return Ok(None);
             };
-            let granted = match granted() {
-                Ok(granted) => granted,
-                Err(why) => {
-                    unanswerable.push((row.key_id.take(), row.lease_id, why));
-                    None
-                }
-            };
-            ClaimResult {
-                pool_version: row.pool_version,
+            let missing = |column: &str| format!("{column} is NULL");
+            Ok(Some(GrantedLease {
+                key_id: KeyId::parse(row.key_id.clone().ok_or_else(|| missing("key_id"))?)
+                    .map_err(|e| e.to_string())?,
+                lease_id: LeaseId::from(lease_id),
+                granted_at: row.granted_at.ok_or_else(|| missing("granted_at"))?,
+                lease_until: row.lease_until.ok_or_else(|| missing("lease_until"))?,
+                probe: row.probe.unwrap_or(false),
+                provider_model: row
+                    .provider_model
+                    .take()
+                    .unwrap_or_else(|| claim.model.as_str().to_owned()),
+                sealed_secret: row
+                    .sealed_secret
+                    .take()
+                    .ok_or_else(|| missing("the sealed secret"))?,
+                pruned_expired: row.pruned_expired.unwrap_or(false),
+                pool: PoolName::parse(row.lease_pool.take().ok_or_else(|| missing("pool"))?)
+                    .map_err(|e| e.to_string())?,
+                fence: row.fence.ok_or_else(|| missing("fence"))?,
+                tenant: row.tenant.clone().ok_or_else(|| missing("tenant"))?,
+                affinity: row.affinity.as_deref().and_then(AffinityResult::parse),
+            }))
+        };
+        let granted = granted();
+        let leased = row.lease_id.is_some();
+        let outcome = granted.and_then(|granted| {
+            ClaimOutcome::decode(
+                row.request.as_deref(),
+                row.held_by.as_deref(),
+                row.affinity.as_deref(),
+                row.frees_at,
+                row.yield_to.take(),
                 granted,
-                conflict: row.request.as_deref() == Some("conflict"),
-                in_flight: row.request.as_deref() == Some("in_flight"),
-                busy: row.request.as_deref() == Some("busy"),
-                frees_at: row.frees_at,
-                held_by: row.held_by,
-                unauthorized: row.request.as_deref() == Some("unauthorized"),
-                tenant_limit: row.request.as_deref() == Some("tenant_limit"),
-                tenant: row.tenant,
-                db_now: row.db_now,
-                bound: row.affinity.as_deref() == Some("bound"),
-                yield_to: row.yield_to,
+            )
+        });
+        let outcome = match outcome {
+            Ok(outcome) => outcome,
+            Err(why) if leased => {
+                unanswerable.push((row.key_id.take(), row.lease_id, why));
+                ClaimOutcome::Nothing(Missed::default())
             }
-        })
-        .collect();
+            Err(why) => return Err(sqlx::Error::Decode(why.into())),
+        };
+        answers.push(ClaimAnswer {
+            outcome,
+            pool_version: row.pool_version,
+            tenant: row.tenant,
+            db_now: row.db_now,
+        });
+    }
     for (key_id, lease_id, why) in unanswerable {
         give_back_unanswerable(&mut *conn, key_id.as_deref(), lease_id, &why).await?;
     }
-    Ok(results)
+    Ok(answers)
 }
 
 /// Gives back a lease that was granted but cannot be answered (see [`claim_slots`]): force
@@ -472,7 +613,7 @@ pub struct ReleaseRequest {
     /// Whether the reporter's outcome may take the credential out of traffic until an operator
     /// acts (`auth_error`, or `quota_exhausted` without a retry_after): the internal key, a
     /// tenant with `reports_may_disable`, and the service's own releases (which report no
-    /// outcome). Issue 42: a tenant's report has bounded reach by default; the trail names the
+    /// outcome). A tenant's report has bounded reach by default; the trail names the
     /// tenant of the key the release presents.
     pub may_disable: bool,
 }

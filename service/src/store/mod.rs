@@ -5,7 +5,7 @@
 //! Errors are [`sqlx::Error`]; the HTTP layer maps them to 503 `store_unavailable` and logs them
 //! once, without SQL text reaching a client.
 
-/// A credential's [`crate::allocator::health::Health`] from a row of a query that selects the health columns
+/// A credential's [`crate::domain::health::Health`] from a row of a query that selects the health columns
 /// under their own names (`status`, `status_reason`, `cooldown_until`, `health_successes`,
 /// `health_failures`, `health_rate_limits`, `health_decayed_at`, `recent_failures`,
 /// `cooldowns_in_a_row`, `last_success_at`, `recovered_at`). Moves those fields out of the row;
@@ -13,7 +13,7 @@
 macro_rules! health_of_row {
     ($row:expr) => {
         $crate::store::leases::decoded($crate::domain::Status::parse(&$row.status)).map(|status| {
-            $crate::allocator::health::Health {
+            $crate::domain::health::Health {
                 status,
                 status_reason: $row.status_reason,
                 cooldown_until: $row.cooldown_until,

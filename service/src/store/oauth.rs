@@ -16,7 +16,7 @@ use time::OffsetDateTime;
 use uuid::Uuid;
 
 use crate::domain::KeyId;
-use crate::oauth::OAuthSpec;
+use crate::domain::oauth::OAuthSpec;
 use crate::store::Db;
 use crate::store::credentials::{self, Actor};
 

@@ -1,4 +1,4 @@
-//! Tenants and their executor keys (issue 29): who holds a lease, and the cap on the live leases
+//! Tenants and their executor keys: who holds a lease, and the cap on the live leases
 //! each may hold. The cap itself is decided by the claim on the tenant's `tenant_slots` rows
 //! (`sql/claim.sql`, CLAIM, "Tenants"); this module writes the configuration, fits the rows to it
 //! (`credpool_fit_tenant`) and keeps the keys, of which it stores only SHA-256 hashes.
@@ -15,7 +15,7 @@ use uuid::Uuid;
 
 use super::Db;
 use super::credentials::Actor;
-use crate::allocator::windows::RateLimits;
+use crate::domain::windows::RateLimits;
 use crate::domain::{PoolPattern, TenantId, TenantKey, TenantKeyHash, TenantScope};
 
 /// A tenant's configuration as an operator sets it (`PUT /api/admin/tenants/{tenant_id}`).

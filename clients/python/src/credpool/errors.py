@@ -274,6 +274,70 @@ class StoreUnavailable(ApiError):
     retryable = True
 
 
+class PoolNotAllowed(ApiError):
+    """403 ``pool_not_allowed``: the tenant of the key this client presents may not lease from
+    this provider and pool (its ``pools``); an operator adds the pool to the tenant. Retrying
+    does not help."""
+
+    code = "pool_not_allowed"
+    default_status = 403
+
+
+class TokenUrlNotAllowed(ApiError):
+    """400 ``token_url_not_allowed``: an OAuth credential's ``token_url`` is neither https nor
+    http on a loopback address, or reaches a private address the operator does not allow
+    (operator routes)."""
+
+    code = "token_url_not_allowed"
+    default_status = 400
+
+
+class TenantNotFound(ApiError):
+    """404 ``tenant_not_found``: no tenant with this tenant id (operator routes)."""
+
+    code = "tenant_not_found"
+    default_status = 404
+
+
+class TenantKeyNotFound(ApiError):
+    """404 ``tenant_key_not_found``: the tenant has no live key with this id (operator routes)."""
+
+    code = "tenant_key_not_found"
+    default_status = 404
+
+
+class TenantInUse(ApiError):
+    """409 ``tenant_in_use``: the tenant cannot be deleted: it is ``default``, or it holds live
+    leases (operator routes)."""
+
+    code = "tenant_in_use"
+    default_status = 409
+
+
+class GenerationMoved(ApiError):
+    """412 ``generation_moved``: a PUT with ``If-Match`` found the credential's OAuth token at
+    another generation (refreshed since); read it again (operator routes)."""
+
+    code = "generation_moved"
+    default_status = 412
+
+
+class NotReady(ApiError):
+    """503 ``not_ready`` (``/readyz``): a background task is restarting, or the database is
+    unreachable, slow or not current for this version."""
+
+    code = "not_ready"
+    default_status = 503
+
+
+class ShuttingDown(ApiError):
+    """503 ``shutting_down`` (``/readyz``): the service received SIGTERM and is about to stop;
+    send requests to another replica."""
+
+    code = "shutting_down"
+    default_status = 503
+
+
 class TransportError(CredpoolError):
     """The request got no answer from credpool: connect error, timeout, connection reset, or a
     502/503/504 from a proxy without a credpool error body. The client retries these with backoff;
@@ -330,5 +394,13 @@ ERRORS_BY_CODE: Dict[str, Type[ApiError]] = {
         TenantLimit,
         InternalError,
         StoreUnavailable,
+        PoolNotAllowed,
+        TokenUrlNotAllowed,
+        TenantNotFound,
+        TenantKeyNotFound,
+        TenantInUse,
+        GenerationMoved,
+        NotReady,
+        ShuttingDown,
     )
 }

@@ -6,8 +6,8 @@ use serde::Serialize;
 use sqlx::PgConnection;
 use time::OffsetDateTime;
 
-use crate::allocator::health::HealthPolicy;
-use crate::allocator::windows::{RING, RateLimits, WindowKind, WindowState};
+use crate::domain::health::HealthPolicy;
+use crate::domain::windows::{RING, RateLimits, WindowKind, WindowState};
 use crate::domain::{KeyId, LeaseId, PoolName, ProviderName, Status};
 use crate::store::Db;
 use crate::store::leases::decoded;

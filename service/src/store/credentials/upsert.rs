@@ -6,8 +6,8 @@ use sqlx::PgConnection;
 use super::read::{CredentialDetail, ListFilter, details};
 use super::validation::CredentialSpec;
 use super::{Actor, audit, configuration, lock_credential, lock_credentials};
-use crate::allocator::health::HealthPolicy;
 use crate::domain::Status;
+use crate::domain::health::HealthPolicy;
 use crate::store::Db;
 use crate::store::leases::fit_slots;
 

@@ -3,9 +3,9 @@
 
 use std::collections::BTreeMap;
 
-use crate::allocator::windows::RateLimits;
+use crate::domain::oauth::{OAuthInput, OAuthSpec};
+use crate::domain::windows::RateLimits;
 use crate::domain::{InvalidValue, KeyId, ModelName, PoolName, ProviderName, Secret, Status};
-use crate::oauth::{OAuthInput, OAuthSpec};
 use crate::secrets::Keyring;
 
 /// A credential's configuration as an operator writes it (`PUT /api/admin/keys/{key_id}`,

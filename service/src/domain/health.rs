@@ -16,7 +16,7 @@
 //! | auth_expired (OAuth) | stays | stays | stays | stays |
 //! | quota_exhausted | -> exhausted until now + retry_after, or (may disable) until an operator acts, or (may not) for the longest rest | same | same | disabled stays; pending -> exhausted |
 //!
-//! **Reach** (issue 42): a report is an executor's word, and an executor of one tenant must not
+//! **Reach**: a report is an executor's word, and an executor of one tenant must not
 //! take every other tenant's credentials out of traffic. So a report rests a credential for at
 //! most [`HealthPolicy::max_report_rest_seconds`] (a longer `retry_after_seconds` is clamped, and
 //! the transition says so: [`Transition::clamped_from`]), and only a reporter the operator allows

@@ -1,5 +1,9 @@
-//! Domain values: validated newtypes for every id and name that crosses the API, so a handler
-//! cannot hold an unvalidated value. Each type validates in `parse` and deserializes through it.
+//! The bottom floor: pure values and rules that import nothing else of the service, so that
+//! every layer above (store, allocator, telemetry, HTTP) can use them. Validated newtypes for
+//! every id and name that crosses the API, so a handler cannot hold an unvalidated value (each
+//! validates in `parse` and deserializes through it); [`health`], the outcome -> health state
+//! machine; [`windows`], the rate windows' arithmetic; [`oauth`], an OAuth credential's
+//! configuration; [`HeldBy`], what holds a claim back.
 //!
 //! Character sets (documented in docs/src/operating.md, "Names"):
 //! - `key_id`: 1..=128 characters from `A-Z a-z 0-9 . _ : @ -`, starting with a letter or digit.
@@ -7,6 +11,10 @@
 //! - model: 1..=200 characters from `A-Z a-z 0-9 . _ : / @ + -`.
 //! - holder: 1..=200 characters, no control characters.
 //! - a tenant's pool pattern: `provider/pool`, each half a name or `*`.
+
+pub mod health;
+pub mod oauth;
+pub mod windows;
 
 use std::fmt;
 
@@ -618,6 +626,59 @@ impl AffinityResult {
             Self::Hit => "hit",
             Self::New => "new",
             Self::Moved => "moved",
+        }
+    }
+}
+
+/// The proofs of `credpool audit verify`, in the order they are reported: `oversell` (credentials'
+/// limits), `windows` (credentials' rate windows), `tenant_cap`, `tenant_windows`. Each has a
+/// checkpoint per run (SQL table `audit_checkpoints`); the label values of the audit metrics.
+pub const AUDIT_PROOFS: [&str; 4] = ["oversell", "windows", "tenant_cap", "tenant_windows"];
+
+/// What holds back the candidate that frees first, when none can serve now: the `held_by` label
+/// of `credpool_allocations_held_back_total`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum HeldBy {
+    /// Every slot is leased.
+    Slots,
+    /// Cooling down after rate limits or failures.
+    Cooldown,
+    /// A requests window is full.
+    RequestsWindow,
+    /// A tokens window has no room for the estimate.
+    TokensWindow,
+    /// An OAuth access token that would expire before the lease ends (or that an executor
+    /// reported rejected), waiting for its refresh.
+    TokenRefresh,
+    /// A waiting request yielded to another tenant further below its weighted share of the pool
+    /// (docs/design.md "Fair share").
+    FairShare,
+}
+
+impl HeldBy {
+    /// Parses the database's spelling (`credpool_frees_at`, and the claim's answers); `None`
+    /// for anything else.
+    pub fn parse(value: &str) -> Option<Self> {
+        match value {
+            "slots" => Some(HeldBy::Slots),
+            "cooldown" => Some(HeldBy::Cooldown),
+            "requests_window" => Some(HeldBy::RequestsWindow),
+            "tokens_window" => Some(HeldBy::TokensWindow),
+            "token_refresh" => Some(HeldBy::TokenRefresh),
+            "fair_share" => Some(HeldBy::FairShare),
+            _ => None,
+        }
+    }
+
+    /// The label value.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            HeldBy::Slots => "slots",
+            HeldBy::Cooldown => "cooldown",
+            HeldBy::RequestsWindow => "requests_window",
+            HeldBy::TokensWindow => "tokens_window",
+            HeldBy::TokenRefresh => "token_refresh",
+            HeldBy::FairShare => "fair_share",
         }
     }
 }
