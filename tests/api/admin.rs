@@ -37,30 +37,24 @@ async fn put_creates_then_updates_and_never_returns_the_secret() {
     assert_eq!(updated.status(), StatusCode::OK);
     let view = json_body(updated, StatusCode::OK).await;
     assert_eq!(view["models"], json!(["gpt-4o", "o3"]));
-    let slots: i64 = sqlx::query_scalar("SELECT count(*) FROM lease_slots WHERE key_id = 'key-a'")
-        .fetch_one(&app.db)
-        .await
-        .unwrap();
+    let slots: i64 = app
+        .scalar("SELECT count(*) FROM lease_slots WHERE key_id = 'key-a'")
+        .await;
     assert_eq!(slots, 3);
     // executors receive the new secret
-    let lease = json_body(
-        app.allocate(json!({"provider": "openai", "model": "o3"}))
-            .await,
-        StatusCode::OK,
-    )
-    .await;
+    let lease = app
+        .lease(json!({"provider": "openai", "model": "o3"}))
+        .await;
     assert_eq!(lease["credential"], json!({"api_key": "sk-rotated"}));
 }
 
 #[tokio::test]
 async fn put_without_status_keeps_the_stored_status() {
-    let app = TestApp::spawn().await;
-    app.put_key("key-a", "openai", "default", &["gpt-4o"], 1)
-        .await;
+    let app = TestApp::with_credential("key-a", 1).await;
     app.set_status("key-a", "disabled", None).await;
     let mut body = spec(1);
     body.as_object_mut().unwrap().remove("status");
-    let view = json_body(app.put_key_raw("key-a", body).await, StatusCode::OK).await;
+    let view = app.put_key_raw("key-a", body).ok_json().await;
     assert_eq!(view["status"], "disabled");
 }
 
@@ -68,47 +62,32 @@ async fn put_without_status_keeps_the_stored_status() {
 async fn admin_routes_refuse_the_executor_key_with_403_and_no_key_with_401() {
     let app = TestApp::spawn().await;
     let url = app.url("/api/admin/keys/key-a");
-    let none = app.client.put(&url).json(&spec(1)).send().await.unwrap();
-    assert_error(none, StatusCode::UNAUTHORIZED, "unauthorized").await;
-    let wrong = app
-        .client
-        .put(&url)
-        .header("x-admin-key", "nope")
-        .json(&spec(1))
-        .send()
-        .await
-        .unwrap();
-    assert_error(wrong, StatusCode::UNAUTHORIZED, "unauthorized").await;
-    let executor = app
-        .client
-        .put(&url)
-        .header("x-internal-key", INTERNAL_KEY)
-        .json(&spec(1))
-        .send()
-        .await
-        .unwrap();
-    assert_error(executor, StatusCode::FORBIDDEN, "forbidden").await;
-    let executor_as_admin = app
-        .client
-        .put(&url)
-        .header("x-admin-key", INTERNAL_KEY)
-        .json(&spec(1))
-        .send()
-        .await
-        .unwrap();
-    assert_error(executor_as_admin, StatusCode::FORBIDDEN, "forbidden").await;
-    let count: i64 = sqlx::query_scalar("SELECT count(*) FROM credentials")
-        .fetch_one(&app.db)
-        .await
-        .unwrap();
+    let put = |key: Option<(&str, &str)>| {
+        let request = app.client.put(&url).json(&spec(1));
+        match key {
+            Some((name, value)) => request.header(name, value).send(),
+            None => request.send(),
+        }
+    };
+    // no key, a wrong one; the executor key, also sent as the admin key
+    for key in [None, Some(("x-admin-key", "nope"))] {
+        let refused = put(key).await.unwrap();
+        assert_error(refused, StatusCode::UNAUTHORIZED, "unauthorized").await;
+    }
+    for key in [
+        ("x-internal-key", INTERNAL_KEY),
+        ("x-admin-key", INTERNAL_KEY),
+    ] {
+        let refused = put(Some(key)).await.unwrap();
+        assert_error(refused, StatusCode::FORBIDDEN, "forbidden").await;
+    }
+    let count: i64 = app.scalar("SELECT count(*) FROM credentials").await;
     assert_eq!(count, 0);
 }
 
 #[tokio::test]
 async fn invalid_credentials_are_rejected_without_echoing_the_secret_and_change_nothing() {
-    let app = TestApp::spawn().await;
-    app.put_key("key-a", "openai", "default", &["gpt-4o"], 1)
-        .await;
+    let app = TestApp::with_credential("key-a", 1).await;
     let before = app.snapshot().await;
     let mut cases: Vec<(&str, Value)> = Vec::new();
     let with = |field: &str, value: Value| {
@@ -145,17 +124,13 @@ async fn invalid_credentials_are_rejected_without_echoing_the_secret_and_change_
 #[tokio::test]
 async fn lowering_the_limit_under_load_revokes_nothing_and_grants_nothing_until_under_the_new_limit()
  {
-    let app = TestApp::spawn().await;
-    app.put_key("key-a", "openai", "default", &["gpt-4o"], 3)
-        .await;
-    let allocate =
-        || app.allocate(json!({"provider": "openai", "model": "gpt-4o", "lease_seconds": 600}));
+    let app = TestApp::with_credential("key-a", 3).await;
+    let allocate = || app.allocate(gpt4o_for(600));
     let mut leases = Vec::new();
     for _ in 0..3 {
-        leases.push(json_body(allocate().await, StatusCode::OK).await);
+        leases.push(allocate().ok_json().await);
     }
-    app.put_key("key-a", "openai", "default", &["gpt-4o"], 1)
-        .await;
+    app.put_gpt4o_key("key-a", "default", 1).await;
     assert_eq!(
         app.in_flight("key-a").await,
         3,
@@ -164,111 +139,66 @@ async fn lowering_the_limit_under_load_revokes_nothing_and_grants_nothing_until_
 
     // 3 in flight, limit 1: nothing until in-flight falls under 1
     for lease in &leases[..2] {
-        assert_error(
-            allocate().await,
-            StatusCode::TOO_MANY_REQUESTS,
-            "pool_exhausted",
-        )
-        .await;
-        let released = json_body(
-            app.release(release_body(lease, "success")).await,
-            StatusCode::OK,
-        )
-        .await;
-        assert_eq!(released["released"], true);
+        allocate()
+            .refused(StatusCode::TOO_MANY_REQUESTS, "pool_exhausted")
+            .await;
+        app.release_ok(lease, "success").await;
     }
-    assert_error(
-        allocate().await,
-        StatusCode::TOO_MANY_REQUESTS,
-        "pool_exhausted",
-    )
-    .await;
-    json_body(
-        app.release(release_body(&leases[2], "success")).await,
-        StatusCode::OK,
-    )
-    .await;
+    allocate()
+        .refused(StatusCode::TOO_MANY_REQUESTS, "pool_exhausted")
+        .await;
+    app.release(release_body(&leases[2], "success"))
+        .ok_json()
+        .await;
 
-    let next = json_body(allocate().await, StatusCode::OK).await;
-    assert_error(
-        allocate().await,
-        StatusCode::TOO_MANY_REQUESTS,
-        "pool_exhausted",
-    )
-    .await;
-    let slots: i64 = sqlx::query_scalar("SELECT count(*) FROM lease_slots WHERE key_id = 'key-a'")
-        .fetch_one(&app.db)
-        .await
-        .unwrap();
+    let next = allocate().ok_json().await;
+    allocate()
+        .refused(StatusCode::TOO_MANY_REQUESTS, "pool_exhausted")
+        .await;
+    let slots: i64 = app
+        .scalar("SELECT count(*) FROM lease_slots WHERE key_id = 'key-a'")
+        .await;
     assert_eq!(slots, 1);
-    json_body(
-        app.release(release_body(&next, "success")).await,
-        StatusCode::OK,
-    )
-    .await;
+    app.release(release_body(&next, "success")).ok_json().await;
 }
 
 #[tokio::test]
 async fn lowering_the_limit_keeps_in_flight_leases_renewable_and_releasable() {
-    let app = TestApp::spawn().await;
-    app.put_key("key-a", "openai", "default", &["gpt-4o"], 4)
-        .await;
+    let app = TestApp::with_credential("key-a", 4).await;
     let mut leases = Vec::new();
     for _ in 0..4 {
-        let body = json!({"provider": "openai", "model": "gpt-4o", "lease_seconds": 600});
-        leases.push(json_body(app.allocate(body).await, StatusCode::OK).await);
+        let body = gpt4o_for(600);
+        leases.push(app.lease(body).await);
     }
     // release the two lowest slots, then lower to 2: leases in slots 2 and 3 move into 0 and 1
     for lease in &leases[..2] {
-        json_body(
-            app.release(release_body(lease, "success")).await,
-            StatusCode::OK,
-        )
-        .await;
+        app.release(release_body(lease, "success")).ok_json().await;
     }
-    app.put_key("key-a", "openai", "default", &["gpt-4o"], 2)
+    app.put_gpt4o_key("key-a", "default", 2).await;
+    let max_slot: i32 = app
+        .scalar("SELECT max(slot) FROM lease_slots WHERE key_id = 'key-a'")
         .await;
-    let max_slot: i32 =
-        sqlx::query_scalar("SELECT max(slot) FROM lease_slots WHERE key_id = 'key-a'")
-            .fetch_one(&app.db)
-            .await
-            .unwrap();
     assert_eq!(max_slot, 1);
     for lease in &leases[2..] {
-        let mut renew = release_body(lease, "success");
-        renew.as_object_mut().unwrap().remove("outcome");
-        json_body(app.renew(renew).await, StatusCode::OK).await;
-        let released = json_body(
-            app.release(release_body(lease, "success")).await,
-            StatusCode::OK,
-        )
-        .await;
-        assert_eq!(released["released"], true);
+        let renew = lease_ref(lease);
+        app.renew(renew).ok_json().await;
+        app.release_ok(lease, "success").await;
     }
 }
 
 #[tokio::test]
 async fn raising_the_limit_takes_effect_for_the_next_allocation() {
-    let app = TestApp::spawn().await;
-    app.put_key("key-a", "openai", "default", &["gpt-4o"], 1)
+    let app = TestApp::with_credential("key-a", 1).await;
+    let body = gpt4o_for(600);
+    app.lease(body.clone()).await;
+    app.allocate(body.clone())
+        .refused(StatusCode::TOO_MANY_REQUESTS, "pool_exhausted")
         .await;
-    let body = json!({"provider": "openai", "model": "gpt-4o", "lease_seconds": 600});
-    json_body(app.allocate(body.clone()).await, StatusCode::OK).await;
-    assert_error(
-        app.allocate(body.clone()).await,
-        StatusCode::TOO_MANY_REQUESTS,
-        "pool_exhausted",
-    )
-    .await;
-    app.put_key("key-a", "openai", "default", &["gpt-4o"], 3)
+    app.put_gpt4o_key("key-a", "default", 3).await;
+    app.lease(body.clone()).await;
+    app.lease(body.clone()).await;
+    app.allocate(body)
+        .refused(StatusCode::TOO_MANY_REQUESTS, "pool_exhausted")
         .await;
-    json_body(app.allocate(body.clone()).await, StatusCode::OK).await;
-    json_body(app.allocate(body.clone()).await, StatusCode::OK).await;
-    assert_error(
-        app.allocate(body).await,
-        StatusCode::TOO_MANY_REQUESTS,
-        "pool_exhausted",
-    )
-    .await;
     assert_eq!(app.in_flight("key-a").await, 3);
 }

@@ -22,21 +22,6 @@ fn call(pool: &str, conversation: &str) -> Value {
     })
 }
 
-/// Allocates `body`, expecting a lease; returns it.
-async fn lease(app: &TestApp, body: Value) -> Value {
-    json_body(app.allocate(body).await, StatusCode::OK).await
-}
-
-/// Releases `lease` with `outcome`, expecting it released.
-async fn release(app: &TestApp, lease: &Value, outcome: &str) {
-    let body = json_body(
-        app.release(release_body(lease, outcome)).await,
-        StatusCode::OK,
-    )
-    .await;
-    assert_eq!(body["released"], true, "{body}");
-}
-
 /// The credential a conversation is bound to (pool asked for `pool`), if any row exists.
 async fn bound(app: &TestApp, pool: &str, conversation: &str) -> Option<String> {
     sqlx::query_scalar(
@@ -58,8 +43,7 @@ async fn conversations_keep_their_credential_while_it_has_room_and_the_load_stay
     let app = Arc::new(TestApp::spawn().await);
     for k in 0..CREDENTIALS {
         // a pool of its own: the metrics are the test binary's, shared by every test
-        app.put_key(&format!("key-{k:02}"), "openai", "spread", &["gpt-4o"], 4)
-            .await;
+        app.put_gpt4o_key(&format!("key-{k:02}"), "spread", 4).await;
     }
     // 8 conversations in flight at once over 40 slots: room everywhere, all the time
     let next = Arc::new(std::sync::atomic::AtomicUsize::new(0));
@@ -75,8 +59,8 @@ async fn conversations_keep_their_credential_while_it_has_room_and_the_load_stay
                     }
                     let conversation = format!("conversation-{c}");
                     for i in 0..CALLS {
-                        let lease = lease(&app, call("spread", &conversation)).await;
-                        release(&app, &lease, "success").await;
+                        let lease = app.lease(call("spread", &conversation)).await;
+                        app.release_ok(&lease, "success").await;
                         let key = lease["key_id"].as_str().unwrap().to_owned();
                         let affinity = lease["affinity"].as_str().unwrap_or("absent").to_owned();
                         seen.push((c, i, key, affinity));
@@ -115,12 +99,9 @@ async fn conversations_keep_their_credential_while_it_has_room_and_the_load_stay
         r#"credpool_allocations_affinity_total{provider="openai",pool="spread",result="hit"}"#;
     assert_eq!(sample(&page, hit_series) as usize, hits, "{page}");
     // and the trail, for the dashboard
-    let trail_hits: i64 = sqlx::query_scalar(
-        "SELECT count(*) FROM lease_events WHERE event = 'granted' AND affinity = 'hit'",
-    )
-    .fetch_one(&app.db)
-    .await
-    .unwrap();
+    let trail_hits: i64 = app
+        .scalar("SELECT count(*) FROM lease_events WHERE event = 'granted' AND affinity = 'hit'")
+        .await;
     assert_eq!(trail_hits as usize, hits);
 }
 
@@ -128,12 +109,10 @@ async fn conversations_keep_their_credential_while_it_has_room_and_the_load_stay
 async fn a_full_bound_credential_moves_the_conversation_at_once_and_strict_waits_for_it() {
     let _waiters = exclusive_waiters().await;
     let app = Arc::new(TestApp::spawn_with(AppOptions::deterministic()).await);
-    app.put_key("key-a", "openai", "default", &["gpt-4o"], 1)
-        .await;
-    app.put_key("key-b", "openai", "default", &["gpt-4o"], 1)
-        .await;
+    app.put_gpt4o_key("key-a", "default", 1).await;
+    app.put_gpt4o_key("key-b", "default", 1).await;
 
-    let first = lease(&app, call("default", "c1")).await;
+    let first = app.lease(call("default", "c1")).await;
     assert_eq!(first["affinity"], "new", "{first}");
     let bound_key = first["key_id"].as_str().unwrap().to_owned();
     assert_eq!(
@@ -143,7 +122,7 @@ async fn a_full_bound_credential_moves_the_conversation_at_once_and_strict_waits
     // the bound credential is full (its one slot held by the first call): served by the other in
     // the same request, without waiting, and the binding moves
     let started = Instant::now();
-    let second = lease(&app, call("default", "c1")).await;
+    let second = app.lease(call("default", "c1")).await;
     assert!(
         started.elapsed() < Duration::from_secs(2),
         "{:?}",
@@ -155,23 +134,20 @@ async fn a_full_bound_credential_moves_the_conversation_at_once_and_strict_waits
         bound(&app, "default", "c1").await,
         second["key_id"].as_str().map(String::from)
     );
-    release(&app, &second, "success").await;
-    release(&app, &first, "success").await;
+    app.release_ok(&second, "success").await;
+    app.release_ok(&first, "success").await;
 
     // strict: the bound credential alone, though the other one is free
-    let held = lease(&app, call("default", "c2")).await;
+    let held = app.lease(call("default", "c2")).await;
     let mut strict = call("default", "c2");
     strict["affinity_mode"] = json!("strict");
-    assert_error(
-        app.allocate(strict.clone()).await,
-        StatusCode::TOO_MANY_REQUESTS,
-        "pool_exhausted",
-    )
-    .await;
+    app.allocate(strict.clone())
+        .refused(StatusCode::TOO_MANY_REQUESTS, "pool_exhausted")
+        .await;
     strict["wait_ms"] = json!(10_000);
     let waiting = {
         let (app, strict) = (app.clone(), strict.clone());
-        tokio::spawn(async move { (lease(&app, strict).await, Instant::now()) })
+        tokio::spawn(async move { (app.lease(strict).await, Instant::now()) })
     };
     waiters_queued(&app, 1).await;
     assert!(
@@ -179,7 +155,7 @@ async fn a_full_bound_credential_moves_the_conversation_at_once_and_strict_waits
         "a strict call was served by another credential"
     );
     let freed = Instant::now();
-    release(&app, &held, "success").await;
+    app.release_ok(&held, "success").await;
     let (served, at) = waiting.await.unwrap();
     assert!(at >= freed);
     assert_eq!(served["key_id"], held["key_id"], "{served}");
@@ -190,56 +166,40 @@ async fn a_full_bound_credential_moves_the_conversation_at_once_and_strict_waits
 #[tokio::test]
 async fn a_disabled_or_cooling_bound_credential_moves_the_conversation_never_refuses_it() {
     let app = TestApp::spawn_with(AppOptions::deterministic()).await;
-    app.put_key("key-a", "openai", "default", &["gpt-4o"], 2)
-        .await;
-    app.put_key("key-b", "openai", "default", &["gpt-4o"], 2)
-        .await;
+    app.put_gpt4o_key("key-a", "default", 2).await;
+    app.put_gpt4o_key("key-b", "default", 2).await;
 
     for mode in ["preferred", "strict"] {
         // disabled by an operator
         let conversation = format!("disabled-{mode}");
         let mut body = call("default", &conversation);
         body["affinity_mode"] = json!(mode);
-        let first = lease(&app, body.clone()).await;
-        release(&app, &first, "success").await;
+        let first = app.lease(body.clone()).await;
+        app.release_ok(&first, "success").await;
         let key = first["key_id"].as_str().unwrap().to_owned();
         let response = app
-            .client
-            .patch(app.url(&format!("/api/admin/keys/{key}")))
-            .header("x-admin-key", ADMIN_KEY)
-            .header("x-operator", "alice")
-            .json(&json!({"state": "disable", "reason": "test"}))
-            .send()
-            .await
-            .unwrap();
+            .patch_key(&key, json!({"state": "disable", "reason": "test"}))
+            .await;
         assert!(response.status().is_success(), "{}", response.status());
-        let next = lease(&app, body.clone()).await;
+        let next = app.lease(body.clone()).await;
         assert_ne!(next["key_id"], first["key_id"], "{next}");
         assert_eq!(next["affinity"], "moved", "{next}");
-        release(&app, &next, "success").await;
-        let response = app
-            .client
-            .patch(app.url(&format!("/api/admin/keys/{key}")))
-            .header("x-admin-key", ADMIN_KEY)
-            .header("x-operator", "alice")
-            .json(&json!({"state": "enable"}))
-            .send()
-            .await
-            .unwrap();
+        app.release_ok(&next, "success").await;
+        let response = app.patch_key(&key, json!({"state": "enable"})).await;
         assert!(response.status().is_success(), "{}", response.status());
 
         // cooling down after a rate_limited report
         let conversation = format!("cooling-{mode}");
         let mut body = call("default", &conversation);
         body["affinity_mode"] = json!(mode);
-        let first = lease(&app, body.clone()).await;
+        let first = app.lease(body.clone()).await;
         let mut report = release_body(&first, "rate_limited");
         report["retry_after_seconds"] = json!(120);
-        json_body(app.release(report).await, StatusCode::OK).await;
-        let next = lease(&app, body.clone()).await;
+        app.release(report).ok_json().await;
+        let next = app.lease(body.clone()).await;
         assert_ne!(next["key_id"], first["key_id"], "{next}");
         assert_eq!(next["affinity"], "moved", "{next}");
-        release(&app, &next, "success").await;
+        app.release_ok(&next, "success").await;
         // back to health for the next mode
         app.set_status(first["key_id"].as_str().unwrap(), "available", None)
             .await;
@@ -249,44 +209,35 @@ async fn a_disabled_or_cooling_bound_credential_moves_the_conversation_never_ref
 #[tokio::test]
 async fn a_binding_outlives_neither_its_ttl_nor_its_credentials_pool_move() {
     let app = TestApp::spawn_with(AppOptions::deterministic()).await;
-    app.put_key("key-a", "openai", "default", &["gpt-4o"], 2)
-        .await;
-    app.put_key("key-b", "openai", "default", &["gpt-4o"], 2)
-        .await;
+    app.put_gpt4o_key("key-a", "default", 2).await;
+    app.put_gpt4o_key("key-b", "default", 2).await;
 
     // TTL: refreshed by each hit, gone after it
     let mut body = call("default", "short");
     body["affinity_ttl_seconds"] = json!(2);
-    let first = lease(&app, body.clone()).await;
-    release(&app, &first, "success").await;
-    let ttl: f64 = sqlx::query_scalar(
-        "SELECT extract(epoch FROM expires_at - last_hit_at)::float8 FROM affinity_bindings
+    let first = app.lease(body.clone()).await;
+    app.release_ok(&first, "success").await;
+    let ttl: f64 = app
+        .scalar(
+            "SELECT extract(epoch FROM expires_at - last_hit_at)::float8 FROM affinity_bindings
          WHERE affinity_key = 'short'",
-    )
-    .fetch_one(&app.db)
-    .await
-    .unwrap();
+        )
+        .await;
     assert_eq!(ttl, 2.0);
     for _ in 0..2 {
         tokio::time::sleep(Duration::from_millis(1200)).await;
-        let again = lease(&app, body.clone()).await;
+        let again = app.lease(body.clone()).await;
         assert_eq!(again["affinity"], "hit", "{again}");
-        release(&app, &again, "success").await;
+        app.release_ok(&again, "success").await;
     }
     tokio::time::sleep(Duration::from_millis(2200)).await;
-    let after = lease(&app, body.clone()).await;
+    let after = app.lease(body.clone()).await;
     assert_eq!(after["affinity"], "new", "{after}");
-    release(&app, &after, "success").await;
+    app.release_ok(&after, "success").await;
 
     // expired bindings are purged by the maintenance pass
-    sqlx::query("UPDATE affinity_bindings SET last_hit_at = now() - interval '2 hours', expires_at = now() - interval '1 hour'")
-        .execute(&app.db)
-        .await
-        .unwrap();
-    let purged: i32 = sqlx::query_scalar("SELECT credpool_purge_affinity()")
-        .fetch_one(&app.db)
-        .await
-        .unwrap();
+    app.run_sql("UPDATE affinity_bindings SET last_hit_at = now() - interval '2 hours', expires_at = now() - interval '1 hour'").await;
+    let purged: i32 = app.scalar("SELECT credpool_purge_affinity()").await;
     assert_eq!(purged, 1);
 
     // a pool move: the next call is served in the pool asked for, by another credential, even
@@ -295,44 +246,36 @@ async fn a_binding_outlives_neither_its_ttl_nor_its_credentials_pool_move() {
         let conversation = format!("moving-{mode}");
         let mut body = call("default", &conversation);
         body["affinity_mode"] = json!(mode);
-        let first = lease(&app, body.clone()).await;
-        release(&app, &first, "success").await;
+        let first = app.lease(body.clone()).await;
+        app.release_ok(&first, "success").await;
         let key = first["key_id"].as_str().unwrap().to_owned();
-        app.put_key(&key, "openai", "elsewhere", &["gpt-4o"], 2)
-            .await;
-        let next = lease(&app, body.clone()).await;
+        app.put_gpt4o_key(&key, "elsewhere", 2).await;
+        let next = app.lease(body.clone()).await;
         assert_ne!(next["key_id"], first["key_id"], "{next}");
         assert_eq!(next["pool"], "default");
         assert_eq!(next["affinity"], "moved", "{next}");
-        release(&app, &next, "success").await;
+        app.release_ok(&next, "success").await;
         assert_eq!(
             bound(&app, "default", &conversation).await,
             next["key_id"].as_str().map(String::from)
         );
-        app.put_key(&key, "openai", "default", &["gpt-4o"], 2).await;
+        app.put_gpt4o_key(&key, "default", 2).await;
     }
 }
 
 #[tokio::test]
 async fn the_maintenance_pass_keeps_bindings_under_their_cap_oldest_hit_first_and_a_delete_drops_them()
  {
-    let app = TestApp::spawn().await;
-    app.put_key("key-a", "openai", "default", &["gpt-4o"], 8)
-        .await;
+    let app = TestApp::with_credential("key-a", 8).await;
     for c in 0..5 {
-        let lease = lease(&app, call("default", &format!("capped-{c}"))).await;
-        release(&app, &lease, "success").await;
+        let lease = app.lease(call("default", &format!("capped-{c}"))).await;
+        app.release_ok(&lease, "success").await;
     }
-    let evicted: i32 = sqlx::query_scalar("SELECT credpool_purge_affinity(3)")
-        .fetch_one(&app.db)
-        .await
-        .unwrap();
+    let evicted: i32 = app.scalar("SELECT credpool_purge_affinity(3)").await;
     assert_eq!(evicted, 2);
-    let left: Vec<String> =
-        sqlx::query_scalar("SELECT affinity_key FROM affinity_bindings ORDER BY affinity_key")
-            .fetch_all(&app.db)
-            .await
-            .unwrap();
+    let left: Vec<String> = app
+        .scalars("SELECT affinity_key FROM affinity_bindings ORDER BY affinity_key")
+        .await;
     assert_eq!(left, ["capped-2", "capped-3", "capped-4"]);
     // the maintenance pass runs it with the default cap: nothing more to do
     let step: (String, Option<i32>) =
@@ -343,28 +286,18 @@ async fn the_maintenance_pass_keeps_bindings_under_their_cap_oldest_hit_first_an
     assert_eq!(step, ("affinity_bindings_purged".to_owned(), Some(0)));
 
     let response = app
-        .client
-        .delete(app.url("/api/admin/keys/key-a"))
-        .header("x-admin-key", ADMIN_KEY)
-        .header("x-operator", "alice")
-        .send()
-        .await
-        .unwrap();
+        .admin(reqwest::Method::DELETE, "/api/admin/keys/key-a", None)
+        .await;
     assert!(response.status().is_success(), "{}", response.status());
-    let left: i64 = sqlx::query_scalar("SELECT count(*) FROM affinity_bindings")
-        .fetch_one(&app.db)
-        .await
-        .unwrap();
+    let left: i64 = app.scalar("SELECT count(*) FROM affinity_bindings").await;
     assert_eq!(left, 0);
 }
 
 #[tokio::test]
 async fn bad_affinity_input_is_a_400_and_writes_nothing() {
-    let app = TestApp::spawn().await;
-    app.put_key("key-a", "openai", "default", &["gpt-4o"], 2)
-        .await;
+    let app = TestApp::with_credential("key-a", 2).await;
     let before = app.snapshot().await;
-    let base = json!({"provider": "openai", "model": "gpt-4o"});
+    let base = gpt4o();
     let long = "x".repeat(257);
     for extra in [
         json!({"affinity_key": ""}),
@@ -382,12 +315,10 @@ async fn bad_affinity_input_is_a_400_and_writes_nothing() {
         body.as_object_mut()
             .unwrap()
             .extend(extra.as_object().unwrap().clone());
-        let error = assert_error(
-            app.allocate(body).await,
-            StatusCode::BAD_REQUEST,
-            "invalid_request",
-        )
-        .await;
+        let error = app
+            .allocate(body)
+            .refused(StatusCode::BAD_REQUEST, "invalid_request")
+            .await;
         assert!(
             error["error"]["message"]
                 .as_str()
@@ -403,13 +334,13 @@ async fn bad_affinity_input_is_a_400_and_writes_nothing() {
     let mut body = call("default", &"y".repeat(256));
     body["affinity_ttl_seconds"] = json!(86_400);
     body["request_id"] = json!("req-1");
-    let first = lease(&app, body.clone()).await;
+    let first = app.lease(body.clone()).await;
     assert_eq!(first["affinity"], "new");
-    let replay = lease(&app, body).await;
+    let replay = app.lease(body).await;
     assert_eq!(replay["lease_id"], first["lease_id"]);
     assert!(replay.get("affinity").is_none(), "{replay}");
     // without an affinity_key, no affinity in the answer
-    let plain = lease(&app, json!({"provider": "openai", "model": "gpt-4o"})).await;
+    let plain = app.lease(gpt4o()).await;
     assert!(plain.get("affinity").is_none(), "{plain}");
 }
 
@@ -435,24 +366,22 @@ async fn concurrent_allocates_of_one_conversation_over_replicas_never_oversell_o
         format!("http://{third}"),
     ];
     for k in 0..4 {
-        app.put_key(&format!("key-{k}"), "openai", "default", &["gpt-4o"], 2)
-            .await;
+        app.put_gpt4o_key(&format!("key-{k}"), "default", 2).await;
     }
     for round in 0..race_rounds().max(6) {
         let strict = round % 2 == 1;
         let barrier = Arc::new(Barrier::new(RACERS));
         let tasks: Vec<_> = (0..RACERS)
             .map(|i| {
-                let (barrier, client) = (barrier.clone(), app.client.clone());
-                let url = format!("{}/api/internal/allocate-key", bases[i % bases.len()]);
+                let barrier = barrier.clone();
+                let replica = Remote::new(&app.client, &bases[i % bases.len()]);
                 let mut body = call("default", "one-conversation");
                 if strict {
                     body["affinity_mode"] = json!("strict");
                 }
                 tokio::spawn(async move {
                     barrier.wait().await;
-                    let response =
-                        post_json(&client, &url, ("x-internal-key", INTERNAL_KEY), body).await;
+                    let response = replica.allocate(body).await;
                     let status = response.status();
                     (status, response.json::<Value>().await.unwrap())
                 })
@@ -486,7 +415,7 @@ async fn concurrent_allocates_of_one_conversation_over_replicas_never_oversell_o
         }
         assert!(bound_key.is_some());
         for lease in &leases {
-            release(&app, lease, "success").await;
+            app.release_ok(lease, "success").await;
         }
     }
 }
@@ -495,11 +424,8 @@ async fn concurrent_allocates_of_one_conversation_over_replicas_never_oversell_o
 #[tokio::test]
 async fn the_rust_client_keeps_a_conversation_on_its_credential() {
     use credpool_client::{AffinityMode, AffinityResult, Client, LeaseRequest, Outcome};
-    let app = TestApp::spawn().await;
-    app.put_key("key-a", "openai", "default", &["gpt-4o"], 2)
-        .await;
-    app.put_key("key-b", "openai", "default", &["gpt-4o"], 2)
-        .await;
+    let app = TestApp::with_credential("key-a", 2).await;
+    app.put_gpt4o_key("key-b", "default", 2).await;
     let client = Client::new(app.url(""), INTERNAL_KEY).expect("client");
     let request = LeaseRequest::new("openai", "gpt-4o")
         .affinity_key("conversation-from-rust")
@@ -514,12 +440,11 @@ async fn the_rust_client_keeps_a_conversation_on_its_credential() {
     assert_eq!(second.key_id(), key);
     second.finish(Outcome::Success).await.expect("release");
     // the TTL went in whole seconds, rounded up
-    let ttl: f64 = sqlx::query_scalar(
-        "SELECT extract(epoch FROM expires_at - last_hit_at)::float8 FROM affinity_bindings",
-    )
-    .fetch_one(&app.db)
-    .await
-    .unwrap();
+    let ttl: f64 = app
+        .scalar(
+            "SELECT extract(epoch FROM expires_at - last_hit_at)::float8 FROM affinity_bindings",
+        )
+        .await;
     assert_eq!(ttl, 2.0);
 }
 
@@ -529,15 +454,13 @@ async fn the_rust_client_keeps_a_conversation_on_its_credential() {
 #[tokio::test]
 async fn a_binding_held_by_another_transaction_is_left_as_it_is_never_waited_for() {
     let app = TestApp::spawn_with(AppOptions::deterministic()).await;
-    app.put_key("key-a", "openai", "default", &["gpt-4o"], 1)
-        .await;
-    app.put_key("key-b", "openai", "default", &["gpt-4o"], 1)
-        .await;
-    let first = lease(&app, call("default", "held-row")).await;
-    let second = lease(&app, call("default", "held-lock")).await;
+    app.put_gpt4o_key("key-a", "default", 1).await;
+    app.put_gpt4o_key("key-b", "default", 1).await;
+    let first = app.lease(call("default", "held-row")).await;
+    let second = app.lease(call("default", "held-lock")).await;
     let (row_key, lock_key) = (first["key_id"].clone(), second["key_id"].clone());
-    release(&app, &first, "success").await;
-    release(&app, &second, "success").await;
+    app.release_ok(&first, "success").await;
+    app.release_ok(&second, "success").await;
     let mut holder = app.db.begin().await.unwrap();
     sqlx::query("SELECT 1 FROM affinity_bindings WHERE affinity_key = 'held-row' FOR UPDATE")
         .execute(&mut *holder)
@@ -558,18 +481,16 @@ async fn a_binding_held_by_another_transaction_is_left_as_it_is_never_waited_for
         let served = json_body(served, StatusCode::OK).await;
         assert!(started.elapsed() < Duration::from_secs(2));
         assert_eq!(served["affinity"], "hit", "{served}");
-        release(&app, &served, "success").await;
+        app.release_ok(&served, "success").await;
         // the binding was not refreshed: the other transaction holds it
         assert_eq!(
             bound(&app, "default", conversation).await.as_deref(),
             was.as_str()
         );
     }
-    let refreshed: i64 =
-        sqlx::query_scalar("SELECT count(*) FROM affinity_bindings WHERE last_hit_at > bound_at")
-            .fetch_one(&app.db)
-            .await
-            .unwrap();
+    let refreshed: i64 = app
+        .scalar("SELECT count(*) FROM affinity_bindings WHERE last_hit_at > bound_at")
+        .await;
     assert_eq!(
         refreshed, 0,
         "a binding another transaction holds was written"
@@ -583,48 +504,28 @@ async fn a_binding_held_by_another_transaction_is_left_as_it_is_never_waited_for
 async fn the_dashboard_shows_each_pools_hit_ratio_from_the_trail() {
     let app = TestApp::spawn_with(AppOptions::deterministic()).await;
     let (other, _stop) = app.replica(4).await;
-    app.put_key("key-a", "openai", "default", &["gpt-4o"], 1)
-        .await;
-    app.put_key("key-b", "openai", "default", &["gpt-4o"], 1)
-        .await;
-    app.put_key("key-v", "openai", "vip", &["gpt-4o"], 1).await;
+    app.put_gpt4o_key("key-a", "default", 1).await;
+    app.put_gpt4o_key("key-b", "default", 1).await;
+    app.put_gpt4o_key("key-v", "vip", 1).await;
     // default: new, hit (through the other replica), then moved (its credential full), hit
-    let first = lease(&app, call("default", "dash")).await;
-    release(&app, &first, "success").await;
-    let second = json_body(
-        post_json(
-            &app.client,
-            &format!("http://{other}/api/internal/allocate-key"),
-            ("x-internal-key", INTERNAL_KEY),
-            call("default", "dash"),
-        )
-        .await,
-        StatusCode::OK,
-    )
-    .await;
+    let first = app.lease(call("default", "dash")).await;
+    app.release_ok(&first, "success").await;
+    let replica = Remote::new(&app.client, &format!("http://{other}"));
+    let second = replica.lease(call("default", "dash")).await;
     assert_eq!(second["affinity"], "hit");
-    let third = lease(&app, call("default", "dash")).await;
+    let third = app.lease(call("default", "dash")).await;
     assert_eq!(third["affinity"], "moved");
-    release(&app, &second, "success").await;
-    release(&app, &third, "success").await;
-    let fourth = lease(&app, call("default", "dash")).await;
+    app.release_ok(&second, "success").await;
+    app.release_ok(&third, "success").await;
+    let fourth = app.lease(call("default", "dash")).await;
     assert_eq!(fourth["affinity"], "hit");
     assert_eq!(fourth["key_id"], third["key_id"]);
-    release(&app, &fourth, "success").await;
+    app.release_ok(&fourth, "success").await;
     // vip: a first call only, no ratio yet
-    let vip = lease(&app, call("vip", "dash-vip")).await;
-    release(&app, &vip, "success").await;
+    let vip = app.lease(call("vip", "dash-vip")).await;
+    app.release_ok(&vip, "success").await;
 
-    let page = app
-        .client
-        .get(app.url("/dashboard/fragments/pools"))
-        .header("x-admin-key", ADMIN_KEY)
-        .send()
-        .await
-        .unwrap()
-        .text()
-        .await
-        .unwrap();
+    let page = app.admin_text("/dashboard/fragments/pools").await;
     let card = |pool: &str| {
         let start = page
             .find(&format!("data-pool=\"openai/{pool}\""))
@@ -664,31 +565,17 @@ async fn a_bound_credential_with_rate_windows_is_tried_first_from_a_batch_withou
         .await;
     assert!(response.status().is_success(), "{}", response.status());
     // key-w busy (one lease held), so the ranking's best is the idle key-p
-    let busy = lease(
-        &app,
-        json!({"provider": "openai", "model": "gpt-4o", "lease_seconds": 600}),
-    )
-    .await;
+    let busy = app.lease(gpt4o_for(600)).await;
     assert_eq!(busy["key_id"], "key-w");
-    app.put_key("key-p", "openai", "default", &["gpt-4o"], 4)
-        .await;
+    app.put_gpt4o_key("key-p", "default", 4).await;
     tokio::time::sleep(Duration::from_millis(300)).await;
-    sqlx::query(
-        "INSERT INTO affinity_bindings (provider, pool, affinity_key, key_id, bound_at, last_hit_at, expires_at)
-         VALUES ('openai', 'default', 'windowed', 'key-w', now(), now(), now() + interval '1 hour')",
-    )
-    .execute(&app.db)
-    .await
-    .unwrap();
-    let served = lease(&app, call("default", "windowed")).await;
+    app.run_sql("INSERT INTO affinity_bindings (provider, pool, affinity_key, key_id, bound_at, last_hit_at, expires_at)
+         VALUES ('openai', 'default', 'windowed', 'key-w', now(), now(), now() + interval '1 hour')").await;
+    let served = app.lease(call("default", "windowed")).await;
     assert_eq!(served["key_id"], "key-w", "{served}");
     assert_eq!(served["affinity"], "hit", "{served}");
     // the ranking alone picks the other one: the claim's batch was [key-p]
-    let plain = lease(
-        &app,
-        json!({"provider": "openai", "model": "gpt-4o", "lease_seconds": 600}),
-    )
-    .await;
+    let plain = app.lease(gpt4o_for(600)).await;
     assert_eq!(plain["key_id"], "key-p", "{plain}");
 }
 
@@ -696,66 +583,45 @@ async fn a_bound_credential_with_rate_windows_is_tried_first_from_a_batch_withou
 async fn a_conversation_key_is_bound_per_tenant() {
     let app = TestApp::spawn().await;
     for k in ["key-a", "key-b"] {
-        app.put_key(k, "openai", "default", &["gpt-4o"], 4).await;
+        app.put_gpt4o_key(k, "default", 4).await;
     }
     let put = app
-        .client
-        .put(app.url("/api/admin/tenants/other-team"))
-        .header("x-admin-key", ADMIN_KEY)
-        .json(&json!({"pools": ["*/*"]}))
-        .send()
-        .await
-        .unwrap();
+        .admin_unnamed(
+            reqwest::Method::PUT,
+            "/api/admin/tenants/other-team",
+            Some(json!({"pools": ["*/*"]})),
+        )
+        .await;
     assert_eq!(put.status(), StatusCode::CREATED);
     let minted = json_body(
-        app.client
-            .post(app.url("/api/admin/tenants/other-team/keys"))
-            .header("x-admin-key", ADMIN_KEY)
-            .send()
-            .await
-            .unwrap(),
+        app.admin_unnamed(
+            reqwest::Method::POST,
+            "/api/admin/tenants/other-team/keys",
+            None,
+        )
+        .await,
         StatusCode::CREATED,
     )
     .await;
     let other_key = minted["key"].as_str().unwrap().to_owned();
-    let as_other = |body: Value| {
-        let (client, url, key) = (
-            app.client.clone(),
-            app.url("/api/internal/allocate-key"),
-            other_key.clone(),
-        );
-        async move { post_json(&client, &url, ("x-internal-key", &key), body).await }
-    };
+    let as_other = |body: Value| app.allocate_as(&other_key, body);
 
     // the internal key's tenant (`default`) binds the conversation ...
-    let first = lease(&app, call("default", "shared-name")).await;
+    let first = app.lease(call("default", "shared-name")).await;
     assert_eq!(first["affinity"], "new");
     assert_eq!(first["tenant"], "default");
     // ... and another tenant's conversation of the same name is its own: new, not a hit
-    let other = json_body(
-        as_other(call("default", "shared-name")).await,
-        StatusCode::OK,
-    )
-    .await;
+    let other = as_other(call("default", "shared-name")).ok_json().await;
     assert_eq!(other["tenant"], "other-team");
     assert_eq!(other["affinity"], "new", "{other}");
-    let tenants: Vec<String> = sqlx::query_scalar(
-        "SELECT tenant FROM affinity_bindings WHERE affinity_key = 'shared-name' ORDER BY tenant",
-    )
-    .fetch_all(&app.db)
-    .await
-    .unwrap();
+    let tenants: Vec<String> = app.scalars("SELECT tenant FROM affinity_bindings WHERE affinity_key = 'shared-name' ORDER BY tenant").await;
     assert_eq!(tenants, ["default", "other-team"]);
     // each tenant's next call hits its own binding
     assert_eq!(
-        lease(&app, call("default", "shared-name")).await["affinity"],
+        app.lease(call("default", "shared-name")).await["affinity"],
         "hit"
     );
-    let again = json_body(
-        as_other(call("default", "shared-name")).await,
-        StatusCode::OK,
-    )
-    .await;
+    let again = as_other(call("default", "shared-name")).ok_json().await;
     assert_eq!(again["affinity"], "hit");
     assert_eq!(again["key_id"], other["key_id"]);
 }

@@ -8,10 +8,6 @@ use serde_json::{Value, json};
 
 use credpool_test_support::*;
 
-fn gpt4o(pool: &str) -> serde_json::Value {
-    json!({"provider": "openai", "model": "gpt-4o", "pool": pool})
-}
-
 #[tokio::test]
 async fn allocate_returns_a_lease_with_the_credential_and_database_clock_expiry() {
     let app = TestApp::spawn().await;
@@ -37,43 +33,31 @@ async fn allocate_returns_a_lease_with_the_credential_and_database_clock_expiry(
     );
 
     // lease_until is now() + 40 s on the database clock
-    let seconds_left: f64 =
-        sqlx::query_scalar("SELECT extract(epoch FROM $1::text::timestamptz - now())::float8")
-            .bind(lease["lease_until"].as_str().unwrap())
-            .fetch_one(&app.db)
-            .await
-            .unwrap();
+    let seconds_left: f64 = app
+        .scalar_of(
+            "SELECT extract(epoch FROM $1::text::timestamptz - now())::float8",
+            lease["lease_until"].as_str().unwrap(),
+        )
+        .await;
     assert!((38.0..=40.0).contains(&seconds_left), "{seconds_left}");
     assert_eq!(lease["lease_seconds"], 40);
 
-    let holder: String =
-        sqlx::query_scalar("SELECT holder FROM lease_slots WHERE lease_id = $1::text::uuid")
-            .bind(lease_id)
-            .fetch_one(&app.db)
-            .await
-            .unwrap();
+    let holder: String = app
+        .scalar_of(
+            "SELECT holder FROM lease_slots WHERE lease_id = $1::text::uuid",
+            lease_id,
+        )
+        .await;
     assert_eq!(holder, "worker-7");
     assert_eq!(app.events(lease_id).await, ["granted"]);
 }
 
 #[tokio::test]
 async fn allocate_defaults_to_the_default_pool_and_a_35_second_lease() {
-    let app = TestApp::spawn().await;
-    app.put_key("key-a", "openai", "default", &["gpt-4o"], 1)
-        .await;
-    let lease = json_body(
-        app.allocate(json!({"provider": "openai", "model": "gpt-4o"}))
-            .await,
-        StatusCode::OK,
-    )
-    .await;
+    let app = TestApp::with_credential("key-a", 1).await;
+    let lease = app.lease(gpt4o()).await;
     assert_eq!(lease["pool"], "default");
-    let seconds: f64 = sqlx::query_scalar(
-        "SELECT extract(epoch FROM lease_until - granted_at)::float8 FROM lease_slots WHERE key_id = 'key-a' AND lease_id IS NOT NULL",
-    )
-    .fetch_one(&app.db)
-    .await
-    .unwrap();
+    let seconds: f64 = app.scalar("SELECT extract(epoch FROM lease_until - granted_at)::float8 FROM lease_slots WHERE key_id = 'key-a' AND lease_id IS NOT NULL").await;
     assert!((34.9..=35.1).contains(&seconds), "{seconds}");
     assert_eq!(lease["lease_seconds"], 35);
 }
@@ -86,42 +70,22 @@ async fn the_answer_says_the_length_granted_also_when_the_maximum_is_below_the_d
     let mut options = AppOptions::default();
     options.settings.max_lease_seconds = 9;
     let app = TestApp::spawn_with(options).await;
-    app.put_key("key-a", "openai", "default", &["gpt-4o"], 1)
-        .await;
-    let lease = json_body(
-        app.allocate(json!({"provider": "openai", "model": "gpt-4o"}))
-            .await,
-        StatusCode::OK,
-    )
-    .await;
+    app.put_gpt4o_key("key-a", "default", 1).await;
+    let lease = app.lease(gpt4o()).await;
     assert_eq!(lease["lease_seconds"], 9);
-    let seconds: f64 = sqlx::query_scalar(
-        "SELECT extract(epoch FROM lease_until - granted_at)::float8 FROM lease_slots WHERE key_id = 'key-a' AND lease_id IS NOT NULL",
-    )
-    .fetch_one(&app.db)
-    .await
-    .unwrap();
+    let seconds: f64 = app.scalar("SELECT extract(epoch FROM lease_until - granted_at)::float8 FROM lease_slots WHERE key_id = 'key-a' AND lease_id IS NOT NULL").await;
     assert!((8.9..=9.1).contains(&seconds), "{seconds}");
 }
 
 #[tokio::test]
 async fn unknown_provider_or_pool_is_pool_not_found() {
-    let app = TestApp::spawn().await;
-    app.put_key("key-a", "openai", "default", &["gpt-4o"], 1)
+    let app = TestApp::with_credential("key-a", 1).await;
+    app.allocate(json!({"provider": "anthropic", "model": "gpt-4o"}))
+        .refused(StatusCode::NOT_FOUND, "pool_not_found")
         .await;
-    assert_error(
-        app.allocate(json!({"provider": "anthropic", "model": "gpt-4o"}))
-            .await,
-        StatusCode::NOT_FOUND,
-        "pool_not_found",
-    )
-    .await;
-    assert_error(
-        app.allocate(gpt4o("batch")).await,
-        StatusCode::NOT_FOUND,
-        "pool_not_found",
-    )
-    .await;
+    app.allocate(gpt4o_in("batch"))
+        .refused(StatusCode::NOT_FOUND, "pool_not_found")
+        .await;
 }
 
 #[tokio::test]
@@ -129,30 +93,24 @@ async fn refusals_name_what_was_asked_and_read_as_the_apis_own_sentences() {
     let mut options = AppOptions::default();
     options.settings.max_lease_seconds = 600;
     let app = TestApp::spawn_with(options).await;
-    app.put_key("key-a", "openai", "default", &["gpt-4o"], 1)
-        .await;
+    app.put_gpt4o_key("key-a", "default", 1).await;
     let message = |body: Value| body["error"]["message"].as_str().unwrap().to_owned();
 
     // a 404 names the provider and the pool asked for
-    let missing = assert_error(
-        app.allocate(gpt4o("batch")).await,
-        StatusCode::NOT_FOUND,
-        "pool_not_found",
-    )
-    .await;
+    let missing = app
+        .allocate(gpt4o_in("batch"))
+        .refused(StatusCode::NOT_FOUND, "pool_not_found")
+        .await;
     assert_eq!(
         message(missing),
         "no credentials for provider openai in pool batch"
     );
 
     // a range error says which setting raises the limit
-    let too_long = assert_error(
-        app.allocate(json!({"provider": "openai", "model": "gpt-4o", "lease_seconds": 601}))
-            .await,
-        StatusCode::BAD_REQUEST,
-        "invalid_request",
-    )
-    .await;
+    let too_long = app
+        .allocate(gpt4o_for(601))
+        .refused(StatusCode::BAD_REQUEST, "invalid_request")
+        .await;
     let too_long = message(too_long);
     assert!(
         too_long.contains("from 1 to 600") && too_long.contains("--max-lease-seconds"),
@@ -160,13 +118,10 @@ async fn refusals_name_what_was_asked_and_read_as_the_apis_own_sentences() {
     );
 
     // a body serde refuses: its words, not the framework's lead-in
-    let unknown = assert_error(
-        app.allocate(json!({"provider": "openai", "model": "gpt-4o", "surprise": true}))
-            .await,
-        StatusCode::BAD_REQUEST,
-        "invalid_request",
-    )
-    .await;
+    let unknown = app
+        .allocate(json!({"provider": "openai", "model": "gpt-4o", "surprise": true}))
+        .refused(StatusCode::BAD_REQUEST, "invalid_request")
+        .await;
     let unknown = message(unknown);
     assert!(
         unknown.starts_with("invalid request body: ")
@@ -198,12 +153,9 @@ async fn pool_without_the_model_is_model_not_supported() {
     let app = TestApp::spawn().await;
     app.put_key("key-a", "openai", "default", &["gpt-4o-mini"], 1)
         .await;
-    assert_error(
-        app.allocate(gpt4o("default")).await,
-        StatusCode::CONFLICT,
-        "model_not_supported",
-    )
-    .await;
+    app.allocate(gpt4o_in("default"))
+        .refused(StatusCode::CONFLICT, "model_not_supported")
+        .await;
 }
 
 #[tokio::test]
@@ -214,38 +166,28 @@ async fn only_disabled_exhausted_or_pending_credentials_is_no_usable_credentials
         ("key-e", "exhausted"),
         ("key-p", "pending"),
     ] {
-        app.put_key(key, "openai", "default", &["gpt-4o"], 1).await;
+        app.put_gpt4o_key(key, "default", 1).await;
         app.set_status(key, status, None).await;
     }
     // a credential that does not serve the model does not change the answer
     app.put_key("key-other", "openai", "default", &["o3"], 1)
         .await;
-    assert_error(
-        app.allocate(gpt4o("default")).await,
-        StatusCode::CONFLICT,
-        "no_usable_credentials",
-    )
-    .await;
+    app.allocate(gpt4o_in("default"))
+        .refused(StatusCode::CONFLICT, "no_usable_credentials")
+        .await;
 }
 
 #[tokio::test]
 async fn busy_pool_is_pool_exhausted_with_retry_after_until_the_earliest_lease_ends() {
-    let app = TestApp::spawn().await;
-    app.put_key("key-a", "openai", "default", &["gpt-4o"], 1)
-        .await;
-    app.put_key("key-b", "openai", "default", &["gpt-4o"], 1)
-        .await;
-    let body = json!({"provider": "openai", "model": "gpt-4o", "lease_seconds": 30});
-    json_body(app.allocate(body.clone()).await, StatusCode::OK).await;
-    let body_long = json!({"provider": "openai", "model": "gpt-4o", "lease_seconds": 120});
-    json_body(app.allocate(body_long.clone()).await, StatusCode::OK).await;
+    let app = TestApp::with_credential("key-a", 1).await;
+    app.put_gpt4o_key("key-b", "default", 1).await;
+    let body = gpt4o_for(30);
+    app.lease(body.clone()).await;
+    let body_long = gpt4o_for(120);
+    app.lease(body_long.clone()).await;
 
     let response = app.allocate(body).await;
-    let retry_after: u64 = response.headers()["retry-after"]
-        .to_str()
-        .unwrap()
-        .parse()
-        .unwrap();
+    let retry_after: u64 = retry_after(&response);
     assert!(
         (29..=30).contains(&retry_after),
         "Retry-After {retry_after}"
@@ -266,153 +208,117 @@ async fn a_slot_freed_by_another_replica_is_leased_not_hidden_by_a_stale_view() 
     options.settings.view_refresh = Duration::from_secs(600);
     let app = TestApp::spawn_with(options).await;
     for i in 0..40 {
-        app.put_key(&format!("key-{i:02}"), "openai", "default", &["gpt-4o"], 1)
+        app.put_gpt4o_key(&format!("key-{i:02}"), "default", 1)
             .await;
     }
-    let body = json!({"provider": "openai", "model": "gpt-4o", "lease_seconds": 300});
+    let body = gpt4o_for(300);
     let mut leases = Vec::new();
     for _ in 0..40 {
-        leases.push(json_body(app.allocate(body.clone()).await, StatusCode::OK).await);
+        leases.push(app.lease(body.clone()).await);
     }
-    assert_error(
-        app.allocate(body.clone()).await,
-        StatusCode::TOO_MANY_REQUESTS,
-        "pool_exhausted",
-    )
-    .await;
+    app.allocate(body.clone())
+        .refused(StatusCode::TOO_MANY_REQUESTS, "pool_exhausted")
+        .await;
     let (other, _stop) = app.replica(4).await;
     for lease in leases.iter().take(3) {
-        let released = json_body(
-            post_json(
-                &client(),
-                &format!("http://{other}/api/internal/release-key"),
-                ("x-internal-key", INTERNAL_KEY),
-                release_body(lease, "success"),
-            )
-            .await,
-            StatusCode::OK,
-        )
-        .await;
+        let released = Remote::at(other)
+            .release(release_body(lease, "success"))
+            .ok_json()
+            .await;
         assert_eq!(released["released"], true, "{released}");
         // past the age a view may answer a 429 from
         tokio::time::sleep(Duration::from_millis(1_100)).await;
-        let granted = json_body(app.allocate(body.clone()).await, StatusCode::OK).await;
+        let granted = app.lease(body.clone()).await;
         assert_eq!(granted["key_id"], lease["key_id"], "{granted}");
     }
 }
 
 #[tokio::test]
 async fn cooling_credentials_are_pool_exhausted_until_the_cooldown_ends_then_usable_again() {
-    let app = TestApp::spawn().await;
-    app.put_key("key-a", "openai", "default", &["gpt-4o"], 1)
-        .await;
+    let app = TestApp::with_credential("key-a", 1).await;
     app.set_status("key-a", "rate_limited", Some(1.5)).await;
 
-    let response = app.allocate(gpt4o("default")).await;
+    let response = app.allocate(gpt4o_in("default")).await;
     assert_eq!(response.headers()["retry-after"], "2");
     assert_error(response, StatusCode::TOO_MANY_REQUESTS, "pool_exhausted").await;
 
     // opportunistic recovery: once cooldown_until passes the credential is usable, no job needed
     tokio::time::sleep(Duration::from_millis(1_700)).await;
-    json_body(app.allocate(gpt4o("default")).await, StatusCode::OK).await;
+    app.lease(gpt4o_in("default")).await;
 }
 
 #[tokio::test]
 async fn rate_limited_with_unknown_cooldown_end_is_not_usable() {
-    let app = TestApp::spawn().await;
-    app.put_key("key-a", "openai", "default", &["gpt-4o"], 1)
-        .await;
+    let app = TestApp::with_credential("key-a", 1).await;
     app.set_status("key-a", "cooldown", None).await;
-    assert_error(
-        app.allocate(gpt4o("default")).await,
-        StatusCode::CONFLICT,
-        "no_usable_credentials",
-    )
-    .await;
+    app.allocate(gpt4o_in("default"))
+        .refused(StatusCode::CONFLICT, "no_usable_credentials")
+        .await;
 }
 
 #[tokio::test]
 async fn vip_falls_back_to_default_and_says_which_pool_served() {
     let app = TestApp::spawn().await;
-    app.put_key("vip-1", "openai", "vip", &["gpt-4o"], 1).await;
-    app.put_key("def-1", "openai", "default", &["gpt-4o"], 1)
-        .await;
+    app.put_gpt4o_key("vip-1", "vip", 1).await;
+    app.put_gpt4o_key("def-1", "default", 1).await;
 
-    let first = json_body(app.allocate(gpt4o("vip")).await, StatusCode::OK).await;
+    let first = app.lease(gpt4o_in("vip")).await;
     assert_eq!(
         (first["key_id"].as_str(), first["pool"].as_str()),
         (Some("vip-1"), Some("vip"))
     );
-    let second = json_body(app.allocate(gpt4o("vip")).await, StatusCode::OK).await;
+    let second = app.lease(gpt4o_in("vip")).await;
     assert_eq!(
         (second["key_id"].as_str(), second["pool"].as_str()),
         (Some("def-1"), Some("default"))
     );
-    assert_error(
-        app.allocate(gpt4o("vip")).await,
-        StatusCode::TOO_MANY_REQUESTS,
-        "pool_exhausted",
-    )
-    .await;
+    app.allocate(gpt4o_in("vip"))
+        .refused(StatusCode::TOO_MANY_REQUESTS, "pool_exhausted")
+        .await;
 
     // the lease served from default is released as a default-pool lease
-    let released = json_body(
-        app.release(release_body(&second, "success")).await,
-        StatusCode::OK,
-    )
-    .await;
+    let released = app
+        .release(release_body(&second, "success"))
+        .ok_json()
+        .await;
     assert_eq!(released, json!({"released": true}));
 }
 
 #[tokio::test]
 async fn vip_request_is_served_by_default_when_vip_has_no_credentials() {
-    let app = TestApp::spawn().await;
-    app.put_key("def-1", "openai", "default", &["gpt-4o"], 1)
-        .await;
-    let lease = json_body(app.allocate(gpt4o("vip")).await, StatusCode::OK).await;
+    let app = TestApp::with_credential("def-1", 1).await;
+    let lease = app.lease(gpt4o_in("vip")).await;
     assert_eq!(lease["pool"], "default");
 }
 
 #[tokio::test]
 async fn default_never_takes_a_vip_credential() {
     let app = TestApp::spawn().await;
-    app.put_key("vip-1", "openai", "vip", &["gpt-4o"], 5).await;
-    assert_error(
-        app.allocate(gpt4o("default")).await,
-        StatusCode::NOT_FOUND,
-        "pool_not_found",
-    )
-    .await;
-
-    app.put_key("def-1", "openai", "default", &["gpt-4o"], 1)
+    app.put_gpt4o_key("vip-1", "vip", 5).await;
+    app.allocate(gpt4o_in("default"))
+        .refused(StatusCode::NOT_FOUND, "pool_not_found")
         .await;
-    json_body(app.allocate(gpt4o("default")).await, StatusCode::OK).await;
+
+    app.put_gpt4o_key("def-1", "default", 1).await;
+    app.lease(gpt4o_in("default")).await;
     // default is full; vip has four free slots, and default must still not take them
-    assert_error(
-        app.allocate(gpt4o("default")).await,
-        StatusCode::TOO_MANY_REQUESTS,
-        "pool_exhausted",
-    )
-    .await;
+    app.allocate(gpt4o_in("default"))
+        .refused(StatusCode::TOO_MANY_REQUESTS, "pool_exhausted")
+        .await;
     assert_eq!(app.in_flight("vip-1").await, 0);
 }
 
 #[tokio::test]
 async fn expired_lease_frees_its_slot_without_any_cleanup_job() {
-    let app = TestApp::spawn().await;
-    app.put_key("key-a", "openai", "default", &["gpt-4o"], 1)
+    let app = TestApp::with_credential("key-a", 1).await;
+    let body = gpt4o_for(1);
+    let first = app.lease(body.clone()).await;
+    app.allocate(body.clone())
+        .refused(StatusCode::TOO_MANY_REQUESTS, "pool_exhausted")
         .await;
-    let body = json!({"provider": "openai", "model": "gpt-4o", "lease_seconds": 1});
-    let first = json_body(app.allocate(body.clone()).await, StatusCode::OK).await;
-    assert_error(
-        app.allocate(body.clone()).await,
-        StatusCode::TOO_MANY_REQUESTS,
-        "pool_exhausted",
-    )
-    .await;
 
     tokio::time::sleep(Duration::from_millis(1_200)).await;
-    let second = json_body(app.allocate(body).await, StatusCode::OK).await;
+    let second = app.lease(body).await;
     assert_ne!(first["lease_id"], second["lease_id"]);
     // the expired lease was ended in the trail by the claim that reused its slot
     assert_eq!(
@@ -426,12 +332,12 @@ async fn expired_lease_frees_its_slot_without_any_cleanup_job() {
 async fn least_recently_used_credential_is_leased_first() {
     let app = TestApp::spawn_with(AppOptions::deterministic()).await;
     for key in ["key-a", "key-b", "key-c"] {
-        app.put_key(key, "openai", "default", &["gpt-4o"], 5).await;
+        app.put_gpt4o_key(key, "default", 5).await;
     }
     // never-used credentials come first (ties broken by key id with zero jitter)
     let mut order = Vec::new();
     for _ in 0..6 {
-        let lease = json_body(app.allocate(gpt4o("default")).await, StatusCode::OK).await;
+        let lease = app.lease(gpt4o_in("default")).await;
         order.push(lease["key_id"].as_str().unwrap().to_owned());
         app.release(release_body(&lease, "success")).await;
         tokio::time::sleep(Duration::from_millis(20)).await;
@@ -444,14 +350,12 @@ async fn least_recently_used_credential_is_leased_first() {
 
 #[tokio::test]
 async fn missing_or_wrong_internal_key_is_unauthorized() {
-    let app = TestApp::spawn().await;
-    app.put_key("key-a", "openai", "default", &["gpt-4o"], 1)
-        .await;
+    let app = TestApp::with_credential("key-a", 1).await;
     let url = app.url("/api/internal/allocate-key");
     let no_key = app
         .client
         .post(&url)
-        .json(&gpt4o("default"))
+        .json(&gpt4o_in("default"))
         .send()
         .await
         .unwrap();
@@ -460,7 +364,7 @@ async fn missing_or_wrong_internal_key_is_unauthorized() {
         &app.client,
         &url,
         ("x-internal-key", "nope"),
-        gpt4o("default"),
+        gpt4o_in("default"),
     )
     .await;
     assert_error(wrong, StatusCode::UNAUTHORIZED, "unauthorized").await;
@@ -468,7 +372,7 @@ async fn missing_or_wrong_internal_key_is_unauthorized() {
         &app.client,
         &url,
         ("x-internal-key", ADMIN_KEY),
-        gpt4o("default"),
+        gpt4o_in("default"),
     )
     .await;
     assert_error(admin_key, StatusCode::UNAUTHORIZED, "unauthorized").await;
@@ -480,8 +384,7 @@ async fn malformed_allocate_requests_are_invalid_request() {
     let mut options = AppOptions::default();
     options.settings.max_lease_seconds = 600;
     let app = TestApp::spawn_with(options).await;
-    app.put_key("key-a", "openai", "default", &["gpt-4o"], 1)
-        .await;
+    app.put_gpt4o_key("key-a", "default", 1).await;
     let bad = [
         json!({"provider": "openai", "model": "gpt-4o", "lease_seconds": 0}),
         json!({"provider": "openai", "model": "gpt-4o", "lease_seconds": -1}),
@@ -523,7 +426,7 @@ async fn malformed_allocate_requests_are_invalid_request() {
         .post(app.url("/api/internal/allocate-key"))
         .header("x-internal-key", INTERNAL_KEY)
         .header("content-type", "text/plain")
-        .body(gpt4o("default").to_string())
+        .body(gpt4o_in("default").to_string())
         .send()
         .await
         .unwrap();
@@ -547,56 +450,31 @@ async fn malformed_allocate_requests_are_invalid_request() {
 
 #[tokio::test]
 async fn every_4xx_leaves_the_database_unchanged() {
-    let app = TestApp::spawn().await;
-    app.put_key("busy", "openai", "default", &["gpt-4o"], 1)
-        .await;
-    app.put_key("off", "openai", "batch", &["gpt-4o"], 1).await;
+    let app = TestApp::with_credential("busy", 1).await;
+    app.put_gpt4o_key("off", "batch", 1).await;
     app.set_status("off", "disabled", None).await;
-    let lease = json_body(app.allocate(gpt4o("default")).await, StatusCode::OK).await;
+    let lease = app.lease(gpt4o_in("default")).await;
     let before = app.snapshot().await;
 
     // 429, 409 x2, 404, 400, 401, 410: none may touch a lease, a counter or a cooldown
-    assert_error(
-        app.allocate(gpt4o("default")).await,
-        StatusCode::TOO_MANY_REQUESTS,
-        "pool_exhausted",
-    )
-    .await;
-    assert_error(
-        app.allocate(gpt4o("batch")).await,
-        StatusCode::CONFLICT,
-        "no_usable_credentials",
-    )
-    .await;
-    assert_error(
-        app.allocate(json!({"provider": "openai", "model": "o3", "pool": "default"}))
-            .await,
-        StatusCode::CONFLICT,
-        "model_not_supported",
-    )
-    .await;
-    assert_error(
-        app.allocate(gpt4o("nowhere")).await,
-        StatusCode::NOT_FOUND,
-        "pool_not_found",
-    )
-    .await;
-    assert_error(
-        app.allocate(json!({"provider": "openai", "model": "gpt-4o", "lease_seconds": 0}))
-            .await,
-        StatusCode::BAD_REQUEST,
-        "invalid_request",
-    )
-    .await;
+    app.allocate(gpt4o_in("default"))
+        .refused(StatusCode::TOO_MANY_REQUESTS, "pool_exhausted")
+        .await;
+    app.allocate(gpt4o_in("batch"))
+        .refused(StatusCode::CONFLICT, "no_usable_credentials")
+        .await;
+    app.allocate(json!({"provider": "openai", "model": "o3", "pool": "default"}))
+        .refused(StatusCode::CONFLICT, "model_not_supported")
+        .await;
+    app.allocate(gpt4o_in("nowhere"))
+        .refused(StatusCode::NOT_FOUND, "pool_not_found")
+        .await;
+    app.allocate(gpt4o_for(0))
+        .refused(StatusCode::BAD_REQUEST, "invalid_request")
+        .await;
     let mut wrong = release_body(&lease, "failure");
     wrong["key_id"] = json!("off");
-    assert_error(
-        app.renew(json!({"provider": "openai", "pool": "default", "key_id": "off", "lease_id": lease["lease_id"]}))
-            .await,
-        StatusCode::GONE,
-        "lease_lost",
-    )
-    .await;
+    app.renew(json!({"provider": "openai", "pool": "default", "key_id": "off", "lease_id": lease["lease_id"]})).refused(StatusCode::GONE, "lease_lost").await;
     let unauthorized = post_json(
         &app.client,
         &app.url("/api/internal/release-key"),
@@ -606,7 +484,7 @@ async fn every_4xx_leaves_the_database_unchanged() {
     .await;
     assert_error(unauthorized, StatusCode::UNAUTHORIZED, "unauthorized").await;
     // a mismatched release is a 200 that releases nothing: also no change
-    let refused = json_body(app.release(wrong).await, StatusCode::OK).await;
+    let refused = app.release(wrong).ok_json().await;
     assert_eq!(refused, json!({"released": false, "reason": "mismatch"}));
 
     assert_eq!(app.snapshot().await, before);
@@ -615,19 +493,9 @@ async fn every_4xx_leaves_the_database_unchanged() {
 #[tokio::test]
 async fn unknown_routes_and_methods_answer_in_the_error_shape() {
     let app = TestApp::spawn().await;
-    let response = app
-        .client
-        .get(app.url("/api/internal/nope"))
-        .send()
-        .await
-        .unwrap();
+    let response = app.get("/api/internal/nope").await;
     assert_error(response, StatusCode::NOT_FOUND, "route_not_found").await;
-    let response = app
-        .client
-        .get(app.url("/api/internal/allocate-key"))
-        .send()
-        .await
-        .unwrap();
+    let response = app.get("/api/internal/allocate-key").await;
     assert_error(
         response,
         StatusCode::METHOD_NOT_ALLOWED,
@@ -654,7 +522,7 @@ async fn unreachable_database_is_store_unavailable_not_pool_exhausted() {
     let lease_ref =
         json!({"provider": "openai", "pool": "default", "key_id": "k", "lease_id": "0".repeat(32)});
     for (path, body) in [
-        ("/api/internal/allocate-key", gpt4o("default")),
+        ("/api/internal/allocate-key", gpt4o_in("default")),
         ("/api/internal/release-key", lease_ref.clone()),
         ("/api/internal/renew-lease", lease_ref),
     ] {

@@ -19,9 +19,9 @@ use crate::BIN;
 
 mod checkpoints;
 
-async fn lease(app: &TestApp, seconds: u32) -> Value {
-    let body = json!({"provider": "openai", "model": "gpt-4o", "lease_seconds": seconds, "holder": "auditor"});
-    json_body(app.allocate(body).await, StatusCode::OK).await
+/// An allocate body of gpt-4o for `seconds`, held by `auditor`.
+fn audited(seconds: u32) -> Value {
+    json!({"provider": "openai", "model": "gpt-4o", "lease_seconds": seconds, "holder": "auditor"})
 }
 
 async fn scalar_i32(app: &TestApp, sql: &'static str) -> i32 {
@@ -30,15 +30,13 @@ async fn scalar_i32(app: &TestApp, sql: &'static str) -> i32 {
 
 #[tokio::test]
 async fn the_reaper_ends_expired_leases_in_the_trail_in_bounded_batches_and_is_idempotent() {
-    let app = TestApp::spawn().await;
-    app.put_key("key-a", "openai", "default", &["gpt-4o"], 4)
-        .await;
+    let app = TestApp::with_credential("key-a", 4).await;
     let leases = [
-        lease(&app, 1).await,
-        lease(&app, 1).await,
-        lease(&app, 1).await,
+        app.lease(audited(1)).await,
+        app.lease(audited(1)).await,
+        app.lease(audited(1)).await,
     ];
-    let live = lease(&app, 600).await.to_string();
+    let live = app.lease(audited(600)).await.to_string();
     assert!(live.contains("lease_id"));
     assert_eq!(
         scalar_i32(&app, "SELECT credpool_reap_expired_leases(10)").await,
@@ -64,18 +62,13 @@ async fn the_reaper_ends_expired_leases_in_the_trail_in_bounded_batches_and_is_i
             ["granted", "expired"]
         );
     }
-    let active: i64 = sqlx::query_scalar("SELECT count(*) FROM active_leases")
-        .fetch_one(&app.db)
-        .await
-        .unwrap();
+    let active: i64 = app.scalar("SELECT count(*) FROM active_leases").await;
     assert_eq!(active, 1);
 }
 
 #[tokio::test]
 async fn ended_cooldowns_are_recorded_once_and_the_status_waits_for_the_probe() {
-    let app = TestApp::spawn().await;
-    app.put_key("key-a", "openai", "default", &["gpt-4o"], 1)
-        .await;
+    let app = TestApp::with_credential("key-a", 1).await;
     app.set_status("key-a", "cooldown", Some(0.5)).await;
     assert_eq!(
         scalar_i32(&app, "SELECT credpool_recover_cooldowns()").await,
@@ -90,45 +83,28 @@ async fn ended_cooldowns_are_recorded_once_and_the_status_waits_for_the_probe() 
         scalar_i32(&app, "SELECT credpool_recover_cooldowns()").await,
         0
     );
-    let status: String = sqlx::query_scalar("SELECT status FROM credentials")
-        .fetch_one(&app.db)
-        .await
-        .unwrap();
+    let status: String = app.scalar("SELECT status FROM credentials").await;
     assert_eq!(status, "cooldown");
     // usable: the next lease is the probe
-    assert_eq!(lease(&app, 60).await["probe"], true);
+    assert_eq!(app.lease(audited(60)).await["probe"], true);
 }
 
 #[tokio::test]
 async fn purging_deletes_history_past_retention_but_never_that_of_a_held_lease() {
-    let app = TestApp::spawn().await;
-    app.put_key("key-a", "openai", "default", &["gpt-4o"], 1)
-        .await;
-    let held = lease(&app, 600).await;
+    let app = TestApp::with_credential("key-a", 1).await;
+    let held = app.lease(audited(600)).await;
     // old history: a finished lease 40 days ago, and an old row of the lease still held
-    sqlx::query(
-        "INSERT INTO lease_events (event, lease_id, key_id, provider, pool, slot, lease_until, at)
+    app.run_sql_with("INSERT INTO lease_events (event, lease_id, key_id, provider, pool, slot, lease_until, at)
          VALUES ('granted', gen_random_uuid(), 'key-a', 'openai', 'default', 0, now() - interval '40 days', now() - interval '40 days' - interval '1 minute'),
-                ('renewed', $1::text::uuid, 'key-a', 'openai', 'default', 0, now() + interval '1 hour', now() - interval '40 days')",
-    )
-    .bind(held["lease_id"].as_str())
-    .execute(&app.db)
-    .await
-    .unwrap();
-    let before: i64 = sqlx::query_scalar("SELECT count(*) FROM lease_events")
-        .fetch_one(&app.db)
-        .await
-        .unwrap();
+                ('renewed', $1::text::uuid, 'key-a', 'openai', 'default', 0, now() + interval '1 hour', now() - interval '40 days')", held["lease_id"].as_str()).await;
+    let before: i64 = app.scalar("SELECT count(*) FROM lease_events").await;
     let purged = scalar_i32(
         &app,
         "SELECT credpool_purge_audit(interval '30 days', 1000)",
     )
     .await;
     assert_eq!(purged, 1);
-    let after: i64 = sqlx::query_scalar("SELECT count(*) FROM lease_events")
-        .fetch_one(&app.db)
-        .await
-        .unwrap();
+    let after: i64 = app.scalar("SELECT count(*) FROM lease_events").await;
     assert_eq!(after, before - 1);
     assert_eq!(
         scalar_i32(
@@ -145,36 +121,20 @@ type LifetimeRow = (String, Option<String>, Option<String>, i64, Option<String>)
 
 #[tokio::test]
 async fn lease_lifetimes_are_rebuilt_from_the_trail_with_how_each_ended() {
-    let app = TestApp::spawn().await;
-    app.put_key("key-a", "openai", "default", &["gpt-4o"], 4)
+    let app = TestApp::with_credential("key-a", 4).await;
+    let released = app.lease(audited(600)).await;
+    let renew = lease_ref(&released);
+    app.renew(renew).ok_json().await;
+    app.release(release_body(&released, "failure"))
+        .ok_json()
         .await;
-    let released = lease(&app, 600).await;
-    let mut renew = release_body(&released, "success");
-    renew.as_object_mut().unwrap().remove("outcome");
-    json_body(app.renew(renew).await, StatusCode::OK).await;
-    json_body(
-        app.release(release_body(&released, "failure")).await,
-        StatusCode::OK,
-    )
-    .await;
-    let expired = lease(&app, 1).await;
-    let forced = lease(&app, 600).await;
-    let held = lease(&app, 600).await;
-    sqlx::query("SELECT credpool_reap_expired_leases()")
-        .execute(&app.db)
-        .await
-        .unwrap();
+    let expired = app.lease(audited(1)).await;
+    let forced = app.lease(audited(600)).await;
+    let held = app.lease(audited(600)).await;
+    app.run_sql("SELECT credpool_reap_expired_leases()").await;
     let response = app
-        .client
-        .post(app.url(&format!(
-            "/api/admin/leases/{}/release",
-            forced["lease_id"].as_str().unwrap()
-        )))
-        .header("x-admin-key", ADMIN_KEY)
-        .json(&json!({"reason": "test"}))
-        .send()
-        .await
-        .unwrap();
+        .force_release(forced["lease_id"].as_str().unwrap(), "test")
+        .await;
     assert_eq!(response.status(), StatusCode::OK);
     tokio::time::sleep(Duration::from_millis(1_200)).await;
 
@@ -214,16 +174,10 @@ async fn lease_lifetimes_are_rebuilt_from_the_trail_with_how_each_ended() {
 
 #[tokio::test]
 async fn audit_verify_passes_on_real_traffic_and_fails_on_a_fabricated_oversell() {
-    let app = TestApp::spawn().await;
-    app.put_key("solo", "openai", "default", &["gpt-4o"], 1)
-        .await;
+    let app = TestApp::with_credential("solo", 1).await;
     for _ in 0..3 {
-        let l = lease(&app, 600).await;
-        json_body(
-            app.release(release_body(&l, "success")).await,
-            StatusCode::OK,
-        )
-        .await;
+        let l = app.lease(audited(600)).await;
+        app.release(release_body(&l, "success")).ok_json().await;
     }
     let (ok, output) = audit_verify(BIN, &app.database).await;
     assert!(ok, "{output}");
@@ -234,14 +188,9 @@ async fn audit_verify_passes_on_real_traffic_and_fails_on_a_fabricated_oversell(
 
     // two hours ago, a second lease on the limit-1 credential while the first was held: written
     // straight into the trail, as a bug in the claim would have
-    sqlx::query(
-        "INSERT INTO lease_events (event, lease_id, key_id, provider, pool, slot, lease_until, at)
+    app.run_sql("INSERT INTO lease_events (event, lease_id, key_id, provider, pool, slot, lease_until, at)
          VALUES ('granted', gen_random_uuid(), 'solo', 'openai', 'default', 0, now() - interval '110 minutes', now() - interval '120 minutes'),
-                ('granted', gen_random_uuid(), 'solo', 'openai', 'default', 0, now() - interval '110 minutes', now() - interval '115 minutes')",
-    )
-    .execute(&app.db)
-    .await
-    .unwrap();
+                ('granted', gen_random_uuid(), 'solo', 'openai', 'default', 0, now() - interval '110 minutes', now() - interval '115 minutes')").await;
     let (ok, output) = audit_verify(BIN, &app.database).await;
     assert!(!ok, "{output}");
     assert!(
@@ -252,43 +201,34 @@ async fn audit_verify_passes_on_real_traffic_and_fails_on_a_fabricated_oversell(
 
 #[tokio::test]
 async fn lowering_a_limit_under_load_is_not_an_oversell_but_a_grant_above_it_is() {
-    let app = TestApp::spawn().await;
-    app.put_key("shrink", "openai", "default", &["gpt-4o"], 3)
-        .await;
+    let app = TestApp::with_credential("shrink", 3).await;
     let leases = [
-        lease(&app, 600).await,
-        lease(&app, 600).await,
-        lease(&app, 600).await,
+        app.lease(audited(600)).await,
+        app.lease(audited(600)).await,
+        app.lease(audited(600)).await,
     ];
-    app.put_key("shrink", "openai", "default", &["gpt-4o"], 1)
-        .await;
+    app.put_gpt4o_key("shrink", "default", 1).await;
     let (ok, output) = audit_verify(BIN, &app.database).await;
     assert!(
         ok,
         "three leases held under a lowered limit revoke nothing and are no oversell: {output}"
     );
     for l in &leases {
-        json_body(
-            app.release(release_body(l, "success")).await,
-            StatusCode::OK,
-        )
-        .await;
+        app.release(release_body(l, "success")).ok_json().await;
     }
     // the service grants again within the lowered limit: one lease, held to the end
-    let _held = lease(&app, 600).await;
+    let _held = app.lease(audited(600)).await;
     let (ok, output) = audit_verify(BIN, &app.database).await;
     assert!(ok, "{output}");
     // a second grant beside it, written straight into the trail as a claim that read the old
     // limit would have: two live leases, within the limit of 3 the credential once had but
     // over the 1 it has had since
-    sqlx::query(
+    app.run_sql(
         "INSERT INTO lease_events (event, lease_id, key_id, provider, pool, slot, lease_until, at)
          VALUES ('granted', gen_random_uuid(), 'shrink', 'openai', 'default', 1,
                  now() + interval '10 minutes', now())",
     )
-    .execute(&app.db)
-    .await
-    .unwrap();
+    .await;
     let (ok, output) = audit_verify(BIN, &app.database).await;
     assert!(
         !ok,
@@ -306,9 +246,7 @@ async fn grants_older_than_the_oldest_configuration_row_kept_are_judged_by_the_l
     // 4 to 2 a minute ago, while 4 leases granted ten minutes ago were held. Those grants were
     // within the limit of their time (4): the proof must take it from that row's `old`, not
     // judge them by today's 2.
-    let app = TestApp::spawn().await;
-    app.put_key("aged", "openai", "default", &["gpt-4o"], 2)
-        .await;
+    let app = TestApp::with_credential("aged", 2).await;
     sqlx::raw_sql(
         "DELETE FROM credential_events WHERE key_id = 'aged';
          INSERT INTO credential_events (key_id, event, reason, actor, details, at)
@@ -333,38 +271,17 @@ async fn a_grant_over_a_tenants_cap_written_into_the_trail_fails_audit_verify() 
     // grant past it is written straight into the trail, as a claim that missed the tenant's
     // slot rows would have. The cap was 2 and is 1 when the fabricated grant is made, so a
     // proof that judged by the highest cap ever set would pass it too.
-    use crate::tenants::{allocate, capped_tenant, executor, lease_ref, put_tenant};
     let app = TestApp::spawn().await;
-    let base = app.url("");
-    app.put_key("east", "openai", "east", &["gpt-4o"], 4).await;
-    app.put_key("west", "openai", "west", &["gpt-4o"], 4).await;
-    let key = capped_tenant(&app, "team", 2).await;
+    app.put_gpt4o_key("east", "east", 4).await;
+    app.put_gpt4o_key("west", "west", 4).await;
+    let key = app.capped_tenant("team", 2).await;
     // held to the end
-    json_body(
-        allocate(&app.client, &base, &key, "east").await,
-        StatusCode::OK,
-    )
-    .await;
-    let second = json_body(
-        allocate(&app.client, &base, &key, "west").await,
-        StatusCode::OK,
-    )
-    .await;
-    let release = executor(
-        &app.client,
-        &base,
-        "/api/internal/release-key",
-        &key,
-        lease_ref(&second),
-    );
-    json_body(release.await, StatusCode::OK).await;
-    put_tenant(
-        &app.client,
-        &base,
-        "team",
-        json!({"max_concurrent_leases": 1}),
-    )
-    .await;
+    app.lease_as(&key, "east").await;
+    let second = app.lease_as(&key, "west").await;
+    let release = app.release_as(&key, lease_ref(&second));
+    release.ok_json().await;
+    app.put_tenant("team", json!({"max_concurrent_leases": 1}))
+        .await;
     let (ok, output) = audit_verify(BIN, &app.database).await;
     assert!(
         ok,
@@ -376,15 +293,13 @@ async fn a_grant_over_a_tenants_cap_written_into_the_trail_fails_audit_verify() 
     );
 
     // beside the tenant's live lease on east, a second one on west, now that its cap is 1
-    sqlx::query(
+    app.run_sql(
         "INSERT INTO lease_events (event, lease_id, key_id, provider, pool, slot, lease_until, at,
                                    tenant)
          VALUES ('granted', gen_random_uuid(), 'west', 'openai', 'west', 1,
                  now() + interval '10 minutes', now(), 'team')",
     )
-    .execute(&app.db)
-    .await
-    .unwrap();
+    .await;
     let (ok, output) = audit_verify(BIN, &app.database).await;
     assert!(!ok, "a grant past the tenant's cap passed: {output}");
     assert!(
@@ -399,11 +314,9 @@ async fn a_limit_lowered_while_a_claim_commits_judges_that_grant_by_the_limit_it
     // A change of limit takes effect once its transaction holds the credential's slot rows; a
     // grant committed while it waited for them was admitted under the old limit, and the trail
     // dates the change after it (its audit row is written at clock_timestamp(), after the locks).
-    let app = TestApp::spawn().await;
-    app.put_key("busy", "openai", "default", &["gpt-4o"], 3)
-        .await;
-    lease(&app, 600).await;
-    lease(&app, 600).await;
+    let app = TestApp::with_credential("busy", 3).await;
+    app.lease(audited(600)).await;
+    app.lease(audited(600)).await;
     // a transaction holds slot 0: the change queues behind it, after its own transaction began
     let mut holder = app.db.begin().await.unwrap();
     sqlx::query("SELECT 1 FROM lease_slots WHERE key_id = 'busy' AND slot = 0 FOR UPDATE")
@@ -418,9 +331,9 @@ async fn a_limit_lowered_while_a_claim_commits_judges_that_grant_by_the_limit_it
             .send(),
     );
     // the change queues behind the held transaction
-    crate::lease_state::wait_for_lock_waiters(&app, 1).await;
+    wait_for_lock_waiters(&app, 1).await;
     // meanwhile a third lease, within the limit of 3 (slot 2 is not locked yet)
-    lease(&app, 600).await;
+    app.lease(audited(600)).await;
     holder.commit().await.unwrap();
     json_body(change.await.unwrap().unwrap(), StatusCode::OK).await;
     let (ok, output) = audit_verify(BIN, &app.database).await;
@@ -437,21 +350,20 @@ async fn a_limit_lowered_while_a_claim_commits_judges_that_grant_by_the_limit_it
 /// `PUT /api/admin/tenants/{id}` with `rate_limits`, then a key minted for it: the key.
 async fn windowed_tenant(app: &TestApp, id: &str, rate_limits: Value) -> String {
     let put = app
-        .client
-        .put(app.url(&format!("/api/admin/tenants/{id}")))
-        .header("x-admin-key", ADMIN_KEY)
-        .json(&json!({ "rate_limits": rate_limits, "pools": ["*/*"] }))
-        .send()
-        .await
-        .unwrap();
+        .admin_unnamed(
+            reqwest::Method::PUT,
+            &format!("/api/admin/tenants/{id}"),
+            Some(json!({ "rate_limits": rate_limits, "pools": ["*/*"] })),
+        )
+        .await;
     assert_eq!(put.status(), StatusCode::CREATED);
     let minted = app
-        .client
-        .post(app.url(&format!("/api/admin/tenants/{id}/keys")))
-        .header("x-admin-key", ADMIN_KEY)
-        .send()
-        .await
-        .unwrap();
+        .admin_unnamed(
+            reqwest::Method::POST,
+            &format!("/api/admin/tenants/{id}/keys"),
+            None,
+        )
+        .await;
     json_body(minted, StatusCode::CREATED).await["key"]
         .as_str()
         .unwrap()
@@ -468,10 +380,9 @@ struct Trail {
 
 impl Trail {
     async fn new(db: sqlx::PgPool) -> Self {
-        let t0 = sqlx::query_scalar("SELECT date_trunc('second', now()) - interval '1 hour'")
-            .fetch_one(&db)
-            .await
-            .unwrap();
+        let t0 = db
+            .scalar("SELECT date_trunc('second', now()) - interval '1 hour'")
+            .await;
         Self { db, t0 }
     }
 
@@ -576,31 +487,12 @@ fn line(
     )
 }
 
-/// `credpool audit verify --json`: whether it passed, and what it printed.
-async fn audit_verify_json(database: &TestDatabase) -> (bool, Value) {
-    let output = tokio::process::Command::new(BIN)
-        .args(["audit", "verify", "--json"])
-        .env("DATABASE_URL", database.url())
-        .env("RUST_LOG", "warn")
-        .output()
-        .await
-        .unwrap();
-    let report = serde_json::from_slice(&output.stdout).unwrap_or_else(|e| {
-        panic!(
-            "{e}: {}{}",
-            String::from_utf8_lossy(&output.stdout),
-            String::from_utf8_lossy(&output.stderr)
-        )
-    });
-    (output.status.success(), report)
-}
-
 #[tokio::test]
 async fn a_tenants_grants_over_two_credentials_within_its_token_window_pass_the_tenant_window_proof()
  {
     let app = TestApp::spawn().await;
-    app.put_key("east", "openai", "east", &["gpt-4o"], 4).await;
-    app.put_key("west", "openai", "west", &["gpt-4o"], 4).await;
+    app.put_gpt4o_key("east", "east", 4).await;
+    app.put_gpt4o_key("west", "west", 4).await;
     let key = windowed_tenant(&app, "team", json!([{"tokens": 1000, "seconds": 600}])).await;
     let allocate = |key: String, pool: &'static str, tokens: u64| {
         let url = app.url("/api/internal/allocate-key");
@@ -608,11 +500,9 @@ async fn a_tenants_grants_over_two_credentials_within_its_token_window_pass_the_
         async move {
             let body = json!({"provider": "openai", "model": "gpt-4o", "pool": pool,
                               "tokens": tokens, "lease_seconds": 600});
-            let lease = json_body(
-                post_json(&client, &url, ("x-internal-key", &key), body).await,
-                StatusCode::OK,
-            )
-            .await;
+            let lease = post_json(&client, &url, ("x-internal-key", &key), body)
+                .ok_json()
+                .await;
             assert_eq!(lease["key_id"], pool);
             lease
         }
@@ -705,7 +595,8 @@ async fn a_grant_over_a_tenants_window_written_into_the_trail_fails_audit_verify
             && output.contains("no grant ever exceeded a limit"),
         "{output}"
     );
-    let (ok, report) = audit_verify_json(&database).await;
+    let verified = audit_verify_json(BIN, &database.url()).await;
+    let (ok, report) = (verified.success, verified.report());
     assert!(!ok, "{report}");
     assert_eq!(report["grants_over_tenant_window"], 1, "{report}");
     assert_eq!(
@@ -817,10 +708,8 @@ async fn a_tenants_grant_is_judged_by_the_windows_the_tenant_had_when_it_was_gra
 
 #[tokio::test]
 async fn the_in_process_scheduler_runs_on_one_replica_and_steps_aside_for_pg_cron() {
-    let app = TestApp::spawn().await;
-    app.put_key("key-a", "openai", "default", &["gpt-4o"], 2)
-        .await;
-    lease(&app, 1).await;
+    let app = TestApp::with_credential("key-a", 2).await;
+    app.lease(audited(1)).await;
     tokio::time::sleep(Duration::from_millis(1_200)).await;
     let retention = Duration::from_secs(30 * 86_400);
 
@@ -849,10 +738,8 @@ async fn the_in_process_scheduler_runs_on_one_replica_and_steps_aside_for_pg_cro
         .unwrap();
     assert_eq!(report.expired_leases_reaped, 1);
 
-    sqlx::query("INSERT INTO maintenance_schedule (scheduler) VALUES ('pg_cron')")
-        .execute(&app.db)
-        .await
-        .unwrap();
+    app.run_sql("INSERT INTO maintenance_schedule (scheduler) VALUES ('pg_cron')")
+        .await;
     assert_eq!(
         maintenance::run_pass(&app.db, retention).await.unwrap(),
         Err(Skipped::PgCron)
@@ -889,11 +776,9 @@ async fn pg_cron_runs_the_cleanup_in_a_cluster_that_preloads_it() {
     maintenance::install_cron(&db, &options, Duration::from_secs(30 * 86_400))
         .await
         .unwrap();
-    let scheduled: i64 =
-        sqlx::query_scalar("SELECT count(*) FROM cron.job WHERE jobname LIKE 'credpool:%'")
-            .fetch_one(&db)
-            .await
-            .unwrap();
+    let scheduled: i64 = db
+        .scalar("SELECT count(*) FROM cron.job WHERE jobname LIKE 'credpool:%'")
+        .await;
     assert_eq!(scheduled, 1);
 
     // an expired lease, as a crashed executor leaves it
@@ -915,11 +800,9 @@ async fn pg_cron_runs_the_cleanup_in_a_cluster_that_preloads_it() {
     // pg_cron schedules by the minute: wait for a tick (at most a little over two minutes)
     let mut reaped = false;
     for _ in 0..75 {
-        let expired: i64 =
-            sqlx::query_scalar("SELECT count(*) FROM lease_events WHERE event = 'expired'")
-                .fetch_one(&db)
-                .await
-                .unwrap();
+        let expired: i64 = db
+            .scalar("SELECT count(*) FROM lease_events WHERE event = 'expired'")
+            .await;
         if expired == 1 {
             reaped = true;
             break;
@@ -939,10 +822,9 @@ async fn pg_cron_runs_the_cleanup_in_a_cluster_that_preloads_it() {
         runs.iter().any(|(status, _)| status == "succeeded"),
         "{runs:?}"
     );
-    let free: i64 = sqlx::query_scalar("SELECT count(*) FROM lease_slots WHERE lease_id IS NULL")
-        .fetch_one(&db)
-        .await
-        .unwrap();
+    let free: i64 = db
+        .scalar("SELECT count(*) FROM lease_slots WHERE lease_id IS NULL")
+        .await;
     assert_eq!(free, 1);
     db.close().await;
     cluster.stop().await;

@@ -61,10 +61,7 @@ async fn redis() -> Option<Redis> {
         report_skipped("the redis baseline: CREDPOOL_TEST_SKIP_REDIS is set");
         return None;
     }
-    let port = std::net::TcpListener::bind("127.0.0.1:0")
-        .and_then(|listener| listener.local_addr())
-        .unwrap()
-        .port();
+    let port = free_port();
     let server = Command::new("redis-server")
         .args(["--port", &port.to_string(), "--bind", "127.0.0.1"])
         .args(["--save", "", "--appendonly", "no"])
@@ -125,6 +122,27 @@ async fn bench(database_url: &str, redis_url: Option<&str>, args: &[&str]) -> st
     .unwrap()
 }
 
+/// [`bench`], which must succeed: what it printed (stdout, stderr) and the last JSON line of
+/// its stdout (the report).
+async fn bench_report(
+    database_url: &str,
+    redis_url: Option<&str>,
+    args: &[&str],
+) -> (String, String, Value) {
+    let output = bench(database_url, redis_url, args).await;
+    let (stdout, stderr) = (
+        String::from_utf8_lossy(&output.stdout).into_owned(),
+        String::from_utf8_lossy(&output.stderr).into_owned(),
+    );
+    assert!(output.status.success(), "{stdout}\n{stderr}");
+    let line: Value = stdout
+        .lines()
+        .rev()
+        .find_map(|line| serde_json::from_str(line).ok())
+        .unwrap_or_else(|| panic!("no JSON line in: {stdout}"));
+    (stdout, stderr, line)
+}
+
 /// The report's server time is what its header says: measured for every PostgreSQL mode
 /// (claims and releases that took time) when it names `pg_stat_statements` as the source, and
 /// absent everywhere when it says that is unavailable (a server that does not load it).
@@ -167,23 +185,13 @@ async fn every_baseline_completes_cycles_without_errors_next_to_credpool() {
     if redis.is_some() {
         baselines.push("redis");
     }
-    let output = bench(
+    let (stdout, stderr, line) = bench_report(
         &database.url(),
         redis.as_ref().map(|r| r.url.as_str()),
         &["--baseline", &baselines.join(","), "--executors", "2"],
     )
     .await;
-    let (stdout, stderr) = (
-        String::from_utf8_lossy(&output.stdout),
-        String::from_utf8_lossy(&output.stderr),
-    );
-    assert!(output.status.success(), "{stdout}\n{stderr}");
 
-    let line: Value = stdout
-        .lines()
-        .rev()
-        .find_map(|line| serde_json::from_str(line).ok())
-        .unwrap_or_else(|| panic!("no JSON line in: {stdout}"));
     let results = line["results"].as_array().unwrap();
     let modes: Vec<&str> = results
         .iter()
@@ -212,16 +220,14 @@ async fn every_baseline_completes_cycles_without_errors_next_to_credpool() {
         .unwrap_or_else(|| panic!("no pool name in: {stderr}"))
         .to_owned();
     let pool = database.pool(1).await;
-    let schemas: i64 = sqlx::query_scalar("SELECT count(*) FROM pg_namespace WHERE nspname = $1")
-        .bind(format!("bench_baseline_{run_id}"))
-        .fetch_one(&pool)
-        .await
-        .unwrap();
+    let schemas: i64 = pool
+        .scalar_of(
+            "SELECT count(*) FROM pg_namespace WHERE nspname = $1",
+            format!("bench_baseline_{run_id}"),
+        )
+        .await;
     assert_eq!(schemas, 0, "the sql baseline's schema is dropped");
-    let credentials: i64 = sqlx::query_scalar("SELECT count(*) FROM credentials")
-        .fetch_one(&pool)
-        .await
-        .unwrap();
+    let credentials: i64 = pool.scalar("SELECT count(*) FROM credentials").await;
     assert_eq!(credentials, 0);
     if let Some(Redis { conn, .. }) = redis.as_mut() {
         let (_, keys): (u64, Vec<String>) = redis::cmd("SCAN")
@@ -243,17 +249,7 @@ async fn every_baseline_completes_cycles_without_errors_next_to_credpool() {
 #[tokio::test]
 async fn a_run_with_a_tenant_key_compares_with_the_internal_key_and_removes_its_tenant() {
     let database = TestDatabase::create().await;
-    let output = bench(&database.url(), None, TENANT_RUN).await;
-    let (stdout, stderr) = (
-        String::from_utf8_lossy(&output.stdout),
-        String::from_utf8_lossy(&output.stderr),
-    );
-    assert!(output.status.success(), "{stdout}\n{stderr}");
-    let line: Value = stdout
-        .lines()
-        .rev()
-        .find_map(|line| serde_json::from_str(line).ok())
-        .unwrap_or_else(|| panic!("no JSON line in: {stdout}"));
+    let (stdout, _, line) = bench_report(&database.url(), None, TENANT_RUN).await;
     let modes: Vec<&str> = line["results"]
         .as_array()
         .unwrap()
@@ -270,39 +266,25 @@ async fn a_run_with_a_tenant_key_compares_with_the_internal_key_and_removes_its_
     let pool = database.pool(1).await;
     // the tenant's run: its leases are in the trail under its name, never more than 3 at once
     // (4 executors), and it is gone afterwards
-    let tenant_grants: i64 = sqlx::query_scalar(
-        "SELECT count(*) FROM lease_events WHERE event = 'granted' AND tenant LIKE 'bench-%'",
-    )
-    .fetch_one(&pool)
-    .await
-    .unwrap();
+    let tenant_grants: i64 = pool
+        .scalar(
+            "SELECT count(*) FROM lease_events WHERE event = 'granted' AND tenant LIKE 'bench-%'",
+        )
+        .await;
     assert!(
         tenant_grants > 0,
         "the tenant's executors were granted leases"
     );
-    let tenants: i64 =
-        sqlx::query_scalar("SELECT count(*) FROM tenants WHERE tenant_id LIKE 'bench-%'")
-            .fetch_one(&pool)
-            .await
-            .unwrap();
+    let tenants: i64 = pool
+        .scalar("SELECT count(*) FROM tenants WHERE tenant_id LIKE 'bench-%'")
+        .await;
     assert_eq!(tenants, 0, "the run's tenant is deleted");
-    let exceeded = tokio::time::timeout(
-        Duration::from_secs(60),
-        Command::new(BIN)
-            .args(["audit", "verify"])
-            .env("DATABASE_URL", database.url())
-            .env("RUST_LOG", "warn")
-            .stdin(Stdio::null())
-            .output(),
-    )
-    .await
-    .unwrap()
-    .unwrap();
-    assert!(
-        exceeded.status.success(),
-        "{}",
-        String::from_utf8_lossy(&exceeded.stdout)
-    );
+    let mut verify = credpool_command(BIN, &database.url());
+    verify.args(["audit", "verify"]);
+    let verified = tokio::time::timeout(Duration::from_secs(60), run(&mut verify))
+        .await
+        .unwrap();
+    assert!(verified.success, "{}", verified.stdout);
 }
 
 #[tokio::test]
@@ -312,33 +294,24 @@ async fn a_run_whose_tenant_cannot_be_created_still_removes_its_credentials() {
     // them in the pool.
     let database = TestDatabase::create().await;
     let pool = database.pool(1).await;
-    sqlx::query(
+    pool.run_sql(
         "CREATE FUNCTION refuse_bench_tenants() RETURNS trigger LANGUAGE plpgsql AS $$
          BEGIN RAISE EXCEPTION 'no bench tenants in this database'; END $$",
     )
-    .execute(&pool)
-    .await
-    .unwrap();
-    sqlx::query(
+    .await;
+    pool.run_sql(
         "CREATE TRIGGER refuse_bench_tenants BEFORE INSERT ON tenants FOR EACH ROW
          WHEN (NEW.tenant_id LIKE 'bench-%') EXECUTE FUNCTION refuse_bench_tenants()",
     )
-    .execute(&pool)
-    .await
-    .unwrap();
+    .await;
     let output = bench(&database.url(), None, TENANT_RUN).await;
     let stderr = String::from_utf8_lossy(&output.stderr);
     assert!(!output.status.success(), "the run succeeded: {stderr}");
-    let credentials: i64 = sqlx::query_scalar("SELECT count(*) FROM credentials")
-        .fetch_one(&pool)
-        .await
-        .unwrap();
+    let credentials: i64 = pool.scalar("SELECT count(*) FROM credentials").await;
     assert_eq!(credentials, 0, "the run's credentials were left behind");
-    let tenants: i64 =
-        sqlx::query_scalar("SELECT count(*) FROM tenants WHERE tenant_id LIKE 'bench-%'")
-            .fetch_one(&pool)
-            .await
-            .unwrap();
+    let tenants: i64 = pool
+        .scalar("SELECT count(*) FROM tenants WHERE tenant_id LIKE 'bench-%'")
+        .await;
     assert_eq!(tenants, 0);
     assert!(
         stderr.contains("creating the run's tenant"),
@@ -365,26 +338,16 @@ async fn the_report_gives_the_cpu_and_server_time_of_the_server_it_ran_on() {
     let options = cluster.connect_options();
     let pool = sqlx::PgPool::connect_with(options.clone()).await.unwrap();
     credpool::store::migrate(&pool).await.unwrap();
-    let output = bench(
+    let (stdout, _, line) = bench_report(
         &url_for(&options, "postgres"),
         None,
         &["--baseline", "sql", "--executors", "2"],
     )
     .await;
-    let (stdout, stderr) = (
-        String::from_utf8_lossy(&output.stdout),
-        String::from_utf8_lossy(&output.stderr),
-    );
-    assert!(output.status.success(), "{stdout}\n{stderr}");
     assert!(
         stdout.contains("server time: pg_stat_statements") && !stdout.contains("unavailable"),
         "{stdout}"
     );
-    let line: Value = stdout
-        .lines()
-        .rev()
-        .find_map(|line| serde_json::from_str(line).ok())
-        .unwrap_or_else(|| panic!("no JSON line in: {stdout}"));
     let results = line["results"].as_array().unwrap();
     assert_eq!(results.len(), 2, "{line}");
     server_time_as_reported(&stdout, results);

@@ -42,8 +42,7 @@ async fn eventually<F: std::future::Future<Output = bool>>(what: &str, check: im
 
 #[tokio::test]
 async fn the_guard_renews_past_the_lease_length_and_finish_releases_with_the_outcome() {
-    let app = TestApp::spawn().await;
-    app.put_key("k1", "openai", "default", &["gpt-4o"], 1).await;
+    let app = TestApp::with_credential("k1", 1).await;
     let client = client_for(app.addr);
     let lease = client
         .lease(
@@ -90,21 +89,13 @@ async fn the_guard_renews_past_the_lease_length_and_finish_releases_with_the_out
 
 #[tokio::test]
 async fn lost_fires_when_an_operator_force_releases_the_lease() {
-    let app = TestApp::spawn().await;
-    app.put_key("k1", "openai", "default", &["gpt-4o"], 1).await;
+    let app = TestApp::with_credential("k1", 1).await;
     let lease = client_for(app.addr)
         .lease(LeaseRequest::new("openai", "gpt-4o").lease_seconds(3))
         .await
         .expect("lease");
     assert!(!lease.is_lost());
-    let response = app
-        .client
-        .post(app.url(&format!("/api/admin/leases/{}/release", lease.lease_id())))
-        .header("x-admin-key", ADMIN_KEY)
-        .json(&json!({"reason": "stuck worker"}))
-        .send()
-        .await
-        .unwrap();
+    let response = app.force_release(lease.lease_id(), "stuck worker").await;
     assert_eq!(response.status(), StatusCode::OK);
     // the next renewal (within a third of the lease) is refused: lost
     tokio::time::timeout(Duration::from_secs(10), lease.lost())
@@ -118,8 +109,7 @@ async fn lost_fires_when_an_operator_force_releases_the_lease() {
 
 #[tokio::test]
 async fn dropping_the_guard_releases_the_lease_with_failure() {
-    let app = TestApp::spawn().await;
-    app.put_key("k1", "openai", "default", &["gpt-4o"], 1).await;
+    let app = TestApp::with_credential("k1", 1).await;
     let lease = client_for(app.addr)
         .lease(LeaseRequest::new("openai", "gpt-4o").lease_seconds(600))
         .await
@@ -174,8 +164,7 @@ async fn losing_first_answer_proxy(target: SocketAddr) -> (SocketAddr, Arc<Atomi
 
 #[tokio::test]
 async fn an_allocate_retried_after_a_lost_answer_takes_no_second_slot() {
-    let app = TestApp::spawn().await;
-    app.put_key("k1", "openai", "default", &["gpt-4o"], 5).await;
+    let app = TestApp::with_credential("k1", 5).await;
     let (proxy, connections) = losing_first_answer_proxy(app.addr).await;
     let lease = client_for(proxy)
         .lease(LeaseRequest::new("openai", "gpt-4o").lease_seconds(60))
@@ -184,18 +173,15 @@ async fn an_allocate_retried_after_a_lost_answer_takes_no_second_slot() {
     assert!(connections.load(Ordering::SeqCst) >= 2, "no retry happened");
     // the server granted on the first attempt; the retry got that lease, not a second one
     assert_eq!(app.in_flight("k1").await, 1);
-    let held: String = sqlx::query_scalar(
-        "SELECT lease_id::text FROM lease_slots WHERE key_id = 'k1' AND lease_id IS NOT NULL",
-    )
-    .fetch_one(&app.db)
-    .await
-    .unwrap();
+    let held: String = app
+        .scalar(
+            "SELECT lease_id::text FROM lease_slots WHERE key_id = 'k1' AND lease_id IS NOT NULL",
+        )
+        .await;
     assert_eq!(held.replace('-', ""), lease.lease_id());
-    let grants: i64 =
-        sqlx::query_scalar("SELECT count(*) FROM lease_events WHERE event = 'granted'")
-            .fetch_one(&app.db)
-            .await
-            .unwrap();
+    let grants: i64 = app
+        .scalar("SELECT count(*) FROM lease_events WHERE event = 'granted'")
+        .await;
     assert_eq!(grants, 1);
     assert!(lease.finish(Outcome::Success).await.unwrap().released);
 }
@@ -203,9 +189,7 @@ async fn an_allocate_retried_after_a_lost_answer_takes_no_second_slot() {
 #[tokio::test]
 async fn a_waiting_lease_gets_the_slot_when_another_executor_finishes() {
     let _waiters = exclusive_waiters().await;
-    let app = TestApp::spawn().await;
-    app.put_key("only", "openai", "default", &["gpt-4o"], 1)
-        .await;
+    let app = TestApp::with_credential("only", 1).await;
     let client = client_for(app.addr);
     let mut delays = Vec::new();
     for round in 0..10 {
@@ -247,9 +231,7 @@ async fn a_waiting_lease_gets_the_slot_when_another_executor_finishes() {
 
 #[tokio::test]
 async fn fences_increase_and_a_release_with_a_stale_fence_is_refused() {
-    let app = TestApp::spawn().await;
-    app.put_key("only", "openai", "default", &["gpt-4o"], 1)
-        .await;
+    let app = TestApp::with_credential("only", 1).await;
     let client = client_for(app.addr);
     let first = client
         .lease(LeaseRequest::new("openai", "gpt-4o"))
@@ -263,15 +245,13 @@ async fn fences_increase_and_a_release_with_a_stale_fence_is_refused() {
         .unwrap();
     assert!(second.fence() > stale);
     // an executor that still holds the old fence cannot release the new holder's lease
-    let answer = json_body(
-        app.release(
+    let answer = app
+        .release(
             json!({"provider": "openai", "pool": second.pool(), "key_id": second.key_id(),
                            "lease_id": second.lease_id(), "fence": stale, "outcome": "success"}),
         )
-        .await,
-        StatusCode::OK,
-    )
-    .await;
+        .ok_json()
+        .await;
     assert_eq!(answer, json!({"released": false, "reason": "mismatch"}));
     assert_eq!(app.in_flight("only").await, 1);
     assert!(second.finish(Outcome::Success).await.unwrap().released);

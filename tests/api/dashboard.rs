@@ -88,9 +88,7 @@ fn allocation(pool: &str, holder: &str) -> Value {
 
 #[tokio::test]
 async fn shell_and_assets_need_no_key_and_hold_no_data() {
-    let app = TestApp::spawn().await;
-    app.put_key("key-a", "openai", "default", &["gpt-4o"], 2)
-        .await;
+    let app = TestApp::with_credential("key-a", 2).await;
 
     let shell = app.dashboard_get("/dashboard", None).await;
     assert_eq!(shell.status(), StatusCode::OK);
@@ -131,60 +129,32 @@ async fn fragments_refuse_a_missing_wrong_or_executor_key_like_the_operator_api(
     let app = TestApp::spawn().await;
     for name in FRAGMENTS {
         let path = format!("/dashboard/fragments/{name}");
-        assert_error(
-            app.dashboard_get(&path, None).await,
-            StatusCode::UNAUTHORIZED,
-            "unauthorized",
-        )
-        .await;
-        assert_error(
-            app.dashboard_get(&path, Some("wrong-key")).await,
-            StatusCode::UNAUTHORIZED,
-            "unauthorized",
-        )
-        .await;
-        assert_error(
-            app.dashboard_get(&path, Some(INTERNAL_KEY)).await,
-            StatusCode::FORBIDDEN,
-            "forbidden",
-        )
-        .await;
+        app.dashboard_get(&path, None)
+            .refused(StatusCode::UNAUTHORIZED, "unauthorized")
+            .await;
+        app.dashboard_get(&path, Some("wrong-key"))
+            .refused(StatusCode::UNAUTHORIZED, "unauthorized")
+            .await;
+        app.dashboard_get(&path, Some(INTERNAL_KEY))
+            .refused(StatusCode::FORBIDDEN, "forbidden")
+            .await;
     }
-    assert_error(
-        app.dashboard_get("/dashboard/fragments/secrets", Some(ADMIN_KEY))
-            .await,
-        StatusCode::NOT_FOUND,
-        "route_not_found",
-    )
-    .await;
+    app.dashboard_get("/dashboard/fragments/secrets", Some(ADMIN_KEY))
+        .refused(StatusCode::NOT_FOUND, "route_not_found")
+        .await;
 }
 
 #[tokio::test]
 async fn fragments_show_pools_credentials_leases_and_events_but_never_a_secret() {
-    let app = TestApp::spawn().await;
-    app.put_key("key-a", "openai", "default", &["gpt-4o"], 2)
-        .await;
-    app.put_key("key-b", "openai", "batch", &["gpt-4o"], 1)
-        .await;
+    let app = TestApp::with_credential("key-a", 2).await;
+    app.put_gpt4o_key("key-b", "batch", 1).await;
     let pools = app.fragment("pools").await;
     assert!(pools.contains("openai / default"), "{pools}");
     assert!(pools.contains("<polyline points=\"0.0,23.0 "), "{pools}");
 
-    let first = json_body(
-        app.allocate(allocation("default", "worker-1")).await,
-        StatusCode::OK,
-    )
-    .await;
-    let second = json_body(
-        app.allocate(allocation("default", "worker-2")).await,
-        StatusCode::OK,
-    )
-    .await;
-    let crashed = json_body(
-        app.allocate(allocation("batch", "worker-9")).await,
-        StatusCode::OK,
-    )
-    .await;
+    let first = app.lease(allocation("default", "worker-1")).await;
+    let second = app.lease(allocation("default", "worker-2")).await;
+    let crashed = app.lease(allocation("batch", "worker-9")).await;
     // worker-9 crashed: its lease ran out without a release
     expire(&app, crashed["lease_id"].as_str().unwrap()).await;
     app.admin_json(
@@ -193,28 +163,17 @@ async fn fragments_show_pools_credentials_leases_and_events_but_never_a_secret()
         Some(json!({"state": "drain", "reason": "rotating"})),
     )
     .await;
-    app.admin_json(
-        reqwest::Method::POST,
-        &format!(
-            "/api/admin/leases/{}/release",
-            second["lease_id"].as_str().unwrap()
-        ),
-        Some(json!({"reason": "stuck worker"})),
-    )
-    .await;
+    app.force_release(second["lease_id"].as_str().unwrap(), "stuck worker")
+        .ok_json()
+        .await;
 
     // a lease held for the whole minute that began 10 minutes ago: half of the pool's 2 slots
-    sqlx::query(
-        "WITH minute AS (SELECT date_trunc('minute', now()) - interval '10 minutes' AS at)
+    app.run_sql("WITH minute AS (SELECT date_trunc('minute', now()) - interval '10 minutes' AS at)
          INSERT INTO lease_events (event, lease_id, key_id, provider, pool, slot, holder, lease_until, at)
          SELECT event, '00000000-0000-0000-0000-0000000000aa', 'key-a', 'openai', 'default', 1,
                 'worker-0', minute.at + interval '1 minute', minute.at + offset_by
          FROM minute, (VALUES ('granted', interval '0'), ('released', interval '1 minute'))
-             AS e (event, offset_by)",
-    )
-    .execute(&app.db)
-    .await
-    .unwrap();
+             AS e (event, offset_by)").await;
 
     let pools = app.fragment("pools").await;
     let default = pools
@@ -275,15 +234,13 @@ async fn fragments_show_pools_credentials_leases_and_events_but_never_a_secret()
 
 /// Ends a lease as a crashed executor would: granted 70 s ago, run out 10 s ago, never released.
 async fn expire(app: &TestApp, lease_id: &str) {
-    sqlx::query(
+    app.run_sql_with(
         "UPDATE lease_slots SET granted_at = now() - interval '70 seconds',
              lease_until = now() - interval '10 seconds'
          WHERE lease_id = $1::text::uuid",
+        lease_id,
     )
-    .bind(lease_id)
-    .execute(&app.db)
-    .await
-    .unwrap();
+    .await;
 }
 
 /// Writes an hour of finished leases on `key_id` to the trail: each minute 2 to 58 minutes ago,
@@ -469,14 +426,10 @@ fn screenshot_path() -> std::path::PathBuf {
 #[tokio::test]
 async fn browser_shows_live_pools_drains_from_the_page_and_never_shows_a_secret() {
     let (chromium, chromedriver) = browser_binaries();
-    let app = TestApp::spawn().await;
-    app.put_key("key-a", "openai", "default", &["gpt-4o"], 3)
-        .await;
-    app.put_key("key-b", "openai", "default", &["gpt-4o"], 2)
-        .await;
-    app.put_key("solo", "openai", "solo", &["gpt-4o"], 2).await;
-    app.put_key("key-c", "openai", "batch", &["gpt-4o"], 4)
-        .await;
+    let app = TestApp::with_credential("key-a", 3).await;
+    app.put_gpt4o_key("key-b", "default", 2).await;
+    app.put_gpt4o_key("solo", "solo", 2).await;
+    app.put_gpt4o_key("key-c", "batch", 4).await;
     let driver = ChromeDriver::start(chromedriver).await;
     let browser = driver.browser(chromium).await;
 
@@ -495,17 +448,9 @@ async fn browser_shows_live_pools_drains_from_the_page_and_never_shows_a_secret(
 
     // leases taken over the API show up without a reload
     for holder in ["worker-1", "worker-2", "worker-3", "worker-4"] {
-        json_body(
-            app.allocate(allocation("default", holder)).await,
-            StatusCode::OK,
-        )
-        .await;
+        app.lease(allocation("default", holder)).await;
     }
-    json_body(
-        app.allocate(allocation("solo", "worker-5")).await,
-        StatusCode::OK,
-    )
-    .await;
+    app.lease(allocation("solo", "worker-5")).await;
     wait_for_text(&browser, default_in_flight, "4").await;
     wait_for_text(&browser, "[data-pool=\"openai/default\"] .free", "1").await;
     wait_for_text(&browser, "tr[data-key-id=\"solo\"] .in-flight", "1 / 2").await;
@@ -513,26 +458,12 @@ async fn browser_shows_live_pools_drains_from_the_page_and_never_shows_a_secret(
     // the rest of a busy hour: history in the trail, a crashed executor, a forced release, a
     // credential cooling down
     seed_history(&app, "key-a", "default").await;
-    let crashed = json_body(
-        app.allocate(allocation("solo", "worker-6")).await,
-        StatusCode::OK,
-    )
-    .await;
+    let crashed = app.lease(allocation("solo", "worker-6")).await;
     expire(&app, crashed["lease_id"].as_str().unwrap()).await;
-    let stuck = json_body(
-        app.allocate(allocation("batch", "worker-7")).await,
-        StatusCode::OK,
-    )
-    .await;
-    app.admin_json(
-        reqwest::Method::POST,
-        &format!(
-            "/api/admin/leases/{}/release",
-            stuck["lease_id"].as_str().unwrap()
-        ),
-        Some(json!({"reason": "worker-7 hung"})),
-    )
-    .await;
+    let stuck = app.lease(allocation("batch", "worker-7")).await;
+    app.force_release(stuck["lease_id"].as_str().unwrap(), "worker-7 hung")
+        .ok_json()
+        .await;
     app.set_status("key-c", "rate_limited", Some(90.0)).await;
     wait_for_text(&browser, "tr[data-key-id=\"key-c\"] .badge", "rate_limited").await;
     browser
@@ -649,14 +580,9 @@ async fn browser_shows_live_pools_drains_from_the_page_and_never_shows_a_secret(
 /// holder cannot run script in an operator's browser (where the admin key lives).
 #[tokio::test]
 async fn fragments_escape_what_executors_and_operators_wrote() {
-    let app = TestApp::spawn().await;
-    app.put_key("k1", "openai", "default", &["gpt-4o"], 2).await;
+    let app = TestApp::with_credential("k1", 2).await;
     let hostile = "<img src=x onerror=alert(1)>";
-    json_body(
-        app.allocate(allocation("default", hostile)).await,
-        StatusCode::OK,
-    )
-    .await;
+    app.lease(allocation("default", hostile)).await;
     app.admin_json(
         reqwest::Method::PATCH,
         "/api/admin/keys/k1",

@@ -7,20 +7,9 @@ use std::time::{Duration, Instant};
 
 use reqwest::StatusCode;
 use serde_json::{Value, json};
-use sqlx::Connection as _;
 use tokio::sync::Barrier;
 
 use credpool_test_support::*;
-
-async fn allocate_at(addr: SocketAddr, body: Value) -> reqwest::Response {
-    post_json(
-        &client(),
-        &format!("http://{addr}/api/internal/allocate-key"),
-        ("x-internal-key", INTERNAL_KEY),
-        body,
-    )
-    .await
-}
 
 fn lease_request(request_id: &str) -> Value {
     json!({"provider": "openai", "model": "gpt-4o", "lease_seconds": 60,
@@ -28,19 +17,16 @@ fn lease_request(request_id: &str) -> Value {
 }
 
 async fn granted_rows(app: &TestApp) -> i64 {
-    sqlx::query_scalar("SELECT count(*) FROM lease_events WHERE event = 'granted'")
-        .fetch_one(&app.db)
+    app.scalar("SELECT count(*) FROM lease_events WHERE event = 'granted'")
         .await
-        .unwrap()
 }
 
 #[tokio::test]
 async fn a_retried_allocate_with_the_same_request_id_gets_the_same_lease() {
-    let app = TestApp::spawn().await;
-    app.put_key("k1", "openai", "default", &["gpt-4o"], 3).await;
+    let app = TestApp::with_credential("k1", 3).await;
 
-    let first = json_body(app.allocate(lease_request("req-1")).await, StatusCode::OK).await;
-    let again = json_body(app.allocate(lease_request("req-1")).await, StatusCode::OK).await;
+    let first = app.lease(lease_request("req-1")).await;
+    let again = app.lease(lease_request("req-1")).await;
     assert_eq!(again["lease_id"], first["lease_id"]);
     assert_eq!(again["fence"], first["fence"]);
     assert_eq!(again["key_id"], first["key_id"]);
@@ -49,26 +35,19 @@ async fn a_retried_allocate_with_the_same_request_id_gets_the_same_lease() {
     assert_eq!(granted_rows(&app).await, 1);
 
     // the replay reports the lease's current end: after a renewal, the renewed one
-    let mut renew = release_body(&first, "success");
-    renew.as_object_mut().unwrap().remove("outcome");
-    renew["lease_seconds"] = json!(600);
-    let renewed = json_body(app.renew(renew).await, StatusCode::OK).await;
-    let replayed = json_body(app.allocate(lease_request("req-1")).await, StatusCode::OK).await;
+    let renew = renew_body(&first, 600);
+    let renewed = app.renew(renew).ok_json().await;
+    let replayed = app.lease(lease_request("req-1")).await;
     assert_eq!(replayed["lease_until"], renewed["lease_until"]);
 
     // another request id is another lease
-    let other = json_body(app.allocate(lease_request("req-2")).await, StatusCode::OK).await;
+    let other = app.lease(lease_request("req-2")).await;
     assert_ne!(other["lease_id"], first["lease_id"]);
     assert_eq!(app.in_flight("k1").await, 2);
 
     // once the lease is released, the request id is free again: a new lease
-    let released = json_body(
-        app.release(release_body(&first, "success")).await,
-        StatusCode::OK,
-    )
-    .await;
-    assert_eq!(released["released"], true);
-    let after = json_body(app.allocate(lease_request("req-1")).await, StatusCode::OK).await;
+    app.release_ok(&first, "success").await;
+    let after = app.lease(lease_request("req-1")).await;
     assert_ne!(after["lease_id"], first["lease_id"]);
 }
 
@@ -77,7 +56,7 @@ async fn the_same_request_id_with_other_parameters_is_a_conflict_that_changes_no
     let app = TestApp::spawn().await;
     app.put_key("k1", "openai", "default", &["gpt-4o", "o3"], 3)
         .await;
-    json_body(app.allocate(lease_request("req-1")).await, StatusCode::OK).await;
+    app.lease(lease_request("req-1")).await;
     let before = app.snapshot().await;
     for changed in [
         json!({"provider": "openai", "model": "o3", "lease_seconds": 60, "holder": "worker-1", "request_id": "req-1"}),
@@ -85,52 +64,39 @@ async fn the_same_request_id_with_other_parameters_is_a_conflict_that_changes_no
         json!({"provider": "openai", "model": "gpt-4o", "lease_seconds": 60, "holder": "worker-2", "request_id": "req-1"}),
         json!({"provider": "openai", "model": "gpt-4o", "lease_seconds": 60, "request_id": "req-1"}),
     ] {
-        assert_error(
-            app.allocate(changed).await,
-            StatusCode::CONFLICT,
-            "request_id_conflict",
-        )
-        .await;
+        app.allocate(changed)
+            .refused(StatusCode::CONFLICT, "request_id_conflict")
+            .await;
     }
     assert_eq!(app.snapshot().await, before);
     for bad in ["", "has space", &"x".repeat(129), "semi;colon"] {
-        assert_error(
-            app.allocate(lease_request(bad)).await,
-            StatusCode::BAD_REQUEST,
-            "invalid_request",
-        )
-        .await;
+        app.allocate(lease_request(bad))
+            .refused(StatusCode::BAD_REQUEST, "invalid_request")
+            .await;
     }
     assert_eq!(app.snapshot().await, before);
 }
 
 #[tokio::test]
 async fn a_retry_is_answered_with_its_lease_even_when_that_lease_took_the_last_slot() {
-    let app = TestApp::spawn().await;
-    app.put_key("only", "openai", "default", &["gpt-4o"], 1)
-        .await;
-    let first = json_body(app.allocate(lease_request("req-1")).await, StatusCode::OK).await;
+    let app = TestApp::with_credential("only", 1).await;
+    let first = app.lease(lease_request("req-1")).await;
     // the pool is full now; a plain request is refused, the retry is not
-    assert_error(
-        app.allocate(json!({"provider": "openai", "model": "gpt-4o"}))
-            .await,
-        StatusCode::TOO_MANY_REQUESTS,
-        "pool_exhausted",
-    )
-    .await;
-    let again = json_body(app.allocate(lease_request("req-1")).await, StatusCode::OK).await;
+    app.allocate(gpt4o())
+        .refused(StatusCode::TOO_MANY_REQUESTS, "pool_exhausted")
+        .await;
+    let again = app.lease(lease_request("req-1")).await;
     assert_eq!(again["lease_id"], first["lease_id"]);
     // and while the operator has disabled the credential (the view says "none usable")
     let response = app
-        .client
-        .patch(app.url("/api/admin/keys/only"))
-        .header("x-admin-key", ADMIN_KEY)
-        .json(&json!({"state": "disable", "reason": "test"}))
-        .send()
-        .await
-        .unwrap();
+        .admin_unnamed(
+            reqwest::Method::PATCH,
+            "/api/admin/keys/only",
+            Some(json!({"state": "disable", "reason": "test"})),
+        )
+        .await;
     assert!(response.status().is_success(), "{}", response.status());
-    let again = json_body(app.allocate(lease_request("req-1")).await, StatusCode::OK).await;
+    let again = app.lease(lease_request("req-1")).await;
     assert_eq!(again["lease_id"], first["lease_id"]);
 }
 
@@ -140,8 +106,8 @@ async fn concurrent_retries_on_two_replicas_share_one_lease() {
     let _turn = race_turn().await;
     let app = TestApp::spawn().await;
     let (other, _stop) = app.replica(8).await;
-    app.put_key("k1", "openai", "default", &["gpt-4o"], 4).await;
-    app.put_key("k2", "openai", "default", &["gpt-4o"], 4).await;
+    app.put_gpt4o_key("k1", "default", 4).await;
+    app.put_gpt4o_key("k2", "default", 4).await;
     const RETRIES: usize = 8;
     for round in 0..race_rounds() {
         let request_id = format!("round-{round}");
@@ -152,7 +118,7 @@ async fn concurrent_retries_on_two_replicas_share_one_lease() {
                 let (barrier, body) = (barrier.clone(), lease_request(&request_id));
                 tokio::spawn(async move {
                     barrier.wait().await;
-                    json_body(allocate_at(addr, body).await, StatusCode::OK).await
+                    Remote::at(addr).allocate(body).ok_json().await
                 })
             })
             .collect();
@@ -166,79 +132,61 @@ async fn concurrent_retries_on_two_replicas_share_one_lease() {
         assert_eq!(held, 1, "round {round}: {held} slots for one request");
         let lease = json!({"provider": "openai", "pool": "default", "lease_id": lease_ids[0],
                            "key_id": held_key(&app, &lease_ids[0]).await});
-        let released = json_body(app.release(lease).await, StatusCode::OK).await;
+        let released = app.release(lease).ok_json().await;
         assert_eq!(released["released"], true, "round {round}");
     }
 }
 
 async fn held_key(app: &TestApp, lease_id: &Value) -> String {
-    sqlx::query_scalar("SELECT key_id FROM lease_slots WHERE lease_id = $1::text::uuid")
-        .bind(lease_id.as_str().unwrap())
-        .fetch_one(&app.db)
-        .await
-        .unwrap()
+    app.scalar_of(
+        "SELECT key_id FROM lease_slots WHERE lease_id = $1::text::uuid",
+        lease_id.as_str().unwrap(),
+    )
+    .await
 }
 
 #[tokio::test]
 async fn fences_strictly_increase_per_credential_and_a_stale_fence_is_refused() {
-    let app = TestApp::spawn().await;
-    app.put_key("k1", "openai", "default", &["gpt-4o"], 2).await;
+    let app = TestApp::with_credential("k1", 2).await;
     app.put_key("k2", "anthropic", "default", &["claude"], 1)
         .await;
     let mut last = 0;
     for i in 0..6 {
-        let lease = json_body(
-            app.allocate(json!({"provider": "openai", "model": "gpt-4o"}))
-                .await,
-            StatusCode::OK,
-        )
-        .await;
+        let lease = app.lease(gpt4o()).await;
         let fence = lease["fence"].as_i64().expect("fence");
         assert!(fence > last, "grant {i}: fence {fence} after {last}");
         last = fence;
         // grants on another credential in between do not matter
-        let other = json_body(
-            app.allocate(json!({"provider": "anthropic", "model": "claude"}))
-                .await,
-            StatusCode::OK,
-        )
-        .await;
-        json_body(
-            app.release(release_body(&other, "success")).await,
-            StatusCode::OK,
-        )
-        .await;
+        let other = app
+            .lease(json!({"provider": "anthropic", "model": "claude"}))
+            .await;
+        app.release(release_body(&other, "success")).ok_json().await;
 
         // a release or renewal naming another fence is refused and changes nothing
         let before = app.snapshot().await;
         for stale in [fence - 1, fence + 1].into_iter().filter(|f| *f >= 1) {
             let mut release = release_body(&lease, "success");
             release["fence"] = json!(stale);
-            let answer = json_body(app.release(release).await, StatusCode::OK).await;
+            let answer = app.release(release).ok_json().await;
             assert_eq!(answer, json!({"released": false, "reason": "mismatch"}));
-            let mut renew = release_body(&lease, "success");
-            renew.as_object_mut().unwrap().remove("outcome");
+            let mut renew = lease_ref(&lease);
             renew["fence"] = json!(stale);
-            assert_error(app.renew(renew).await, StatusCode::GONE, "lease_lost").await;
+            app.renew(renew)
+                .refused(StatusCode::GONE, "lease_lost")
+                .await;
         }
         assert_eq!(app.snapshot().await, before);
 
-        let mut renew = release_body(&lease, "success");
-        renew.as_object_mut().unwrap().remove("outcome");
+        let mut renew = lease_ref(&lease);
         renew["fence"] = json!(fence);
-        json_body(app.renew(renew).await, StatusCode::OK).await;
+        app.renew(renew).ok_json().await;
         let mut release = release_body(&lease, "success");
         release["fence"] = json!(fence);
-        let answer = json_body(app.release(release).await, StatusCode::OK).await;
+        let answer = app.release(release).ok_json().await;
         assert_eq!(answer["released"], true);
     }
     // the trail keeps each grant's fence
-    let fences: Vec<i64> = sqlx::query_scalar(
-        "SELECT fence FROM lease_events WHERE event = 'granted' AND key_id = 'k1' ORDER BY event_id",
-    )
-    .fetch_all(&app.db)
-    .await
-    .unwrap();
+    let fences: Vec<i64> = app.scalars("SELECT fence FROM lease_events WHERE event = 'granted' AND key_id = 'k1' ORDER BY event_id").await;
     assert_eq!(fences.len(), 6);
     assert!(fences.windows(2).all(|w| w[0] < w[1]), "{fences:?}");
     assert_eq!(*fences.last().unwrap(), last);
@@ -250,28 +198,18 @@ async fn fences_strictly_increase_per_credential_and_a_stale_fence_is_refused() 
     ] {
         let body = json!({"provider": "openai", "pool": "default", "key_id": "k1",
                           "lease_id": "0123456789abcdef0123456789abcdef", "fence": bad});
-        assert_error(
-            app.release(body).await,
-            StatusCode::BAD_REQUEST,
-            "invalid_request",
-        )
-        .await;
+        app.release(body)
+            .refused(StatusCode::BAD_REQUEST, "invalid_request")
+            .await;
     }
 }
 
 /// Releases `lease` and returns when the release was answered.
-async fn release_now(app: &TestApp, addr: SocketAddr, lease: &Value) -> Instant {
-    let answer = json_body(
-        post_json(
-            &app.client,
-            &format!("http://{addr}/api/internal/release-key"),
-            ("x-internal-key", INTERNAL_KEY),
-            release_body(lease, "success"),
-        )
-        .await,
-        StatusCode::OK,
-    )
-    .await;
+async fn release_now(addr: SocketAddr, lease: &Value) -> Instant {
+    let answer = Remote::at(addr)
+        .release(release_body(lease, "success"))
+        .ok_json()
+        .await;
     assert_eq!(answer["released"], true);
     Instant::now()
 }
@@ -281,27 +219,20 @@ async fn a_waiting_allocate_gets_the_slot_another_replica_frees() {
     let _waiters = exclusive_waiters().await;
     let app = TestApp::spawn().await;
     let (other, _stop) = app.replica(8).await;
-    app.put_key("only", "openai", "default", &["gpt-4o"], 1)
-        .await;
+    app.put_gpt4o_key("only", "default", 1).await;
     let mut delays = Vec::new();
     for (round, releaser) in [app.addr, other, other, app.addr, other]
         .into_iter()
         .enumerate()
     {
-        let held = json_body(
-            allocate_at(releaser, json!({"provider": "openai", "model": "gpt-4o"})).await,
-            StatusCode::OK,
-        )
-        .await;
+        let held = Remote::at(releaser).allocate(gpt4o()).ok_json().await;
         let waiter_addr = if releaser == app.addr {
             other
         } else {
             app.addr
         };
         let waiter = tokio::spawn(async move {
-            let response = allocate_at(
-                waiter_addr,
-                json!({"provider": "openai", "model": "gpt-4o", "wait_ms": 30_000, "holder": "waiter"}),
+            let response = Remote::at(waiter_addr).allocate(json!({"provider": "openai", "model": "gpt-4o", "wait_ms": 30_000, "holder": "waiter"}),
             )
             .await;
             let answered = Instant::now();
@@ -313,7 +244,7 @@ async fn a_waiting_allocate_gets_the_slot_another_replica_frees() {
             !waiter.is_finished(),
             "round {round}: answered while the slot was held"
         );
-        let released = release_now(&app, releaser, &held).await;
+        let released = release_now(releaser, &held).await;
         let (lease, answered) = waiter.await.unwrap();
         assert_eq!(lease["key_id"], "only");
         assert!(lease["fence"].as_i64() > held["fence"].as_i64());
@@ -326,11 +257,7 @@ async fn a_waiting_allocate_gets_the_slot_another_replica_frees() {
              the other replica's release never woke it"
         );
         delays.push(delay);
-        json_body(
-            app.release(release_body(&lease, "success")).await,
-            StatusCode::OK,
-        )
-        .await;
+        app.release(release_body(&lease, "success")).ok_json().await;
     }
     // the figures themselves are reported, not asserted (a benchmark figure: issue 9's notes)
     println!("hand-over delays (release answered -> waiter answered): {delays:?}");
@@ -339,19 +266,11 @@ async fn a_waiting_allocate_gets_the_slot_another_replica_frees() {
 #[tokio::test]
 async fn waiters_are_served_in_arrival_order() {
     let _waiters = exclusive_waiters().await;
-    let app = TestApp::spawn().await;
-    app.put_key("a", "openai", "default", &["gpt-4o"], 1).await;
-    app.put_key("b", "openai", "default", &["gpt-4o"], 1).await;
+    let app = TestApp::with_credential("a", 1).await;
+    app.put_gpt4o_key("b", "default", 1).await;
     let mut held = Vec::new();
     for _ in 0..2 {
-        held.push(
-            json_body(
-                app.allocate(json!({"provider": "openai", "model": "gpt-4o"}))
-                    .await,
-                StatusCode::OK,
-            )
-            .await,
-        );
+        held.push(app.lease(gpt4o()).await);
     }
     let mut waiters = Vec::new();
     for i in 0..3u64 {
@@ -359,19 +278,19 @@ async fn waiters_are_served_in_arrival_order() {
         waiters.push(tokio::spawn(async move {
             let body = json!({"provider": "openai", "model": "gpt-4o", "wait_ms": 20_000,
                               "holder": format!("waiter-{i}")});
-            json_body(allocate_at(addr, body).await, StatusCode::OK).await
+            Remote::at(addr).allocate(body).ok_json().await
         }));
         waiters_queued(&app, i as usize + 1).await;
     }
     for (freed, lease) in held.iter().enumerate() {
-        release_now(&app, app.addr, lease).await;
+        release_now(app.addr, lease).await;
         let served = waiters.remove(0).await.unwrap();
-        let holder: String =
-            sqlx::query_scalar("SELECT holder FROM lease_slots WHERE lease_id = $1::text::uuid")
-                .bind(served["lease_id"].as_str().unwrap())
-                .fetch_one(&app.db)
-                .await
-                .unwrap();
+        let holder: String = app
+            .scalar_of(
+                "SELECT holder FROM lease_slots WHERE lease_id = $1::text::uuid",
+                served["lease_id"].as_str().unwrap(),
+            )
+            .await;
         // the slot says who got it: the waiter that came first
         assert_eq!(holder, format!("waiter-{freed}"));
         assert!(waiters.iter().all(|w| !w.is_finished()));
@@ -384,15 +303,8 @@ async fn waiters_are_served_in_arrival_order() {
 #[tokio::test]
 async fn a_wait_that_ends_empty_answers_429_with_retry_after() {
     let _waiters = exclusive_waiters().await;
-    let app = TestApp::spawn().await;
-    app.put_key("only", "openai", "default", &["gpt-4o"], 1)
-        .await;
-    json_body(
-        app.allocate(json!({"provider": "openai", "model": "gpt-4o", "lease_seconds": 30}))
-            .await,
-        StatusCode::OK,
-    )
-    .await;
+    let app = TestApp::with_credential("only", 1).await;
+    app.lease(gpt4o_for(30)).await;
     let started = Instant::now();
     let response = app
         .allocate(json!({"provider": "openai", "model": "gpt-4o", "wait_ms": 600}))
@@ -401,11 +313,7 @@ async fn a_wait_that_ends_empty_answers_429_with_retry_after() {
         started.elapsed() >= Duration::from_millis(600),
         "did not wait"
     );
-    let retry_after: u64 = response.headers()["retry-after"]
-        .to_str()
-        .unwrap()
-        .parse()
-        .unwrap();
+    let retry_after: u64 = retry_after(&response);
     assert!((1..=30).contains(&retry_after), "{retry_after}");
     assert_error(response, StatusCode::TOO_MANY_REQUESTS, "pool_exhausted").await;
 }
@@ -413,17 +321,12 @@ async fn a_wait_that_ends_empty_answers_429_with_retry_after() {
 #[tokio::test]
 async fn a_waiter_wakes_when_a_cooldown_ends_or_a_credential_is_added() {
     let _waiters = exclusive_waiters().await;
-    let app = TestApp::spawn().await;
-    app.put_key("resting", "openai", "default", &["gpt-4o"], 1)
-        .await;
+    let app = TestApp::with_credential("resting", 1).await;
     app.set_status("resting", "rate_limited", Some(1.5)).await;
     // no notification marks the end of a cooldown: the waiter's timer does
-    let lease = json_body(
-        app.allocate(json!({"provider": "openai", "model": "gpt-4o", "wait_ms": 10_000}))
-            .await,
-        StatusCode::OK,
-    )
-    .await;
+    let lease = app
+        .lease(json!({"provider": "openai", "model": "gpt-4o", "wait_ms": 10_000}))
+        .await;
     assert_eq!(lease["key_id"], "resting");
     assert_eq!(lease["probe"], true);
 
@@ -431,11 +334,10 @@ async fn a_waiter_wakes_when_a_cooldown_ends_or_a_credential_is_added() {
     let addr = app.addr;
     let waiter = tokio::spawn(async move {
         let body = json!({"provider": "openai", "model": "gpt-4o", "wait_ms": 20_000});
-        json_body(allocate_at(addr, body).await, StatusCode::OK).await
+        Remote::at(addr).allocate(body).ok_json().await
     });
     waiters_queued(&app, 1).await;
-    app.put_key("added", "openai", "default", &["gpt-4o"], 1)
-        .await;
+    app.put_gpt4o_key("added", "default", 1).await;
     let lease = waiter.await.unwrap();
     assert_eq!(lease["key_id"], "added");
 }
@@ -443,15 +345,8 @@ async fn a_waiter_wakes_when_a_cooldown_ends_or_a_credential_is_added() {
 #[tokio::test]
 async fn a_waiter_whose_client_left_takes_no_slot() {
     let _waiters = exclusive_waiters().await;
-    let app = TestApp::spawn().await;
-    app.put_key("only", "openai", "default", &["gpt-4o"], 1)
-        .await;
-    let held = json_body(
-        app.allocate(json!({"provider": "openai", "model": "gpt-4o"}))
-            .await,
-        StatusCode::OK,
-    )
-    .await;
+    let app = TestApp::with_credential("only", 1).await;
+    let held = app.lease(gpt4o()).await;
     // a client that gives up after 300 ms of a 20 s wait
     let impatient = reqwest::Client::builder()
         .timeout(Duration::from_millis(300))
@@ -469,26 +364,18 @@ async fn a_waiter_whose_client_left_takes_no_slot() {
     drop(impatient);
     // the service notices the closed connection and drops the waiter
     waiters_queued(&app, 0).await;
-    release_now(&app, app.addr, &held).await;
+    release_now(app.addr, &held).await;
     tokio::time::sleep(Duration::from_millis(300)).await;
     assert_eq!(
         app.in_flight("only").await,
         0,
         "the departed waiter took the slot"
     );
-    let grants_to_gone: i64 = sqlx::query_scalar(
-        "SELECT count(*) FROM lease_events WHERE event = 'granted' AND holder = 'gone'",
-    )
-    .fetch_one(&app.db)
-    .await
-    .unwrap();
+    let grants_to_gone: i64 = app
+        .scalar("SELECT count(*) FROM lease_events WHERE event = 'granted' AND holder = 'gone'")
+        .await;
     assert_eq!(grants_to_gone, 0);
-    json_body(
-        app.allocate(json!({"provider": "openai", "model": "gpt-4o"}))
-            .await,
-        StatusCode::OK,
-    )
-    .await;
+    app.lease(gpt4o()).await;
 }
 
 #[tokio::test]
@@ -505,20 +392,15 @@ async fn a_slot_freed_around_the_first_waiters_deadline_is_never_left_free() {
     for (round, offset_ms) in (-30i64..=30).step_by(5).enumerate() {
         let pool = format!("sweep-{round}");
         let key = format!("sweep-{round}");
-        app.put_key(&key, "openai", &pool, &["gpt-4o"], 1).await;
-        let held = json_body(
-            app.allocate(json!({"provider": "openai", "model": "gpt-4o", "pool": pool, "lease_seconds": 600}))
-                .await,
-            StatusCode::OK,
-        )
-        .await;
+        app.put_gpt4o_key(&key, &pool, 1).await;
+        let held = app.lease(gpt4o_in_for(&pool, 600)).await;
         let first_wait = Duration::from_millis(500);
         let spawn_waiter = |holder: &str, wait: Duration| {
             let (addr, pool, holder) = (app.addr, pool.clone(), holder.to_owned());
             tokio::spawn(async move {
                 let body = json!({"provider": "openai", "model": "gpt-4o", "pool": pool,
                                   "wait_ms": wait.as_millis() as u64, "holder": holder});
-                allocate_at(addr, body).await.status()
+                Remote::at(addr).allocate(body).await.status()
             })
         };
         let started = Instant::now();
@@ -533,7 +415,7 @@ async fn a_slot_freed_around_the_first_waiters_deadline_is_never_left_free() {
             release_at + Duration::from_millis(offset_ms as u64)
         };
         tokio::time::sleep_until(release_at.into()).await;
-        release_now(&app, app.addr, &held).await;
+        release_now(app.addr, &held).await;
         // whoever got the freed slot got it at once: a lost wake-up leaves it free until the
         // second waiter's own deadline, 30 s on
         let mut holder = None;
@@ -576,32 +458,16 @@ async fn a_wake_up_that_reaches_a_waiter_in_its_last_claim_goes_on_to_the_next_w
     // waiter; its claim then finds nothing (its snapshot predates the release) and it leaves.
     // Its wake-up must reach the second waiter at once, not at the second waiter's deadline.
     // every connection of the app has the hook (set before the app opens any)
-    let database = TestDatabase::create().await;
-    let admin = database.pool(1).await;
-    sqlx::query(sqlx::AssertSqlSafe(format!(
-        "ALTER DATABASE {} SET credpool.test_hooks = 'claim.before_lock'",
-        database.name
-    )))
-    .execute(&admin)
-    .await
-    .unwrap();
-    admin.close().await;
-    let app = TestApp::spawn_on(database, AppOptions::default()).await;
-    app.put_key("only", "openai", "default", &["gpt-4o"], 1)
-        .await;
-    let held = json_body(
-        app.allocate(json!({"provider": "openai", "model": "gpt-4o", "lease_seconds": 600}))
-            .await,
-        StatusCode::OK,
-    )
-    .await;
+    let app = TestApp::spawn_with_hooks("claim.before_lock").await;
+    app.put_gpt4o_key("only", "default", 1).await;
+    let held = app.lease(gpt4o_for(600)).await;
     let first_wait = Duration::from_secs(3);
     let waiter = |holder: &'static str, wait: Duration| {
         let addr = app.addr;
         tokio::spawn(async move {
             let body = json!({"provider": "openai", "model": "gpt-4o",
                               "wait_ms": wait.as_millis() as u64, "holder": holder});
-            allocate_at(addr, body).await.status()
+            Remote::at(addr).allocate(body).await.status()
         })
     };
     let started = Instant::now();
@@ -612,28 +478,19 @@ async fn a_wake_up_that_reaches_a_waiter_in_its_last_claim_goes_on_to_the_next_w
 
     // both wait; from now on every claim stops in the hook. The first waiter's timer runs out
     // at its deadline, and its last claim stops there.
-    let mut hook = sqlx::PgConnection::connect_with(&app.database.options)
-        .await
-        .unwrap();
-    sqlx::query(
-        "SELECT pg_advisory_lock(hashtextextended('credpool.test_hook:claim.before_lock', 0))",
-    )
-    .execute(&mut hook)
-    .await
-    .unwrap();
+    let hook = Hook::close(&app, "claim.before_lock").await;
     assert!(
         started.elapsed() < first_wait,
         "the waiters took longer than the first one's wait to queue"
     );
     tokio::time::sleep_until((started + first_wait + Duration::from_millis(200)).into()).await;
     loop {
-        let stopped: i64 = sqlx::query_scalar(
-            "SELECT count(*) FROM pg_stat_activity
+        let stopped: i64 = app
+            .scalar(
+                "SELECT count(*) FROM pg_stat_activity
              WHERE datname = current_database() AND wait_event = 'advisory'",
-        )
-        .fetch_one(&app.db)
-        .await
-        .unwrap();
+            )
+            .await;
         if stopped > 0 {
             break;
         }
@@ -643,15 +500,10 @@ async fn a_wake_up_that_reaches_a_waiter_in_its_last_claim_goes_on_to_the_next_w
         );
         tokio::time::sleep(Duration::from_millis(10)).await;
     }
-    release_now(&app, app.addr, &held).await;
+    release_now(app.addr, &held).await;
     // the freed slot's notification reaches the first waiter while its claim is held
     tokio::time::sleep(Duration::from_millis(300)).await;
-    sqlx::query(
-        "SELECT pg_advisory_unlock(hashtextextended('credpool.test_hook:claim.before_lock', 0))",
-    )
-    .execute(&mut hook)
-    .await
-    .unwrap();
+    hook.open().await;
     assert_eq!(first.await.unwrap(), StatusCode::TOO_MANY_REQUESTS);
     let served = tokio::time::timeout(Duration::from_secs(20), second)
         .await

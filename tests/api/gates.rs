@@ -8,50 +8,19 @@
 
 use std::time::Duration;
 
-use reqwest::StatusCode;
+use reqwest::{Method, StatusCode};
 use serde_json::{Value, json};
 use sqlx::{Executor, Row};
 
 use credpool_test_support::*;
 
 use crate::BIN;
-use crate::lease_state::{
-    Hook, app_with_hooks, backend_pid, claim_body, connect, deadlocks, hooked, policy,
-    until_waiting, wait_for_lock_waiters,
-};
-
-/// An operator's request with the admin key.
-async fn admin(app: &TestApp, method: reqwest::Method, path: &str, body: Value) -> StatusCode {
-    app.client
-        .request(method, app.url(path))
-        .header("x-admin-key", ADMIN_KEY)
-        .header("x-operator", "alice")
-        .json(&body)
-        .send()
-        .await
-        .expect("admin request")
-        .status()
-}
-
-async fn allocate(app: &TestApp, model: &str, pool: &str, lease_seconds: u32) -> reqwest::Response {
-    app.allocate(json!({"provider": "openai", "model": model, "pool": pool,
-                        "lease_seconds": lease_seconds}))
-        .await
-}
-
-/// A lease of gpt-4o from `default` for `lease_seconds`; panics unless granted.
-async fn leased(app: &TestApp, lease_seconds: u32) -> Value {
-    json_body(
-        allocate(app, "gpt-4o", "default", lease_seconds).await,
-        StatusCode::OK,
-    )
-    .await
-}
+use crate::common::claim_body;
 
 /// Sets credential `k`'s limit through the operator API; panics unless it answers 200.
 async fn set_limit(app: &TestApp, limit: u32) {
     let body = json!({"max_concurrent_uses": limit});
-    let status = admin(app, reqwest::Method::PATCH, "/api/admin/keys/k", body).await;
+    let status = app.patch_key("k", body).await.status();
     assert_eq!(status, StatusCode::OK);
 }
 
@@ -68,16 +37,15 @@ enum Change {
 
 async fn apply(app: &TestApp, change: &Change) {
     let status = match change {
-        Change::Patch(body) => {
-            admin(
-                app,
-                reqwest::Method::PATCH,
+        Change::Patch(body) => app.patch_key("k", body.clone()).await.status(),
+        Change::Delete => app
+            .admin(
+                reqwest::Method::DELETE,
                 "/api/admin/keys/k",
-                body.clone(),
+                Some(json!({})),
             )
             .await
-        }
-        Change::Delete => admin(app, reqwest::Method::DELETE, "/api/admin/keys/k", json!({})).await,
+            .status(),
         Change::Put(body) => app.put_key_raw("k", body.clone()).await.status(),
         Change::Sql(sql) => {
             sqlx::query(sqlx::AssertSqlSafe(*sql))
@@ -181,7 +149,7 @@ async fn no_claim_grants_on_a_configuration_replaced_after_its_snapshot() {
                 .status()
                 .is_success()
         );
-        leased(&app, 600).await;
+        app.lease(gpt4o_for(600)).await;
 
         let hook = Hook::close(&app, "claim.before_lock").await;
         let mut claim = hooked(&app, "claim.before_lock").await;
@@ -246,10 +214,8 @@ async fn a_claim_paused_while_its_first_candidate_is_disabled_takes_the_next() {
     // The disable commits (through the operator API) while the claim waits between its snapshot
     // and its lock: the claim passes over the disabled credential to the next in its ranked
     // order, and the service never leases the disabled one afterwards.
-    let app = TestApp::spawn().await;
-    app.put_key("k", "openai", "default", &["gpt-4o"], 4).await;
-    app.put_key("other", "openai", "default", &["gpt-4o"], 4)
-        .await;
+    let app = TestApp::with_credential("k", 4).await;
+    app.put_gpt4o_key("other", "default", 4).await;
     let hook = Hook::close(&app, "claim.before_lock").await;
     let mut claim = hooked(&app, "claim.before_lock").await;
     let pid = backend_pid(&mut claim).await;
@@ -260,27 +226,23 @@ async fn a_claim_paused_while_its_first_candidate_is_disabled_takes_the_next() {
             .await
     });
     until_waiting(&app, pid).await;
-    let status = admin(
-        &app,
-        reqwest::Method::PATCH,
-        "/api/admin/keys/k",
-        json!({"state": "disable"}),
-    )
-    .await;
+    let status = app
+        .patch_key("k", json!({"state": "disable"}))
+        .await
+        .status();
     assert_eq!(status, StatusCode::OK);
     hook.open().await;
     // passed over the disabled credential, served by the next in its ranked order
     assert_eq!(claiming.await.unwrap().unwrap().as_deref(), Some("other"));
     for _ in 0..3 {
-        let lease = leased(&app, 600).await;
+        let lease = app.lease(gpt4o_for(600)).await;
         assert_eq!(lease["key_id"], "other");
     }
 }
 
 /// `n` simultaneous allocations of gpt-4o from `default`: how many were granted.
 async fn granted_of(app: &TestApp, n: usize) -> usize {
-    let answers =
-        futures::future::join_all((0..n).map(|_| allocate(app, "gpt-4o", "default", 600))).await;
+    let answers = futures::future::join_all((0..n).map(|_| app.allocate(gpt4o_for(600)))).await;
     let mut granted = 0;
     for answer in answers {
         match answer.status() {
@@ -297,10 +259,9 @@ async fn a_lowered_limit_reopens_when_the_leases_over_it_end_without_maintenance
     // Limit 3 -> 1 while three 2-second leases are held; the holders crash. Nothing runs the
     // cleanup pass (the in-process app has no scheduler). Once the last of them has ended, on the
     // database clock, the credential grants again: exactly its new limit.
-    let app = TestApp::spawn().await;
-    app.put_key("k", "openai", "default", &["gpt-4o"], 3).await;
+    let app = TestApp::with_credential("k", 3).await;
     for _ in 0..3 {
-        leased(&app, 2).await;
+        app.lease(gpt4o_for(2)).await;
     }
     set_limit(&app, 1).await;
     assert_eq!(
@@ -308,13 +269,12 @@ async fn a_lowered_limit_reopens_when_the_leases_over_it_end_without_maintenance
         0,
         "granted over the lowered limit"
     );
-    let last_end: f64 = sqlx::query_scalar(
-        "SELECT extract(epoch FROM max(lease_until) - clock_timestamp())::float8
+    let last_end: f64 = app
+        .scalar(
+            "SELECT extract(epoch FROM max(lease_until) - clock_timestamp())::float8
          FROM lease_slots WHERE key_id = 'k'",
-    )
-    .fetch_one(&app.db)
-    .await
-    .unwrap();
+        )
+        .await;
     tokio::time::sleep(Duration::from_secs_f64(last_end.max(0.0) + 0.3)).await;
     assert_eq!(
         granted_of(&app, 3).await,
@@ -328,20 +288,20 @@ async fn a_lowered_limit_reopens_when_the_leases_over_it_end_without_maintenance
 
 #[tokio::test]
 async fn a_force_release_over_a_lowered_limit_reopens_at_once() {
-    let app = TestApp::spawn().await;
-    app.put_key("k", "openai", "default", &["gpt-4o"], 3).await;
+    let app = TestApp::with_credential("k", 3).await;
     for _ in 0..3 {
-        leased(&app, 600).await;
+        app.lease(gpt4o_for(600)).await;
     }
     set_limit(&app, 2).await;
     assert_eq!(granted_of(&app, 3).await, 0);
-    let status = admin(
-        &app,
-        reqwest::Method::POST,
-        "/api/admin/keys/k/release-all",
-        json!({"reason": "limit lowered by the provider"}),
-    )
-    .await;
+    let status = app
+        .admin(
+            reqwest::Method::POST,
+            "/api/admin/keys/k/release-all",
+            Some(json!({"reason": "limit lowered by the provider"})),
+        )
+        .await
+        .status();
     assert_eq!(status, StatusCode::OK);
     assert_eq!(
         granted_of(&app, 4).await,
@@ -355,15 +315,12 @@ async fn a_lease_over_a_lowered_limit_is_never_renewed_past_the_leases_within_it
     // Limit 2 -> 1: the lease that ends last keeps the row within the limit; the other, renewed
     // for longer, ends no later than it, so the row reopens only when nothing over the limit is
     // held; and an executor's release within the limit while the other is held reopens nothing.
-    let app = TestApp::spawn().await;
-    app.put_key("k", "openai", "default", &["gpt-4o"], 2).await;
-    let short = leased(&app, 30).await;
-    let long = leased(&app, 60).await;
+    let app = TestApp::with_credential("k", 2).await;
+    let short = app.lease(gpt4o_for(30)).await;
+    let long = app.lease(gpt4o_for(60)).await;
     set_limit(&app, 1).await;
-    let mut renewal = release_body(&short, "success");
-    renewal.as_object_mut().unwrap().remove("outcome");
-    renewal["lease_seconds"] = json!(600);
-    let renewed = json_body(app.renew(renewal).await, StatusCode::OK).await;
+    let renewal = renew_body(&short, 600);
+    let renewed = app.renew(renewal).ok_json().await;
     let until = |v: &Value| {
         time::OffsetDateTime::parse(
             v["lease_until"].as_str().unwrap(),
@@ -373,23 +330,13 @@ async fn a_lease_over_a_lowered_limit_is_never_renewed_past_the_leases_within_it
     };
     assert!(until(&renewed) <= until(&long), "{renewed} outlives {long}");
     // the lease within the limit ends early: its row closes while the surplus lease is held
-    let released = json_body(
-        app.release(release_body(&long, "success")).await,
-        StatusCode::OK,
-    )
-    .await;
-    assert_eq!(released["released"], true);
+    app.release_ok(&long, "success").await;
     assert_eq!(
         granted_of(&app, 2).await,
         0,
         "granted while the surplus lease was held"
     );
-    let released = json_body(
-        app.release(release_body(&short, "success")).await,
-        StatusCode::OK,
-    )
-    .await;
-    assert_eq!(released["released"], true);
+    app.release_ok(&short, "success").await;
     assert_eq!(granted_of(&app, 2).await, 1);
 }
 
@@ -399,18 +346,15 @@ async fn a_release_all_that_waited_for_a_raised_limit_locks_the_new_slots_before
     // an executor's release with an outcome of a lease on the new slot runs meanwhile, holding
     // that slot and waiting for the credential row. Before, the release-all locked the slot rows
     // its snapshot knew, then the credential row, then the new slot: a deadlock, 503 to both.
-    let app = TestApp::spawn().await;
-    app.put_key("k", "openai", "default", &["gpt-4o"], 1).await;
-    leased(&app, 600).await;
-    let before = deadlocks(&app).await;
+    let app = TestApp::with_credential("k", 1).await;
+    app.lease(gpt4o_for(600)).await;
+    let before = deadlocks(&app.db).await;
 
     // the limit is raised (committed), and the refit that follows is held before its commit; the
     // refit only locks the credential row (no new version of it), so a transaction queued
     // behind it on that row is first in line when it commits
-    sqlx::query("UPDATE credentials SET max_concurrent_uses = 2 WHERE key_id = 'k'")
-        .execute(&app.db)
-        .await
-        .unwrap();
+    app.run_sql("UPDATE credentials SET max_concurrent_uses = 2 WHERE key_id = 'k'")
+        .await;
     let mut fit = connect(&app).await;
     fit.execute("BEGIN").await.unwrap();
     sqlx::query("SELECT credpool_fit_slots('k')")
@@ -429,16 +373,12 @@ async fn a_release_all_that_waited_for_a_raised_limit_locks_the_new_slots_before
     });
     until_waiting(&app, holder_pid).await;
     let release_all = {
-        let client = app.client.clone();
-        let url = app.url("/api/admin/keys/k/release-all");
+        let app = app.remote();
+        let body = json!({"reason": "test"});
+        let path = "/api/admin/keys/k/release-all";
         tokio::spawn(async move {
-            client
-                .post(url)
-                .header("x-admin-key", ADMIN_KEY)
-                .json(&json!({"reason": "test"}))
-                .send()
+            app.admin_unnamed(Method::POST, path, Some(body))
                 .await
-                .unwrap()
                 .status()
         })
     };
@@ -450,18 +390,27 @@ async fn a_release_all_that_waited_for_a_raised_limit_locks_the_new_slots_before
     // fixed: the release-all holds the new slot too, so nothing can be granted on it
     let executor = release_held_at_the_credential_row(&app, "k").await;
     holder.execute("COMMIT").await.unwrap();
-    assert_eq!(
-        release_all.await.unwrap(),
-        StatusCode::OK,
-        "the release-all failed"
-    );
+    finished_without_deadlock(&app, release_all, "the release-all", executor, before).await;
+}
+
+/// The end of a three-way race: the operator's call answered 200 (`what` failed otherwise), the
+/// executor's release (when it ran) succeeded, and PostgreSQL detected no deadlock since it
+/// counted `before`.
+async fn finished_without_deadlock(
+    app: &TestApp,
+    operator: tokio::task::JoinHandle<StatusCode>,
+    what: &str,
+    executor: Option<tokio::task::JoinHandle<Result<(), sqlx::Error>>>,
+    before: i64,
+) {
+    assert_eq!(operator.await.unwrap(), StatusCode::OK, "{what} failed");
     if let Some(releasing) = executor {
         releasing
             .await
             .unwrap()
             .expect("the executor's release failed");
     }
-    assert_eq!(deadlocks(&app).await, before, "a deadlock was detected");
+    assert_eq!(deadlocks(&app.db).await, before, "a deadlock was detected");
 }
 
 /// Leases gpt-4o from `default` and, if granted (it must be on `key_id`), releases it with an
@@ -472,7 +421,7 @@ async fn release_held_at_the_credential_row(
     app: &TestApp,
     key_id: &str,
 ) -> Option<tokio::task::JoinHandle<Result<(), sqlx::Error>>> {
-    let answer = allocate(app, "gpt-4o", "default", 600).await;
+    let answer = app.allocate(gpt4o_for(600)).await;
     if answer.status() != StatusCode::OK {
         assert_eq!(answer.status(), StatusCode::TOO_MANY_REQUESTS);
         return None;
@@ -505,17 +454,16 @@ async fn late_reports_of_the_same_leases_in_opposite_orders_never_deadlock() {
     // earlier report and writes its trail row, so the second group waits for the first's; taken
     // in request order, the first group (having reported `a`) would wait for `b` while the second
     // (having reported `b`) waits for `a`.
-    let app = TestApp::spawn().await;
-    app.put_key("ka", "openai", "default", &["gpt-4o"], 1).await;
-    app.put_key("kb", "openai", "default", &["gpt-4o"], 1).await;
-    let a = leased(&app, 600).await;
-    let b = leased(&app, 600).await;
-    crate::lease_state::expire_and_reap(&app).await;
+    let app = TestApp::with_credential("ka", 1).await;
+    app.put_gpt4o_key("kb", "default", 1).await;
+    let a = app.lease(gpt4o_for(600)).await;
+    let b = app.lease(gpt4o_for(600)).await;
+    expire_and_reap(&app).await;
     let report = |lease: &Value| {
         json!({"lease_id": lease["lease_id"], "key_id": lease["key_id"], "provider": "openai",
                "pool": "default", "fence": null, "outcome": "failure", "usage_tokens": null})
     };
-    let before = deadlocks(&app).await;
+    let before = deadlocks(&app.db).await;
     let mut first = connect(&app).await;
     first.execute("BEGIN").await.unwrap();
     // the first group has reported `a` (lower lease_id first, whichever of the two it is)
@@ -555,13 +503,10 @@ async fn late_reports_of_the_same_leases_in_opposite_orders_never_deadlock() {
         .await
         .unwrap()
         .expect("the second group's report failed");
-    assert_eq!(deadlocks(&app).await, before);
-    let reports: i64 = sqlx::query_scalar(
-        "SELECT count(*) FROM lease_events WHERE event = 'outcome_after_expiry'",
-    )
-    .fetch_one(&app.db)
-    .await
-    .unwrap();
+    assert_eq!(deadlocks(&app.db).await, before);
+    let reports: i64 = app
+        .scalar("SELECT count(*) FROM lease_events WHERE event = 'outcome_after_expiry'")
+        .await;
     assert_eq!(reports, 2, "each late report counts once");
 }
 
@@ -573,20 +518,13 @@ async fn two_puts_creating_one_key_never_write_its_slot_rows_after_its_credentia
     // meanwhile an executor's release with an outcome holds a slot row of the key and waits for
     // the credential row. Before the operator lock, the second PUT had locked no slot row (the key
     // did not exist when it looked), so it then waited for that slot: a deadlock, 503.
-    let app = app_with_hooks("fit.done,config.before_slots").await;
-    let before = deadlocks(&app).await;
+    let app = TestApp::spawn_with_hooks("fit.done,config.before_slots").await;
+    let before = deadlocks(&app.db).await;
     let put = |secret: &'static str| {
-        let client = app.client.clone();
-        let url = app.url("/api/admin/keys/new");
+        let app = app.remote();
         tokio::spawn(async move {
-            client
-                .put(url)
-                .header("x-admin-key", ADMIN_KEY)
-                .json(&spec("default", 2, secret))
-                .send()
-                .await
-                .unwrap()
-                .status()
+            let body = spec("default", 2, secret);
+            app.put_key_raw("new", body).await.status()
         })
     };
     let fit_hook = Hook::close(&app, "fit.done").await;
@@ -602,18 +540,7 @@ async fn two_puts_creating_one_key_never_write_its_slot_rows_after_its_credentia
     // fixed: the second PUT holds every slot row of the key while it waits: nothing to lease
     let releasing = release_held_at_the_credential_row(&app, "new").await;
     slots_hook.open().await;
-    assert_eq!(
-        second.await.unwrap(),
-        StatusCode::OK,
-        "the second PUT failed"
-    );
-    if let Some(releasing) = releasing {
-        releasing
-            .await
-            .unwrap()
-            .expect("the executor's release failed");
-    }
-    assert_eq!(deadlocks(&app).await, before, "a deadlock was detected");
+    finished_without_deadlock(&app, second, "the second PUT", releasing, before).await;
 }
 
 #[tokio::test]
@@ -623,15 +550,12 @@ async fn a_short_renewal_within_a_lowered_limit_never_ends_it_before_the_surplus
     // with the default length does the same to a longer lease). Before, the row within the
     // limit then ended first and reopened 3 s later while the surplus lease still counted: a
     // second live lease on a credential of limit 1.
-    let app = TestApp::spawn().await;
-    app.put_key("k", "openai", "default", &["gpt-4o"], 2).await;
-    let long = leased(&app, 300).await;
-    let short = leased(&app, 100).await;
+    let app = TestApp::with_credential("k", 2).await;
+    let long = app.lease(gpt4o_for(300)).await;
+    let short = app.lease(gpt4o_for(100)).await;
     set_limit(&app, 1).await;
     let renewal = |lease: &Value, seconds: u32| {
-        let mut body = release_body(lease, "success");
-        body.as_object_mut().unwrap().remove("outcome");
-        body["lease_seconds"] = json!(seconds);
+        let body = renew_body(lease, seconds.into());
         body
     };
     let until = |v: &Value| {
@@ -641,7 +565,7 @@ async fn a_short_renewal_within_a_lowered_limit_never_ends_it_before_the_surplus
         )
         .unwrap()
     };
-    let renewed = json_body(app.renew(renewal(&long, 3)).await, StatusCode::OK).await;
+    let renewed = app.renew(renewal(&long, 3)).ok_json().await;
     assert!(
         until(&renewed) >= until(&short),
         "the lease within the limit ({renewed}) now ends before the surplus lease ({short})"
@@ -654,11 +578,8 @@ async fn a_short_renewal_within_a_lowered_limit_never_ends_it_before_the_surplus
     );
     assert_eq!(app.in_flight("k").await, 2);
     // the surplus lease renewed: never an end before the renewal itself
-    let renewed = json_body(app.renew(renewal(&short, 30)).await, StatusCode::OK).await;
-    let now: time::OffsetDateTime = sqlx::query_scalar("SELECT now()")
-        .fetch_one(&app.db)
-        .await
-        .unwrap();
+    let renewed = app.renew(renewal(&short, 30)).ok_json().await;
+    let now: time::OffsetDateTime = app.scalar("SELECT now()").await;
     assert!(until(&renewed) > now, "renewed into the past: {renewed}");
     let (ok, report) = audit_verify(BIN, &app.database).await;
     assert!(ok, "{report}");

@@ -14,12 +14,6 @@ use sqlx::Executor;
 
 use credpool_test_support::*;
 
-use crate::lease_state::{Hook, app_with_hooks, connect, wait_for_lock_waiters};
-
-fn gpt4o(lease_seconds: u32) -> serde_json::Value {
-    json!({"provider": "openai", "model": "gpt-4o", "lease_seconds": lease_seconds})
-}
-
 #[tokio::test]
 async fn a_lease_granted_under_a_request_id_is_kept_for_the_retry_of_a_departed_caller() {
     // Every claim of this database pauses at `claim.before_lock` while the test holds the hook.
@@ -27,10 +21,10 @@ async fn a_lease_granted_under_a_request_id_is_kept_for_the_retry_of_a_departed_
     // Before, the service gave that lease back at once (the caller was gone) and the retry with
     // the same request_id got a second lease, while the first attempt's caller might still be
     // using the credential upstream.
-    let app = app_with_hooks("claim.before_lock").await;
-    app.put_key("k", "openai", "default", &["gpt-4o"], 2).await;
+    let app = TestApp::spawn_with_hooks("claim.before_lock").await;
+    app.put_gpt4o_key("k", "default", 2).await;
     let hook = Hook::close(&app, "claim.before_lock").await;
-    let mut body = gpt4o(600);
+    let mut body = gpt4o_for(600);
     body["request_id"] = json!("retry-me-1");
     let first = app
         .client
@@ -56,18 +50,16 @@ async fn a_lease_granted_under_a_request_id_is_kept_for_the_retry_of_a_departed_
         tokio::time::sleep(Duration::from_millis(20)).await;
     };
     tokio::time::sleep(Duration::from_millis(300)).await;
-    let retried = json_body(app.allocate(body).await, StatusCode::OK).await;
+    let retried = app.lease(body).await;
     assert_eq!(
         retried["lease_id"].as_str().unwrap().replace('-', ""),
         granted.replace('-', ""),
         "the retry got another lease"
     );
     assert_eq!(app.in_flight("k").await, 1);
-    let ended: i64 =
-        sqlx::query_scalar("SELECT count(*) FROM lease_events WHERE event <> 'granted'")
-            .fetch_one(&app.db)
-            .await
-            .unwrap();
+    let ended: i64 = app
+        .scalar("SELECT count(*) FROM lease_events WHERE event <> 'granted'")
+        .await;
     assert_eq!(
         ended, 0,
         "the lease was ended while its request could still be retried"
@@ -79,16 +71,13 @@ async fn a_granted_lease_that_cannot_be_answered_is_given_back_at_once() {
     // A credential row whose sealed secret is NULL (a row written before secrets were sealed):
     // the claim grants, and the grant cannot be turned into an answer. Before, the lease stayed
     // in its slot until lease_until and the caller heard 429.
-    let app = TestApp::spawn().await;
-    app.put_key("k", "openai", "default", &["gpt-4o"], 1).await;
-    sqlx::query(
+    let app = TestApp::with_credential("k", 1).await;
+    app.run_sql(
         "UPDATE credentials SET secret = '{\"api_key\": \"sk-legacy\"}', secret_ciphertext = NULL
          WHERE key_id = 'k'",
     )
-    .execute(&app.db)
-    .await
-    .unwrap();
-    let answer = app.allocate(gpt4o(600)).await;
+    .await;
+    let answer = app.allocate(gpt4o_for(600)).await;
     assert_ne!(answer.status(), StatusCode::OK);
     let text = answer.text().await.unwrap();
     assert!(!text.contains("sk-legacy"), "{text}");
@@ -97,13 +86,12 @@ async fn a_granted_lease_that_cannot_be_answered_is_given_back_at_once() {
         0,
         "the granted lease was stranded"
     );
-    let given_back: i64 = sqlx::query_scalar(
-        "SELECT count(*) FROM lease_events
+    let given_back: i64 = app
+        .scalar(
+            "SELECT count(*) FROM lease_events
          WHERE event = 'force_released' AND reason = 'granted but could not be answered'",
-    )
-    .fetch_one(&app.db)
-    .await
-    .unwrap();
+        )
+        .await;
     assert_eq!(given_back, 1);
 }
 
@@ -112,16 +100,13 @@ async fn a_claim_is_served_while_a_cleanup_pass_is_still_purging() {
     // The only slot holds an expired lease; a cleanup pass reaps it, then its audit purge waits
     // (a row it would delete is locked). Before, the pass was one transaction: the reaped slot's
     // row stayed locked until the purge ended, and the claim passed over it and answered 429.
-    let app = TestApp::spawn().await;
-    app.put_key("k", "openai", "default", &["gpt-4o"], 1).await;
-    json_body(app.allocate(gpt4o(1)).await, StatusCode::OK).await;
-    sqlx::query(
+    let app = TestApp::with_credential("k", 1).await;
+    app.lease(gpt4o_for(1)).await;
+    app.run_sql(
         "INSERT INTO credential_events (key_id, event, reason, at)
          VALUES ('k', 'status_changed', 'long ago', now() - interval '40 days')",
     )
-    .execute(&app.db)
-    .await
-    .unwrap();
+    .await;
     tokio::time::sleep(Duration::from_millis(1_200)).await;
     let mut blocker = connect(&app).await;
     blocker.execute("BEGIN").await.unwrap();
@@ -135,7 +120,7 @@ async fn a_claim_is_served_while_a_cleanup_pass_is_still_purging() {
             async move { maintenance::run_pass(&db, Duration::from_secs(30 * 86_400)).await },
         );
     wait_for_lock_waiters(&app, 1).await;
-    let served = app.allocate(gpt4o(600)).await;
+    let served = app.allocate(gpt4o_for(600)).await;
     let status = served.status();
     blocker.execute("ROLLBACK").await.unwrap();
     let report = pass.await.unwrap().unwrap().unwrap();
@@ -150,8 +135,7 @@ async fn a_claim_binding_a_conversation_never_waits_for_the_cooldown_recorder() 
     // and has not committed yet. A claim with an affinity_key is served by that credential and
     // writes a new binding, whose foreign key takes a key share lock on the credential row.
     // Before, the recorder held that row FOR UPDATE, and the claim waited for the pass to commit.
-    let app = TestApp::spawn().await;
-    app.put_key("k", "openai", "default", &["gpt-4o"], 1).await;
+    let app = TestApp::with_credential("k", 1).await;
     app.set_status("k", "cooldown", Some(-1.0)).await;
     let mut pass = connect(&app).await;
     pass.execute("BEGIN").await.unwrap();
@@ -160,7 +144,7 @@ async fn a_claim_binding_a_conversation_never_waits_for_the_cooldown_recorder() 
         .await
         .unwrap();
     assert_eq!(recorded, 1);
-    let mut body = gpt4o(600);
+    let mut body = gpt4o_for(600);
     body["affinity_key"] = json!("conversation-1");
     let served = tokio::time::timeout(Duration::from_secs(5), app.allocate(body)).await;
     pass.execute("COMMIT").await.unwrap();
@@ -171,12 +155,9 @@ async fn a_claim_binding_a_conversation_never_waits_for_the_cooldown_recorder() 
     .await;
     assert_eq!(served["key_id"], "k");
     assert_eq!(served["affinity"], "new", "{served}");
-    let bound: String = sqlx::query_scalar(
-        "SELECT key_id FROM affinity_bindings WHERE affinity_key = 'conversation-1'",
-    )
-    .fetch_one(&app.db)
-    .await
-    .unwrap();
+    let bound: String = app
+        .scalar("SELECT key_id FROM affinity_bindings WHERE affinity_key = 'conversation-1'")
+        .await;
     assert_eq!(bound, "k");
 }
 
@@ -186,10 +167,9 @@ async fn a_freed_slot_whose_announcement_never_came_still_reaches_a_waiter() {
     // leaves the announcement to its caller, which never makes it). Before, the waiter slept
     // until its deadline with the slot free; now the longest waiter claims again every second.
     let _waiters = exclusive_waiters().await;
-    let app = TestApp::spawn().await;
-    app.put_key("k", "openai", "default", &["gpt-4o"], 1).await;
-    let held = json_body(app.allocate(gpt4o(600)).await, StatusCode::OK).await;
-    let mut waiting = gpt4o(600);
+    let app = TestApp::with_credential("k", 1).await;
+    let held = app.lease(gpt4o_for(600)).await;
+    let mut waiting = gpt4o_for(600);
     waiting["wait_ms"] = json!(20_000);
     let waiter = {
         let client = app.client.clone();
@@ -213,7 +193,7 @@ async fn a_freed_slot_whose_announcement_never_came_still_reaches_a_waiter() {
                        "pool": "default", "fence": held["fence"], "outcome": "success",
                        "usage_tokens": null}]),
         )
-        .bind(crate::lease_state::policy())
+        .bind(policy())
         .fetch_all(&app.db)
         .await
         .unwrap();

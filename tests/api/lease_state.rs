@@ -12,164 +12,12 @@ use std::time::Duration;
 use credpool::store::{self, Db};
 use reqwest::StatusCode;
 use serde_json::{Value, json};
-use sqlx::{Connection, Executor, PgConnection, Row};
+use sqlx::{Executor, PgConnection, Row};
 
 use credpool_test_support::*;
 
 use crate::BIN;
-
-/// A connection of the test's own to the app's database.
-pub(crate) async fn connect(app: &TestApp) -> PgConnection {
-    PgConnection::connect_with(&app.database.options)
-        .await
-        .expect("test connection")
-}
-
-pub(crate) async fn backend_pid(conn: &mut PgConnection) -> i32 {
-    sqlx::query_scalar("SELECT pg_backend_pid()")
-        .fetch_one(conn)
-        .await
-        .unwrap()
-}
-
-/// Waits until backend `pid` waits for a lock (a row lock, or a test hook's advisory lock).
-pub(crate) async fn until_waiting(app: &TestApp, pid: i32) {
-    // a deadline, not a count of looks: on a loaded machine a look takes far longer than its sleep
-    let deadline = tokio::time::Instant::now() + Duration::from_secs(60);
-    while tokio::time::Instant::now() < deadline {
-        let waiting: Option<String> =
-            sqlx::query_scalar("SELECT wait_event_type FROM pg_stat_activity WHERE pid = $1")
-                .bind(pid)
-                .fetch_optional(&app.db)
-                .await
-                .unwrap()
-                .flatten();
-        if waiting.as_deref() == Some("Lock") {
-            return;
-        }
-        tokio::time::sleep(Duration::from_millis(5)).await;
-    }
-    panic!("backend {pid} never waited for a lock");
-}
-
-/// Waits until `n` backends of the app's database wait for a lock.
-pub(crate) async fn wait_for_lock_waiters(app: &TestApp, n: i64) {
-    let deadline = tokio::time::Instant::now() + Duration::from_secs(60);
-    while tokio::time::Instant::now() < deadline {
-        let waiting: i64 = sqlx::query_scalar(
-            "SELECT count(*) FROM pg_stat_activity
-             WHERE datname = current_database() AND wait_event_type = 'Lock'",
-        )
-        .fetch_one(&app.db)
-        .await
-        .unwrap();
-        if waiting >= n {
-            return;
-        }
-        tokio::time::sleep(Duration::from_millis(5)).await;
-    }
-    panic!("never {n} backends waiting for a lock");
-}
-
-/// The app on a fresh database every connection of which (the app's and the test's) stops at
-/// the test hooks `points` while they are closed ([`Hook`]): for a window inside a transaction
-/// the service itself runs.
-pub(crate) async fn app_with_hooks(points: &str) -> TestApp {
-    let database = TestDatabase::create().await;
-    sqlx::query(sqlx::AssertSqlSafe(format!(
-        "ALTER DATABASE \"{}\" SET credpool.test_hooks = '{points}'",
-        database.name
-    )))
-    .execute(&database.pool(1).await)
-    .await
-    .unwrap();
-    TestApp::spawn_on(database, AppOptions::default()).await
-}
-
-/// Deadlocks PostgreSQL has detected in the app's database so far.
-pub(crate) async fn deadlocks(app: &TestApp) -> i64 {
-    sqlx::query_scalar("SELECT deadlocks FROM pg_stat_database WHERE datname = current_database()")
-        .fetch_one(&app.db)
-        .await
-        .unwrap()
-}
-
-/// Ends every lease held in `app` as if it had run out a second ago, and lets the reaper take
-/// them out of their slots: their reports from now on are late.
-pub(crate) async fn expire_and_reap(app: &TestApp) {
-    sqlx::query(
-        "UPDATE lease_slots SET granted_at = now() - interval '2 seconds',
-                lease_until = now() - interval '1 second'
-         WHERE lease_id IS NOT NULL",
-    )
-    .execute(&app.db)
-    .await
-    .unwrap();
-    sqlx::query("SELECT credpool_reap_expired_leases()")
-        .execute(&app.db)
-        .await
-        .unwrap();
-}
-
-/// Holds a test hook closed (see `credpool_test_hook`) until [`Hook::open`].
-pub(crate) struct Hook {
-    conn: PgConnection,
-    point: &'static str,
-}
-
-impl Hook {
-    pub(crate) async fn close(app: &TestApp, point: &'static str) -> Self {
-        let mut conn = connect(app).await;
-        sqlx::query("SELECT pg_advisory_lock(hashtextextended('credpool.test_hook:' || $1, 0))")
-            .bind(point)
-            .execute(&mut conn)
-            .await
-            .unwrap();
-        Self { conn, point }
-    }
-
-    pub(crate) async fn open(mut self) {
-        sqlx::query("SELECT pg_advisory_unlock(hashtextextended('credpool.test_hook:' || $1, 0))")
-            .bind(self.point)
-            .execute(&mut self.conn)
-            .await
-            .unwrap();
-    }
-}
-
-/// A connection whose SQL functions stop at `points` while their hooks are closed.
-pub(crate) async fn hooked(app: &TestApp, points: &str) -> PgConnection {
-    let mut conn = connect(app).await;
-    sqlx::query("SELECT set_config('credpool.test_hooks', $1, false)")
-        .bind(points)
-        .execute(&mut conn)
-        .await
-        .unwrap();
-    conn
-}
-
-/// The default health policy, as the service passes it to `credpool_release`.
-pub(crate) fn policy() -> Value {
-    credpool::store::leases::policy_json(&credpool::allocator::health::HealthPolicy::default())
-}
-
-/// One claim over `ranked` as the service sends it to `credpool_claim`.
-pub(crate) fn claim_body(ranked: &[&str], pool: &str, request_id: Option<&str>) -> Value {
-    json!([{
-        "ranked": ranked, "provider": "openai", "pool": pool, "model": "gpt-4o",
-        "lease_id": uuid::Uuid::new_v4(), "holder": "test", "lease_seconds": 600,
-        "request_id": request_id, "request_digest": request_id.map(|_| "digest"),
-    }])
-}
-
-async fn lease(app: &TestApp, pool: &str) -> Value {
-    let response = app
-        .allocate(
-            json!({"provider": "openai", "model": "gpt-4o", "pool": pool, "lease_seconds": 600}),
-        )
-        .await;
-    json_body(response, StatusCode::OK).await
-}
+use crate::common::claim_body;
 
 #[tokio::test]
 async fn health_changes_in_two_pools_in_opposite_orders_never_wait_for_each_other() {
@@ -178,9 +26,9 @@ async fn health_changes_in_two_pools_in_opposite_orders_never_wait_for_each_othe
     // pools took those rows in opposite orders and deadlocked (a rate-limit storm did it).
     let app = TestApp::spawn().await;
     for (key, pool) in [("a1", "pa"), ("a2", "pa"), ("b1", "pb"), ("b2", "pb")] {
-        app.put_key(key, "openai", pool, &["gpt-4o"], 4).await;
+        app.put_gpt4o_key(key, pool, 4).await;
     }
-    let before = deadlocks(&app).await;
+    let before = deadlocks(&app.db).await;
     let rest = "UPDATE credentials SET status = 'rate_limited',
                     cooldown_until = now() + interval '1 second' WHERE key_id = $1";
     let mut first = connect(&app).await;
@@ -214,7 +62,7 @@ async fn health_changes_in_two_pools_in_opposite_orders_never_wait_for_each_othe
         .await
         .unwrap()
         .expect("the first writer waited for the second one's pool version");
-    assert_eq!(deadlocks(&app).await, before);
+    assert_eq!(deadlocks(&app.db).await, before);
     // both pools moved on: the versions tell every view
     let versions: Vec<(String, i64)> = sqlx::query_as(
         "SELECT pool, credpool_pool_version('openai', pool) FROM (VALUES ('pa'), ('pb')) p (pool)",
@@ -237,28 +85,25 @@ async fn an_import_and_a_release_group_never_deadlock() {
     // rate limit waited for that version row: once the test let go, the import wanted the
     // release's slot and the two deadlocked. Now an import takes every slot row before any
     // credential row, and pool versions are never waited for.
-    let app = TestApp::spawn().await;
-    app.put_key("kx", "openai", "default", &["gpt-4o"], 2).await;
-    app.put_key("ky", "openai", "default", &["gpt-4o"], 2).await;
+    let app = TestApp::with_credential("kx", 2).await;
+    app.put_gpt4o_key("ky", "default", 2).await;
     // both of ky's slots leased; the one in slot 1 is released below
-    sqlx::query("UPDATE credentials SET status = 'disabled' WHERE key_id = 'kx'")
-        .execute(&app.db)
-        .await
-        .unwrap();
+    app.run_sql("UPDATE credentials SET status = 'disabled' WHERE key_id = 'kx'")
+        .await;
     let mut by_slot = std::collections::HashMap::new();
     for _ in 0..2 {
-        let leased = lease(&app, "default").await;
-        let slot: i32 =
-            sqlx::query_scalar("SELECT slot FROM lease_slots WHERE lease_id = $1::uuid")
-                .bind(leased["lease_id"].as_str().unwrap())
-                .fetch_one(&app.db)
-                .await
-                .unwrap();
+        let leased = app.lease(gpt4o_in_for("default", 600)).await;
+        let slot: i32 = app
+            .scalar_of(
+                "SELECT slot FROM lease_slots WHERE lease_id = $1::uuid",
+                leased["lease_id"].as_str().unwrap(),
+            )
+            .await;
         by_slot.insert(slot, leased);
     }
     let released = by_slot.remove(&1).expect("a lease in slot 1");
     let held = 0;
-    let before = deadlocks(&app).await;
+    let before = deadlocks(&app.db).await;
 
     let mut blocker = connect(&app).await;
     blocker.execute("BEGIN").await.unwrap();
@@ -305,20 +150,18 @@ async fn an_import_and_a_release_group_never_deadlock() {
     let mut app = app;
     app.stop();
     tokio::time::sleep(Duration::from_millis(500)).await;
-    assert_eq!(deadlocks(&app).await, before);
+    assert_eq!(deadlocks(&app.db).await, before);
 }
 
 /// Makes credential `key_id` one that refreshes by OAuth (an `oauth_credentials` row, whose token
 /// endpoint is never called here): what makes a release lock it whole on an `auth_expired` report.
 async fn oauth_refreshed(app: &TestApp, key_id: &str) {
-    sqlx::query(
+    app.run_sql_with(
         "INSERT INTO oauth_credentials (key_id, token_url, client_id, refresh_ciphertext)
          VALUES ($1, 'http://127.0.0.1:9/token', 'client', '\\x00')",
+        key_id,
     )
-    .bind(key_id)
-    .execute(&app.db)
-    .await
-    .unwrap();
+    .await;
 }
 
 #[tokio::test]
@@ -330,26 +173,19 @@ async fn a_release_group_with_an_auth_expired_report_and_a_late_report_never_dea
     // and then waited for the other group's late report, while that group waited for the
     // credential row: a deadlock. Now G takes the credential rows after its late reports' lease
     // locks, like every release.
-    let app = TestApp::spawn().await;
-    app.put_key("k", "openai", "default", &["gpt-4o"], 2).await;
+    let app = TestApp::with_credential("k", 2).await;
     // k refreshes by OAuth: an `auth_expired` report of its lease locks the whole credential
     oauth_refreshed(&app, "k").await;
-    let live = lease(&app, "default").await;
-    let short = json_body(
-        app.allocate(
+    let live = app.lease(gpt4o_in_for("default", 600)).await;
+    let short = app
+        .lease(
             json!({"provider": "openai", "model": "gpt-4o", "pool": "default", "lease_seconds": 1}),
         )
-        .await,
-        StatusCode::OK,
-    )
-    .await;
+        .await;
     tokio::time::sleep(Duration::from_millis(1_200)).await;
-    let reaped: i32 = sqlx::query_scalar("SELECT credpool_reap_expired_leases()")
-        .fetch_one(&app.db)
-        .await
-        .unwrap();
+    let reaped: i32 = app.scalar("SELECT credpool_reap_expired_leases()").await;
     assert_eq!(reaped, 1, "the short lease left its slot");
-    let before = deadlocks(&app).await;
+    let before = deadlocks(&app.db).await;
 
     // the other group: its late report's lease lock and trail row (credpool_release_late)
     let mut other = connect(&app).await;
@@ -410,7 +246,7 @@ async fn a_release_group_with_an_auth_expired_report_and_a_late_report_never_dea
     // the late report counted once, the other group's
     assert_eq!(verdicts, ["released", "not_found"]);
     assert_eq!(app.in_flight("k").await, 0);
-    assert_eq!(deadlocks(&app).await, before, "a deadlock was detected");
+    assert_eq!(deadlocks(&app.db).await, before, "a deadlock was detected");
 }
 
 #[tokio::test]
@@ -421,13 +257,13 @@ async fn a_release_group_with_an_auth_expired_report_locks_the_other_leases_slot
     // waited for ka's: a deadlock. Now G takes ka's slot row in the same ordered statement as
     // kb's, so it waits there holding nothing of kb.
     let app = TestApp::spawn().await;
-    app.put_key("ka", "openai", "a", &["gpt-4o"], 2).await;
-    app.put_key("kb", "openai", "b", &["gpt-4o"], 2).await;
+    app.put_gpt4o_key("ka", "a", 2).await;
+    app.put_gpt4o_key("kb", "b", 2).await;
     // kb refreshes by OAuth: an `auth_expired` report of its lease locks the whole credential
     oauth_refreshed(&app, "kb").await;
-    let on_a = lease(&app, "a").await;
-    let on_b = lease(&app, "b").await;
-    let before = deadlocks(&app).await;
+    let on_a = app.lease(gpt4o_in_for("a", 600)).await;
+    let on_b = app.lease(gpt4o_in_for("b", 600)).await;
+    let before = deadlocks(&app.db).await;
 
     let mut other = connect(&app).await;
     other.execute("BEGIN").await.unwrap();
@@ -472,7 +308,7 @@ async fn a_release_group_with_an_auth_expired_report_locks_the_other_leases_slot
         verdicts.expect("the release group failed"),
         ["released", "released"]
     );
-    assert_eq!(deadlocks(&app).await, before, "a deadlock was detected");
+    assert_eq!(deadlocks(&app.db).await, before, "a deadlock was detected");
 }
 
 #[tokio::test]
@@ -482,8 +318,7 @@ async fn a_claim_for_a_request_id_whose_lease_expired_does_not_wait_for_a_refit(
     // that other slot and waits for the first: before, the claim cleared the request_id with a
     // plain UPDATE of that slot and the two deadlocked. Now request ids live in their own table
     // and the claim writes no slot it did not claim.
-    let app = TestApp::spawn().await;
-    app.put_key("kb", "openai", "default", &["gpt-4o"], 4).await;
+    let app = TestApp::with_credential("kb", 4).await;
     let mut leases = Vec::new();
     for i in 0..4 {
         let response = app
@@ -496,25 +331,23 @@ async fn a_claim_for_a_request_id_whose_lease_expired_does_not_wait_for_a_refit(
     }
     let mut slots = Vec::new();
     for lease in &leases {
-        let slot: i32 =
-            sqlx::query_scalar("SELECT slot FROM lease_slots WHERE lease_id = $1::uuid")
-                .bind(lease["lease_id"].as_str().unwrap())
-                .fetch_one(&app.db)
-                .await
-                .unwrap();
+        let slot: i32 = app
+            .scalar_of(
+                "SELECT slot FROM lease_slots WHERE lease_id = $1::uuid",
+                lease["lease_id"].as_str().unwrap(),
+            )
+            .await;
         slots.push(slot);
     }
     let expired_slot = slots[1];
     // the request's lease runs out; the highest slot of the others is released (free)
-    sqlx::query(
+    app.run_sql_with(
         "UPDATE lease_slots SET granted_at = now() - interval '2 seconds',
              lease_until = now() - interval '1 second'
          WHERE lease_id = $1::uuid",
+        leases[1]["lease_id"].as_str().unwrap(),
     )
-    .bind(leases[1]["lease_id"].as_str().unwrap())
-    .execute(&app.db)
-    .await
-    .unwrap();
+    .await;
     let (freed_at, free_slot) = slots
         .iter()
         .enumerate()
@@ -527,12 +360,7 @@ async fn a_claim_for_a_request_id_whose_lease_expired_does_not_wait_for_a_refit(
         "slots were not handed out in order: {slots:?}"
     );
     let freed = leases[freed_at].clone();
-    let body = json_body(
-        app.release(release_body(&freed, "success")).await,
-        StatusCode::OK,
-    )
-    .await;
-    assert_eq!(body["released"], true);
+    app.release_ok(&freed, "success").await;
 
     // the claim group takes the free slot while the expired one is held by somebody else
     let mut holder = connect(&app).await;
@@ -594,19 +422,16 @@ async fn a_claim_that_read_before_a_limit_was_lowered_grants_nothing_over_it() {
     // snapshot before the refit commits and locks the slot after. Before, "over limit" was on
     // the credential row, which the claim read from its stale snapshot, and it granted over the
     // new limit. Now it is on the slot row the claim locks.
-    let app = TestApp::spawn().await;
-    app.put_key("kl", "openai", "default", &["gpt-4o"], 3).await;
-    let short = lease(&app, "default").await;
-    lease(&app, "default").await;
-    lease(&app, "default").await;
-    sqlx::query(
+    let app = TestApp::with_credential("kl", 3).await;
+    let short = app.lease(gpt4o_in_for("default", 600)).await;
+    app.lease(gpt4o_in_for("default", 600)).await;
+    app.lease(gpt4o_in_for("default", 600)).await;
+    app.run_sql_with(
         "UPDATE lease_slots SET lease_until = clock_timestamp() + interval '1500 milliseconds'
          WHERE lease_id = $1::uuid",
+        short["lease_id"].as_str().unwrap(),
     )
-    .bind(short["lease_id"].as_str().unwrap())
-    .execute(&app.db)
-    .await
-    .unwrap();
+    .await;
 
     let fit_hook = Hook::close(&app, "fit.done").await;
     let claim_hook = Hook::close(&app, "claim.before_lock").await;
@@ -626,14 +451,13 @@ async fn a_claim_that_read_before_a_limit_was_lowered_grants_nothing_over_it() {
     until_waiting(&app, refit_pid).await;
     // the short lease runs out while the refit, which judged it live, has not committed
     loop {
-        let left: f64 = sqlx::query_scalar(
-            "SELECT extract(epoch FROM lease_until - clock_timestamp())::float8
+        let left: f64 = app
+            .scalar_of(
+                "SELECT extract(epoch FROM lease_until - clock_timestamp())::float8
              FROM lease_slots WHERE lease_id = $1::uuid",
-        )
-        .bind(short["lease_id"].as_str().unwrap())
-        .fetch_one(&app.db)
-        .await
-        .unwrap();
+                short["lease_id"].as_str().unwrap(),
+            )
+            .await;
         if left < -0.05 {
             break;
         }
@@ -662,20 +486,17 @@ async fn a_claim_that_read_before_a_limit_was_lowered_grants_nothing_over_it() {
 async fn a_claim_never_waits_for_a_lock() {
     // Everything a claim could touch is locked by another transaction; claims, with and without
     // a request_id (one whose lease expired, one in flight elsewhere), still answer at once.
-    let app = TestApp::spawn().await;
-    app.put_key("kw", "openai", "default", &["gpt-4o"], 2).await;
+    let app = TestApp::with_credential("kw", 2).await;
     let response = app
         .allocate(json!({"provider": "openai", "model": "gpt-4o", "request_id": "req-old"}))
         .await;
     let old = json_body(response, StatusCode::OK).await;
-    sqlx::query(
+    app.run_sql_with(
         "UPDATE lease_slots SET granted_at = now() - interval '2 seconds',
              lease_until = now() - interval '1 second' WHERE lease_id = $1::uuid",
+        old["lease_id"].as_str().unwrap(),
     )
-    .bind(old["lease_id"].as_str().unwrap())
-    .execute(&app.db)
-    .await
-    .unwrap();
+    .await;
 
     let mut holder = connect(&app).await;
     holder.execute("BEGIN").await.unwrap();
@@ -743,10 +564,9 @@ async fn the_claim_release_and_renewal_read_only_their_rows_whatever_the_statist
     // were tiny (stale), then analyzed now. Each time 20 claims over 8 candidates, their renewals
     // and releases must do no sequential scan and read O(candidates) rows, not O(pool).
     let app = TestApp::spawn().await;
-    let days: Vec<String> = sqlx::query_scalar("SELECT day::text FROM credpool_trail_days()")
-        .fetch_all(&app.db)
-        .await
-        .unwrap();
+    let days: Vec<String> = app
+        .scalars("SELECT day::text FROM credpool_trail_days()")
+        .await;
     for table in ["credentials", "lease_slots", "lease_requests"]
         .into_iter()
         .chain(days.iter().map(String::as_str))
@@ -758,7 +578,7 @@ async fn the_claim_release_and_renewal_read_only_their_rows_whatever_the_statist
             .await
             .unwrap();
     }
-    app.put_key("seed", "openai", "big", &["gpt-4o"], 4).await;
+    app.put_gpt4o_key("seed", "big", 4).await;
     for phase in ["never-analyzed", "stale", "fresh"] {
         match phase {
             "stale" => {
@@ -774,22 +594,10 @@ async fn the_claim_release_and_renewal_read_only_their_rows_whatever_the_statist
         }
         if phase != "fresh" {
             let start = if phase == "stale" { 5000 } else { 0 };
-            sqlx::query(
-                "INSERT INTO credentials (key_id, provider, pool, models, max_concurrent_uses, secret_ciphertext)
+            app.run_sql_with("INSERT INTO credentials (key_id, provider, pool, models, max_concurrent_uses, secret_ciphertext)
                  SELECT 'big-' || g, 'openai', 'big', '{gpt-4o}', 4, '\\x00'::bytea
-                 FROM generate_series($1::int, $1::int + 4999) g",
-            )
-            .bind(start)
-            .execute(&app.db)
-            .await
-            .unwrap();
-            sqlx::query(
-                "SELECT credpool_fit_slots('big-' || g) FROM generate_series($1::int, $1::int + 4999) g",
-            )
-            .bind(start)
-            .execute(&app.db)
-            .await
-            .unwrap();
+                 FROM generate_series($1::int, $1::int + 4999) g", start).await;
+            app.run_sql_with("SELECT credpool_fit_slots('big-' || g) FROM generate_series($1::int, $1::int + 4999) g", start).await;
         }
         let mut conn = connect(&app).await;
         conn.execute("BEGIN").await.unwrap();
@@ -891,12 +699,9 @@ async fn a_database_migrated_by_the_previous_release_upgrades_cleanly() {
     )
     .await
     .unwrap();
-    let version_before: i64 = sqlx::query_scalar(
-        "SELECT version FROM pool_versions WHERE provider = 'openai' AND pool = 'default'",
-    )
-    .fetch_one(&pool)
-    .await
-    .unwrap();
+    let version_before: i64 = pool
+        .scalar("SELECT version FROM pool_versions WHERE provider = 'openai' AND pool = 'default'")
+        .await;
 
     store::migrate(&pool).await.expect("the upgrade failed");
 
@@ -916,11 +721,9 @@ async fn a_database_migrated_by_the_previous_release_upgrades_cleanly() {
         ]
     );
     // the pool's version only grows
-    let version_after: i64 =
-        sqlx::query_scalar("SELECT credpool_pool_version('openai', 'default')")
-            .fetch_one(&pool)
-            .await
-            .unwrap();
+    let version_after: i64 = pool
+        .scalar("SELECT credpool_pool_version('openai', 'default')")
+        .await;
     assert!(version_after >= version_before);
     // the request_id still names its lease: a retry replays it
     let row = sqlx::query("SELECT lease_id, request FROM credpool_claim($1)")
@@ -936,22 +739,17 @@ async fn a_database_migrated_by_the_previous_release_upgrades_cleanly() {
     );
     // nothing is granted on the drained or the over-limit credential
     for ranked in ["up-drained", "up-over"] {
-        let granted: Option<String> = sqlx::query_scalar("SELECT key_id FROM credpool_claim($1)")
-            .bind(claim(ranked, None))
-            .fetch_one(&pool)
-            .await
-            .unwrap();
+        let granted: Option<String> = pool
+            .scalar_of("SELECT key_id FROM credpool_claim($1)", claim(ranked, None))
+            .await;
         assert_eq!(granted, None, "{ranked} granted after the upgrade");
     }
     // leases granted before the upgrade renew and release with their fences
     for (key, lease, fence) in &old_leases {
         let body = json!([{"lease_id": lease, "key_id": key, "provider": "openai", "pool": "default", "fence": fence, "lease_seconds": 60}]);
-        let renewed: Option<time::OffsetDateTime> =
-            sqlx::query_scalar("SELECT lease_until FROM credpool_renew($1)")
-                .bind(body)
-                .fetch_one(&pool)
-                .await
-                .unwrap();
+        let renewed: Option<time::OffsetDateTime> = pool
+            .scalar_of("SELECT lease_until FROM credpool_renew($1)", body)
+            .await;
         assert!(renewed.is_some(), "{key}: lease lost in the upgrade");
         let body = json!([{"lease_id": lease, "key_id": key, "provider": "openai", "pool": "default", "fence": fence, "outcome": null}]);
         let (verdict, refit): (String, bool) =
@@ -971,17 +769,16 @@ async fn a_database_migrated_by_the_previous_release_upgrades_cleanly() {
         }
     }
     // released back under its limit, the over-limit credential serves again, one lease at most
-    let granted: Option<String> = sqlx::query_scalar("SELECT key_id FROM credpool_claim($1)")
-        .bind(claim("up-over", None))
-        .fetch_one(&pool)
-        .await
-        .unwrap();
+    let granted: Option<String> = pool
+        .scalar_of(
+            "SELECT key_id FROM credpool_claim($1)",
+            claim("up-over", None),
+        )
+        .await;
     assert_eq!(granted.as_deref(), Some("up-over"));
-    let slots: i64 =
-        sqlx::query_scalar("SELECT count(*) FROM lease_slots WHERE key_id = 'up-over'")
-            .fetch_one(&pool)
-            .await
-            .unwrap();
+    let slots: i64 = pool
+        .scalar("SELECT count(*) FROM lease_slots WHERE key_id = 'up-over'")
+        .await;
     assert_eq!(slots, 1);
     // and a second migrate changes nothing
     assert!(
@@ -1001,8 +798,7 @@ async fn one_group_of_claims_over_the_same_credentials_fills_each_exactly_to_its
     // the first three claims on r1, the next two on r2, the sixth on r3, three with nothing.
     let app = TestApp::spawn().await;
     for (key, limit) in [("r1", 3), ("r2", 2), ("r3", 1)] {
-        app.put_key(key, "openai", "rounds", &["gpt-4o"], limit)
-            .await;
+        app.put_gpt4o_key(key, "rounds", limit).await;
     }
     let claims: Vec<Value> = (0..9)
         .map(|_| claim_body(&["r1", "r2", "r3"], "rounds", None)[0].clone())
@@ -1064,10 +860,8 @@ async fn a_plain_claim_and_a_plain_release_run_only_their_own_statements() {
     // executes, nested ones included, counted by pg_stat_statements in a private cluster that
     // loads it. A feature that adds work to every claim or release (a statement, or a phase that
     // runs when it is not used) fails this count.
-    use credpool::domain::{
-        Holder, KeyId, LeaseId, LeaseSeconds, ModelName, PoolName, ProviderName,
-    };
-    use credpool::store::leases::{self, ClaimRequest};
+    use credpool::domain::{Holder, KeyId, LeaseSeconds, ModelName, PoolName, ProviderName};
+    use credpool::store::leases::{self, Claim, ClaimOutcome};
 
     let dir = tempfile::Builder::new()
         .prefix("credpool-statements-")
@@ -1111,35 +905,28 @@ async fn a_plain_claim_and_a_plain_release_run_only_their_own_statements() {
     let holder = Holder::parse("counted").unwrap();
     let mut conn = db.acquire().await.unwrap();
     let claim = async |conn: &mut credpool::store::Conn<'static>| {
-        let request = ClaimRequest {
-            ranked: &ranked,
-            provider: &provider,
-            pool: &pool_name,
-            model: &model,
-            lease_id: LeaseId::generate(),
-            holder: Some(&holder),
-            lease_seconds: LeaseSeconds::default_within(86_400),
-            request: None,
-            tokens: 0,
-            caller: None,
-            affinity: None,
-            waiting: None,
+        let claim = Claim {
+            holder: Some(holder.clone()),
             windowed: Some(false),
+            ..Claim::new(
+                ranked.clone(),
+                provider.clone(),
+                pool_name.clone(),
+                model.clone(),
+                LeaseSeconds::default_within(86_400),
+            )
         };
         let mut work = conn.work().await.unwrap();
-        let result = leases::claim_slot(&mut work, &request).await.unwrap();
+        let answer = leases::claim_slot(&mut work, &claim).await.unwrap();
         work.done().await.unwrap();
-        match result.granted.clone() {
-            Some(granted) => granted,
-            None => panic!("no lease: {result:?}"),
+        match answer.outcome {
+            ClaimOutcome::Granted(granted) => granted,
+            outcome => panic!("no lease: {outcome:?}"),
         }
     };
     // once to warm the plans up, then counted
     claim(&mut conn).await;
-    sqlx::query("SELECT pg_stat_statements_reset()")
-        .execute(&pool)
-        .await
-        .unwrap();
+    pool.run_sql("SELECT pg_stat_statements_reset()").await;
     let granted = claim(&mut conn).await;
     let mut counting = pool.acquire().await.unwrap();
     let run = statements_run(&mut counting).await;
@@ -1169,10 +956,7 @@ async fn a_plain_claim_and_a_plain_release_run_only_their_own_statements() {
         .unwrap();
     work.done().await.unwrap();
     let counted = release(granted);
-    sqlx::query("SELECT pg_stat_statements_reset()")
-        .execute(&pool)
-        .await
-        .unwrap();
+    pool.run_sql("SELECT pg_stat_statements_reset()").await;
     let mut work = conn.work().await.unwrap();
     let released = leases::release_group(&mut *work, &[&counted], &policy)
         .await

@@ -58,6 +58,15 @@ struct Mock {
     expires_in: u64,
 }
 
+impl Mode {
+    /// A new access token and a rotated refresh token, after `ms` milliseconds.
+    fn slow(ms: u64) -> Self {
+        Mode::Ok {
+            delay: Duration::from_millis(ms),
+        }
+    }
+}
+
 impl Mock {
     fn calls(&self) -> usize {
         self.calls.load(Ordering::SeqCst)
@@ -172,6 +181,16 @@ async fn put_oauth(
     put_oauth_limit(app, token_url, expires_in, refresh_before, 4).await
 }
 
+/// [`put_oauth`], which must store a new credential (201 Created).
+async fn store_oauth(app: &TestApp, token_url: &str, expires_in: i64, refresh_before: u32) {
+    assert_eq!(
+        put_oauth(app, token_url, expires_in, refresh_before)
+            .await
+            .status(),
+        StatusCode::CREATED
+    );
+}
+
 /// [`put_oauth`] with `limit` concurrent leases.
 async fn put_oauth_limit(
     app: &TestApp,
@@ -193,25 +212,9 @@ async fn put_oauth_limit(
     .await
 }
 
-async fn admin_get(app: &TestApp, path: &str) -> Value {
-    let response = app
-        .client
-        .get(app.url(path))
-        .header("x-admin-key", ADMIN_KEY)
-        .send()
-        .await
-        .unwrap();
-    json_body(response, StatusCode::OK).await
-}
-
-async fn allocate(app: &TestApp, lease_seconds: u32) -> reqwest::Response {
-    app.allocate(json!({"provider": "openai", "model": "gpt-4o", "lease_seconds": lease_seconds}))
-        .await
-}
-
 /// A lease of `k`; returns its access token.
 async fn leased_token(app: &TestApp) -> String {
-    let lease = json_body(allocate(app, 5).await, StatusCode::OK).await;
+    let lease = app.allocate(gpt4o_for(5)).ok_json().await;
     let token = lease["credential"]["access_token"]
         .as_str()
         .unwrap()
@@ -243,15 +246,15 @@ where
 }
 
 async fn set_refresh_before(app: &TestApp, seconds: i32) {
-    sqlx::query("UPDATE oauth_credentials SET refresh_before_seconds = $1")
-        .bind(seconds)
-        .execute(&app.db)
-        .await
-        .unwrap();
+    app.run_sql_with(
+        "UPDATE oauth_credentials SET refresh_before_seconds = $1",
+        seconds,
+    )
+    .await;
 }
 
 async fn generation(app: &TestApp) -> i64 {
-    admin_get(app, "/api/admin/keys/k").await["oauth"]["generation"]
+    app.credential("k").await["oauth"]["generation"]
         .as_i64()
         .unwrap()
 }
@@ -289,13 +292,12 @@ async fn a_token_due_is_refreshed_once_before_it_expires_and_the_next_refresh_us
     // the new token lives an hour: nothing more to refresh, however many passes run
     tokio::time::sleep(Duration::from_millis(500)).await;
     assert_eq!(mock.calls(), 1);
-    let refreshed_before_expiry: bool = sqlx::query_scalar(
-        "SELECT at < $1::timestamptz FROM credential_events WHERE event = 'token_refreshed'",
-    )
-    .bind(&original_expiry)
-    .fetch_one(&app.db)
-    .await
-    .unwrap();
+    let refreshed_before_expiry: bool = app
+        .scalar_of(
+            "SELECT at < $1::timestamptz FROM credential_events WHERE event = 'token_refreshed'",
+            &original_expiry,
+        )
+        .await;
     assert!(refreshed_before_expiry);
 
     // due again (at-1 lives 3600 s, at-2 will live 7200 s): the refresh presents the rotated
@@ -329,17 +331,8 @@ async fn a_token_due_is_refreshed_once_before_it_expires_and_the_next_refresh_us
 async fn replicas_and_concurrent_refreshers_make_one_token_call_per_generation() {
     let app = app().await;
     // slow answers: every refresher's pass overlaps the call in flight
-    let (mock, url) = mock_endpoint(
-        Mode::Ok {
-            delay: Duration::from_millis(200),
-        },
-        3600,
-    )
-    .await;
-    assert_eq!(
-        put_oauth(&app, &url, 3600, 0).await.status(),
-        StatusCode::CREATED
-    );
+    let (mock, url) = mock_endpoint(Mode::slow(200), 3600).await;
+    store_oauth(&app, &url, 3600, 0).await;
     // three more service processes' worth of refreshers (apps on the same database) ...
     let mut options = AppOptions::default();
     options.settings.oauth = fast();
@@ -392,7 +385,7 @@ async fn replicas_and_concurrent_refreshers_make_one_token_call_per_generation()
         .map(|g| ("token_refreshed".to_owned(), g))
         .collect();
     assert_eq!(events, expected);
-    let detail = admin_get(&app, "/api/admin/keys/k").await;
+    let detail = app.credential("k").await;
     assert_eq!(detail["status"], "available");
     assert_eq!(leased_token(&app).await, format!("at-{issued}"));
 }
@@ -415,15 +408,12 @@ async fn a_failing_token_endpoint_leaves_the_valid_token_serving_and_one_refresh
     let app = app().await;
     let (mock, url) = mock_endpoint(Mode::Unavailable, 3600).await;
     // at-0 expires in 100 s and is due; at-1 will live 3600 s and not be
-    assert_eq!(
-        put_oauth(&app, &url, 100, 200).await.status(),
-        StatusCode::CREATED
-    );
+    store_oauth(&app, &url, 100, 200).await;
     until("retried failures", || async { mock.calls() >= 3 }).await;
     for _ in 0..3 {
         assert_eq!(leased_token(&app).await, "at-0");
     }
-    let detail = admin_get(&app, "/api/admin/keys/k").await;
+    let detail = app.credential("k").await;
     assert_eq!(detail["status"], "available");
     assert_eq!(detail["oauth"]["generation"], 1);
     assert!(
@@ -447,7 +437,7 @@ async fn a_failing_token_endpoint_leaves_the_valid_token_serving_and_one_refresh
     assert_eq!(mock.issued.load(Ordering::SeqCst), 1);
     assert_eq!(generation(&app).await, 2);
     assert_eq!(leased_token(&app).await, "at-1");
-    let detail = admin_get(&app, "/api/admin/keys/k").await;
+    let detail = app.credential("k").await;
     assert_eq!(detail["oauth"]["last_error"], Value::Null);
 }
 
@@ -455,21 +445,15 @@ async fn a_failing_token_endpoint_leaves_the_valid_token_serving_and_one_refresh
 async fn invalid_grant_disables_the_credential_until_an_operator_puts_a_new_secret() {
     let app = app().await;
     let (mock, url) = mock_endpoint(Mode::InvalidGrant, 3600).await;
-    assert_eq!(
-        put_oauth(&app, &url, 3600, 7200).await.status(),
-        StatusCode::CREATED
-    );
+    store_oauth(&app, &url, 3600, 7200).await;
     until("the credential disabled", || async {
-        admin_get(&app, "/api/admin/keys/k").await["status"] == "disabled"
+        app.credential("k").await["status"] == "disabled"
     })
     .await;
-    assert_error(
-        allocate(&app, 5).await,
-        StatusCode::CONFLICT,
-        "no_usable_credentials",
-    )
-    .await;
-    let detail = admin_get(&app, "/api/admin/keys/k").await;
+    app.allocate(gpt4o_for(5))
+        .refused(StatusCode::CONFLICT, "no_usable_credentials")
+        .await;
+    let detail = app.credential("k").await;
     assert!(
         detail["status_reason"]
             .as_str()
@@ -530,26 +514,24 @@ async fn no_refresh_token_or_client_secret_in_any_answer_or_trail_row() {
     })
     .await;
     set_refresh_before(&app, 0).await;
-    let lease = allocate(&app, 5).await;
+    let lease = app.allocate(gpt4o_for(5)).await;
     seen.push(lease.text().await.unwrap());
-    seen.push(admin_get(&app, "/api/admin/keys/k").await.to_string());
-    seen.push(admin_get(&app, "/api/admin/keys").await.to_string());
+    seen.push(app.credential("k").await.to_string());
+    seen.push(app.admin_get("/api/admin/keys").await.to_string());
     seen.push(app.metrics().await);
-    let trail: Vec<String> = sqlx::query_scalar(
-        "SELECT row_to_json(e)::text FROM credential_events e
+    let trail: Vec<String> = app
+        .scalars(
+            "SELECT row_to_json(e)::text FROM credential_events e
          UNION ALL SELECT row_to_json(l)::text FROM lease_events l",
-    )
-    .fetch_all(&app.db)
-    .await
-    .unwrap();
+        )
+        .await;
     seen.extend(trail);
-    let rows: Vec<String> = sqlx::query_scalar(
-        "SELECT row_to_json(c)::text FROM credentials c
+    let rows: Vec<String> = app
+        .scalars(
+            "SELECT row_to_json(c)::text FROM credentials c
          UNION ALL SELECT row_to_json(o)::text FROM oauth_credentials o",
-    )
-    .fetch_all(&app.db)
-    .await
-    .unwrap();
+        )
+        .await;
     seen.extend(rows);
     assert!(seen[1].contains("\"access_token\":\"at-"), "{}", seen[1]);
     for text in &seen {
@@ -566,11 +548,8 @@ async fn a_credential_whose_token_expires_before_lease_until_is_not_granted() {
     let app = app().await;
     let (mock, url) = mock_endpoint(Mode::Unavailable, 3600).await;
     // expires in 30 s; not due for a refresh
-    assert_eq!(
-        put_oauth(&app, &url, 30, 0).await.status(),
-        StatusCode::CREATED
-    );
-    let detail = admin_get(&app, "/api/admin/keys/k").await;
+    store_oauth(&app, &url, 30, 0).await;
+    let detail = app.credential("k").await;
     let expires_at = OffsetDateTime::parse(
         detail["oauth"]["token_expires_at"].as_str().unwrap(),
         &Rfc3339,
@@ -579,7 +558,7 @@ async fn a_credential_whose_token_expires_before_lease_until_is_not_granted() {
 
     // the 429 says when the refresh should land (at the token's expiry, refresh_before 0), not
     // "at once" or when a slot frees
-    let refused = allocate(&app, 120).await;
+    let refused = app.allocate(gpt4o_for(120)).await;
     let retry_after: f64 = refused.headers()["retry-after"]
         .to_str()
         .unwrap()
@@ -597,7 +576,7 @@ async fn a_credential_whose_token_expires_before_lease_until_is_not_granted() {
         ) >= 1.0
     );
     assert_eq!(app.in_flight("k").await, 0);
-    let lease = json_body(allocate(&app, 10).await, StatusCode::OK).await;
+    let lease = app.allocate(gpt4o_for(10)).ok_json().await;
     let lease_until =
         OffsetDateTime::parse(lease["lease_until"].as_str().unwrap(), &Rfc3339).unwrap();
     assert!(lease_until <= expires_at, "{lease_until} > {expires_at}");
@@ -613,20 +592,13 @@ async fn a_token_url_that_is_neither_https_nor_loopback_http_is_refused() {
         "http://10.1.2.3/token",
         "file:///etc/passwd",
     ] {
-        assert_error(
-            put_oauth(&app, url, 3600, 0).await,
-            StatusCode::BAD_REQUEST,
-            "token_url_not_allowed",
-        )
-        .await;
+        put_oauth(&app, url, 3600, 0)
+            .refused(StatusCode::BAD_REQUEST, "token_url_not_allowed")
+            .await;
     }
     let missing = app
-        .client
-        .get(app.url("/api/admin/keys/k"))
-        .header("x-admin-key", ADMIN_KEY)
-        .send()
-        .await
-        .unwrap();
+        .admin_unnamed(reqwest::Method::GET, "/api/admin/keys/k", None)
+        .await;
     assert_eq!(missing.status(), StatusCode::NOT_FOUND);
     // an OAuth secret without its refresh token is a 400 too
     let response = app
@@ -644,10 +616,7 @@ async fn a_token_url_that_is_neither_https_nor_loopback_http_is_refused() {
 async fn a_put_whose_if_match_generation_moved_answers_412_and_changes_nothing() {
     let app = app().await;
     let (_mock, url) = mock_endpoint(Mode::Unavailable, 3600).await;
-    assert_eq!(
-        put_oauth(&app, &url, 3600, 0).await.status(),
-        StatusCode::CREATED
-    );
+    store_oauth(&app, &url, 3600, 0).await;
     let put_if = |generation: &'static str, access_token: &'static str| {
         let (app, url) = (&app, url.clone());
         async move {
@@ -667,32 +636,23 @@ async fn a_put_whose_if_match_generation_moved_answers_412_and_changes_nothing()
         }
     };
     // an outside refresher that read generation 2, which never was: refused, nothing changed
-    assert_error(
-        put_if("2", "at-stale").await,
-        StatusCode::PRECONDITION_FAILED,
-        "generation_moved",
-    )
-    .await;
+    put_if("2", "at-stale")
+        .refused(StatusCode::PRECONDITION_FAILED, "generation_moved")
+        .await;
     assert_eq!(generation(&app).await, 1);
     assert_eq!(leased_token(&app).await, "at-0");
     // the one that read generation 1 stores its token: generation 2
-    let stored = json_body(put_if("\"1\"", "at-outside").await, StatusCode::OK).await;
+    let stored = put_if("\"1\"", "at-outside").ok_json().await;
     assert_eq!(stored["oauth"]["generation"], 2);
     assert_eq!(leased_token(&app).await, "at-outside");
     // a second refresher that also read generation 1 can no longer roll it back
-    assert_error(
-        put_if("1", "at-rollback").await,
-        StatusCode::PRECONDITION_FAILED,
-        "generation_moved",
-    )
-    .await;
+    put_if("1", "at-rollback")
+        .refused(StatusCode::PRECONDITION_FAILED, "generation_moved")
+        .await;
     assert_eq!(leased_token(&app).await, "at-outside");
-    assert_error(
-        put_if("soon", "at-x").await,
-        StatusCode::BAD_REQUEST,
-        "invalid_request",
-    )
-    .await;
+    put_if("soon", "at-x")
+        .refused(StatusCode::BAD_REQUEST, "invalid_request")
+        .await;
 }
 
 #[tokio::test]
@@ -700,10 +660,7 @@ async fn reencrypting_under_a_new_master_key_reseals_the_oauth_grant_too() {
     use credpool::secrets::{Keyring, MasterKey};
     let app = app().await;
     let (_mock, url) = mock_endpoint(Mode::Unavailable, 3600).await;
-    assert_eq!(
-        put_oauth(&app, &url, 3600, 0).await.status(),
-        StatusCode::CREATED
-    );
+    store_oauth(&app, &url, 3600, 0).await;
     let old = MasterKey::parse(MASTER_KEY).unwrap();
     let ring = Keyring::new(MasterKey::generate(), vec![old]);
     let db: credpool::store::Db = app.database.pool(2).await.into();
@@ -712,11 +669,9 @@ async fn reencrypting_under_a_new_master_key_reseals_the_oauth_grant_too() {
         .await
         .unwrap();
     assert_eq!(resealed, 2, "the access token and the grant");
-    let sealed: Vec<u8> =
-        sqlx::query_scalar("SELECT refresh_ciphertext FROM oauth_credentials WHERE key_id = 'k'")
-            .fetch_one(&app.db)
-            .await
-            .unwrap();
+    let sealed: Vec<u8> = app
+        .scalar("SELECT refresh_ciphertext FROM oauth_credentials WHERE key_id = 'k'")
+        .await;
     assert!(ring.is_current(&sealed));
     let key_id = credpool::domain::KeyId::parse("k").unwrap();
     let grant = ring.open_oauth(&key_id, &sealed).unwrap();
@@ -731,13 +686,9 @@ async fn reencrypting_under_a_new_master_key_reseals_the_oauth_grant_too() {
 async fn the_pools_summary_metrics_and_dashboard_say_when_the_earliest_token_expires() {
     let app = app().await;
     let (_mock, url) = mock_endpoint(Mode::Unavailable, 3600).await;
-    assert_eq!(
-        put_oauth(&app, &url, 600, 0).await.status(),
-        StatusCode::CREATED
-    );
-    app.put_key("plain", "openai", "other", &["gpt-4o"], 1)
-        .await;
-    let pools = admin_get(&app, "/api/admin/pools").await;
+    store_oauth(&app, &url, 600, 0).await;
+    app.put_gpt4o_key("plain", "other", 1).await;
+    let pools = app.admin_get("/api/admin/pools").await;
     let pools = pools
         .as_array()
         .or_else(|| pools["pools"].as_array())
@@ -759,14 +710,7 @@ async fn the_pools_summary_metrics_and_dashboard_say_when_the_earliest_token_exp
     let mut env = keyed_env(&app.database);
     env.push(("CREDPOOL_METRICS_SAMPLE_SECONDS", "1".to_owned()));
     let serve = ServeProcess::start(BIN, &env, &[]).await;
-    let page = client()
-        .get(format!("{}/metrics", serve.base))
-        .send()
-        .await
-        .unwrap()
-        .text()
-        .await
-        .unwrap();
+    let page = serve.metrics().await;
     let gauge = |pool: &str| {
         sample(
             &page,
@@ -780,12 +724,12 @@ async fn the_pools_summary_metrics_and_dashboard_say_when_the_earliest_token_exp
 
     // the dashboard's credentials table: the token's expiry and generation
     let fragment = app
-        .client
-        .get(app.url("/dashboard/fragments/credentials"))
-        .header("x-admin-key", ADMIN_KEY)
-        .send()
+        .admin_unnamed(
+            reqwest::Method::GET,
+            "/dashboard/fragments/credentials",
+            None,
+        )
         .await
-        .unwrap()
         .text()
         .await
         .unwrap();
@@ -806,13 +750,11 @@ async fn internal(base: &str, path: &str, body: Value) -> reqwest::Response {
 
 /// The `token_rejected` rows of `k`'s trail: their generations.
 async fn rejections(app: &TestApp) -> Vec<i64> {
-    sqlx::query_scalar(
+    app.scalars(
         "SELECT (details ->> 'generation')::bigint FROM credential_events
          WHERE key_id = 'k' AND event = 'token_rejected' ORDER BY event_id",
     )
-    .fetch_all(&app.db)
     .await
-    .unwrap()
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
@@ -820,13 +762,7 @@ async fn auth_expired_reports_from_three_processes_make_one_token_call_and_no_le
  {
     let app = app().await;
     // a slow endpoint: every process's refresher looks while the one call is in flight
-    let (mock, url) = mock_endpoint(
-        Mode::Ok {
-            delay: Duration::from_millis(1500),
-        },
-        3600,
-    )
-    .await;
+    let (mock, url) = mock_endpoint(Mode::slow(1500), 3600).await;
     // valid for an hour, refreshed only in its last second: nothing is due but what is reported
     assert_eq!(
         put_oauth_limit(&app, &url, 3600, 1, 60).await.status(),
@@ -839,14 +775,12 @@ async fn auth_expired_reports_from_three_processes_make_one_token_call_and_no_le
         ServeProcess::start(BIN, &env, &[])
     );
     let bases = [a.base.clone(), b.base.clone(), c.base.clone()];
-    let ask = json!({"provider": "openai", "model": "gpt-4o", "lease_seconds": 300});
+    let ask = gpt4o_for(300);
     let mut leases = Vec::new();
     for i in 0..50 {
-        let lease = json_body(
-            internal(&bases[i % 3], "/api/internal/allocate-key", ask.clone()).await,
-            StatusCode::OK,
-        )
-        .await;
+        let lease = internal(&bases[i % 3], "/api/internal/allocate-key", ask.clone())
+            .ok_json()
+            .await;
         assert_eq!(lease["credential"]["access_token"], "at-0");
         leases.push(lease);
     }
@@ -909,21 +843,14 @@ async fn auth_expired_reports_from_three_processes_make_one_token_call_and_no_le
     assert_eq!(generation(&app).await, 2);
     assert_eq!(rejections(&app).await, [1]);
     for base in &bases {
-        let lease = json_body(
-            internal(base, "/api/internal/allocate-key", ask.clone()).await,
-            StatusCode::OK,
-        )
-        .await;
+        let lease = internal(base, "/api/internal/allocate-key", ask.clone())
+            .ok_json()
+            .await;
         assert_eq!(lease["credential"]["access_token"], "at-1");
     }
-    let outcomes: i64 = sqlx::query_scalar(
-        "SELECT count(*) FROM lease_events WHERE event = 'released' AND outcome = 'auth_expired'",
-    )
-    .fetch_one(&app.db)
-    .await
-    .unwrap();
+    let outcomes: i64 = app.scalar("SELECT count(*) FROM lease_events WHERE event = 'released' AND outcome = 'auth_expired'").await;
     assert_eq!(outcomes, 50);
-    let detail = admin_get(&app, "/api/admin/keys/k").await;
+    let detail = app.credential("k").await;
     assert_eq!(
         detail["status"], "available",
         "a rejected token is not a bad credential"
@@ -934,37 +861,27 @@ async fn auth_expired_reports_from_three_processes_make_one_token_call_and_no_le
 async fn auth_expired_on_a_lease_of_an_older_generation_leaves_the_current_token_serving() {
     let app = app().await;
     let (mock, url) = mock_endpoint(ANSWERS, 3600).await;
-    assert_eq!(
-        put_oauth(&app, &url, 120, 0).await.status(),
-        StatusCode::CREATED
-    );
-    let old = json_body(allocate(&app, 60).await, StatusCode::OK).await;
+    store_oauth(&app, &url, 120, 0).await;
+    let old = app.allocate(gpt4o_for(60)).ok_json().await;
     assert_eq!(old["credential"]["access_token"], "at-0");
     // a refresh lands while the lease is held (at-0 expires within 200 s, at-1 not)
     set_refresh_before(&app, 200).await;
     until("the refresh", || async { generation(&app).await == 2 }).await;
     set_refresh_before(&app, 0).await;
-    let current = json_body(allocate(&app, 60).await, StatusCode::OK).await;
+    let current = app.allocate(gpt4o_for(60)).ok_json().await;
     assert_eq!(current["credential"]["access_token"], "at-1");
 
     // the old lease's token is rejected: that says nothing about at-1
-    let released = json_body(
-        app.release(release_body(&old, "auth_expired")).await,
-        StatusCode::OK,
-    )
-    .await;
-    assert_eq!(released["released"], true);
+    app.release_ok(&old, "auth_expired").await;
     assert_eq!(rejections(&app).await, Vec::<i64>::new());
     assert_eq!(leased_token(&app).await, "at-1");
     tokio::time::sleep(Duration::from_millis(300)).await;
     assert_eq!(mock.calls(), 1);
 
     // the current lease's token is rejected: out of traffic, refreshed once
-    json_body(
-        app.release(release_body(&current, "auth_expired")).await,
-        StatusCode::OK,
-    )
-    .await;
+    app.release(release_body(&current, "auth_expired"))
+        .ok_json()
+        .await;
     assert_eq!(rejections(&app).await, [2]);
     until("the refresh of generation 2", || async {
         generation(&app).await == 3
@@ -977,22 +894,16 @@ async fn auth_expired_on_a_lease_of_an_older_generation_leaves_the_current_token
 #[tokio::test]
 async fn auth_expired_on_a_credential_that_is_not_oauth_disables_it_like_auth_error() {
     let app = app().await;
-    app.put_key("plain", "openai", "default", &["gpt-4o"], 2)
+    app.put_gpt4o_key("plain", "default", 2).await;
+    let lease = app.allocate(gpt4o_for(30)).ok_json().await;
+    app.release(release_body(&lease, "auth_expired"))
+        .ok_json()
         .await;
-    let lease = json_body(allocate(&app, 30).await, StatusCode::OK).await;
-    json_body(
-        app.release(release_body(&lease, "auth_expired")).await,
-        StatusCode::OK,
-    )
-    .await;
-    let detail = admin_get(&app, "/api/admin/keys/plain").await;
+    let detail = app.credential("plain").await;
     assert_eq!(detail["status"], "disabled", "{detail}");
-    assert_error(
-        allocate(&app, 30).await,
-        StatusCode::CONFLICT,
-        "no_usable_credentials",
-    )
-    .await;
+    app.allocate(gpt4o_for(30))
+        .refused(StatusCode::CONFLICT, "no_usable_credentials")
+        .await;
 }
 
 #[tokio::test]
@@ -1005,17 +916,17 @@ async fn a_renewal_never_extends_a_lease_past_the_expiry_of_the_token_it_holds()
         &Rfc3339,
     )
     .unwrap();
-    let lease = json_body(allocate(&app, 30).await, StatusCode::OK).await;
+    let lease = app.allocate(gpt4o_for(30)).ok_json().await;
     let until_of = |answer: &Value| {
         OffsetDateTime::parse(answer["lease_until"].as_str().unwrap(), &Rfc3339).unwrap()
     };
     let renew = |seconds: u32| renewal(&lease, seconds);
 
     // asked for 600 s; the token lasts 120 s
-    let renewed = json_body(app.renew(renew(600)).await, StatusCode::OK).await;
+    let renewed = app.renew(renew(600)).ok_json().await;
     assert_eq!(until_of(&renewed), expires_at, "{renewed}");
     // a shorter renewal is as asked
-    let renewed = json_body(app.renew(renew(20)).await, StatusCode::OK).await;
+    let renewed = app.renew(renew(20)).ok_json().await;
     assert!(until_of(&renewed) < expires_at);
 
     // a refresh lands (at-0 expires within 200 s, at-1 not): the lease holds the old token,
@@ -1024,20 +935,18 @@ async fn a_renewal_never_extends_a_lease_past_the_expiry_of_the_token_it_holds()
     until("the refresh", || async { generation(&app).await == 2 }).await;
     set_refresh_before(&app, 0).await;
     let before = until_of(&renewed);
-    let renewed = json_body(app.renew(renew(600)).await, StatusCode::OK).await;
+    let renewed = app.renew(renew(600)).ok_json().await;
     assert_eq!(until_of(&renewed), before, "{renewed}");
     // a lease of the new token renews to the new token's expiry
-    let fresh = json_body(allocate(&app, 30).await, StatusCode::OK).await;
+    let fresh = app.allocate(gpt4o_for(30)).ok_json().await;
     assert_eq!(fresh["credential"]["access_token"], "at-1");
-    let renewed = json_body(app.renew(renewal(&fresh, 600)).await, StatusCode::OK).await;
+    let renewed = app.renew(renewal(&fresh, 600)).ok_json().await;
     assert!(until_of(&renewed) > expires_at, "{renewed}");
 }
 
 /// The renewal of `lease` for `seconds`.
 fn renewal(lease: &Value, seconds: u32) -> Value {
-    let mut body = release_body(lease, "success");
-    body.as_object_mut().unwrap().remove("outcome");
-    body["lease_seconds"] = json!(seconds);
+    let body = renew_body(lease, seconds.into());
     body
 }
 
@@ -1063,15 +972,11 @@ async fn a_refreshed_token_whose_first_write_fails_is_written_by_a_retry_and_nev
     .execute(&app.db)
     .await
     .unwrap();
-    assert_eq!(
-        put_oauth(&app, &url, 60, 59).await.status(),
-        StatusCode::CREATED
-    );
+    store_oauth(&app, &url, 60, 59).await;
     until("the refresh", || async { generation(&app).await == 2 }).await;
-    let attempts: i64 = sqlx::query_scalar("SELECT last_value FROM refresh_write_attempts")
-        .fetch_one(&app.db)
-        .await
-        .unwrap();
+    let attempts: i64 = app
+        .scalar("SELECT last_value FROM refresh_write_attempts")
+        .await;
     assert_eq!(attempts, 2, "the first write failed, a retry wrote it");
     assert_eq!(mock.calls(), 1, "no second token call for the generation");
     assert_eq!(leased_token(&app).await, "at-1");
@@ -1082,10 +987,7 @@ async fn a_refreshed_token_whose_first_write_fails_is_written_by_a_retry_and_nev
     })
     .await;
     assert_eq!(mock.stale.load(Ordering::SeqCst), 0);
-    assert_eq!(
-        admin_get(&app, "/api/admin/keys/k").await["status"],
-        "available"
-    );
+    assert_eq!(app.credential("k").await["status"], "available");
 }
 
 #[tokio::test]
@@ -1105,11 +1007,8 @@ async fn a_refresh_whose_write_waits_longer_than_its_marker_is_never_overtaken()
     options.settings.oauth = short.clone();
     let app = TestApp::spawn_with(options).await;
     let (mock, url) = mock_endpoint(ANSWERS, 3600).await;
-    assert_eq!(
-        put_oauth(&app, &url, 3600, 0).await.status(),
-        StatusCode::CREATED
-    );
-    let mut holder = crate::lease_state::connect(&app).await;
+    store_oauth(&app, &url, 3600, 0).await;
+    let mut holder = connect(&app).await;
     sqlx::Executor::execute(&mut holder, "BEGIN").await.unwrap();
     sqlx::query("SELECT 1 FROM lease_slots WHERE key_id = 'k' FOR UPDATE")
         .execute(&mut holder)
@@ -1154,7 +1053,7 @@ async fn a_refresh_whose_write_waits_longer_than_its_marker_is_never_overtaken()
     })
     .await;
     assert_eq!(mock.calls(), 1, "one token call for the generation");
-    let detail = admin_get(&app, "/api/admin/keys/k").await;
+    let detail = app.credential("k").await;
     assert_eq!(detail["status"], "available", "{detail}");
     assert_eq!(leased_token(&app).await, "at-1");
 }
@@ -1166,23 +1065,16 @@ async fn an_auth_expired_report_locks_nothing_of_a_credential_that_is_not_its_le
     // Before, it had taken the operator locks and every slot row of the credential it named, so
     // while it was held that credential served nobody (the claims passed over its locked slots:
     // 429). Now a report locks only its own lease's credential.
-    let app = crate::lease_state::app_with_hooks("release.locked").await;
+    let app = TestApp::spawn_with_hooks("release.locked").await;
     let (_mock, url) = mock_endpoint(ANSWERS, 3600).await;
-    assert_eq!(
-        put_oauth(&app, &url, 3600, 0).await.status(),
-        StatusCode::CREATED
-    );
-    let base = app.url("");
-    crate::tenants::put_tenant(&app.client, &base, "mallory", json!({})).await;
-    let (_, key) = crate::tenants::mint(&app.client, &base, "mallory").await;
-    let hook = crate::lease_state::Hook::close(&app, "release.locked").await;
+    store_oauth(&app, &url, 3600, 0).await;
+    app.put_tenant("mallory", json!({})).await;
+    let (_, key) = app.mint_key("mallory").await;
+    let hook = Hook::close(&app, "release.locked").await;
     let hostile = {
-        let (client, base, key) = (app.client.clone(), base.clone(), key.clone());
+        let (app, key) = (app.remote(), key.clone());
         tokio::spawn(async move {
-            crate::tenants::executor(
-                &client,
-                &base,
-                "/api/internal/release-key",
+            app.release_as(
                 &key,
                 json!({"provider": "openai", "pool": "default", "key_id": "k",
                        "lease_id": uuid::Uuid::new_v4().simple().to_string(),
@@ -1191,8 +1083,8 @@ async fn an_auth_expired_report_locks_nothing_of_a_credential_that_is_not_its_le
             .await
         })
     };
-    crate::lease_state::wait_for_lock_waiters(&app, 1).await;
-    let response = allocate(&app, 60).await;
+    wait_for_lock_waiters(&app, 1).await;
+    let response = app.allocate(gpt4o_for(60)).await;
     assert_eq!(
         response.status(),
         StatusCode::OK,
@@ -1202,10 +1094,7 @@ async fn an_auth_expired_report_locks_nothing_of_a_credential_that_is_not_its_le
     hook.open().await;
     let answer = json_body(hostile.await.unwrap(), StatusCode::OK).await;
     assert_eq!(answer["released"], false, "{answer}");
-    assert_eq!(
-        admin_get(&app, "/api/admin/keys/k").await["oauth"]["generation"],
-        1
-    );
+    assert_eq!(app.credential("k").await["oauth"]["generation"], 1);
 }
 
 #[tokio::test]
@@ -1233,27 +1122,22 @@ async fn an_expires_in_no_timestamp_can_hold_is_that_credentials_error_and_other
     // then a credential whose endpoint answers well: refreshed all the same
     assert_eq!(put("good", good_url).await.status(), StatusCode::CREATED);
     until("the good credential's refresh", || async {
-        admin_get(&app, "/api/admin/keys/good").await["oauth"]["generation"] == 2
+        app.credential("good").await["oauth"]["generation"] == 2
     })
     .await;
     assert_eq!(good.calls(), 1);
     // the bad answer is the bad credential's error, retried with backoff, its token serving on
     until("a retry of the bad endpoint", || async { bad.calls() >= 2 }).await;
-    let detail = admin_get(&app, "/api/admin/keys/bad").await;
+    let detail = app.credential("bad").await;
     assert_eq!(detail["status"], "available", "{detail}");
     assert_eq!(detail["oauth"]["generation"], 1, "{detail}");
     let error = detail["oauth"]["last_error"].as_str().unwrap_or_default();
     assert!(error.contains("expires_in"), "{detail}");
-    let failed: i64 = sqlx::query_scalar(
-        "SELECT count(*) FROM credential_events WHERE key_id = 'bad' AND event = 'token_refresh_failed'",
-    )
-    .fetch_one(&app.db)
-    .await
-    .unwrap();
+    let failed: i64 = app.scalar("SELECT count(*) FROM credential_events WHERE key_id = 'bad' AND event = 'token_refresh_failed'").await;
     assert!(failed >= 1);
     // the process is ready, and its refresher never panicked (a panic is restarted within a
     // second, so readiness alone would not show one)
-    let ready = app.client.get(app.url("/readyz")).send().await.unwrap();
+    let ready = app.get("/readyz").await;
     assert_eq!(ready.status(), StatusCode::OK);
     let restarts = sample(
         &app.metrics().await,

@@ -2,7 +2,7 @@
 //! in advance at zero, build and process metrics), and the documents built on the metrics
 //! (docs/metrics.md, the Grafana dashboard, the alerting rules) naming only metrics that exist.
 
-use std::collections::{BTreeMap, BTreeSet};
+use std::collections::BTreeSet;
 
 use credpool::telemetry::{self, Kind, METRICS};
 use serde_json::{Value, json};
@@ -23,76 +23,31 @@ const PROCESS_METRICS: [&str; 8] = [
     "process_threads",
 ];
 
-/// Every sample of a Prometheus text page: (name, labels) -> value.
-fn samples(page: &str) -> BTreeMap<(String, BTreeMap<String, String>), f64> {
-    let mut out = BTreeMap::new();
-    for line in page
-        .lines()
-        .filter(|l| !l.is_empty() && !l.starts_with('#'))
-    {
-        let (series, value) = line.rsplit_once(' ').unwrap();
-        let value: f64 = value.parse().unwrap_or_else(|_| panic!("{line}"));
-        let (name, labels) = match series.split_once('{') {
-            Some((name, rest)) => {
-                let mut labels = BTreeMap::new();
-                let rest = rest.strip_suffix('}').unwrap();
-                // label values here hold no commas or quotes (bounded, known values)
-                for pair in rest.split(',').filter(|p| !p.is_empty()) {
-                    let (k, v) = pair.split_once('=').unwrap();
-                    labels.insert(k.to_owned(), v.trim_matches('"').to_owned());
-                }
-                (name.to_owned(), labels)
-            }
-            None => (series.to_owned(), BTreeMap::new()),
-        };
-        out.insert((name, labels), value);
-    }
-    out
-}
-
-fn labels(pairs: &[(&str, &str)]) -> BTreeMap<String, String> {
-    pairs
-        .iter()
-        .map(|(k, v)| (k.to_string(), v.to_string()))
-        .collect()
-}
-
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_fresh_process_describes_every_metric_and_shows_the_series_known_in_advance_at_zero() {
     let database = TestDatabase::create().await;
     let env = keyed_env(&database);
     // a first process stores credentials in three pools, then stops
     let first = ServeProcess::start(BIN, &env, &[]).await;
-    let client = client();
     for (key, provider, pool) in [
         ("m-a", "openai", "default"),
         ("m-v", "openai", "vip"),
         ("m-b", "anthropic", "batch"),
     ] {
-        let put = client
-            .put(format!("{}/api/admin/keys/{key}", first.base))
-            .header("x-admin-key", ADMIN_KEY)
-            .json(
-                &json!({"provider": provider, "pool": pool, "models": ["gpt-4o"],
+        let put = first
+            .put_key_raw(
+                &key,
+                json!({"provider": provider, "pool": pool, "models": ["gpt-4o"],
                           "max_concurrent_uses": 2, "secret": {"api_key": "sk-metrics"}}),
             )
-            .send()
-            .await
-            .unwrap();
+            .await;
         assert!(put.status().is_success());
     }
     assert!(first.terminate().await.success());
 
     // the second process's very first scrape, before any request was served
     let serve = ServeProcess::start(BIN, &env, &[]).await;
-    let page = client
-        .get(format!("{}/metrics", serve.base))
-        .send()
-        .await
-        .unwrap()
-        .text()
-        .await
-        .unwrap();
+    let page = serve.metrics().await;
     let samples = samples(&page);
     let value = |name: &str, pairs: &[(&str, &str)]| {
         samples
@@ -352,7 +307,7 @@ async fn refused_allocations_of_pools_that_do_not_exist_add_no_series() {
     let app = TestApp::spawn().await;
     // the pool that exists has a name of this test's own too
     let existing = format!("r{}", hex::encode(rand::random::<[u8; 6]>()));
-    app.put_key("k", "openai", &existing, &["gpt-4o"], 1).await;
+    app.put_gpt4o_key("k", &existing, 1).await;
     let refused = |page: &str| {
         samples(page)
             .into_iter()

@@ -15,18 +15,10 @@ async fn liveness_readiness_and_the_old_health_name_answer_without_a_key() {
     let app = TestApp::spawn().await;
     // /healthz is the older name of /livez and answers the same
     for path in ["/livez", "/healthz"] {
-        let health = json_body(
-            app.client.get(app.url(path)).send().await.unwrap(),
-            StatusCode::OK,
-        )
-        .await;
+        let health = app.get(path).ok_json().await;
         assert_eq!(health, json!({"status": "ok"}), "{path}");
     }
-    let ready = json_body(
-        app.client.get(app.url("/readyz")).send().await.unwrap(),
-        StatusCode::OK,
-    )
-    .await;
+    let ready = app.get("/readyz").ok_json().await;
     assert_eq!(ready, json!({"status": "ready"}));
 }
 
@@ -37,14 +29,13 @@ async fn liveness_readiness_and_the_old_health_name_answer_without_a_key() {
 #[tokio::test]
 async fn readiness_is_refused_while_the_database_lacks_a_migration_or_an_sql_file_of_this_binary() {
     let app = TestApp::spawn().await;
-    let readyz = async || app.client.get(app.url("/readyz")).send().await.unwrap();
-    json_body(readyz().await, StatusCode::OK).await;
+    let readyz = async || app.get("/readyz").await;
+    readyz().ok_json().await;
 
     // the newest migration not (successfully) applied
-    let newest: i64 = sqlx::query_scalar("SELECT max(version) FROM _sqlx_migrations")
-        .fetch_one(&app.db)
-        .await
-        .unwrap();
+    let newest: i64 = app
+        .scalar("SELECT max(version) FROM _sqlx_migrations")
+        .await;
     let mark = async |success: bool| {
         sqlx::query("UPDATE _sqlx_migrations SET success = $2 WHERE version = $1")
             .bind(newest)
@@ -54,7 +45,9 @@ async fn readiness_is_refused_while_the_database_lacks_a_migration_or_an_sql_fil
             .unwrap();
     };
     mark(false).await;
-    let body = assert_error(readyz().await, StatusCode::SERVICE_UNAVAILABLE, "not_ready").await;
+    let body = readyz()
+        .refused(StatusCode::SERVICE_UNAVAILABLE, "not_ready")
+        .await;
     assert!(
         body["error"]["message"]
             .as_str()
@@ -63,25 +56,25 @@ async fn readiness_is_refused_while_the_database_lacks_a_migration_or_an_sql_fil
         "{body}"
     );
     mark(true).await;
-    json_body(readyz().await, StatusCode::OK).await;
+    readyz().ok_json().await;
 
     // an SQL file another binary of the same revision applied: not this binary's functions
-    let checksum: Vec<u8> =
-        sqlx::query_scalar("SELECT checksum FROM credpool_sql_files WHERE name = 'claim.sql'")
-            .fetch_one(&app.db)
-            .await
-            .unwrap();
+    let checksum: Vec<u8> = app
+        .scalar("SELECT checksum FROM credpool_sql_files WHERE name = 'claim.sql'")
+        .await;
     let set = async |value: &[u8]| {
-        sqlx::query("UPDATE credpool_sql_files SET checksum = $1 WHERE name = 'claim.sql'")
-            .bind(value)
-            .execute(&app.db)
-            .await
-            .unwrap();
+        app.run_sql_with(
+            "UPDATE credpool_sql_files SET checksum = $1 WHERE name = 'claim.sql'",
+            value,
+        )
+        .await;
     };
     set(&[0; 32]).await;
-    assert_error(readyz().await, StatusCode::SERVICE_UNAVAILABLE, "not_ready").await;
+    readyz()
+        .refused(StatusCode::SERVICE_UNAVAILABLE, "not_ready")
+        .await;
     set(&checksum).await;
-    json_body(readyz().await, StatusCode::OK).await;
+    readyz().ok_json().await;
 }
 
 #[tokio::test]
@@ -95,18 +88,13 @@ async fn every_response_carries_a_request_id_taken_from_the_request_or_generated
         .await
         .unwrap();
     assert_eq!(echoed.headers()["x-request-id"], "trace-me-42");
-    let generated = app
-        .client
-        .get(app.url("/no/such/route"))
-        .send()
-        .await
-        .unwrap();
+    let generated = app.get("/no/such/route").await;
     let id = generated.headers()["x-request-id"]
         .to_str()
         .unwrap()
         .to_owned();
     assert_eq!(id.len(), 36, "{id}");
-    let other = app.client.get(app.url("/healthz")).send().await.unwrap();
+    let other = app.get("/healthz").await;
     assert_ne!(other.headers()["x-request-id"].to_str().unwrap(), id);
 }
 
@@ -137,15 +125,7 @@ const ROUTES: [(&str, &str); 20] = [
 #[tokio::test]
 async fn the_openapi_document_covers_every_served_route_with_its_status_codes() {
     let app = TestApp::spawn().await;
-    let doc = json_body(
-        app.client
-            .get(app.url("/openapi.json"))
-            .send()
-            .await
-            .unwrap(),
-        StatusCode::OK,
-    )
-    .await;
+    let doc = app.get("/openapi.json").ok_json().await;
     assert!(doc["openapi"].as_str().unwrap().starts_with("3."));
     let documented: BTreeSet<(String, String)> = doc["paths"]
         .as_object()
@@ -227,17 +207,6 @@ async fn the_openapi_document_covers_every_served_route_with_its_status_codes() 
     );
 }
 
-async fn metrics(client: &reqwest::Client, base: &str) -> String {
-    client
-        .get(format!("{base}/metrics"))
-        .send()
-        .await
-        .unwrap()
-        .text()
-        .await
-        .unwrap()
-}
-
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_stopped_database_is_store_unavailable_and_never_pool_exhausted_and_readiness_follows_it()
 {
@@ -258,42 +227,31 @@ async fn a_stopped_database_is_store_unavailable_and_never_pool_exhausted_and_re
         },
     );
     let (addr, _stop) = serve(pool, &AppOptions::default()).await;
-    let base = format!("http://{addr}");
-    let client = client();
+    let service = Remote::at(addr);
+    let (client, base) = (&service.client, &service.base);
     let provider = format!("outage{}", hex::encode(rand::random::<[u8; 3]>()));
-    let put = client
-        .put(format!("{base}/api/admin/keys/outage-key"))
-        .header("x-admin-key", ADMIN_KEY)
-        .json(&json!({"provider": provider, "models": ["gpt-4o"], "max_concurrent_uses": 1, "secret": {"api_key": "sk"}}))
-        .send()
-        .await
-        .unwrap();
+    let put = service
+        .put_key_raw(
+            "outage-key",
+            json!({"provider": provider, "models": ["gpt-4o"], "max_concurrent_uses": 1, "secret": {"api_key": "sk"}}),
+        )
+        .await;
     assert!(put.status().is_success());
-    let allocate = || {
-        let client = client.clone();
-        let url = format!("{base}/api/internal/allocate-key");
-        let body = json!({"provider": provider, "model": "gpt-4o", "lease_seconds": 600});
-        async move { post_json(&client, &url, ("x-internal-key", INTERNAL_KEY), body).await }
-    };
-    let held = json_body(allocate().await, StatusCode::OK).await;
-    assert_error(
-        allocate().await,
-        StatusCode::TOO_MANY_REQUESTS,
-        "pool_exhausted",
-    )
-    .await;
-    let before = metrics(&client, &base).await;
+    let body = json!({"provider": provider, "model": "gpt-4o", "lease_seconds": 600});
+    let allocate = || service.allocate(body.clone());
+    let held = allocate().ok_json().await;
+    allocate()
+        .refused(StatusCode::TOO_MANY_REQUESTS, "pool_exhausted")
+        .await;
+    let before = service.metrics().await;
     assert_eq!(allocations(&before, &provider, "pool_exhausted"), 1.0);
     assert_eq!(allocations(&before, &provider, "store_unavailable"), 0.0);
 
     cluster.stop().await;
     for _ in 0..3 {
-        assert_error(
-            allocate().await,
-            StatusCode::SERVICE_UNAVAILABLE,
-            "store_unavailable",
-        )
-        .await;
+        allocate()
+            .refused(StatusCode::SERVICE_UNAVAILABLE, "store_unavailable")
+            .await;
     }
     let ready = client.get(format!("{base}/readyz")).send().await.unwrap();
     assert_error(ready, StatusCode::SERVICE_UNAVAILABLE, "not_ready").await;
@@ -304,7 +262,7 @@ async fn a_stopped_database_is_store_unavailable_and_never_pool_exhausted_and_re
         json!({"status": "ok"})
     );
 
-    let during = metrics(&client, &base).await;
+    let during = service.metrics().await;
     assert_eq!(allocations(&during, &provider, "store_unavailable"), 3.0);
     assert_eq!(
         allocations(&during, &provider, "pool_exhausted"),
@@ -335,21 +293,12 @@ async fn a_stopped_database_is_store_unavailable_and_never_pool_exhausted_and_re
         tokio::time::sleep(Duration::from_millis(200)).await;
     }
     assert!(ready, "readiness did not recover");
-    assert_error(
-        allocate().await,
-        StatusCode::TOO_MANY_REQUESTS,
-        "pool_exhausted",
-    )
-    .await;
-    let released = post_json(
-        &client,
-        &format!("{base}/api/internal/release-key"),
-        ("x-internal-key", INTERNAL_KEY),
-        release_body(&held, "success"),
-    )
-    .await;
+    allocate()
+        .refused(StatusCode::TOO_MANY_REQUESTS, "pool_exhausted")
+        .await;
+    let released = service.release(release_body(&held, "success")).await;
     assert_eq!(json_body(released, StatusCode::OK).await["released"], true);
-    json_body(allocate().await, StatusCode::OK).await;
+    allocate().ok_json().await;
     cluster.stop().await;
 }
 
@@ -358,28 +307,18 @@ async fn a_request_stuck_on_the_database_is_answered_503_within_the_request_time
     let mut options = AppOptions::default();
     options.settings.request_timeout = Duration::from_millis(500);
     let app = TestApp::spawn_with(options).await;
-    app.put_key("key-a", "openai", "default", &["gpt-4o"], 1)
-        .await;
-    let lease: Value = json_body(
-        app.allocate(json!({"provider": "openai", "model": "gpt-4o", "lease_seconds": 60}))
-            .await,
-        StatusCode::OK,
-    )
-    .await;
+    app.put_gpt4o_key("key-a", "default", 1).await;
+    let lease: Value = app.lease(gpt4o_for(60)).await;
     // another session holds the lease's slot row: the renewal waits for it
     let mut tx = app.db.begin().await.unwrap();
     sqlx::query("SELECT 1 FROM lease_slots WHERE key_id = 'key-a' FOR UPDATE")
         .execute(&mut *tx)
         .await
         .unwrap();
-    let mut renew = release_body(&lease, "success");
-    renew.as_object_mut().unwrap().remove("outcome");
-    assert_error(
-        app.renew(renew.clone()).await,
-        StatusCode::SERVICE_UNAVAILABLE,
-        "store_unavailable",
-    )
-    .await;
+    let renew = lease_ref(&lease);
+    app.renew(renew.clone())
+        .refused(StatusCode::SERVICE_UNAVAILABLE, "store_unavailable")
+        .await;
     tx.rollback().await.unwrap();
-    json_body(app.renew(renew).await, StatusCode::OK).await;
+    app.renew(renew).ok_json().await;
 }

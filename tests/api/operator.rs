@@ -12,69 +12,14 @@ use serde_json::{Value, json};
 
 use credpool_test_support::*;
 
-/// The admin API's requests, on the harness's app.
-trait AdminRequests {
-    /// An admin API call by operator `alice`.
-    async fn admin(
-        &self,
-        method: reqwest::Method,
-        path: &str,
-        body: Option<Value>,
-    ) -> reqwest::Response;
-    /// `PATCH /api/admin/keys/{key_id}` with `body`.
-    async fn patch_key(&self, key_id: &str, body: Value) -> reqwest::Response;
-}
-
-impl AdminRequests for TestApp {
-    async fn admin(
-        &self,
-        method: reqwest::Method,
-        path: &str,
-        body: Option<Value>,
-    ) -> reqwest::Response {
-        let mut request = self
-            .client
-            .request(method, self.url(path))
-            .header("x-admin-key", ADMIN_KEY)
-            .header("x-operator", "alice");
-        if let Some(body) = body {
-            request = request.json(&body);
-        }
-        request.send().await.expect("admin request")
-    }
-
-    async fn patch_key(&self, key_id: &str, body: Value) -> reqwest::Response {
-        self.admin(
-            reqwest::Method::PATCH,
-            &format!("/api/admin/keys/{key_id}"),
-            Some(body),
-        )
-        .await
-    }
-}
-
-fn gpt4o() -> Value {
-    json!({"provider": "openai", "model": "gpt-4o", "lease_seconds": 600})
-}
-
-async fn lease(app: &TestApp) -> Value {
-    json_body(app.allocate(gpt4o()).await, StatusCode::OK).await
-}
-
-fn lease_ref(lease: &Value) -> Value {
-    json!({"provider": lease["provider"], "pool": lease["pool"], "key_id": lease["key_id"], "lease_id": lease["lease_id"]})
-}
-
 #[tokio::test]
 async fn get_and_list_show_configuration_health_and_leases_but_never_the_secret() {
-    let app = TestApp::spawn().await;
-    app.put_key("key-a", "openai", "default", &["gpt-4o"], 3)
-        .await;
-    app.put_key("key-b", "openai", "vip", &["gpt-4o"], 1).await;
+    let app = TestApp::with_credential("key-a", 3).await;
+    app.put_gpt4o_key("key-b", "vip", 1).await;
     app.put_key("key-c", "anthropic", "default", &["claude"], 1)
         .await;
     let body = json!({"provider": "openai", "model": "gpt-4o", "lease_seconds": 600, "holder": "worker-9"});
-    let held = json_body(app.allocate(body).await, StatusCode::OK).await;
+    let held = app.lease(body).await;
 
     let response = app
         .admin(reqwest::Method::GET, "/api/admin/keys/key-a", None)
@@ -89,16 +34,14 @@ async fn get_and_list_show_configuration_health_and_leases_but_never_the_secret(
     assert_eq!(detail["health"]["success_rate"], 1.0);
     assert!(detail.get("secret").is_none());
 
-    let page = json_body(
-        app.admin(
+    let page = app
+        .admin(
             reqwest::Method::GET,
             "/api/admin/keys?provider=openai",
             None,
         )
-        .await,
-        StatusCode::OK,
-    )
-    .await;
+        .ok_json()
+        .await;
     let ids: Vec<&str> = page["keys"]
         .as_array()
         .unwrap()
@@ -106,39 +49,32 @@ async fn get_and_list_show_configuration_health_and_leases_but_never_the_secret(
         .map(|k| k["key_id"].as_str().unwrap())
         .collect();
     assert_eq!(ids, ["key-a", "key-b"]);
-    let page = json_body(
-        app.admin(
+    let page = app
+        .admin(
             reqwest::Method::GET,
             "/api/admin/keys?pool=default&limit=1",
             None,
         )
-        .await,
-        StatusCode::OK,
-    )
-    .await;
+        .ok_json()
+        .await;
     assert_eq!(page["keys"][0]["key_id"], "key-a");
     assert_eq!(page["next_after"], "key-a");
-    let next = json_body(
-        app.admin(
+    let next = app
+        .admin(
             reqwest::Method::GET,
             "/api/admin/keys?pool=default&limit=1&after=key-a",
             None,
         )
-        .await,
-        StatusCode::OK,
-    )
-    .await;
+        .ok_json()
+        .await;
     assert_eq!(next["keys"][0]["key_id"], "key-c");
     assert_eq!(
-        json_body(
-            app.admin(
-                reqwest::Method::GET,
-                "/api/admin/keys?limit=1&after=key-c",
-                None
-            )
-            .await,
-            StatusCode::OK
+        app.admin(
+            reqwest::Method::GET,
+            "/api/admin/keys?limit=1&after=key-c",
+            None
         )
+        .ok_json()
         .await["keys"],
         json!([])
     );
@@ -148,63 +84,42 @@ async fn get_and_list_show_configuration_health_and_leases_but_never_the_secret(
         "/api/admin/keys?status=sleepy",
         "/api/admin/keys?color=red",
     ] {
-        assert_error(
-            app.admin(reqwest::Method::GET, bad, None).await,
-            StatusCode::BAD_REQUEST,
-            "invalid_request",
-        )
-        .await;
+        app.admin(reqwest::Method::GET, bad, None)
+            .refused(StatusCode::BAD_REQUEST, "invalid_request")
+            .await;
     }
-    assert_error(
-        app.admin(reqwest::Method::GET, "/api/admin/keys/nope", None)
-            .await,
-        StatusCode::NOT_FOUND,
-        "credential_not_found",
-    )
-    .await;
+    app.admin(reqwest::Method::GET, "/api/admin/keys/nope", None)
+        .refused(StatusCode::NOT_FOUND, "credential_not_found")
+        .await;
 }
 
 #[tokio::test]
 async fn a_drained_credential_lets_its_leases_finish_and_takes_no_new_ones() {
-    let app = TestApp::spawn().await;
-    app.put_key("key-a", "openai", "default", &["gpt-4o"], 3)
-        .await;
-    let held = lease(&app).await;
+    let app = TestApp::with_credential("key-a", 3).await;
+    let held = app.lease(gpt4o_for(600)).await;
 
-    let drained = json_body(
-        app.patch_key("key-a", json!({"state": "drain", "reason": "rotating"}))
-            .await,
-        StatusCode::OK,
-    )
-    .await;
+    let drained = app
+        .patch_key("key-a", json!({"state": "drain", "reason": "rotating"}))
+        .ok_json()
+        .await;
     assert_eq!(drained["draining"], true);
     assert_eq!(drained["status"], "available");
-    assert_error(
-        app.allocate(gpt4o()).await,
-        StatusCode::CONFLICT,
-        "no_usable_credentials",
-    )
-    .await;
+    app.allocate(gpt4o_for(600))
+        .refused(StatusCode::CONFLICT, "no_usable_credentials")
+        .await;
 
     // the lease in flight carries on: renew and release work
-    let mut renew = lease_ref(&held);
-    renew["lease_seconds"] = json!(60);
-    json_body(app.renew(renew).await, StatusCode::OK).await;
+    let renew = renew_body(&held, 60);
+    app.renew(renew).ok_json().await;
     assert_eq!(
-        json_body(
-            app.release(release_body(&held, "success")).await,
-            StatusCode::OK
-        )
-        .await["released"],
+        app.release(release_body(&held, "success")).ok_json().await["released"],
         true
     );
 
-    json_body(
-        app.patch_key("key-a", json!({"state": "enable"})).await,
-        StatusCode::OK,
-    )
-    .await;
-    lease(&app).await;
+    app.patch_key("key-a", json!({"state": "enable"}))
+        .ok_json()
+        .await;
+    app.lease(gpt4o_for(600)).await;
 }
 
 /// (event, old_status, new_status, actor, reason, details)
@@ -219,32 +134,23 @@ type AuditRow = (
 
 #[tokio::test]
 async fn disable_and_enable_are_audited_with_the_operator_and_old_and_new_values() {
-    let app = TestApp::spawn().await;
-    app.put_key("key-a", "openai", "default", &["gpt-4o"], 1)
-        .await;
-    let disabled = json_body(
-        app.patch_key(
+    let app = TestApp::with_credential("key-a", 1).await;
+    let disabled = app
+        .patch_key(
             "key-a",
             json!({"state": "disable", "reason": "leaked on a forum"}),
         )
-        .await,
-        StatusCode::OK,
-    )
-    .await;
+        .ok_json()
+        .await;
     assert_eq!(disabled["status"], "disabled");
     assert_eq!(disabled["status_reason"], "leaked on a forum");
-    assert_error(
-        app.allocate(gpt4o()).await,
-        StatusCode::CONFLICT,
-        "no_usable_credentials",
-    )
-    .await;
-    json_body(
-        app.patch_key("key-a", json!({"state": "enable"})).await,
-        StatusCode::OK,
-    )
-    .await;
-    lease(&app).await;
+    app.allocate(gpt4o_for(600))
+        .refused(StatusCode::CONFLICT, "no_usable_credentials")
+        .await;
+    app.patch_key("key-a", json!({"state": "enable"}))
+        .ok_json()
+        .await;
+    app.lease(gpt4o_for(600)).await;
 
     let rows: Vec<AuditRow> = sqlx::query_as(
         "SELECT event, old_status, new_status, actor, reason, details FROM credential_events
@@ -283,9 +189,7 @@ async fn disable_and_enable_are_audited_with_the_operator_and_old_and_new_values
 
 #[tokio::test]
 async fn patch_changes_models_aliases_and_pool_and_refuses_bad_changes_whole() {
-    let app = TestApp::spawn().await;
-    app.put_key("key-a", "openai", "default", &["gpt-4o"], 1)
-        .await;
+    let app = TestApp::with_credential("key-a", 1).await;
     let before = app.snapshot().await;
     for (body, code, status) in [
         (json!({}), "invalid_request", StatusCode::BAD_REQUEST),
@@ -317,170 +221,123 @@ async fn patch_changes_models_aliases_and_pool_and_refuses_bad_changes_whole() {
     ] {
         assert_error(app.patch_key("key-a", body).await, status, code).await;
     }
-    assert_error(
-        app.patch_key("nope", json!({"state": "drain"})).await,
-        StatusCode::NOT_FOUND,
-        "credential_not_found",
-    )
-    .await;
+    app.patch_key("nope", json!({"state": "drain"}))
+        .refused(StatusCode::NOT_FOUND, "credential_not_found")
+        .await;
     assert_eq!(app.snapshot().await, before);
 
-    let changed = json_body(
-        app.patch_key(
+    let changed = app
+        .patch_key(
             "key-a",
             json!({"models": ["o3-2025"], "aliases": {"o3": "o3-2025"}, "pool": "batch"}),
         )
-        .await,
-        StatusCode::OK,
-    )
-    .await;
+        .ok_json()
+        .await;
     assert_eq!(changed["pool"], "batch");
-    let l = json_body(
-        app.allocate(json!({"provider": "openai", "model": "o3", "pool": "batch"}))
-            .await,
-        StatusCode::OK,
-    )
-    .await;
+    let l = app
+        .lease(json!({"provider": "openai", "model": "o3", "pool": "batch"}))
+        .await;
     assert_eq!(l["provider_model"], "o3-2025");
-    assert_error(
-        app.allocate(gpt4o()).await,
-        StatusCode::NOT_FOUND,
-        "pool_not_found",
-    )
-    .await;
+    app.allocate(gpt4o_for(600))
+        .refused(StatusCode::NOT_FOUND, "pool_not_found")
+        .await;
 }
 
 #[tokio::test]
 async fn deleting_a_leased_credential_ends_its_leases_in_the_trail_and_late_releases_are_not_errors()
  {
-    let app = TestApp::spawn().await;
-    app.put_key("key-a", "openai", "default", &["gpt-4o"], 2)
-        .await;
-    let (first, second) = (lease(&app).await, lease(&app).await);
+    let app = TestApp::with_credential("key-a", 2).await;
+    let (first, second) = (
+        app.lease(gpt4o_for(600)).await,
+        app.lease(gpt4o_for(600)).await,
+    );
 
-    let deleted = json_body(
-        app.admin(reqwest::Method::DELETE, "/api/admin/keys/key-a", None)
-            .await,
-        StatusCode::OK,
-    )
-    .await;
+    let deleted = app
+        .admin(reqwest::Method::DELETE, "/api/admin/keys/key-a", None)
+        .ok_json()
+        .await;
     assert_eq!(deleted["deleted"], true);
     assert_eq!(deleted["force_released"].as_array().unwrap().len(), 2);
 
-    let answer = json_body(
-        app.release(release_body(&first, "success")).await,
-        StatusCode::OK,
-    )
-    .await;
+    let answer = app.release(release_body(&first, "success")).ok_json().await;
     assert_eq!(answer, json!({"released": false, "reason": "not_found"}));
-    assert_error(
-        app.renew(lease_ref(&second)).await,
-        StatusCode::GONE,
-        "lease_lost",
-    )
-    .await;
-    assert_error(
-        app.admin(reqwest::Method::GET, "/api/admin/keys/key-a", None)
-            .await,
-        StatusCode::NOT_FOUND,
-        "credential_not_found",
-    )
-    .await;
-    assert_error(
-        app.allocate(gpt4o()).await,
-        StatusCode::NOT_FOUND,
-        "pool_not_found",
-    )
-    .await;
+    app.renew(lease_ref(&second))
+        .refused(StatusCode::GONE, "lease_lost")
+        .await;
+    app.admin(reqwest::Method::GET, "/api/admin/keys/key-a", None)
+        .refused(StatusCode::NOT_FOUND, "credential_not_found")
+        .await;
+    app.allocate(gpt4o_for(600))
+        .refused(StatusCode::NOT_FOUND, "pool_not_found")
+        .await;
 
-    let slots: i64 = sqlx::query_scalar("SELECT count(*) FROM lease_slots")
-        .fetch_one(&app.db)
-        .await
-        .unwrap();
+    let slots: i64 = app.scalar("SELECT count(*) FROM lease_slots").await;
     assert_eq!(slots, 0);
     for l in [&first, &second] {
         let mut events = app.events(l["lease_id"].as_str().unwrap()).await;
         events.sort();
         assert!(events.contains(&"force_released".to_owned()), "{events:?}");
     }
-    let reason: String = sqlx::query_scalar(
-        "SELECT reason FROM lease_events WHERE event = 'force_released' LIMIT 1",
-    )
-    .fetch_one(&app.db)
-    .await
-    .unwrap();
+    let reason: String = app
+        .scalar("SELECT reason FROM lease_events WHERE event = 'force_released' LIMIT 1")
+        .await;
     assert_eq!(reason, "credential deleted");
-    assert_error(
-        app.admin(reqwest::Method::DELETE, "/api/admin/keys/key-a", None)
-            .await,
-        StatusCode::NOT_FOUND,
-        "credential_not_found",
-    )
-    .await;
+    app.admin(reqwest::Method::DELETE, "/api/admin/keys/key-a", None)
+        .refused(StatusCode::NOT_FOUND, "credential_not_found")
+        .await;
 }
 
 #[tokio::test]
 async fn forced_release_frees_leases_with_the_operators_reason_and_executors_learn_it() {
-    let app = TestApp::spawn().await;
-    app.put_key("key-a", "openai", "default", &["gpt-4o"], 3)
-        .await;
-    let (one, two, three) = (lease(&app).await, lease(&app).await, lease(&app).await);
+    let app = TestApp::with_credential("key-a", 3).await;
+    let (one, two, three) = (
+        app.lease(gpt4o_for(600)).await,
+        app.lease(gpt4o_for(600)).await,
+        app.lease(gpt4o_for(600)).await,
+    );
 
     // one lease by id
     let path = format!(
         "/api/admin/leases/{}/release",
         one["lease_id"].as_str().unwrap()
     );
-    let answer = json_body(
-        app.admin(
+    let answer = app
+        .admin(
             reqwest::Method::POST,
             &path,
             Some(json!({"reason": "stuck worker"})),
         )
-        .await,
-        StatusCode::OK,
-    )
-    .await;
+        .ok_json()
+        .await;
     assert_eq!(answer, json!({"released": true}));
-    assert_error(
-        app.renew(lease_ref(&one)).await,
-        StatusCode::GONE,
-        "lease_lost",
-    )
-    .await;
+    app.renew(lease_ref(&one))
+        .refused(StatusCode::GONE, "lease_lost")
+        .await;
     assert_eq!(app.in_flight("key-a").await, 2);
-    let again = json_body(
-        app.admin(
+    let again = app
+        .admin(
             reqwest::Method::POST,
             &path,
             Some(json!({"reason": "again"})),
         )
-        .await,
-        StatusCode::OK,
-    )
-    .await;
+        .ok_json()
+        .await;
     assert_eq!(again, json!({"released": false, "reason": "not_found"}));
 
     // all of a credential's
-    let all = json_body(
-        app.admin(
+    let all = app
+        .admin(
             reqwest::Method::POST,
             "/api/admin/keys/key-a/release-all",
             Some(json!({"reason": "key rotated"})),
         )
-        .await,
-        StatusCode::OK,
-    )
-    .await;
+        .ok_json()
+        .await;
     assert_eq!(all["released"], 2);
     assert_eq!(app.in_flight("key-a").await, 0);
     for l in [&two, &three] {
         assert_eq!(
-            json_body(
-                app.release(release_body(l, "success")).await,
-                StatusCode::OK
-            )
-            .await["released"],
+            app.release(release_body(l, "success")).ok_json().await["released"],
             false
         );
     }
@@ -514,46 +371,32 @@ async fn forced_release_frees_leases_with_the_operators_reason_and_executors_lea
         )
         .await;
     assert!(missing.status().is_client_error(), "{}", missing.status());
-    assert_error(
-        app.admin(
-            reqwest::Method::POST,
-            "/api/admin/leases/not-hex/release",
-            Some(json!({"reason": "x"})),
-        )
-        .await,
-        StatusCode::BAD_REQUEST,
-        "invalid_request",
+    app.admin(
+        reqwest::Method::POST,
+        "/api/admin/leases/not-hex/release",
+        Some(json!({"reason": "x"})),
     )
+    .refused(StatusCode::BAD_REQUEST, "invalid_request")
     .await;
-    assert_error(
-        app.admin(
-            reqwest::Method::POST,
-            "/api/admin/keys/key-a/release-all",
-            Some(json!({})),
-        )
-        .await,
-        StatusCode::BAD_REQUEST,
-        "invalid_request",
+    app.admin(
+        reqwest::Method::POST,
+        "/api/admin/keys/key-a/release-all",
+        Some(json!({})),
     )
+    .refused(StatusCode::BAD_REQUEST, "invalid_request")
     .await;
 }
 
 #[tokio::test]
 async fn pools_summarise_credentials_slots_and_leases() {
-    let app = TestApp::spawn().await;
-    app.put_key("a1", "openai", "default", &["gpt-4o"], 2).await;
-    app.put_key("a2", "openai", "default", &["gpt-4o"], 3).await;
-    app.put_key("b1", "openai", "vip", &["gpt-4o"], 1).await;
+    let app = TestApp::with_credential("a1", 2).await;
+    app.put_gpt4o_key("a2", "default", 3).await;
+    app.put_gpt4o_key("b1", "vip", 1).await;
     app.set_status("a2", "rate_limited", Some(60.0)).await;
-    lease(&app).await;
+    app.lease(gpt4o_for(600)).await;
     app.patch_key("b1", json!({"state": "drain"})).await;
 
-    let pools = json_body(
-        app.admin(reqwest::Method::GET, "/api/admin/pools", None)
-            .await,
-        StatusCode::OK,
-    )
-    .await;
+    let pools = app.admin_get("/api/admin/pools").await;
     let by_pool: HashMap<String, Value> = pools["pools"]
         .as_array()
         .unwrap()
@@ -574,9 +417,7 @@ async fn pools_summarise_credentials_slots_and_leases() {
 
 #[tokio::test]
 async fn operator_routes_refuse_the_executor_key_with_403_and_no_key_with_401() {
-    let app = TestApp::spawn().await;
-    app.put_key("key-a", "openai", "default", &["gpt-4o"], 1)
-        .await;
+    let app = TestApp::with_credential("key-a", 1).await;
     for (method, path) in [
         (reqwest::Method::GET, "/api/admin/keys"),
         (reqwest::Method::GET, "/api/admin/keys/key-a"),
@@ -604,22 +445,14 @@ async fn operator_routes_refuse_the_executor_key_with_403_and_no_key_with_401() 
         assert_error(anonymous, StatusCode::UNAUTHORIZED, "unauthorized").await;
     }
     assert_eq!(app.in_flight("key-a").await, 0);
-    let detail = json_body(
-        app.admin(reqwest::Method::GET, "/api/admin/keys/key-a", None)
-            .await,
-        StatusCode::OK,
-    )
-    .await;
+    let detail = app.credential("key-a").await;
     assert_eq!(detail["draining"], false);
 }
 
 #[tokio::test]
 async fn secrets_are_sealed_at_rest_and_a_ciphertext_moved_to_another_credential_never_opens() {
-    let app = TestApp::spawn().await;
-    app.put_key("key-a", "openai", "default", &["gpt-4o"], 1)
-        .await;
-    app.put_key("key-b", "openai", "other", &["gpt-4o"], 1)
-        .await;
+    let app = TestApp::with_credential("key-a", 1).await;
+    app.put_gpt4o_key("key-b", "other", 1).await;
     let rows: Vec<(Option<Value>, Vec<u8>)> =
         sqlx::query_as("SELECT secret, secret_ciphertext FROM credentials")
             .fetch_all(&app.db)
@@ -630,13 +463,8 @@ async fn secrets_are_sealed_at_rest_and_a_ciphertext_moved_to_another_credential
         assert!(!sealed.windows(7).any(|w| w == b"sk-test"));
     }
     // move key-b's ciphertext into key-a's row
-    sqlx::query(
-        "UPDATE credentials SET secret_ciphertext = (SELECT secret_ciphertext FROM credentials WHERE key_id = 'key-b') WHERE key_id = 'key-a'",
-    )
-    .execute(&app.db)
-    .await
-    .unwrap();
-    let response = app.allocate(gpt4o()).await;
+    app.run_sql("UPDATE credentials SET secret_ciphertext = (SELECT secret_ciphertext FROM credentials WHERE key_id = 'key-b') WHERE key_id = 'key-a'").await;
+    let response = app.allocate(gpt4o_for(600)).await;
     let text = response.text().await.unwrap();
     assert!(!text.contains("sk-test-key-b"), "{text}");
     let body: Value = serde_json::from_str(&text).unwrap();
@@ -655,11 +483,10 @@ async fn lowering_the_limit_under_load_never_grants_beyond_the_new_limit() {
         })
         .await,
     );
-    app.put_key("hot", "openai", "default", &["gpt-4o"], 5)
-        .await;
+    app.put_gpt4o_key("hot", "default", 5).await;
     let mut held = Vec::new();
     for _ in 0..5 {
-        held.push(lease(&app).await);
+        held.push(app.lease(gpt4o_for(600)).await);
     }
     let stop = Arc::new(AtomicBool::new(false));
     let workers: Vec<_> = (0..32)
@@ -668,7 +495,7 @@ async fn lowering_the_limit_under_load_never_grants_beyond_the_new_limit() {
             tokio::spawn(async move {
                 let mut granted = 0;
                 while !stop.load(Ordering::Relaxed) {
-                    let response = app.allocate(gpt4o()).await;
+                    let response = app.allocate(gpt4o_for(600)).await;
                     match response.status() {
                         StatusCode::OK => {
                             granted += 1;
@@ -687,25 +514,15 @@ async fn lowering_the_limit_under_load_never_grants_beyond_the_new_limit() {
         })
         .collect();
     tokio::time::sleep(Duration::from_millis(200)).await;
-    json_body(
-        app.patch_key("hot", json!({"max_concurrent_uses": 2}))
-            .await,
-        StatusCode::OK,
-    )
-    .await;
-    let after_patch: time::OffsetDateTime = sqlx::query_scalar("SELECT now()")
-        .fetch_one(&app.db)
-        .await
-        .unwrap();
+    app.patch_key("hot", json!({"max_concurrent_uses": 2}))
+        .ok_json()
+        .await;
+    let after_patch: time::OffsetDateTime = app.scalar("SELECT now()").await;
     // the five old leases end one by one; new grants may only start once in-flight is under 2
     for l in &held {
         tokio::time::sleep(Duration::from_millis(150)).await;
         assert_eq!(
-            json_body(
-                app.release(release_body(l, "success")).await,
-                StatusCode::OK
-            )
-            .await["released"],
+            app.release(release_body(l, "success")).ok_json().await["released"],
             true
         );
     }
@@ -765,48 +582,34 @@ async fn capacity_under_a_lowered_limit_returns_whichever_replica_sees_the_relea
     // Replica A still believes the credential is over its limit with every lease in flight;
     // the leases end through replica B. A's next allocation must be served at once, not after A
     // happens to refresh its view.
-    let app = TestApp::spawn().await;
-    app.put_key("hot", "openai", "default", &["gpt-4o"], 3)
+    let app = TestApp::with_credential("hot", 3).await;
+    let held = vec![
+        app.lease(gpt4o_for(600)).await,
+        app.lease(gpt4o_for(600)).await,
+        app.lease(gpt4o_for(600)).await,
+    ];
+    app.patch_key("hot", json!({"max_concurrent_uses": 1}))
+        .ok_json()
         .await;
-    let held = vec![lease(&app).await, lease(&app).await, lease(&app).await];
-    json_body(
-        app.patch_key("hot", json!({"max_concurrent_uses": 1}))
-            .await,
-        StatusCode::OK,
-    )
-    .await;
     // A's view now shows three leases in flight over a limit of one
-    assert_error(
-        app.allocate(gpt4o()).await,
-        StatusCode::TOO_MANY_REQUESTS,
-        "pool_exhausted",
-    )
-    .await;
+    app.allocate(gpt4o_for(600))
+        .refused(StatusCode::TOO_MANY_REQUESTS, "pool_exhausted")
+        .await;
 
     let (replica_b, _stop) = serve(app.database.pool(4).await, &AppOptions::default()).await;
     for l in &held {
-        let released = json_body(
-            post_json(
-                &app.client,
-                &format!("http://{replica_b}/api/internal/release-key"),
-                ("x-internal-key", INTERNAL_KEY),
-                release_body(l, "success"),
-            )
-            .await,
-            StatusCode::OK,
-        )
-        .await;
+        let released = Remote::at(replica_b)
+            .release(release_body(l, "success"))
+            .ok_json()
+            .await;
         assert_eq!(released["released"], true);
     }
 
-    let granted = lease(&app).await;
+    let granted = app.lease(gpt4o_for(600)).await;
     assert_eq!(granted["key_id"], "hot");
     assert_eq!(app.in_flight("hot").await, 1);
     // and the new limit holds
-    assert_error(
-        app.allocate(gpt4o()).await,
-        StatusCode::TOO_MANY_REQUESTS,
-        "pool_exhausted",
-    )
-    .await;
+    app.allocate(gpt4o_for(600))
+        .refused(StatusCode::TOO_MANY_REQUESTS, "pool_exhausted")
+        .await;
 }

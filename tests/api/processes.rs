@@ -40,12 +40,15 @@ async fn two_service_processes_on_one_database_never_oversell_a_limit_1_credenti
         let barrier = Arc::new(Barrier::new(64));
         let tasks: Vec<_> = (0..64)
             .map(|i| {
-                let (client, bases, barrier, key) = (client.clone(), bases.clone(), barrier.clone(), key.clone());
+                let (client, bases, barrier, key) =
+                    (client.clone(), bases.clone(), barrier.clone(), key.clone());
                 tokio::spawn(async move {
                     barrier.wait().await;
                     let url = format!("{}/api/internal/allocate-key", bases[i % 2]);
-                    let body = json!({"provider": "openai", "model": "gpt-4o", "pool": key, "lease_seconds": 600});
-                    post_json(&client, &url, ("x-internal-key", INTERNAL_KEY), body).await.status()
+                    let body = gpt4o_in_for(&key, 600);
+                    post_json(&client, &url, ("x-internal-key", INTERNAL_KEY), body)
+                        .await
+                        .status()
                 })
             })
             .collect();
@@ -151,7 +154,7 @@ async fn serve_without_database_url_runs_on_the_embedded_default_and_stops_it_on
     let allocate = |base: String, key: String| {
         let client = client.clone();
         async move {
-            let body = json!({"provider": "openai", "model": "gpt-4o", "lease_seconds": 1});
+            let body = gpt4o_for(1);
             post_json(
                 &client,
                 &format!("{base}/api/internal/allocate-key"),
@@ -290,23 +293,9 @@ async fn migrate_applies_the_schema_to_an_empty_database() {
         .execute(&pool)
         .await
         .unwrap();
-    let output = Command::new(BIN)
-        .arg("migrate")
-        .env("DATABASE_URL", database.url())
-        .output()
-        .await
-        .unwrap();
-    assert!(
-        output.status.success(),
-        "{}",
-        String::from_utf8_lossy(&output.stderr)
-    );
-    let tables: i64 = sqlx::query_scalar(
-        "SELECT count(*) FROM information_schema.tables WHERE table_name IN ('credentials', 'lease_slots', 'lease_events')",
-    )
-    .fetch_one(&pool)
-    .await
-    .unwrap();
+    let migrated = run(credpool_command(BIN, &database.url()).arg("migrate")).await;
+    assert!(migrated.success, "{}", migrated.stderr);
+    let tables: i64 = pool.scalar("SELECT count(*) FROM information_schema.tables WHERE table_name IN ('credentials', 'lease_slots', 'lease_events')").await;
     assert_eq!(tables, 3);
 }
 
@@ -650,7 +639,7 @@ async fn no_secret_reaches_a_log_line_a_metric_or_a_database_row_even_at_trace_l
     let wrong = client
         .post(url("/api/internal/allocate-key"))
         .header("x-internal-key", format!("{internal_key}-wrong"))
-        .json(&json!({"provider": "openai", "model": "gpt-4o"}))
+        .json(&gpt4o())
         .send()
         .await
         .unwrap();
@@ -826,7 +815,7 @@ async fn sigterm_lets_an_in_flight_request_finish_then_exits_with_json_logs_carr
             "traceparent",
             "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01",
         )
-        .json(&json!({"provider": "openai", "model": "gpt-4o", "lease_seconds": 60}))
+        .json(&gpt4o_for(60))
         .send()
         .await
         .unwrap();
@@ -998,7 +987,7 @@ async fn sigterm_under_load_keeps_serving_through_the_delay_and_answers_waiting_
         &http,
         &allocate_url,
         ("x-internal-key", INTERNAL_KEY),
-        json!({"provider": "openai", "model": "gpt-4o", "pool": "busy", "lease_seconds": 600}),
+        gpt4o_in_for("busy", 600),
     )
     .await;
     json_body(held, StatusCode::OK).await;
@@ -1062,9 +1051,7 @@ async fn sigterm_under_load_keeps_serving_through_the_delay_and_answers_waiting_
                     let allocate = http
                         .post(format!("{base}/api/internal/allocate-key"))
                         .header("x-internal-key", INTERNAL_KEY)
-                        .json(
-                            &json!({"provider": "openai", "model": "gpt-4o", "lease_seconds": 30}),
-                        );
+                        .json(&gpt4o_for(30));
                     let (granted, lease) = send(allocate, "allocate").await;
                     let failed = matches!(granted.answer, Answer::Transport(_));
                     sent.push(granted);

@@ -3,63 +3,37 @@
 use std::time::Duration;
 
 use reqwest::StatusCode;
-use serde_json::{Value, json};
+use serde_json::json;
 
 use credpool_test_support::*;
 
-async fn lease_on(app: &TestApp, lease_seconds: u32) -> Value {
-    let body = json!({"provider": "openai", "model": "gpt-4o", "lease_seconds": lease_seconds});
-    json_body(app.allocate(body).await, StatusCode::OK).await
-}
-
-async fn single_slot_app() -> TestApp {
-    let app = TestApp::spawn().await;
-    app.put_key("key-a", "openai", "default", &["gpt-4o"], 1)
-        .await;
-    app
-}
-
 #[tokio::test]
 async fn release_frees_the_slot_at_once_and_records_the_outcome() {
-    let app = single_slot_app().await;
-    let lease = lease_on(&app, 600).await;
-    let released = json_body(
-        app.release(release_body(&lease, "failure")).await,
-        StatusCode::OK,
-    )
-    .await;
+    let app = TestApp::with_credential("key-a", 1).await;
+    let lease = app.lease(gpt4o_for(600)).await;
+    let released = app.release(release_body(&lease, "failure")).ok_json().await;
     assert_eq!(released, json!({"released": true}));
     assert_eq!(app.in_flight("key-a").await, 0);
 
-    let outcome: Option<String> = sqlx::query_scalar(
-        "SELECT outcome FROM lease_events WHERE lease_id = $1::text::uuid AND event = 'released'",
-    )
-    .bind(lease["lease_id"].as_str())
-    .fetch_one(&app.db)
-    .await
-    .unwrap();
+    let outcome: Option<String> = app.scalar_of("SELECT outcome FROM lease_events WHERE lease_id = $1::text::uuid AND event = 'released'", lease["lease_id"].as_str()).await;
     assert_eq!(outcome.as_deref(), Some("failure"));
     // the slot is free for the next executor immediately
-    lease_on(&app, 600).await;
+    app.lease(gpt4o_for(600)).await;
 }
 
 #[tokio::test]
 async fn release_without_outcome_is_accepted() {
-    let app = single_slot_app().await;
-    let lease = lease_on(&app, 600).await;
-    let mut body = release_body(&lease, "success");
-    body.as_object_mut().unwrap().remove("outcome");
-    assert_eq!(
-        json_body(app.release(body).await, StatusCode::OK).await,
-        json!({"released": true})
-    );
+    let app = TestApp::with_credential("key-a", 1).await;
+    let lease = app.lease(gpt4o_for(600)).await;
+    let body = lease_ref(&lease);
+    assert_eq!(app.release(body).ok_json().await, json!({"released": true}));
 }
 
 #[tokio::test]
 async fn release_with_wrong_key_id_provider_or_pool_keeps_the_lease() {
-    let app = single_slot_app().await;
+    let app = TestApp::with_credential("key-a", 1).await;
     app.put_key("key-b", "openai", "default", &["o3"], 1).await;
-    let lease = lease_on(&app, 600).await;
+    let lease = app.lease(gpt4o_for(600)).await;
     for (field, value) in [
         ("key_id", "key-b"),
         ("provider", "anthropic"),
@@ -67,7 +41,7 @@ async fn release_with_wrong_key_id_provider_or_pool_keeps_the_lease() {
     ] {
         let mut body = release_body(&lease, "success");
         body[field] = json!(value);
-        let refused = json_body(app.release(body).await, StatusCode::OK).await;
+        let refused = app.release(body).ok_json().await;
         assert_eq!(
             refused,
             json!({"released": false, "reason": "mismatch"}),
@@ -80,36 +54,21 @@ async fn release_with_wrong_key_id_provider_or_pool_keeps_the_lease() {
         );
     }
     // still held: nobody else can lease the credential
-    let body = json!({"provider": "openai", "model": "gpt-4o"});
-    assert_error(
-        app.allocate(body).await,
-        StatusCode::TOO_MANY_REQUESTS,
-        "pool_exhausted",
-    )
-    .await;
+    let body = gpt4o();
+    app.allocate(body)
+        .refused(StatusCode::TOO_MANY_REQUESTS, "pool_exhausted")
+        .await;
     // and the real holder can still release it
-    let released = json_body(
-        app.release(release_body(&lease, "success")).await,
-        StatusCode::OK,
-    )
-    .await;
+    let released = app.release(release_body(&lease, "success")).ok_json().await;
     assert_eq!(released, json!({"released": true}));
 }
 
 #[tokio::test]
 async fn releasing_twice_reports_not_released_the_second_time() {
-    let app = single_slot_app().await;
-    let lease = lease_on(&app, 600).await;
-    let first = json_body(
-        app.release(release_body(&lease, "success")).await,
-        StatusCode::OK,
-    )
-    .await;
-    let second = json_body(
-        app.release(release_body(&lease, "success")).await,
-        StatusCode::OK,
-    )
-    .await;
+    let app = TestApp::with_credential("key-a", 1).await;
+    let lease = app.lease(gpt4o_for(600)).await;
+    let first = app.release(release_body(&lease, "success")).ok_json().await;
+    let second = app.release(release_body(&lease, "success")).ok_json().await;
     assert_eq!(first, json!({"released": true}));
     assert_eq!(second, json!({"released": false, "reason": "not_found"}));
     assert_eq!(
@@ -120,26 +79,20 @@ async fn releasing_twice_reports_not_released_the_second_time() {
 
 #[tokio::test]
 async fn releasing_an_unknown_lease_is_not_found() {
-    let app = single_slot_app().await;
+    let app = TestApp::with_credential("key-a", 1).await;
     let body = json!({"provider": "openai", "pool": "default", "key_id": "key-a", "lease_id": "ab".repeat(16)});
-    let refused = json_body(app.release(body).await, StatusCode::OK).await;
+    let refused = app.release(body).ok_json().await;
     assert_eq!(refused, json!({"released": false, "reason": "not_found"}));
 }
 
 #[tokio::test]
 async fn releasing_an_expired_lease_releases_nothing_and_leaves_others_intact() {
-    let app = TestApp::spawn().await;
-    app.put_key("key-a", "openai", "default", &["gpt-4o"], 2)
-        .await;
-    let short = lease_on(&app, 1).await;
-    let long = lease_on(&app, 600).await;
+    let app = TestApp::with_credential("key-a", 2).await;
+    let short = app.lease(gpt4o_for(1)).await;
+    let long = app.lease(gpt4o_for(600)).await;
     tokio::time::sleep(Duration::from_millis(1_200)).await;
 
-    let refused = json_body(
-        app.release(release_body(&short, "success")).await,
-        StatusCode::OK,
-    )
-    .await;
+    let refused = app.release(release_body(&short, "success")).ok_json().await;
     assert_eq!(refused, json!({"released": false, "reason": "expired"}));
     // nothing released; the late outcome is recorded (it counts for health) and the expired
     // lease is ended in the trail
@@ -147,62 +100,50 @@ async fn releasing_an_expired_lease_releases_nothing_and_leaves_others_intact() 
     events.sort();
     assert_eq!(events, ["expired", "granted", "outcome_after_expiry"]);
     assert_eq!(app.in_flight("key-a").await, 1);
-    let still: i64 =
-        sqlx::query_scalar("SELECT count(*) FROM lease_slots WHERE lease_id = $1::text::uuid")
-            .bind(long["lease_id"].as_str())
-            .fetch_one(&app.db)
-            .await
-            .unwrap();
+    let still: i64 = app
+        .scalar_of(
+            "SELECT count(*) FROM lease_slots WHERE lease_id = $1::text::uuid",
+            long["lease_id"].as_str(),
+        )
+        .await;
     assert_eq!(still, 1);
 }
 
 #[tokio::test]
 async fn release_with_a_malformed_lease_id_is_invalid_request() {
-    let app = single_slot_app().await;
+    let app = TestApp::with_credential("key-a", 1).await;
     for lease_id in ["abc", "zz".repeat(16).as_str(), "ab".repeat(17).as_str()] {
         let body = json!({"provider": "openai", "pool": "default", "key_id": "key-a", "lease_id": lease_id});
-        assert_error(
-            app.release(body).await,
-            StatusCode::BAD_REQUEST,
-            "invalid_request",
-        )
-        .await;
+        app.release(body)
+            .refused(StatusCode::BAD_REQUEST, "invalid_request")
+            .await;
     }
     let body = json!({"provider": "openai", "pool": "default", "key_id": "key-a", "lease_id": "ab".repeat(16), "outcome": "great"});
-    assert_error(
-        app.release(body).await,
-        StatusCode::BAD_REQUEST,
-        "invalid_request",
-    )
-    .await;
+    app.release(body)
+        .refused(StatusCode::BAD_REQUEST, "invalid_request")
+        .await;
 }
 
 #[tokio::test]
 async fn renew_extends_the_lease_on_the_database_clock() {
-    let app = single_slot_app().await;
-    let lease = lease_on(&app, 2).await;
-    let mut body = release_body(&lease, "success");
-    body.as_object_mut().unwrap().remove("outcome");
-    body["lease_seconds"] = json!(120);
-    let renewed = json_body(app.renew(body).await, StatusCode::OK).await;
-    let seconds_left: f64 =
-        sqlx::query_scalar("SELECT extract(epoch FROM $1::text::timestamptz - now())::float8")
-            .bind(renewed["lease_until"].as_str().unwrap())
-            .fetch_one(&app.db)
-            .await
-            .unwrap();
+    let app = TestApp::with_credential("key-a", 1).await;
+    let lease = app.lease(gpt4o_for(2)).await;
+    let body = renew_body(&lease, 120);
+    let renewed = app.renew(body).ok_json().await;
+    let seconds_left: f64 = app
+        .scalar_of(
+            "SELECT extract(epoch FROM $1::text::timestamptz - now())::float8",
+            renewed["lease_until"].as_str().unwrap(),
+        )
+        .await;
     assert!((118.0..=120.0).contains(&seconds_left), "{seconds_left}");
 
     // past the original 2 s the lease still holds its slot
     tokio::time::sleep(Duration::from_millis(2_200)).await;
     assert_eq!(app.in_flight("key-a").await, 1);
-    assert_error(
-        app.allocate(json!({"provider": "openai", "model": "gpt-4o"}))
-            .await,
-        StatusCode::TOO_MANY_REQUESTS,
-        "pool_exhausted",
-    )
-    .await;
+    app.allocate(gpt4o())
+        .refused(StatusCode::TOO_MANY_REQUESTS, "pool_exhausted")
+        .await;
     assert_eq!(
         app.events(lease["lease_id"].as_str().unwrap()).await,
         ["granted", "renewed"]
@@ -211,20 +152,15 @@ async fn renew_extends_the_lease_on_the_database_clock() {
 
 #[tokio::test]
 async fn renewing_an_expired_lease_fails_and_never_resurrects_it() {
-    let app = single_slot_app().await;
-    let lease = lease_on(&app, 1).await;
+    let app = TestApp::with_credential("key-a", 1).await;
+    let lease = app.lease(gpt4o_for(1)).await;
     tokio::time::sleep(Duration::from_millis(1_200)).await;
 
     // the slot is still physically holding the expired lease (nothing reused it yet)
-    let mut body = release_body(&lease, "success");
-    body.as_object_mut().unwrap().remove("outcome");
-    body["lease_seconds"] = json!(600);
-    assert_error(
-        app.renew(body.clone()).await,
-        StatusCode::GONE,
-        "lease_lost",
-    )
-    .await;
+    let body = renew_body(&lease, 600);
+    app.renew(body.clone())
+        .refused(StatusCode::GONE, "lease_lost")
+        .await;
     assert_eq!(app.in_flight("key-a").await, 0);
     assert_eq!(
         app.events(lease["lease_id"].as_str().unwrap()).await,
@@ -232,42 +168,40 @@ async fn renewing_an_expired_lease_fails_and_never_resurrects_it() {
     );
 
     // the slot is free for someone else, and renewing after that fails too
-    let next = lease_on(&app, 600).await;
-    assert_error(app.renew(body).await, StatusCode::GONE, "lease_lost").await;
-    let holder_lease: String = sqlx::query_scalar(
-        "SELECT replace(lease_id::text, '-', '') FROM lease_slots WHERE key_id = 'key-a'",
-    )
-    .fetch_one(&app.db)
-    .await
-    .unwrap();
+    let next = app.lease(gpt4o_for(600)).await;
+    app.renew(body)
+        .refused(StatusCode::GONE, "lease_lost")
+        .await;
+    let holder_lease: String = app
+        .scalar("SELECT replace(lease_id::text, '-', '') FROM lease_slots WHERE key_id = 'key-a'")
+        .await;
     assert_eq!(holder_lease, next["lease_id"].as_str().unwrap());
 }
 
 #[tokio::test]
 async fn renewing_a_released_or_mismatched_lease_is_lease_lost() {
-    let app = single_slot_app().await;
-    let lease = lease_on(&app, 600).await;
-    let mut body = release_body(&lease, "success");
-    body.as_object_mut().unwrap().remove("outcome");
+    let app = TestApp::with_credential("key-a", 1).await;
+    let lease = app.lease(gpt4o_for(600)).await;
+    let body = lease_ref(&lease);
 
     let mut mismatched = body.clone();
     mismatched["pool"] = json!("vip");
-    assert_error(app.renew(mismatched).await, StatusCode::GONE, "lease_lost").await;
+    app.renew(mismatched)
+        .refused(StatusCode::GONE, "lease_lost")
+        .await;
 
-    json_body(
-        app.release(release_body(&lease, "success")).await,
-        StatusCode::OK,
-    )
-    .await;
-    assert_error(app.renew(body).await, StatusCode::GONE, "lease_lost").await;
+    app.release(release_body(&lease, "success")).ok_json().await;
+    app.renew(body)
+        .refused(StatusCode::GONE, "lease_lost")
+        .await;
     assert_eq!(app.in_flight("key-a").await, 0);
 }
 
 #[tokio::test]
 async fn parallel_releases_of_one_lease_release_it_exactly_once() {
-    let app = single_slot_app().await;
+    let app = TestApp::with_credential("key-a", 1).await;
     for _ in 0..10 {
-        let lease = lease_on(&app, 600).await;
+        let lease = app.lease(gpt4o_for(600)).await;
         let results = futures::future::join_all(
             (0..16).map(|_| app.release(release_body(&lease, "success"))),
         )
@@ -300,11 +234,10 @@ async fn a_release_group_answers_each_release_as_if_it_were_alone() {
     let app = std::sync::Arc::new(TestApp::spawn_with(options).await);
     let mut leases = Vec::new();
     for (pool, lease_seconds) in [("live", 600), ("mismatch", 600), ("expired", 1)] {
-        app.put_key(&format!("g-{pool}"), "openai", pool, &["gpt-4o"], 1)
-            .await;
+        app.put_gpt4o_key(&format!("g-{pool}"), pool, 1).await;
         let body = json!({"provider": "openai", "model": "gpt-4o", "pool": pool,
                           "lease_seconds": lease_seconds});
-        leases.push(json_body(app.allocate(body).await, StatusCode::OK).await);
+        leases.push(app.lease(body).await);
     }
     tokio::time::sleep(Duration::from_millis(1500)).await;
     let mut mismatch = release_body(&leases[1], "success");
@@ -319,7 +252,7 @@ async fn a_release_group_answers_each_release_as_if_it_were_alone() {
     ];
     let answers = futures::future::join_all(bodies.into_iter().map(|body| {
         let app = app.clone();
-        async move { json_body(app.release(body).await, StatusCode::OK).await }
+        async move { app.release(body).ok_json().await }
     }))
     .await;
     assert_eq!(answers[0], json!({"released": true}));

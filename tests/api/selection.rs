@@ -10,20 +10,12 @@ use serde_json::{Value, json};
 
 use credpool_test_support::*;
 
-fn gpt4o() -> Value {
-    json!({"provider": "openai", "model": "gpt-4o", "lease_seconds": 600})
-}
-
-async fn lease(app: &TestApp) -> Value {
-    json_body(app.allocate(gpt4o()).await, StatusCode::OK).await
-}
-
 async fn report(app: &TestApp, lease: &Value, outcome: &str, retry_after: Option<u32>) -> Value {
     let mut body = release_body(lease, outcome);
     if let Some(seconds) = retry_after {
         body["retry_after_seconds"] = json!(seconds);
     }
-    json_body(app.release(body).await, StatusCode::OK).await
+    app.release(body).ok_json().await
 }
 
 /// (status, seconds until cooldown_until on the database clock)
@@ -49,20 +41,14 @@ async fn transitions(app: &TestApp, key_id: &str) -> Vec<(String, Option<String>
     .unwrap()
 }
 
-fn retry_after(response: &reqwest::Response) -> u64 {
-    response.headers()["retry-after"]
-        .to_str()
-        .unwrap()
-        .parse()
-        .unwrap()
-}
-
 #[tokio::test]
 async fn rate_limited_report_rests_the_credential_and_a_shorter_report_never_shortens_it() {
-    let app = TestApp::spawn().await;
-    app.put_key("key-a", "openai", "default", &["gpt-4o"], 3)
-        .await;
-    let (first, second, third) = (lease(&app).await, lease(&app).await, lease(&app).await);
+    let app = TestApp::with_credential("key-a", 3).await;
+    let (first, second, third) = (
+        app.lease(gpt4o_for(600)).await,
+        app.lease(gpt4o_for(600)).await,
+        app.lease(gpt4o_for(600)).await,
+    );
 
     report(&app, &first, "rate_limited", Some(120)).await;
     let (status, left) = health(&app, "key-a").await;
@@ -75,7 +61,7 @@ async fn rate_limited_report_rests_the_credential_and_a_shorter_report_never_sho
     let (_, left) = health(&app, "key-a").await;
     assert!((117.0..=120.0).contains(&left.unwrap()), "{left:?}");
 
-    let response = app.allocate(gpt4o()).await;
+    let response = app.allocate(gpt4o_for(600)).await;
     assert!(
         (118..=120).contains(&retry_after(&response)),
         "{:?}",
@@ -95,10 +81,8 @@ async fn rate_limited_report_rests_the_credential_and_a_shorter_report_never_sho
 
 #[tokio::test]
 async fn rate_limited_without_retry_after_rests_for_the_configured_default() {
-    let app = TestApp::spawn().await;
-    app.put_key("key-a", "openai", "default", &["gpt-4o"], 1)
-        .await;
-    let first = lease(&app).await;
+    let app = TestApp::with_credential("key-a", 1).await;
+    let first = app.lease(gpt4o_for(600)).await;
     report(&app, &first, "rate_limited", None).await;
     let (_, left) = health(&app, "key-a").await;
     assert!((28.0..=30.0).contains(&left.unwrap()), "{left:?}");
@@ -106,12 +90,10 @@ async fn rate_limited_without_retry_after_rests_for_the_configured_default() {
 
 #[tokio::test]
 async fn five_failures_within_a_minute_start_a_cooldown_and_fewer_do_not() {
-    let app = TestApp::spawn().await;
-    app.put_key("key-a", "openai", "default", &["gpt-4o"], 5)
-        .await;
+    let app = TestApp::with_credential("key-a", 5).await;
     let mut leases = Vec::new();
     for _ in 0..5 {
-        leases.push(lease(&app).await);
+        leases.push(app.lease(gpt4o_for(600)).await);
     }
     for (i, l) in leases.iter().enumerate().take(4) {
         report(&app, l, "failure", None).await;
@@ -127,47 +109,37 @@ async fn five_failures_within_a_minute_start_a_cooldown_and_fewer_do_not() {
     assert_eq!(status, "cooldown");
     assert!((58.0..=60.0).contains(&left.unwrap()), "{left:?}");
 
-    let response = app.allocate(gpt4o()).await;
+    let response = app.allocate(gpt4o_for(600)).await;
     let retry = retry_after(&response);
     assert!((58..=60).contains(&retry), "Retry-After {retry}");
     assert_error(response, StatusCode::TOO_MANY_REQUESTS, "pool_exhausted").await;
-    let failures: f64 =
-        sqlx::query_scalar("SELECT health_failures FROM credentials WHERE key_id = 'key-a'")
-            .fetch_one(&app.db)
-            .await
-            .unwrap();
+    let failures: f64 = app
+        .scalar("SELECT health_failures FROM credentials WHERE key_id = 'key-a'")
+        .await;
     assert!((4.99..=5.0).contains(&failures), "{failures}");
 }
 
 #[tokio::test]
 async fn recovery_needs_no_job_and_starts_with_a_single_probe_lease() {
-    let app = TestApp::spawn().await;
-    app.put_key("key-a", "openai", "default", &["gpt-4o"], 3)
-        .await;
+    let app = TestApp::with_credential("key-a", 3).await;
     app.set_status("key-a", "cooldown", Some(1.0)).await;
-    assert_error(
-        app.allocate(gpt4o()).await,
-        StatusCode::TOO_MANY_REQUESTS,
-        "pool_exhausted",
-    )
-    .await;
+    app.allocate(gpt4o_for(600))
+        .refused(StatusCode::TOO_MANY_REQUESTS, "pool_exhausted")
+        .await;
 
     tokio::time::sleep(Duration::from_millis(1_200)).await;
-    let probe = lease(&app).await;
+    let probe = app.lease(gpt4o_for(600)).await;
     assert_eq!(probe["probe"], true);
     // half-open: one probe at a time, although two more slots are free
-    assert_error(
-        app.allocate(gpt4o()).await,
-        StatusCode::TOO_MANY_REQUESTS,
-        "pool_exhausted",
-    )
-    .await;
+    app.allocate(gpt4o_for(600))
+        .refused(StatusCode::TOO_MANY_REQUESTS, "pool_exhausted")
+        .await;
     assert_eq!(health(&app, "key-a").await.0, "cooldown");
 
     report(&app, &probe, "success", None).await;
     assert_eq!(health(&app, "key-a").await, ("available".into(), None));
     for _ in 0..3 {
-        let l = lease(&app).await;
+        let l = app.lease(gpt4o_for(600)).await;
         assert_eq!(l["probe"], false);
     }
     let events = transitions(&app, "key-a").await;
@@ -190,16 +162,12 @@ async fn recovery_needs_no_job_and_starts_with_a_single_probe_lease() {
 
 #[tokio::test]
 async fn a_failed_probe_starts_a_longer_cooldown() {
-    let app = TestApp::spawn().await;
-    app.put_key("key-a", "openai", "default", &["gpt-4o"], 2)
-        .await;
+    let app = TestApp::with_credential("key-a", 2).await;
     app.set_status("key-a", "cooldown", Some(1.0)).await;
-    sqlx::query("UPDATE credentials SET cooldowns_in_a_row = 1 WHERE key_id = 'key-a'")
-        .execute(&app.db)
-        .await
-        .unwrap();
+    app.run_sql("UPDATE credentials SET cooldowns_in_a_row = 1 WHERE key_id = 'key-a'")
+        .await;
     tokio::time::sleep(Duration::from_millis(1_200)).await;
-    let probe = lease(&app).await;
+    let probe = app.lease(gpt4o_for(600)).await;
     assert_eq!(probe["probe"], true);
     report(&app, &probe, "failure", None).await;
     let (status, left) = health(&app, "key-a").await;
@@ -210,10 +178,8 @@ async fn a_failed_probe_starts_a_longer_cooldown() {
 
 #[tokio::test]
 async fn auth_error_disables_the_credential() {
-    let app = TestApp::spawn().await;
-    app.put_key("key-a", "openai", "default", &["gpt-4o"], 2)
-        .await;
-    let l = lease(&app).await;
+    let app = TestApp::with_credential("key-a", 2).await;
+    let l = app.lease(gpt4o_for(600)).await;
     report(&app, &l, "auth_error", None).await;
     let (status, reason): (String, Option<String>) =
         sqlx::query_as("SELECT status, status_reason FROM credentials WHERE key_id = 'key-a'")
@@ -222,63 +188,49 @@ async fn auth_error_disables_the_credential() {
             .unwrap();
     assert_eq!(status, "disabled");
     assert!(reason.unwrap().contains("auth_error"));
-    assert_error(
-        app.allocate(gpt4o()).await,
-        StatusCode::CONFLICT,
-        "no_usable_credentials",
-    )
-    .await;
+    app.allocate(gpt4o_for(600))
+        .refused(StatusCode::CONFLICT, "no_usable_credentials")
+        .await;
 }
 
 #[tokio::test]
 async fn quota_exhausted_waits_for_retry_after_or_for_an_operator() {
-    let app = TestApp::spawn().await;
-    app.put_key("timed", "openai", "default", &["gpt-4o"], 1)
-        .await;
-    let l = lease(&app).await;
+    let app = TestApp::with_credential("timed", 1).await;
+    let l = app.lease(gpt4o_for(600)).await;
     report(&app, &l, "quota_exhausted", Some(3600)).await;
-    let response = app.allocate(gpt4o()).await;
+    let response = app.allocate(gpt4o_for(600)).await;
     assert!((3599..=3600).contains(&retry_after(&response)));
     assert_error(response, StatusCode::TOO_MANY_REQUESTS, "pool_exhausted").await;
 
-    let app = TestApp::spawn().await;
-    app.put_key("forever", "openai", "default", &["gpt-4o"], 1)
-        .await;
-    let l = lease(&app).await;
+    let app = TestApp::with_credential("forever", 1).await;
+    let l = app.lease(gpt4o_for(600)).await;
     report(&app, &l, "quota_exhausted", None).await;
     assert_eq!(health(&app, "forever").await, ("exhausted".into(), None));
-    assert_error(
-        app.allocate(gpt4o()).await,
-        StatusCode::CONFLICT,
-        "no_usable_credentials",
-    )
-    .await;
+    app.allocate(gpt4o_for(600))
+        .refused(StatusCode::CONFLICT, "no_usable_credentials")
+        .await;
 }
 
 #[tokio::test]
 async fn an_outcome_after_expiry_counts_for_health_once_and_releases_nothing() {
-    let app = TestApp::spawn().await;
-    app.put_key("key-a", "openai", "default", &["gpt-4o"], 1)
-        .await;
-    let body = json!({"provider": "openai", "model": "gpt-4o", "lease_seconds": 1});
-    let late = json_body(app.allocate(body).await, StatusCode::OK).await;
+    let app = TestApp::with_credential("key-a", 1).await;
+    let body = gpt4o_for(1);
+    let late = app.lease(body).await;
     tokio::time::sleep(Duration::from_millis(1_200)).await;
 
     for _ in 0..2 {
         let answer = report(&app, &late, "failure", None).await;
         assert_eq!(answer["released"], false);
     }
-    let failures: f64 =
-        sqlx::query_scalar("SELECT health_failures FROM credentials WHERE key_id = 'key-a'")
-            .fetch_one(&app.db)
-            .await
-            .unwrap();
+    let failures: f64 = app
+        .scalar("SELECT health_failures FROM credentials WHERE key_id = 'key-a'")
+        .await;
     assert!((0.99..=1.0).contains(&failures), "counted {failures} times");
     let mut events = app.events(late["lease_id"].as_str().unwrap()).await;
     events.sort();
     assert_eq!(events, ["expired", "granted", "outcome_after_expiry"]);
     // the slot is free for the next executor
-    lease(&app).await;
+    app.lease(gpt4o_for(600)).await;
 }
 
 #[tokio::test]
@@ -292,12 +244,11 @@ async fn aliases_map_a_request_model_to_each_credentials_own_name() {
         )
         .await;
     assert_eq!(put.status(), StatusCode::CREATED);
-    app.put_key("plain", "openai", "default", &["gpt-4o"], 1)
-        .await;
+    app.put_gpt4o_key("plain", "default", 1).await;
 
     let mut served = HashMap::new();
     for _ in 0..2 {
-        let l = lease(&app).await;
+        let l = app.lease(gpt4o_for(600)).await;
         served.insert(
             l["key_id"].as_str().unwrap().to_owned(),
             l["provider_model"].as_str().unwrap().to_owned(),
@@ -306,13 +257,9 @@ async fn aliases_map_a_request_model_to_each_credentials_own_name() {
     assert_eq!(served["dated"], "gpt-4o-2024-08-06");
     assert_eq!(served["plain"], "gpt-4o");
     // the alias is not a model of its own elsewhere
-    assert_error(
-        app.allocate(json!({"provider": "openai", "model": "claude-3"}))
-            .await,
-        StatusCode::CONFLICT,
-        "model_not_supported",
-    )
-    .await;
+    app.allocate(json!({"provider": "openai", "model": "claude-3"}))
+        .refused(StatusCode::CONFLICT, "model_not_supported")
+        .await;
 }
 
 #[tokio::test]
@@ -330,21 +277,16 @@ async fn an_alias_must_point_at_one_of_the_credentials_models() {
 
 #[tokio::test]
 async fn a_status_change_made_elsewhere_is_seen_at_once() {
-    let app = TestApp::spawn().await;
-    app.put_key("key-a", "openai", "default", &["gpt-4o"], 1)
-        .await;
-    let l = lease(&app).await;
+    let app = TestApp::with_credential("key-a", 1).await;
+    let l = app.lease(gpt4o_for(600)).await;
     report(&app, &l, "success", None).await;
     // another replica (here: plain SQL) disables the credential; this service's view is stale
     app.set_status("key-a", "disabled", None).await;
-    assert_error(
-        app.allocate(gpt4o()).await,
-        StatusCode::CONFLICT,
-        "no_usable_credentials",
-    )
-    .await;
+    app.allocate(gpt4o_for(600))
+        .refused(StatusCode::CONFLICT, "no_usable_credentials")
+        .await;
     app.set_status("key-a", "available", None).await;
-    lease(&app).await;
+    app.lease(gpt4o_for(600)).await;
 }
 
 #[tokio::test]
@@ -381,7 +323,7 @@ async fn traffic_shares(
 ) -> HashMap<String, usize> {
     let mut counts: HashMap<String, usize> = HashMap::new();
     for i in 0..cycles {
-        let l = lease(app).await;
+        let l = app.lease(gpt4o_for(600)).await;
         let key = l["key_id"].as_str().unwrap().to_owned();
         let outcome = if flaky == Some(key.as_str()) && i % 2 == 0 {
             "failure"
@@ -398,8 +340,7 @@ async fn traffic_shares(
 async fn equal_credentials_share_sequential_traffic_evenly() {
     let app = TestApp::spawn().await;
     for i in 0..8 {
-        app.put_key(&format!("eq-{i}"), "openai", "default", &["gpt-4o"], 1)
-            .await;
+        app.put_gpt4o_key(&format!("eq-{i}"), "default", 1).await;
     }
     let cycles = 2_000;
     let counts = traffic_shares(&app, cycles, None).await;
@@ -417,8 +358,7 @@ async fn equal_credentials_share_sequential_traffic_evenly() {
 async fn a_credential_failing_half_its_calls_gets_clearly_less_traffic() {
     let app = TestApp::spawn().await;
     for i in 0..8 {
-        app.put_key(&format!("c-{i}"), "openai", "default", &["gpt-4o"], 1)
-            .await;
+        app.put_gpt4o_key(&format!("c-{i}"), "default", 1).await;
     }
     let cycles = 800;
     let counts = traffic_shares(&app, cycles, Some("c-0")).await;

@@ -8,72 +8,28 @@ use std::time::Duration;
 use credpool::store;
 use reqwest::StatusCode;
 use serde_json::{Value, json};
-use sqlx::{Executor, Row};
+use sqlx::Executor;
 
 use credpool_test_support::*;
 
 use crate::BIN;
-use crate::lease_state::{Hook, backend_pid, hooked, until_waiting, wait_for_lock_waiters};
-use crate::tenants::{admin, allocate, executor, lease_ref, mint, put_tenant, two_replicas};
+use crate::common::{claim_answer, pause_claim, race_tenant, two_replicas};
 
-/// An allocate of `pool` for tenant key `key` reserving `tokens`.
-async fn allocate_tokens(
-    client: &reqwest::Client,
-    base: &str,
-    key: &str,
-    tokens: u64,
-) -> reqwest::Response {
-    executor(
-        client,
-        base,
-        "/api/internal/allocate-key",
-        key,
-        json!({"provider": "openai", "model": "gpt-4o", "pool": "default", "lease_seconds": 600,
-               "tokens": tokens}),
-    )
-    .await
+/// An allocate body of gpt-4o from openai's `default` pool for 600 seconds, reserving `tokens`.
+fn reserving(tokens: u64) -> Value {
+    json!({"provider": "openai", "model": "gpt-4o", "pool": "default", "lease_seconds": 600,
+           "tokens": tokens})
 }
 
-/// `racers` simultaneous allocates reserving `tokens` each, alternating between `bases`: the
-/// leases granted and the Retry-After of every `tenant_limit` (any other answer panics).
+/// `racers` simultaneous allocates reserving `tokens` each, alternating between `replicas`:
+/// the leases granted and the Retry-After of every `tenant_limit` (any other answer panics).
 async fn race(
-    client: &reqwest::Client,
-    bases: &[&str],
+    replicas: &[Remote],
     key: &str,
     racers: usize,
     tokens: u64,
 ) -> (Vec<Value>, Vec<u64>) {
-    let barrier = std::sync::Arc::new(tokio::sync::Barrier::new(racers));
-    let calls: Vec<_> = (0..racers)
-        .map(|i| {
-            let (client, key, barrier) = (client.clone(), key.to_owned(), barrier.clone());
-            let base = bases[i % bases.len()].to_owned();
-            tokio::spawn(async move {
-                barrier.wait().await;
-                let response = allocate_tokens(&client, &base, &key, tokens).await;
-                let status = response.status();
-                let retry_after = response
-                    .headers()
-                    .get("retry-after")
-                    .map(|v| v.to_str().unwrap().parse::<u64>().unwrap());
-                (status, retry_after, response.json::<Value>().await.unwrap())
-            })
-        })
-        .collect();
-    let mut granted = Vec::new();
-    let mut refused = Vec::new();
-    for call in calls {
-        let (status, retry_after, body) = call.await.unwrap();
-        match status {
-            StatusCode::OK => granted.push(body),
-            StatusCode::TOO_MANY_REQUESTS => {
-                assert_eq!(body["error"]["code"], "tenant_limit", "{body}");
-                refused.push(retry_after.expect("Retry-After on tenant_limit"));
-            }
-            other => panic!("unexpected {other}: {body}"),
-        }
-    }
-    (granted, refused)
+    race_tenant(replicas, key, vec![reserving(tokens); racers]).await
 }
 
 /// What tenant `tenant`'s grants in the trail charged its token window, as the window counts
@@ -100,25 +56,23 @@ async fn a_tenant_token_window_holds_over_every_replica_and_the_trail_proves_it(
     // each give 400 back, which 20 more racers fill with exactly 4 leases. The trail: no more
     // than 1000 tokens charged to any tenant, and `credpool audit verify` passes.
     let (database, a, b) = two_replicas(4, 16).await;
-    let client = client();
-    let bases = [a.base.as_str(), b.base.as_str()];
+    let replicas = [a.remote(), b.remote()];
     let pool = database.pool(1).await;
     for round in 0..4 {
         let tenant = format!("team-{round}");
-        let put = put_tenant(
-            &client,
-            &a.base,
-            &tenant,
-            json!({"rate_limits": [{"tokens": 1000, "seconds": 3600}]}),
-        )
-        .await;
+        let put = a
+            .put_tenant(
+                &tenant,
+                json!({"rate_limits": [{"tokens": 1000, "seconds": 3600}]}),
+            )
+            .await;
         assert_eq!(
             put["rate_limits"],
             json!([{"tokens": 1000, "seconds": 3600}])
         );
-        let (_, key) = mint(&client, &b.base, &tenant).await;
+        let (_, key) = b.mint_key(&tenant).await;
 
-        let (granted, refused) = race(&client, &bases, &key, 40, 100).await;
+        let (granted, refused) = race(&replicas, &key, 40, 100).await;
         assert_eq!(granted.len(), 10, "round {round}: {granted:?}");
         assert_eq!(refused.len(), 30);
         // the window frees when its oldest bucket leaves it: about an hour from now
@@ -132,18 +86,7 @@ async fn a_tenant_token_window_holds_over_every_replica_and_the_trail_proves_it(
             assert_eq!(lease["tenant"], tenant.as_str(), "{lease}");
         }
         // a tenant without windows is served while this one has no room
-        let other = json_body(
-            post_json(
-                &client,
-                &format!("{}/api/internal/allocate-key", a.base),
-                ("x-internal-key", INTERNAL_KEY),
-                json!({"provider": "openai", "model": "gpt-4o", "pool": "default",
-                       "lease_seconds": 600, "tokens": 100}),
-            )
-            .await,
-            StatusCode::OK,
-        )
-        .await;
+        let other = a.lease(reserving(100)).await;
         assert_eq!(other["tenant"], "default");
 
         // usage below the reservation gives the difference back to the tenant's window
@@ -151,21 +94,11 @@ async fn a_tenant_token_window_holds_over_every_replica_and_the_trail_proves_it(
             let mut release = lease_ref(lease);
             release["outcome"] = json!("success");
             release["usage"] = json!({"tokens": 20});
-            let released = json_body(
-                executor(
-                    &client,
-                    bases[i % 2],
-                    "/api/internal/release-key",
-                    &key,
-                    release,
-                )
-                .await,
-                StatusCode::OK,
-            )
-            .await;
+            let replica = if i % 2 == 0 { &a } else { &b };
+            let released = replica.release_as(&key, release).ok_json().await;
             assert_eq!(released["released"], true, "{released}");
         }
-        let (again, refused) = race(&client, &bases, &key, 20, 100).await;
+        let (again, refused) = race(&replicas, &key, 20, 100).await;
         assert_eq!(again.len(), 4, "round {round}: after 400 tokens came back");
         assert_eq!(refused.len(), 16);
         assert_eq!(tokens_charged(&pool, &tenant).await, 1000, "round {round}");
@@ -177,36 +110,24 @@ async fn a_tenant_token_window_holds_over_every_replica_and_the_trail_proves_it(
 #[tokio::test]
 async fn an_estimate_larger_than_the_tenant_token_window_is_409_and_a_requests_window_counts_grants()
  {
-    let app = TestApp::spawn().await;
-    let base = app.url("");
-    app.put_key("k", "openai", "default", &["gpt-4o"], 8).await;
-    put_tenant(
-        &app.client,
-        &base,
+    let app = TestApp::with_credential("k", 8).await;
+    app.put_tenant(
         "team",
         json!({"rate_limits": [{"requests": 3, "seconds": 600}, {"tokens": 500, "seconds": 60}]}),
     )
     .await;
-    let (_, key) = mint(&app.client, &base, "team").await;
+    let (_, key) = app.mint_key("team").await;
     // no wait can make room for 501 tokens in a window of 500
-    let response = allocate_tokens(&app.client, &base, &key, 501).await;
+    let response = app.allocate_as(&key, reserving(501)).await;
     let body = json_body(response, StatusCode::CONFLICT).await;
     assert_eq!(body["error"]["code"], "tokens_exceed_budget", "{body}");
     // three requests, whatever their tokens; the fourth waits for the requests window
     for _ in 0..3 {
-        json_body(
-            allocate_tokens(&app.client, &base, &key, 0).await,
-            StatusCode::OK,
-        )
-        .await;
+        app.allocate_as(&key, reserving(0)).ok_json().await;
     }
-    let response = allocate_tokens(&app.client, &base, &key, 0).await;
+    let response = app.allocate_as(&key, reserving(0)).await;
     assert_eq!(response.status(), StatusCode::TOO_MANY_REQUESTS);
-    let retry_after: u64 = response.headers()["retry-after"]
-        .to_str()
-        .unwrap()
-        .parse()
-        .unwrap();
+    let retry_after: u64 = retry_after(&response);
     assert!((550..=640).contains(&retry_after), "{retry_after}");
     let body: Value = response.json().await.unwrap();
     assert_eq!(body["error"]["code"], "tenant_limit");
@@ -218,59 +139,13 @@ async fn an_estimate_larger_than_the_tenant_token_window_is_409_and_a_requests_w
         "{body}"
     );
     // removing the windows lifts them at once
-    put_tenant(&app.client, &base, "team", json!({})).await;
-    json_body(
-        allocate_tokens(&app.client, &base, &key, 501).await,
-        StatusCode::OK,
-    )
-    .await;
-    let rows: i64 = sqlx::query_scalar("SELECT count(*) FROM tenant_windows")
-        .fetch_one(&app.db)
-        .await
-        .unwrap();
+    app.put_tenant("team", json!({})).await;
+    app.allocate_as(&key, reserving(501)).ok_json().await;
+    let rows: i64 = app.scalar("SELECT count(*) FROM tenant_windows").await;
     assert_eq!(
         rows, 0,
         "a tenant without windows keeps no tenant_windows row"
     );
-}
-
-/// The hex SHA-256 of an executor key, as the service sends it to `credpool_claim`.
-pub(crate) async fn key_hash(app: &TestApp, key: &str) -> String {
-    sqlx::query_scalar("SELECT encode(sha256(convert_to($1, 'UTF8')), 'hex')")
-        .bind(key)
-        .fetch_one(&app.db)
-        .await
-        .unwrap()
-}
-
-/// What a claim answered: the credential it granted (if any) and its `request`.
-pub(crate) type ClaimAnswer = Result<(Option<String>, Option<String>), sqlx::Error>;
-
-/// A claim for tenant key hash `hash` of a slot of `ranked` in `pool`, on connection `conn`
-/// (which stops at the test hooks it was given): its answer once it finishes.
-pub(crate) fn paused_claim(
-    mut conn: sqlx::PgConnection,
-    ranked: &str,
-    pool: &str,
-    hash: &str,
-) -> tokio::task::JoinHandle<ClaimAnswer> {
-    let body = json!([{
-        "ranked": [ranked], "provider": "openai", "pool": pool, "model": "gpt-4o",
-        "lease_id": uuid::Uuid::new_v4(), "holder": "paused", "lease_seconds": 600,
-        "key_hash": hash,
-    }]);
-    tokio::spawn(async move {
-        sqlx::query("SELECT key_id, request FROM credpool_claim($1)")
-            .bind(body)
-            .fetch_one(&mut conn)
-            .await
-            .map(|row| {
-                (
-                    row.get::<Option<String>, _>(0),
-                    row.get::<Option<String>, _>(1),
-                )
-            })
-    })
 }
 
 #[tokio::test]
@@ -281,44 +156,25 @@ async fn a_claim_paused_before_the_tenant_window_lock_never_grants_into_a_window
     // (the re-check of the locked row) and grants nothing: 'tenant_limit'. Decided on the row
     // as the snapshot had it, it would grant a second request into a window of one.
     let app = TestApp::spawn().await;
-    let base = app.url("");
-    app.put_key("ka", "openai", "a", &["gpt-4o"], 4).await;
-    app.put_key("kb", "openai", "b", &["gpt-4o"], 4).await;
-    put_tenant(
-        &app.client,
-        &base,
+    app.put_gpt4o_key("ka", "a", 4).await;
+    app.put_gpt4o_key("kb", "b", 4).await;
+    app.put_tenant(
         "team",
         json!({"rate_limits": [{"requests": 1, "seconds": 600}]}),
     )
     .await;
-    let (_, key) = mint(&app.client, &base, "team").await;
-    let hash = key_hash(&app, &key).await;
+    let (_, key) = app.mint_key("team").await;
 
-    let hook = Hook::close(&app, "claim.before_tenant_window_lock").await;
-    let mut conn = hooked(&app, "claim.before_tenant_window_lock").await;
-    let pid = backend_pid(&mut conn).await;
-    let claiming = paused_claim(conn, "ka", "a", &hash);
-    until_waiting(&app, pid).await;
-    let granted = json_body(
-        allocate(&app.client, &base, &key, "b").await,
-        StatusCode::OK,
-    )
-    .await;
+    let (hook, claiming) = pause_claim(&app, &key, "claim.before_tenant_window_lock").await;
+    let granted = app.lease_as(&key, "b").await;
     assert_eq!(granted["key_id"], "kb");
     hook.open().await;
-    let (key_id, request) = tokio::time::timeout(Duration::from_secs(30), claiming)
-        .await
-        .expect("the claim finished")
-        .unwrap()
-        .expect("the claim failed");
+    let (key_id, request) = claim_answer(claiming).await;
     assert_eq!(key_id, None, "a second request in a window of one");
     assert_eq!(request.as_deref(), Some("tenant_limit"));
-    let grants: i64 = sqlx::query_scalar(
-        "SELECT count(*) FROM lease_events WHERE event = 'granted' AND tenant = 'team'",
-    )
-    .fetch_one(&app.db)
-    .await
-    .unwrap();
+    let grants: i64 = app
+        .scalar("SELECT count(*) FROM lease_events WHERE event = 'granted' AND tenant = 'team'")
+        .await;
     assert_eq!(grants, 1);
     let (ok, report) = audit_verify(BIN, &app.database).await;
     assert!(ok, "{report}");
@@ -332,24 +188,16 @@ async fn change_while_a_claim_is_in_flight(
     change: Value,
 ) -> (Option<String>, u16, reqwest::Response) {
     let app = TestApp::spawn().await;
-    let base = app.url("");
-    app.put_key("ka", "openai", "a", &["gpt-4o"], 4).await;
-    app.put_key("kb", "openai", "b", &["gpt-4o"], 4).await;
-    put_tenant(&app.client, &base, "team", json!({})).await;
-    let (_, key) = mint(&app.client, &base, "team").await;
-    let hash = key_hash(&app, &key).await;
+    app.put_gpt4o_key("ka", "a", 4).await;
+    app.put_gpt4o_key("kb", "b", 4).await;
+    app.put_tenant("team", json!({})).await;
+    let (_, key) = app.mint_key("team").await;
 
-    let hook = Hook::close(&app, "claim.before_lock").await;
-    let mut conn = hooked(&app, "claim.before_lock").await;
-    let pid = backend_pid(&mut conn).await;
-    let claiming = paused_claim(conn, "ka", "a", &hash);
-    until_waiting(&app, pid).await;
+    let (hook, claiming) = pause_claim(&app, &key, "claim.before_lock").await;
     let mut putting = {
-        let (client, base) = (app.client.clone(), base.clone());
+        let app = app.remote();
         tokio::spawn(async move {
-            admin(
-                &client,
-                &base,
+            app.admin(
                 reqwest::Method::PUT,
                 "/api/admin/tenants/team",
                 Some(change),
@@ -367,19 +215,29 @@ async fn change_while_a_claim_is_in_flight(
         _ = &mut putting => panic!("the PUT answered while a claim of the tenant was in flight"),
     }
     hook.open().await;
-    let (key_id, _) = tokio::time::timeout(Duration::from_secs(30), claiming)
-        .await
-        .expect("the claim finished")
-        .unwrap()
-        .expect("the claim failed");
+    let (key_id, _) = claim_answer(claiming).await;
     let put = tokio::time::timeout(Duration::from_secs(30), putting)
         .await
         .expect("the PUT answered")
         .unwrap();
-    let after = allocate(&app.client, &base, &key, "b").await;
+    let after = app.allocate_as(&key, gpt4o_in_for("b", 600)).await;
     let (ok, report) = audit_verify(BIN, &app.database).await;
     assert!(ok, "{report}");
     (key_id, put, after)
+}
+
+/// [`change_while_a_claim_is_in_flight`] of `change`: the claim in flight is served, the PUT
+/// answers 200 after it, and one more allocate of the tenant is refused 429 (`refused` says why
+/// it must be).
+async fn counts_the_claim_in_flight(change: Value, refused: &str) {
+    let (key_id, put, after) = change_while_a_claim_is_in_flight(change).await;
+    assert_eq!(
+        key_id.as_deref(),
+        Some("ka"),
+        "the claim in flight is served"
+    );
+    assert_eq!(put, 200);
+    assert_eq!(after.status(), StatusCode::TOO_MANY_REQUESTS, "{refused}");
 }
 
 #[tokio::test]
@@ -387,21 +245,11 @@ async fn a_window_set_while_a_claim_of_the_tenant_is_in_flight_counts_that_claim
     // Before, the claim read the tenant from its snapshot and the PUT seeded the new window from
     // the trail without the claim's grant, which committed after it: the next allocate found
     // the window of one request empty and a second request was granted into it.
-    let (key_id, put, after) = change_while_a_claim_is_in_flight(
+    counts_the_claim_in_flight(
         json!({"rate_limits": [{"requests": 1, "seconds": 600}], "pools": ["*/*"]}),
+        "a second request in a window of one",
     )
     .await;
-    assert_eq!(
-        key_id.as_deref(),
-        Some("ka"),
-        "the claim in flight is served"
-    );
-    assert_eq!(put, 200);
-    assert_eq!(
-        after.status(),
-        StatusCode::TOO_MANY_REQUESTS,
-        "a second request in a window of one"
-    );
 }
 
 #[tokio::test]
@@ -409,20 +257,11 @@ async fn a_cap_set_while_a_claim_of_the_tenant_is_in_flight_counts_that_claim() 
     // Before, the PUT fitted the tenant's slot rows without the claim's lease (uncommitted), so
     // the claim's lease lived outside them and the next allocate took the one free row: two
     // leases for a tenant capped at one.
-    let (key_id, put, after) =
-        change_while_a_claim_is_in_flight(json!({"max_concurrent_leases": 1, "pools": ["*/*"]}))
-            .await;
-    assert_eq!(
-        key_id.as_deref(),
-        Some("ka"),
-        "the claim in flight is served"
-    );
-    assert_eq!(put, 200);
-    assert_eq!(
-        after.status(),
-        StatusCode::TOO_MANY_REQUESTS,
-        "a second lease for a tenant capped at one"
-    );
+    counts_the_claim_in_flight(
+        json!({"max_concurrent_leases": 1, "pools": ["*/*"]}),
+        "a second lease for a tenant capped at one",
+    )
+    .await;
 }
 
 #[tokio::test]
@@ -433,23 +272,13 @@ async fn an_upgrade_seeds_the_windows_set_before_they_were_enforced_and_names_li
     // rate_limits were stored (never enforced) after two of its grants, without a tenant_windows
     // row. The upgrade (sql/tenants.sql applied again) names the lease's row, so its release frees
     // the tenant's cap, and seeds the window from the trail, so the window of two is full.
-    let app = TestApp::spawn().await;
-    let base = app.url("");
-    app.put_key("k", "openai", "default", &["gpt-4o"], 8).await;
-    let capped = crate::tenants::capped_tenant(&app, "capped", 1).await;
-    put_tenant(&app.client, &base, "windowed", json!({})).await;
-    let (_, windowed) = mint(&app.client, &base, "windowed").await;
-    let held = json_body(
-        allocate(&app.client, &base, &capped, "default").await,
-        StatusCode::OK,
-    )
-    .await;
+    let app = TestApp::with_credential("k", 8).await;
+    let capped = app.capped_tenant("capped", 1).await;
+    app.put_tenant("windowed", json!({})).await;
+    let (_, windowed) = app.mint_key("windowed").await;
+    let held = app.lease_as(&capped, "default").await;
     for _ in 0..2 {
-        json_body(
-            allocate(&app.client, &base, &windowed, "default").await,
-            StatusCode::OK,
-        )
-        .await;
+        app.lease_as(&windowed, "default").await;
     }
     app.db
         .execute(
@@ -463,19 +292,20 @@ async fn an_upgrade_seeds_the_windows_set_before_they_were_enforced_and_names_li
 
     store::migrate(&app.db).await.expect("the upgrade failed");
 
-    let named: i64 = sqlx::query_scalar(
-        "SELECT count(*) FROM lease_slots s JOIN tenant_slots t
+    let named: i64 = app
+        .scalar(
+            "SELECT count(*) FROM lease_slots s JOIN tenant_slots t
              ON t.tenant_id = s.tenant AND t.slot = s.tenant_slot AND t.lease_id = s.lease_id
          WHERE s.tenant = 'capped'",
-    )
-    .fetch_one(&app.db)
-    .await
-    .unwrap();
+        )
+        .await;
     assert_eq!(
         named, 1,
         "the live lease of the capped tenant names its tenant slot row"
     );
-    let response = allocate(&app.client, &base, &windowed, "default").await;
+    let response = app
+        .allocate_as(&windowed, gpt4o_in_for("default", 600))
+        .await;
     assert_eq!(
         response.status(),
         StatusCode::TOO_MANY_REQUESTS,
@@ -484,64 +314,38 @@ async fn an_upgrade_seeds_the_windows_set_before_they_were_enforced_and_names_li
     // the capped tenant's release frees its cap
     let mut release = lease_ref(&held);
     release["outcome"] = json!("success");
-    json_body(
-        executor(
-            &app.client,
-            &base,
-            "/api/internal/release-key",
-            &capped,
-            release,
-        )
-        .await,
-        StatusCode::OK,
-    )
-    .await;
-    json_body(
-        allocate(&app.client, &base, &capped, "default").await,
-        StatusCode::OK,
-    )
-    .await;
+    app.release_as(&capped, release).ok_json().await;
+    app.lease_as(&capped, "default").await;
 }
 
 #[tokio::test]
 async fn a_late_report_of_usage_replaces_the_reservation_in_the_tenant_window() {
     // A lease of a tenant with a token window of 1,000 reserved 600 and expired; its late report
     // says it used 100: 500 come back, so an estimate of 800 fits in the window where it did not.
-    let app = TestApp::spawn().await;
-    let base = app.url("");
-    app.put_key("k", "openai", "default", &["gpt-4o"], 8).await;
-    put_tenant(
-        &app.client,
-        &base,
+    let app = TestApp::with_credential("k", 8).await;
+    app.put_tenant(
         "team",
         json!({"rate_limits": [{"tokens": 1000, "seconds": 600}]}),
     )
     .await;
-    let (_, key) = mint(&app.client, &base, "team").await;
-    let lease = json_body(
-        executor(
-            &app.client,
-            &base,
-            "/api/internal/allocate-key",
+    let (_, key) = app.mint_key("team").await;
+    let lease = app
+        .allocate_as(
             &key,
             json!({"provider": "openai", "model": "gpt-4o", "pool": "default",
                    "lease_seconds": 1, "tokens": 600}),
         )
-        .await,
-        StatusCode::OK,
-    )
-    .await;
-    let refused = allocate_tokens(&app.client, &base, &key, 800).await;
+        .ok_json()
+        .await;
+    let refused = app.allocate_as(&key, reserving(800)).await;
     assert_eq!(refused.status(), StatusCode::TOO_MANY_REQUESTS);
     tokio::time::sleep(Duration::from_millis(1500)).await;
-    let live: i64 =
-        sqlx::query_scalar("SELECT count(*) FROM lease_slots WHERE lease_until > now()")
-            .fetch_one(&app.db)
-            .await
-            .unwrap();
+    let live: i64 = app
+        .scalar("SELECT count(*) FROM lease_slots WHERE lease_until > now()")
+        .await;
     assert_eq!(live, 0, "the lease has not expired yet");
     // expired, its reservation still holds: an expiry gives no tokens back, only a report does
-    let refused = allocate_tokens(&app.client, &base, &key, 800).await;
+    let refused = app.allocate_as(&key, reserving(800)).await;
     assert_eq!(
         refused.status(),
         StatusCode::TOO_MANY_REQUESTS,
@@ -550,23 +354,8 @@ async fn a_late_report_of_usage_replaces_the_reservation_in_the_tenant_window() 
     let mut report = lease_ref(&lease);
     report["outcome"] = json!("success");
     report["usage"] = json!({"tokens": 100});
-    json_body(
-        executor(
-            &app.client,
-            &base,
-            "/api/internal/release-key",
-            &key,
-            report,
-        )
-        .await,
-        StatusCode::OK,
-    )
-    .await;
-    json_body(
-        allocate_tokens(&app.client, &base, &key, 800).await,
-        StatusCode::OK,
-    )
-    .await;
+    app.release_as(&key, report).ok_json().await;
+    app.allocate_as(&key, reserving(800)).ok_json().await;
     let (ok, report) = audit_verify(BIN, &app.database).await;
     assert!(ok, "{report}");
 }
@@ -575,30 +364,20 @@ async fn a_late_report_of_usage_replaces_the_reservation_in_the_tenant_window() 
 async fn windows_and_a_cap_removed_and_set_again_start_from_the_trail_and_the_leases_in_flight() {
     // Remove a tenant's window and cap, grant more, set them again: the window counts every grant
     // of its last length (before, while and after it was removed), the cap every lease in flight.
-    let app = TestApp::spawn().await;
-    let base = app.url("");
-    app.put_key("k", "openai", "default", &["gpt-4o"], 8).await;
+    let app = TestApp::with_credential("k", 8).await;
     let limits =
         json!({"max_concurrent_leases": 3, "rate_limits": [{"requests": 4, "seconds": 600}]});
-    put_tenant(&app.client, &base, "team", limits.clone()).await;
-    let (_, key) = mint(&app.client, &base, "team").await;
+    app.put_tenant("team", limits.clone()).await;
+    let (_, key) = app.mint_key("team").await;
     for _ in 0..2 {
-        json_body(
-            allocate(&app.client, &base, &key, "default").await,
-            StatusCode::OK,
-        )
-        .await;
+        app.lease_as(&key, "default").await;
     }
-    put_tenant(&app.client, &base, "team", json!({})).await;
-    json_body(
-        allocate(&app.client, &base, &key, "default").await,
-        StatusCode::OK,
-    )
-    .await;
-    put_tenant(&app.client, &base, "team", limits).await;
+    app.put_tenant("team", json!({})).await;
+    app.lease_as(&key, "default").await;
+    app.put_tenant("team", limits).await;
     // 3 leases in flight: at the cap of 3
     let body = json_body(
-        allocate(&app.client, &base, &key, "default").await,
+        app.allocate_as(&key, gpt4o_in_for("default", 600)).await,
         StatusCode::TOO_MANY_REQUESTS,
     )
     .await;
@@ -609,21 +388,15 @@ async fn windows_and_a_cap_removed_and_set_again_start_from_the_trail_and_the_le
             .contains("max_concurrent_leases"),
         "{body}"
     );
-    put_tenant(
-        &app.client,
-        &base,
+    app.put_tenant(
         "team",
         json!({"max_concurrent_leases": 10, "rate_limits": [{"requests": 4, "seconds": 600}]}),
     )
     .await;
     // 3 grants in the window of 4: one more, then the window holds
-    json_body(
-        allocate(&app.client, &base, &key, "default").await,
-        StatusCode::OK,
-    )
-    .await;
+    app.lease_as(&key, "default").await;
     let body = json_body(
-        allocate(&app.client, &base, &key, "default").await,
+        app.allocate_as(&key, gpt4o_in_for("default", 600)).await,
         StatusCode::TOO_MANY_REQUESTS,
     )
     .await;
@@ -645,26 +418,18 @@ async fn a_window_set_on_a_busy_tenant_never_holds_its_claims_back_while_it_read
     // allocating. Before, the read ran under the tenant's exclusive lock, so every claim of the
     // tenant answered `busy` and then 429 after a second. The window still counts every grant:
     // the three before the change and the four made while it read the trail.
-    let app = crate::lease_state::app_with_hooks("tenant.seeding").await;
-    let base = app.url("");
-    app.put_key("k1", "openai", "default", &["gpt-4o"], 64)
-        .await;
-    put_tenant(&app.client, &base, "team", json!({})).await;
-    let (_, key) = mint(&app.client, &base, "team").await;
+    let app = TestApp::spawn_with_hooks("tenant.seeding").await;
+    app.put_gpt4o_key("k1", "default", 64).await;
+    app.put_tenant("team", json!({})).await;
+    let (_, key) = app.mint_key("team").await;
     for _ in 0..3 {
-        json_body(
-            allocate(&app.client, &base, &key, "default").await,
-            StatusCode::OK,
-        )
-        .await;
+        app.lease_as(&key, "default").await;
     }
     let hook = Hook::close(&app, "tenant.seeding").await;
     let putting = {
-        let (client, base) = (app.client.clone(), base.clone());
+        let app = app.remote();
         tokio::spawn(async move {
-            admin(
-                &client,
-                &base,
+            app.admin(
                 reqwest::Method::PUT,
                 "/api/admin/tenants/team",
                 Some(json!({
@@ -678,7 +443,7 @@ async fn a_window_set_on_a_busy_tenant_never_holds_its_claims_back_while_it_read
     };
     wait_for_lock_waiters(&app, 1).await;
     for n in 0..4 {
-        let response = allocate(&app.client, &base, &key, "default").await;
+        let response = app.allocate_as(&key, gpt4o_in_for("default", 600)).await;
         assert_eq!(
             response.status(),
             StatusCode::OK,
@@ -688,9 +453,10 @@ async fn a_window_set_on_a_busy_tenant_never_holds_its_claims_back_while_it_read
     }
     hook.open().await;
     assert_eq!(putting.await.unwrap(), StatusCode::OK);
-    let answers =
-        futures::future::join_all((0..3).map(|_| allocate(&app.client, &base, &key, "default")))
-            .await;
+    let answers = futures::future::join_all(
+        (0..3).map(|_| app.allocate_as(&key, gpt4o_in_for("default", 600))),
+    )
+    .await;
     let granted = answers
         .iter()
         .filter(|a| a.status() == StatusCode::OK)

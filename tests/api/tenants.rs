@@ -10,178 +10,7 @@ use serde_json::{Value, json};
 use credpool_test_support::*;
 
 use crate::BIN;
-use crate::lease_state::{Hook, backend_pid, hooked, until_waiting, wait_for_lock_waiters};
-use crate::tenant_windows::{key_hash, paused_claim};
-
-/// An operator's request with the admin key to `base` + `path`.
-pub(crate) async fn admin(
-    client: &reqwest::Client,
-    base: &str,
-    method: reqwest::Method,
-    path: &str,
-    body: Option<Value>,
-) -> reqwest::Response {
-    let mut request = client
-        .request(method, format!("{base}{path}"))
-        .header("x-admin-key", ADMIN_KEY)
-        .header("x-operator", "alice");
-    if let Some(body) = body {
-        request = request.json(&body);
-    }
-    request.send().await.expect("admin request")
-}
-
-/// Creates or updates tenant `id` with `body`, scoped to every pool (`"pools": ["*/*"]`) unless
-/// `body` names its `pools`; panics unless it answers 200 or 201.
-pub(crate) async fn put_tenant(
-    client: &reqwest::Client,
-    base: &str,
-    id: &str,
-    mut body: Value,
-) -> Value {
-    if let Some(fields) = body.as_object_mut() {
-        fields.entry("pools").or_insert(json!(["*/*"]));
-    }
-    let response = admin(
-        client,
-        base,
-        reqwest::Method::PUT,
-        &format!("/api/admin/tenants/{id}"),
-        Some(body),
-    )
-    .await;
-    let status = response.status();
-    assert!(
-        status == StatusCode::OK || status == StatusCode::CREATED,
-        "PUT tenant {id}: {status}: {}",
-        response.text().await.unwrap()
-    );
-    response.json().await.unwrap()
-}
-
-/// Mints a key for tenant `id`: (key id, key).
-pub(crate) async fn mint(client: &reqwest::Client, base: &str, id: &str) -> (String, String) {
-    let minted = json_body(
-        admin(
-            client,
-            base,
-            reqwest::Method::POST,
-            &format!("/api/admin/tenants/{id}/keys"),
-            None,
-        )
-        .await,
-        StatusCode::CREATED,
-    )
-    .await;
-    (
-        minted["key_id"].as_str().unwrap().to_owned(),
-        minted["key"].as_str().unwrap().to_owned(),
-    )
-}
-
-/// `POST base + path` with executor key `key`.
-pub(crate) async fn executor(
-    client: &reqwest::Client,
-    base: &str,
-    path: &str,
-    key: &str,
-    body: Value,
-) -> reqwest::Response {
-    post_json(
-        client,
-        &format!("{base}{path}"),
-        ("x-internal-key", key),
-        body,
-    )
-    .await
-}
-
-pub(crate) async fn allocate(
-    client: &reqwest::Client,
-    base: &str,
-    key: &str,
-    pool: &str,
-) -> reqwest::Response {
-    executor(
-        client,
-        base,
-        "/api/internal/allocate-key",
-        key,
-        json!({"provider": "openai", "model": "gpt-4o", "pool": pool, "lease_seconds": 600}),
-    )
-    .await
-}
-
-pub(crate) fn lease_ref(lease: &Value) -> Value {
-    json!({"provider": lease["provider"], "pool": lease["pool"], "key_id": lease["key_id"],
-           "lease_id": lease["lease_id"]})
-}
-
-/// Creates tenant `id` on `app` with `max_concurrent_leases` `cap` and mints a key for it: the key.
-pub(crate) async fn capped_tenant(app: &TestApp, id: &str, cap: u32) -> String {
-    let base = app.url("");
-    put_tenant(
-        &app.client,
-        &base,
-        id,
-        json!({"max_concurrent_leases": cap}),
-    )
-    .await;
-    mint(&app.client, &base, id).await.1
-}
-
-/// The tenant's line of `GET /api/admin/tenants`.
-async fn tenant_line(client: &reqwest::Client, base: &str, id: &str) -> Value {
-    let list = json_body(
-        admin(
-            client,
-            base,
-            reqwest::Method::GET,
-            "/api/admin/tenants",
-            None,
-        )
-        .await,
-        StatusCode::OK,
-    )
-    .await;
-    list["tenants"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .find(|t| t["tenant_id"] == id)
-        .cloned()
-        .unwrap_or_else(|| panic!("no tenant {id} in {list}"))
-}
-
-/// Two `credpool serve` processes on a fresh database, with credentials k0..k`count` of limit
-/// `limit` (provider openai, model gpt-4o, pool default).
-pub(crate) async fn two_replicas(
-    count: usize,
-    limit: u32,
-) -> (TestDatabase, ServeProcess, ServeProcess) {
-    let database = TestDatabase::create().await;
-    let env = keyed_env(&database);
-    let (a, b) = tokio::join!(
-        ServeProcess::start(BIN, &env, &[]),
-        ServeProcess::start(BIN, &env, &[])
-    );
-    let client = client();
-    for i in 0..count {
-        let response = admin(
-            &client,
-            &a.base,
-            reqwest::Method::PUT,
-            &format!("/api/admin/keys/k{i}"),
-            Some(
-                json!({"provider": "openai", "models": ["gpt-4o"], "max_concurrent_uses": limit,
-                        "secret": {"api_key": format!("sk-{i}")}}),
-            ),
-        )
-        .await;
-        assert!(response.status().is_success());
-    }
-    (database, a, b)
-}
+use crate::common::{claim_answer, pause_claim, race_tenant, two_replicas};
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn a_tenant_at_its_cap_gets_tenant_limit_on_every_replica_while_another_tenant_is_served() {
@@ -189,92 +18,48 @@ async fn a_tenant_at_its_cap_gets_tenant_limit_on_every_replica_while_another_te
     // with 20 free slots: exactly 3 granted, 27 answered 429 tenant_limit (not pool_exhausted),
     // while another tenant is served meanwhile; the trail proves the cap held.
     let (database, a, b) = two_replicas(10, 2).await;
-    let client = client();
-    let batch = put_tenant(
-        &client,
-        &a.base,
-        "batch",
-        json!({"max_concurrent_leases": 3}),
-    )
-    .await;
+    let batch = a
+        .put_tenant("batch", json!({"max_concurrent_leases": 3}))
+        .await;
     assert_eq!(batch["max_concurrent_leases"], 3);
     assert_eq!(batch["weight"], 1);
-    put_tenant(&client, &b.base, "web", json!({"weight": 2})).await;
-    let (_, batch_key) = mint(&client, &a.base, "batch").await;
-    let (_, web_key) = mint(&client, &b.base, "web").await;
+    b.put_tenant("web", json!({"weight": 2})).await;
+    let (_, batch_key) = a.mint_key("batch").await;
+    let (_, web_key) = b.mint_key("web").await;
 
-    let barrier = std::sync::Arc::new(tokio::sync::Barrier::new(30));
-    let calls: Vec<_> = (0..30)
-        .map(|i| {
-            let (client, key, barrier) = (client.clone(), batch_key.clone(), barrier.clone());
-            let base = if i % 2 == 0 {
-                a.base.clone()
-            } else {
-                b.base.clone()
-            };
-            tokio::spawn(async move {
-                barrier.wait().await;
-                let response = allocate(&client, &base, &key, "default").await;
-                let status = response.status();
-                let retry_after = response
-                    .headers()
-                    .get("retry-after")
-                    .map(|v| v.to_str().unwrap().parse::<u64>().unwrap());
-                (status, retry_after, response.json::<Value>().await.unwrap())
-            })
-        })
-        .collect();
+    let replicas = [a.remote(), b.remote()];
+    let racing = race_tenant(
+        &replicas,
+        &batch_key,
+        vec![gpt4o_in_for("default", 600); 30],
+    );
     // the other tenant, served while the batch tenant is at its cap
-    let web = json_body(
-        allocate(&client, &b.base, &web_key, "default").await,
-        StatusCode::OK,
-    )
-    .await;
+    let ((granted, refused), web) = tokio::join!(racing, b.lease_as(&web_key, "default"));
     assert_eq!(web["tenant"], "web");
-
-    let mut granted = Vec::new();
-    let mut limited = 0;
-    for call in calls {
-        let (status, retry_after, body) = call.await.unwrap();
-        match status {
-            StatusCode::OK => {
-                assert_eq!(body["tenant"], "batch", "{body}");
-                granted.push(body);
-            }
-            StatusCode::TOO_MANY_REQUESTS => {
-                assert_eq!(body["error"]["code"], "tenant_limit", "{body}");
-                // the earliest end of the tenant's own leases: 600 s away (from a grant that
-                // may have come a moment after this claim started)
-                let retry_after = retry_after.expect("Retry-After on tenant_limit");
-                assert!((590..=601).contains(&retry_after), "{retry_after}");
-                limited += 1;
-            }
-            other => panic!("unexpected {other}: {body}"),
-        }
+    for body in &granted {
+        assert_eq!(body["tenant"], "batch", "{body}");
+    }
+    // the earliest end of the tenant's own leases: 600 s away (from a grant that may have come
+    // a moment after this claim started)
+    for retry_after in &refused {
+        assert!((590..=601).contains(retry_after), "{retry_after}");
     }
     assert_eq!(granted.len(), 3, "granted: {granted:?}");
-    assert_eq!(limited, 27);
+    assert_eq!(refused.len(), 27);
     // the web tenant is served again while batch is still at its cap
-    json_body(
-        allocate(&client, &a.base, &web_key, "default").await,
-        StatusCode::OK,
-    )
-    .await;
+    a.lease_as(&web_key, "default").await;
 
     // the admin list: in flight against the cap
-    let line = tenant_line(&client, &a.base, "batch").await;
+    let line = a.tenant_line("batch").await;
     assert_eq!(line["in_flight"], 3, "{line}");
     assert_eq!(line["max_concurrent_leases"], 3);
-    assert_eq!(tenant_line(&client, &b.base, "web").await["in_flight"], 2);
+    assert_eq!(b.tenant_line("web").await["in_flight"], 2);
 
     // the trail carries the tenant; tenant_limit is its own series, apart from pool_exhausted
     let pool = database.pool(1).await;
-    let tenants: Vec<Option<String>> = sqlx::query_scalar(
-        "SELECT tenant FROM lease_events WHERE event = 'granted' ORDER BY event_id",
-    )
-    .fetch_all(&pool)
-    .await
-    .unwrap();
+    let tenants: Vec<Option<String>> = pool
+        .scalars("SELECT tenant FROM lease_events WHERE event = 'granted' ORDER BY event_id")
+        .await;
     assert_eq!(
         tenants
             .iter()
@@ -291,15 +76,8 @@ async fn a_tenant_at_its_cap_gets_tenant_limit_on_every_replica_while_another_te
     );
     // (tenant, result) -> the sum over both processes of credpool_tenant_allocations_total
     let mut series = std::collections::BTreeMap::<(String, String), f64>::new();
-    for base in [&a.base, &b.base] {
-        let page = client
-            .get(format!("{base}/metrics"))
-            .send()
-            .await
-            .unwrap()
-            .text()
-            .await
-            .unwrap();
+    for replica in [&a, &b] {
+        let page = replica.metrics().await;
         for line in page
             .lines()
             .filter(|l| l.starts_with("credpool_tenant_allocations_total{"))
@@ -327,31 +105,12 @@ async fn a_tenant_at_its_cap_gets_tenant_limit_on_every_replica_while_another_te
     assert_eq!(count("web", "leased"), 2.0, "{series:?}");
 
     // a release frees the tenant's slot at once, on any replica
-    let release = lease_ref(&granted[0]);
-    let released = json_body(
-        executor(
-            &client,
-            &b.base,
-            "/api/internal/release-key",
-            &batch_key,
-            release,
-        )
-        .await,
-        StatusCode::OK,
-    )
-    .await;
+    let released = b.release_as_ok(&batch_key, &granted[0]).await;
     assert_eq!(released["released"], true);
-    json_body(
-        allocate(&client, &a.base, &batch_key, "default").await,
-        StatusCode::OK,
-    )
-    .await;
-    assert_error(
-        allocate(&client, &b.base, &batch_key, "default").await,
-        StatusCode::TOO_MANY_REQUESTS,
-        "tenant_limit",
-    )
-    .await;
+    a.lease_as(&batch_key, "default").await;
+    b.allocate_as(&batch_key, gpt4o_in_for("default", 600))
+        .refused(StatusCode::TOO_MANY_REQUESTS, "tenant_limit")
+        .await;
 
     let (ok, report) = audit_verify(BIN, &database).await;
     assert!(ok, "{report}");
@@ -371,109 +130,58 @@ async fn a_revoked_key_is_refused_on_every_replica_as_soon_as_the_delete_answere
         ServeProcess::start(BIN, &env, &[]),
         ServeProcess::start(BIN, &env, &[])
     );
-    let client = client();
-    let response = admin(
-        &client,
-        &a.base,
-        reqwest::Method::PUT,
-        "/api/admin/keys/k",
-        Some(
-            json!({"provider": "openai", "models": ["gpt-4o"], "max_concurrent_uses": 8,
+    let response = a
+        .admin(
+            reqwest::Method::PUT,
+            "/api/admin/keys/k",
+            Some(
+                json!({"provider": "openai", "models": ["gpt-4o"], "max_concurrent_uses": 8,
                     "secret": {"api_key": "sk-k"}}),
-        ),
-    )
-    .await;
+            ),
+        )
+        .await;
     assert!(response.status().is_success());
-    put_tenant(
-        &client,
-        &a.base,
-        "team",
-        json!({"max_concurrent_leases": 5}),
-    )
-    .await;
-    let (key_id, key) = mint(&client, &a.base, "team").await;
-    let (_, other_key) = mint(&client, &a.base, "team").await;
+    a.put_tenant("team", json!({"max_concurrent_leases": 5}))
+        .await;
+    let (key_id, key) = a.mint_key("team").await;
+    let (_, other_key) = a.mint_key("team").await;
 
     // both replicas serve the key (each has looked it up once: nothing may be kept from that)
     let mut leases = Vec::new();
-    for base in [&a.base, &b.base, &a.base, &b.base] {
-        leases.push(
-            json_body(
-                allocate(&client, base, &key, "default").await,
-                StatusCode::OK,
-            )
-            .await,
-        );
+    for replica in [&a, &b, &a, &b] {
+        leases.push(replica.lease_as(&key, "default").await);
     }
-    let mut renew = lease_ref(&leases[0]);
-    renew["lease_seconds"] = json!(600);
-    json_body(
-        executor(
-            &client,
-            &b.base,
-            "/api/internal/renew-lease",
-            &key,
-            renew.clone(),
-        )
-        .await,
-        StatusCode::OK,
-    )
-    .await;
+    let renew = renew_body(&leases[0], 600);
+    b.renew_as(&key, renew.clone()).ok_json().await;
 
-    let revoked = admin(
-        &client,
-        &a.base,
-        reqwest::Method::DELETE,
-        &format!("/api/admin/tenants/team/keys/{key_id}"),
-        None,
-    )
-    .await;
+    let revoked = a
+        .admin(
+            reqwest::Method::DELETE,
+            &format!("/api/admin/tenants/team/keys/{key_id}"),
+            None,
+        )
+        .await;
     assert_eq!(json_body(revoked, StatusCode::OK).await["revoked"], true);
     // at once, on both replicas: allocate, renew and release are refused, and change nothing
     let events_before: i64 = sqlx::query_scalar("SELECT count(*) FROM lease_events")
         .fetch_one(&database.pool(1).await)
         .await
         .unwrap();
-    for base in [&b.base, &a.base] {
-        assert_error(
-            allocate(&client, base, &key, "default").await,
-            StatusCode::UNAUTHORIZED,
-            "unauthorized",
-        )
-        .await;
-        assert_error(
-            executor(
-                &client,
-                base,
-                "/api/internal/renew-lease",
-                &key,
-                renew.clone(),
-            )
-            .await,
-            StatusCode::UNAUTHORIZED,
-            "unauthorized",
-        )
-        .await;
-        assert_error(
-            executor(
-                &client,
-                base,
-                "/api/internal/release-key",
-                &key,
-                lease_ref(&leases[1]),
-            )
-            .await,
-            StatusCode::UNAUTHORIZED,
-            "unauthorized",
-        )
-        .await;
-        // an allocate the pool could never serve is refused for the key, not answered 404
-        assert_error(
-            allocate(&client, base, &key, "nowhere").await,
-            StatusCode::UNAUTHORIZED,
-            "unauthorized",
-        )
-        .await;
+    for replica in [&b, &a] {
+        let refused = [
+            replica
+                .allocate_as(&key, gpt4o_in_for("default", 600))
+                .await,
+            replica.renew_as(&key, renew.clone()).await,
+            replica.release_as(&key, lease_ref(&leases[1])).await,
+            // an allocate the pool could never serve is refused for the key, not answered 404
+            replica
+                .allocate_as(&key, gpt4o_in_for("nowhere", 600))
+                .await,
+        ];
+        for response in refused {
+            assert_error(response, StatusCode::UNAUTHORIZED, "unauthorized").await;
+        }
     }
     let events_after: i64 = sqlx::query_scalar("SELECT count(*) FROM lease_events")
         .fetch_one(&database.pool(1).await)
@@ -484,23 +192,13 @@ async fn a_revoked_key_is_refused_on_every_replica_as_soon_as_the_delete_answere
         "a revoked key changed the trail"
     );
     // the tenant's other key still works; revoking twice is a 404
-    json_body(
-        allocate(&client, &b.base, &other_key, "default").await,
-        StatusCode::OK,
+    b.lease_as(&other_key, "default").await;
+    b.admin(
+        reqwest::Method::DELETE,
+        &format!("/api/admin/tenants/team/keys/{key_id}"),
+        None,
     )
-    .await;
-    assert_error(
-        admin(
-            &client,
-            &b.base,
-            reqwest::Method::DELETE,
-            &format!("/api/admin/tenants/team/keys/{key_id}"),
-            None,
-        )
-        .await,
-        StatusCode::NOT_FOUND,
-        "tenant_key_not_found",
-    )
+    .refused(StatusCode::NOT_FOUND, "tenant_key_not_found")
     .await;
     assert!(a.terminate().await.success());
     assert!(b.terminate().await.success());
@@ -511,24 +209,13 @@ async fn a_key_of_another_tenant_neither_renews_nor_releases_a_lease() {
     // Tenant B holds a lease. Tenant A's live key, and the internal key (tenant `default`), name
     // it by all of its values: both are answered as an unknown key would be (401), and nothing
     // changes. Before, any live key renewed or released any tenant's lease.
-    let app = TestApp::spawn().await;
-    let base = app.url("");
-    app.put_key("k", "openai", "default", &["gpt-4o"], 2).await;
-    put_tenant(&app.client, &base, "team-a", json!({})).await;
-    put_tenant(
-        &app.client,
-        &base,
-        "team-b",
-        json!({"max_concurrent_leases": 2}),
-    )
-    .await;
-    let (_, key_a) = mint(&app.client, &base, "team-a").await;
-    let (_, key_b) = mint(&app.client, &base, "team-b").await;
-    let lease = json_body(
-        allocate(&app.client, &base, &key_b, "default").await,
-        StatusCode::OK,
-    )
-    .await;
+    let app = TestApp::with_credential("k", 2).await;
+    app.put_tenant("team-a", json!({})).await;
+    app.put_tenant("team-b", json!({"max_concurrent_leases": 2}))
+        .await;
+    let (_, key_a) = app.mint_key("team-a").await;
+    let (_, key_b) = app.mint_key("team-b").await;
+    let lease = app.lease_as(&key_b, "default").await;
     assert_eq!(lease["tenant"], "team-b");
     let mut renew = lease_ref(&lease);
     renew["fence"] = lease["fence"].clone();
@@ -537,12 +224,7 @@ async fn a_key_of_another_tenant_neither_renews_nor_releases_a_lease() {
     release["fence"] = lease["fence"].clone();
     release["outcome"] = json!("rate_limited");
     let tenant_slots = || async {
-        sqlx::query_scalar::<_, Option<String>>(
-            "SELECT string_agg(to_jsonb(t)::text, E'\\n' ORDER BY t.tenant_id, t.slot) FROM tenant_slots t",
-        )
-        .fetch_one(&app.db)
-        .await
-        .unwrap()
+        app.scalar::<Option<String>>("SELECT string_agg(to_jsonb(t)::text, E'\\n' ORDER BY t.tenant_id, t.slot) FROM tenant_slots t").await
     };
     let (before, slots_before) = (app.snapshot().await, tenant_slots().await);
     for key in [key_a.as_str(), INTERNAL_KEY] {
@@ -550,12 +232,9 @@ async fn a_key_of_another_tenant_neither_renews_nor_releases_a_lease() {
             ("/api/internal/renew-lease", &renew),
             ("/api/internal/release-key", &release),
         ] {
-            assert_error(
-                executor(&app.client, &base, path, key, body.clone()).await,
-                StatusCode::UNAUTHORIZED,
-                "unauthorized",
-            )
-            .await;
+            app.post_as(path, key, body.clone())
+                .refused(StatusCode::UNAUTHORIZED, "unauthorized")
+                .await;
         }
     }
     assert_eq!(
@@ -567,47 +246,15 @@ async fn a_key_of_another_tenant_neither_renews_nor_releases_a_lease() {
     assert_eq!(app.in_flight("k").await, 1, "the lease is no longer live");
 
     // its own tenant renews and releases it
-    json_body(
-        executor(
-            &app.client,
-            &base,
-            "/api/internal/renew-lease",
-            &key_b,
-            renew.clone(),
-        )
-        .await,
-        StatusCode::OK,
-    )
-    .await;
-    let released = json_body(
-        executor(
-            &app.client,
-            &base,
-            "/api/internal/release-key",
-            &key_b,
-            release.clone(),
-        )
-        .await,
-        StatusCode::OK,
-    )
-    .await;
+    app.renew_as(&key_b, renew.clone()).ok_json().await;
+    let released = app.release_as(&key_b, release.clone()).ok_json().await;
     assert_eq!(released["released"], true, "{released}");
     assert_eq!(app.in_flight("k").await, 0);
     // and a report on the ended lease with another tenant's key is refused too (no late report)
     let before = app.snapshot().await;
-    assert_error(
-        executor(
-            &app.client,
-            &base,
-            "/api/internal/release-key",
-            &key_a,
-            release,
-        )
-        .await,
-        StatusCode::UNAUTHORIZED,
-        "unauthorized",
-    )
-    .await;
+    app.release_as(&key_a, release)
+        .refused(StatusCode::UNAUTHORIZED, "unauthorized")
+        .await;
     assert_eq!(app.snapshot().await, before);
 }
 
@@ -620,31 +267,18 @@ async fn a_store_failure_reading_the_key_is_a_503_counted_as_store_unavailable()
     // this request alone.
     let database = TestDatabase::create().await;
     let serve = ServeProcess::start(BIN, &keyed_env(&database), &[]).await;
-    let client = client();
-    let base = serve.base.clone();
-    put_tenant(&client, &base, "team", json!({})).await;
-    let (_, key) = mint(&client, &base, "team").await;
+    serve.put_tenant("team", json!({})).await;
+    let (_, key) = serve.mint_key("team").await;
     // the key's table is gone for this database: reading any key fails
     let db = database.pool(1).await;
-    sqlx::query("ALTER TABLE tenant_keys RENAME TO tenant_keys_away")
-        .execute(&db)
-        .await
-        .unwrap();
-    let body = json!({"provider": "openai", "model": "gpt-4o", "lease_seconds": 60});
-    assert_error(
-        executor(&client, &base, "/api/internal/allocate-key", &key, body).await,
-        StatusCode::SERVICE_UNAVAILABLE,
-        "store_unavailable",
-    )
-    .await;
-    let page = client
-        .get(format!("{base}/metrics"))
-        .send()
-        .await
-        .unwrap()
-        .text()
-        .await
-        .unwrap();
+    db.run_sql("ALTER TABLE tenant_keys RENAME TO tenant_keys_away")
+        .await;
+    let body = gpt4o_for(60);
+    serve
+        .allocate_as(&key, body)
+        .refused(StatusCode::SERVICE_UNAVAILABLE, "store_unavailable")
+        .await;
+    let page = serve.metrics().await;
     assert_eq!(allocations(&page, "", "store_unavailable"), 1.0, "{page}");
     assert_eq!(allocations(&page, "", "unauthorized"), 0.0, "{page}");
     assert!(serve.terminate().await.success());
@@ -652,44 +286,22 @@ async fn a_store_failure_reading_the_key_is_a_503_counted_as_store_unavailable()
 
 #[tokio::test]
 async fn a_tenant_key_is_shown_once_and_never_again() {
-    let app = TestApp::spawn().await;
-    let base = app.url("");
-    app.put_key("k", "openai", "default", &["gpt-4o"], 2).await;
-    put_tenant(&app.client, &base, "team", json!({})).await;
-    let (key_id, key) = mint(&app.client, &base, "team").await;
+    let app = TestApp::with_credential("k", 2).await;
+    app.put_tenant("team", json!({})).await;
+    let (key_id, key) = app.mint_key("team").await;
     assert!(key.starts_with("cpk_") && key.len() == 68, "{key}");
-    let lease = json_body(
-        allocate(&app.client, &base, &key, "default").await,
-        StatusCode::OK,
-    )
-    .await;
+    let lease = app.lease_as(&key, "default").await;
     let mut release = lease_ref(&lease);
     release["outcome"] = json!("success");
-    json_body(
-        executor(
-            &app.client,
-            &base,
-            "/api/internal/release-key",
-            &key,
-            release,
-        )
-        .await,
-        StatusCode::OK,
-    )
-    .await;
+    app.release_as(&key, release).ok_json().await;
 
     // the list names the key by its id, never the key
-    let listed = admin(
-        &app.client,
-        &base,
-        reqwest::Method::GET,
-        "/api/admin/tenants",
-        None,
-    )
-    .await
-    .text()
-    .await
-    .unwrap();
+    let listed = app
+        .admin(reqwest::Method::GET, "/api/admin/tenants", None)
+        .await
+        .text()
+        .await
+        .unwrap();
     assert!(listed.contains(&key_id), "{listed}");
     assert!(!listed.contains(&key), "the list returned the key");
     assert!(
@@ -697,14 +309,13 @@ async fn a_tenant_key_is_shown_once_and_never_again() {
         "the list returned the key's digits"
     );
     // the store keeps only its SHA-256: no row of any table holds the key
-    let rows: String = sqlx::query_scalar(
-        "SELECT concat_ws(' ', (SELECT string_agg(t::text, ' ') FROM tenant_keys t),
+    let rows: String = app
+        .scalar(
+            "SELECT concat_ws(' ', (SELECT string_agg(t::text, ' ') FROM tenant_keys t),
                               (SELECT string_agg(t::text, ' ') FROM tenant_events t),
                               (SELECT string_agg(t::text, ' ') FROM lease_events t))",
-    )
-    .fetch_one(&app.db)
-    .await
-    .unwrap();
+        )
+        .await;
     assert!(!rows.contains(&key[4..]), "a row holds the key");
     let hashed: bool = sqlx::query_scalar(
         "SELECT key_hash = sha256(convert_to($1, 'UTF8')) FROM tenant_keys WHERE key_id = $2::uuid",
@@ -716,7 +327,7 @@ async fn a_tenant_key_is_shown_once_and_never_again() {
     .unwrap();
     assert!(hashed, "the stored hash is not the key's SHA-256");
     // a second mint is another key
-    let (_, second) = mint(&app.client, &base, "team").await;
+    let (_, second) = app.mint_key("team").await;
     assert_ne!(second, key);
 }
 
@@ -728,8 +339,7 @@ async fn a_key_minted_while_its_tenant_is_deleted_is_a_404_and_leaves_no_key() {
     // while the delete was still open and failed on the foreign key when it committed: a 503
     // (found by the schema fuzzer).
     let app = TestApp::spawn().await;
-    let base = app.url("");
-    put_tenant(&app.client, &base, "team", json!({})).await;
+    app.put_tenant("team", json!({})).await;
     let mut deleting = app.db.begin().await.unwrap();
     sqlx::query("SELECT pg_advisory_xact_lock(hashtextextended('credpool.tenant:team', 0))")
         .execute(&mut *deleting)
@@ -740,51 +350,33 @@ async fn a_key_minted_while_its_tenant_is_deleted_is_a_404_and_leaves_no_key() {
         .await
         .unwrap();
     let minting = {
-        let (client, base) = (app.client.clone(), base.clone());
+        let app = app.remote();
         tokio::spawn(async move {
-            admin(
-                &client,
-                &base,
-                reqwest::Method::POST,
-                "/api/admin/tenants/team/keys",
-                None,
-            )
-            .await
+            app.admin(reqwest::Method::POST, "/api/admin/tenants/team/keys", None)
+                .await
         })
     };
     wait_for_lock_waiters(&app, 1).await;
     deleting.commit().await.unwrap();
     let refused = json_body(minting.await.unwrap(), StatusCode::NOT_FOUND).await;
     assert_eq!(refused["error"]["code"], "tenant_not_found", "{refused}");
-    let keys: i64 = sqlx::query_scalar("SELECT count(*) FROM tenant_keys WHERE tenant_id = 'team'")
-        .fetch_one(&app.db)
-        .await
-        .unwrap();
+    let keys: i64 = app
+        .scalar("SELECT count(*) FROM tenant_keys WHERE tenant_id = 'team'")
+        .await;
     assert_eq!(keys, 0, "a key of a deleted tenant was stored");
 }
 
 #[tokio::test]
 async fn bad_tenant_input_gets_a_stable_4xx_and_changes_nothing() {
     let app = TestApp::spawn().await;
-    let base = app.url("");
     let snapshot = || async {
-        sqlx::query_scalar::<_, String>(
-            "SELECT concat_ws(' | ', (SELECT string_agg(t::text, ' ' ORDER BY tenant_id) FROM tenants t),
+        app.scalar::<String>("SELECT concat_ws(' | ', (SELECT string_agg(t::text, ' ' ORDER BY tenant_id) FROM tenants t),
                                      (SELECT count(*)::text FROM tenant_events),
                                      (SELECT count(*)::text FROM tenant_keys),
-                                     (SELECT count(*)::text FROM tenant_slots))",
-        )
-        .fetch_one(&app.db)
-        .await
-        .unwrap()
+                                     (SELECT count(*)::text FROM tenant_slots))").await
     };
-    put_tenant(
-        &app.client,
-        &base,
-        "team",
-        json!({"max_concurrent_leases": 2}),
-    )
-    .await;
+    app.put_tenant("team", json!({"max_concurrent_leases": 2}))
+        .await;
     let before = snapshot().await;
     for (id, body) in [
         ("team", json!({"max_concurrent_leases": -1})),
@@ -806,81 +398,36 @@ async fn bad_tenant_input_gets_a_stable_4xx_and_changes_nothing() {
         ("Team", json!({})),
         ("-team", json!({})),
     ] {
-        let response = admin(
-            &app.client,
-            &base,
-            reqwest::Method::PUT,
-            &format!("/api/admin/tenants/{id}"),
-            Some(body.clone()),
-        )
-        .await;
+        let response = app
+            .admin(
+                reqwest::Method::PUT,
+                &format!("/api/admin/tenants/{id}"),
+                Some(body.clone()),
+            )
+            .await;
         assert_error(response, StatusCode::BAD_REQUEST, "invalid_request").await;
     }
-    assert_error(
-        admin(
-            &app.client,
-            &base,
-            reqwest::Method::DELETE,
-            "/api/admin/tenants/default",
-            None,
-        )
-        .await,
-        StatusCode::CONFLICT,
-        "tenant_in_use",
+    app.admin(reqwest::Method::DELETE, "/api/admin/tenants/default", None)
+        .refused(StatusCode::CONFLICT, "tenant_in_use")
+        .await;
+    app.admin(reqwest::Method::DELETE, "/api/admin/tenants/nobody", None)
+        .refused(StatusCode::NOT_FOUND, "tenant_not_found")
+        .await;
+    let (post, delete) = (reqwest::Method::POST, reqwest::Method::DELETE);
+    app.admin(post, "/api/admin/tenants/nobody/keys", None)
+        .refused(StatusCode::NOT_FOUND, "tenant_not_found")
+        .await;
+    app.admin(
+        delete.clone(),
+        "/api/admin/tenants/team/keys/not-a-uuid",
+        None,
     )
+    .refused(StatusCode::BAD_REQUEST, "invalid_request")
     .await;
-    assert_error(
-        admin(
-            &app.client,
-            &base,
-            reqwest::Method::DELETE,
-            "/api/admin/tenants/nobody",
-            None,
-        )
-        .await,
-        StatusCode::NOT_FOUND,
-        "tenant_not_found",
-    )
-    .await;
-    assert_error(
-        admin(
-            &app.client,
-            &base,
-            reqwest::Method::POST,
-            "/api/admin/tenants/nobody/keys",
-            None,
-        )
-        .await,
-        StatusCode::NOT_FOUND,
-        "tenant_not_found",
-    )
-    .await;
-    assert_error(
-        admin(
-            &app.client,
-            &base,
-            reqwest::Method::DELETE,
-            "/api/admin/tenants/team/keys/not-a-uuid",
-            None,
-        )
-        .await,
-        StatusCode::BAD_REQUEST,
-        "invalid_request",
-    )
-    .await;
-    assert_error(
-        admin(
-            &app.client,
-            &base,
-            reqwest::Method::DELETE,
-            &format!("/api/admin/tenants/team/keys/{}", uuid::Uuid::new_v4()),
-            None,
-        )
-        .await,
-        StatusCode::NOT_FOUND,
-        "tenant_key_not_found",
-    )
-    .await;
+    let unknown_key = format!("/api/admin/tenants/team/keys/{}", uuid::Uuid::new_v4());
+    app.admin(delete, &unknown_key, None)
+        .refused(StatusCode::NOT_FOUND, "tenant_key_not_found")
+        .await;
     // the executor key may not manage tenants
     let forbidden = app
         .client
@@ -893,12 +440,9 @@ async fn bad_tenant_input_gets_a_stable_4xx_and_changes_nothing() {
     assert_error(forbidden, StatusCode::FORBIDDEN, "forbidden").await;
     // a key-shaped string that was never minted, and one of the wrong shape
     for key in [format!("cpk_{}", "0".repeat(64)), "cpk_short".to_owned()] {
-        assert_error(
-            allocate(&app.client, &base, &key, "default").await,
-            StatusCode::UNAUTHORIZED,
-            "unauthorized",
-        )
-        .await;
+        app.allocate_as(&key, gpt4o_in_for("default", 600))
+            .refused(StatusCode::UNAUTHORIZED, "unauthorized")
+            .await;
     }
     assert_eq!(
         snapshot().await,
@@ -912,66 +456,29 @@ async fn a_lowered_cap_grants_nothing_until_the_tenant_is_back_under_it() {
     // Cap 2 with 2 leases held, lowered to 1: the tenant is over its cap, so nothing is granted
     // until its leases in flight are below 1 + ... exactly: one release leaves 1 held (= the
     // cap: still 429); the second release reopens it, and it grants exactly one again.
-    let app = TestApp::spawn().await;
-    let base = app.url("");
-    app.put_key("k", "openai", "default", &["gpt-4o"], 8).await;
-    let key = capped_tenant(&app, "team", 2).await;
-    let first = json_body(
-        allocate(&app.client, &base, &key, "default").await,
-        StatusCode::OK,
-    )
-    .await;
-    let second = json_body(
-        allocate(&app.client, &base, &key, "default").await,
-        StatusCode::OK,
-    )
-    .await;
-    put_tenant(
-        &app.client,
-        &base,
-        "team",
-        json!({"max_concurrent_leases": 1}),
-    )
-    .await;
-    assert_error(
-        allocate(&app.client, &base, &key, "default").await,
-        StatusCode::TOO_MANY_REQUESTS,
-        "tenant_limit",
-    )
-    .await;
-    for (lease, open_after) in [(&first, false), (&second, true)] {
-        json_body(
-            executor(
-                &app.client,
-                &base,
-                "/api/internal/release-key",
-                &key,
-                lease_ref(lease),
-            )
-            .await,
-            StatusCode::OK,
-        )
+    let app = TestApp::with_credential("k", 8).await;
+    let key = app.capped_tenant("team", 2).await;
+    let first = app.lease_as(&key, "default").await;
+    let second = app.lease_as(&key, "default").await;
+    app.put_tenant("team", json!({"max_concurrent_leases": 1}))
         .await;
-        let response = allocate(&app.client, &base, &key, "default").await;
+    app.allocate_as(&key, gpt4o_in_for("default", 600))
+        .refused(StatusCode::TOO_MANY_REQUESTS, "tenant_limit")
+        .await;
+    for (lease, open_after) in [(&first, false), (&second, true)] {
+        app.release_as_ok(&key, lease).await;
+        let response = app.allocate_as(&key, gpt4o_in_for("default", 600)).await;
         if open_after {
             json_body(response, StatusCode::OK).await;
         } else {
             assert_error(response, StatusCode::TOO_MANY_REQUESTS, "tenant_limit").await;
         }
     }
-    assert_error(
-        allocate(&app.client, &base, &key, "default").await,
-        StatusCode::TOO_MANY_REQUESTS,
-        "tenant_limit",
-    )
-    .await;
+    app.allocate_as(&key, gpt4o_in_for("default", 600))
+        .refused(StatusCode::TOO_MANY_REQUESTS, "tenant_limit")
+        .await;
     // the internal key's tenant has no cap: unaffected throughout
-    json_body(
-        app.allocate(json!({"provider": "openai", "model": "gpt-4o"}))
-            .await,
-        StatusCode::OK,
-    )
-    .await;
+    app.lease(gpt4o()).await;
     let (ok, report) = audit_verify(BIN, &app.database).await;
     assert!(ok, "{report}");
 }
@@ -984,38 +491,21 @@ async fn a_claim_paused_before_the_tenant_lock_never_takes_a_row_another_claim_f
     // re-check of the locked row) and grants nothing: 'tenant_limit'. Decided on a count or a
     // row read from the snapshot, it would grant a second lease to a tenant capped at one.
     let app = TestApp::spawn().await;
-    let base = app.url("");
-    app.put_key("ka", "openai", "a", &["gpt-4o"], 4).await;
-    app.put_key("kb", "openai", "b", &["gpt-4o"], 4).await;
-    let key = capped_tenant(&app, "team", 1).await;
-    let hash = key_hash(&app, &key).await;
+    app.put_gpt4o_key("ka", "a", 4).await;
+    app.put_gpt4o_key("kb", "b", 4).await;
+    let key = app.capped_tenant("team", 1).await;
 
-    let hook = Hook::close(&app, "claim.before_tenant_lock").await;
-    let mut claim = hooked(&app, "claim.before_tenant_lock").await;
-    let pid = backend_pid(&mut claim).await;
-    let claiming = paused_claim(claim, "ka", "a", &hash);
-    until_waiting(&app, pid).await;
+    let (hook, claiming) = pause_claim(&app, &key, "claim.before_tenant_lock").await;
     // the paused claim holds no tenant row yet: the service's grant commits meanwhile
-    let granted = json_body(
-        allocate(&app.client, &base, &key, "b").await,
-        StatusCode::OK,
-    )
-    .await;
+    let granted = app.lease_as(&key, "b").await;
     assert_eq!(granted["key_id"], "kb");
     hook.open().await;
-    let (key_id, request) = tokio::time::timeout(Duration::from_secs(30), claiming)
-        .await
-        .expect("the claim finished")
-        .unwrap()
-        .expect("the claim failed");
+    let (key_id, request) = claim_answer(claiming).await;
     assert_eq!(key_id, None, "a second lease for a tenant capped at one");
     assert_eq!(request.as_deref(), Some("tenant_limit"));
-    let held: i64 = sqlx::query_scalar(
-        "SELECT count(*) FROM lease_slots WHERE tenant = 'team' AND lease_until > now()",
-    )
-    .fetch_one(&app.db)
-    .await
-    .unwrap();
+    let held: i64 = app
+        .scalar("SELECT count(*) FROM lease_slots WHERE tenant = 'team' AND lease_until > now()")
+        .await;
     assert_eq!(held, 1);
     let (ok, report) = audit_verify(BIN, &app.database).await;
     assert!(ok, "{report}");
@@ -1028,15 +518,9 @@ async fn a_release_takes_its_tenant_row_right_after_its_slot_row_before_any_wind
     // lease's tenant row held by another transaction: while it waits there it must hold no
     // lease_windows row. Before, it locked the windows row first and the tenant row only when it
     // ended the lease, so a third transaction found the windows row taken.
-    let app = TestApp::spawn().await;
-    let base = app.url("");
-    app.put_key("k", "openai", "default", &["gpt-4o"], 2).await;
-    let key = capped_tenant(&app, "team", 2).await;
-    let lease = json_body(
-        allocate(&app.client, &base, &key, "default").await,
-        StatusCode::OK,
-    )
-    .await;
+    let app = TestApp::with_credential("k", 2).await;
+    let key = app.capped_tenant("team", 2).await;
+    let lease = app.lease_as(&key, "default").await;
     let mut holder = app.db.begin().await.unwrap();
     sqlx::query("SELECT 1 FROM tenant_slots WHERE lease_id = $1::text::uuid FOR UPDATE")
         .bind(lease["lease_id"].as_str().unwrap())
@@ -1047,10 +531,8 @@ async fn a_release_takes_its_tenant_row_right_after_its_slot_row_before_any_wind
     release["outcome"] = json!("success");
     release["usage"] = json!({"tokens": 10});
     let releasing = {
-        let (client, base, key) = (app.client.clone(), base.clone(), key.clone());
-        tokio::spawn(async move {
-            executor(&client, &base, "/api/internal/release-key", &key, release).await
-        })
+        let (app, key) = (app.remote(), key.clone());
+        tokio::spawn(async move { app.release_as(&key, release).await })
     };
     wait_for_lock_waiters(&app, 1).await;
     let mut third = app.db.begin().await.unwrap();
@@ -1074,56 +556,24 @@ async fn a_renewal_keeps_the_tenant_slot_and_an_expiry_frees_it_without_cleanup(
     // tenant's row moved with the renewal: read from the lease's first end, the row would look
     // free and a second lease would be granted). A lease that simply runs out frees the row on
     // the database clock, with no cleanup pass run.
-    let app = TestApp::spawn().await;
-    let base = app.url("");
-    app.put_key("k", "openai", "default", &["gpt-4o"], 8).await;
-    let key = capped_tenant(&app, "team", 1).await;
-    let short = |seconds: u32| {
-        executor(
-            &app.client,
-            &base,
-            "/api/internal/allocate-key",
-            &key,
-            json!({"provider": "openai", "model": "gpt-4o", "lease_seconds": seconds}),
-        )
-    };
-    let lease = json_body(short(2).await, StatusCode::OK).await;
-    let mut renew = lease_ref(&lease);
-    renew["lease_seconds"] = json!(600);
-    json_body(
-        executor(&app.client, &base, "/api/internal/renew-lease", &key, renew).await,
-        StatusCode::OK,
-    )
-    .await;
+    let app = TestApp::with_credential("k", 8).await;
+    let key = app.capped_tenant("team", 1).await;
+    let short = |seconds: u64| app.allocate_as(&key, gpt4o_for(seconds));
+    let lease = short(2).ok_json().await;
+    let renew = renew_body(&lease, 600);
+    app.renew_as(&key, renew).ok_json().await;
     tokio::time::sleep(Duration::from_millis(2500)).await;
-    assert_error(
-        short(1).await,
-        StatusCode::TOO_MANY_REQUESTS,
-        "tenant_limit",
-    )
-    .await;
-    json_body(
-        executor(
-            &app.client,
-            &base,
-            "/api/internal/release-key",
-            &key,
-            lease_ref(&lease),
-        )
-        .await,
-        StatusCode::OK,
-    )
-    .await;
+    short(1)
+        .refused(StatusCode::TOO_MANY_REQUESTS, "tenant_limit")
+        .await;
+    app.release_as_ok(&key, &lease).await;
 
-    json_body(short(1).await, StatusCode::OK).await;
-    assert_error(
-        short(1).await,
-        StatusCode::TOO_MANY_REQUESTS,
-        "tenant_limit",
-    )
-    .await;
+    short(1).ok_json().await;
+    short(1)
+        .refused(StatusCode::TOO_MANY_REQUESTS, "tenant_limit")
+        .await;
     tokio::time::sleep(Duration::from_millis(1500)).await;
-    json_body(short(1).await, StatusCode::OK).await;
+    short(1).ok_json().await;
     let (ok, report) = audit_verify(BIN, &app.database).await;
     assert!(ok, "{report}");
 }
@@ -1134,24 +584,15 @@ async fn a_waiting_allocate_at_its_tenant_cap_is_served_when_the_tenant_releases
     // another pool, whose waiters are not this request's) lets the waiting request in.
     let _waiters = exclusive_waiters().await;
     let app = TestApp::spawn().await;
-    let base = app.url("");
-    app.put_key("ka", "openai", "a", &["gpt-4o"], 4).await;
-    app.put_key("kb", "openai", "b", &["gpt-4o"], 4).await;
-    let key = capped_tenant(&app, "team", 1).await;
-    let held = json_body(
-        allocate(&app.client, &base, &key, "a").await,
-        StatusCode::OK,
-    )
-    .await;
+    app.put_gpt4o_key("ka", "a", 4).await;
+    app.put_gpt4o_key("kb", "b", 4).await;
+    let key = app.capped_tenant("team", 1).await;
+    let held = app.lease_as(&key, "a").await;
     let waiting = {
-        let (client, base, key) = (app.client.clone(), base.clone(), key.clone());
+        let (app, key) = (app.remote(), key.clone());
         tokio::spawn(async move {
             let started = std::time::Instant::now();
-            let response = executor(
-                &client,
-                &base,
-                "/api/internal/allocate-key",
-                &key,
+            let response = app.allocate_as(&key,
                 json!({"provider": "openai", "model": "gpt-4o", "pool": "b", "wait_ms": 10_000}),
             )
             .await;
@@ -1161,18 +602,7 @@ async fn a_waiting_allocate_at_its_tenant_cap_is_served_when_the_tenant_releases
     // it waits, held back by its cap, though pool b has four free slots
     waiters_queued(&app, 1).await;
     assert!(!waiting.is_finished(), "served past the tenant's cap");
-    json_body(
-        executor(
-            &app.client,
-            &base,
-            "/api/internal/release-key",
-            &key,
-            lease_ref(&held),
-        )
-        .await,
-        StatusCode::OK,
-    )
-    .await;
+    app.release_as_ok(&key, &held).await;
     let (response, waited) = waiting.await.unwrap();
     let lease = json_body(response, StatusCode::OK).await;
     assert_eq!(lease["key_id"], "kb");
@@ -1181,41 +611,16 @@ async fn a_waiting_allocate_at_its_tenant_cap_is_served_when_the_tenant_releases
 
 #[tokio::test]
 async fn the_dashboard_shows_each_tenant_in_flight_against_its_cap() {
-    let app = TestApp::spawn().await;
-    let base = app.url("");
-    app.put_key("k", "openai", "default", &["gpt-4o"], 8).await;
-    put_tenant(
-        &app.client,
-        &base,
-        "team",
-        json!({"max_concurrent_leases": 2}),
-    )
-    .await;
-    put_tenant(
-        &app.client,
-        &base,
-        "batch",
-        json!({"max_concurrent_leases": 5}),
-    )
-    .await;
-    let (_, key) = mint(&app.client, &base, "team").await;
-    for _ in 0..2 {
-        json_body(
-            allocate(&app.client, &base, &key, "default").await,
-            StatusCode::OK,
-        )
+    let app = TestApp::with_credential("k", 8).await;
+    app.put_tenant("team", json!({"max_concurrent_leases": 2}))
         .await;
+    app.put_tenant("batch", json!({"max_concurrent_leases": 5}))
+        .await;
+    let (_, key) = app.mint_key("team").await;
+    for _ in 0..2 {
+        app.lease_as(&key, "default").await;
     }
-    let pools = app
-        .client
-        .get(format!("{base}/dashboard/fragments/pools"))
-        .header("x-admin-key", ADMIN_KEY)
-        .send()
-        .await
-        .unwrap()
-        .text()
-        .await
-        .unwrap();
+    let pools = app.admin_text("/dashboard/fragments/pools").await;
     let row = |tenant: &str| {
         let start = pools
             .find(&format!("data-tenant=\"{tenant}\""))
@@ -1260,19 +665,17 @@ async fn saturate(
         let granted = Arc::new(AtomicU64::new(0));
         counts.push((*tenant, granted.clone()));
         for i in 0..waiting {
-            let (client, key, base) = (client.clone(), key.clone(), bases[i % 2].to_owned());
+            let (replica, key) = (Remote::new(&client, bases[i % 2]), key.clone());
             let (counting, stop, granted) = (counting.clone(), stop.clone(), granted.clone());
             loops.push(tokio::spawn(async move {
                 while !stop.load(Ordering::SeqCst) {
-                    let response = executor(
-                        &client,
-                        &base,
-                        "/api/internal/allocate-key",
-                        &key,
-                        json!({"provider": "openai", "model": "gpt-4o", "lease_seconds": 60,
+                    let response = replica
+                        .allocate_as(
+                            &key,
+                            json!({"provider": "openai", "model": "gpt-4o", "lease_seconds": 60,
                                "wait_ms": 10_000}),
-                    )
-                    .await;
+                        )
+                        .await;
                     if response.status() != StatusCode::OK {
                         continue;
                     }
@@ -1281,14 +684,7 @@ async fn saturate(
                         granted.fetch_add(1, Ordering::SeqCst);
                     }
                     tokio::time::sleep(Duration::from_millis(50)).await;
-                    let released = executor(
-                        &client,
-                        &base,
-                        "/api/internal/release-key",
-                        &key,
-                        lease_ref(&lease),
-                    )
-                    .await;
+                    let released = replica.release_as(&key, lease_ref(&lease)).await;
                     assert_eq!(released.status(), StatusCode::OK);
                 }
             }));
@@ -1344,11 +740,10 @@ async fn a_saturated_pool_is_shared_by_weight_between_the_waiting_tenants_of_eve
     // served in arrival order, about a third each.
     let (database, a, b) = two_replicas(2, 4).await;
     let db = database.pool(1).await;
-    let client = client();
     let mut keys = Vec::new();
     for (tenant, weight) in [("light", 1), ("heavy", 2), ("other", 1)] {
-        put_tenant(&client, &a.base, tenant, json!({"weight": weight})).await;
-        keys.push((tenant, mint(&client, &a.base, tenant).await.1));
+        a.put_tenant(tenant, json!({"weight": weight})).await;
+        keys.push((tenant, a.mint_key(tenant).await.1));
     }
     let bases = [a.base.as_str(), b.base.as_str()];
 
@@ -1392,41 +787,26 @@ async fn a_waiter_whose_process_is_gone_holds_no_slot_back() {
     // with the slot still free: the yielded-to waiter is expected to take it), while an allocate
     // that does not wait is served at once.
     let _waiters = exclusive_waiters().await;
-    let app = TestApp::spawn().await;
-    let base = app.url("");
-    app.put_key("k1", "openai", "default", &["gpt-4o"], 1).await;
-    put_tenant(&app.client, &base, "ghost", json!({})).await;
+    let app = TestApp::with_credential("k1", 1).await;
+    app.put_tenant("ghost", json!({})).await;
     let waiting = |process_seen_seconds_ago: i64| {
         let db = app.db.clone();
         async move {
-            sqlx::query("DELETE FROM pool_waiters")
-                .execute(&db)
-                .await
-                .unwrap();
-            sqlx::query(
+            db.run_sql("DELETE FROM pool_waiters").await;
+            db.run_sql_with(
                 "INSERT INTO pool_waiter_processes (instance, seen_at)
                  VALUES ('gone', now() - make_interval(secs => $1))
                  ON CONFLICT (instance) DO UPDATE SET seen_at = EXCLUDED.seen_at",
+                process_seen_seconds_ago as f64,
             )
-            .bind(process_seen_seconds_ago as f64)
-            .execute(&db)
-            .await
-            .unwrap();
-            sqlx::query(
-                "INSERT INTO pool_waiters (waiter, instance, tenant, provider, pools, model, since, until)
+            .await;
+            db.run_sql("INSERT INTO pool_waiters (waiter, instance, tenant, provider, pools, model, since, until)
                  VALUES (gen_random_uuid(), 'gone', 'ghost', 'openai', '{default}', 'gpt-4o',
-                         now() - interval '1 second', now() + interval '1 minute')",
-            )
-            .execute(&db)
-            .await
-            .unwrap();
+                         now() - interval '1 second', now() + interval '1 minute')").await;
         }
     };
     let allocate_waiting = || {
-        executor(
-            &app.client,
-            &base,
-            "/api/internal/allocate-key",
+        app.allocate_as(
             INTERNAL_KEY,
             json!({"provider": "openai", "model": "gpt-4o", "wait_ms": 400}),
         )
@@ -1435,71 +815,29 @@ async fn a_waiter_whose_process_is_gone_holds_no_slot_back() {
     waiting(0).await;
     let response = allocate_waiting().await;
     assert_eq!(response.status(), StatusCode::TOO_MANY_REQUESTS);
-    let held: i64 =
-        sqlx::query_scalar("SELECT count(*) FROM lease_slots WHERE lease_until > now()")
-            .fetch_one(&app.db)
-            .await
-            .unwrap();
+    let held: i64 = app
+        .scalar("SELECT count(*) FROM lease_slots WHERE lease_until > now()")
+        .await;
     assert_eq!(held, 0, "the yielding request took the slot");
     // a request that does not wait never yields: nobody is refused while a slot is free
-    let at_once = json_body(
-        executor(
-            &app.client,
-            &base,
-            "/api/internal/allocate-key",
-            INTERNAL_KEY,
-            json!({"provider": "openai", "model": "gpt-4o"}),
-        )
-        .await,
-        StatusCode::OK,
-    )
-    .await;
-    json_body(
-        executor(
-            &app.client,
-            &base,
-            "/api/internal/release-key",
-            INTERNAL_KEY,
-            lease_ref(&at_once),
-        )
-        .await,
-        StatusCode::OK,
-    )
-    .await;
+    let at_once = app.allocate_as(INTERNAL_KEY, gpt4o()).ok_json().await;
+    app.release_as_ok(INTERNAL_KEY, &at_once).await;
 
     waiting(30).await;
-    let lease = json_body(allocate_waiting().await, StatusCode::OK).await;
+    let lease = allocate_waiting().ok_json().await;
     assert_eq!(lease["key_id"], "k1");
     assert_eq!(lease["tenant"], "default");
-}
-
-/// `base` + `/api/admin/keys/{key_id}`'s credential, as an operator reads it.
-async fn credential(client: &reqwest::Client, base: &str, key_id: &str) -> Value {
-    json_body(
-        admin(
-            client,
-            base,
-            reqwest::Method::GET,
-            &format!("/api/admin/keys/{key_id}"),
-            None,
-        )
-        .await,
-        StatusCode::OK,
-    )
-    .await
 }
 
 /// Asserts 403 `pool_not_allowed` for an allocate of `provider`/`pool` with `key`, with the
 /// message that names only what the request named.
 async fn assert_not_allowed(app: &TestApp, key: &str, provider: &str, pool: &str) {
-    let response = executor(
-        &app.client,
-        &app.url(""),
-        "/api/internal/allocate-key",
-        key,
-        json!({"provider": provider, "model": "gpt-4o", "pool": pool}),
-    )
-    .await;
+    let response = app
+        .allocate_as(
+            key,
+            json!({"provider": provider, "model": "gpt-4o", "pool": pool}),
+        )
+        .await;
     let body = assert_error(response, StatusCode::FORBIDDEN, "pool_not_allowed").await;
     assert_eq!(
         body["error"]["message"],
@@ -1510,30 +848,18 @@ async fn assert_not_allowed(app: &TestApp, key: &str, provider: &str, pool: &str
 
 #[tokio::test]
 async fn a_tenant_key_outside_its_pools_gets_the_same_403_whether_the_pool_exists_or_not() {
-    let app = TestApp::spawn().await;
-    let base = app.url("");
-    app.put_key("openai-default", "openai", "default", &["gpt-4o"], 4)
-        .await;
-    app.put_key("openai-vip", "openai", "vip", &["gpt-4o"], 4)
-        .await;
+    let app = TestApp::with_credential("openai-default", 4).await;
+    app.put_gpt4o_key("openai-vip", "vip", 4).await;
     app.put_key("anthropic-default", "anthropic", "default", &["gpt-4o"], 4)
         .await;
-    let team = put_tenant(
-        &app.client,
-        &base,
-        "team",
-        json!({"pools": ["openai/default"]}),
-    )
-    .await;
+    let team = app
+        .put_tenant("team", json!({"pools": ["openai/default"]}))
+        .await;
     assert_eq!(team["pools"], json!(["openai/default"]));
     assert_eq!(team["reports_may_disable"], false);
-    let (_, key) = mint(&app.client, &base, "team").await;
+    let (_, key) = app.mint_key("team").await;
 
-    let lease = json_body(
-        allocate(&app.client, &base, &key, "default").await,
-        StatusCode::OK,
-    )
-    .await;
+    let lease = app.lease_as(&key, "default").await;
     assert_eq!(lease["key_id"], "openai-default");
     // a pool that exists and one that does not, another provider that exists and one that does
     // not: one answer, which names only what the request named
@@ -1542,63 +868,35 @@ async fn a_tenant_key_outside_its_pools_gets_the_same_403_whether_the_pool_exist
     assert_not_allowed(&app, &key, "anthropic", "default").await;
     assert_not_allowed(&app, &key, "nobody", "default").await;
     // the internal key keeps its meaning: every provider and pool
-    let vip = json_body(
-        app.allocate(json!({"provider": "openai", "model": "gpt-4o", "pool": "vip"}))
-            .await,
-        StatusCode::OK,
-    )
-    .await;
+    let vip = app
+        .lease(json!({"provider": "openai", "model": "gpt-4o", "pool": "vip"}))
+        .await;
     assert_eq!(vip["key_id"], "openai-vip");
 
     // a pattern: every pool of one provider
-    put_tenant(
-        &app.client,
-        &base,
-        "team",
-        json!({"pools": ["anthropic/*"]}),
-    )
-    .await;
+    app.put_tenant("team", json!({"pools": ["anthropic/*"]}))
+        .await;
     assert_not_allowed(&app, &key, "openai", "default").await;
-    let other = json_body(
-        executor(
-            &app.client,
-            &base,
-            "/api/internal/allocate-key",
-            &key,
-            json!({"provider": "anthropic", "model": "gpt-4o"}),
-        )
-        .await,
-        StatusCode::OK,
-    )
-    .await;
+    let other = app
+        .allocate_as(&key, json!({"provider": "anthropic", "model": "gpt-4o"}))
+        .ok_json()
+        .await;
     assert_eq!(other["key_id"], "anthropic-default");
 
     // narrowing the pools ended nothing held: the openai/default lease still renews and releases
-    let mut renew = lease_ref(&lease);
-    renew["lease_seconds"] = json!(600);
-    let renewed = executor(&app.client, &base, "/api/internal/renew-lease", &key, renew).await;
+    let renew = renew_body(&lease, 600);
+    let renewed = app.renew_as(&key, renew).await;
     json_body(renewed, StatusCode::OK).await;
-    let released = executor(
-        &app.client,
-        &base,
-        "/api/internal/release-key",
-        &key,
-        lease_ref(&lease),
-    )
-    .await;
+    let released = app.release_as(&key, lease_ref(&lease)).await;
     assert_eq!(json_body(released, StatusCode::OK).await["released"], true);
 }
 
 #[tokio::test]
 async fn a_new_tenant_leases_nowhere_until_an_operator_names_its_pools() {
-    let app = TestApp::spawn().await;
-    let base = app.url("");
-    app.put_key("k", "openai", "default", &["gpt-4o"], 4).await;
+    let app = TestApp::with_credential("k", 4).await;
     // created without pools (the raw PUT, not the helper, which names every pool)
     let created = json_body(
-        admin(
-            &app.client,
-            &base,
+        app.admin(
             reqwest::Method::PUT,
             "/api/admin/tenants/newcomer",
             Some(json!({"max_concurrent_leases": 2})),
@@ -1608,7 +906,7 @@ async fn a_new_tenant_leases_nowhere_until_an_operator_names_its_pools() {
     )
     .await;
     assert_eq!(created["pools"], json!([]));
-    let (_, key) = mint(&app.client, &base, "newcomer").await;
+    let (_, key) = app.mint_key("newcomer").await;
     assert_not_allowed(&app, &key, "openai", "default").await;
     let before = app.snapshot().await;
     assert_not_allowed(&app, &key, "openai", "vip").await;
@@ -1618,38 +916,23 @@ async fn a_new_tenant_leases_nowhere_until_an_operator_names_its_pools() {
         json!({"pools": ["openai/default"]}),
         json!({"reports_may_disable": false}),
     ] {
-        let response = admin(
-            &app.client,
-            &base,
-            reqwest::Method::PUT,
-            "/api/admin/tenants/default",
-            Some(body),
-        )
-        .await;
+        let response = app
+            .admin(
+                reqwest::Method::PUT,
+                "/api/admin/tenants/default",
+                Some(body),
+            )
+            .await;
         assert_error(response, StatusCode::BAD_REQUEST, "invalid_request").await;
     }
-    let default = tenant_line(&app.client, &base, "default").await;
+    let default = app.tenant_line("default").await;
     assert_eq!(default["pools"], json!(["*/*"]), "{default}");
     assert_eq!(default["reports_may_disable"], true, "{default}");
     // named: it leases
-    put_tenant(
-        &app.client,
-        &base,
-        "newcomer",
-        json!({"pools": ["openai/default"]}),
-    )
-    .await;
-    json_body(
-        allocate(&app.client, &base, &key, "default").await,
-        StatusCode::OK,
-    )
-    .await;
-    let trail: Vec<Option<Vec<String>>> = sqlx::query_scalar(
-        "SELECT pools FROM tenant_events WHERE tenant_id = 'newcomer' AND event IN ('created', 'updated') ORDER BY event_id",
-    )
-    .fetch_all(&app.db)
-    .await
-    .unwrap();
+    app.put_tenant("newcomer", json!({"pools": ["openai/default"]}))
+        .await;
+    app.lease_as(&key, "default").await;
+    let trail: Vec<Option<Vec<String>>> = app.scalars("SELECT pools FROM tenant_events WHERE tenant_id = 'newcomer' AND event IN ('created', 'updated') ORDER BY event_id").await;
     assert_eq!(
         trail,
         [Some(vec![]), Some(vec!["openai/default".to_owned()])]
@@ -1658,35 +941,20 @@ async fn a_new_tenant_leases_nowhere_until_an_operator_names_its_pools() {
 
 #[tokio::test]
 async fn vip_falls_back_to_default_only_where_the_tenant_may_lease_from_default() {
-    let app = TestApp::spawn().await;
-    let base = app.url("");
-    app.put_key("open", "openai", "default", &["gpt-4o"], 4)
+    let app = TestApp::with_credential("open", 4).await;
+    app.put_gpt4o_key("held", "vip", 1).await;
+    app.put_tenant("vip-only", json!({"pools": ["openai/vip"]}))
         .await;
-    app.put_key("held", "openai", "vip", &["gpt-4o"], 1).await;
-    put_tenant(
-        &app.client,
-        &base,
-        "vip-only",
-        json!({"pools": ["openai/vip"]}),
-    )
-    .await;
-    let (_, key) = mint(&app.client, &base, "vip-only").await;
-    let first = json_body(
-        allocate(&app.client, &base, &key, "vip").await,
-        StatusCode::OK,
-    )
-    .await;
+    let (_, key) = app.mint_key("vip-only").await;
+    let first = app.lease_as(&key, "vip").await;
     assert_eq!(first["key_id"], "held");
     // vip is full: the fallback to default is outside the tenant's pools
-    let full = allocate(&app.client, &base, &key, "vip").await;
+    let full = app.allocate_as(&key, gpt4o_in_for("vip", 600)).await;
     assert_error(full, StatusCode::TOO_MANY_REQUESTS, "pool_exhausted").await;
     // the internal key falls back as always
-    let fallback = json_body(
-        app.allocate(json!({"provider": "openai", "model": "gpt-4o", "pool": "vip"}))
-            .await,
-        StatusCode::OK,
-    )
-    .await;
+    let fallback = app
+        .lease(json!({"provider": "openai", "model": "gpt-4o", "pool": "vip"}))
+        .await;
     assert_eq!(
         (&fallback["key_id"], &fallback["pool"]),
         (&json!("open"), &json!("default"))
@@ -1710,33 +978,25 @@ async fn a_tenants_report_rests_a_credential_at_most_the_bound_and_cannot_disabl
     // got 429 for a month. Now a report rests a credential for at most --max-report-rest-seconds
     // (an hour by default; the clamp is in the trail), a tenant's auth_error rests it for the
     // backoff instead of disabling it, and the trail names the tenant.
-    let app = TestApp::spawn().await;
-    let base = app.url("");
-    app.put_key("k1", "openai", "default", &["gpt-4o"], 1).await;
-    app.put_key("k2", "openai", "default", &["gpt-4o"], 1).await;
-    put_tenant(&app.client, &base, "team", json!({})).await;
-    let (_, key) = mint(&app.client, &base, "team").await;
+    let app = TestApp::with_credential("k1", 1).await;
+    app.put_gpt4o_key("k2", "default", 1).await;
+    app.put_tenant("team", json!({})).await;
+    let (_, key) = app.mint_key("team").await;
     let release = |lease: &Value, outcome: &str, retry_after: Option<u32>| {
         let mut body = lease_ref(lease);
         body["outcome"] = json!(outcome);
         if let Some(seconds) = retry_after {
             body["retry_after_seconds"] = json!(seconds);
         }
-        executor(&app.client, &base, "/api/internal/release-key", &key, body)
+        app.release_as(&key, body)
     };
 
-    let first = json_body(
-        allocate(&app.client, &base, &key, "default").await,
-        StatusCode::OK,
-    )
-    .await;
+    let first = app.lease_as(&key, "default").await;
     let rested = first["key_id"].as_str().unwrap().to_owned();
-    json_body(
-        release(&first, "quota_exhausted", Some(2_678_400)).await,
-        StatusCode::OK,
-    )
-    .await;
-    let detail = credential(&app.client, &base, &rested).await;
+    release(&first, "quota_exhausted", Some(2_678_400))
+        .ok_json()
+        .await;
+    let detail = app.credential(&rested).await;
     assert_eq!(detail["status"], "exhausted", "{detail}");
     let left = rest_seconds(&app.db, &rested).await;
     assert!(
@@ -1744,15 +1004,11 @@ async fn a_tenants_report_rests_a_credential_at_most_the_bound_and_cannot_disabl
         "rested for {left} s, not at most the hour's bound"
     );
 
-    let second = json_body(
-        allocate(&app.client, &base, &key, "default").await,
-        StatusCode::OK,
-    )
-    .await;
+    let second = app.lease_as(&key, "default").await;
     let reported = second["key_id"].as_str().unwrap().to_owned();
     assert_ne!(reported, rested);
-    json_body(release(&second, "auth_error", None).await, StatusCode::OK).await;
-    let detail = credential(&app.client, &base, &reported).await;
+    release(&second, "auth_error", None).ok_json().await;
+    let detail = app.credential(&reported).await;
     assert_eq!(detail["status"], "cooldown", "{detail}");
     let left = rest_seconds(&app.db, &reported).await;
     assert!((0.0..=60.0).contains(&left), "rested for {left} s");
@@ -1780,35 +1036,15 @@ async fn a_tenants_report_rests_a_credential_at_most_the_bound_and_cannot_disabl
     assert_eq!(details.as_ref().unwrap()["outcome"], "auth_error");
 
     // an operator who trusts the tenant's reports says so: then its auth_error disables
-    put_tenant(
-        &app.client,
-        &base,
-        "trusted",
-        json!({"reports_may_disable": true}),
-    )
-    .await;
-    let (_, trusted) = mint(&app.client, &base, "trusted").await;
+    app.put_tenant("trusted", json!({"reports_may_disable": true}))
+        .await;
+    let (_, trusted) = app.mint_key("trusted").await;
     app.set_status(&reported, "available", None).await;
-    let lease = json_body(
-        allocate(&app.client, &base, &trusted, "default").await,
-        StatusCode::OK,
-    )
-    .await;
+    let lease = app.lease_as(&trusted, "default").await;
     let mut body = lease_ref(&lease);
     body["outcome"] = json!("auth_error");
-    json_body(
-        executor(
-            &app.client,
-            &base,
-            "/api/internal/release-key",
-            &trusted,
-            body,
-        )
-        .await,
-        StatusCode::OK,
-    )
-    .await;
-    let detail = credential(&app.client, &base, lease["key_id"].as_str().unwrap()).await;
+    app.release_as(&trusted, body).ok_json().await;
+    let detail = app.credential(lease["key_id"].as_str().unwrap()).await;
     assert_eq!(detail["status"], "disabled", "{detail}");
 }
 
@@ -1817,10 +1053,8 @@ async fn an_unauthenticated_request_is_refused_before_its_body_is_read_or_a_clai
     // A key shaped like a tenant's passed a first check, the body was parsed (400 with the
     // fields' names) and the claim ran in PostgreSQL before the 401. Now the key's look-up is the
     // only statement: with every table a claim reads locked, the answer is still 401 at once.
-    let app = TestApp::spawn().await;
-    app.put_key("k", "openai", "default", &["gpt-4o"], 4).await;
+    let app = TestApp::with_credential("k", 4).await;
     let unknown = format!("cpk_{}", "0".repeat(64));
-    let base = app.url("");
     for path in [
         "/api/internal/allocate-key",
         "/api/internal/renew-lease",
@@ -1829,7 +1063,7 @@ async fn an_unauthenticated_request_is_refused_before_its_body_is_read_or_a_clai
         for key in [unknown.as_str(), "not-a-key-at-all"] {
             let response = app
                 .client
-                .post(format!("{base}{path}"))
+                .post(app.url(path))
                 .header("x-internal-key", key)
                 .header("content-type", "application/json")
                 .body("{\"provider\": 42, garbage")
@@ -1846,18 +1080,10 @@ async fn an_unauthenticated_request_is_refused_before_its_body_is_read_or_a_clai
     .execute(&mut *lock)
     .await
     .unwrap();
-    let response = tokio::time::timeout(
-        Duration::from_secs(30),
-        executor(
-            &app.client,
-            &base,
-            "/api/internal/allocate-key",
-            &unknown,
-            json!({"provider": "openai", "model": "gpt-4o"}),
-        ),
-    )
-    .await
-    .expect("no answer within 30 s");
+    let response =
+        tokio::time::timeout(Duration::from_secs(30), app.allocate_as(&unknown, gpt4o()))
+            .await
+            .expect("no answer within 30 s");
     lock.rollback().await.unwrap();
     assert_error(response, StatusCode::UNAUTHORIZED, "unauthorized").await;
 }
@@ -1888,24 +1114,16 @@ async fn an_upgrade_keeps_existing_tenants_leasing_everywhere_and_new_ones_start
     pool.close().await;
 
     let app = TestApp::spawn_on(database, AppOptions::default()).await;
-    let base = app.url("");
-    app.put_key("vip-key", "openai", "vip", &["gpt-4o"], 2)
-        .await;
-    let old = tenant_line(&app.client, &base, "old-team").await;
+    app.put_gpt4o_key("vip-key", "vip", 2).await;
+    let old = app.tenant_line("old-team").await;
     assert_eq!(old["pools"], json!(["*/*"]), "{old}");
     assert_eq!(old["reports_may_disable"], false, "{old}");
-    let lease = json_body(
-        allocate(&app.client, &base, &key, "vip").await,
-        StatusCode::OK,
-    )
-    .await;
+    let lease = app.lease_as(&key, "vip").await;
     assert_eq!(lease["tenant"], "old-team");
-    let default = tenant_line(&app.client, &base, "default").await;
+    let default = app.tenant_line("default").await;
     assert_eq!(default["reports_may_disable"], true, "{default}");
     let created = json_body(
-        admin(
-            &app.client,
-            &base,
+        app.admin(
             reqwest::Method::PUT,
             "/api/admin/tenants/new-team",
             Some(json!({})),
@@ -1919,20 +1137,17 @@ async fn an_upgrade_keeps_existing_tenants_leasing_everywhere_and_new_ones_start
 
 /// The `pool_waiters` rows of tenant `tenant`, straight from the database.
 async fn waiter_rows(app: &TestApp, tenant: &str) -> i64 {
-    sqlx::query_scalar("SELECT count(*) FROM pool_waiters WHERE tenant = $1")
-        .bind(tenant)
-        .fetch_one(&app.db)
-        .await
-        .unwrap()
+    app.scalar_of(
+        "SELECT count(*) FROM pool_waiters WHERE tenant = $1",
+        tenant,
+    )
+    .await
 }
 
 /// `POST /api/internal/allocate-key` of gpt-4o from `default` with `key`, waiting up to
 /// `wait_ms`.
 async fn allocate_waiting(app: &TestApp, key: &str, wait_ms: u64) -> reqwest::Response {
-    executor(
-        &app.client,
-        &app.url(""),
-        "/api/internal/allocate-key",
+    app.allocate_as(
         key,
         json!({"provider": "openai", "model": "gpt-4o", "lease_seconds": 600, "wait_ms": wait_ms}),
     )
@@ -1947,45 +1162,23 @@ async fn fair_share_never_yields_to_a_tenant_whose_window_has_no_room() {
     // holds it back, not the pool. Before, `metered` was recorded as waiting for the pool and
     // `busy` yielded to it for its whole wait: 429 with a slot free.
     let _waiters = exclusive_waiters().await;
-    let app = TestApp::spawn().await;
-    let base = app.url("");
-    app.put_key("k1", "openai", "default", &["gpt-4o"], 2).await;
-    put_tenant(
-        &app.client,
-        &base,
+    let app = TestApp::with_credential("k1", 2).await;
+    app.put_tenant(
         "metered",
         json!({"rate_limits": [{"requests": 1, "seconds": 600}]}),
     )
     .await;
-    let metered = mint(&app.client, &base, "metered").await.1;
-    put_tenant(&app.client, &base, "busy", json!({})).await;
-    let busy = mint(&app.client, &base, "busy").await.1;
-    let used = json_body(
-        allocate(&app.client, &base, &metered, "default").await,
-        StatusCode::OK,
-    )
-    .await;
-    let released = executor(
-        &app.client,
-        &base,
-        "/api/internal/release-key",
-        &metered,
-        lease_ref(&used),
-    )
-    .await;
+    let metered = app.mint_key("metered").await.1;
+    app.put_tenant("busy", json!({})).await;
+    let busy = app.mint_key("busy").await.1;
+    let used = app.lease_as(&metered, "default").await;
+    let released = app.release_as(&metered, lease_ref(&used)).await;
     assert_eq!(released.status(), StatusCode::OK);
-    json_body(
-        allocate(&app.client, &base, &busy, "default").await,
-        StatusCode::OK,
-    )
-    .await;
+    app.lease_as(&busy, "default").await;
     let held_back = {
-        let (app_client, base, metered) = (app.client.clone(), base.clone(), metered.clone());
+        let (app, metered) = (app.remote(), metered.clone());
         tokio::spawn(async move {
-            executor(
-                &app_client,
-                &base,
-                "/api/internal/allocate-key",
+            app.allocate_as(
                 &metered,
                 json!({"provider": "openai", "model": "gpt-4o", "wait_ms": 6_000}),
             )
@@ -2012,18 +1205,13 @@ async fn a_waiter_whose_caller_left_during_its_first_claim_leaves_no_row_behind(
     // Before, that row outlived its caller until the end of its wait (20 s), and another
     // tenant's waiting request yielded the free slot to nobody until then.
     let _waiters = exclusive_waiters().await;
-    let app = crate::lease_state::app_with_hooks("claim.before_lock").await;
-    let base = app.url("");
-    app.put_key("k1", "openai", "default", &["gpt-4o"], 1).await;
-    put_tenant(&app.client, &base, "left", json!({})).await;
-    let left = mint(&app.client, &base, "left").await.1;
-    put_tenant(&app.client, &base, "stays", json!({})).await;
-    let stays = mint(&app.client, &base, "stays").await.1;
-    let held = json_body(
-        allocate(&app.client, &base, &stays, "default").await,
-        StatusCode::OK,
-    )
-    .await;
+    let app = TestApp::spawn_with_hooks("claim.before_lock").await;
+    app.put_gpt4o_key("k1", "default", 1).await;
+    app.put_tenant("left", json!({})).await;
+    let left = app.mint_key("left").await.1;
+    app.put_tenant("stays", json!({})).await;
+    let stays = app.mint_key("stays").await.1;
+    let held = app.lease_as(&stays, "default").await;
     let hook = Hook::close(&app, "claim.before_lock").await;
     let gone = app
         .client
@@ -2049,16 +1237,9 @@ async fn a_waiter_whose_caller_left_during_its_first_claim_leaves_no_row_behind(
         left_rows, 0,
         "a departed caller is still recorded as waiting"
     );
-    let released = executor(
-        &app.client,
-        &base,
-        "/api/internal/release-key",
-        &stays,
-        lease_ref(&held),
-    )
-    .await;
+    let released = app.release_as(&stays, lease_ref(&held)).await;
     assert_eq!(released.status(), StatusCode::OK);
-    let lease = json_body(allocate_waiting(&app, &stays, 1_500).await, StatusCode::OK).await;
+    let lease = allocate_waiting(&app, &stays, 1_500).ok_json().await;
     assert_eq!(lease["key_id"], "k1");
 }
 
@@ -2068,41 +1249,21 @@ async fn a_lowered_cap_reopens_when_the_leases_over_it_end_without_maintenance()
     // cleanup pass (the in-process app has no scheduler). Once the last of them has ended, on the
     // database clock, the tenant is served again: exactly its new cap. Before, the tenant's rows
     // stayed closed (`over_limit`) until a cleanup pass refitted it: tenant_limit meanwhile.
-    let app = TestApp::spawn().await;
-    let base = app.url("");
-    app.put_key("k1", "openai", "default", &["gpt-4o"], 8).await;
-    let key = capped_tenant(&app, "crashy", 3).await;
+    let app = TestApp::with_credential("k1", 8).await;
+    let key = app.capped_tenant("crashy", 3).await;
     for _ in 0..3 {
-        json_body(
-            executor(
-                &app.client,
-                &base,
-                "/api/internal/allocate-key",
-                &key,
-                json!({"provider": "openai", "model": "gpt-4o", "lease_seconds": 2}),
-            )
-            .await,
-            StatusCode::OK,
-        )
-        .await;
+        app.allocate_as(&key, gpt4o_for(2)).ok_json().await;
     }
-    put_tenant(
-        &app.client,
-        &base,
-        "crashy",
-        json!({"max_concurrent_leases": 1}),
-    )
-    .await;
-    assert_error(
-        allocate(&app.client, &base, &key, "default").await,
-        StatusCode::TOO_MANY_REQUESTS,
-        "tenant_limit",
-    )
-    .await;
+    app.put_tenant("crashy", json!({"max_concurrent_leases": 1}))
+        .await;
+    app.allocate_as(&key, gpt4o_in_for("default", 600))
+        .refused(StatusCode::TOO_MANY_REQUESTS, "tenant_limit")
+        .await;
     tokio::time::sleep(Duration::from_millis(2_500)).await;
-    let answers =
-        futures::future::join_all((0..3).map(|_| allocate(&app.client, &base, &key, "default")))
-            .await;
+    let answers = futures::future::join_all(
+        (0..3).map(|_| app.allocate_as(&key, gpt4o_in_for("default", 600))),
+    )
+    .await;
     let granted = answers
         .iter()
         .filter(|a| a.status() == StatusCode::OK)
@@ -2117,36 +1278,25 @@ async fn two_tenants_with_one_request_id_are_two_requests() {
     // Request ids belong to the tenant that presents them. Before, a tenant that used another
     // tenant's (predictable) request_id got 409 request_id_conflict, which also told it that the
     // other tenant had used that id.
-    let app = TestApp::spawn().await;
-    let base = app.url("");
-    app.put_key("k1", "openai", "default", &["gpt-4o"], 4).await;
-    put_tenant(&app.client, &base, "alpha", json!({})).await;
-    let alpha = mint(&app.client, &base, "alpha").await.1;
-    put_tenant(&app.client, &base, "beta", json!({})).await;
-    let beta = mint(&app.client, &base, "beta").await.1;
+    let app = TestApp::with_credential("k1", 4).await;
+    app.put_tenant("alpha", json!({})).await;
+    let alpha = app.mint_key("alpha").await.1;
+    app.put_tenant("beta", json!({})).await;
+    let beta = app.mint_key("beta").await.1;
     let body = json!({"provider": "openai", "model": "gpt-4o", "lease_seconds": 600,
                       "request_id": "job-42"});
-    let allocate_as = async |key: &str| {
-        executor(
-            &app.client,
-            &base,
-            "/api/internal/allocate-key",
-            key,
-            body.clone(),
-        )
-        .await
-    };
-    let first = json_body(allocate_as(&alpha).await, StatusCode::OK).await;
-    let other = json_body(allocate_as(&beta).await, StatusCode::OK).await;
+    let allocate_as = async |key: &str| app.allocate_as(key, body.clone()).await;
+    let first = allocate_as(&alpha).ok_json().await;
+    let other = allocate_as(&beta).ok_json().await;
     assert_ne!(
         first["lease_id"], other["lease_id"],
         "one lease for two tenants"
     );
     assert_eq!(other["tenant"], "beta");
     // each tenant's retry replays its own lease, and only its own
-    let again = json_body(allocate_as(&alpha).await, StatusCode::OK).await;
+    let again = allocate_as(&alpha).ok_json().await;
     assert_eq!(again["lease_id"], first["lease_id"]);
-    let again = json_body(allocate_as(&beta).await, StatusCode::OK).await;
+    let again = allocate_as(&beta).ok_json().await;
     assert_eq!(again["lease_id"], other["lease_id"]);
     assert_eq!(app.in_flight("k1").await, 2);
 }

@@ -3,16 +3,10 @@
 //! once without a unique index, and a trail of the release before partitions kept whole by the
 //! upgrade.
 
-use reqwest::StatusCode;
-use serde_json::{Value, json};
+use serde_json::json;
 use time::OffsetDateTime;
 
 use credpool_test_support::*;
-
-async fn lease(app: &TestApp, seconds: u32) -> Value {
-    let body = json!({"provider": "openai", "model": "gpt-4o", "lease_seconds": seconds});
-    json_body(app.allocate(body).await, StatusCode::OK).await
-}
 
 /// The trail's partitions, oldest first: (name, first instant or None for MINVALUE, end).
 async fn days(db: &sqlx::PgPool) -> Vec<(String, Option<OffsetDateTime>, OffsetDateTime)> {
@@ -50,20 +44,11 @@ async fn the_trail_is_kept_in_days_made_a_week_ahead() {
     // Every grant needs a partition for its day: the maintenance pass keeps today and the next
     // seven days there, each [midnight, midnight) UTC, and making them again does nothing.
     let app = TestApp::spawn().await;
-    let made: i32 = sqlx::query_scalar("SELECT credpool_make_trail_days(7)")
-        .fetch_one(&app.db)
-        .await
-        .unwrap();
-    let again: i32 = sqlx::query_scalar("SELECT credpool_make_trail_days(7)")
-        .fetch_one(&app.db)
-        .await
-        .unwrap();
+    let made: i32 = app.scalar("SELECT credpool_make_trail_days(7)").await;
+    let again: i32 = app.scalar("SELECT credpool_make_trail_days(7)").await;
     assert_eq!(again, 0, "a day made twice");
     let days = days(&app.db).await;
-    let now: OffsetDateTime = sqlx::query_scalar("SELECT now()")
-        .fetch_one(&app.db)
-        .await
-        .unwrap();
+    let now: OffsetDateTime = app.scalar("SELECT now()").await;
     let today = now.replace_time(time::Time::MIDNIGHT);
     for ahead in 0..=7 {
         let day = today + time::Duration::days(ahead);
@@ -80,11 +65,9 @@ async fn the_trail_is_kept_in_days_made_a_week_ahead() {
         }
     }
     // a day later (the clock given), the eighth day is made
-    let later: i32 =
-        sqlx::query_scalar("SELECT credpool_make_trail_days(7, now() + interval '1 day')")
-            .fetch_one(&app.db)
-            .await
-            .unwrap();
+    let later: i32 = app
+        .scalar("SELECT credpool_make_trail_days(7, now() + interval '1 day')")
+        .await;
     assert_eq!(later, 1);
 }
 
@@ -94,14 +77,9 @@ async fn retention_drops_whole_days_but_never_one_holding_a_live_lease() {
     // hand: a day of its own). Forty days later (the clock given), with 30 days of retention,
     // every day is past retention, but the held lease's grant keeps its day and every later one;
     // once it is released, those days are dropped whole, and the trail goes on in days made again.
-    let app = TestApp::spawn().await;
-    app.put_key("key-a", "openai", "default", &["gpt-4o"], 2)
-        .await;
-    sqlx::query("SELECT credpool_make_trail_days(7)")
-        .execute(&app.db)
-        .await
-        .unwrap();
-    let held = lease(&app, 600).await;
+    let app = TestApp::with_credential("key-a", 2).await;
+    app.run_sql("SELECT credpool_make_trail_days(7)").await;
+    let held = app.lease(gpt4o_for(600)).await;
     finished_lease_days_ahead(&app.db, "0190aaaa-0000-7000-8000-000000000001").await;
     let rows = trail_rows(&app.db).await;
     let before = days(&app.db).await;
@@ -114,11 +92,7 @@ async fn retention_drops_whole_days_but_never_one_holding_a_live_lease() {
     assert_eq!(days(&app.db).await, before);
     assert_eq!(trail_rows(&app.db).await, rows);
 
-    json_body(
-        app.release(release_body(&held, "success")).await,
-        StatusCode::OK,
-    )
-    .await;
+    app.release(release_body(&held, "success")).ok_json().await;
     let dropped: i32 = sqlx::query_scalar(forty_days_on)
         .fetch_one(&app.db)
         .await
@@ -129,11 +103,8 @@ async fn retention_drops_whole_days_but_never_one_holding_a_live_lease() {
         "every day is past retention"
     );
     assert_eq!(trail_rows(&app.db).await, 0);
-    sqlx::query("SELECT credpool_make_trail_days(7)")
-        .execute(&app.db)
-        .await
-        .unwrap();
-    let again = lease(&app, 600).await;
+    app.run_sql("SELECT credpool_make_trail_days(7)").await;
+    let again = app.lease(gpt4o_for(600)).await;
     assert_eq!(
         app.events(again["lease_id"].as_str().unwrap()).await,
         ["granted"]
@@ -146,15 +117,13 @@ async fn a_late_report_retried_while_the_first_is_uncommitted_counts_once() {
     // left its slot is written under the lease's advisory lock. A group reporting it while
     // another group's report of the same lease is not committed waits, then finds that report
     // and writes nothing: one `outcome_after_expiry` row, one failure counted.
-    let app = TestApp::spawn().await;
-    app.put_key("key-a", "openai", "default", &["gpt-4o"], 2)
-        .await;
-    let short = lease(&app, 1).await;
-    crate::lease_state::expire_and_reap(&app).await;
+    let app = TestApp::with_credential("key-a", 2).await;
+    let short = app.lease(gpt4o_for(1)).await;
+    expire_and_reap(&app).await;
     let report = json!([{"lease_id": short["lease_id"], "key_id": "key-a", "provider": "openai",
                          "pool": "default", "fence": null, "outcome": "failure",
                          "usage_tokens": null}]);
-    let policy = crate::lease_state::policy();
+    let policy = policy();
     let mut first = app.db.begin().await.unwrap();
     let counted: Vec<bool> = sqlx::query_scalar("SELECT counted FROM credpool_release($1, $2)")
         .bind(&report)
@@ -173,16 +142,13 @@ async fn a_late_report_retried_while_the_first_is_uncommitted_counts_once() {
                 .await
         })
     };
-    crate::lease_state::wait_for_lock_waiters(&app, 1).await;
+    wait_for_lock_waiters(&app, 1).await;
     first.commit().await.unwrap();
     let counted = second.await.unwrap().unwrap();
     assert_eq!(counted, [false], "the retry counted again");
-    let reports: i64 = sqlx::query_scalar(
-        "SELECT count(*) FROM lease_events WHERE event = 'outcome_after_expiry'",
-    )
-    .fetch_one(&app.db)
-    .await
-    .unwrap();
+    let reports: i64 = app
+        .scalar("SELECT count(*) FROM lease_events WHERE event = 'outcome_after_expiry'")
+        .await;
     assert_eq!(reports, 1);
 }
 
@@ -210,10 +176,7 @@ async fn an_upgrade_keeps_the_trail_before_partitions_whole_and_its_ids_go_on() 
     .execute(&pool)
     .await
     .unwrap();
-    let last_id: i64 = sqlx::query_scalar("SELECT max(event_id) FROM lease_events")
-        .fetch_one(&pool)
-        .await
-        .unwrap();
+    let last_id: i64 = pool.scalar("SELECT max(event_id) FROM lease_events").await;
     credpool::store::migrate(&pool).await.expect("the upgrade");
     pool.close().await;
 
@@ -222,20 +185,18 @@ async fn an_upgrade_keeps_the_trail_before_partitions_whole_and_its_ids_go_on() 
     let days = days(&app.db).await;
     assert_eq!(days[0].0, "lease_events_before");
     assert_eq!(days[0].1, None);
-    app.put_key("key-a", "openai", "default", &["gpt-4o"], 1)
+    app.put_gpt4o_key("key-a", "default", 1).await;
+    let new = app.lease(gpt4o_for(600)).await;
+    let id: i64 = app
+        .scalar_of(
+            "SELECT event_id FROM lease_events WHERE lease_id = $1::text::uuid",
+            new["lease_id"].as_str(),
+        )
         .await;
-    let new = lease(&app, 600).await;
-    let id: i64 =
-        sqlx::query_scalar("SELECT event_id FROM lease_events WHERE lease_id = $1::text::uuid")
-            .bind(new["lease_id"].as_str())
-            .fetch_one(&app.db)
-            .await
-            .unwrap();
     assert!(id > last_id, "event id {id} after {last_id}");
-    let purged: i32 = sqlx::query_scalar("SELECT credpool_purge_audit('30 days', 1000)")
-        .fetch_one(&app.db)
-        .await
-        .unwrap();
+    let purged: i32 = app
+        .scalar("SELECT credpool_purge_audit('30 days', 1000)")
+        .await;
     assert_eq!(purged, 2, "the finished lease's rows 40 days old");
     assert_eq!(trail_rows(&app.db).await, 2);
     // the trail stays append-only
@@ -251,30 +212,16 @@ async fn retention_never_drops_a_day_the_continuous_proof_has_not_proven() {
     // (written by hand) are not proven yet. Forty days on (the clock given) retention has passed
     // every day, but only a proof that has judged a day lets it go: nothing is dropped while the
     // proof stands where it is, and, with no continuous proof at all, every day is.
-    let app = TestApp::spawn().await;
-    app.put_key("key-a", "openai", "default", &["gpt-4o"], 2)
-        .await;
-    let held = lease(&app, 600).await;
-    json_body(
-        app.release(release_body(&held, "success")).await,
-        StatusCode::OK,
-    )
-    .await;
+    let app = TestApp::with_credential("key-a", 2).await;
+    let held = app.lease(gpt4o_for(600)).await;
+    app.release(release_body(&held, "success")).ok_json().await;
     finished_lease_days_ahead(&app.db, "0190aaaa-0000-7000-8000-000000000004").await;
-    sqlx::query("SELECT * FROM credpool_audit_advance('continuous', 1000)")
-        .execute(&app.db)
-        .await
-        .unwrap();
-    let proven: OffsetDateTime = sqlx::query_scalar(
-        "SELECT min(proven_until) FROM audit_checkpoints WHERE run = 'continuous'",
-    )
-    .fetch_one(&app.db)
-    .await
-    .unwrap();
-    let now: OffsetDateTime = sqlx::query_scalar("SELECT now()")
-        .fetch_one(&app.db)
-        .await
-        .unwrap();
+    app.run_sql("SELECT * FROM credpool_audit_advance('continuous', 1000)")
+        .await;
+    let proven: OffsetDateTime = app
+        .scalar("SELECT min(proven_until) FROM audit_checkpoints WHERE run = 'continuous'")
+        .await;
+    let now: OffsetDateTime = app.scalar("SELECT now()").await;
     assert!(proven <= now, "the proof is past the clock: {proven}");
     let rows = trail_rows(&app.db).await;
     let forty_days_on = "SELECT credpool_drop_trail_days('30 days', now() + interval '40 days')";
@@ -285,10 +232,8 @@ async fn retention_never_drops_a_day_the_continuous_proof_has_not_proven() {
     assert_eq!(dropped, 0, "a day the proof has not judged was dropped");
     assert_eq!(trail_rows(&app.db).await, rows);
 
-    sqlx::query("DELETE FROM audit_checkpoints WHERE run = 'continuous'")
-        .execute(&app.db)
-        .await
-        .unwrap();
+    app.run_sql("DELETE FROM audit_checkpoints WHERE run = 'continuous'")
+        .await;
     let dropped: i32 = sqlx::query_scalar(forty_days_on)
         .fetch_one(&app.db)
         .await

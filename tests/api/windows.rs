@@ -12,7 +12,6 @@ use credpool::allocator::windows::{RING, RateLimit, WindowKind, WindowState};
 use rand::{Rng, RngExt, SeedableRng};
 use reqwest::StatusCode;
 use serde_json::{Value, json};
-use tokio::sync::Barrier;
 
 use credpool_test_support::*;
 
@@ -47,48 +46,29 @@ async fn put_windowed(app: &TestApp, key: &str, pool: &str, limit: u32, rate_lim
 /// 64 allocates at once (half through `other` when given), each with its token estimate.
 /// Returns the leases granted (with their estimate as `tokens`) and the estimates refused.
 async fn race(
-    app: &Arc<TestApp>,
+    app: &TestApp,
     other: Option<SocketAddr>,
     pool: &str,
     estimates: &[u64],
 ) -> (Vec<Value>, Vec<u64>) {
-    let barrier = Arc::new(Barrier::new(estimates.len()));
-    let tasks: Vec<_> = estimates
-        .iter()
-        .enumerate()
-        .map(|(i, &tokens)| {
-            let (barrier, pool) = (barrier.clone(), pool.to_owned());
-            let addr = match other {
-                Some(other) if i % 2 == 1 => other,
-                _ => app.addr,
-            };
-            tokio::spawn(async move {
-                barrier.wait().await;
-                let response = post_json(
-                    &client(),
-                    &format!("http://{addr}/api/internal/allocate-key"),
-                    ("x-internal-key", INTERNAL_KEY),
-                    json!({"provider": "openai", "model": "gpt-4o", "pool": pool,
-                           "lease_seconds": 60, "tokens": tokens, "holder": format!("racer-{i}")}),
-                )
-                .await;
-                let status = response.status();
-                let body: Value = response.json().await.unwrap_or(Value::Null);
-                (status, body, tokens)
-            })
-        })
-        .collect();
+    let mut replicas = vec![app.remote()];
+    replicas.extend(other.map(Remote::at));
+    let bodies = estimates.iter().enumerate().map(|(i, tokens)| {
+        json!({"provider": "openai", "model": "gpt-4o", "pool": pool, "lease_seconds": 60,
+               "tokens": tokens, "holder": format!("racer-{i}")})
+    });
+    let answers = allocate_at_once(&replicas, INTERNAL_KEY, bodies.collect()).await;
     let mut granted = Vec::new();
     let mut refused = Vec::new();
-    for task in tasks {
-        let (status, mut body, tokens) = task.await.unwrap();
-        match status {
+    for (answer, &tokens) in answers.into_iter().zip(estimates) {
+        match answer.status {
             StatusCode::OK => {
+                let mut body = answer.body;
                 body["tokens"] = json!(tokens);
                 granted.push(body);
             }
             StatusCode::TOO_MANY_REQUESTS => refused.push(tokens),
-            other => panic!("racer answered {other}: {body}"),
+            other => panic!("racer answered {other}: {}", answer.body),
         }
     }
     (granted, refused)
@@ -103,26 +83,7 @@ async fn release_all(app: &TestApp, leases: &[Value]) {
 
 /// One allocate of gpt-4o from openai's default pool, which must be granted: the lease.
 async fn grant(app: &TestApp) -> Value {
-    json_body(
-        app.allocate(json!({"provider": "openai", "model": "gpt-4o"}))
-            .await,
-        StatusCode::OK,
-    )
-    .await
-}
-
-/// A transaction holding the row lock `locking_select` takes (another transaction in progress,
-/// as the test needs it), until the test commits it.
-async fn hold_row<'a>(
-    app: &'a TestApp,
-    locking_select: &'static str,
-) -> sqlx::Transaction<'a, sqlx::Postgres> {
-    let mut holder = app.db.begin().await.unwrap();
-    sqlx::query(locking_select)
-        .execute(&mut *holder)
-        .await
-        .unwrap();
-    holder
+    app.lease(gpt4o()).await
 }
 
 async fn window_proof(app: &TestApp) -> (i64, i64) {
@@ -159,11 +120,7 @@ async fn a_requests_window_gives_exactly_its_count_of_64_racers_every_round_then
         let response = app
             .allocate(json!({"provider": "openai", "model": "gpt-4o", "pool": pool}))
             .await;
-        let retry_after: u64 = response.headers()["retry-after"]
-            .to_str()
-            .unwrap()
-            .parse()
-            .unwrap();
+        let retry_after: u64 = retry_after(&response);
         assert!((1..=3).contains(&retry_after), "Retry-After {retry_after}");
         assert_error(response, StatusCode::TOO_MANY_REQUESTS, "pool_exhausted").await;
         tokio::time::sleep(Duration::from_millis(2200)).await;
@@ -228,20 +185,14 @@ async fn a_token_window_admits_exactly_the_estimates_that_fit_and_usage_replaces
         )
         .await;
         let estimate = if usage < 600 { 600 } else { 100 };
-        let lease = json_body(
-            app.allocate(
+        let lease = app
+            .lease(
                 json!({"provider": "openai", "model": "gpt-4o", "pool": pool, "tokens": estimate}),
             )
-            .await,
-            StatusCode::OK,
-        )
-        .await;
+            .await;
         let mut body = release_body(&lease, "success");
         body["usage"] = json!({"tokens": usage});
-        assert_eq!(
-            json_body(app.release(body).await, StatusCode::OK).await["released"],
-            true
-        );
+        assert_eq!(app.release(body).ok_json().await["released"], true);
         let (granted, _) = race(&app, None, &pool, &[100; RACERS]).await;
         assert_eq!(
             granted.len(),
@@ -273,30 +224,19 @@ async fn an_estimate_no_window_can_hold_is_409_and_a_full_window_429_until_the_m
     assert_eq!(app.snapshot().await, before, "a 409 changed the database");
 
     for _ in 0..2 {
-        json_body(
-            app.allocate(json!({"provider": "openai", "model": "gpt-4o", "tokens": 100}))
-                .await,
-            StatusCode::OK,
-        )
-        .await;
+        app.lease(json!({"provider": "openai", "model": "gpt-4o", "tokens": 100}))
+            .await;
     }
     // the requests window is full: Retry-After says when it frees, within a second
-    let response = app
-        .allocate(json!({"provider": "openai", "model": "gpt-4o"}))
-        .await;
-    let retry_after: u64 = response.headers()["retry-after"]
-        .to_str()
-        .unwrap()
-        .parse()
-        .unwrap();
+    let response = app.allocate(gpt4o()).await;
+    let retry_after: u64 = retry_after(&response);
     assert_error(response, StatusCode::TOO_MANY_REQUESTS, "pool_exhausted").await;
-    let frees_at: f64 = sqlx::query_scalar(
-        "SELECT extract(epoch FROM credpool_window_frees_at(w, now(), 0) - now())::float8
+    let frees_at: f64 = app
+        .scalar(
+            "SELECT extract(epoch FROM credpool_window_frees_at(w, now(), 0) - now())::float8
          FROM lease_windows w WHERE key_id = 'small'",
-    )
-    .fetch_one(&app.db)
-    .await
-    .unwrap();
+        )
+        .await;
     let true_moment = frees_at;
     assert!(
         (retry_after as f64 - true_moment).abs() <= 1.0 + 0.05,
@@ -336,22 +276,13 @@ async fn rate_limits_are_set_shown_changed_and_validated_over_http() {
         json!([{"requests": 500, "seconds": 60}, {"tokens": 30000, "seconds": 60}]),
     )
     .await;
-    let lease = json_body(
-        app.allocate(json!({"provider": "openai", "model": "gpt-4o", "tokens": 1200}))
-            .await,
-        StatusCode::OK,
-    )
-    .await;
-    let detail = json_body(
-        app.client
-            .get(app.url("/api/admin/keys/tier-1"))
-            .header("x-admin-key", ADMIN_KEY)
-            .send()
-            .await
-            .unwrap(),
-        StatusCode::OK,
-    )
-    .await;
+    let lease = app
+        .lease(json!({"provider": "openai", "model": "gpt-4o", "tokens": 1200}))
+        .await;
+    let detail = app
+        .admin_unnamed(reqwest::Method::GET, "/api/admin/keys/tier-1", None)
+        .ok_json()
+        .await;
     assert_eq!(
         detail["rate_limits"],
         json!([{"requests": 500, "seconds": 60}, {"tokens": 30000, "seconds": 60}])
@@ -361,7 +292,7 @@ async fn rate_limits_are_set_shown_changed_and_validated_over_http() {
     assert_eq!(detail["windows"][1]["headroom"], 28800);
     let mut body = release_body(&lease, "success");
     body["usage"] = json!({"tokens": 900});
-    json_body(app.release(body).await, StatusCode::OK).await;
+    app.release(body).ok_json().await;
 
     let patch = |body: Value| {
         app.client
@@ -398,14 +329,11 @@ async fn rate_limits_are_set_shown_changed_and_validated_over_http() {
         assert_eq!(app.snapshot().await, before, "{bad} changed the database");
     }
     for bad in [json!({"tokens": 1_000_000_001u64}), json!({"tokens": -1})] {
-        let mut request = json!({"provider": "openai", "model": "gpt-4o"});
+        let mut request = gpt4o();
         request["tokens"] = bad["tokens"].clone();
-        assert_error(
-            app.allocate(request).await,
-            StatusCode::BAD_REQUEST,
-            "invalid_request",
-        )
-        .await;
+        app.allocate(request)
+            .refused(StatusCode::BAD_REQUEST, "invalid_request")
+            .await;
     }
     let removed = json_body(
         patch(json!({"rate_limits": []})).await.unwrap(),
@@ -418,7 +346,7 @@ async fn rate_limits_are_set_shown_changed_and_validated_over_http() {
 /// Waits until a transaction on the app's database queues for a row lock (an operator's change
 /// behind a transaction the test holds).
 async fn until_a_transaction_waits_for_a_lock(app: &TestApp) {
-    crate::lease_state::wait_for_lock_waiters(app, 1).await;
+    wait_for_lock_waiters(app, 1).await;
 }
 
 #[tokio::test]
@@ -427,43 +355,31 @@ async fn grants_made_before_a_credential_had_windows_are_not_judged_by_the_windo
     put_windowed(&app, "legacy", "default", 8, json!([])).await;
     // a credential created by a release from before rate windows: its `created` row has no
     // `rate_limits` at all (the trail is append-only; the row is replaced, not edited)
-    sqlx::query(
-        "WITH old AS (DELETE FROM credential_events WHERE key_id = 'legacy' RETURNING *)
+    app.run_sql("WITH old AS (DELETE FROM credential_events WHERE key_id = 'legacy' RETURNING *)
          INSERT INTO credential_events (key_id, event, old_status, new_status, reason, actor, details, at)
          SELECT key_id, event, old_status, new_status, reason, actor, details #- '{new,rate_limits}', at
-         FROM old",
-    )
-    .execute(&app.db)
-    .await
-    .unwrap();
+         FROM old").await;
     let mut leases = Vec::new();
     for _ in 0..5 {
         leases.push(grant(&app).await);
     }
     release_all(&app, &leases).await;
-    let changed = json_body(
-        app.client
-            .patch(app.url("/api/admin/keys/legacy"))
-            .header("x-admin-key", ADMIN_KEY)
-            .json(&json!({"rate_limits": [{"requests": 2, "seconds": 60}]}))
-            .send()
-            .await
-            .unwrap(),
-        StatusCode::OK,
-    )
-    .await;
+    let changed = app
+        .admin_unnamed(
+            reqwest::Method::PATCH,
+            "/api/admin/keys/legacy",
+            Some(json!({"rate_limits": [{"requests": 2, "seconds": 60}]})),
+        )
+        .ok_json()
+        .await;
     assert_eq!(
         changed["rate_limits"],
         json!([{"requests": 2, "seconds": 60}])
     );
     // the new window counts the five grants of the last minute: nothing more until they leave it
-    assert_error(
-        app.allocate(json!({"provider": "openai", "model": "gpt-4o"}))
-            .await,
-        StatusCode::TOO_MANY_REQUESTS,
-        "pool_exhausted",
-    )
-    .await;
+    app.allocate(gpt4o())
+        .refused(StatusCode::TOO_MANY_REQUESTS, "pool_exhausted")
+        .await;
     let (_, over) = window_proof(&app).await;
     assert_eq!(
         over, 0,
@@ -474,14 +390,9 @@ async fn grants_made_before_a_credential_had_windows_are_not_judged_by_the_windo
 
     // a grant into the full window, written straight into the trail as a bug in the claim would
     // have: the proof still reports it
-    sqlx::query(
-        "INSERT INTO lease_events (event, lease_id, key_id, provider, pool, slot, lease_until, at, tokens)
+    app.run_sql("INSERT INTO lease_events (event, lease_id, key_id, provider, pool, slot, lease_until, at, tokens)
          VALUES ('granted', gen_random_uuid(), 'legacy', 'openai', 'default', 0,
-                 clock_timestamp() + interval '60 seconds', clock_timestamp(), 0)",
-    )
-    .execute(&app.db)
-    .await
-    .unwrap();
+                 clock_timestamp() + interval '60 seconds', clock_timestamp(), 0)").await;
     let (_, over) = window_proof(&app).await;
     assert_eq!(over, 1, "a grant over the window went unreported");
     let (ok, report) = audit_verify(BIN, &app.database).await;
@@ -568,7 +479,7 @@ async fn a_window_row_held_longer_than_a_few_claims_take_is_waited_for_not_answe
         app.client
             .post(app.url("/api/internal/allocate-key"))
             .header("x-internal-key", INTERNAL_KEY)
-            .json(&json!({"provider": "openai", "model": "gpt-4o"}))
+            .json(&gpt4o())
             .send(),
     );
     tokio::time::sleep(Duration::from_millis(300)).await;
@@ -597,19 +508,16 @@ async fn usage_reported_above_the_estimate_counts_against_every_grant_after_the_
     };
     // the second grant comes before the first one's usage (90) is reported: it was admitted on
     // the reservations (50 + 50), and a usage reported afterwards does not make it a violation
-    let first = json_body(allocate("reported-later").await, StatusCode::OK).await;
-    let second = json_body(allocate("reported-later").await, StatusCode::OK).await;
-    json_body(release(&first, 90).await, StatusCode::OK).await;
-    json_body(release(&second, 50).await, StatusCode::OK).await;
+    let first = allocate("reported-later").ok_json().await;
+    let second = allocate("reported-later").ok_json().await;
+    release(&first, 90).ok_json().await;
+    release(&second, 50).ok_json().await;
     // the first grant's usage (90) is reported before the second allocate: no room for 50 more
-    let first = json_body(allocate("reported-first").await, StatusCode::OK).await;
-    json_body(release(&first, 90).await, StatusCode::OK).await;
-    assert_error(
-        allocate("reported-first").await,
-        StatusCode::TOO_MANY_REQUESTS,
-        "pool_exhausted",
-    )
-    .await;
+    let first = allocate("reported-first").ok_json().await;
+    release(&first, 90).ok_json().await;
+    allocate("reported-first")
+        .refused(StatusCode::TOO_MANY_REQUESTS, "pool_exhausted")
+        .await;
     let (grants, over) = window_proof(&app).await;
     assert_eq!((grants, over), (3, 0));
     let (ok, report) = audit_verify(BIN, &app.database).await;
@@ -617,14 +525,9 @@ async fn usage_reported_above_the_estimate_counts_against_every_grant_after_the_
 
     // the grant a claim that dropped the usage above the estimate would have made, written
     // straight into the trail: 90 used + 50 reserved in a window of 100
-    sqlx::query(
-        "INSERT INTO lease_events (event, lease_id, key_id, provider, pool, slot, lease_until, at, tokens)
+    app.run_sql("INSERT INTO lease_events (event, lease_id, key_id, provider, pool, slot, lease_until, at, tokens)
          VALUES ('granted', gen_random_uuid(), 'reported-first', 'openai', 'reported-first', 1,
-                 clock_timestamp() + interval '60 seconds', clock_timestamp(), 50)",
-    )
-    .execute(&app.db)
-    .await
-    .unwrap();
+                 clock_timestamp() + interval '60 seconds', clock_timestamp(), 50)").await;
     let (_, over) = window_proof(&app).await;
     assert_eq!(
         over, 1,

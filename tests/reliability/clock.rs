@@ -101,7 +101,7 @@ async fn a_waiting_request_is_recorded_on_the_database_clock_whatever_the_host_c
         .await
         .unwrap();
     assert!(put.status().is_success(), "{}", put.status());
-    json_body(service.allocate().await, StatusCode::OK).await;
+    service.allocate().ok_json().await;
     let before = db_clock(&service.db).await;
     let waiting = {
         let (client, base) = (service.client.clone(), service.serve.base.clone());

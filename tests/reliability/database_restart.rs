@@ -23,6 +23,7 @@ use reqwest::StatusCode;
 use serde_json::{Value, json};
 use sqlx::PgPool;
 
+use credpool_test_support::Service as _;
 use credpool_test_support::*;
 
 use crate::BIN;
@@ -157,8 +158,7 @@ impl Service {
     }
 
     async fn renew(&self, lease: &Value, lease_seconds: u64) -> Call {
-        let mut body = lease_ref(lease);
-        body["lease_seconds"] = json!(lease_seconds);
+        let body = renew_body(lease, lease_seconds);
         self.call(Op::Renew, body).await
     }
 
@@ -167,26 +167,19 @@ impl Service {
     }
 
     async fn put_key(&self, key_id: &str, pool: &str, limit: u32) {
-        let response = self
-            .client
-            .put(format!("{}/api/admin/keys/{key_id}", self.base))
-            .header("x-admin-key", ADMIN_KEY)
-            .json(&json!({"provider": PROVIDER, "pool": pool, "models": ["gpt-4o"],
-                          "max_concurrent_uses": limit, "secret": {"api_key": format!("sk-{key_id}")}}))
-            .send()
-            .await
-            .unwrap();
+        let response = Remote::new(&self.client, &self.base)
+            .put_key_raw(
+                key_id,
+                json!({"provider": PROVIDER, "pool": pool, "models": ["gpt-4o"],
+                       "max_concurrent_uses": limit, "secret": {"api_key": format!("sk-{key_id}")}}),
+            )
+            .await;
         assert!(response.status().is_success(), "PUT {key_id}");
     }
 
     fn calls(&self) -> Vec<Call> {
         self.calls.lock().unwrap().clone()
     }
-}
-
-fn lease_ref(lease: &Value) -> Value {
-    json!({"provider": lease["provider"], "pool": lease["pool"], "key_id": lease["key_id"],
-           "lease_id": lease["lease_id"]})
 }
 
 /// Asserts a call's status (and, for errors, its code).
@@ -563,34 +556,25 @@ async fn a_database_restart_under_load_answers_503_in_time_loses_no_lease_and_re
     lease_ids.sort();
     lease_ids.dedup();
     assert_eq!(lease_ids.len(), total, "a lease id was handed out twice");
-    let in_trail: i64 = sqlx::query_scalar(
-        "SELECT count(*) FROM lease_events WHERE event = 'granted'
+    let in_trail: i64 = db
+        .scalar_of(
+            "SELECT count(*) FROM lease_events WHERE event = 'granted'
          AND lease_id = ANY (SELECT l::uuid FROM unnest($1::text[]) l)",
-    )
-    .bind(&lease_ids)
-    .fetch_one(&db)
-    .await
-    .unwrap();
+            &lease_ids,
+        )
+        .await;
     assert_eq!(in_trail, total as i64);
-    let granted_twice: Vec<String> = sqlx::query_scalar(
-        "SELECT lease_id::text FROM lease_events WHERE event = 'granted'
+    let granted_twice: Vec<String> = db
+        .scalars(
+            "SELECT lease_id::text FROM lease_events WHERE event = 'granted'
          GROUP BY lease_id HAVING count(*) > 1",
-    )
-    .fetch_all(&db)
-    .await
-    .unwrap();
+        )
+        .await;
     assert!(granted_twice.is_empty(), "{granted_twice:?}");
-    let output = tokio::process::Command::new(BIN)
-        .args(["audit", "verify", "--json"])
-        .env("DATABASE_URL", &url)
-        .env("RUST_LOG", "warn")
-        .output()
-        .await
-        .unwrap();
-    let printed = String::from_utf8_lossy(&output.stdout).into_owned()
-        + &String::from_utf8_lossy(&output.stderr);
-    assert!(output.status.success(), "{printed}");
-    let proof: Value = serde_json::from_slice(&output.stdout).unwrap();
+    let verified = audit_verify_json(BIN, &url).await;
+    let printed = verified.printed();
+    assert!(verified.success, "{printed}");
+    let proof = verified.report();
     assert_eq!(proof["grants_over_limit"], 0, "{printed}");
     for row in proof["credentials"].as_array().unwrap() {
         assert!(

@@ -459,14 +459,6 @@ struct Formation {
     nodes: Vec<Keeper>,
 }
 
-fn free_port() -> u16 {
-    std::net::TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port()
-}
-
 impl Formation {
     /// Starts the monitor (with health checks tuned for a test: a node that does not answer for
     /// about 2 s is failed over), then node1 (the primary) and node2 (its synchronous standby),
@@ -1170,19 +1162,15 @@ impl Run {
         );
         let (serve, log) = Self::serve(formation, "load").await;
         let (proxy, base) = Proxy::start(&serve.base).await;
-        let admin = reqwest::Client::new();
         let put = async |key_id: String, pool: &str, limit: u32| {
-            let response = admin
-                .put(format!("{}/api/admin/keys/{key_id}", serve.base))
-                .header("x-admin-key", ADMIN_KEY)
-                .json(
-                    &json!({"provider": PROVIDER, "pool": pool, "models": [MODEL],
+            let response = serve
+                .put_key_raw(
+                    &key_id,
+                    json!({"provider": PROVIDER, "pool": pool, "models": [MODEL],
                               "max_concurrent_uses": limit,
                               "secret": {"api_key": format!("sk-{key_id}")}}),
                 )
-                .send()
-                .await
-                .unwrap();
+                .await;
             assert!(response.status().is_success(), "PUT {key_id}");
         };
         for i in 0..ROOMY_CREDENTIALS {
@@ -1523,17 +1511,10 @@ async fn check(
     let _ = conn.close().await;
 
     // the oversell proof over the whole run, through the multi-host URL
-    let output = Command::new(BIN)
-        .args(["audit", "verify", "--json"])
-        .env("DATABASE_URL", formation.url())
-        .env("RUST_LOG", "warn")
-        .output()
-        .await
-        .unwrap();
-    let printed = String::from_utf8_lossy(&output.stdout).into_owned()
-        + &String::from_utf8_lossy(&output.stderr);
-    assert!(output.status.success(), "{printed}");
-    let proof: Value = serde_json::from_slice(&output.stdout).unwrap();
+    let verified = audit_verify_json(BIN, &formation.url()).await;
+    let printed = verified.printed();
+    assert!(verified.success, "{printed}");
+    let proof = verified.report();
     assert_eq!(proof["grants_over_limit"], 0, "{printed}");
 
     let renewals = exchanges

@@ -252,26 +252,21 @@ fn table(lease: &Value) -> Vec<Row> {
         "lease_seconds 6e1 (a float spelling of 60)",
         exec(ALLOCATE).bytes(text.replace("60", "6e1")),
     );
-    t.bad(
-        "unknown field",
-        exec(ALLOCATE).json(with(&alloc, json!({"priority": "high"}))),
-    );
-    t.bad(
-        "unknown field with a 200 KiB name",
-        exec(ALLOCATE).json(with(&alloc, json!({long(200 << 10): 1}))),
-    );
-    t.bad(
-        "lease_seconds a 200 KiB string",
-        exec(ALLOCATE).json(with(&alloc, json!({"lease_seconds": long(200 << 10)}))),
-    );
-    t.bad(
-        "missing model",
-        exec(ALLOCATE).json(with(&alloc, json!({"model": null}))),
-    );
-    t.bad(
-        "missing provider",
-        exec(ALLOCATE).json(with(&alloc, json!({"provider": null}))),
-    );
+    for (what, fields) in [
+        ("unknown field", json!({"priority": "high"})),
+        (
+            "unknown field with a 200 KiB name",
+            json!({long(200 << 10): 1}),
+        ),
+        (
+            "lease_seconds a 200 KiB string",
+            json!({"lease_seconds": long(200 << 10)}),
+        ),
+        ("missing model", json!({"model": null})),
+        ("missing provider", json!({"provider": null})),
+    ] {
+        t.bad(what, exec(ALLOCATE).json(with(&alloc, fields)));
+    }
     t.bad("empty body", exec(ALLOCATE).bytes(""));
     t.bad("truncated JSON", exec(ALLOCATE).bytes(truncated(&alloc)));
     t.bad("JSON null", exec(ALLOCATE).bytes("null"));
@@ -299,14 +294,15 @@ fn table(lease: &Value) -> Vec<Row> {
         "invalid UTF-8 in model",
         exec(ALLOCATE).bytes(not_utf8(&alloc, "model")),
     );
-    t.bad(
-        "provider as a number",
-        exec(ALLOCATE).json(with(&alloc, json!({"provider": 42}))),
-    );
-    t.bad(
-        "model as a list",
-        exec(ALLOCATE).json(with(&alloc, json!({"model": ["gpt-4o", "gpt-4o-mini"]}))),
-    );
+    for (what, fields) in [
+        ("provider as a number", json!({"provider": 42})),
+        (
+            "model as a list",
+            json!({"model": ["gpt-4o", "gpt-4o-mini"]}),
+        ),
+    ] {
+        t.bad(what, exec(ALLOCATE).json(with(&alloc, fields)));
+    }
     t.bad(
         "provider with SQL",
         exec(ALLOCATE).json(with(
@@ -314,18 +310,13 @@ fn table(lease: &Value) -> Vec<Row> {
             json!({"provider": "openai'; DROP TABLE credentials; --"}),
         )),
     );
-    t.bad(
-        "pool with LIKE wildcards",
-        exec(ALLOCATE).json(with(&alloc, json!({"pool": "def%"}))),
-    );
-    t.bad(
-        "pool in upper case",
-        exec(ALLOCATE).json(with(&alloc, json!({"pool": "DEFAULT"}))),
-    );
-    t.bad(
-        "model with a NUL",
-        exec(ALLOCATE).json(with(&alloc, json!({"model": "gpt-4o\u{0}"}))),
-    );
+    for (what, fields) in [
+        ("pool with LIKE wildcards", json!({"pool": "def%"})),
+        ("pool in upper case", json!({"pool": "DEFAULT"})),
+        ("model with a NUL", json!({"model": "gpt-4o\u{0}"})),
+    ] {
+        t.bad(what, exec(ALLOCATE).json(with(&alloc, fields)));
+    }
     t.bad(
         "model with a quote and a semicolon",
         exec(ALLOCATE).json(with(&alloc, json!({"model": "gpt-4o';--"}))),
@@ -338,22 +329,17 @@ fn table(lease: &Value) -> Vec<Row> {
         "model of 1 MiB",
         exec(ALLOCATE).json(with(&alloc, json!({"model": long(MIB)}))),
     );
-    t.bad(
-        "holder with a newline",
-        exec(ALLOCATE).json(with(&alloc, json!({"holder": "worker\n7"}))),
-    );
-    t.bad(
-        "holder with an escape sequence",
-        exec(ALLOCATE).json(with(&alloc, json!({"holder": "\u{1b}[2Jworker"}))),
-    );
-    t.bad(
-        "holder of 201 characters",
-        exec(ALLOCATE).json(with(&alloc, json!({"holder": long(201)}))),
-    );
-    t.bad(
-        "empty holder",
-        exec(ALLOCATE).json(with(&alloc, json!({"holder": ""}))),
-    );
+    for (what, fields) in [
+        ("holder with a newline", json!({"holder": "worker\n7"})),
+        (
+            "holder with an escape sequence",
+            json!({"holder": "\u{1b}[2Jworker"}),
+        ),
+        ("holder of 201 characters", json!({"holder": long(201)})),
+        ("empty holder", json!({"holder": ""})),
+    ] {
+        t.bad(what, exec(ALLOCATE).json(with(&alloc, fields)));
+    }
     t.media_type(
         "Content-Type text/plain",
         exec(ALLOCATE)
@@ -449,30 +435,23 @@ fn table(lease: &Value) -> Vec<Row> {
         let body = with(&renew, json!({"lease_id": id}));
         t.bad(format!("lease_id {what}"), exec(RENEW).json(body));
     }
-    t.bad(
-        "missing lease_id",
-        exec(RENEW).json(with(&renew, json!({"lease_id": null}))),
-    );
-    t.bad(
-        "missing pool",
-        exec(RENEW).json(with(&renew, json!({"pool": null}))),
-    );
-    t.bad(
-        "a release field (outcome)",
-        exec(RENEW).json(with(&renew, json!({"outcome": "success"}))),
-    );
+    for (what, fields) in [
+        ("missing lease_id", json!({"lease_id": null})),
+        ("missing pool", json!({"pool": null})),
+        ("a release field (outcome)", json!({"outcome": "success"})),
+    ] {
+        t.bad(what, exec(RENEW).json(with(&renew, fields)));
+    }
     t.bad(
         "duplicate lease_id key",
         exec(RENEW).bytes(duplicated(&renew, "lease_id", &format!("\"{lease_id}\""))),
     );
-    t.bad(
-        "key_id with SQL",
-        exec(RENEW).json(with(&renew, json!({"key_id": "key-a' OR '1'='1"}))),
-    );
-    t.bad(
-        "key_id with a tab",
-        exec(RENEW).json(with(&renew, json!({"key_id": "key-a\t"}))),
-    );
+    for (what, fields) in [
+        ("key_id with SQL", json!({"key_id": "key-a' OR '1'='1"})),
+        ("key_id with a tab", json!({"key_id": "key-a\t"})),
+    ] {
+        t.bad(what, exec(RENEW).json(with(&renew, fields)));
+    }
     t.bad(
         "invalid UTF-8 in key_id",
         exec(RENEW).bytes(not_utf8(&renew, "key_id")),
@@ -1301,15 +1280,12 @@ async fn hostile_requests_to_every_route_get_their_4xx_code_and_change_nothing()
                           "max_concurrent_uses": limit, "secret": {"api_key": SECRET}});
         json_body(app.put_key_raw(key_id, body).await, StatusCode::CREATED).await;
     }
-    let lease = json_body(
-        app.allocate(
+    let lease = app
+        .lease(
             json!({"provider": "openai", "model": "gpt-4o", "lease_seconds": 600,
                             "holder": "victim"}),
         )
-        .await,
-        StatusCode::OK,
-    )
-    .await;
+        .await;
     assert_eq!(lease["key_id"], "key-a");
     let before = everything(&app).await;
 
@@ -1441,7 +1417,7 @@ async fn silent_and_half_sent_sockets_do_not_starve_probes_or_allocations() {
     let lease = client
         .post(format!("{}/api/internal/allocate-key", serve.base))
         .header("x-internal-key", INTERNAL_KEY)
-        .json(&json!({"provider": "openai", "model": "gpt-4o"}))
+        .json(&gpt4o())
         .send()
         .await
         .unwrap_or_else(|e| {
@@ -1463,14 +1439,7 @@ async fn silent_and_half_sent_sockets_do_not_starve_probes_or_allocations() {
             "socket {i}: the service sent {read:?}"
         );
     }
-    let page = client
-        .get(format!("{}/metrics", serve.base))
-        .send()
-        .await
-        .unwrap()
-        .text()
-        .await
-        .unwrap();
+    let page = serve.metrics().await;
     let dropped = |reason: &str| {
         page.lines()
             .find_map(|l| {

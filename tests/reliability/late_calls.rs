@@ -35,24 +35,21 @@ fn request(pool: &str) -> Value {
 async fn fill(app: &TestApp, pool: &str, limit: usize) -> Vec<Value> {
     let mut leases = Vec::new();
     for _ in 0..limit {
-        leases.push(json_body(app.allocate(request(pool)).await, StatusCode::OK).await);
+        leases.push(app.lease(request(pool)).await);
     }
-    assert_error(
-        app.allocate(request(pool)).await,
-        StatusCode::TOO_MANY_REQUESTS,
-        "pool_exhausted",
-    )
-    .await;
+    app.allocate(request(pool))
+        .refused(StatusCode::TOO_MANY_REQUESTS, "pool_exhausted")
+        .await;
     leases
 }
 
 /// How many `lease_slots` rows hold `lease_id`.
 async fn slots_holding(app: &TestApp, lease_id: &str) -> i64 {
-    sqlx::query_scalar("SELECT count(*) FROM lease_slots WHERE lease_id = $1::text::uuid")
-        .bind(lease_id)
-        .fetch_one(&app.db)
-        .await
-        .unwrap()
+    app.scalar_of(
+        "SELECT count(*) FROM lease_slots WHERE lease_id = $1::text::uuid",
+        lease_id,
+    )
+    .await
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
@@ -70,7 +67,7 @@ async fn sixteen_parallel_releases_of_one_lease_release_it_once_and_keep_capacit
             let body = release_body(victim, "success");
             tokio::spawn(async move {
                 start.wait().await;
-                json_body(app.release(body).await, StatusCode::OK).await
+                app.release(body).ok_json().await
             })
         }))
         .await;
@@ -124,19 +121,17 @@ enum Renewal {
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn a_renewal_racing_the_release_never_brings_the_lease_back() {
     let app = Arc::new(TestApp::spawn().await);
-    app.put_key("key-1", "openai", "late", &["gpt-4o"], 1).await;
+    app.put_gpt4o_key("key-1", "late", 1).await;
     let (mut renewed, mut lost) = (0, 0);
     for round in 0..renew_release_rounds() {
         // the slot is free: the limit-1 credential grants a lease
-        let lease = json_body(app.allocate(request("late")).await, StatusCode::OK).await;
+        let lease = app.lease(request("late")).await;
         let lease_id = lease["lease_id"].as_str().unwrap().to_owned();
-        let mut renew_body = release_body(&lease, "success");
-        renew_body.as_object_mut().unwrap().remove("outcome");
-        renew_body["lease_seconds"] = json!(600);
+        let renewal_body = renew_body(&lease, 600);
 
         let start = Arc::new(Barrier::new(2));
         let renew = tokio::spawn({
-            let (app, start, body) = (app.clone(), start.clone(), renew_body.clone());
+            let (app, start, body) = (app.clone(), start.clone(), renewal_body.clone());
             async move {
                 start.wait().await;
                 let response = app.renew(body).await;
@@ -153,7 +148,7 @@ async fn a_renewal_racing_the_release_never_brings_the_lease_back() {
             let (app, start, body) = (app.clone(), start.clone(), release_body(&lease, "success"));
             async move {
                 start.wait().await;
-                json_body(app.release(body).await, StatusCode::OK).await
+                app.release(body).ok_json().await
             }
         });
         let (renewal, released) = (renew.await.unwrap(), release.await.unwrap());
@@ -173,13 +168,11 @@ async fn a_renewal_racing_the_release_never_brings_the_lease_back() {
         }
 
         // late calls after the round: the lease stays gone
-        assert_error(app.renew(renew_body).await, StatusCode::GONE, "lease_lost").await;
+        app.renew(renewal_body)
+            .refused(StatusCode::GONE, "lease_lost")
+            .await;
         assert_eq!(
-            json_body(
-                app.release(release_body(&lease, "success")).await,
-                StatusCode::OK
-            )
-            .await,
+            app.release(release_body(&lease, "success")).ok_json().await,
             json!({"released": false, "reason": "not_found"}),
             "round {round}"
         );
@@ -187,7 +180,7 @@ async fn a_renewal_racing_the_release_never_brings_the_lease_back() {
         assert_eq!(app.in_flight("key-1").await, 0, "round {round}");
     }
     // the last round's slot is free too
-    let lease = json_body(app.allocate(request("late")).await, StatusCode::OK).await;
+    let lease = app.lease(request("late")).await;
     assert_eq!(
         slots_holding(&app, lease["lease_id"].as_str().unwrap()).await,
         1

@@ -11,7 +11,6 @@ const BIN: &str = env!("CARGO_BIN_EXE_credpool");
 mod clock;
 mod database_restart;
 mod failover;
-mod fleet;
 mod hostile_input;
 mod late_calls;
 mod orphans;

@@ -19,10 +19,7 @@ use credpool_test_support::*;
 
 /// The database clock.
 async fn db_now(app: &TestApp) -> OffsetDateTime {
-    sqlx::query_scalar("SELECT clock_timestamp()")
-        .fetch_one(&app.db)
-        .await
-        .unwrap()
+    app.scalar("SELECT clock_timestamp()").await
 }
 
 /// An orphan: a lease whose executor vanished; all we keep is what the allocation answered and
@@ -40,7 +37,7 @@ impl Orphan {
 
 /// Takes a lease and forgets it (the executor crashed).
 async fn orphan(app: &TestApp, body: Value) -> Orphan {
-    let lease = json_body(app.allocate(body).await, StatusCode::OK).await;
+    let lease = app.lease(body).await;
     let until = lease_until(app, lease["lease_id"].as_str().unwrap())
         .await
         .expect("a granted lease holds a slot");
@@ -58,13 +55,11 @@ async fn lease_until(app: &TestApp, lease_id: &str) -> Option<OffsetDateTime> {
 
 /// When the trail says a lease was granted (database clock).
 async fn granted_at(app: &TestApp, lease_id: &str) -> OffsetDateTime {
-    sqlx::query_scalar(
+    app.scalar_of(
         "SELECT at FROM lease_events WHERE lease_id = $1::text::uuid AND event = 'granted'",
+        lease_id,
     )
-    .bind(lease_id)
-    .fetch_one(&app.db)
     .await
-    .unwrap()
 }
 
 /// The trail of one lease: (event, at, lease_until), in order.
@@ -147,8 +142,7 @@ async fn allocate_as_orphans_expire(
 #[tokio::test]
 async fn an_orphaned_lease_stops_counting_at_its_lease_until_and_not_before_without_any_cleanup() {
     let app = TestApp::spawn().await;
-    app.put_key("orphaned-2", "openai", "crashes", &["gpt-4o"], 2)
-        .await;
+    app.put_gpt4o_key("orphaned-2", "crashes", 2).await;
     let lease = |seconds: u64, holder: &str| {
         json!({"provider": "openai", "model": "gpt-4o", "pool": "crashes",
                "lease_seconds": seconds, "holder": holder})
@@ -173,17 +167,13 @@ async fn an_orphaned_lease_stops_counting_at_its_lease_until_and_not_before_with
     let late = app.release(release_body(&short.lease, "success")).await;
     let late = json_body(late, StatusCode::OK).await;
     assert_eq!(late, json!({"released": false, "reason": "not_found"}));
-    let mut renewal = release_body(&long.lease, "success");
-    renewal.as_object_mut().unwrap().remove("outcome");
-    assert_error(app.renew(renewal).await, StatusCode::GONE, "lease_lost").await;
+    let renewal = lease_ref(&long.lease);
+    app.renew(renewal)
+        .refused(StatusCode::GONE, "lease_lost")
+        .await;
     assert_eq!(app.in_flight("orphaned-2").await, 2);
     for lease in &granted {
-        let released = json_body(
-            app.release(release_body(lease, "success")).await,
-            StatusCode::OK,
-        )
-        .await;
-        assert_eq!(released["released"], true);
+        app.release_ok(lease, "success").await;
     }
 }
 
@@ -191,8 +181,7 @@ async fn an_orphaned_lease_stops_counting_at_its_lease_until_and_not_before_with
 async fn expired_orphans_do_not_count_before_the_reaper_runs_and_the_reaper_ends_them_as_expired() {
     let app = TestApp::spawn().await;
     for (key, limit) in [("reap-1", 1), ("reap-2", 2), ("reap-3", 3)] {
-        app.put_key(key, "openai", "reaped", &["gpt-4o"], limit)
-            .await;
+        app.put_gpt4o_key(key, "reaped", limit).await;
     }
     let lease = |seconds: u64, holder: String| {
         json!({"provider": "openai", "model": "gpt-4o", "pool": "reaped",
@@ -204,12 +193,9 @@ async fn expired_orphans_do_not_count_before_the_reaper_runs_and_the_reaper_ends
         orphans.push(orphan(&app, lease(1 + i % 2, format!("crashed-{i}"))).await);
     }
     let live = orphan(&app, lease(600, "alive".into())).await;
-    assert_error(
-        app.allocate(lease(60, "late".into())).await,
-        StatusCode::TOO_MANY_REQUESTS,
-        "pool_exhausted",
-    )
-    .await;
+    app.allocate(lease(60, "late".into()))
+        .refused(StatusCode::TOO_MANY_REQUESTS, "pool_exhausted")
+        .await;
 
     let last = orphans.iter().map(|o| o.until).max().unwrap();
     while db_now(&app).await <= last {
@@ -225,10 +211,9 @@ async fn expired_orphans_do_not_count_before_the_reaper_runs_and_the_reaper_ends
         in_flight += app.in_flight(key).await;
     }
     assert_eq!(in_flight, 1, "only the live lease counts");
-    let active: Vec<String> = sqlx::query_scalar("SELECT lease_id::text FROM active_leases")
-        .fetch_all(&app.db)
-        .await
-        .unwrap();
+    let active: Vec<String> = app
+        .scalars("SELECT lease_id::text FROM active_leases")
+        .await;
     assert_eq!(active.len(), 1, "{active:?}");
 
     // the reaper (credpool_maintenance, as `credpool serve` or pg_cron runs it)
@@ -265,18 +250,11 @@ async fn expired_orphans_do_not_count_before_the_reaper_runs_and_the_reaper_ends
 
     // the five freed slots are granted again, the live one is not
     for i in 0..5 {
-        json_body(
-            app.allocate(lease(60, format!("new-{i}"))).await,
-            StatusCode::OK,
-        )
-        .await;
+        app.lease(lease(60, format!("new-{i}"))).await;
     }
-    assert_error(
-        app.allocate(lease(60, "late".into())).await,
-        StatusCode::TOO_MANY_REQUESTS,
-        "pool_exhausted",
-    )
-    .await;
+    app.allocate(lease(60, "late".into()))
+        .refused(StatusCode::TOO_MANY_REQUESTS, "pool_exhausted")
+        .await;
     for orphan in &orphans {
         assert_eq!(
             trail(&app, orphan.id()).await.len(),
@@ -290,8 +268,7 @@ async fn expired_orphans_do_not_count_before_the_reaper_runs_and_the_reaper_ends
 async fn rejected_allocations_on_a_full_credential_never_extend_an_orphans_lease() {
     const ATTEMPTS: usize = 200;
     let app = TestApp::spawn().await;
-    app.put_key("hammered", "openai", "hammer", &["gpt-4o"], 1)
-        .await;
+    app.put_gpt4o_key("hammered", "hammer", 1).await;
     let body = |holder: &str| {
         json!({"provider": "openai", "model": "gpt-4o", "pool": "hammer",
                "lease_seconds": 60, "holder": holder})
@@ -303,12 +280,10 @@ async fn rejected_allocations_on_a_full_credential_never_extend_an_orphans_lease
     )
     .await;
     let slot_row = || async {
-        sqlx::query_scalar::<_, String>(
+        app.scalar::<String>(
             "SELECT to_jsonb(s)::text FROM lease_slots s WHERE key_id = 'hammered'",
         )
-        .fetch_one(&app.db)
         .await
-        .unwrap()
     };
     let row_before = slot_row().await;
     let before = app.snapshot().await;

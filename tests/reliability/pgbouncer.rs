@@ -65,14 +65,6 @@ fn unprivileged_user() -> Option<nix::unistd::User> {
         .or_else(|| panic!("running as root, and neither a `postgres` nor a `nobody` user exists to run pgbouncer as"))
 }
 
-fn free_port() -> u16 {
-    std::net::TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port()
-}
-
 impl Bouncer {
     /// Starts PgBouncer in front of the server of `database` (every database on it, as the
     /// connecting user) and waits until it accepts connections.
@@ -353,9 +345,7 @@ async fn renew_and_release(
     release_at: &str,
 ) {
     for lease in &round.won {
-        let mut body = release_body(lease, "success");
-        body.as_object_mut().unwrap().remove("outcome");
-        body["lease_seconds"] = json!(120);
+        let body = renew_body(lease, 120);
         let renewed = post_internal(http, renew_at, "/api/internal/renew-lease", body).await;
         json_body(renewed, StatusCode::OK).await;
         let released = post_internal(
@@ -513,11 +503,12 @@ async fn pooler_mode_start_up_refuses_pending_migrations_and_skips_applied_ones(
     let bouncer = Bouncer::start(&database).await;
     let direct = database.pool(1).await;
     let latest = store::latest_migration();
-    sqlx::query("UPDATE _sqlx_migrations SET version = -version WHERE version = $1")
-        .bind(latest)
-        .execute(&direct)
-        .await
-        .unwrap();
+    direct
+        .run_sql_with(
+            "UPDATE _sqlx_migrations SET version = -version WHERE version = $1",
+            latest,
+        )
+        .await;
     let mut env = keyed_env(&database);
     env.retain(|(name, _)| *name != "DATABASE_URL");
     env.push(("DATABASE_URL", bouncer.url(&database)));
@@ -537,11 +528,12 @@ async fn pooler_mode_start_up_refuses_pending_migrations_and_skips_applied_ones(
         "the error does not say what to do: {stderr}"
     );
     // put back as it was: the next start-up has nothing to apply and runs no migrator
-    sqlx::query("UPDATE _sqlx_migrations SET version = -version WHERE version = $1")
-        .bind(-latest)
-        .execute(&direct)
-        .await
-        .unwrap();
+    direct
+        .run_sql_with(
+            "UPDATE _sqlx_migrations SET version = -version WHERE version = $1",
+            -latest,
+        )
+        .await;
     let process = ServeProcess::start(BIN, &env, &[]).await;
     let ready = client()
         .get(format!("{}/readyz", process.base))

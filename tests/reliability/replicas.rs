@@ -7,7 +7,7 @@ use std::time::Duration;
 use reqwest::StatusCode;
 use serde_json::{Value, json};
 
-use crate::fleet::{self, Fleet, Plan, Replicas};
+use credpool_test_support::fleet::{self, Fleet, Plan, Replicas};
 use credpool_test_support::*;
 
 use crate::BIN;
@@ -111,12 +111,11 @@ async fn three_replicas_under_a_sustained_fleet_never_oversell_even_when_one_res
     assert_clean_run(&report, &database).await;
     // every executor released what it took: all slots are free again
     let db = database.pool(2).await;
-    let held: i64 = sqlx::query_scalar(
-        "SELECT count(*) FROM lease_slots WHERE lease_id IS NOT NULL AND lease_until > now()",
-    )
-    .fetch_one(&db)
-    .await
-    .unwrap();
+    let held: i64 = db
+        .scalar(
+            "SELECT count(*) FROM lease_slots WHERE lease_id IS NOT NULL AND lease_until > now()",
+        )
+        .await;
     assert_eq!(held, 0, "slots still held after every lease was released");
 }
 
@@ -170,13 +169,7 @@ async fn a_replica_killed_with_leases_outstanding_writes_nothing_half_and_its_le
     // their own pool, 5-second leases), then kill -9 while the fleet's requests are in flight.
     let mut held: Vec<Value> = Vec::new();
     for _ in 0..4 {
-        held.push(
-            json_body(
-                allocate_on(&http, &doomed.base, "held").await,
-                StatusCode::OK,
-            )
-            .await,
-        );
+        held.push(allocate_on(&http, &doomed.base, "held").ok_json().await);
     }
     let mut doomed = doomed;
     doomed.child.start_kill().expect("kill -9");
@@ -200,12 +193,9 @@ async fn a_replica_killed_with_leases_outstanding_writes_nothing_half_and_its_le
             "a lease of the killed replica lost its slot or changed: {lease}"
         );
     }
-    assert_error(
-        allocate_on(&http, &survivor, "held").await,
-        StatusCode::TOO_MANY_REQUESTS,
-        "pool_exhausted",
-    )
-    .await;
+    allocate_on(&http, &survivor, "held")
+        .refused(StatusCode::TOO_MANY_REQUESTS, "pool_exhausted")
+        .await;
 
     let report = fleet.finish().await;
     // executors on the other replicas carried on
@@ -225,32 +215,25 @@ async fn a_replica_killed_with_leases_outstanding_writes_nothing_half_and_its_le
         .map(|l| rfc3339(&l["lease_until"]))
         .max()
         .unwrap();
-    let db_now: time::OffsetDateTime = sqlx::query_scalar("SELECT now()")
-        .fetch_one(&db)
-        .await
-        .unwrap();
+    let db_now: time::OffsetDateTime = db.scalar("SELECT now()").await;
     let wait = (latest - db_now).as_seconds_f64().max(0.0) + 0.2;
     tokio::time::sleep(Duration::from_secs_f64(wait)).await;
     let mut regranted = Vec::new();
     for _ in 0..4 {
-        regranted
-            .push(json_body(allocate_on(&http, &survivor, "held").await, StatusCode::OK).await);
+        regranted.push(allocate_on(&http, &survivor, "held").ok_json().await);
     }
     let old: Vec<&str> = held.iter().map(|l| l["key_id"].as_str().unwrap()).collect();
     for lease in &regranted {
         assert!(old.contains(&lease["key_id"].as_str().unwrap()));
     }
     for lease in regranted {
-        let released = json_body(
-            post_json(
-                &http,
-                &format!("{survivor}/api/internal/release-key"),
-                ("x-internal-key", INTERNAL_KEY),
-                release_body(&lease, "success"),
-            )
-            .await,
-            StatusCode::OK,
+        let released = post_json(
+            &http,
+            &format!("{survivor}/api/internal/release-key"),
+            ("x-internal-key", INTERNAL_KEY),
+            release_body(&lease, "success"),
         )
+        .ok_json()
         .await;
         assert_eq!(released["released"], true);
     }

@@ -10,7 +10,7 @@
 
 use std::time::Duration;
 
-use crate::fleet::{self, Fleet, Plan, Replicas};
+use credpool_test_support::fleet::{self, Fleet, Plan, Replicas};
 use credpool_test_support::*;
 
 use crate::BIN;
@@ -85,21 +85,18 @@ async fn soak(duration: Duration) {
     // lease_until, no slot is held by an expired lease.
     tokio::time::sleep(Duration::from_secs(3 + 2 * REAPER_SECONDS)).await;
     let db = database.pool(2).await;
-    let stale: i64 = sqlx::query_scalar(
-        "SELECT count(*) FROM lease_slots WHERE lease_id IS NOT NULL AND lease_until <= now()",
-    )
-    .fetch_one(&db)
-    .await
-    .unwrap();
+    let stale: i64 = db
+        .scalar(
+            "SELECT count(*) FROM lease_slots WHERE lease_id IS NOT NULL AND lease_until <= now()",
+        )
+        .await;
     assert_eq!(
         stale, 0,
         "slots still held by expired leases after the reaper ran"
     );
-    let reaped: i64 =
-        sqlx::query_scalar("SELECT count(*) FROM lease_events WHERE event = 'expired'")
-            .fetch_one(&db)
-            .await
-            .unwrap();
+    let reaped: i64 = db
+        .scalar("SELECT count(*) FROM lease_events WHERE event = 'expired'")
+        .await;
     assert!(
         reaped > 0,
         "crashed executors' leases never ended as expired in the trail"

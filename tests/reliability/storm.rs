@@ -46,16 +46,12 @@ async fn a_rate_limit_storm_across_two_pools_deadlocks_nothing_and_answers_no_5x
     );
     for pool in ["pa", "pb"] {
         for i in 0..CREDENTIALS_PER_POOL {
-            app.put_key(&format!("{pool}-{i:03}"), "openai", pool, &["gpt-4o"], 4)
-                .await;
+            app.put_gpt4o_key(&format!("{pool}-{i:03}"), pool, 4).await;
         }
     }
-    let deadlocks_before: i64 = sqlx::query_scalar(
-        "SELECT deadlocks FROM pg_stat_database WHERE datname = current_database()",
-    )
-    .fetch_one(&app.db)
-    .await
-    .unwrap();
+    let deadlocks_before: i64 = app
+        .scalar("SELECT deadlocks FROM pg_stat_database WHERE datname = current_database()")
+        .await;
 
     let tally = Arc::new(Tally::default());
     let deadline = Instant::now() + Duration::from_secs(storm_seconds());
@@ -113,12 +109,9 @@ async fn a_rate_limit_storm_across_two_pools_deadlocks_nothing_and_answers_no_5x
     // the app's connections close, so their backends report their statistics
     app.stop();
     tokio::time::sleep(Duration::from_millis(1500)).await;
-    let deadlocks_after: i64 = sqlx::query_scalar(
-        "SELECT deadlocks FROM pg_stat_database WHERE datname = current_database()",
-    )
-    .fetch_one(&app.db)
-    .await
-    .unwrap();
+    let deadlocks_after: i64 = app
+        .scalar("SELECT deadlocks FROM pg_stat_database WHERE datname = current_database()")
+        .await;
     let granted = tally.granted.load(Ordering::Relaxed);
     println!(
         "storm: {granted} leases, {} rate_limited reports, {} 429s, {} 5xx, {} deadlocks",
@@ -137,12 +130,7 @@ async fn a_rate_limit_storm_across_two_pools_deadlocks_nothing_and_answers_no_5x
         "5xx answers"
     );
     assert!(granted > 1000, "only {granted} leases in the storm");
-    let cooled: i64 = sqlx::query_scalar(
-        "SELECT count(DISTINCT key_id) FROM credential_events WHERE new_status = 'rate_limited'",
-    )
-    .fetch_one(&app.db)
-    .await
-    .unwrap();
+    let cooled: i64 = app.scalar("SELECT count(DISTINCT key_id) FROM credential_events WHERE new_status = 'rate_limited'").await;
     assert!(cooled > 100, "only {cooled} credentials rested: no storm");
     let (ok, report) = audit_verify(BIN, &app.database).await;
     assert!(ok, "{report}");

@@ -5,7 +5,6 @@
 //! and what it found.
 
 use std::collections::BTreeMap;
-use std::process::Stdio;
 use std::time::Duration;
 
 use credpool::store::audit::{self, Run};
@@ -21,40 +20,16 @@ use credpool_test_support::*;
 
 use crate::BIN;
 
-/// What a `credpool` command did.
-struct Ran {
-    success: bool,
-    stdout: String,
-    stderr: String,
-}
-
-impl Ran {
-    /// Its `--json` report.
-    fn report(&self) -> Value {
-        serde_json::from_str(&self.stdout)
-            .unwrap_or_else(|e| panic!("{e}: {}{}", self.stdout, self.stderr))
-    }
-}
-
-/// `credpool ARGS` on `database`, with `envs` on top of the tests' usual environment.
+/// `credpool ARGS` on `database`, with `envs` on top of the tests' usual environment (without
+/// the statement timeouts a shell may have set).
 async fn credpool(database: &TestDatabase, args: &[&str], envs: &[(&str, &str)]) -> Ran {
-    let mut command = tokio::process::Command::new(BIN);
+    let mut command = credpool_command(BIN, &database.url());
     command
         .args(args)
-        .env("DATABASE_URL", database.url())
-        .env("RUST_LOG", "warn")
         .env_remove("CREDPOOL_DB_STATEMENT_TIMEOUT_MS")
         .env_remove("CREDPOOL_OPERATOR_STATEMENT_TIMEOUT_MS")
-        .stdin(Stdio::null());
-    for (name, value) in envs {
-        command.env(name, value);
-    }
-    let output = command.output().await.unwrap();
-    Ran {
-        success: output.status.success(),
-        stdout: String::from_utf8_lossy(&output.stdout).into_owned(),
-        stderr: String::from_utf8_lossy(&output.stderr).into_owned(),
-    }
+        .envs(envs.iter().copied());
+    run(&mut command).await
 }
 
 /// Writes a trail shaped like `credpool bench`'s traffic into `db`: `leases` leases on 200
@@ -145,10 +120,7 @@ async fn the_services_maintenance_pass_proves_a_chunk_longer_than_a_requests_sta
         )
         .await
         .unwrap();
-    let timeout: String = sqlx::query_scalar("SHOW statement_timeout")
-        .fetch_one(&pool)
-        .await
-        .unwrap();
+    let timeout: String = pool.scalar("SHOW statement_timeout").await;
     assert_eq!(timeout, "100ms");
     let report =
         credpool::store::maintenance::run_steps(&pool.into(), Duration::from_secs(30 * 86_400))
@@ -233,15 +205,10 @@ async fn the_next_incremental_run_reads_only_the_new_rows_and_finds_an_oversell_
     // traffic since the checkpoint: 500 leases of the same shape, and among them a fifth lease
     // held at once on a limit-4 credential, as a claim that oversold would have written it
     bench_trail(&db, 500, 0.5).await;
-    sqlx::query(
-        "INSERT INTO lease_events (event, lease_id, key_id, provider, pool, slot, lease_until, at, tenant)
+    db.run_sql("INSERT INTO lease_events (event, lease_id, key_id, provider, pool, slot, lease_until, at, tenant)
          SELECT 'granted', gen_random_uuid(), 'bench-7', 'openai', 'default', s, now() + interval '1 minute',
                 now() - interval '100 ms' + s * interval '1 ms', 'default'
-         FROM generate_series(0, 4) s",
-    )
-    .execute(&db)
-    .await
-    .unwrap();
+         FROM generate_series(0, 4) s").await;
 
     // the next run, in a transaction of the test's own, so that its reads of the trail can be
     // counted (pg_stat_xact_*: this transaction's, exact and at once)
@@ -285,17 +252,11 @@ async fn an_interrupted_proof_resumes_from_its_checkpoint_and_finds_what_a_whole
     bench_trail(&db, 20_000, 1200.0).await;
     // two oversells in the range, ten minutes apart
     for minutes_ago in [15, 5] {
-        sqlx::query(
-            "INSERT INTO lease_events (event, lease_id, key_id, provider, pool, slot, lease_until, at, tenant)
+        db.run_sql_with("INSERT INTO lease_events (event, lease_id, key_id, provider, pool, slot, lease_until, at, tenant)
              SELECT 'granted', gen_random_uuid(), 'bench-3', 'openai', 'default', s,
                     now() - $1 * interval '1 minute' + interval '30 s',
                     now() - $1 * interval '1 minute' + s * interval '1 ms', 'default'
-             FROM generate_series(0, 4) s",
-        )
-        .bind(minutes_ago)
-        .execute(&db)
-        .await
-        .unwrap();
+             FROM generate_series(0, 4) s", minutes_ago).await;
     }
     let (since, until): (OffsetDateTime, OffsetDateTime) =
         sqlx::query_as("SELECT min(at), now() FROM lease_events")
@@ -445,36 +406,11 @@ async fn the_continuous_proof_finds_an_oversell_written_after_its_checkpoint_and
         .unwrap();
     assert!(put.status().is_success(), "{}", put.status());
     for _ in 0..3 {
-        let lease = json_body(
-            post_json(
-                &client,
-                &format!("{}/api/internal/allocate-key", serve.base),
-                ("x-internal-key", INTERNAL_KEY),
-                json!({"provider": "openai", "model": "gpt-4o"}),
-            )
-            .await,
-            StatusCode::OK,
-        )
-        .await;
-        let released = post_json(
-            &client,
-            &format!("{}/api/internal/release-key", serve.base),
-            ("x-internal-key", INTERNAL_KEY),
-            release_body(&lease, "success"),
-        )
-        .await;
+        let lease = serve.allocate(gpt4o()).ok_json().await;
+        let released = serve.release(release_body(&lease, "success")).await;
         json_body(released, StatusCode::OK).await;
     }
-    let metrics = async || {
-        client
-            .get(format!("{}/metrics", serve.base))
-            .send()
-            .await
-            .unwrap()
-            .text()
-            .await
-            .unwrap()
-    };
+    let metrics = async || serve.metrics().await;
     let lag = |page: &str| {
         sample(
             page,
@@ -484,19 +420,14 @@ async fn the_continuous_proof_finds_an_oversell_written_after_its_checkpoint_and
     let violations = |page: &str| sample(page, r#"credpool_audit_violations{proof="oversell"}"#);
     let db = database.pool(2).await;
     // the maintenance pass has proven the traffic: the checkpoint is past the last grant
-    let last_grant: OffsetDateTime =
-        sqlx::query_scalar("SELECT max(at) FROM lease_events WHERE event = 'granted'")
-            .fetch_one(&db)
-            .await
-            .unwrap();
+    let last_grant: OffsetDateTime = db
+        .scalar("SELECT max(at) FROM lease_events WHERE event = 'granted'")
+        .await;
     let page = tokio::time::timeout(Duration::from_secs(60), async {
         loop {
-            let proven: Option<OffsetDateTime> = sqlx::query_scalar(
-                "SELECT min(proven_until) FROM audit_checkpoints WHERE run = 'continuous'",
-            )
-            .fetch_one(&db)
-            .await
-            .unwrap();
+            let proven: Option<OffsetDateTime> = db
+                .scalar("SELECT min(proven_until) FROM audit_checkpoints WHERE run = 'continuous'")
+                .await;
             let page = metrics().await;
             // the gauges are exported (a missing series samples as 0), the lag no longer +Inf
             let exported = page.contains(r#"credpool_audit_proof_lag_seconds{proof="oversell"}"#)
@@ -512,15 +443,10 @@ async fn the_continuous_proof_finds_an_oversell_written_after_its_checkpoint_and
     assert_eq!(violations(&page), 0.0);
 
     // after the checkpoint, a second lease held at once on the limit-1 credential
-    sqlx::query(
-        "INSERT INTO lease_events (event, lease_id, key_id, provider, pool, slot, lease_until, at, tenant)
+    db.run_sql("INSERT INTO lease_events (event, lease_id, key_id, provider, pool, slot, lease_until, at, tenant)
          SELECT 'granted', gen_random_uuid(), 'solo', 'openai', 'default', 0,
                 now() + interval '1 minute', now() + s * interval '1 ms', 'default'
-         FROM generate_series(0, 1) s",
-    )
-    .execute(&db)
-    .await
-    .unwrap();
+         FROM generate_series(0, 1) s").await;
     let page = tokio::time::timeout(Duration::from_secs(60), async {
         loop {
             let page = metrics().await;
@@ -1040,11 +966,9 @@ async fn incremental_proofs_find_exactly_what_one_proof_of_the_whole_trail_finds
     for seed in [1, 2, 3] {
         let database = TestDatabase::create().await;
         let db = database.pool(2).await;
-        let t0: OffsetDateTime =
-            sqlx::query_scalar("SELECT date_trunc('second', now()) - interval '2 hours'")
-                .fetch_one(&db)
-                .await
-                .unwrap();
+        let t0: OffsetDateTime = db
+            .scalar("SELECT date_trunc('second', now()) - interval '2 hours'")
+            .await;
         let trail = RandomTrail::new(seed, 300);
         trail.write(&db, t0).await;
 

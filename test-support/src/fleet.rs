@@ -16,9 +16,11 @@ use reqwest::StatusCode;
 use serde_json::{Value, json};
 use sqlx::PgPool;
 
-use credpool_test_support::*;
+use crate::{ADMIN_KEY, INTERNAL_KEY, client};
 
+/// The provider of every credential the fleet leases.
 pub const PROVIDER: &str = "openai";
+/// The model every executor asks for.
 pub const MODEL: &str = "gpt-4o";
 
 /// The base URLs of the replicas an executor may call, in turn. A replica is taken out before a
@@ -30,6 +32,7 @@ pub struct Replicas {
 }
 
 impl Replicas {
+    /// The replicas at `bases` (`http://<address>` each), called in turn from the first.
     pub fn new(bases: Vec<String>) -> Arc<Self> {
         Arc::new(Self {
             bases: RwLock::new(bases),
@@ -46,10 +49,12 @@ impl Replicas {
         Some(bases[i].clone())
     }
 
+    /// Takes the replica at `base` out of the turn (before a planned restart).
     pub fn remove(&self, base: &str) {
         self.bases.write().unwrap().retain(|b| b != base);
     }
 
+    /// Puts the replica at `base` (back) into the turn.
     pub fn add(&self, base: String) {
         self.bases.write().unwrap().push(base);
     }
@@ -58,11 +63,15 @@ impl Replicas {
 /// What the fleet does; see the module docs.
 #[derive(Clone)]
 pub struct Plan {
+    /// The pool every executor leases from.
     pub pool: String,
+    /// How many executors run at once.
     pub executors: usize,
+    /// How long they run; each finishes its last call after it.
     pub duration: Duration,
     /// How long an executor uses a lease, in milliseconds.
     pub hold_ms: RangeInclusive<u64>,
+    /// Every lease's length, in seconds.
     pub lease_seconds: u32,
     /// Percent of leases renewed once midway through the hold.
     pub renew_percent: u32,
@@ -94,8 +103,11 @@ impl Plan {
 /// What the fleet saw.
 #[derive(Debug, Default)]
 pub struct Report {
+    /// Leases granted.
     pub grants: u64,
+    /// Leases renewed (200).
     pub renewals: u64,
+    /// Leases released (200).
     pub releases: u64,
     /// Leases abandoned on purpose.
     pub crashes: u64,
@@ -105,6 +117,7 @@ pub struct Report {
     pub unreachable: u64,
     /// Anything else: a 5xx, an unexpected status or body (the first few, described).
     pub errors: Vec<String>,
+    /// How many such answers there were in all.
     pub error_count: u64,
     /// Moments when more executors held a credential than its limit.
     pub oversold: Vec<String>,

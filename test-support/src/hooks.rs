@@ -1,0 +1,167 @@
+//! Windows held open on purpose: test hooks inside the SQL functions (`credpool_test_hook`, which
+//! waits for an advisory lock the test holds), connections of the test's own, and waits until a
+//! backend waits for a lock.
+
+use std::time::Duration;
+
+use serde_json::Value;
+use sqlx::{Connection, PgConnection, PgPool};
+
+use crate::app::{AppOptions, TestApp};
+use crate::database::TestDatabase;
+
+/// A connection of the test's own to the app's database.
+pub async fn connect(app: &TestApp) -> PgConnection {
+    PgConnection::connect_with(&app.database.options)
+        .await
+        .expect("test connection")
+}
+
+/// The backend process id of `conn` (`pg_backend_pid()`), for [`until_waiting`].
+pub async fn backend_pid(conn: &mut PgConnection) -> i32 {
+    sqlx::query_scalar("SELECT pg_backend_pid()")
+        .fetch_one(conn)
+        .await
+        .unwrap()
+}
+
+/// Waits until backend `pid` waits for a lock (a row lock, or a test hook's advisory lock);
+/// panics after 60 seconds.
+pub async fn until_waiting(app: &TestApp, pid: i32) {
+    // a deadline, not a count of looks: on a loaded machine a look takes far longer than its sleep
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(60);
+    while tokio::time::Instant::now() < deadline {
+        let waiting: Option<String> =
+            sqlx::query_scalar("SELECT wait_event_type FROM pg_stat_activity WHERE pid = $1")
+                .bind(pid)
+                .fetch_optional(&app.db)
+                .await
+                .unwrap()
+                .flatten();
+        if waiting.as_deref() == Some("Lock") {
+            return;
+        }
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    panic!("backend {pid} never waited for a lock");
+}
+
+/// Waits until `n` backends of the app's database wait for a lock; panics after 60 seconds.
+pub async fn wait_for_lock_waiters(app: &TestApp, n: i64) {
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(60);
+    while tokio::time::Instant::now() < deadline {
+        let waiting: i64 = sqlx::query_scalar(
+            "SELECT count(*) FROM pg_stat_activity
+             WHERE datname = current_database() AND wait_event_type = 'Lock'",
+        )
+        .fetch_one(&app.db)
+        .await
+        .unwrap();
+        if waiting >= n {
+            return;
+        }
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    panic!("never {n} backends waiting for a lock");
+}
+
+impl TestApp {
+    /// The app on a fresh database every connection of which (the app's and the test's) stops
+    /// at the test hooks `points` (comma-separated) while they are closed ([`Hook`]): for a
+    /// window inside a transaction the service itself runs.
+    pub async fn spawn_with_hooks(points: &str) -> Self {
+        let database = TestDatabase::create().await;
+        sqlx::query(sqlx::AssertSqlSafe(format!(
+            "ALTER DATABASE \"{}\" SET credpool.test_hooks = '{points}'",
+            database.name
+        )))
+        .execute(&database.pool(1).await)
+        .await
+        .unwrap();
+        Self::spawn_on(database, AppOptions::default()).await
+    }
+}
+
+/// Deadlocks PostgreSQL has detected in the database of `db` so far.
+pub async fn deadlocks(db: &PgPool) -> i64 {
+    sqlx::query_scalar("SELECT deadlocks FROM pg_stat_database WHERE datname = current_database()")
+        .fetch_one(db)
+        .await
+        .unwrap()
+}
+
+/// Ends every lease held in `app` as if it had run out a second ago, and lets the reaper take
+/// them out of their slots: their reports from now on are late.
+pub async fn expire_and_reap(app: &TestApp) {
+    sqlx::query(
+        "UPDATE lease_slots SET granted_at = now() - interval '2 seconds',
+                lease_until = now() - interval '1 second'
+         WHERE lease_id IS NOT NULL",
+    )
+    .execute(&app.db)
+    .await
+    .unwrap();
+    sqlx::query("SELECT credpool_reap_expired_leases()")
+        .execute(&app.db)
+        .await
+        .unwrap();
+}
+
+/// Holds a test hook closed (see `credpool_test_hook`) until [`Hook::open`].
+pub struct Hook {
+    conn: PgConnection,
+    point: &'static str,
+}
+
+impl Hook {
+    /// Closes hook `point` (an advisory lock on a connection of the test's own): connections
+    /// that stop there ([`hooked`], [`TestApp::spawn_with_hooks`]) wait until it opens.
+    pub async fn close(app: &TestApp, point: &'static str) -> Self {
+        let mut conn = connect(app).await;
+        sqlx::query("SELECT pg_advisory_lock(hashtextextended('credpool.test_hook:' || $1, 0))")
+            .bind(point)
+            .execute(&mut conn)
+            .await
+            .unwrap();
+        Self { conn, point }
+    }
+
+    /// Opens the hook: whatever waits there goes on.
+    pub async fn open(mut self) {
+        sqlx::query("SELECT pg_advisory_unlock(hashtextextended('credpool.test_hook:' || $1, 0))")
+            .bind(self.point)
+            .execute(&mut self.conn)
+            .await
+            .unwrap();
+    }
+}
+
+/// A connection whose SQL functions stop at `points` while their hooks are closed.
+pub async fn hooked(app: &TestApp, points: &str) -> PgConnection {
+    let mut conn = connect(app).await;
+    sqlx::query("SELECT set_config('credpool.test_hooks', $1, false)")
+        .bind(points)
+        .execute(&mut conn)
+        .await
+        .unwrap();
+    conn
+}
+
+/// The default health policy, as the service passes it to `credpool_release`.
+pub fn policy() -> Value {
+    credpool::store::leases::policy_json(&credpool::allocator::health::HealthPolicy::default())
+}
+
+/// A transaction holding the row lock `locking_select` takes (another transaction in
+/// progress, as a test needs it), until the test commits or rolls it back.
+pub async fn hold_row<'a>(
+    app: &'a TestApp,
+    locking_select: &'static str,
+) -> sqlx::Transaction<'a, sqlx::Postgres> {
+    let mut holder = app.db.begin().await.unwrap();
+    sqlx::query(locking_select)
+        .execute(&mut *holder)
+        .await
+        .unwrap();
+    holder
+}

@@ -1,0 +1,138 @@
+//! Helpers of the api suite alone, beside the kit (`credpool-test-support`): claims sent straight
+//! to `credpool_claim`, as the service sends them, for the tests that step a claim by hand, and
+//! two `credpool serve` replicas of this package's binary, and a tenant's allocations raced.
+
+use std::time::Duration;
+
+use reqwest::StatusCode;
+use serde_json::{Value, json};
+use sqlx::Row;
+
+use credpool_test_support::*;
+
+use crate::BIN;
+
+/// One claim over `ranked` (gpt-4o from openai's `pool`, 600 seconds, holder `test`) as the
+/// service sends it to `credpool_claim`, under `request_id` if given.
+pub fn claim_body(ranked: &[&str], pool: &str, request_id: Option<&str>) -> Value {
+    json!([{
+        "ranked": ranked, "provider": "openai", "pool": pool, "model": "gpt-4o",
+        "lease_id": uuid::Uuid::new_v4(), "holder": "test", "lease_seconds": 600,
+        "request_id": request_id, "request_digest": request_id.map(|_| "digest"),
+    }])
+}
+
+/// The hex SHA-256 of tenant key `key`, as a claim names its tenant (`key_hash`).
+async fn key_hash(app: &TestApp, key: &str) -> String {
+    app.scalar_of("SELECT encode(sha256(convert_to($1, 'UTF8')), 'hex')", key)
+        .await
+}
+
+/// What a claim answered: the credential it granted (if any) and its `request`.
+pub type ClaimAnswer = Result<(Option<String>, Option<String>), sqlx::Error>;
+
+/// A claim for tenant key hash `hash` of a slot of `ranked` in `pool` (gpt-4o from openai, 600
+/// seconds, holder `paused`), on connection `conn` (which stops at the test hooks it was given):
+/// its answer once it finishes.
+fn paused_claim(
+    mut conn: sqlx::PgConnection,
+    ranked: &str,
+    pool: &str,
+    hash: &str,
+) -> tokio::task::JoinHandle<ClaimAnswer> {
+    let body = json!([{
+        "ranked": [ranked], "provider": "openai", "pool": pool, "model": "gpt-4o",
+        "lease_id": uuid::Uuid::new_v4(), "holder": "paused", "lease_seconds": 600,
+        "key_hash": hash,
+    }]);
+    tokio::spawn(async move {
+        sqlx::query("SELECT key_id, request FROM credpool_claim($1)")
+            .bind(body)
+            .fetch_one(&mut conn)
+            .await
+            .map(|row| {
+                (
+                    row.get::<Option<String>, _>(0),
+                    row.get::<Option<String>, _>(1),
+                )
+            })
+    })
+}
+
+/// A claim for tenant key `key`'s tenant of a slot of `ka` in pool `a`, on a connection of its
+/// own that stops at test hook `point` (closed here): returns once the claim waits there, with
+/// the hook (to open) and the claim's answer to come ([`claim_answer`]).
+pub async fn pause_claim(
+    app: &TestApp,
+    key: &str,
+    point: &'static str,
+) -> (Hook, tokio::task::JoinHandle<ClaimAnswer>) {
+    let hash = key_hash(app, key).await;
+    let hook = Hook::close(app, point).await;
+    let mut conn = hooked(app, point).await;
+    let pid = backend_pid(&mut conn).await;
+    let claiming = paused_claim(conn, "ka", "a", &hash);
+    until_waiting(app, pid).await;
+    (hook, claiming)
+}
+
+/// What a paused claim answered once its hook opened: the credential it granted (if any) and
+/// its `request`. Panics unless it finishes within 30 seconds, without an error.
+pub async fn claim_answer(
+    claiming: tokio::task::JoinHandle<ClaimAnswer>,
+) -> (Option<String>, Option<String>) {
+    tokio::time::timeout(Duration::from_secs(30), claiming)
+        .await
+        .expect("the claim finished")
+        .unwrap()
+        .expect("the claim failed")
+}
+
+/// Two `credpool serve` processes on a fresh database, with credentials k0..k`count` of limit
+/// `limit` (provider openai, model gpt-4o, pool default).
+pub async fn two_replicas(count: usize, limit: u32) -> (TestDatabase, ServeProcess, ServeProcess) {
+    let database = TestDatabase::create().await;
+    let env = keyed_env(&database);
+    let (a, b) = tokio::join!(
+        ServeProcess::start(BIN, &env, &[]),
+        ServeProcess::start(BIN, &env, &[])
+    );
+    for i in 0..count {
+        let response = a
+            .admin(
+                reqwest::Method::PUT,
+                &format!("/api/admin/keys/k{i}"),
+                Some(
+                    json!({"provider": "openai", "models": ["gpt-4o"], "max_concurrent_uses": limit,
+                        "secret": {"api_key": format!("sk-{i}")}}),
+                ),
+            )
+            .await;
+        assert!(response.status().is_success());
+    }
+    (database, a, b)
+}
+
+/// Allocates every body of `bodies` at once with tenant key `key`, spread over `replicas`: the
+/// leases granted, and the `Retry-After` (seconds) of every 429 `tenant_limit`; any other
+/// answer panics.
+pub async fn race_tenant(
+    replicas: &[Remote],
+    key: &str,
+    bodies: Vec<Value>,
+) -> (Vec<Value>, Vec<u64>) {
+    let mut granted = Vec::new();
+    let mut refused = Vec::new();
+    for answer in allocate_at_once(replicas, key, bodies).await {
+        let body = answer.body;
+        match answer.status {
+            StatusCode::OK => granted.push(body),
+            StatusCode::TOO_MANY_REQUESTS => {
+                assert_eq!(body["error"]["code"], "tenant_limit", "{body}");
+                refused.push(answer.retry_after.expect("Retry-After on tenant_limit"));
+            }
+            other => panic!("unexpected {other}: {body}"),
+        }
+    }
+    (granted, refused)
+}
