@@ -92,6 +92,59 @@ CREATE TRIGGER credentials_selection_changed
            NEW.status, NEW.cooldown_until, NEW.draining, NEW.rate_limits))
     EXECUTE FUNCTION credentials_bump_pool_version();
 
+-- What the incremental read of a pool's candidates looks for (the versioned migration that made
+-- `credentials.changed_by` and credential_departures says how it is read): the transaction that
+-- changed a credential in a way that moves its pool's version, and a credential that left a pool.
+-- A pool's departures older than ten minutes are dropped as new ones come (a service whose last
+-- read of a pool is older than five minutes reads it whole).
+CREATE OR REPLACE FUNCTION credentials_stamp_change() RETURNS trigger
+LANGUAGE plpgsql AS $$
+BEGIN
+    NEW.changed_by := pg_current_xact_id();
+    RETURN NEW;
+END;
+$$;
+
+DROP TRIGGER IF EXISTS credentials_stamp_insert ON credentials;
+CREATE TRIGGER credentials_stamp_insert
+    BEFORE INSERT ON credentials
+    FOR EACH ROW EXECUTE FUNCTION credentials_stamp_change();
+
+DROP TRIGGER IF EXISTS credentials_stamp_update ON credentials;
+CREATE TRIGGER credentials_stamp_update
+    BEFORE UPDATE ON credentials
+    FOR EACH ROW
+    WHEN ((OLD.provider, OLD.pool, OLD.models, OLD.model_aliases, OLD.max_concurrent_uses,
+           OLD.status, OLD.cooldown_until, OLD.draining, OLD.rate_limits)
+          IS DISTINCT FROM
+          (NEW.provider, NEW.pool, NEW.models, NEW.model_aliases, NEW.max_concurrent_uses,
+           NEW.status, NEW.cooldown_until, NEW.draining, NEW.rate_limits))
+    EXECUTE FUNCTION credentials_stamp_change();
+
+CREATE OR REPLACE FUNCTION credentials_note_departure() RETURNS trigger
+LANGUAGE plpgsql AS $$
+BEGIN
+    DELETE FROM credential_departures d
+    WHERE d.provider = OLD.provider AND d.pool = OLD.pool
+      AND d.departed_at < now() - interval '10 minutes';
+    INSERT INTO credential_departures (provider, pool, key_id)
+    VALUES (OLD.provider, OLD.pool, OLD.key_id);
+    RETURN NULL;
+END;
+$$;
+
+DROP TRIGGER IF EXISTS credentials_departed ON credentials;
+CREATE TRIGGER credentials_departed
+    AFTER DELETE ON credentials
+    FOR EACH ROW EXECUTE FUNCTION credentials_note_departure();
+
+DROP TRIGGER IF EXISTS credentials_moved ON credentials;
+CREATE TRIGGER credentials_moved
+    AFTER UPDATE ON credentials
+    FOR EACH ROW
+    WHEN ((OLD.provider, OLD.pool) IS DISTINCT FROM (NEW.provider, NEW.pool))
+    EXECUTE FUNCTION credentials_note_departure();
+
 -- Notifications for waiting allocations (`wait_ms`). Each service process LISTENs on one
 -- connection; channel names and payloads are documented in docs/executor-protocol.md.
 --   credpool_slot_freed   {"provider","pool","key_id","from"}: a slot's lease was released: sent

@@ -47,7 +47,9 @@ fn view(n: usize) -> PoolView {
         version: Some(1),
         db_now: now,
         read_at: Instant::now(),
+        xmin: 0,
         credentials,
+        departed: Vec::new(),
     };
     PoolView::from_snapshot(
         snapshot,

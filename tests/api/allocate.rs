@@ -153,9 +153,15 @@ async fn pool_without_the_model_is_model_not_supported() {
     let app = TestApp::spawn().await;
     app.put_key("key-a", "openai", "default", &["gpt-4o-mini"], 1)
         .await;
-    app.allocate(gpt4o_in("default"))
+    let body = app
+        .allocate(gpt4o_in("default"))
         .refused(StatusCode::CONFLICT, "model_not_supported")
         .await;
+    // the refusal names what was asked for
+    let message = body["error"]["message"].as_str().unwrap();
+    for named in ["openai", "default", "gpt-4o"] {
+        assert!(message.contains(named), "{message} does not name {named}");
+    }
 }
 
 #[tokio::test]
@@ -406,7 +412,16 @@ async fn malformed_allocate_requests_are_invalid_request() {
     for body in bad {
         let response = app.allocate(body.clone()).await;
         assert_eq!(response.status(), StatusCode::BAD_REQUEST, "{body}");
-        assert_error(response, StatusCode::BAD_REQUEST, "invalid_request").await;
+        let answer = assert_error(response, StatusCode::BAD_REQUEST, "invalid_request").await;
+        // a lease length out of range, negative or not, gets the API's own sentence, not the
+        // JSON decoder's
+        if [json!(0), json!(-1), json!(601)].contains(&body["lease_seconds"]) {
+            let message = answer["error"]["message"].as_str().unwrap();
+            assert!(
+                message.contains("must be an integer from 1 to 600"),
+                "{body}: {message}"
+            );
+        }
     }
     // a body that is not JSON at all, and one that is cut short
     for raw in ["not json", r#"{"provider": "openai", "model": "#] {

@@ -31,4 +31,5 @@ mod selection;
 mod tenant_windows;
 mod tenants;
 mod trail;
+mod view_changes;
 mod windows;

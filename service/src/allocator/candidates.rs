@@ -117,6 +117,11 @@ impl RankRow {
     }
 }
 
+/// How old a view may be and still be brought up to date by reading only what changed since its
+/// read: a pool's departures are kept ten minutes (`credentials_note_departure`), and the view
+/// refresher reads every pool whole far more often than this.
+pub const INCREMENTAL_MAX_AGE: Duration = Duration::from_secs(300);
+
 /// The credentials of one (provider, pool) as last seen.
 #[derive(Debug, Clone)]
 pub struct PoolView {
@@ -132,32 +137,98 @@ pub struct PoolView {
     by_model: HashMap<String, Vec<usize>>,
     db_now: OffsetDateTime,
     loaded: Instant,
+    xmin: i64,
 }
 
 impl PoolView {
-    /// A view of `snapshot`, with each credential's health score precomputed under `scoring`
-    /// and `health`.
+    /// A view of `snapshot` (a read of the whole pool), with each credential's health score
+    /// precomputed under `scoring` and `health`.
     pub fn from_snapshot(
         snapshot: PoolSnapshot,
         scoring: &ScoringPolicy,
         health: &HealthPolicy,
     ) -> Self {
-        let entries: Vec<Entry> = snapshot
+        let mut view = Self {
+            version: snapshot.version,
+            entries: Vec::new(),
+            rows: Vec::new(),
+            index: HashMap::new(),
+            by_model: HashMap::new(),
+            db_now: snapshot.db_now,
+            loaded: snapshot.read_at,
+            xmin: snapshot.xmin,
+        };
+        view.entries = snapshot
             .credentials
             .into_iter()
-            .map(|facts| Entry {
-                health_score: health_score(&facts.health, snapshot.db_now, scoring, health),
-                facts,
-                claimed_full: false,
-            })
+            .map(|facts| view.entry(facts, scoring, health))
             .collect();
-        let index = entries
+        view.reindex();
+        view
+    }
+
+    /// Brings the view up to `changes` (a read of what changed in the pool since this view's
+    /// xmin): the credentials that left are dropped, the changed ones replaced or added (health
+    /// scored under `scoring` and `health`); the rest keep what the view knew of them. Cost:
+    /// O(changes) for the changed entries, and an in-memory pass over the pool for its indexes.
+    pub fn apply(&mut self, changes: PoolSnapshot, scoring: &ScoringPolicy, health: &HealthPolicy) {
+        self.version = changes.version;
+        self.db_now = changes.db_now;
+        self.loaded = changes.read_at;
+        self.xmin = changes.xmin;
+        if !changes.departed.is_empty() {
+            let departed: std::collections::HashSet<&KeyId> = changes.departed.iter().collect();
+            self.entries.retain(|e| !departed.contains(&e.facts.key_id));
+            self.reindex();
+        }
+        let mut added = false;
+        for facts in changes.credentials {
+            let entry = self.entry(facts, scoring, health);
+            match self.index.get(&entry.facts.key_id) {
+                Some(&i) => self.entries[i] = entry,
+                None => {
+                    self.entries.push(entry);
+                    added = true;
+                }
+            }
+        }
+        if added {
+            // in key order, as a whole read has them
+            self.entries
+                .sort_by(|a, b| a.facts.key_id.cmp(&b.facts.key_id));
+        }
+        self.reindex();
+    }
+
+    /// The read's snapshot xmin this view reflects (see [`PoolSnapshot::xmin`]).
+    pub fn xmin(&self) -> i64 {
+        self.xmin
+    }
+
+    fn entry(
+        &self,
+        facts: CredentialFacts,
+        scoring: &ScoringPolicy,
+        health: &HealthPolicy,
+    ) -> Entry {
+        Entry {
+            health_score: health_score(&facts.health, self.db_now, scoring, health),
+            facts,
+            claimed_full: false,
+        }
+    }
+
+    /// Rebuilds what is derived from `entries`: the key index, the entries by model (a model or an
+    /// alias) and the rows ranking reads.
+    fn reindex(&mut self) {
+        self.index = self
+            .entries
             .iter()
             .enumerate()
             .map(|(i, e)| (e.facts.key_id.clone(), i))
             .collect();
         let mut by_model: HashMap<String, Vec<usize>> = HashMap::new();
-        for (i, entry) in entries.iter().enumerate() {
+        for (i, entry) in self.entries.iter().enumerate() {
             let names = entry.facts.models.iter().chain(entry.facts.aliases.keys());
             for name in names {
                 let served = by_model.entry(name.clone()).or_default();
@@ -166,16 +237,8 @@ impl PoolView {
                 }
             }
         }
-        let rows = entries.iter().map(RankRow::of).collect();
-        Self {
-            version: snapshot.version,
-            entries,
-            rows,
-            index,
-            by_model,
-            db_now: snapshot.db_now,
-            loaded: snapshot.read_at,
-        }
+        self.by_model = by_model;
+        self.rows = self.entries.iter().map(RankRow::of).collect();
     }
 
     /// When the read this view was built from was sent.
@@ -352,7 +415,8 @@ impl CandidateViews {
         {
             // the first requests of a pool all get here: one of them reads it, the others use that
             // read (a pool of 10,000 credentials takes ~100 ms to read)
-            self.load(provider, pool, |view| view.is_none()).await?;
+            self.load(provider, pool, false, |view| view.is_none())
+                .await?;
             loaded = true;
         }
         let guard = slot.view.read().unwrap_or_else(|p| p.into_inner());
@@ -363,56 +427,86 @@ impl CandidateViews {
         }
     }
 
-    /// Reads the pool from the database and replaces the view, unless the view already reflects
-    /// `at_least` (a version the caller saw). Concurrent reloads of one pool coalesce.
+    /// Brings the view up to the pool's version `at_least` (a version the caller saw), unless it
+    /// already reflects it: a read of what changed since the view's read when there is a view
+    /// younger than [`INCREMENTAL_MAX_AGE`], else of the whole pool (`at_least` `None`: always the
+    /// whole pool). Concurrent reloads of one pool coalesce.
     pub async fn reload(
         &self,
         provider: &ProviderName,
         pool: &PoolName,
         at_least: Option<i64>,
     ) -> Result<(), sqlx::Error> {
-        self.load(provider, pool, |view| match at_least {
+        self.load(provider, pool, at_least.is_some(), |view| match at_least {
             Some(wanted) => view.and_then(|v| v.version).is_none_or(|v| v < wanted),
             None => true,
         })
         .await
     }
 
-    /// Reads the pool again unless the view has been replaced by a read sent after `read_at` (the
-    /// [`PoolView::read_at`] of the view the caller judged stale): callers that saw the same stale
-    /// view share one read.
+    /// Reads the whole pool again unless the view has been replaced by a read sent after
+    /// `read_at` (the [`PoolView::read_at`] of the view the caller judged stale): callers that saw
+    /// the same stale view share one read.
     pub async fn reload_unless_newer(
         &self,
         provider: &ProviderName,
         pool: &PoolName,
         read_at: Instant,
     ) -> Result<(), sqlx::Error> {
-        self.load(provider, pool, |view| {
+        self.load(provider, pool, false, |view| {
             view.is_none_or(|v| v.loaded <= read_at)
         })
         .await
     }
 
-    /// Reads the pool and replaces its view if `needed` says so of the view as it is once this
-    /// call's turn to read has come (reads of one pool run one at a time).
+    /// Reads the pool and replaces its view (or, `changes_only`, brings it up to what changed
+    /// since its read, when it is younger than [`INCREMENTAL_MAX_AGE`]) if `needed` says so of the
+    /// view as it is once this call's turn to read has come (reads of one pool run one at a time).
     async fn load(
         &self,
         provider: &ProviderName,
         pool: &PoolName,
+        changes_only: bool,
         needed: impl FnOnce(Option<&PoolView>) -> bool,
     ) -> Result<(), sqlx::Error> {
         let slot = self.slot(provider, pool);
         let _one_at_a_time = slot.reloading.lock().await;
-        if !needed(slot.view.read().unwrap_or_else(|p| p.into_inner()).as_ref()) {
-            return Ok(());
-        }
-        tracing::debug!(provider = %provider, pool = %pool, "candidate view reload");
+        let since = {
+            let guard = slot.view.read().unwrap_or_else(|p| p.into_inner());
+            if !needed(guard.as_ref()) {
+                return Ok(());
+            }
+            guard
+                .as_ref()
+                .filter(|view| changes_only && view.loaded.elapsed() < INCREMENTAL_MAX_AGE)
+                .map(PoolView::xmin)
+        };
+        let started = Instant::now();
         let reading = ReadingReleases::start(&slot);
         let mut work = self.db.work().await?;
-        let snapshot = candidates::load_pool(&mut work, provider, pool).await?;
+        let snapshot = candidates::load_pool(&mut work, provider, pool, since).await?;
         work.done().await?;
-        let mut view = PoolView::from_snapshot(snapshot, &self.scoring, &self.health);
+        // a whole view is built before the lock is taken; changes are applied under it
+        let read = match since {
+            None => Ok(PoolView::from_snapshot(
+                snapshot,
+                &self.scoring,
+                &self.health,
+            )),
+            Some(_) => Err(snapshot),
+        };
         let mut guard = slot.view.write().unwrap_or_else(|p| p.into_inner());
+        let view = match read {
+            Ok(whole) => guard.insert(whole),
+            Err(changes) => match guard.as_mut() {
+                Some(view) => {
+                    view.apply(changes, &self.scoring, &self.health);
+                    view
+                }
+                // the view went while the changes were read: the next use reads the whole pool
+                None => return Ok(()),
+            },
+        };
         // A release this process made while the read ran may have committed after the read's
         // snapshot: the new view would show its slot taken until the next reload, and enough
         // such slots answer 429 with credentials free. Apply them again. One the snapshot already
@@ -430,9 +524,10 @@ impl CandidateViews {
                 entry.claimed_full = false;
             });
         }
-        *guard = Some(view);
         drop(guard);
         drop(reading);
+        tracing::debug!(provider = %provider, pool = %pool, incremental = since.is_some(),
+            seconds = started.elapsed().as_secs_f64(), "candidate view reloaded");
         Ok(())
     }
 
@@ -599,7 +694,9 @@ mod tests {
             version: Some(1),
             db_now: now(),
             read_at: Instant::now(),
+            xmin: 0,
             credentials: vec![facts],
+            departed: Vec::new(),
         };
         let view = PoolView::from_snapshot(snapshot, &views.scoring, &views.health);
         *views.slot(&provider, &pool).view.write().unwrap() = Some(view);
@@ -640,5 +737,86 @@ mod tests {
         // ...and released: the credential is free, not counted busy until the next reload
         views.note_release(&provider, &pool, &key_id, true, None, None);
         assert_eq!(free_slots(&views, &provider, &pool), 1);
+    }
+
+    #[test]
+    fn changes_bring_a_view_to_what_a_whole_read_would_show() {
+        let snapshot =
+            |credentials: Vec<CredentialFacts>, departed: Vec<&str>, version| PoolSnapshot {
+                version: Some(version),
+                db_now: now(),
+                read_at: Instant::now(),
+                xmin: version,
+                credentials,
+                departed: departed
+                    .into_iter()
+                    .map(|k| KeyId::parse(k).unwrap())
+                    .collect(),
+            };
+        let (scoring, health) = (ScoringPolicy::default(), HealthPolicy::default());
+        let mut view = PoolView::from_snapshot(
+            snapshot(
+                vec![
+                    CredentialFacts::idle("a", &["gpt-4o"], 1),
+                    CredentialFacts::idle("b", &["gpt-4o"], 1),
+                    CredentialFacts::idle("c", &["o1"], 1),
+                ],
+                vec![],
+                1,
+            ),
+            &scoring,
+            &health,
+        );
+        // b now serves o1 with limit 3, c left the pool, d joined it, a is as it was
+        view.apply(
+            snapshot(
+                vec![
+                    CredentialFacts::idle("d", &["gpt-4o"], 2),
+                    CredentialFacts::idle("b", &["o1"], 3),
+                ],
+                vec!["c"],
+                2,
+            ),
+            &scoring,
+            &health,
+        );
+        let whole = PoolView::from_snapshot(
+            snapshot(
+                vec![
+                    CredentialFacts::idle("a", &["gpt-4o"], 1),
+                    CredentialFacts::idle("b", &["o1"], 3),
+                    CredentialFacts::idle("d", &["gpt-4o"], 2),
+                ],
+                vec![],
+                2,
+            ),
+            &scoring,
+            &health,
+        );
+        let keys = |v: &PoolView, model: &str| -> Vec<(String, i32)> {
+            v.serving(model)
+                .iter()
+                .map(|&i| {
+                    let f = &v.entries[i].facts;
+                    (f.key_id.to_string(), f.max_concurrent_uses)
+                })
+                .collect()
+        };
+        for model in ["gpt-4o", "o1"] {
+            assert_eq!(keys(&view, model), keys(&whole, model), "{model}");
+        }
+        assert_eq!(view.version, Some(2));
+        assert_eq!(view.xmin(), 2);
+        assert!(
+            view.any_windowed([KeyId::parse("c").unwrap()].iter()),
+            "c is gone"
+        );
+        // a credential that left and came back in the same changes is there
+        view.apply(
+            snapshot(vec![CredentialFacts::idle("c", &["o1"], 1)], vec!["c"], 3),
+            &scoring,
+            &health,
+        );
+        assert_eq!(keys(&view, "o1"), [("b".into(), 3), ("c".into(), 1)]);
     }
 }

@@ -117,23 +117,34 @@ pub struct PoolSnapshot {
     /// `db_now + read_at.elapsed()` runs ahead of the database clock by the one-way latency at
     /// most, instead of behind it by the whole read.
     pub read_at: Instant,
-    /// Every credential of the pool.
+    /// The read's snapshot xmin (`pg_snapshot_xmin`, as a number): every transaction below it
+    /// had ended before the read, so a later read of the changes since it misses none.
+    pub xmin: i64,
+    /// Every credential of the pool; for a read of the changes since an xmin, only the credentials
+    /// changed since.
     pub credentials: Vec<CredentialFacts>,
+    /// For a read of the changes since an xmin: the credentials that left the pool since
+    /// (deleted, or moved to another pool), some perhaps back in it (then in `credentials` too).
+    pub departed: Vec<KeyId>,
 }
 
-/// Reads one pool: its version and clock first, then its credentials. Cost: O(credentials and
-/// slots of the pool).
+/// Reads one pool: its version, clock and snapshot xmin first, then its credentials, all of them
+/// (`since` `None`; cost O(credentials and slots of the pool)) or those changed since a read
+/// whose xmin was `since`, with the credentials that left the pool since (cost O(changes), but
+/// for a filter over the pool's credential rows).
 #[tracing::instrument(skip(conn), err(level = "debug"))]
 pub async fn load_pool(
     conn: &mut PgConnection,
     provider: &ProviderName,
     pool: &PoolName,
+    since: Option<i64>,
 ) -> Result<PoolSnapshot, sqlx::Error> {
     let read_at = Instant::now();
     let head = sqlx::query!(
         r#"
         SELECT now() AS "db_now!",
-               credpool_pool_version($1, $2) AS version
+               credpool_pool_version($1, $2) AS version,
+               pg_snapshot_xmin(pg_current_snapshot())::text::bigint AS "xmin!"
         "#,
         provider.as_str(),
         pool.as_str(),
@@ -159,14 +170,33 @@ pub async fn load_pool(
         LEFT JOIN lease_slots s ON s.key_id = c.key_id
         LEFT JOIN lease_windows w ON w.key_id = c.key_id
         WHERE c.provider = $1 AND c.pool = $2
+          AND ($3::bigint IS NULL OR c.changed_by >= $3::bigint::text::xid8)
         GROUP BY c.key_id, w.key_id
         ORDER BY c.key_id
         "#,
         provider.as_str(),
         pool.as_str(),
+        since,
     )
     .fetch_all(&mut *conn)
     .await?;
+    let departed = match since {
+        None => Vec::new(),
+        Some(since) => sqlx::query_scalar!(
+            r#"
+            SELECT DISTINCT key_id AS "key_id!" FROM credential_departures
+            WHERE provider = $1 AND pool = $2 AND departed_by >= $3::bigint::text::xid8
+            "#,
+            provider.as_str(),
+            pool.as_str(),
+            since,
+        )
+        .fetch_all(&mut *conn)
+        .await?
+        .into_iter()
+        .map(|key_id| decoded(KeyId::parse(key_id)))
+        .collect::<Result<_, _>>()?,
+    };
 
     let credentials = rows
         .into_iter()
@@ -204,6 +234,8 @@ pub async fn load_pool(
         version: head.version,
         db_now: head.db_now,
         read_at,
+        xmin: head.xmin,
         credentials,
+        departed,
     })
 }
