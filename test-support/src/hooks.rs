@@ -147,21 +147,83 @@ pub async fn hooked(app: &TestApp, points: &str) -> PgConnection {
     conn
 }
 
+/// A transaction of the test's own on `conn` (from [`connect`] or [`hooked`]), run in a task:
+/// `BEGIN`, then each of `statements` in order, then `COMMIT` when `commit`. Returns once the
+/// transaction waits for a lock (a row lock, or a closed hook), with the task, which hands the
+/// connection back when its statements are done.
+pub async fn transaction_waiting(
+    app: &TestApp,
+    mut conn: PgConnection,
+    statements: &'static [&'static str],
+    commit: bool,
+) -> tokio::task::JoinHandle<Result<PgConnection, sqlx::Error>> {
+    use sqlx::Executor;
+    let pid = backend_pid(&mut conn).await;
+    let running = tokio::spawn(async move {
+        conn.execute("BEGIN").await?;
+        for statement in statements {
+            conn.execute(*statement).await?;
+        }
+        if commit {
+            conn.execute("COMMIT").await?;
+        }
+        Ok(conn)
+    });
+    until_waiting(app, pid).await;
+    running
+}
+
+/// One release of a release group as `credpool_release` takes it: `lease` (as allocate
+/// answered it) reporting `outcome`, with no fence and no usage.
+pub fn group_release(lease: &Value, outcome: &str) -> Value {
+    serde_json::json!({"lease_id": lease["lease_id"], "key_id": lease["key_id"],
+                       "provider": lease["provider"], "pool": lease["pool"], "fence": null,
+                       "outcome": outcome, "usage_tokens": null})
+}
+
+/// Release group `group` (an array of [`group_release`]s) run as the service runs it, with the
+/// default [`policy`], on a new connection of the test's own in a transaction, in a task.
+/// Returns once the group waits for a lock, with the task: each release's verdict, in order.
+pub async fn release_group_waiting(
+    app: &TestApp,
+    group: Value,
+) -> tokio::task::JoinHandle<Result<Vec<String>, sqlx::Error>> {
+    use sqlx::Executor;
+    let mut conn = connect(app).await;
+    let pid = backend_pid(&mut conn).await;
+    let releasing = tokio::spawn(async move {
+        conn.execute("BEGIN").await?;
+        let verdicts =
+            sqlx::query_scalar("SELECT verdict FROM credpool_release($1, $2) ORDER BY release")
+                .bind(group)
+                .bind(policy())
+                .fetch_all(&mut conn)
+                .await?;
+        conn.execute("COMMIT").await?;
+        Ok(verdicts)
+    });
+    until_waiting(app, pid).await;
+    releasing
+}
+
 /// The default health policy, as the service passes it to `credpool_release`.
 pub fn policy() -> Value {
     credpool::store::leases::policy_json(&credpool::allocator::health::HealthPolicy::default())
 }
 
-/// A transaction holding the row lock `locking_select` takes (another transaction in
-/// progress, as a test needs it), until the test commits or rolls it back.
-pub async fn hold_row<'a>(
+/// A transaction of the test's own, on the app's pool, that has run `statements` (locking
+/// selects, a delete, an advisory lock) and holds what they locked until the test commits or
+/// rolls it back: another transaction in progress, as a test needs it.
+pub async fn holding<'a>(
     app: &'a TestApp,
-    locking_select: &'static str,
+    statements: &[&'static str],
 ) -> sqlx::Transaction<'a, sqlx::Postgres> {
     let mut holder = app.db.begin().await.unwrap();
-    sqlx::query(locking_select)
-        .execute(&mut *holder)
-        .await
-        .unwrap();
+    for statement in statements {
+        sqlx::query(*statement)
+            .execute(&mut *holder)
+            .await
+            .unwrap_or_else(|e| panic!("{statement}: {e}"));
+    }
     holder
 }

@@ -10,13 +10,16 @@
 //! - [`service`]: the [`Service`] trait, every HTTP call a test makes (executor calls with the
 //!   internal key or a tenant's, operator calls, tenants and their keys, `/metrics`), answered
 //!   by [`TestApp`], [`ServeProcess`] and [`Remote`]; and the checks of an answer
-//!   ([`json_body`], [`assert_error`]).
+//!   ([`json_body`], [`assert_error`], [`Answer`]: `.refused(status, code)`, `.ok_json()`).
 //! - [`requests`]: request bodies (`gpt4o*`, [`lease_ref`], [`release_body`]).
-//! - [`hooks`]: windows held open on purpose (test hooks in the SQL functions, lock waits).
+//! - [`hooks`]: windows held open on purpose: test hooks in the SQL functions ([`Hook`]),
+//!   transactions of the test's own ([`holding`], [`transaction_waiting`],
+//!   [`release_group_waiting`]) and waits until a backend waits for a lock.
 //! - [`sql`]: the test's own statements on a database ([`Sql`], on a pool or the app).
 //! - [`metrics`]: reading a Prometheus page.
 //! - [`race`]: allocations raced against each other over replicas ([`allocate_at_once`]).
-//! - [`process`]: the `credpool` binary: [`ServeProcess`] and one-shot commands.
+//! - [`process`]: the `credpool` binary: [`ServeProcess`], its environment ([`keyed_env`]) and
+//!   one-shot commands ([`credpool_command`], [`run`], [`audit_passes`], [`audit_fails`]).
 //! - [`fleet`]: a fleet of executors over `credpool serve` replicas (the reliability suite's
 //!   replica and soak scenarios); not re-exported at the top, used as `fleet::...`.
 
@@ -66,22 +69,4 @@ pub fn report_skipped(reason: &str) {
     let test = thread.name().unwrap_or("a test");
     // straight to the file descriptor: the capture only intercepts the print macros
     let _ = writeln!(std::io::stderr().lock(), "skipped: {test}: {reason}");
-}
-
-/// Polls `check` every `every` until it holds; panics naming `what` after `within` (a bound
-/// against hanging, not a timing claim).
-pub async fn eventually<F: std::future::Future<Output = bool>>(
-    what: &str,
-    every: std::time::Duration,
-    within: std::time::Duration,
-    mut check: impl FnMut() -> F,
-) {
-    let deadline = tokio::time::Instant::now() + within;
-    while tokio::time::Instant::now() < deadline {
-        if check().await {
-            return;
-        }
-        tokio::time::sleep(every).await;
-    }
-    panic!("never happened within {within:?}: {what}");
 }

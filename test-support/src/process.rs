@@ -237,6 +237,26 @@ pub async fn audit_verify(bin: &str, database: &TestDatabase) -> (bool, String) 
     (ran.success, ran.printed())
 }
 
+/// [`audit_verify`], which must pass: everything it printed.
+pub async fn audit_passes(bin: &str, database: &TestDatabase) -> String {
+    let (ok, output) = audit_verify(bin, database).await;
+    assert!(ok, "credpool audit verify failed:\n{output}");
+    output
+}
+
+/// [`audit_verify`], which must fail, printing each of `findings`: everything it printed.
+pub async fn audit_fails(bin: &str, database: &TestDatabase, findings: &[&str]) -> String {
+    let (ok, output) = audit_verify(bin, database).await;
+    assert!(!ok, "credpool audit verify passed:\n{output}");
+    for finding in findings {
+        assert!(
+            output.contains(finding),
+            "{finding:?} not found in:\n{output}"
+        );
+    }
+    output
+}
+
 /// `BIN audit verify --json` on the database at `database_url` (`bin`: the suite's
 /// `CARGO_BIN_EXE_credpool`): what it did; its report is [`Ran::report`].
 pub async fn audit_verify_json(bin: &str, database_url: &str) -> Ran {

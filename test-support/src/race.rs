@@ -18,6 +18,8 @@ pub struct Raced {
     pub retry_after: Option<u64>,
     /// The JSON body (`null` when the body is not JSON).
     pub body: Value,
+    /// The body as it came.
+    pub text: String,
 }
 
 /// Sends every allocate body of `bodies` at once with executor key `key`: the i-th through
@@ -39,11 +41,13 @@ pub async fn allocate_at_once(replicas: &[Remote], key: &str, bodies: Vec<Value>
                     .headers()
                     .get("retry-after")
                     .map(|v| v.to_str().unwrap().parse::<u64>().unwrap());
-                let body = response.json::<Value>().await.unwrap_or(Value::Null);
+                let text = response.text().await.unwrap_or_default();
+                let body = serde_json::from_str(&text).unwrap_or(Value::Null);
                 Raced {
                     status,
                     retry_after,
                     body,
+                    text,
                 }
             })
         })

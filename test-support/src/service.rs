@@ -15,7 +15,7 @@ use crate::{ADMIN_KEY, INTERNAL_KEY};
 /// The operator the tests' admin calls name (`X-Operator`), as the trail records them.
 pub const OPERATOR: &str = "alice";
 
-/// The executor API's paths.
+/// `POST` an allocation (the executor API's paths: this one, [`RELEASE`], [`RENEW`]).
 pub const ALLOCATE: &str = "/api/internal/allocate-key";
 /// `POST` a release (with an outcome) of a lease.
 pub const RELEASE: &str = "/api/internal/release-key";

@@ -8,7 +8,7 @@ use std::collections::HashMap;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use reqwest::StatusCode;
+use reqwest::{Method, StatusCode};
 use serde_json::{Value, json};
 use tokio::sync::Barrier;
 
@@ -286,7 +286,7 @@ async fn the_maintenance_pass_keeps_bindings_under_their_cap_oldest_hit_first_an
     assert_eq!(step, ("affinity_bindings_purged".to_owned(), Some(0)));
 
     let response = app
-        .admin(reqwest::Method::DELETE, "/api/admin/keys/key-a", None)
+        .admin(Method::DELETE, "/api/admin/keys/key-a", None)
         .await;
     assert!(response.status().is_success(), "{}", response.status());
     let left: i64 = app.scalar("SELECT count(*) FROM affinity_bindings").await;
@@ -461,15 +461,11 @@ async fn a_binding_held_by_another_transaction_is_left_as_it_is_never_waited_for
     let (row_key, lock_key) = (first["key_id"].clone(), second["key_id"].clone());
     app.release_ok(&first, "success").await;
     app.release_ok(&second, "success").await;
-    let mut holder = app.db.begin().await.unwrap();
-    sqlx::query("SELECT 1 FROM affinity_bindings WHERE affinity_key = 'held-row' FOR UPDATE")
-        .execute(&mut *holder)
-        .await
-        .unwrap();
-    sqlx::query("SELECT pg_advisory_xact_lock(credpool_affinity_lock('default', 'openai', 'default', 'held-lock'))")
-        .execute(&mut *holder)
-        .await
-        .unwrap();
+    let held = [
+        "SELECT 1 FROM affinity_bindings WHERE affinity_key = 'held-row' FOR UPDATE",
+        "SELECT pg_advisory_xact_lock(credpool_affinity_lock('default', 'openai', 'default', 'held-lock'))",
+    ];
+    let holder = holding(&app, &held).await;
     for (conversation, was) in [("held-row", &row_key), ("held-lock", &lock_key)] {
         let started = Instant::now();
         let served = tokio::time::timeout(
@@ -587,19 +583,15 @@ async fn a_conversation_key_is_bound_per_tenant() {
     }
     let put = app
         .admin_unnamed(
-            reqwest::Method::PUT,
+            Method::PUT,
             "/api/admin/tenants/other-team",
             Some(json!({"pools": ["*/*"]})),
         )
         .await;
     assert_eq!(put.status(), StatusCode::CREATED);
     let minted = json_body(
-        app.admin_unnamed(
-            reqwest::Method::POST,
-            "/api/admin/tenants/other-team/keys",
-            None,
-        )
-        .await,
+        app.admin_unnamed(Method::POST, "/api/admin/tenants/other-team/keys", None)
+            .await,
         StatusCode::CREATED,
     )
     .await;

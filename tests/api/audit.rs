@@ -7,7 +7,7 @@ use std::time::Duration;
 use credpool::embedded::EmbeddedCluster;
 use credpool::store::audit;
 use credpool::store::maintenance::{self, Skipped};
-use reqwest::StatusCode;
+use reqwest::{Method, StatusCode};
 use serde_json::{Value, json};
 use sqlx::Connection;
 use time::OffsetDateTime;
@@ -179,8 +179,7 @@ async fn audit_verify_passes_on_real_traffic_and_fails_on_a_fabricated_oversell(
         let l = app.lease(audited(600)).await;
         app.release(release_body(&l, "success")).ok_json().await;
     }
-    let (ok, output) = audit_verify(BIN, &app.database).await;
-    assert!(ok, "{output}");
+    let output = audit_passes(BIN, &app.database).await;
     assert!(
         output.contains("no grant ever exceeded a limit"),
         "{output}"
@@ -191,12 +190,7 @@ async fn audit_verify_passes_on_real_traffic_and_fails_on_a_fabricated_oversell(
     app.run_sql("INSERT INTO lease_events (event, lease_id, key_id, provider, pool, slot, lease_until, at)
          VALUES ('granted', gen_random_uuid(), 'solo', 'openai', 'default', 0, now() - interval '110 minutes', now() - interval '120 minutes'),
                 ('granted', gen_random_uuid(), 'solo', 'openai', 'default', 0, now() - interval '110 minutes', now() - interval '115 minutes')").await;
-    let (ok, output) = audit_verify(BIN, &app.database).await;
-    assert!(!ok, "{output}");
-    assert!(
-        output.contains("solo") && output.contains("1 grants exceeded a limit"),
-        "{output}"
-    );
+    audit_fails(BIN, &app.database, &["solo", "1 grants exceeded a limit"]).await;
 }
 
 #[tokio::test]
@@ -218,8 +212,7 @@ async fn lowering_a_limit_under_load_is_not_an_oversell_but_a_grant_above_it_is(
     }
     // the service grants again within the lowered limit: one lease, held to the end
     let _held = app.lease(audited(600)).await;
-    let (ok, output) = audit_verify(BIN, &app.database).await;
-    assert!(ok, "{output}");
+    audit_passes(BIN, &app.database).await;
     // a second grant beside it, written straight into the trail as a claim that read the old
     // limit would have: two live leases, within the limit of 3 the credential once had but
     // over the 1 it has had since
@@ -229,15 +222,7 @@ async fn lowering_a_limit_under_load_is_not_an_oversell_but_a_grant_above_it_is(
                  now() + interval '10 minutes', now())",
     )
     .await;
-    let (ok, output) = audit_verify(BIN, &app.database).await;
-    assert!(
-        !ok,
-        "a grant above the lowered limit passed (judged by the old one?): {output}"
-    );
-    assert!(
-        output.contains("shrink") && output.contains("1 grants exceeded a limit"),
-        "{output}"
-    );
+    audit_fails(BIN, &app.database, &["shrink", "1 grants exceeded a limit"]).await;
 }
 
 #[tokio::test]
@@ -261,8 +246,7 @@ async fn grants_older_than_the_oldest_configuration_row_kept_are_judged_by_the_l
     .execute(&app.db)
     .await
     .unwrap();
-    let (ok, output) = audit_verify(BIN, &app.database).await;
-    assert!(ok, "grants judged by a limit set after them: {output}");
+    audit_passes(BIN, &app.database).await;
 }
 
 #[tokio::test]
@@ -300,12 +284,12 @@ async fn a_grant_over_a_tenants_cap_written_into_the_trail_fails_audit_verify() 
                  now() + interval '10 minutes', now(), 'team')",
     )
     .await;
-    let (ok, output) = audit_verify(BIN, &app.database).await;
-    assert!(!ok, "a grant past the tenant's cap passed: {output}");
-    assert!(
-        output.contains("team") && output.contains("1 grants exceeded a tenant's cap"),
-        "{output}"
-    );
+    audit_fails(
+        BIN,
+        &app.database,
+        &["team", "1 grants exceeded a tenant's cap"],
+    )
+    .await;
 }
 
 #[tokio::test]
@@ -318,11 +302,11 @@ async fn a_limit_lowered_while_a_claim_commits_judges_that_grant_by_the_limit_it
     app.lease(audited(600)).await;
     app.lease(audited(600)).await;
     // a transaction holds slot 0: the change queues behind it, after its own transaction began
-    let mut holder = app.db.begin().await.unwrap();
-    sqlx::query("SELECT 1 FROM lease_slots WHERE key_id = 'busy' AND slot = 0 FOR UPDATE")
-        .execute(&mut *holder)
-        .await
-        .unwrap();
+    let holder = holding(
+        &app,
+        &["SELECT 1 FROM lease_slots WHERE key_id = 'busy' AND slot = 0 FOR UPDATE"],
+    )
+    .await;
     let change = tokio::spawn(
         app.client
             .patch(app.url("/api/admin/keys/busy"))
@@ -351,18 +335,14 @@ async fn a_limit_lowered_while_a_claim_commits_judges_that_grant_by_the_limit_it
 async fn windowed_tenant(app: &TestApp, id: &str, rate_limits: Value) -> String {
     let put = app
         .admin_unnamed(
-            reqwest::Method::PUT,
+            Method::PUT,
             &format!("/api/admin/tenants/{id}"),
             Some(json!({ "rate_limits": rate_limits, "pools": ["*/*"] })),
         )
         .await;
     assert_eq!(put.status(), StatusCode::CREATED);
     let minted = app
-        .admin_unnamed(
-            reqwest::Method::POST,
-            &format!("/api/admin/tenants/{id}/keys"),
-            None,
-        )
+        .admin_unnamed(Method::POST, &format!("/api/admin/tenants/{id}/keys"), None)
         .await;
     json_body(minted, StatusCode::CREATED).await["key"]
         .as_str()
@@ -549,8 +529,7 @@ async fn a_tenants_grants_over_two_credentials_within_its_token_window_pass_the_
         "{team:?}"
     );
     assert_eq!(team.first_violation_at, None);
-    let (ok, output) = audit_verify(BIN, &app.database).await;
-    assert!(ok, "{output}");
+    let output = audit_passes(BIN, &app.database).await;
     assert!(
         output.contains("1000 tokens / 600 s")
             && output.contains("tenant rate windows: no grant ever exceeded a tenant's window"),
@@ -586,15 +565,17 @@ async fn a_grant_over_a_tenants_window_written_into_the_trail_fails_audit_verify
         )]
     );
 
-    let (ok, output) = audit_verify(BIN, &database).await;
-    assert!(!ok, "{output}");
-    assert!(
-        output.contains("team")
-            && output.contains("100 tokens / 60 s")
-            && output.contains("tenant rate windows: 1 grants exceeded a tenant's window")
-            && output.contains("no grant ever exceeded a limit"),
-        "{output}"
-    );
+    audit_fails(
+        BIN,
+        &database,
+        &[
+            "team",
+            "100 tokens / 60 s",
+            "tenant rate windows: 1 grants exceeded a tenant's window",
+            "no grant ever exceeded a limit",
+        ],
+    )
+    .await;
     let verified = audit_verify_json(BIN, &database.url()).await;
     let (ok, report) = (verified.success, verified.report());
     assert!(!ok, "{report}");
@@ -638,12 +619,12 @@ async fn a_usage_counts_against_the_tenants_grants_after_its_report_and_never_be
             line("later", "tokens", 60, [100, 2, 100, 0], None),
         ]
     );
-    let (ok, output) = audit_verify(BIN, &database).await;
-    assert!(!ok, "{output}");
-    assert!(
-        output.contains("tenant rate windows: 1 grants exceeded a tenant's window"),
-        "{output}"
-    );
+    audit_fails(
+        BIN,
+        &database,
+        &["tenant rate windows: 1 grants exceeded a tenant's window"],
+    )
+    .await;
 }
 
 #[tokio::test]
@@ -697,13 +678,15 @@ async fn a_tenants_grant_is_judged_by_the_windows_the_tenant_had_when_it_was_gra
             Some(trail.at(130))
         )]
     );
-    let (ok, output) = audit_verify(BIN, &database).await;
-    assert!(!ok, "{output}");
-    assert!(
-        output.contains("shifting")
-            && output.contains("tenant rate windows: 1 grants exceeded a tenant's window"),
-        "{output}"
-    );
+    audit_fails(
+        BIN,
+        &database,
+        &[
+            "shifting",
+            "tenant rate windows: 1 grants exceeded a tenant's window",
+        ],
+    )
+    .await;
 }
 
 #[tokio::test]

@@ -5,7 +5,7 @@
 use std::time::{Duration, Instant};
 
 use fantoccini::{Client, ClientBuilder, Locator};
-use reqwest::StatusCode;
+use reqwest::{Method, StatusCode};
 use serde_json::{Value, json};
 
 use credpool_test_support::*;
@@ -25,7 +25,7 @@ trait DashboardRequests {
     /// The shell, its assets and every fragment, each checked for credential material.
     async fn assert_no_secret_in_any_dashboard_response(&self);
     /// An admin API call that must answer 200; its JSON body.
-    async fn admin_json(&self, method: reqwest::Method, path: &str, body: Option<Value>) -> Value;
+    async fn admin_json(&self, method: Method, path: &str, body: Option<Value>) -> Value;
 }
 
 impl DashboardRequests for TestApp {
@@ -70,7 +70,7 @@ impl DashboardRequests for TestApp {
         }
     }
 
-    async fn admin_json(&self, method: reqwest::Method, path: &str, body: Option<Value>) -> Value {
+    async fn admin_json(&self, method: Method, path: &str, body: Option<Value>) -> Value {
         let mut request = self
             .client
             .request(method, self.url(path))
@@ -158,7 +158,7 @@ async fn fragments_show_pools_credentials_leases_and_events_but_never_a_secret()
     // worker-9 crashed: its lease ran out without a release
     expire(&app, crashed["lease_id"].as_str().unwrap()).await;
     app.admin_json(
-        reqwest::Method::PATCH,
+        Method::PATCH,
         "/api/admin/keys/key-b",
         Some(json!({"state": "drain", "reason": "rotating"})),
     )
@@ -402,11 +402,7 @@ async fn wait_for_credential(app: &TestApp, key_id: &str, check: impl Fn(&Value)
     let started = Instant::now();
     loop {
         let detail = app
-            .admin_json(
-                reqwest::Method::GET,
-                &format!("/api/admin/keys/{key_id}"),
-                None,
-            )
+            .admin_json(Method::GET, &format!("/api/admin/keys/{key_id}"), None)
             .await;
         if check(&detail) {
             return detail;
@@ -584,7 +580,7 @@ async fn fragments_escape_what_executors_and_operators_wrote() {
     let hostile = "<img src=x onerror=alert(1)>";
     app.lease(allocation("default", hostile)).await;
     app.admin_json(
-        reqwest::Method::PATCH,
+        Method::PATCH,
         "/api/admin/keys/k1",
         Some(json!({"state": "disable", "reason": hostile})),
     )

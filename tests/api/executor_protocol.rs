@@ -5,9 +5,10 @@ use std::net::SocketAddr;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use reqwest::StatusCode;
+use reqwest::{Method, StatusCode};
 use serde_json::{Value, json};
 use tokio::sync::Barrier;
+use tokio::task::JoinHandle;
 
 use credpool_test_support::*;
 
@@ -90,7 +91,7 @@ async fn a_retry_is_answered_with_its_lease_even_when_that_lease_took_the_last_s
     // and while the operator has disabled the credential (the view says "none usable")
     let response = app
         .admin_unnamed(
-            reqwest::Method::PATCH,
+            Method::PATCH,
             "/api/admin/keys/only",
             Some(json!({"state": "disable", "reason": "test"})),
         )
@@ -378,6 +379,32 @@ async fn a_waiter_whose_client_left_takes_no_slot() {
     app.lease(gpt4o()).await;
 }
 
+/// Two waiting allocates of gpt-4o (from `pool` when given), holders `first` (waiting
+/// `first_wait`) and `second` (`second_wait`), the second sent once the first is queued:
+/// when the first was sent, and their answers' statuses to come, once both wait.
+async fn two_waiters(
+    app: &TestApp,
+    pool: Option<&str>,
+    first_wait: Duration,
+    second_wait: Duration,
+) -> (Instant, JoinHandle<StatusCode>, JoinHandle<StatusCode>) {
+    let waiter = |holder: &str, wait: Duration| {
+        let mut body = json!({"provider": "openai", "model": "gpt-4o",
+                              "wait_ms": wait.as_millis() as u64, "holder": holder});
+        if let Some(pool) = pool {
+            body["pool"] = json!(pool);
+        }
+        let app = app.remote();
+        tokio::spawn(async move { app.allocate(body).await.status() })
+    };
+    let started = Instant::now();
+    let first = waiter("first", first_wait);
+    waiters_queued(app, 1).await;
+    let second = waiter("second", second_wait);
+    waiters_queued(app, 2).await;
+    (started, first, second)
+}
+
 #[tokio::test]
 async fn a_slot_freed_around_the_first_waiters_deadline_is_never_left_free() {
     let _waiters = exclusive_waiters().await;
@@ -395,19 +422,8 @@ async fn a_slot_freed_around_the_first_waiters_deadline_is_never_left_free() {
         app.put_gpt4o_key(&key, &pool, 1).await;
         let held = app.lease(gpt4o_in_for(&pool, 600)).await;
         let first_wait = Duration::from_millis(500);
-        let spawn_waiter = |holder: &str, wait: Duration| {
-            let (addr, pool, holder) = (app.addr, pool.clone(), holder.to_owned());
-            tokio::spawn(async move {
-                let body = json!({"provider": "openai", "model": "gpt-4o", "pool": pool,
-                                  "wait_ms": wait.as_millis() as u64, "holder": holder});
-                Remote::at(addr).allocate(body).await.status()
-            })
-        };
-        let started = Instant::now();
-        let first = spawn_waiter("first", first_wait);
-        waiters_queued(&app, 1).await;
-        let second = spawn_waiter("second", Duration::from_secs(30));
-        waiters_queued(&app, 2).await;
+        let (started, first, second) =
+            two_waiters(&app, Some(&pool), first_wait, Duration::from_secs(30)).await;
         let release_at = started + first_wait;
         let release_at = if offset_ms < 0 {
             release_at - Duration::from_millis(offset_ms.unsigned_abs())
@@ -462,19 +478,8 @@ async fn a_wake_up_that_reaches_a_waiter_in_its_last_claim_goes_on_to_the_next_w
     app.put_gpt4o_key("only", "default", 1).await;
     let held = app.lease(gpt4o_for(600)).await;
     let first_wait = Duration::from_secs(3);
-    let waiter = |holder: &'static str, wait: Duration| {
-        let addr = app.addr;
-        tokio::spawn(async move {
-            let body = json!({"provider": "openai", "model": "gpt-4o",
-                              "wait_ms": wait.as_millis() as u64, "holder": holder});
-            Remote::at(addr).allocate(body).await.status()
-        })
-    };
-    let started = Instant::now();
-    let first = waiter("first", first_wait);
-    waiters_queued(&app, 1).await;
-    let second = waiter("second", Duration::from_secs(60));
-    waiters_queued(&app, 2).await;
+    let (started, first, second) =
+        two_waiters(&app, None, first_wait, Duration::from_secs(60)).await;
 
     // both wait; from now on every claim stops in the hook. The first waiter's timer runs out
     // at its deadline, and its last claim stops there.

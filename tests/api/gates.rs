@@ -39,11 +39,7 @@ async fn apply(app: &TestApp, change: &Change) {
     let status = match change {
         Change::Patch(body) => app.patch_key("k", body.clone()).await.status(),
         Change::Delete => app
-            .admin(
-                reqwest::Method::DELETE,
-                "/api/admin/keys/k",
-                Some(json!({})),
-            )
+            .admin(Method::DELETE, "/api/admin/keys/k", Some(json!({})))
             .await
             .status(),
         Change::Put(body) => app.put_key_raw("k", body.clone()).await.status(),
@@ -200,8 +196,7 @@ async fn no_claim_grants_on_a_configuration_replaced_after_its_snapshot() {
             Some(_) if new_is_fine => granted_past.push(format!("{name}: the replaced secret")),
             Some(key) => granted_past.push(format!("{name}: granted {key}")),
         }
-        let (ok, report) = audit_verify(BIN, &app.database).await;
-        assert!(ok, "{name}: {report}");
+        audit_passes(BIN, &app.database).await;
     }
     assert!(
         granted_past.is_empty(),
@@ -282,8 +277,7 @@ async fn a_lowered_limit_reopens_when_the_leases_over_it_end_without_maintenance
         "not exactly the new limit once the leases ended"
     );
     assert_eq!(app.in_flight("k").await, 1);
-    let (ok, report) = audit_verify(BIN, &app.database).await;
-    assert!(ok, "{report}");
+    audit_passes(BIN, &app.database).await;
 }
 
 #[tokio::test]
@@ -296,7 +290,7 @@ async fn a_force_release_over_a_lowered_limit_reopens_at_once() {
     assert_eq!(granted_of(&app, 3).await, 0);
     let status = app
         .admin(
-            reqwest::Method::POST,
+            Method::POST,
             "/api/admin/keys/k/release-all",
             Some(json!({"reason": "limit lowered by the provider"})),
         )
@@ -362,16 +356,8 @@ async fn a_release_all_that_waited_for_a_raised_limit_locks_the_new_slots_before
         .await
         .unwrap();
     // someone holds the credential row next (queued behind the refit)
-    let mut holder = connect(&app).await;
-    let holder_pid = backend_pid(&mut holder).await;
-    let holding = tokio::spawn(async move {
-        holder.execute("BEGIN").await?;
-        sqlx::query("SELECT 1 FROM credentials WHERE key_id = 'k' FOR NO KEY UPDATE")
-            .execute(&mut holder)
-            .await?;
-        Ok::<_, sqlx::Error>(holder)
-    });
-    until_waiting(&app, holder_pid).await;
+    let hold = &["SELECT 1 FROM credentials WHERE key_id = 'k' FOR NO KEY UPDATE"];
+    let holding = transaction_waiting(&app, connect(&app).await, hold, false).await;
     let release_all = {
         let app = app.remote();
         let body = json!({"reason": "test"});
@@ -400,7 +386,7 @@ async fn finished_without_deadlock(
     app: &TestApp,
     operator: tokio::task::JoinHandle<StatusCode>,
     what: &str,
-    executor: Option<tokio::task::JoinHandle<Result<(), sqlx::Error>>>,
+    executor: Option<tokio::task::JoinHandle<Result<Vec<String>, sqlx::Error>>>,
     before: i64,
 ) {
     assert_eq!(operator.await.unwrap(), StatusCode::OK, "{what} failed");
@@ -420,7 +406,7 @@ async fn finished_without_deadlock(
 async fn release_held_at_the_credential_row(
     app: &TestApp,
     key_id: &str,
-) -> Option<tokio::task::JoinHandle<Result<(), sqlx::Error>>> {
+) -> Option<tokio::task::JoinHandle<Result<Vec<String>, sqlx::Error>>> {
     let answer = app.allocate(gpt4o_for(600)).await;
     if answer.status() != StatusCode::OK {
         assert_eq!(answer.status(), StatusCode::TOO_MANY_REQUESTS);
@@ -428,23 +414,8 @@ async fn release_held_at_the_credential_row(
     }
     let lease = json_body(answer, StatusCode::OK).await;
     assert_eq!(lease["key_id"], key_id);
-    let mut executor = connect(app).await;
-    let executor_pid = backend_pid(&mut executor).await;
-    let body = json!([{"lease_id": lease["lease_id"], "key_id": key_id, "provider": "openai",
-                       "pool": "default", "fence": null, "outcome": "success",
-                       "usage_tokens": null}]);
-    let releasing = tokio::spawn(async move {
-        executor.execute("BEGIN").await?;
-        sqlx::query("SELECT verdict FROM credpool_release($1, $2)")
-            .bind(body)
-            .bind(policy())
-            .fetch_all(&mut executor)
-            .await?;
-        executor.execute("COMMIT").await?;
-        Ok::<_, sqlx::Error>(())
-    });
-    until_waiting(app, executor_pid).await;
-    Some(releasing)
+    let group = json!([group_release(&lease, "success")]);
+    Some(release_group_waiting(app, group).await)
 }
 
 #[tokio::test]
@@ -459,10 +430,7 @@ async fn late_reports_of_the_same_leases_in_opposite_orders_never_deadlock() {
     let a = app.lease(gpt4o_for(600)).await;
     let b = app.lease(gpt4o_for(600)).await;
     expire_and_reap(&app).await;
-    let report = |lease: &Value| {
-        json!({"lease_id": lease["lease_id"], "key_id": lease["key_id"], "provider": "openai",
-               "pool": "default", "fence": null, "outcome": "failure", "usage_tokens": null})
-    };
+    let report = |lease: &Value| group_release(lease, "failure");
     let before = deadlocks(&app.db).await;
     let mut first = connect(&app).await;
     first.execute("BEGIN").await.unwrap();
@@ -478,20 +446,7 @@ async fn late_reports_of_the_same_leases_in_opposite_orders_never_deadlock() {
         .fetch_all(&mut first)
         .await
         .unwrap();
-    let mut second = connect(&app).await;
-    let second_pid = backend_pid(&mut second).await;
-    let body = json!([report(high), report(low)]);
-    let reporting = tokio::spawn(async move {
-        second.execute("BEGIN").await?;
-        sqlx::query("SELECT verdict FROM credpool_release($1, $2)")
-            .bind(body)
-            .bind(policy())
-            .fetch_all(&mut second)
-            .await?;
-        second.execute("COMMIT").await?;
-        Ok::<_, sqlx::Error>(())
-    });
-    until_waiting(&app, second_pid).await;
+    let reporting = release_group_waiting(&app, json!([report(high), report(low)])).await;
     let finished = sqlx::query("SELECT verdict FROM credpool_release($1, $2)")
         .bind(json!([report(high)]))
         .bind(policy())
@@ -581,6 +536,5 @@ async fn a_short_renewal_within_a_lowered_limit_never_ends_it_before_the_surplus
     let renewed = app.renew(renewal(&short, 30)).ok_json().await;
     let now: time::OffsetDateTime = app.scalar("SELECT now()").await;
     assert!(until(&renewed) > now, "renewed into the past: {renewed}");
-    let (ok, report) = audit_verify(BIN, &app.database).await;
-    assert!(ok, "{report}");
+    audit_passes(BIN, &app.database).await;
 }

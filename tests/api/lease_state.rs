@@ -210,26 +210,9 @@ async fn a_release_group_with_an_auth_expired_report_and_a_late_report_never_dea
     .unwrap();
 
     // G: waits for that lease lock
-    let mut group = connect(&app).await;
-    let group_pid = backend_pid(&mut group).await;
-    let body = json!([
-        {"lease_id": live["lease_id"], "key_id": "k", "provider": "openai", "pool": "default",
-         "fence": null, "outcome": "auth_expired", "usage_tokens": null},
-        {"lease_id": short["lease_id"], "key_id": "k", "provider": "openai", "pool": "default",
-         "fence": null, "outcome": "failure", "usage_tokens": null},
-    ]);
-    let releasing = tokio::spawn(async move {
-        group.execute("BEGIN").await?;
-        let verdicts: Vec<String> =
-            sqlx::query_scalar("SELECT verdict FROM credpool_release($1, $2) ORDER BY release")
-                .bind(body)
-                .bind(policy())
-                .fetch_all(&mut group)
-                .await?;
-        group.execute("COMMIT").await?;
-        Ok::<_, sqlx::Error>(verdicts)
-    });
-    until_waiting(&app, group_pid).await;
+    let group = [(&live, "auth_expired"), (&short, "failure")];
+    let group = group.map(|(lease, outcome)| group_release(lease, outcome));
+    let releasing = release_group_waiting(&app, json!(group)).await;
 
     // the other group goes on, in the lock order: the credential row of its outcome
     let locked = sqlx::query("SELECT 1 FROM credentials WHERE key_id = 'k' FOR NO KEY UPDATE")
@@ -273,24 +256,9 @@ async fn a_release_group_with_an_auth_expired_report_locks_the_other_leases_slot
         .await
         .unwrap();
 
-    let mut group = connect(&app).await;
-    let group_pid = backend_pid(&mut group).await;
-    let body = json!([
-        {"lease_id": on_b["lease_id"], "key_id": "kb", "provider": "openai", "pool": "b",
-         "fence": null, "outcome": "auth_expired", "usage_tokens": null},
-        {"lease_id": on_a["lease_id"], "key_id": "ka", "provider": "openai", "pool": "a",
-         "fence": null, "outcome": "success", "usage_tokens": null},
-    ]);
-    let releasing = tokio::spawn(async move {
-        sqlx::query_scalar::<_, String>(
-            "SELECT verdict FROM credpool_release($1, $2) ORDER BY release",
-        )
-        .bind(body)
-        .bind(policy())
-        .fetch_all(&mut group)
-        .await
-    });
-    until_waiting(&app, group_pid).await;
+    let group = [(&on_b, "auth_expired"), (&on_a, "success")];
+    let group = group.map(|(lease, outcome)| group_release(lease, outcome));
+    let releasing = release_group_waiting(&app, json!(group)).await;
 
     // the other transaction goes on in key order: a slot row of kb
     let locked =
@@ -385,17 +353,8 @@ async fn a_claim_for_a_request_id_whose_lease_expired_does_not_wait_for_a_refit(
     holder.execute("COMMIT").await.unwrap();
 
     // a refit locks kb's slots in order: it gets the expired one and waits for the group's
-    let mut refit = connect(&app).await;
-    let refit_pid = backend_pid(&mut refit).await;
-    let refitting = tokio::spawn(async move {
-        refit.execute("BEGIN").await?;
-        sqlx::query("SELECT credpool_fit_slots('kb')")
-            .execute(&mut refit)
-            .await?;
-        refit.execute("COMMIT").await?;
-        Ok::<_, sqlx::Error>(())
-    });
-    until_waiting(&app, refit_pid).await;
+    let refit = &["SELECT credpool_fit_slots('kb')"];
+    let refitting = transaction_waiting(&app, connect(&app).await, refit, true).await;
 
     // the group's next claim is for the request whose lease expired in the refit's slot
     let row = sqlx::query("SELECT fence, request FROM credpool_claim($1)")
@@ -435,20 +394,11 @@ async fn a_claim_that_read_before_a_limit_was_lowered_grants_nothing_over_it() {
 
     let fit_hook = Hook::close(&app, "fit.done").await;
     let claim_hook = Hook::close(&app, "claim.before_lock").await;
-    let mut refit = hooked(&app, "fit.done").await;
-    let refit_pid = backend_pid(&mut refit).await;
-    let refitting = tokio::spawn(async move {
-        refit.execute("BEGIN").await?;
-        sqlx::query("UPDATE credentials SET max_concurrent_uses = 1 WHERE key_id = 'kl'")
-            .execute(&mut refit)
-            .await?;
-        sqlx::query("SELECT credpool_fit_slots('kl')")
-            .execute(&mut refit)
-            .await?;
-        refit.execute("COMMIT").await?;
-        Ok::<_, sqlx::Error>(())
-    });
-    until_waiting(&app, refit_pid).await;
+    let refit = &[
+        "UPDATE credentials SET max_concurrent_uses = 1 WHERE key_id = 'kl'",
+        "SELECT credpool_fit_slots('kl')",
+    ];
+    let refitting = transaction_waiting(&app, hooked(&app, "fit.done").await, refit, true).await;
     // the short lease runs out while the refit, which judged it live, has not committed
     loop {
         let left: f64 = app
@@ -478,8 +428,7 @@ async fn a_claim_that_read_before_a_limit_was_lowered_grants_nothing_over_it() {
     let granted = claiming.await.unwrap().expect("the claim failed");
     assert_eq!(granted, None, "a lease was granted over the lowered limit");
     assert!(app.in_flight("kl").await <= 2);
-    let (ok, report) = audit_verify(BIN, &app.database).await;
-    assert!(ok, "{report}");
+    audit_passes(BIN, &app.database).await;
 }
 
 #[tokio::test]

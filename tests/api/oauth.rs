@@ -12,7 +12,7 @@ use std::time::Duration;
 
 use axum::extract::{Form, State};
 use axum::response::IntoResponse;
-use reqwest::StatusCode;
+use reqwest::{Method, StatusCode};
 use serde_json::{Value, json};
 use time::OffsetDateTime;
 use time::format_description::well_known::Rfc3339;
@@ -271,6 +271,17 @@ async fn refresh_events(app: &TestApp) -> Vec<(String, i64)> {
     .unwrap()
 }
 
+/// Waits for refresh generation `expected` of `k`, then: its lease carries access token `token`,
+/// and the mock was called once per refresh so far (`expected - 1` times), also half a second
+/// later.
+async fn refreshed(app: &TestApp, mock: &Mock, expected: i64, token: &str) {
+    let what = format!("refresh generation {expected}");
+    until(&what, || async { generation(app).await == expected }).await;
+    assert_eq!(leased_token(app).await, token);
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    assert_eq!(mock.calls(), expected as usize - 1);
+}
+
 #[tokio::test]
 async fn a_token_due_is_refreshed_once_before_it_expires_and_the_next_refresh_uses_the_rotated_token()
  {
@@ -284,14 +295,8 @@ async fn a_token_due_is_refreshed_once_before_it_expires_and_the_next_refresh_us
         .unwrap()
         .to_owned();
 
-    until("the first refresh", || async {
-        generation(&app).await == 2
-    })
-    .await;
-    assert_eq!(leased_token(&app).await, "at-1");
     // the new token lives an hour: nothing more to refresh, however many passes run
-    tokio::time::sleep(Duration::from_millis(500)).await;
-    assert_eq!(mock.calls(), 1);
+    refreshed(&app, &mock, 2, "at-1").await;
     let refreshed_before_expiry: bool = app
         .scalar_of(
             "SELECT at < $1::timestamptz FROM credential_events WHERE event = 'token_refreshed'",
@@ -303,13 +308,7 @@ async fn a_token_due_is_refreshed_once_before_it_expires_and_the_next_refresh_us
     // due again (at-1 lives 3600 s, at-2 will live 7200 s): the refresh presents the rotated
     // refresh token
     set_refresh_before(&app, 3650).await;
-    until("the second refresh", || async {
-        generation(&app).await == 3
-    })
-    .await;
-    assert_eq!(leased_token(&app).await, "at-2");
-    tokio::time::sleep(Duration::from_millis(500)).await;
-    assert_eq!(mock.calls(), 2);
+    refreshed(&app, &mock, 3, "at-2").await;
     let forms = mock.forms.lock().unwrap().clone();
     let presented: Vec<&str> = forms.iter().map(|f| f["refresh_token"].as_str()).collect();
     assert_eq!(presented[..2], ["rtok-0", "rtok-1"]);
@@ -519,20 +518,15 @@ async fn no_refresh_token_or_client_secret_in_any_answer_or_trail_row() {
     seen.push(app.credential("k").await.to_string());
     seen.push(app.admin_get("/api/admin/keys").await.to_string());
     seen.push(app.metrics().await);
-    let trail: Vec<String> = app
-        .scalars(
-            "SELECT row_to_json(e)::text FROM credential_events e
+    // the trail, then the rows themselves
+    for rows in [
+        "SELECT row_to_json(e)::text FROM credential_events e
          UNION ALL SELECT row_to_json(l)::text FROM lease_events l",
-        )
-        .await;
-    seen.extend(trail);
-    let rows: Vec<String> = app
-        .scalars(
-            "SELECT row_to_json(c)::text FROM credentials c
+        "SELECT row_to_json(c)::text FROM credentials c
          UNION ALL SELECT row_to_json(o)::text FROM oauth_credentials o",
-        )
-        .await;
-    seen.extend(rows);
+    ] {
+        seen.extend(app.scalars::<String>(rows).await);
+    }
     assert!(seen[1].contains("\"access_token\":\"at-"), "{}", seen[1]);
     for text in &seen {
         assert!(!text.contains("rtok-"), "a refresh token leaked: {text}");
@@ -597,7 +591,7 @@ async fn a_token_url_that_is_neither_https_nor_loopback_http_is_refused() {
             .await;
     }
     let missing = app
-        .admin_unnamed(reqwest::Method::GET, "/api/admin/keys/k", None)
+        .admin_unnamed(Method::GET, "/api/admin/keys/k", None)
         .await;
     assert_eq!(missing.status(), StatusCode::NOT_FOUND);
     // an OAuth secret without its refresh token is a 400 too
@@ -724,11 +718,7 @@ async fn the_pools_summary_metrics_and_dashboard_say_when_the_earliest_token_exp
 
     // the dashboard's credentials table: the token's expiry and generation
     let fragment = app
-        .admin_unnamed(
-            reqwest::Method::GET,
-            "/dashboard/fragments/credentials",
-            None,
-        )
+        .admin_unnamed(Method::GET, "/dashboard/fragments/credentials", None)
         .await
         .text()
         .await

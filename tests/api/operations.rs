@@ -310,11 +310,11 @@ async fn a_request_stuck_on_the_database_is_answered_503_within_the_request_time
     app.put_gpt4o_key("key-a", "default", 1).await;
     let lease: Value = app.lease(gpt4o_for(60)).await;
     // another session holds the lease's slot row: the renewal waits for it
-    let mut tx = app.db.begin().await.unwrap();
-    sqlx::query("SELECT 1 FROM lease_slots WHERE key_id = 'key-a' FOR UPDATE")
-        .execute(&mut *tx)
-        .await
-        .unwrap();
+    let tx = holding(
+        &app,
+        &["SELECT 1 FROM lease_slots WHERE key_id = 'key-a' FOR UPDATE"],
+    )
+    .await;
     let renew = lease_ref(&lease);
     app.renew(renew.clone())
         .refused(StatusCode::SERVICE_UNAVAILABLE, "store_unavailable")

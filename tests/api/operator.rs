@@ -7,7 +7,7 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Duration;
 
-use reqwest::StatusCode;
+use reqwest::{Method, StatusCode};
 use serde_json::{Value, json};
 
 use credpool_test_support::*;
@@ -21,9 +21,7 @@ async fn get_and_list_show_configuration_health_and_leases_but_never_the_secret(
     let body = json!({"provider": "openai", "model": "gpt-4o", "lease_seconds": 600, "holder": "worker-9"});
     let held = app.lease(body).await;
 
-    let response = app
-        .admin(reqwest::Method::GET, "/api/admin/keys/key-a", None)
-        .await;
+    let response = app.admin(Method::GET, "/api/admin/keys/key-a", None).await;
     let text = response.text().await.unwrap();
     assert!(!text.contains("sk-test"), "{text}");
     let detail: Value = serde_json::from_str(&text).unwrap();
@@ -35,11 +33,7 @@ async fn get_and_list_show_configuration_health_and_leases_but_never_the_secret(
     assert!(detail.get("secret").is_none());
 
     let page = app
-        .admin(
-            reqwest::Method::GET,
-            "/api/admin/keys?provider=openai",
-            None,
-        )
+        .admin(Method::GET, "/api/admin/keys?provider=openai", None)
         .ok_json()
         .await;
     let ids: Vec<&str> = page["keys"]
@@ -50,18 +44,14 @@ async fn get_and_list_show_configuration_health_and_leases_but_never_the_secret(
         .collect();
     assert_eq!(ids, ["key-a", "key-b"]);
     let page = app
-        .admin(
-            reqwest::Method::GET,
-            "/api/admin/keys?pool=default&limit=1",
-            None,
-        )
+        .admin(Method::GET, "/api/admin/keys?pool=default&limit=1", None)
         .ok_json()
         .await;
     assert_eq!(page["keys"][0]["key_id"], "key-a");
     assert_eq!(page["next_after"], "key-a");
     let next = app
         .admin(
-            reqwest::Method::GET,
+            Method::GET,
             "/api/admin/keys?pool=default&limit=1&after=key-a",
             None,
         )
@@ -69,13 +59,9 @@ async fn get_and_list_show_configuration_health_and_leases_but_never_the_secret(
         .await;
     assert_eq!(next["keys"][0]["key_id"], "key-c");
     assert_eq!(
-        app.admin(
-            reqwest::Method::GET,
-            "/api/admin/keys?limit=1&after=key-c",
-            None
-        )
-        .ok_json()
-        .await["keys"],
+        app.admin(Method::GET, "/api/admin/keys?limit=1&after=key-c", None)
+            .ok_json()
+            .await["keys"],
         json!([])
     );
 
@@ -84,11 +70,11 @@ async fn get_and_list_show_configuration_health_and_leases_but_never_the_secret(
         "/api/admin/keys?status=sleepy",
         "/api/admin/keys?color=red",
     ] {
-        app.admin(reqwest::Method::GET, bad, None)
+        app.admin(Method::GET, bad, None)
             .refused(StatusCode::BAD_REQUEST, "invalid_request")
             .await;
     }
-    app.admin(reqwest::Method::GET, "/api/admin/keys/nope", None)
+    app.admin(Method::GET, "/api/admin/keys/nope", None)
         .refused(StatusCode::NOT_FOUND, "credential_not_found")
         .await;
 }
@@ -253,7 +239,7 @@ async fn deleting_a_leased_credential_ends_its_leases_in_the_trail_and_late_rele
     );
 
     let deleted = app
-        .admin(reqwest::Method::DELETE, "/api/admin/keys/key-a", None)
+        .admin(Method::DELETE, "/api/admin/keys/key-a", None)
         .ok_json()
         .await;
     assert_eq!(deleted["deleted"], true);
@@ -264,7 +250,7 @@ async fn deleting_a_leased_credential_ends_its_leases_in_the_trail_and_late_rele
     app.renew(lease_ref(&second))
         .refused(StatusCode::GONE, "lease_lost")
         .await;
-    app.admin(reqwest::Method::GET, "/api/admin/keys/key-a", None)
+    app.admin(Method::GET, "/api/admin/keys/key-a", None)
         .refused(StatusCode::NOT_FOUND, "credential_not_found")
         .await;
     app.allocate(gpt4o_for(600))
@@ -282,7 +268,7 @@ async fn deleting_a_leased_credential_ends_its_leases_in_the_trail_and_late_rele
         .scalar("SELECT reason FROM lease_events WHERE event = 'force_released' LIMIT 1")
         .await;
     assert_eq!(reason, "credential deleted");
-    app.admin(reqwest::Method::DELETE, "/api/admin/keys/key-a", None)
+    app.admin(Method::DELETE, "/api/admin/keys/key-a", None)
         .refused(StatusCode::NOT_FOUND, "credential_not_found")
         .await;
 }
@@ -302,11 +288,7 @@ async fn forced_release_frees_leases_with_the_operators_reason_and_executors_lea
         one["lease_id"].as_str().unwrap()
     );
     let answer = app
-        .admin(
-            reqwest::Method::POST,
-            &path,
-            Some(json!({"reason": "stuck worker"})),
-        )
+        .admin(Method::POST, &path, Some(json!({"reason": "stuck worker"})))
         .ok_json()
         .await;
     assert_eq!(answer, json!({"released": true}));
@@ -315,11 +297,7 @@ async fn forced_release_frees_leases_with_the_operators_reason_and_executors_lea
         .await;
     assert_eq!(app.in_flight("key-a").await, 2);
     let again = app
-        .admin(
-            reqwest::Method::POST,
-            &path,
-            Some(json!({"reason": "again"})),
-        )
+        .admin(Method::POST, &path, Some(json!({"reason": "again"})))
         .ok_json()
         .await;
     assert_eq!(again, json!({"released": false, "reason": "not_found"}));
@@ -327,7 +305,7 @@ async fn forced_release_frees_leases_with_the_operators_reason_and_executors_lea
     // all of a credential's
     let all = app
         .admin(
-            reqwest::Method::POST,
+            Method::POST,
             "/api/admin/keys/key-a/release-all",
             Some(json!({"reason": "key rotated"})),
         )
@@ -365,21 +343,21 @@ async fn forced_release_frees_leases_with_the_operators_reason_and_executors_lea
     // a missing lease id never means "all"; a reason is required
     let missing = app
         .admin(
-            reqwest::Method::POST,
+            Method::POST,
             "/api/admin/leases//release",
             Some(json!({"reason": "x"})),
         )
         .await;
     assert!(missing.status().is_client_error(), "{}", missing.status());
     app.admin(
-        reqwest::Method::POST,
+        Method::POST,
         "/api/admin/leases/not-hex/release",
         Some(json!({"reason": "x"})),
     )
     .refused(StatusCode::BAD_REQUEST, "invalid_request")
     .await;
     app.admin(
-        reqwest::Method::POST,
+        Method::POST,
         "/api/admin/keys/key-a/release-all",
         Some(json!({})),
     )
@@ -419,12 +397,12 @@ async fn pools_summarise_credentials_slots_and_leases() {
 async fn operator_routes_refuse_the_executor_key_with_403_and_no_key_with_401() {
     let app = TestApp::with_credential("key-a", 1).await;
     for (method, path) in [
-        (reqwest::Method::GET, "/api/admin/keys"),
-        (reqwest::Method::GET, "/api/admin/keys/key-a"),
-        (reqwest::Method::PATCH, "/api/admin/keys/key-a"),
-        (reqwest::Method::DELETE, "/api/admin/keys/key-a"),
-        (reqwest::Method::POST, "/api/admin/keys/key-a/release-all"),
-        (reqwest::Method::GET, "/api/admin/pools"),
+        (Method::GET, "/api/admin/keys"),
+        (Method::GET, "/api/admin/keys/key-a"),
+        (Method::PATCH, "/api/admin/keys/key-a"),
+        (Method::DELETE, "/api/admin/keys/key-a"),
+        (Method::POST, "/api/admin/keys/key-a/release-all"),
+        (Method::GET, "/api/admin/pools"),
     ] {
         let executor = app
             .client

@@ -6,7 +6,7 @@ use std::process::Stdio;
 use std::sync::Arc;
 use std::time::Duration;
 
-use reqwest::StatusCode;
+use reqwest::{Method, StatusCode};
 use serde_json::{Value, json};
 use tokio::process::Command;
 use tokio::sync::Barrier;
@@ -103,26 +103,13 @@ async fn serve_without_database_url_runs_on_the_embedded_default_and_stops_it_on
     let admin = key_from(&first.banner, "CREDPOOL_ADMIN_KEY");
     assert_ne!(internal, admin);
     // `credpool env` prints them again, for a shell to eval
-    let exported = Command::new("sh")
-        .args([
-            "-c",
-            r#"eval "$("$0" env --data-dir "$1")" && echo "$CREDPOOL_INTERNAL_KEY $CREDPOOL_ADMIN_KEY""#,
-            BIN,
-            data_dir,
-        ])
-        .env_remove("CREDPOOL_DATA_DIR")
-        .output()
-        .await
-        .unwrap();
-    assert!(
-        exported.status.success(),
-        "{}",
-        String::from_utf8_lossy(&exported.stderr)
-    );
-    assert_eq!(
-        String::from_utf8_lossy(&exported.stdout).trim(),
-        format!("{internal} {admin}")
-    );
+    let eval = r#"eval "$("$0" env --data-dir "$1")" && echo "$CREDPOOL_INTERNAL_KEY $CREDPOOL_ADMIN_KEY""#;
+    let mut sh = Command::new("sh");
+    sh.args(["-c", eval, BIN, data_dir])
+        .env_remove("CREDPOOL_DATA_DIR");
+    let exported = run(&mut sh).await;
+    assert!(exported.success, "{}", exported.stderr);
+    assert_eq!(exported.stdout.trim(), format!("{internal} {admin}"));
     // the generated API keys and master key are readable by their owner only
     for file in ["service-keys.json", "master.key"] {
         let mode = std::os::unix::fs::PermissionsExt::mode(
@@ -589,7 +576,7 @@ async fn no_secret_reaches_a_log_line_a_metric_or_a_database_row_even_at_trace_l
         )
         .await;
     }
-    let admin = |method: reqwest::Method, path: &str, body: Option<Value>| {
+    let admin = |method: Method, path: &str, body: Option<Value>| {
         let mut request = client
             .request(method, url(path))
             .header("x-admin-key", &admin_key);
@@ -604,7 +591,7 @@ async fn no_secret_reaches_a_log_line_a_metric_or_a_database_row_even_at_trace_l
         "/api/admin/keys/leak-oauth",
         "/api/admin/pools",
     ] {
-        let text = admin(reqwest::Method::GET, path, None)
+        let text = admin(Method::GET, path, None)
             .await
             .unwrap()
             .text()
@@ -619,20 +606,20 @@ async fn no_secret_reaches_a_log_line_a_metric_or_a_database_row_even_at_trace_l
         );
     }
     admin(
-        reqwest::Method::PATCH,
+        Method::PATCH,
         "/api/admin/keys/leak-1",
         Some(json!({"state": "drain"})),
     )
     .await
     .unwrap();
     admin(
-        reqwest::Method::POST,
+        Method::POST,
         "/api/admin/keys/leak-2/release-all",
         Some(json!({"reason": "test"})),
     )
     .await
     .unwrap();
-    admin(reqwest::Method::DELETE, "/api/admin/keys/leak-1", None)
+    admin(Method::DELETE, "/api/admin/keys/leak-1", None)
         .await
         .unwrap();
     // a wrong key is refused without being echoed
@@ -658,14 +645,14 @@ async fn no_secret_reaches_a_log_line_a_metric_or_a_database_row_even_at_trace_l
         .unwrap();
     assert!(put.status().is_success());
     let tenant = admin(
-        reqwest::Method::PUT,
+        Method::PUT,
         "/api/admin/tenants/leaky",
         Some(json!({"max_concurrent_leases": 2, "pools": ["*/*"]})),
     )
     .await
     .unwrap();
     assert!(tenant.status().is_success());
-    let minted = admin(reqwest::Method::POST, "/api/admin/tenants/leaky/keys", None)
+    let minted = admin(Method::POST, "/api/admin/tenants/leaky/keys", None)
         .await
         .unwrap();
     let minted: Value = minted.json().await.unwrap();
@@ -698,7 +685,7 @@ async fn no_secret_reaches_a_log_line_a_metric_or_a_database_row_even_at_trace_l
         StatusCode::OK,
     )
     .await;
-    let listed = admin(reqwest::Method::GET, "/api/admin/tenants", None)
+    let listed = admin(Method::GET, "/api/admin/tenants", None)
         .await
         .unwrap()
         .text()
@@ -709,7 +696,7 @@ async fn no_secret_reaches_a_log_line_a_metric_or_a_database_row_even_at_trace_l
         "the tenant list returned a key"
     );
     admin(
-        reqwest::Method::DELETE,
+        Method::DELETE,
         &format!(
             "/api/admin/tenants/leaky/keys/{}",
             minted["key_id"].as_str().unwrap()

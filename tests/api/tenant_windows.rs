@@ -6,14 +6,16 @@
 use std::time::Duration;
 
 use credpool::store;
-use reqwest::StatusCode;
+use reqwest::{Method, StatusCode};
 use serde_json::{Value, json};
 use sqlx::Executor;
 
 use credpool_test_support::*;
 
 use crate::BIN;
-use crate::common::{claim_answer, pause_claim, race_tenant, two_replicas};
+use crate::common::{
+    claim_answer, claim_refused_after_a_grant, pause_claim, race_tenant, two_replicas,
+};
 
 /// An allocate body of gpt-4o from openai's `default` pool for 600 seconds, reserving `tokens`.
 fn reserving(tokens: u64) -> Value {
@@ -103,8 +105,7 @@ async fn a_tenant_token_window_holds_over_every_replica_and_the_trail_proves_it(
         assert_eq!(refused.len(), 16);
         assert_eq!(tokens_charged(&pool, &tenant).await, 1000, "round {round}");
     }
-    let (ok, report) = audit_verify(BIN, &database).await;
-    assert!(ok, "{report}");
+    audit_passes(BIN, &database).await;
 }
 
 #[tokio::test]
@@ -165,19 +166,18 @@ async fn a_claim_paused_before_the_tenant_window_lock_never_grants_into_a_window
     .await;
     let (_, key) = app.mint_key("team").await;
 
-    let (hook, claiming) = pause_claim(&app, &key, "claim.before_tenant_window_lock").await;
-    let granted = app.lease_as(&key, "b").await;
-    assert_eq!(granted["key_id"], "kb");
-    hook.open().await;
-    let (key_id, request) = claim_answer(claiming).await;
-    assert_eq!(key_id, None, "a second request in a window of one");
-    assert_eq!(request.as_deref(), Some("tenant_limit"));
+    claim_refused_after_a_grant(
+        &app,
+        &key,
+        "claim.before_tenant_window_lock",
+        "a second request in a window of one",
+    )
+    .await;
     let grants: i64 = app
         .scalar("SELECT count(*) FROM lease_events WHERE event = 'granted' AND tenant = 'team'")
         .await;
     assert_eq!(grants, 1);
-    let (ok, report) = audit_verify(BIN, &app.database).await;
-    assert!(ok, "{report}");
+    audit_passes(BIN, &app.database).await;
 }
 
 /// Tenant `team` (no cap, no windows) with a claim of its paused in PICK, after its snapshot
@@ -197,14 +197,10 @@ async fn change_while_a_claim_is_in_flight(
     let mut putting = {
         let app = app.remote();
         tokio::spawn(async move {
-            app.admin(
-                reqwest::Method::PUT,
-                "/api/admin/tenants/team",
-                Some(change),
-            )
-            .await
-            .status()
-            .as_u16()
+            app.admin(Method::PUT, "/api/admin/tenants/team", Some(change))
+                .await
+                .status()
+                .as_u16()
         })
     };
     // the PUT waits for the tenant's lock, which the claim holds (shared) until it commits: a
@@ -221,8 +217,7 @@ async fn change_while_a_claim_is_in_flight(
         .expect("the PUT answered")
         .unwrap();
     let after = app.allocate_as(&key, gpt4o_in_for("b", 600)).await;
-    let (ok, report) = audit_verify(BIN, &app.database).await;
-    assert!(ok, "{report}");
+    audit_passes(BIN, &app.database).await;
     (key_id, put, after)
 }
 
@@ -356,8 +351,20 @@ async fn a_late_report_of_usage_replaces_the_reservation_in_the_tenant_window() 
     report["usage"] = json!({"tokens": 100});
     app.release_as(&key, report).ok_json().await;
     app.allocate_as(&key, reserving(800)).ok_json().await;
-    let (ok, report) = audit_verify(BIN, &app.database).await;
-    assert!(ok, "{report}");
+    audit_passes(BIN, &app.database).await;
+}
+
+/// An allocate of gpt-4o (600 s) with `key`'s tenant is refused 429, its message naming `cause`.
+async fn refused_naming(app: &TestApp, key: &str, cause: &str) {
+    let body = json_body(
+        app.allocate_as(key, gpt4o_in_for("default", 600)).await,
+        StatusCode::TOO_MANY_REQUESTS,
+    )
+    .await;
+    assert!(
+        body["error"]["message"].as_str().unwrap().contains(cause),
+        "{body}"
+    );
 }
 
 #[tokio::test]
@@ -376,18 +383,7 @@ async fn windows_and_a_cap_removed_and_set_again_start_from_the_trail_and_the_le
     app.lease_as(&key, "default").await;
     app.put_tenant("team", limits).await;
     // 3 leases in flight: at the cap of 3
-    let body = json_body(
-        app.allocate_as(&key, gpt4o_in_for("default", 600)).await,
-        StatusCode::TOO_MANY_REQUESTS,
-    )
-    .await;
-    assert!(
-        body["error"]["message"]
-            .as_str()
-            .unwrap()
-            .contains("max_concurrent_leases"),
-        "{body}"
-    );
+    refused_naming(&app, &key, "max_concurrent_leases").await;
     app.put_tenant(
         "team",
         json!({"max_concurrent_leases": 10, "rate_limits": [{"requests": 4, "seconds": 600}]}),
@@ -395,20 +391,8 @@ async fn windows_and_a_cap_removed_and_set_again_start_from_the_trail_and_the_le
     .await;
     // 3 grants in the window of 4: one more, then the window holds
     app.lease_as(&key, "default").await;
-    let body = json_body(
-        app.allocate_as(&key, gpt4o_in_for("default", 600)).await,
-        StatusCode::TOO_MANY_REQUESTS,
-    )
-    .await;
-    assert!(
-        body["error"]["message"]
-            .as_str()
-            .unwrap()
-            .contains("window"),
-        "{body}"
-    );
-    let (ok, report) = audit_verify(BIN, &app.database).await;
-    assert!(ok, "{report}");
+    refused_naming(&app, &key, "window").await;
+    audit_passes(BIN, &app.database).await;
 }
 
 #[tokio::test]
@@ -430,7 +414,7 @@ async fn a_window_set_on_a_busy_tenant_never_holds_its_claims_back_while_it_read
         let app = app.remote();
         tokio::spawn(async move {
             app.admin(
-                reqwest::Method::PUT,
+                Method::PUT,
                 "/api/admin/tenants/team",
                 Some(json!({
                     "pools": ["*/*"],
@@ -465,6 +449,5 @@ async fn a_window_set_on_a_busy_tenant_never_holds_its_claims_back_while_it_read
         granted, 1,
         "the window of 8 did not count the 7 grants before it"
     );
-    let (ok, report) = audit_verify(BIN, &app.database).await;
-    assert!(ok, "{report}");
+    audit_passes(BIN, &app.database).await;
 }

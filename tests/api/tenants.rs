@@ -4,13 +4,13 @@
 
 use std::time::Duration;
 
-use reqwest::StatusCode;
+use reqwest::{Method, StatusCode};
 use serde_json::{Value, json};
 
 use credpool_test_support::*;
 
 use crate::BIN;
-use crate::common::{claim_answer, pause_claim, race_tenant, two_replicas};
+use crate::common::{claim_refused_after_a_grant, race_tenant, two_replicas};
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn a_tenant_at_its_cap_gets_tenant_limit_on_every_replica_while_another_tenant_is_served() {
@@ -112,8 +112,7 @@ async fn a_tenant_at_its_cap_gets_tenant_limit_on_every_replica_while_another_te
         .refused(StatusCode::TOO_MANY_REQUESTS, "tenant_limit")
         .await;
 
-    let (ok, report) = audit_verify(BIN, &database).await;
-    assert!(ok, "{report}");
+    let report = audit_passes(BIN, &database).await;
     assert!(
         report.contains("no grant ever exceeded a tenant's cap"),
         "{report}"
@@ -132,7 +131,7 @@ async fn a_revoked_key_is_refused_on_every_replica_as_soon_as_the_delete_answere
     );
     let response = a
         .admin(
-            reqwest::Method::PUT,
+            Method::PUT,
             "/api/admin/keys/k",
             Some(
                 json!({"provider": "openai", "models": ["gpt-4o"], "max_concurrent_uses": 8,
@@ -156,7 +155,7 @@ async fn a_revoked_key_is_refused_on_every_replica_as_soon_as_the_delete_answere
 
     let revoked = a
         .admin(
-            reqwest::Method::DELETE,
+            Method::DELETE,
             &format!("/api/admin/tenants/team/keys/{key_id}"),
             None,
         )
@@ -194,7 +193,7 @@ async fn a_revoked_key_is_refused_on_every_replica_as_soon_as_the_delete_answere
     // the tenant's other key still works; revoking twice is a 404
     b.lease_as(&other_key, "default").await;
     b.admin(
-        reqwest::Method::DELETE,
+        Method::DELETE,
         &format!("/api/admin/tenants/team/keys/{key_id}"),
         None,
     )
@@ -297,7 +296,7 @@ async fn a_tenant_key_is_shown_once_and_never_again() {
 
     // the list names the key by its id, never the key
     let listed = app
-        .admin(reqwest::Method::GET, "/api/admin/tenants", None)
+        .admin(Method::GET, "/api/admin/tenants", None)
         .await
         .text()
         .await
@@ -340,19 +339,18 @@ async fn a_key_minted_while_its_tenant_is_deleted_is_a_404_and_leaves_no_key() {
     // (found by the schema fuzzer).
     let app = TestApp::spawn().await;
     app.put_tenant("team", json!({})).await;
-    let mut deleting = app.db.begin().await.unwrap();
-    sqlx::query("SELECT pg_advisory_xact_lock(hashtextextended('credpool.tenant:team', 0))")
-        .execute(&mut *deleting)
-        .await
-        .unwrap();
-    sqlx::query("DELETE FROM tenants WHERE tenant_id = 'team'")
-        .execute(&mut *deleting)
-        .await
-        .unwrap();
+    let deleting = holding(
+        &app,
+        &[
+            "SELECT pg_advisory_xact_lock(hashtextextended('credpool.tenant:team', 0))",
+            "DELETE FROM tenants WHERE tenant_id = 'team'",
+        ],
+    )
+    .await;
     let minting = {
         let app = app.remote();
         tokio::spawn(async move {
-            app.admin(reqwest::Method::POST, "/api/admin/tenants/team/keys", None)
+            app.admin(Method::POST, "/api/admin/tenants/team/keys", None)
                 .await
         })
     };
@@ -400,20 +398,20 @@ async fn bad_tenant_input_gets_a_stable_4xx_and_changes_nothing() {
     ] {
         let response = app
             .admin(
-                reqwest::Method::PUT,
+                Method::PUT,
                 &format!("/api/admin/tenants/{id}"),
                 Some(body.clone()),
             )
             .await;
         assert_error(response, StatusCode::BAD_REQUEST, "invalid_request").await;
     }
-    app.admin(reqwest::Method::DELETE, "/api/admin/tenants/default", None)
+    app.admin(Method::DELETE, "/api/admin/tenants/default", None)
         .refused(StatusCode::CONFLICT, "tenant_in_use")
         .await;
-    app.admin(reqwest::Method::DELETE, "/api/admin/tenants/nobody", None)
+    app.admin(Method::DELETE, "/api/admin/tenants/nobody", None)
         .refused(StatusCode::NOT_FOUND, "tenant_not_found")
         .await;
-    let (post, delete) = (reqwest::Method::POST, reqwest::Method::DELETE);
+    let (post, delete) = (Method::POST, Method::DELETE);
     app.admin(post, "/api/admin/tenants/nobody/keys", None)
         .refused(StatusCode::NOT_FOUND, "tenant_not_found")
         .await;
@@ -479,8 +477,7 @@ async fn a_lowered_cap_grants_nothing_until_the_tenant_is_back_under_it() {
         .await;
     // the internal key's tenant has no cap: unaffected throughout
     app.lease(gpt4o()).await;
-    let (ok, report) = audit_verify(BIN, &app.database).await;
-    assert!(ok, "{report}");
+    audit_passes(BIN, &app.database).await;
 }
 
 #[tokio::test]
@@ -495,20 +492,18 @@ async fn a_claim_paused_before_the_tenant_lock_never_takes_a_row_another_claim_f
     app.put_gpt4o_key("kb", "b", 4).await;
     let key = app.capped_tenant("team", 1).await;
 
-    let (hook, claiming) = pause_claim(&app, &key, "claim.before_tenant_lock").await;
-    // the paused claim holds no tenant row yet: the service's grant commits meanwhile
-    let granted = app.lease_as(&key, "b").await;
-    assert_eq!(granted["key_id"], "kb");
-    hook.open().await;
-    let (key_id, request) = claim_answer(claiming).await;
-    assert_eq!(key_id, None, "a second lease for a tenant capped at one");
-    assert_eq!(request.as_deref(), Some("tenant_limit"));
+    claim_refused_after_a_grant(
+        &app,
+        &key,
+        "claim.before_tenant_lock",
+        "a second lease for a tenant capped at one",
+    )
+    .await;
     let held: i64 = app
         .scalar("SELECT count(*) FROM lease_slots WHERE tenant = 'team' AND lease_until > now()")
         .await;
     assert_eq!(held, 1);
-    let (ok, report) = audit_verify(BIN, &app.database).await;
-    assert!(ok, "{report}");
+    audit_passes(BIN, &app.database).await;
 }
 
 #[tokio::test]
@@ -574,8 +569,7 @@ async fn a_renewal_keeps_the_tenant_slot_and_an_expiry_frees_it_without_cleanup(
         .await;
     tokio::time::sleep(Duration::from_millis(1500)).await;
     short(1).ok_json().await;
-    let (ok, report) = audit_verify(BIN, &app.database).await;
-    assert!(ok, "{report}");
+    audit_passes(BIN, &app.database).await;
 }
 
 #[tokio::test]
@@ -897,7 +891,7 @@ async fn a_new_tenant_leases_nowhere_until_an_operator_names_its_pools() {
     // created without pools (the raw PUT, not the helper, which names every pool)
     let created = json_body(
         app.admin(
-            reqwest::Method::PUT,
+            Method::PUT,
             "/api/admin/tenants/newcomer",
             Some(json!({"max_concurrent_leases": 2})),
         )
@@ -917,11 +911,7 @@ async fn a_new_tenant_leases_nowhere_until_an_operator_names_its_pools() {
         json!({"reports_may_disable": false}),
     ] {
         let response = app
-            .admin(
-                reqwest::Method::PUT,
-                "/api/admin/tenants/default",
-                Some(body),
-            )
+            .admin(Method::PUT, "/api/admin/tenants/default", Some(body))
             .await;
         assert_error(response, StatusCode::BAD_REQUEST, "invalid_request").await;
     }
@@ -1073,13 +1063,8 @@ async fn an_unauthenticated_request_is_refused_before_its_body_is_read_or_a_clai
             assert_error(response, StatusCode::UNAUTHORIZED, "unauthorized").await;
         }
     }
-    let mut lock = app.db.begin().await.unwrap();
-    sqlx::query(
-        "LOCK TABLE credentials, lease_slots, lease_requests, pool_versions IN ACCESS EXCLUSIVE MODE",
-    )
-    .execute(&mut *lock)
-    .await
-    .unwrap();
+    let every_table_a_claim_reads = "LOCK TABLE credentials, lease_slots, lease_requests, pool_versions IN ACCESS EXCLUSIVE MODE";
+    let lock = holding(&app, &[every_table_a_claim_reads]).await;
     let response =
         tokio::time::timeout(Duration::from_secs(30), app.allocate_as(&unknown, gpt4o()))
             .await
@@ -1123,12 +1108,8 @@ async fn an_upgrade_keeps_existing_tenants_leasing_everywhere_and_new_ones_start
     let default = app.tenant_line("default").await;
     assert_eq!(default["reports_may_disable"], true, "{default}");
     let created = json_body(
-        app.admin(
-            reqwest::Method::PUT,
-            "/api/admin/tenants/new-team",
-            Some(json!({})),
-        )
-        .await,
+        app.admin(Method::PUT, "/api/admin/tenants/new-team", Some(json!({})))
+            .await,
         StatusCode::CREATED,
     )
     .await;
@@ -1269,8 +1250,7 @@ async fn a_lowered_cap_reopens_when_the_leases_over_it_end_without_maintenance()
         .filter(|a| a.status() == StatusCode::OK)
         .count();
     assert_eq!(granted, 1, "not exactly the new cap once the leases ended");
-    let (ok, report) = audit_verify(BIN, &app.database).await;
-    assert!(ok, "{report}");
+    audit_passes(BIN, &app.database).await;
 }
 
 #[tokio::test]

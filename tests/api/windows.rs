@@ -10,7 +10,7 @@ use std::time::{Duration, Instant};
 
 use credpool::allocator::windows::{RING, RateLimit, WindowKind, WindowState};
 use rand::{Rng, RngExt, SeedableRng};
-use reqwest::StatusCode;
+use reqwest::{Method, StatusCode};
 use serde_json::{Value, json};
 
 use credpool_test_support::*;
@@ -136,8 +136,7 @@ async fn a_requests_window_gives_exactly_its_count_of_64_racers_every_round_then
     let (grants, over) = window_proof(&app).await;
     assert!(grants >= 20 * race_rounds().min(8) as i64, "{grants}");
     assert_eq!(over, 0, "grants over a window in the trail");
-    let (ok, report) = audit_verify(BIN, &app.database).await;
-    assert!(ok, "{report}");
+    audit_passes(BIN, &app.database).await;
 }
 
 #[tokio::test]
@@ -280,7 +279,7 @@ async fn rate_limits_are_set_shown_changed_and_validated_over_http() {
         .lease(json!({"provider": "openai", "model": "gpt-4o", "tokens": 1200}))
         .await;
     let detail = app
-        .admin_unnamed(reqwest::Method::GET, "/api/admin/keys/tier-1", None)
+        .admin_unnamed(Method::GET, "/api/admin/keys/tier-1", None)
         .ok_json()
         .await;
     assert_eq!(
@@ -366,7 +365,7 @@ async fn grants_made_before_a_credential_had_windows_are_not_judged_by_the_windo
     release_all(&app, &leases).await;
     let changed = app
         .admin_unnamed(
-            reqwest::Method::PATCH,
+            Method::PATCH,
             "/api/admin/keys/legacy",
             Some(json!({"rate_limits": [{"requests": 2, "seconds": 60}]})),
         )
@@ -385,8 +384,7 @@ async fn grants_made_before_a_credential_had_windows_are_not_judged_by_the_windo
         over, 0,
         "grants made while the credential had no window were judged by the window set later"
     );
-    let (ok, report) = audit_verify(BIN, &app.database).await;
-    assert!(ok, "{report}");
+    audit_passes(BIN, &app.database).await;
 
     // a grant into the full window, written straight into the trail as a bug in the claim would
     // have: the proof still reports it
@@ -395,12 +393,12 @@ async fn grants_made_before_a_credential_had_windows_are_not_judged_by_the_windo
                  clock_timestamp() + interval '60 seconds', clock_timestamp(), 0)").await;
     let (_, over) = window_proof(&app).await;
     assert_eq!(over, 1, "a grant over the window went unreported");
-    let (ok, report) = audit_verify(BIN, &app.database).await;
-    assert!(!ok, "{report}");
-    assert!(
-        report.contains("legacy") && report.contains("1 grants exceeded a window"),
-        "{report}"
-    );
+    audit_fails(
+        BIN,
+        &app.database,
+        &["legacy", "1 grants exceeded a window"],
+    )
+    .await;
 }
 
 #[tokio::test]
@@ -423,9 +421,9 @@ async fn a_window_lowered_while_a_claim_commits_judges_that_grant_by_the_window_
     }
     // a transaction holds slot 0 (a release in progress, say): the change queues behind it,
     // after its own transaction has begun
-    let holder = hold_row(
+    let holder = holding(
         &app,
-        "SELECT 1 FROM lease_slots WHERE key_id = 'lowered' AND slot = 0 FOR UPDATE",
+        &["SELECT 1 FROM lease_slots WHERE key_id = 'lowered' AND slot = 0 FOR UPDATE"],
     )
     .await;
     let change = tokio::spawn(
@@ -450,8 +448,7 @@ async fn a_window_lowered_while_a_claim_commits_judges_that_grant_by_the_window_
         over, 0,
         "a grant admitted before the change took effect was judged by the lowered window"
     );
-    let (ok, report) = audit_verify(BIN, &app.database).await;
-    assert!(ok, "{report}");
+    audit_passes(BIN, &app.database).await;
 }
 
 #[tokio::test]
@@ -470,9 +467,9 @@ async fn a_window_row_held_longer_than_a_few_claims_take_is_waited_for_not_answe
     )
     .await;
     grant(&app).await;
-    let holder = hold_row(
+    let holder = holding(
         &app,
-        "SELECT 1 FROM lease_windows WHERE key_id = 'held' FOR UPDATE",
+        &["SELECT 1 FROM lease_windows WHERE key_id = 'held' FOR UPDATE"],
     )
     .await;
     let allocate = tokio::spawn(
@@ -520,8 +517,7 @@ async fn usage_reported_above_the_estimate_counts_against_every_grant_after_the_
         .await;
     let (grants, over) = window_proof(&app).await;
     assert_eq!((grants, over), (3, 0));
-    let (ok, report) = audit_verify(BIN, &app.database).await;
-    assert!(ok, "{report}");
+    audit_passes(BIN, &app.database).await;
 
     // the grant a claim that dropped the usage above the estimate would have made, written
     // straight into the trail: 90 used + 50 reserved in a window of 100
@@ -533,12 +529,12 @@ async fn usage_reported_above_the_estimate_counts_against_every_grant_after_the_
         over, 1,
         "a grant over the usage reported before it went unreported"
     );
-    let (ok, report) = audit_verify(BIN, &app.database).await;
-    assert!(!ok, "{report}");
-    assert!(
-        report.contains("reported-first") && report.contains("1 grants exceeded a window"),
-        "{report}"
-    );
+    audit_fails(
+        BIN,
+        &app.database,
+        &["reported-first", "1 grants exceeded a window"],
+    )
+    .await;
 }
 
 fn random_state<R: Rng>(rng: &mut R, now_micros: i64) -> WindowState {

@@ -34,6 +34,7 @@ use time::{Duration, OffsetDateTime, PrimitiveDateTime, UtcOffset};
 use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
 use tokio::net::{TcpListener, TcpStream, UnixStream};
 
+use credpool_test_support::Service as _;
 use credpool_test_support::*;
 
 use crate::BIN;
@@ -89,32 +90,14 @@ async fn a_waiting_request_is_recorded_on_the_database_clock_whatever_the_host_c
     // wait were the service host's clock: 10 minutes behind, the row had expired before it was
     // written, and no other tenant ever yielded to it.
     let service = Service::start(Condition::HostClockBehind).await;
-    let put = service
-        .client
-        .put(format!("{}/api/admin/keys/{KEY_ID}", service.serve.base))
-        .header("x-admin-key", ADMIN_KEY)
-        .json(
-            &json!({"provider": PROVIDER, "models": [MODEL], "max_concurrent_uses": 1,
-                      "secret": {"api_key": "sk-clock"}}),
-        )
-        .send()
-        .await
-        .unwrap();
+    let put = service.put_credential().await;
     assert!(put.status().is_success(), "{}", put.status());
     service.allocate().ok_json().await;
     let before = db_clock(&service.db).await;
     let waiting = {
-        let (client, base) = (service.client.clone(), service.serve.base.clone());
-        tokio::spawn(async move {
-            post_json(
-                &client,
-                &format!("{base}/api/internal/allocate-key"),
-                ("x-internal-key", INTERNAL_KEY),
-                json!({"provider": PROVIDER, "model": MODEL, "wait_ms": 2_000}),
-            )
-            .await
-            .status()
-        })
+        let serve = service.serve.remote();
+        let body = json!({"provider": PROVIDER, "model": MODEL, "wait_ms": 2_000});
+        tokio::spawn(async move { serve.allocate(body).await.status() })
     };
     let row = loop {
         let row: Option<(OffsetDateTime, OffsetDateTime)> =
@@ -155,7 +138,6 @@ async fn same_as_baseline(condition: Condition) {
 /// One `credpool serve` under a condition, with its own database.
 struct Service {
     serve: ServeProcess,
-    client: reqwest::Client,
     /// The test's own connections (UTC sessions, straight to the server).
     db: PgPool,
     _proxy: Option<TimeZoneProxy>,
@@ -163,6 +145,13 @@ struct Service {
 }
 
 impl Service {
+    /// `PUT /api/admin/keys/{KEY_ID}`: the scenario's one credential, of limit 1.
+    async fn put_credential(&self) -> reqwest::Response {
+        let body = json!({"provider": PROVIDER, "models": [MODEL], "max_concurrent_uses": 1,
+                          "secret": {"api_key": "sk-clock"}});
+        self.serve.put_key_raw(KEY_ID, body).await
+    }
+
     async fn start(condition: Condition) -> Self {
         let database = TestDatabase::create().await;
         let db = database.pool(2).await;
@@ -216,76 +205,37 @@ impl Service {
         }
         Self {
             serve,
-            client: client(),
             db,
             _proxy: proxy,
             _database: database,
         }
     }
 
-    async fn post(&self, path: &str, key: (&str, &str), body: Value) -> reqwest::Response {
-        post_json(
-            &self.client,
-            &format!("{}{path}", self.serve.base),
-            key,
-            body,
-        )
-        .await
-    }
-
     async fn allocate(&self) -> reqwest::Response {
         let body = json!({"provider": PROVIDER, "model": MODEL, "lease_seconds": LEASE_SECONDS,
                           "holder": "clock-test"});
-        self.post(
-            "/api/internal/allocate-key",
-            ("x-internal-key", INTERNAL_KEY),
-            body,
-        )
-        .await
+        self.serve.allocate(body).await
     }
 
     async fn renew(&self, lease: &Value) -> reqwest::Response {
-        let body = json!({"provider": lease["provider"], "pool": lease["pool"],
-                          "key_id": lease["key_id"], "lease_id": lease["lease_id"],
-                          "lease_seconds": LEASE_SECONDS});
-        self.post(
-            "/api/internal/renew-lease",
-            ("x-internal-key", INTERNAL_KEY),
-            body,
-        )
-        .await
+        self.serve
+            .renew(renew_body(lease, LEASE_SECONDS as u64))
+            .await
     }
 
     async fn release(&self, body: Value) -> reqwest::Response {
-        self.post(
-            "/api/internal/release-key",
-            ("x-internal-key", INTERNAL_KEY),
-            body,
-        )
-        .await
+        self.serve.release(body).await
     }
 
     async fn credential(&self) -> Value {
-        let response = self
-            .client
-            .get(format!("{}/api/admin/keys/{KEY_ID}", self.serve.base))
-            .header("x-admin-key", ADMIN_KEY)
-            .send()
-            .await
-            .unwrap();
-        json_body(response, StatusCode::OK).await
+        self.serve.credential(KEY_ID).await
     }
 
     /// The service's wall clock minus the database clock, seconds, from the `Date` header of a
     /// response (whole seconds, so within -1..+1 of the truth).
     async fn wall_clock_skew(&self) -> f64 {
         let before = db_clock(&self.db).await;
-        let response = self
-            .client
-            .get(format!("{}/healthz", self.serve.base))
-            .send()
-            .await
-            .unwrap();
+        let response = self.serve.get("/healthz").await;
         let date = response.headers()["date"].to_str().unwrap().to_owned();
         let date = PrimitiveDateTime::parse(
             &date,
@@ -317,6 +267,27 @@ impl Window {
         let shift = Duration::seconds(seconds);
         self.before + shift <= at && at <= self.after + shift
     }
+}
+
+/// Asserts the trail of `lease`, granted then released: its grant written within `granted.0`,
+/// not before `granted.1`, with lease_until `granted.2`; its release written within `released`.
+/// Returns its events.
+async fn granted_then_released(
+    db: &PgPool,
+    condition: Condition,
+    lease: &Value,
+    granted: (Window, OffsetDateTime, OffsetDateTime),
+    released: Window,
+) -> Vec<String> {
+    let (window, not_before, lease_until) = granted;
+    let trail = lease_trail(db, lease).await;
+    let events: Vec<String> = trail.iter().map(|(event, _, _)| event.clone()).collect();
+    assert_eq!(events, ["granted", "released"], "{condition:?}: {trail:?}");
+    assert!(window.holds(trail[0].2), "{condition:?}: {trail:?}");
+    assert!(trail[0].2 >= not_before, "{condition:?}: {trail:?}");
+    assert_eq!(trail[0].1, lease_until, "{condition:?}: {trail:?}");
+    assert!(released.holds(trail[1].2), "{condition:?}: {trail:?}");
+    events
 }
 
 /// The database clock (`clock_timestamp()`, not the transaction's start).
@@ -429,17 +400,7 @@ async fn scenario(condition: Condition) -> Vec<String> {
          {expected_skew} s (did libfaketime take effect?)"
     );
 
-    let put = service
-        .client
-        .put(format!("{}/api/admin/keys/{KEY_ID}", service.serve.base))
-        .header("x-admin-key", ADMIN_KEY)
-        .json(
-            &json!({"provider": PROVIDER, "models": [MODEL], "max_concurrent_uses": 1,
-                      "secret": {"api_key": "sk-clock"}}),
-        )
-        .send()
-        .await
-        .unwrap();
+    let put = service.put_credential().await;
     json_body(put, StatusCode::CREATED).await;
 
     // A lease lasts lease_seconds from its grant on the database clock.
@@ -616,22 +577,11 @@ async fn scenario(condition: Condition) -> Vec<String> {
     assert!(late.holds(trail[3].2), "{condition:?}: {trail:?}");
     transcript.push(format!("first lease's trail: {events:?}"));
 
-    let trail = lease_trail(db, &second).await;
-    let events: Vec<&str> = trail.iter().map(|(event, _, _)| event.as_str()).collect();
-    assert_eq!(events, ["granted", "released"], "{condition:?}: {trail:?}");
-    assert!(regranted.holds(trail[0].2), "{condition:?}: {trail:?}");
-    assert!(trail[0].2 >= renewed_until, "{condition:?}: {trail:?}");
-    assert_eq!(trail[0].1, second_until, "{condition:?}: {trail:?}");
-    assert!(reported.holds(trail[1].2), "{condition:?}: {trail:?}");
+    let granted_from = (regranted, renewed_until, second_until);
+    let events = granted_then_released(db, condition, &second, granted_from, reported).await;
     transcript.push(format!("second lease's trail: {events:?}"));
-
-    let trail = lease_trail(db, &probe).await;
-    let events: Vec<&str> = trail.iter().map(|(event, _, _)| event.as_str()).collect();
-    assert_eq!(events, ["granted", "released"], "{condition:?}: {trail:?}");
-    assert!(probed.holds(trail[0].2), "{condition:?}: {trail:?}");
-    assert!(trail[0].2 >= cooldown_until, "{condition:?}: {trail:?}");
-    assert_eq!(trail[0].1, probe_until, "{condition:?}: {trail:?}");
-    assert!(recovered.holds(trail[1].2), "{condition:?}: {trail:?}");
+    let granted_from = (probed, cooldown_until, probe_until);
+    let events = granted_then_released(db, condition, &probe, granted_from, recovered).await;
     transcript.push(format!("probe lease's trail: {events:?}"));
 
     // So do the credential's health transitions.

@@ -147,6 +147,17 @@ impl Table {
         self.row(what, req.wire(), StatusCode::BAD_REQUEST, "invalid_request");
     }
 
+    /// A row sending the executor key as the admin key: answered 403 `forbidden`.
+    fn executor_key_as_admin(&mut self, req: Req) {
+        let req = req.header("x-admin-key", Some(INTERNAL_KEY.as_bytes()));
+        self.row(
+            "the executor key",
+            req.wire(),
+            StatusCode::FORBIDDEN,
+            "forbidden",
+        );
+    }
+
     fn too_large(&mut self, what: impl Into<String>, req: Req) {
         let (status, code) = (StatusCode::PAYLOAD_TOO_LARGE, "payload_too_large");
         self.row(what, req.wire(), status, code);
@@ -156,6 +167,24 @@ impl Table {
         let (status, code) = (StatusCode::UNSUPPORTED_MEDIA_TYPE, "unsupported_media_type");
         self.row(what, req.wire(), status, code);
     }
+}
+
+/// Lease lengths no request may ask for, whatever the service's maximum: (what, value).
+fn bad_lease_seconds() -> [(&'static str, Value); 7] {
+    [
+        ("0", json!(0)),
+        ("-1", json!(-1)),
+        ("1.5", json!(1.5)),
+        ("\"60\"", json!("60")),
+        ("2^31", json!(1_u64 << 31)),
+        ("2^63-1", json!(i64::MAX)),
+        ("1e308", json!(1e308)),
+    ]
+}
+
+/// A lease length above the service's `--max-lease-seconds`: (what, value).
+fn above_max_lease_seconds() -> (&'static str, Value) {
+    ("above --max-lease-seconds", json!(3601))
 }
 
 /// `base` with `changes` merged in; a `null` in `changes` removes the field.
@@ -229,17 +258,8 @@ fn table(lease: &Value) -> Vec<Row> {
     let alloc = json!({"provider": "openai", "model": "gpt-4o", "pool": "default",
                        "lease_seconds": 60, "holder": "hostile-test"});
     t.on("POST /api/internal/allocate-key");
-    for (what, seconds) in [
-        ("0", json!(0)),
-        ("-1", json!(-1)),
-        ("1.5", json!(1.5)),
-        ("\"60\"", json!("60")),
-        ("2^31", json!(1_u64 << 31)),
-        ("2^63-1", json!(i64::MAX)),
-        ("1e308", json!(1e308)),
-        ("true", json!(true)),
-        ("above --max-lease-seconds", json!(3601)),
-    ] {
+    let true_and_above = [("true", json!(true)), above_max_lease_seconds()];
+    for (what, seconds) in bad_lease_seconds().into_iter().chain(true_and_above) {
         let body = with(&alloc, json!({"lease_seconds": seconds}));
         t.bad(format!("lease_seconds {what}"), exec(ALLOCATE).json(body));
     }
@@ -406,16 +426,10 @@ fn table(lease: &Value) -> Vec<Row> {
     // ---- executor: renew (an accepted row would move the live lease's lease_until)
     let renew = with(&lease_ref, json!({"lease_seconds": 600}));
     t.on("POST /api/internal/renew-lease");
-    for (what, seconds) in [
-        ("0", json!(0)),
-        ("-1", json!(-1)),
-        ("1.5", json!(1.5)),
-        ("\"60\"", json!("60")),
-        ("2^31", json!(1_u64 << 31)),
-        ("2^63-1", json!(i64::MAX)),
-        ("1e308", json!(1e308)),
-        ("above --max-lease-seconds", json!(3601)),
-    ] {
+    for (what, seconds) in bad_lease_seconds()
+        .into_iter()
+        .chain([above_max_lease_seconds()])
+    {
         let body = with(&renew, json!({"lease_seconds": seconds}));
         t.bad(format!("lease_seconds {what}"), exec(RENEW).json(body));
     }
@@ -579,28 +593,24 @@ fn table(lease: &Value) -> Vec<Row> {
         "60,000 one-letter models (under the body limit)",
         put_a().json(with(&put, json!({"models": vec!["a"; 60_000]}))),
     );
-    t.bad(
-        "257 models",
-        put_a().json(with(&put, json!({"models": models(257)}))),
-    );
-    t.bad("no models", put_a().json(with(&put, json!({"models": []}))));
-    t.bad(
-        "models as a string",
-        put_a().json(with(&put, json!({"models": "gpt-4o"}))),
-    );
-    t.bad(
-        "a model with a space",
-        put_a().json(with(&put, json!({"models": ["gpt 4o"]}))),
-    );
+    for (what, fields) in [
+        ("257 models", json!({"models": models(257)})),
+        ("no models", json!({"models": []})),
+        ("models as a string", json!({"models": "gpt-4o"})),
+        ("a model with a space", json!({"models": ["gpt 4o"]})),
+    ] {
+        t.bad(what, put_a().json(with(&put, fields)));
+    }
     let aliases: BTreeMap<String, &str> = models(300).into_iter().map(|m| (m, "gpt-4o")).collect();
-    t.bad(
-        "300 aliases",
-        put_a().json(with(&put, json!({"aliases": aliases}))),
-    );
-    t.bad(
-        "an alias to a model the credential lacks",
-        put_a().json(with(&put, json!({"aliases": {"gpt-4": "gpt-5"}}))),
-    );
+    for (what, fields) in [
+        ("300 aliases", json!({"aliases": aliases})),
+        (
+            "an alias to a model the credential lacks",
+            json!({"aliases": {"gpt-4": "gpt-5"}}),
+        ),
+    ] {
+        t.bad(what, put_a().json(with(&put, fields)));
+    }
     for (what, limit) in [
         ("0", json!(0)),
         ("-1", json!(-1)),
@@ -614,26 +624,18 @@ fn table(lease: &Value) -> Vec<Row> {
         let body = with(&put, json!({"max_concurrent_uses": limit}));
         t.bad(format!("max_concurrent_uses {what}"), put_a().json(body));
     }
-    t.bad(
-        "status rate_limited (only outcome reports set it)",
-        put_a().json(with(&put, json!({"status": "rate_limited"}))),
-    );
-    t.bad(
-        "an unknown status",
-        put_a().json(with(&put, json!({"status": "on_fire"}))),
-    );
-    t.bad(
-        "secret as a string",
-        put_a().json(with(&put, json!({"secret": SECRET}))),
-    );
-    t.bad(
-        "secret as a list",
-        put_a().json(with(&put, json!({"secret": [SECRET]}))),
-    );
-    t.bad(
-        "missing secret",
-        put_a().json(with(&put, json!({"secret": null}))),
-    );
+    for (what, fields) in [
+        (
+            "status rate_limited (only outcome reports set it)",
+            json!({"status": "rate_limited"}),
+        ),
+        ("an unknown status", json!({"status": "on_fire"})),
+        ("secret as a string", json!({"secret": SECRET})),
+        ("secret as a list", json!({"secret": [SECRET]})),
+        ("missing secret", json!({"secret": null})),
+    ] {
+        t.bad(what, put_a().json(with(&put, fields)));
+    }
     t.bad(
         "secret nested 100,000 deep",
         put_a().bytes(put.to_string().replace(
@@ -649,14 +651,15 @@ fn table(lease: &Value) -> Vec<Row> {
         "duplicate secret key",
         put_a().bytes(duplicated(&put, "secret", &format!("\"{SECRET}\""))),
     );
-    t.bad(
-        "key_id in the body differs from the path",
-        put_a().json(with(&put, json!({"key_id": "key-b"}))),
-    );
-    t.bad(
-        "provider in upper case",
-        put_a().json(with(&put, json!({"provider": "OpenAI"}))),
-    );
+    for (what, fields) in [
+        (
+            "key_id in the body differs from the path",
+            json!({"key_id": "key-b"}),
+        ),
+        ("provider in upper case", json!({"provider": "OpenAI"})),
+    ] {
+        t.bad(what, put_a().json(with(&put, fields)));
+    }
     t.bad(
         "invalid UTF-8 in provider",
         put_a().bytes(not_utf8(&put, "provider")),
@@ -755,15 +758,7 @@ fn table(lease: &Value) -> Vec<Row> {
         "Content-Type text/plain",
         put_a().json(put.clone()).content_type(Some("text/plain")),
     );
-    t.row(
-        "the executor key",
-        put_a()
-            .json(put.clone())
-            .header("x-admin-key", Some(INTERNAL_KEY.as_bytes()))
-            .wire(),
-        StatusCode::FORBIDDEN,
-        "forbidden",
-    );
+    t.executor_key_as_admin(put_a().json(put.clone()));
     t.row(
         "no key",
         put_a().json(put.clone()).header("x-admin-key", None).wire(),
@@ -989,15 +984,7 @@ fn table(lease: &Value) -> Vec<Row> {
             .json(reason.clone())
             .content_type(Some("text/plain")),
     );
-    t.row(
-        "the executor key",
-        one(&lease_id)
-            .json(reason.clone())
-            .header("x-admin-key", Some(INTERNAL_KEY.as_bytes()))
-            .wire(),
-        StatusCode::FORBIDDEN,
-        "forbidden",
-    );
+    t.executor_key_as_admin(one(&lease_id).json(reason.clone()));
     t.row(
         "no lease id",
         admin(Method::POST, "/api/admin/leases/release")
@@ -1021,14 +1008,7 @@ fn table(lease: &Value) -> Vec<Row> {
         StatusCode::UNAUTHORIZED,
         "unauthorized",
     );
-    t.row(
-        "the executor key",
-        admin(Method::GET, "/api/admin/pools")
-            .header("x-admin-key", Some(INTERNAL_KEY.as_bytes()))
-            .wire(),
-        StatusCode::FORBIDDEN,
-        "forbidden",
-    );
+    t.executor_key_as_admin(admin(Method::GET, "/api/admin/pools"));
     t.row(
         "DELETE",
         admin(Method::DELETE, "/api/admin/pools").wire(),
@@ -1123,15 +1103,7 @@ fn table(lease: &Value) -> Vec<Row> {
         "no Content-Type",
         admin(Method::PUT, team).json(json!({})).content_type(None),
     );
-    t.row(
-        "the executor key",
-        admin(Method::PUT, team)
-            .json(json!({}))
-            .header("x-admin-key", Some(INTERNAL_KEY.as_bytes()))
-            .wire(),
-        StatusCode::FORBIDDEN,
-        "forbidden",
-    );
+    t.executor_key_as_admin(admin(Method::PUT, team).json(json!({})));
 
     t.on("GET /api/admin/tenants");
     t.row(
@@ -1168,14 +1140,7 @@ fn table(lease: &Value) -> Vec<Row> {
         StatusCode::NOT_FOUND,
         "tenant_not_found",
     );
-    t.row(
-        "the executor key",
-        admin(Method::POST, "/api/admin/tenants/default/keys")
-            .header("x-admin-key", Some(INTERNAL_KEY.as_bytes()))
-            .wire(),
-        StatusCode::FORBIDDEN,
-        "forbidden",
-    );
+    t.executor_key_as_admin(admin(Method::POST, "/api/admin/tenants/default/keys"));
 
     t.on("DELETE /api/admin/tenants/{tenant_id}/keys/{key_id}");
     t.row(

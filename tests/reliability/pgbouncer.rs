@@ -12,16 +12,13 @@
 
 use std::path::{Path, PathBuf};
 use std::process::Stdio;
-use std::sync::Arc;
 use std::time::Duration;
 
-use credpool::startup::Application;
 use credpool::store::{self, Db, PoolSettings};
 use reqwest::StatusCode;
 use serde_json::{Value, json};
 use sqlx::postgres::PgConnectOptions;
 use tokio::process::{Child, Command};
-use tokio::sync::Barrier;
 
 use credpool_test_support::*;
 
@@ -182,26 +179,6 @@ fn log_of(dir: &Path) -> String {
     std::fs::read_to_string(dir.join("pgbouncer.log")).unwrap_or_default()
 }
 
-/// The in-process app over `db`, on 127.0.0.1:0; its base URL and a shutdown trigger.
-async fn serve_app(db: Db) -> (String, tokio::sync::oneshot::Sender<()>) {
-    let keys = credpool::http::ApiKeys::new(INTERNAL_KEY.into(), ADMIN_KEY.into()).unwrap();
-    let app = Application::bind(
-        "127.0.0.1:0",
-        db,
-        keys,
-        keyring(),
-        &AppOptions::default().settings,
-    )
-    .await
-    .expect("bind");
-    let base = format!("http://{}", app.local_addr().unwrap());
-    let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
-    tokio::spawn(app.run_until(async {
-        let _ = stopped.await;
-    }));
-    (base, stop)
-}
-
 /// A pool through PgBouncer as `credpool serve --db-pooler transaction` builds it: no cached
 /// prepared statements, the statement timeout set by each transaction.
 fn pooled_db(bouncer: &Bouncer, database: &TestDatabase) -> Db {
@@ -215,17 +192,18 @@ fn pooled_db(bouncer: &Bouncer, database: &TestDatabase) -> Db {
     Db::transaction_pooled(pool, Some(Duration::from_secs(5)))
 }
 
-async fn put_key(http: &reqwest::Client, base: &str, key_id: &str, limit: u32) {
-    let response = http
-        .put(format!("{base}/api/admin/keys/{key_id}"))
-        .header("x-admin-key", ADMIN_KEY)
-        .json(&json!({
-            "provider": "openai", "pool": key_id, "models": ["gpt-4o"],
-            "max_concurrent_uses": limit, "secret": {"api_key": format!("sk-test-{key_id}")},
-        }))
-        .send()
-        .await
-        .expect("PUT key");
+/// Stores credential `key_id` (gpt-4o, in a pool of its own name) with `limit` slots through
+/// `replica`; panics unless stored.
+async fn put_key(replica: &Remote, key_id: &str, limit: u32) {
+    let response = replica
+        .put_key_raw(
+            key_id,
+            json!({
+                "provider": "openai", "pool": key_id, "models": ["gpt-4o"],
+                "max_concurrent_uses": limit, "secret": {"api_key": format!("sk-test-{key_id}")},
+            }),
+        )
+        .await;
     let status = response.status();
     assert!(
         status.is_success(),
@@ -234,24 +212,9 @@ async fn put_key(http: &reqwest::Client, base: &str, key_id: &str, limit: u32) {
     );
 }
 
-async fn post_internal(
-    http: &reqwest::Client,
-    base: &str,
-    path: &str,
-    body: Value,
-) -> reqwest::Response {
-    post_json(
-        http,
-        &format!("{base}{path}"),
-        ("x-internal-key", INTERNAL_KEY),
-        body,
-    )
-    .await
-}
-
 /// What one race round saw.
 struct Round {
-    /// The granted leases (allocate bodies) and the base URL that granted each.
+    /// The granted leases (allocate bodies).
     won: Vec<Value>,
     /// 429s.
     busy: usize,
@@ -259,52 +222,30 @@ struct Round {
     other: Vec<(StatusCode, String)>,
 }
 
-/// One round: a fresh credential with `limit` slots in its own pool (stored through `bases[0]`),
-/// then 64 allocations of it, spread over `bases` in turn, released at once by a barrier.
-async fn race_round(http: &reqwest::Client, bases: &[String], key_id: &str, limit: u32) -> Round {
-    put_key(http, &bases[0], key_id, limit).await;
-    let barrier = Arc::new(Barrier::new(RACERS));
-    let tasks: Vec<_> = (0..RACERS)
-        .map(|i| {
-            let (http, barrier) = (http.clone(), barrier.clone());
-            let base = bases[i % bases.len()].clone();
-            let body = json!({
-                "provider": "openai", "model": "gpt-4o", "pool": key_id,
-                "lease_seconds": 600, "holder": format!("racer-{i}"),
-            });
-            tokio::spawn(async move {
-                barrier.wait().await;
-                let response =
-                    post_internal(&http, &base, "/api/internal/allocate-key", body).await;
-                let status = response.status();
-                (status, response.text().await.unwrap_or_default())
-            })
+/// One round: a fresh credential with `limit` slots in its own pool (stored through the first of
+/// `replicas`), then 64 allocations of it, spread over `replicas` in turn, released at once by a
+/// barrier.
+async fn race_round(replicas: &[Remote], key_id: &str, limit: u32) -> Round {
+    put_key(&replicas[0], key_id, limit).await;
+    let bodies = (0..RACERS).map(|i| {
+        json!({
+            "provider": "openai", "model": "gpt-4o", "pool": key_id,
+            "lease_seconds": 600, "holder": format!("racer-{i}"),
         })
-        .collect();
+    });
     let mut round = Round {
         won: Vec::new(),
         busy: 0,
         other: Vec::new(),
     };
-    for task in tasks {
-        match task.await.unwrap() {
-            (StatusCode::OK, body) => round.won.push(serde_json::from_str(&body).unwrap()),
-            (StatusCode::TOO_MANY_REQUESTS, _) => round.busy += 1,
-            other => round.other.push(other),
+    for answer in allocate_at_once(replicas, INTERNAL_KEY, bodies.collect()).await {
+        match answer.status {
+            StatusCode::OK => round.won.push(serde_json::from_str(&answer.text).unwrap()),
+            StatusCode::TOO_MANY_REQUESTS => round.busy += 1,
+            other => round.other.push((other, answer.text)),
         }
     }
     round
-}
-
-/// Unexpired leases on a credential, read straight from the server (not through PgBouncer).
-async fn in_flight(db: &sqlx::PgPool, key_id: &str) -> i64 {
-    sqlx::query_scalar(
-        "SELECT count(*) FROM lease_slots WHERE key_id = $1 AND lease_id IS NOT NULL AND lease_until > now()",
-    )
-    .bind(key_id)
-    .fetch_one(db)
-    .await
-    .unwrap()
 }
 
 /// Asserts that a round had exactly `limit` winners, everyone else a 429, and that the
@@ -336,29 +277,13 @@ async fn assert_exact(
     );
 }
 
-/// Renews (with `renew_at`) then releases (with `release_at`) every lease a round won; each
-/// must succeed.
-async fn renew_and_release(
-    http: &reqwest::Client,
-    round: &Round,
-    renew_at: &str,
-    release_at: &str,
-) {
+/// Renews (through `renew_at`) then releases (through `release_at`) every lease a round won;
+/// each must succeed.
+async fn renew_and_release(round: &Round, renew_at: &Remote, release_at: &Remote) {
     for lease in &round.won {
-        let body = renew_body(lease, 120);
-        let renewed = post_internal(http, renew_at, "/api/internal/renew-lease", body).await;
-        json_body(renewed, StatusCode::OK).await;
-        let released = post_internal(
-            http,
-            release_at,
-            "/api/internal/release-key",
-            release_body(lease, "success"),
-        )
-        .await;
-        assert_eq!(
-            json_body(released, StatusCode::OK).await,
-            json!({"released": true})
-        );
+        renew_at.renew(renew_body(lease, 120)).ok_json().await;
+        let released = release_at.release(release_body(lease, "success"));
+        assert_eq!(released.ok_json().await, json!({"released": true}));
     }
 }
 
@@ -367,16 +292,15 @@ async fn http_race_through_pgbouncer_has_exact_winners_every_round_in_pooler_mod
     let _turn = race_turn().await;
     let database = TestDatabase::create().await;
     let bouncer = Bouncer::start(&database).await;
-    let (base, _stop) = serve_app(pooled_db(&bouncer, &database)).await;
-    let bases = [base];
+    let (addr, _stop) = serve(pooled_db(&bouncer, &database), &AppOptions::default()).await;
+    let replicas = [Remote::at(addr)];
     let direct = database.pool(2).await;
-    let http = client();
     for round in 0..race_rounds() {
         for limit in LIMITS {
             let key_id = format!("race-{limit}-{round}");
-            let result = race_round(&http, &bases, &key_id, limit).await;
+            let result = race_round(&replicas, &key_id, limit).await;
             assert_exact(&result, limit, &key_id, &direct, &bouncer).await;
-            renew_and_release(&http, &result, &bases[0], &bases[0]).await;
+            renew_and_release(&result, &replicas[0], &replicas[0]).await;
             assert_eq!(in_flight(&direct, &key_id).await, 0, "{key_id}: released");
         }
     }
@@ -400,16 +324,15 @@ async fn serve_processes_through_pgbouncer_race_renew_and_release_without_overse
     for _ in 0..3 {
         processes.push(ServeProcess::start(BIN, &env, &[]).await);
     }
-    let bases: Vec<String> = processes.iter().map(|p| p.base.clone()).collect();
+    let replicas: Vec<Remote> = processes.iter().map(ServeProcess::remote).collect();
     let direct = database.pool(2).await;
-    let http = client();
     for round in 0..race_rounds() {
         for limit in LIMITS {
             let key_id = format!("replicas-{limit}-{round}");
-            let result = race_round(&http, &bases, &key_id, limit).await;
+            let result = race_round(&replicas, &key_id, limit).await;
             assert_exact(&result, limit, &key_id, &direct, &bouncer).await;
             // renewed and released by other processes than the ones that granted them
-            renew_and_release(&http, &result, &bases[1], &bases[2]).await;
+            renew_and_release(&result, &replicas[1], &replicas[2]).await;
             assert_eq!(in_flight(&direct, &key_id).await, 0, "{key_id}: released");
         }
     }
@@ -419,8 +342,7 @@ async fn serve_processes_through_pgbouncer_race_renew_and_release_without_overse
             "a replica did not stop cleanly"
         );
     }
-    let (ok, output) = audit_verify(BIN, &database).await;
-    assert!(ok, "credpool audit verify failed:\n{output}");
+    audit_passes(BIN, &database).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
@@ -438,46 +360,31 @@ async fn the_same_race_through_pgbouncer_fails_without_pooler_mode() {
             acquire_timeout: Duration::from_secs(10),
         },
     );
-    let (base, _stop) = serve_app(Db::direct(pool)).await;
-    let bases = [base];
-    let http = client();
+    let (addr, _stop) = serve(Db::direct(pool), &AppOptions::default()).await;
+    let replicas = [Remote::at(addr)];
     let mut failed = Vec::new();
     for round in 0..race_rounds().min(10) {
         for limit in LIMITS {
             let key_id = format!("unsafe-{limit}-{round}");
             // storing the credential itself may already fail
-            let response = http
-                .put(format!("{}/api/admin/keys/{key_id}", bases[0]))
-                .header("x-admin-key", ADMIN_KEY)
-                .json(&json!({
-                    "provider": "openai", "pool": key_id, "models": ["gpt-4o"],
-                    "max_concurrent_uses": limit, "secret": {"api_key": "sk-test"},
-                }))
-                .send()
-                .await
-                .unwrap();
+            let response = replicas[0]
+                .put_key_raw(
+                    &key_id,
+                    json!({
+                        "provider": "openai", "pool": key_id, "models": ["gpt-4o"],
+                        "max_concurrent_uses": limit, "secret": {"api_key": "sk-test"},
+                    }),
+                )
+                .await;
             if !response.status().is_success() {
                 failed.push((response.status(), response.text().await.unwrap_or_default()));
                 continue;
             }
-            let barrier = Arc::new(Barrier::new(RACERS));
-            let tasks: Vec<_> = (0..RACERS)
-                .map(|_| {
-                    let (http, barrier, base) = (http.clone(), barrier.clone(), bases[0].clone());
-                    let body = json!({"provider": "openai", "model": "gpt-4o", "pool": key_id});
-                    tokio::spawn(async move {
-                        barrier.wait().await;
-                        let response =
-                            post_internal(&http, &base, "/api/internal/allocate-key", body).await;
-                        let status = response.status();
-                        (status, response.text().await.unwrap_or_default())
-                    })
-                })
-                .collect();
-            for task in tasks {
-                let (status, body) = task.await.unwrap();
-                if status != StatusCode::OK && status != StatusCode::TOO_MANY_REQUESTS {
-                    failed.push((status, body));
+            let bodies = vec![gpt4o_in(&key_id); RACERS];
+            for answer in allocate_at_once(&replicas, INTERNAL_KEY, bodies).await {
+                if answer.status != StatusCode::OK && answer.status != StatusCode::TOO_MANY_REQUESTS
+                {
+                    failed.push((answer.status, answer.text));
                 }
             }
         }

@@ -4,7 +4,7 @@
 
 use std::time::Duration;
 
-use reqwest::StatusCode;
+use reqwest::{Method, StatusCode};
 use serde_json::{Value, json};
 use sqlx::Row;
 
@@ -88,6 +88,21 @@ pub async fn claim_answer(
         .expect("the claim failed")
 }
 
+/// A claim of `key`'s tenant for `ka` in pool `a` paused at test hook `point` ([`pause_claim`])
+/// while the service grants the tenant a lease of `kb` in pool `b` and commits; then the hook
+/// opens: the paused claim must grant nothing and answer `tenant_limit` (`why`: the rule it
+/// would break otherwise).
+pub async fn claim_refused_after_a_grant(app: &TestApp, key: &str, point: &'static str, why: &str) {
+    let (hook, claiming) = pause_claim(app, key, point).await;
+    // the paused claim holds no tenant row yet: the service's grant commits meanwhile
+    let granted = app.lease_as(key, "b").await;
+    assert_eq!(granted["key_id"], "kb");
+    hook.open().await;
+    let (key_id, request) = claim_answer(claiming).await;
+    assert_eq!(key_id, None, "{why}");
+    assert_eq!(request.as_deref(), Some("tenant_limit"));
+}
+
 /// Two `credpool serve` processes on a fresh database, with credentials k0..k`count` of limit
 /// `limit` (provider openai, model gpt-4o, pool default).
 pub async fn two_replicas(count: usize, limit: u32) -> (TestDatabase, ServeProcess, ServeProcess) {
@@ -100,7 +115,7 @@ pub async fn two_replicas(count: usize, limit: u32) -> (TestDatabase, ServeProce
     for i in 0..count {
         let response = a
             .admin(
-                reqwest::Method::PUT,
+                Method::PUT,
                 &format!("/api/admin/keys/k{i}"),
                 Some(
                     json!({"provider": "openai", "models": ["gpt-4o"], "max_concurrent_uses": limit,
