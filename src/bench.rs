@@ -47,8 +47,8 @@ use crate::config::{BenchArgs, BenchBaseline};
 use credpool::allocator::health::HealthPolicy;
 use credpool::database::Database;
 use credpool::domain::{
-    Holder, KeyId, LeaseSeconds, ModelName, Outcome, PoolName, ProviderName, Secret,
-    Status, TenantId, TenantKey,
+    Holder, KeyId, LeaseSeconds, ModelName, Outcome, PoolName, ProviderName, Secret, Status,
+    TenantId, TenantKey,
 };
 use credpool::http::ApiKeys;
 use credpool::startup::Application;
