@@ -88,8 +88,8 @@ async fn every_word_the_claim_can_answer_decodes_to_its_outcome() {
 
     for affinity in words(&app.db, "credpool_affinity_answer").await {
         if affinity == "bound" {
-            let outcome = ClaimOutcome::decode(None, Some("slots"), Some("bound"), at, None, None)
-                .unwrap();
+            let outcome =
+                ClaimOutcome::decode(None, Some("slots"), Some("bound"), at, None, None).unwrap();
             assert!(
                 matches!(
                     outcome,
@@ -105,7 +105,8 @@ async fn every_word_the_claim_can_answer_decodes_to_its_outcome() {
                 .unwrap_or_else(|| panic!("affinity {affinity:?} does not parse"));
             assert_eq!(result.as_str(), affinity);
             let outcome =
-                ClaimOutcome::decode(None, None, Some(&affinity), None, None, Some(lease())).unwrap();
+                ClaimOutcome::decode(None, None, Some(&affinity), None, None, Some(lease()))
+                    .unwrap();
             assert!(matches!(outcome, ClaimOutcome::Granted(_)), "{outcome:?}");
         }
     }
