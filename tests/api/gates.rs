@@ -509,10 +509,6 @@ async fn a_short_renewal_within_a_lowered_limit_never_ends_it_before_the_surplus
     let long = app.lease(gpt4o_for(300)).await;
     let short = app.lease(gpt4o_for(100)).await;
     set_limit(&app, 1).await;
-    let renewal = |lease: &Value, seconds: u32| {
-        let body = renew_body(lease, seconds.into());
-        body
-    };
     let until = |v: &Value| {
         time::OffsetDateTime::parse(
             v["lease_until"].as_str().unwrap(),
@@ -520,7 +516,7 @@ async fn a_short_renewal_within_a_lowered_limit_never_ends_it_before_the_surplus
         )
         .unwrap()
     };
-    let renewed = app.renew(renewal(&long, 3)).ok_json().await;
+    let renewed = app.renew(renew_body(&long, 3)).ok_json().await;
     assert!(
         until(&renewed) >= until(&short),
         "the lease within the limit ({renewed}) now ends before the surplus lease ({short})"
@@ -533,7 +529,7 @@ async fn a_short_renewal_within_a_lowered_limit_never_ends_it_before_the_surplus
     );
     assert_eq!(app.in_flight("k").await, 2);
     // the surplus lease renewed: never an end before the renewal itself
-    let renewed = app.renew(renewal(&short, 30)).ok_json().await;
+    let renewed = app.renew(renew_body(&short, 30)).ok_json().await;
     let now: time::OffsetDateTime = app.scalar("SELECT now()").await;
     assert!(until(&renewed) > now, "renewed into the past: {renewed}");
     audit_passes(BIN, &app.database).await;

@@ -562,7 +562,10 @@ async fn a_credential_whose_token_expires_before_lease_until_is_not_granted() {
         (20.0..=31.0).contains(&retry_after),
         "Retry-After {retry_after} s for a token that expires in 30 s"
     );
-    assert_error(refused, StatusCode::TOO_MANY_REQUESTS, "pool_exhausted").await;
+    let body = assert_error(refused, StatusCode::TOO_MANY_REQUESTS, "pool_exhausted").await;
+    // the refusal says the token is what it waits for, not a busy slot
+    let message = body["error"]["message"].as_str().unwrap();
+    assert!(message.contains("OAuth access token"), "{message}");
     assert!(
         sample(
             &app.metrics().await,
@@ -910,7 +913,7 @@ async fn a_renewal_never_extends_a_lease_past_the_expiry_of_the_token_it_holds()
     let until_of = |answer: &Value| {
         OffsetDateTime::parse(answer["lease_until"].as_str().unwrap(), &Rfc3339).unwrap()
     };
-    let renew = |seconds: u32| renewal(&lease, seconds);
+    let renew = |seconds: u64| renew_body(&lease, seconds);
 
     // asked for 600 s; the token lasts 120 s
     let renewed = app.renew(renew(600)).ok_json().await;
@@ -930,14 +933,8 @@ async fn a_renewal_never_extends_a_lease_past_the_expiry_of_the_token_it_holds()
     // a lease of the new token renews to the new token's expiry
     let fresh = app.allocate(gpt4o_for(30)).ok_json().await;
     assert_eq!(fresh["credential"]["access_token"], "at-1");
-    let renewed = app.renew(renewal(&fresh, 600)).ok_json().await;
+    let renewed = app.renew(renew_body(&fresh, 600)).ok_json().await;
     assert!(until_of(&renewed) > expires_at, "{renewed}");
-}
-
-/// The renewal of `lease` for `seconds`.
-fn renewal(lease: &Value, seconds: u32) -> Value {
-    let body = renew_body(lease, seconds.into());
-    body
 }
 
 #[tokio::test]

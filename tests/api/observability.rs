@@ -36,7 +36,7 @@ async fn a_fresh_process_describes_every_metric_and_shows_the_series_known_in_ad
     ] {
         let put = first
             .put_key_raw(
-                &key,
+                key,
                 json!({"provider": provider, "pool": pool, "models": ["gpt-4o"],
                           "max_concurrent_uses": 2, "secret": {"api_key": "sk-metrics"}}),
             )

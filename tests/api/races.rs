@@ -7,8 +7,8 @@
 use std::collections::HashSet;
 use std::sync::Arc;
 
-use credpool::domain::{KeyId, LeaseId, LeaseSeconds, ModelName, PoolName, ProviderName};
-use credpool::store::leases::{self, ClaimRequest};
+use credpool::domain::{KeyId, LeaseSeconds, ModelName, PoolName, ProviderName};
+use credpool::store::leases::{self, Claim};
 use reqwest::StatusCode;
 use serde_json::json;
 use tokio::sync::Barrier;
@@ -120,26 +120,16 @@ async fn statement_race(limit: u32) {
                     model.clone(),
                 );
                 tokio::spawn(async move {
-                    let pool_name = PoolName::default_pool();
-                    let request = ClaimRequest {
-                        ranked: &ranked,
-                        provider: &provider,
-                        pool: &pool_name,
-                        model: &model,
-                        lease_id: LeaseId::generate(),
-                        holder: None,
-                        lease_seconds: LeaseSeconds::parse(600, 3600).unwrap(),
-                        request: None,
-                        tokens: 0,
-                        caller: None,
-                        affinity: None,
-                        waiting: None,
-                        // (the claim looks for windows itself)
-                        windowed: None,
-                    };
+                    let claim = Claim::new(
+                        ranked.to_vec(),
+                        provider,
+                        PoolName::default_pool(),
+                        model,
+                        LeaseSeconds::parse(600, 3600).unwrap(),
+                    );
                     barrier.wait().await;
-                    let claimed = leases::claim_slot(&mut conn, &request).await.unwrap();
-                    (conn, claimed.granted.is_some())
+                    let claimed = leases::claim_slot(&mut conn, &claim).await.unwrap();
+                    (conn, claimed.outcome.into_lease().is_some())
                 })
             })
             .collect();
