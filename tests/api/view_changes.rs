@@ -55,13 +55,8 @@ async fn a_change_still_open_during_a_read_is_in_the_next_read_of_the_changes() 
         "{:?}",
         changes.departed
     );
-    assert!(
-        changes
-            .credentials
-            .iter()
-            .all(|c| c.key_id.as_str() != "key-c"),
-        "key-c did not change: {:?}",
-        changes.credentials
-    );
+    // (key-c did not change, but it may be read again: xids are the cluster's, and a transaction
+    // of another database older than key-c's write and still open at the whole read keeps the
+    // xmin below it. Reading a row again is harmless; missing one is what must not happen.)
     assert!(changes.version > whole.version);
 }
