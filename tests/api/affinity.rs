@@ -1,4 +1,4 @@
-//! Conversation affinity (issue 30): a conversation (`affinity_key`) keeps the credential that
+//! Conversation affinity: a conversation (`affinity_key`) keeps the credential that
 //! served it while that credential can serve now, and moves at once when it cannot (full,
 //! disabled, cooling down, moved to another pool); `strict` waits for it instead; bindings die
 //! with their TTL; bad input is a 400 that writes nothing; the binding's write never makes a

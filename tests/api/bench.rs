@@ -1,4 +1,4 @@
-//! `credpool bench` and its baselines (issue 19): a short run of each allocator against a fresh
+//! `credpool bench` and its baselines: a short run of each allocator against a fresh
 //! database (and Redis, when one answers), checking that every one completes cycles without
 //! errors and that the run removes what it created.
 

@@ -1,4 +1,4 @@
-//! Issue 9, server side: idempotent allocation (`request_id`), fencing tokens (`fence`) and
+//! The executor protocol, server side: idempotent allocation (`request_id`), fencing tokens (`fence`) and
 //! bounded waiting for a slot (`wait_ms`, woken by LISTEN/NOTIFY).
 
 use std::net::SocketAddr;
@@ -260,7 +260,7 @@ async fn a_waiting_allocate_gets_the_slot_another_replica_frees() {
         delays.push(delay);
         app.release(release_body(&lease, "success")).ok_json().await;
     }
-    // the figures themselves are reported, not asserted (a benchmark figure: issue 9's notes)
+    // the figures themselves are reported, not asserted (a benchmark figure, not a test's)
     println!("hand-over delays (release answered -> waiter answered): {delays:?}");
 }
 

@@ -119,7 +119,7 @@ async fn no_claim_grants_on_a_configuration_replaced_after_its_snapshot() {
         ),
         (
             // an OAuth token that will expire before the paused claim's lease would end: the
-            // claim read the credential before it had an expiry (issue 28)
+            // claim read the credential before it had an expiry
             "token expiry moved before lease_until",
             Change::Sql(
                 "UPDATE credentials SET token_expires_at = clock_timestamp() + interval '1 second'",

@@ -1,4 +1,4 @@
-//! OAuth credentials (issue 28), against a mock token endpoint of the test's own on 127.0.0.1
+//! OAuth credentials, against a mock token endpoint of the test's own on 127.0.0.1
 //! that counts calls, rotates the refresh token on every success (answering `invalid_grant` to
 //! a refresh token already used, as providers that rotate do), and can answer slowly, with 503
 //! or with `invalid_grant`. Times are kept short with `refresh_before_seconds`; a test "moves the

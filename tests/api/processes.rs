@@ -461,7 +461,7 @@ async fn no_secret_reaches_a_log_line_a_metric_or_a_database_row_even_at_trace_l
             .unwrap();
         assert!(response.status().is_success());
     }
-    // an OAuth credential (issue 28), due for its refresh at once, against a token endpoint of
+    // an OAuth credential, due for its refresh at once, against a token endpoint of
     // the test's own that rotates the refresh token: neither refresh token, the client secret
     // nor either access token may reach a log line, a metric or a row
     let oauth_secrets = [

@@ -1,4 +1,4 @@
-//! Tenant rate windows (issue 29): a tenant's `rate_limits` hold over all its credentials and
+//! Tenant rate windows: a tenant's `rate_limits` hold over all its credentials and
 //! every replica, decided in the claim on the tenant's tenant_windows row (locked), and the trail
 //! proves no window was ever exceeded. Pause points hold a claim between its snapshot and its
 //! lock, and a change of the tenant while a claim is in flight.

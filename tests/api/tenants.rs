@@ -1,4 +1,4 @@
-//! Tenants (issue 29): executor keys of their own, and a cap on live leases that holds across
+//! Tenants: executor keys of their own, and a cap on live leases that holds across
 //! replicas, decided in the claim on the tenant's slot rows. Several `credpool serve` processes
 //! where it matters (the cap and a revoke must hold on every replica).
 
