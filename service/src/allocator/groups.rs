@@ -105,7 +105,7 @@ impl Default for GroupSettings {
 /// workers stop when the last clone is dropped.
 #[derive(Debug, Clone)]
 pub struct Groups {
-    claims: Queue<Claim>,
+    claims: Queue<Arc<Claim>>,
     releases: Queue<Release>,
     renewals: Queue<Renewal>,
 }
@@ -125,7 +125,9 @@ impl Groups {
     /// Runs `claim` ([`leases::claim_slots`]) in the next claim group. If the caller is gone
     /// before its group runs, nothing is claimed; if it is gone when its group has committed, the
     /// lease it got is released at once rather than stranded until lease_until.
-    pub async fn claim(&self, claim: Claim) -> Result<ClaimAnswer, sqlx::Error> {
+    /// (Shared, not copied: a caller that claims again after `in_flight` or `busy` sends the
+    /// same claim.)
+    pub async fn claim(&self, claim: Arc<Claim>) -> Result<ClaimAnswer, sqlx::Error> {
         self.claims.run(claim).await
     }
 
@@ -204,7 +206,7 @@ trait Operation: Send + Sync + Sized + 'static {
     }
 }
 
-impl Operation for Claim {
+impl Operation for Arc<Claim> {
     type Staged = ClaimAnswer;
     type Output = ClaimAnswer;
     const KIND: &'static str = "claim";
@@ -219,7 +221,10 @@ impl Operation for Claim {
         group: Vec<&'a Self>,
         tx: &'a mut PgConnection,
     ) -> BoxFuture<'a, Result<Vec<ClaimAnswer>, sqlx::Error>> {
-        Box::pin(async move { leases::claim_slots(tx, &group).await })
+        Box::pin(async move {
+            let claims: Vec<&Claim> = group.iter().map(|claim| &***claim).collect();
+            leases::claim_slots(tx, &claims).await
+        })
     }
 
     fn finish<'a>(

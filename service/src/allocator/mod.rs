@@ -430,10 +430,10 @@ impl Allocator {
     ///
     /// The answer's outcome is never [`ClaimOutcome::Busy`] (settled once patience runs out) nor
     /// [`ClaimOutcome::InFlight`].
-    async fn claim(&self, claim: Claim) -> Result<ClaimAnswer, AllocateError> {
+    async fn claim(&self, claim: &Arc<Claim>) -> Result<ClaimAnswer, AllocateError> {
         let started = Instant::now();
         loop {
-            let answer = self.groups.claim(claim.clone()).await?;
+            let answer = self.groups.claim(Arc::clone(claim)).await?;
             match answer.outcome {
                 ClaimOutcome::InFlight => {}
                 ClaimOutcome::Busy { .. } if started.elapsed() < BUSY_PATIENCE => {}
@@ -691,8 +691,8 @@ impl Allocator {
             affinity: None,
             waiting: None,
         };
-        let claim = keys.claim(request, &request.pool, Vec::new(), false);
-        match self.claim(claim).await?.outcome {
+        let claim = Arc::new(keys.claim(request, &request.pool, Vec::new(), false));
+        match self.claim(&claim).await?.outcome {
             ClaimOutcome::Unauthorized => Err(AllocateError::Unauthorized),
             ClaimOutcome::Conflict => Err(AllocateError::RequestIdConflict),
             ClaimOutcome::Granted(granted) | ClaimOutcome::Replayed(granted) => {
@@ -802,8 +802,8 @@ impl Allocator {
                     }
                     Step::Claim { batch, free_seen } => (batch, free_seen),
                 };
-            let claim = keys.claim(request, pool, batch.clone(), view.windowed);
-            let answer = self.claim(claim).await?;
+            let claim = Arc::new(keys.claim(request, pool, batch, view.windowed));
+            let answer = self.claim(&claim).await?;
             pass.claimed = true;
             if let Some(waiting) = keys.waiting {
                 // (only a waiting request registers a waiter under its tenant)
@@ -819,7 +819,9 @@ impl Allocator {
                 ));
             }
             let stale = answer.pool_version != view.version;
-            let batch = match answer.outcome {
+            // the batch claimed, read back from the claim (shared with the claim group, not copied)
+            let batch = &claim.ranked;
+            match answer.outcome {
                 ClaimOutcome::Yield { to } => {
                     // a tenant further below its share waits for this pool: nothing was looked
                     // at, and the rest of the pool is that tenant's first
@@ -866,7 +868,7 @@ impl Allocator {
                     // claiming it again would not be either. The database's word on when the
                     // bound one frees is the answer (and a waiting request's timer), dated on
                     // the claim's own clock.
-                    attempt.missed(&batch, missed.frees_at, missed.held_by);
+                    attempt.missed(batch, missed.frees_at, missed.held_by);
                     let mut verdict = PoolVerdict::Try {
                         batch: Vec::new(),
                         free_seen: false,
@@ -877,8 +879,7 @@ impl Allocator {
                     return Ok(Err(verdict));
                 }
                 ClaimOutcome::Nothing(missed) | ClaimOutcome::Busy { missed, .. } => {
-                    attempt.missed(&batch, missed.frees_at, missed.held_by);
-                    batch
+                    attempt.missed(batch, missed.frees_at, missed.held_by);
                 }
                 ClaimOutcome::InFlight => {
                     unreachable!("Allocator::claim claims again while an attempt is in flight")
@@ -890,7 +891,7 @@ impl Allocator {
                 free_seen,
                 "claim found no free slot"
             );
-            self.views.note_full(provider, pool, &batch);
+            self.views.note_full(provider, pool, batch);
             if stale {
                 self.views
                     .reload(provider, pool, answer.pool_version)
