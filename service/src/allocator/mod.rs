@@ -493,47 +493,15 @@ impl Allocator {
             waiting: waiting.as_ref(),
         };
         let started = Instant::now();
-        let first = self.allocate_once(request, key, &mut None).await;
-        let busy = matches!(
-            &first,
-            Err(Refusal {
-                error: AllocateError::PoolExhausted { .. } | AllocateError::TenantLimit { .. },
-                ..
-            })
-        );
-        if request.wait.is_zero() || !busy {
-            return first.map_err(|refusal| refusal.error);
-        }
-        // it yielded a slot that may be free now: the waiter it yielded to should look
-        if let Err(Refusal {
-            yielded_to: Some((pool, ahead)),
-            ..
-        }) = &first
-        {
-            self.waits.yield_to(&request.provider, pool, ahead, None);
-        }
-        // queue up, then look again: a slot freed between the first look and the queueing would
-        // otherwise wake nobody
         let deadline = started + request.wait;
-        let registration = self
-            .waits
-            .register(
-                &request.provider,
-                &request.pools,
-                &request.model,
-                match &first {
-                    Err(refusal) => refusal.tenant.clone(),
-                    Ok(_) => None,
-                },
-                LISTEN_CONNECT_WAIT.min(request.wait),
-            )
-            .await;
+        // queued after the first pass that found nothing free (a request without a wait never is)
+        let mut registration: Option<Registration> = None;
         let mut hint = None;
         loop {
             let result = self.allocate_once(request, key, &mut hint).await;
             // a wake-up that this pass did not reach (served from an earlier pool of the
-            // sequence): the freed slot is the next waiter's; one it yielded: the waiter's of
-            // the tenant it yielded to
+            // sequence): the freed slot is the next waiter's; one it yielded (a slot that may be
+            // free now): the waiter's of the tenant it yielded to
             let mut unused = hint.take();
             if let Err(Refusal {
                 yielded_to: Some((pool, ahead)),
@@ -564,12 +532,13 @@ impl Allocator {
                     Some(frees_in.map_or(TENANT_RECHECK, |d| d.min(TENANT_RECHECK)))
                 }
                 _ => {
-                    let label = match &result {
-                        Ok(_) => "leased",
-                        Err(refusal) => refusal.error.result(),
-                    };
-                    crate::telemetry::waited(label, started.elapsed());
-                    drop(registration);
+                    if registration.take().is_some() {
+                        let label = match &result {
+                            Ok(_) => "leased",
+                            Err(refusal) => refusal.error.result(),
+                        };
+                        crate::telemetry::waited(label, started.elapsed());
+                    }
                     if let Some(unused) = unused {
                         Registration::pass_on(&self.waits, &request.provider, unused);
                     }
@@ -579,6 +548,22 @@ impl Allocator {
             if let Some(unused) = unused {
                 Registration::pass_on(&self.waits, &request.provider, unused);
             }
+            let Some(registration) = &registration else {
+                // queue up, then look again at once: a slot freed between the first look and
+                // the queueing would otherwise wake nobody
+                registration = Some(
+                    self.waits
+                        .register(
+                            &request.provider,
+                            &request.pools,
+                            &request.model,
+                            result.err().and_then(|refusal| refusal.tenant),
+                            LISTEN_CONNECT_WAIT.min(request.wait),
+                        )
+                        .await,
+                );
+                continue;
+            };
             let mut wake_at = frees_in
                 .map_or(deadline, |d| Instant::now() + d.max(MIN_WAIT_STEP))
                 .min(deadline);
@@ -803,6 +788,9 @@ impl Allocator {
                     Step::Claim { batch, free_seen } => (batch, free_seen),
                 };
             let claim = Arc::new(keys.claim(request, pool, batch, view.windowed));
+            if let Some(waiting) = keys.waiting {
+                waiting.claiming();
+            }
             let answer = self.claim(&claim).await?;
             pass.claimed = true;
             if let Some(waiting) = keys.waiting {

@@ -490,8 +490,9 @@ pub struct Registration {
 
 /// A request that may wait for a slot, as its claims record it in `pool_waiters` (the claim
 /// writes the row when it grants nothing and deletes it when it grants). Dropped with the
-/// request: a row its claims left (its wait ended without a lease) is deleted then. A claim in
-/// flight when its caller leaves deletes the row it wrote itself ([`super::groups`]).
+/// request: a row its claims may have left (its wait ended without a lease, or its caller left
+/// while a claim's answer was on its way) is deleted then. A claim still running when its caller
+/// leaves deletes the row it wrote itself ([`super::groups`]).
 #[derive(Debug)]
 pub struct WaitingRequest {
     waits: Arc<Waits>,
@@ -519,6 +520,13 @@ impl WaitingRequest {
             waited,
             wait_left: self.wait.saturating_sub(waited),
         }
+    }
+
+    /// One of its claims is on its way: until its answer is read, the request's row may be
+    /// there. A caller that leaves after the claim's answer was sent but before it was read is
+    /// seen by nobody else (the claim group saw the answer taken), so the drop must delete it.
+    pub fn claiming(&self) {
+        self.recorded.store(true, Ordering::SeqCst);
     }
 
     /// One of its claims ran: `recorded` when it left the request's row (it granted nothing and
@@ -821,6 +829,14 @@ mod tests {
         Waits::new(views, ListenTarget::None, None, Supervisor::new())
     }
 
+    /// What `waiter` was woken with; panics unless it is woken within 10 seconds (a wake-up that
+    /// never comes fails the test instead of hanging it).
+    async fn woken(waiter: &Registration) -> Option<Hint> {
+        tokio::time::timeout(Duration::from_secs(10), waiter.woken())
+            .await
+            .expect("the waiter was never woken")
+    }
+
     fn names() -> (ProviderName, PoolName, ModelName) {
         (
             ProviderName::parse("openai").unwrap(),
@@ -846,8 +862,8 @@ mod tests {
         let (a, b) = (KeyId::parse("a").unwrap(), KeyId::parse("b").unwrap());
         waits.slot_freed(&provider, &pool, &a);
         waits.slot_freed(&provider, &pool, &b);
-        assert_eq!(first.woken().await, Some((pool.clone(), a)));
-        assert_eq!(second.woken().await, Some((pool.clone(), b)));
+        assert_eq!(woken(&first).await, Some((pool.clone(), a)));
+        assert_eq!(woken(&second).await, Some((pool.clone(), b)));
         assert_eq!(third.take_hint(), None, "two slots woke three waiters");
     }
 
@@ -866,8 +882,8 @@ mod tests {
         waits.pool_changed(Some((&provider, &pool)));
         let a = KeyId::parse("a").unwrap();
         waits.slot_freed(&provider, &pool, &a);
-        assert_eq!(first.woken().await, Some((pool.clone(), a)));
-        assert_eq!(second.woken().await, None);
+        assert_eq!(woken(&first).await, Some((pool.clone(), a)));
+        assert_eq!(woken(&second).await, None);
     }
 
     #[tokio::test]
@@ -885,7 +901,7 @@ mod tests {
         // the slot is freed while the first waiter's last claim is in flight; it then leaves
         waits.slot_freed(&provider, &pool, &a);
         drop(leaving);
-        assert_eq!(next.woken().await, Some((pool.clone(), a)));
+        assert_eq!(woken(&next).await, Some((pool.clone(), a)));
 
         // a waiter that took its wake-up and used it hands nothing on
         let third = waits
@@ -893,7 +909,7 @@ mod tests {
             .await;
         let b = KeyId::parse("b").unwrap();
         waits.slot_freed(&provider, &pool, &b);
-        assert_eq!(next.woken().await, Some((pool.clone(), b)));
+        assert_eq!(woken(&next).await, Some((pool.clone(), b)));
         drop(next);
         assert_eq!(third.take_hint(), None, "a used wake-up was handed on");
     }
@@ -908,9 +924,14 @@ mod tests {
         tokio::task::yield_now().await;
         assert!(!before.is_finished(), "stopped before stop_waiting");
         waits.stop_waiting();
-        before.await.unwrap();
-        // a waiter that comes later does not wait at all (the test hangs if it did)
-        waits.waiting_stopped().await;
+        tokio::time::timeout(Duration::from_secs(10), before)
+            .await
+            .expect("a waiter from before the stop still waits")
+            .unwrap();
+        // a waiter that comes later does not wait at all
+        tokio::time::timeout(Duration::from_secs(10), waits.waiting_stopped())
+            .await
+            .expect("a waiter from after the stop waits");
     }
 
     #[tokio::test]
@@ -933,7 +954,7 @@ mod tests {
         drop(gone);
         let a = KeyId::parse("a").unwrap();
         waits.slot_freed(&provider, &pool, &a);
-        assert_eq!(staying.woken().await, Some((pool, a)));
+        assert_eq!(woken(&staying).await, Some((pool, a)));
         assert!(
             waits.pools.lock().unwrap().len() == 1,
             "the vip queue was not removed"
