@@ -76,6 +76,17 @@ BEGIN
 END;
 $$;
 
+-- Whether an update changes who may be leased from the credential: what moves its pool's version
+-- (and stamps the row for the incremental read below).
+CREATE OR REPLACE FUNCTION credentials_selection_moved(o credentials, n credentials) RETURNS boolean
+LANGUAGE sql IMMUTABLE AS $$
+    SELECT (o.provider, o.pool, o.models, o.model_aliases, o.max_concurrent_uses,
+            o.status, o.cooldown_until, o.draining, o.rate_limits)
+           IS DISTINCT FROM
+           (n.provider, n.pool, n.models, n.model_aliases, n.max_concurrent_uses,
+            n.status, n.cooldown_until, n.draining, n.rate_limits)
+$$;
+
 DROP TRIGGER IF EXISTS credentials_membership_changed ON credentials;
 CREATE TRIGGER credentials_membership_changed
     AFTER INSERT OR DELETE ON credentials
@@ -85,18 +96,15 @@ DROP TRIGGER IF EXISTS credentials_selection_changed ON credentials;
 CREATE TRIGGER credentials_selection_changed
     AFTER UPDATE ON credentials
     FOR EACH ROW
-    WHEN ((OLD.provider, OLD.pool, OLD.models, OLD.model_aliases, OLD.max_concurrent_uses,
-           OLD.status, OLD.cooldown_until, OLD.draining, OLD.rate_limits)
-          IS DISTINCT FROM
-          (NEW.provider, NEW.pool, NEW.models, NEW.model_aliases, NEW.max_concurrent_uses,
-           NEW.status, NEW.cooldown_until, NEW.draining, NEW.rate_limits))
+    WHEN (credentials_selection_moved(OLD, NEW))
     EXECUTE FUNCTION credentials_bump_pool_version();
 
 -- What the incremental read of a pool's candidates looks for (the versioned migration that made
 -- `credentials.changed_by` and credential_departures says how it is read): the transaction that
 -- changed a credential in a way that moves its pool's version, and a credential that left a pool.
 -- A pool's departures older than ten minutes are dropped as new ones come (a service whose last
--- read of a pool is older than five minutes reads it whole).
+-- read of a pool is older than five minutes reads it whole), passing over rows another delete is
+-- dropping at that moment: two deletes in one pool never wait for each other here.
 CREATE OR REPLACE FUNCTION credentials_stamp_change() RETURNS trigger
 LANGUAGE plpgsql AS $$
 BEGIN
@@ -114,19 +122,18 @@ DROP TRIGGER IF EXISTS credentials_stamp_update ON credentials;
 CREATE TRIGGER credentials_stamp_update
     BEFORE UPDATE ON credentials
     FOR EACH ROW
-    WHEN ((OLD.provider, OLD.pool, OLD.models, OLD.model_aliases, OLD.max_concurrent_uses,
-           OLD.status, OLD.cooldown_until, OLD.draining, OLD.rate_limits)
-          IS DISTINCT FROM
-          (NEW.provider, NEW.pool, NEW.models, NEW.model_aliases, NEW.max_concurrent_uses,
-           NEW.status, NEW.cooldown_until, NEW.draining, NEW.rate_limits))
+    WHEN (credentials_selection_moved(OLD, NEW))
     EXECUTE FUNCTION credentials_stamp_change();
 
 CREATE OR REPLACE FUNCTION credentials_note_departure() RETURNS trigger
 LANGUAGE plpgsql AS $$
 BEGIN
     DELETE FROM credential_departures d
-    WHERE d.provider = OLD.provider AND d.pool = OLD.pool
-      AND d.departed_at < now() - interval '10 minutes';
+    WHERE d.ctid = ANY (ARRAY(
+        SELECT o.ctid FROM credential_departures o
+        WHERE o.provider = OLD.provider AND o.pool = OLD.pool
+          AND o.departed_at < now() - interval '10 minutes'
+        FOR UPDATE SKIP LOCKED));
     INSERT INTO credential_departures (provider, pool, key_id)
     VALUES (OLD.provider, OLD.pool, OLD.key_id);
     RETURN NULL;

@@ -60,3 +60,53 @@ async fn a_change_still_open_during_a_read_is_in_the_next_read_of_the_changes() 
     // xmin below it. Reading a row again is harmless; missing one is what must not happen.)
     assert!(changes.version > whole.version);
 }
+
+#[tokio::test]
+async fn deletes_in_one_pool_never_wait_for_each_others_departures() {
+    // A credential's delete drops its pool's departures older than ten minutes. Two deletes in
+    // one pool, the first still open after dropping an old departure: the second passes over it
+    // rather than wait for the first's commit (a lock no lock order names).
+    let app = TestApp::spawn().await;
+    for key in ["key-a", "key-b"] {
+        app.put_key(key, "openai", "default", &["gpt-4o"], 1).await;
+    }
+    let mut first = connect(&app).await;
+    let mut second = connect(&app).await;
+    sqlx::query(
+        "INSERT INTO credential_departures (provider, pool, key_id, departed_at)
+         VALUES ('openai', 'default', 'long-gone', now() - interval '11 minutes')",
+    )
+    .execute(&mut first)
+    .await
+    .unwrap();
+
+    let mut open = first.begin().await.unwrap();
+    sqlx::query("DELETE FROM credentials WHERE key_id = 'key-a'")
+        .execute(&mut *open)
+        .await
+        .unwrap();
+    // (the bound turns a wait into a failure; a delete that does not wait takes milliseconds)
+    sqlx::query("SET lock_timeout = '10s'")
+        .execute(&mut second)
+        .await
+        .unwrap();
+    let deleted = sqlx::query("DELETE FROM credentials WHERE key_id = 'key-b'")
+        .execute(&mut second)
+        .await;
+    assert!(
+        deleted.is_ok(),
+        "the second delete waited for the first's departures: {deleted:?}"
+    );
+    open.commit().await.unwrap();
+
+    let departures: Vec<String> =
+        sqlx::query_scalar("SELECT key_id FROM credential_departures ORDER BY key_id")
+            .fetch_all(&mut second)
+            .await
+            .unwrap();
+    assert_eq!(
+        departures,
+        ["key-a", "key-b"],
+        "the old departure is dropped once"
+    );
+}
