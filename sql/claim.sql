@@ -488,7 +488,12 @@ $$;
 -- advisory lock in shared mode, tried (held to the commit, so no change of the tenant commits
 -- before this call does: what the later statements read of it stays true; not held, a change is
 -- in progress: 'busy'); its pool's version; a waiting request's arrival and end of wait, dated on
--- this clock. A claim without a live key is 'unauthorized'. Returns the claims still open, and
+-- this clock. A claim without a live key is 'unauthorized'; one of a pool its tenant's `pools` no
+-- longer admit (changed since the request arrived: a waiting request claims for up to its whole
+-- wait) 'pool_not_allowed'; neither takes the tenant's lock. A scope read in this statement's
+-- snapshot is the one in force when the lock is got, or a change in progress holds the lock: a
+-- change of `pools` applies to every claim that starts after it committed. Returns the claims
+-- still open, and
 -- says which phases the call needs
 -- (whether a tenant looks capped or windowed is read here BEFORE the lock was taken, so it is a
 -- hint: PICK PLAIN reads it again).
@@ -517,7 +522,9 @@ BEGIN
                p_now - make_interval(secs => (x.waiting ->> 'waited_ms')::numeric / 1000),
                p_now + make_interval(secs => (x.waiting ->> 'wait_ms')::numeric / 1000),
                NULL, false,
-               CASE WHEN t.tenant_id IS NULL THEN 'unauthorized' WHEN NOT t.steady THEN 'busy' END,
+               CASE WHEN t.tenant_id IS NULL THEN 'unauthorized'
+                    WHEN NOT t.admitted THEN 'pool_not_allowed'
+                    WHEN NOT t.steady THEN 'busy' END,
                NULL, false, NULL, false, NULL)::credpool_claim ORDER BY x.place),
            coalesce(array_agg(x.place ORDER BY x.place) FILTER (WHERE t.steady), '{}'),
            coalesce(bool_or(t.steady AND (t.capped OR t.windowed)), false),
@@ -531,10 +538,16 @@ BEGIN
     LEFT JOIN LATERAL (
         SELECT t.tenant_id, t.max_concurrent_leases IS NOT NULL AS capped,
                EXISTS (SELECT 1 FROM tenant_windows w WHERE w.tenant_id = t.tenant_id) AS windowed,
-               pg_try_advisory_xact_lock_shared(
+               s.admitted,
+               s.admitted AND pg_try_advisory_xact_lock_shared(
                    hashtextextended('credpool.tenant:' || t.tenant_id, 0)) AS steady
         FROM credpool_key_tenant(x.key_hash) AS k (tenant)
         JOIN tenants t ON t.tenant_id = k.tenant
+        -- (the configured internal key reaches every pool)
+        CROSS JOIN LATERAL (
+            SELECT x.key_hash IS NULL OR credpool_scope_admits(t.pools, x.provider, x.pool)
+                   AS admitted
+        ) AS s
     ) AS t ON true
     -- (absent from the request: a probe per candidate; LIMIT 1 keeps the planner from reading
     -- credentials in search of the few with windows)

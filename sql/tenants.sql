@@ -22,6 +22,17 @@ LANGUAGE sql STABLE PARALLEL SAFE AS $$
     WHERE k.key_hash = decode(p_key_hash, 'hex') AND k.revoked_at IS NULL
 $$;
 
+-- Whether a tenant's `pools` (patterns `provider/pool`, `*` for any provider or any pool) admit
+-- `p_provider`/`p_pool`: the rule the service applies when a request arrives, applied again by
+-- each claim.
+CREATE OR REPLACE FUNCTION credpool_scope_admits(p_pools text[], p_provider text, p_pool text)
+RETURNS boolean
+LANGUAGE sql IMMUTABLE PARALLEL SAFE AS $$
+    SELECT EXISTS (SELECT 1 FROM unnest(p_pools) AS p (pattern)
+                   WHERE split_part(p.pattern, '/', 1) IN ('*', p_provider)
+                     AND split_part(p.pattern, '/', 2) IN ('*', p_pool))
+$$;
+
 -- CUT, the first step of a change of tenant `p_tenant_id`'s windows, in a transaction of its own:
 -- waits for the tenant's claims and usage reports in flight (its advisory lock, exclusively: they
 -- hold it shared) and returns the moment it got it. Every grant and report of the tenant dated

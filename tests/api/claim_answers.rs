@@ -55,6 +55,7 @@ async fn every_word_the_claim_can_answer_decodes_to_its_outcome() {
             "in_flight" => matches!(outcome, ClaimOutcome::InFlight),
             "busy" => matches!(outcome, ClaimOutcome::Busy { bound: false, .. }),
             "unauthorized" => matches!(outcome, ClaimOutcome::Unauthorized),
+            "pool_not_allowed" => matches!(outcome, ClaimOutcome::PoolNotAllowed),
             "tenant_limit" => matches!(outcome, ClaimOutcome::TenantLimit { window: false, .. }),
             "yield" => matches!(&outcome, ClaimOutcome::Yield { to } if to == "team-b"),
             other => panic!("a claim state this test does not know: {other:?}"),

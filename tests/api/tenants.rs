@@ -1280,3 +1280,43 @@ async fn two_tenants_with_one_request_id_are_two_requests() {
     assert_eq!(again["lease_id"], other["lease_id"]);
     assert_eq!(app.in_flight("k1").await, 2);
 }
+
+#[tokio::test]
+async fn a_waiting_request_is_refused_a_pool_its_tenant_lost_while_it_waited() {
+    // Tenant `narrowed` may lease from openai/*; its request waits for the one slot. The operator
+    // takes openai out of its pools while it waits; the slot then frees. The waiter's next claim
+    // is refused (403 pool_not_allowed): a change of pools applies to every claim after it, not
+    // only to requests that arrive after it. Before, the waiter was served from the pool its
+    // tenant no longer had.
+    let _waiters = exclusive_waiters().await;
+    let app = TestApp::with_credential("k1", 1).await;
+    app.put_tenant("narrowed", json!({"pools": ["openai/*"]}))
+        .await;
+    let (_, key) = app.mint_key("narrowed").await;
+    let held = app.lease(gpt4o_in_for("default", 600)).await;
+    let waiting = {
+        let (app, key) = (app.remote(), key.clone());
+        tokio::spawn(async move {
+            app.allocate_as(
+                &key,
+                json!({"provider": "openai", "model": "gpt-4o", "wait_ms": 20_000}),
+            )
+            .await
+        })
+    };
+    waiters_queued(&app, 1).await;
+    app.put_tenant("narrowed", json!({"pools": ["anthropic/*"]}))
+        .await;
+    let released = app.release(lease_ref(&held)).await;
+    assert_eq!(released.status(), StatusCode::OK);
+
+    let refused = waiting.await.unwrap();
+    assert_error(refused, StatusCode::FORBIDDEN, "pool_not_allowed").await;
+    let leases: i64 = app
+        .scalar_of(
+            "SELECT count(*) FROM lease_slots WHERE lease_id IS NOT NULL AND tenant = $1",
+            "narrowed",
+        )
+        .await;
+    assert_eq!(leases, 0, "the tenant holds a lease of a pool it lost");
+}

@@ -187,6 +187,16 @@ pub enum AllocateError {
     /// 401: the tenant key presented is unknown or revoked (checked by the claim).
     #[error("unknown or revoked executor key")]
     Unauthorized,
+    /// 403: the caller's tenant may no longer lease from this provider and pool: its `pools`
+    /// changed while the request was served (checked by the claim; a request that arrives after
+    /// the change is refused before anything is read).
+    #[error("the tenant may not lease from {provider}/{pool}")]
+    PoolNotAllowed {
+        /// The provider asked for.
+        provider: ProviderName,
+        /// The pool whose claim was refused.
+        pool: PoolName,
+    },
     /// 503: PostgreSQL failed or could not be reached in time.
     #[error("store unavailable")]
     Store(#[from] sqlx::Error),
@@ -202,6 +212,7 @@ impl AllocateError {
             AllocateError::PoolExhausted { .. } => ErrorCode::PoolExhausted,
             AllocateError::TenantLimit { .. } => ErrorCode::TenantLimit,
             AllocateError::Unauthorized => ErrorCode::Unauthorized,
+            AllocateError::PoolNotAllowed { .. } => ErrorCode::PoolNotAllowed,
             AllocateError::RequestIdConflict => ErrorCode::RequestIdConflict,
             AllocateError::TokensExceedBudget => ErrorCode::TokensExceedBudget,
             AllocateError::SecretUnreadable { .. } => ErrorCode::InternalError,
@@ -679,6 +690,10 @@ impl Allocator {
         let claim = Arc::new(keys.claim(request, &request.pool, Vec::new(), false));
         match self.claim(&claim).await?.outcome {
             ClaimOutcome::Unauthorized => Err(AllocateError::Unauthorized),
+            ClaimOutcome::PoolNotAllowed => Err(AllocateError::PoolNotAllowed {
+                provider: request.provider.clone(),
+                pool: request.pool.clone(),
+            }),
             ClaimOutcome::Conflict => Err(AllocateError::RequestIdConflict),
             ClaimOutcome::Granted(granted) | ClaimOutcome::Replayed(granted) => {
                 Ok(Some(self.hand_out(request, granted).await?))
@@ -822,6 +837,12 @@ impl Allocator {
                     }));
                 }
                 ClaimOutcome::Unauthorized => return Err(AllocateError::Unauthorized),
+                ClaimOutcome::PoolNotAllowed => {
+                    return Err(AllocateError::PoolNotAllowed {
+                        provider: request.provider.clone(),
+                        pool: pool.clone(),
+                    });
+                }
                 ClaimOutcome::Conflict => return Err(AllocateError::RequestIdConflict),
                 // the tenant's own cap or windows, whatever the pool has free: no other pool or
                 // candidate can serve it; a window that never frees is smaller than the estimate

@@ -668,6 +668,10 @@ impl ApiError {
                 retry_after_seconds,
             },
             AllocateError::Unauthorized => ApiError::Unauthorized,
+            AllocateError::PoolNotAllowed { provider, pool } => ApiError::PoolNotAllowed {
+                provider: provider.to_string(),
+                pool: pool.to_string(),
+            },
             AllocateError::Store(e) => ApiError::StoreUnavailable(e),
             AllocateError::SecretUnreadable { key_id, error } => {
                 tracing::error!(key_id = %key_id, error = %error, "a credential's secret cannot be opened; check the master keys");

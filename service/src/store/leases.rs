@@ -271,6 +271,9 @@ pub enum ClaimOutcome {
     InFlight,
     /// The tenant key presented is unknown or revoked: nothing was done.
     Unauthorized,
+    /// The tenant's `pools` no longer admit the claim's pool (changed since the request arrived):
+    /// nothing was done.
+    PoolNotAllowed,
     /// Nothing granted: the tenant holds as many live leases as its cap allows, or a window of
     /// its rate limits has no room (`window`). `frees_at`: when it may be served again (`None`
     /// for a window that can never hold the reservation).
@@ -379,6 +382,7 @@ impl ClaimOutcome {
             (Some("conflict"), None) => ClaimOutcome::Conflict,
             (Some("in_flight"), None) => ClaimOutcome::InFlight,
             (Some("unauthorized"), None) => ClaimOutcome::Unauthorized,
+            (Some("pool_not_allowed"), None) => ClaimOutcome::PoolNotAllowed,
             (Some("tenant_limit"), None) => ClaimOutcome::TenantLimit {
                 window: match held_by {
                     Some("tenant_window") => true,
