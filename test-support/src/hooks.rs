@@ -46,23 +46,29 @@ pub async fn until_waiting(app: &TestApp, pid: i32) {
     panic!("backend {pid} never waited for a lock");
 }
 
-/// Waits until `n` backends of the app's database wait for a lock; panics after 60 seconds.
+/// Waits until exactly `n` backends of the app's database wait for a lock (a row lock, or a test
+/// hook's advisory lock); panics after 60 seconds. Read from `pg_locks`, where a lock given up at
+/// its holder's commit shows as granted to its waiter at once: `pg_stat_activity` keeps saying
+/// the waiter waits until it runs again, so a caller whose waiter moves from one lock to the
+/// next, or whose count goes down, would be answered by the lock already given.
 pub async fn wait_for_lock_waiters(app: &TestApp, n: i64) {
     let deadline = tokio::time::Instant::now() + Duration::from_secs(60);
+    let mut waiting = 0;
     while tokio::time::Instant::now() < deadline {
-        let waiting: i64 = sqlx::query_scalar(
-            "SELECT count(*) FROM pg_stat_activity
-             WHERE datname = current_database() AND wait_event_type = 'Lock'",
+        waiting = sqlx::query_scalar(
+            "SELECT count(DISTINCT l.pid) FROM pg_locks l
+             JOIN pg_stat_activity a ON a.pid = l.pid
+             WHERE a.datname = current_database() AND NOT l.granted",
         )
         .fetch_one(&app.db)
         .await
         .unwrap();
-        if waiting >= n {
+        if waiting == n {
             return;
         }
         tokio::time::sleep(Duration::from_millis(5)).await;
     }
-    panic!("never {n} backends waiting for a lock");
+    panic!("never {n} backends waiting for a lock (the last look saw {waiting})");
 }
 
 impl TestApp {

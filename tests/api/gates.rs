@@ -344,9 +344,7 @@ async fn a_release_all_that_waited_for_a_raised_limit_locks_the_new_slots_before
     app.lease(gpt4o_for(600)).await;
     let before = deadlocks(&app.db).await;
 
-    // the limit is raised (committed), and the refit that follows is held before its commit; the
-    // refit only locks the credential row (no new version of it), so a transaction queued
-    // behind it on that row is first in line when it commits
+    // the limit is raised (committed), and the refit that follows is held before its commit
     app.run_sql("UPDATE credentials SET max_concurrent_uses = 2 WHERE key_id = 'k'")
         .await;
     let mut fit = connect(&app).await;
@@ -355,8 +353,15 @@ async fn a_release_all_that_waited_for_a_raised_limit_locks_the_new_slots_before
         .execute(&mut fit)
         .await
         .unwrap();
-    // someone holds the credential row next (queued behind the refit)
-    let hold = &["SELECT 1 FROM credentials WHERE key_id = 'k' FOR NO KEY UPDATE"];
+    // someone holds the credential row next: queued behind the refit for the operator lock,
+    // ahead of the release-all, it takes the row and lets the operator lock go, so the
+    // release-all then waits for the row (two transactions that both wait for the refit's row
+    // would take it in either order)
+    let hold = &[
+        "SELECT pg_advisory_lock(credpool_operator_lock('k'))",
+        "SELECT 1 FROM credentials WHERE key_id = 'k' FOR NO KEY UPDATE",
+        "SELECT pg_advisory_unlock(credpool_operator_lock('k'))",
+    ];
     let holding = transaction_waiting(&app, connect(&app).await, hold, false).await;
     let release_all = {
         let app = app.remote();
