@@ -432,6 +432,59 @@ async fn a_claim_that_read_before_a_limit_was_lowered_grants_nothing_over_it() {
 }
 
 #[tokio::test]
+async fn a_refit_holds_what_it_counts_from_its_locks_to_its_commit() {
+    // A refit in a transaction of its own (as a release that freed a slot over a lowered limit
+    // runs one after its commit) is held right after its locks (`fit.locked`), having read the
+    // limit of 4 it will fit to and before it counts the leases in flight. Meanwhile a claim
+    // finds the free slots locked and grants nothing, and a renewal of the lease in flight and
+    // an operator's lowering of the limit to 1 wait for the refit. Without those locks the claim
+    // could fill a slot while the refit counts, and the refit, going on with the limit it read,
+    // would reopen 4 slots after the operator's own fit to 1: an oversell.
+    let app = TestApp::with_credential("kf", 4).await;
+    let held = app.lease(gpt4o_for(600)).await;
+    let hook = Hook::close(&app, "fit.locked").await;
+    let refit = &["SELECT credpool_fit_slots('kf')"];
+    let refitting = transaction_waiting(&app, hooked(&app, "fit.locked").await, refit, true).await;
+
+    let row = sqlx::query("SELECT key_id, request FROM credpool_claim($1)")
+        .bind(claim_body(&["kf"], "default", None))
+        .fetch_one(&mut connect(&app).await)
+        .await
+        .expect("the claim failed");
+    let key: Option<String> = row.get("key_id");
+    let request: Option<String> = row.get("request");
+    assert_eq!(key, None, "a claim filled a slot while the refit held it");
+    assert_eq!(request.as_deref(), Some("busy"));
+    let renewing = {
+        let (app, body) = (app.remote(), renew_body(&held, 600));
+        tokio::spawn(async move { app.renew(body).await.status() })
+    };
+    let lowering = {
+        let app = app.remote();
+        let body = json!({"max_concurrent_uses": 1});
+        tokio::spawn(async move { app.patch_key("kf", body).await.status() })
+    };
+    // the refit at its hook, the renewal and the operator's change behind it
+    wait_for_lock_waiters(&app, 3).await;
+    hook.open().await;
+    refitting.await.unwrap().expect("the refit failed");
+    assert_eq!(renewing.await.unwrap(), StatusCode::OK);
+    assert_eq!(lowering.await.unwrap(), StatusCode::OK);
+
+    // the lease in flight fills the lowered limit
+    let slots: i64 = app
+        .scalar("SELECT count(*) FROM lease_slots WHERE key_id = 'kf'")
+        .await;
+    assert_eq!(slots, 1, "slot rows of a credential of limit 1");
+    app.allocate(gpt4o_for(600))
+        .refused(StatusCode::TOO_MANY_REQUESTS, "pool_exhausted")
+        .await;
+    app.release_ok(&held, "success").await;
+    app.lease(gpt4o_for(600)).await;
+    audit_passes(BIN, &app.database).await;
+}
+
+#[tokio::test]
 async fn a_claim_never_waits_for_a_lock() {
     // Everything a claim could touch is locked by another transaction; claims, with and without
     // a request_id (one whose lease expired, one in flight elsewhere), still answer at once.
@@ -497,7 +550,9 @@ async fn reads(conn: &mut PgConnection) -> Vec<(String, i64, i64)> {
                 sum(coalesce(t.seq_tup_read, 0) + coalesce(t.idx_tup_fetch, 0))::bigint
          FROM pg_stat_xact_user_tables t
          LEFT JOIN pg_inherits i ON i.inhrelid = t.relid AND i.inhparent = 'lease_events'::regclass
-         WHERE t.relname IN ('credentials', 'lease_slots', 'lease_requests', 'pool_versions')
+         WHERE t.relname IN ('credentials', 'lease_slots', 'lease_requests', 'pool_versions',
+                             'tenants', 'tenant_keys', 'tenant_slots', 'tenant_windows',
+                             'pool_waiters', 'pool_waiter_processes', 'affinity_bindings')
             OR i.inhrelid IS NOT NULL
          GROUP BY 1
          ORDER BY 1",
@@ -507,18 +562,169 @@ async fn reads(conn: &mut PgConnection) -> Vec<(String, i64, i64)> {
     .unwrap()
 }
 
+/// The tenant the plan test's tenant claims are made for: capped, with windows, its key's hash.
+struct PlanTenant {
+    key_hash: String,
+}
+
+/// One claim of the plan test over `ranked` in pool `big`: a plain one, or (`tenant`) one of a
+/// capped tenant with windows that reserves tokens, names an affinity key bound to a credential
+/// of the pool and may wait.
+fn plan_claim(ranked: &[String], request_id: &str, tenant: Option<&PlanTenant>, i: usize) -> Value {
+    let ranked: Vec<&str> = ranked.iter().map(String::as_str).collect();
+    let mut body = claim_body(&ranked, "big", Some(request_id));
+    if let Some(tenant) = tenant {
+        let claim = &mut body[0];
+        claim["key_hash"] = json!(tenant.key_hash);
+        claim["tokens"] = json!(10);
+        claim["affinity_key"] = json!(format!("conversation-{}", (i * 7919) % 5_000));
+        claim["affinity_pools"] = json!(["big"]);
+        claim["affinity_ttl_seconds"] = json!(3600);
+        claim["affinity_mode"] = json!("preferred");
+        claim["waiting"] = json!({"waiter": uuid::Uuid::new_v4(), "instance": "plan",
+                                  "pools": ["big"], "waited_ms": 0.0, "wait_ms": 10_000.0});
+    }
+    body
+}
+
+/// 20 claims of 8 candidates each in pool `big` (of `tenant`, when given; see [`plan_claim`]),
+/// their renewals and their releases (with a usage, for a tenant's), in one transaction on
+/// `conn`: then no sequential scan and O(candidates) rows read of every table, not O(pool).
+async fn claims_read_only_their_rows(
+    conn: &mut PgConnection,
+    phase: &str,
+    tenant: Option<&PlanTenant>,
+) {
+    let part = if tenant.is_some() { "tenant" } else { "plain" };
+    let key_hash = tenant.map(|t| t.key_hash.as_str());
+    conn.execute("BEGIN").await.unwrap();
+    let mut leases = Vec::new();
+    for i in 0..20 {
+        let ranked: Vec<String> = (0..8)
+            .map(|j| format!("big-{}", (i * 97 + j * 13) % 10_000))
+            .collect();
+        let body = plan_claim(&ranked, &format!("plan-{phase}-{part}-{i}"), tenant, i);
+        let row = sqlx::query("SELECT key_id, lease_id, request FROM credpool_claim($1)")
+            .bind(body)
+            .fetch_one(&mut *conn)
+            .await
+            .unwrap();
+        let key: Option<String> = row.get("key_id");
+        let request: Option<String> = row.get("request");
+        let key = key.unwrap_or_else(|| panic!("{phase} {part}: claim {i} answered {request:?}"));
+        let lease: uuid::Uuid = row.get("lease_id");
+        leases.push((key, lease));
+    }
+    let renewals: Vec<Value> = leases
+        .iter()
+        .map(|(key, lease)| json!({"lease_id": lease, "key_id": key, "provider": "openai", "pool": "big", "fence": null, "lease_seconds": 60, "key_hash": key_hash}))
+        .collect();
+    let renewed: Vec<Option<time::OffsetDateTime>> =
+        sqlx::query_scalar("SELECT lease_until FROM credpool_renew($1)")
+            .bind(Value::Array(renewals))
+            .fetch_all(&mut *conn)
+            .await
+            .unwrap();
+    assert!(renewed.iter().all(Option::is_some), "{phase} {part}");
+    let usage = tenant.map(|_| 5);
+    let releases: Vec<Value> = leases
+        .iter()
+        .map(|(key, lease)| json!({"lease_id": lease, "key_id": key, "provider": "openai", "pool": "big", "fence": null, "outcome": "success", "key_hash": key_hash, "usage_tokens": usage}))
+        .collect();
+    let verdicts: Vec<String> = sqlx::query_scalar("SELECT verdict FROM credpool_release($1, $2)")
+        .bind(Value::Array(releases))
+        .bind(policy())
+        .fetch_all(&mut *conn)
+        .await
+        .unwrap();
+    assert!(
+        verdicts.iter().all(|v| v == "released"),
+        "{phase} {part}: {verdicts:?}"
+    );
+    for (table, seq_scans, rows) in reads(conn).await {
+        assert_eq!(seq_scans, 0, "{phase} {part}: a sequential scan of {table}");
+        // 20 claims x 8 candidates x (1 credential + 4 slots), a tenant's slot rows (its cap of
+        // 24) per claim; bindings, waiters, renewals and releases by key
+        assert!(
+            rows < 2_000,
+            "{phase} {part}: {rows} rows of {table} read for 20 leases"
+        );
+    }
+    conn.execute("ROLLBACK").await.unwrap();
+}
+
+/// The plan test's tenants `plan-<first>` .. `plan-<first + 999>` (cap 4, a window), their keys,
+/// 5 waiters each for other models of pool `big`, and bindings `conversation-<n>` to credentials
+/// `big-<first + n>` for n below 5,000, of `team` and of each of them in turn. The waiters are
+/// spread over 50 models: the fair share probe reads the waiters of its provider and model by
+/// index, but under statistics that show one model only, its generic plan reads every waiter.
+async fn plan_tenants(app: &TestApp, first: i32) {
+    app.run_sql_with(
+        "INSERT INTO tenants (tenant_id, max_concurrent_leases, rate_limits, pools)
+         SELECT 'plan-' || g, 4, '[{\"tokens\": 1000000, \"seconds\": 600}]', '{*/*}'
+         FROM generate_series($1::int, $1::int + 999) g",
+        first,
+    )
+    .await;
+    app.run_sql_with(
+        "SELECT credpool_fit_tenant('plan-' || g) FROM generate_series($1::int, $1::int + 999) g",
+        first,
+    )
+    .await;
+    app.run_sql_with(
+        "INSERT INTO tenant_keys (key_id, tenant_id, key_hash)
+         SELECT gen_random_uuid(), 'plan-' || g, sha256(convert_to('plan-key-' || g, 'UTF8'))
+         FROM generate_series($1::int, $1::int + 999) g",
+        first,
+    )
+    .await;
+    app.run_sql_with(
+        "INSERT INTO pool_waiters (waiter, instance, tenant, provider, pools, model, since, until)
+         SELECT gen_random_uuid(), 'plan-other', 'plan-' || (g / 5), 'openai', '{big}',
+                'model-' || (g % 50), now(), now() + interval '1 hour'
+         FROM generate_series($1::int * 5, $1::int * 5 + 4999) g",
+        first,
+    )
+    .await;
+    app.run_sql_with(
+        "INSERT INTO affinity_bindings
+             (tenant, provider, pool, affinity_key, key_id, bound_at, last_hit_at, expires_at)
+         SELECT t, 'openai', 'big', 'conversation-' || n, 'big-' || ($1::int + n), now(), now(),
+                now() + interval '1 hour'
+         FROM generate_series(0, 4999) n,
+              LATERAL (VALUES ('team'), ('plan-' || ($1::int + n / 5))) AS x (t)
+         ON CONFLICT DO NOTHING",
+        first,
+    )
+    .await;
+}
+
 #[tokio::test]
 async fn the_claim_release_and_renewal_read_only_their_rows_whatever_the_statistics() {
-    // 10,000 credentials of limit 4 in one pool: never analyzed, then analyzed while the tables
-    // were tiny (stale), then analyzed now. Each time 20 claims over 8 candidates, their renewals
-    // and releases must do no sequential scan and read O(candidates) rows, not O(pool).
+    // 10,000 credentials of limit 4 in one pool, 2,000 capped tenants with windows and keys,
+    // 10,000 waiters for other models and 15,000 affinity bindings: never analyzed, then
+    // analyzed while the tables were tiny (stale), then analyzed now. Each time 20 plain claims
+    // over 8 candidates, and 20 of a capped tenant with windows that reserve tokens, name a bound
+    // affinity key and may wait, their renewals and releases must do no sequential scan and read
+    // O(candidates) rows, not O(pool), of every table.
     let app = TestApp::spawn().await;
     let days: Vec<String> = app
         .scalars("SELECT day::text FROM credpool_trail_days()")
         .await;
-    for table in ["credentials", "lease_slots", "lease_requests"]
-        .into_iter()
-        .chain(days.iter().map(String::as_str))
+    for table in [
+        "credentials",
+        "lease_slots",
+        "lease_requests",
+        "tenants",
+        "tenant_keys",
+        "tenant_slots",
+        "tenant_windows",
+        "pool_waiters",
+        "pool_waiter_processes",
+        "affinity_bindings",
+    ]
+    .into_iter()
+    .chain(days.iter().map(String::as_str))
     {
         app.db
             .execute(sqlx::AssertSqlSafe(format!(
@@ -528,6 +734,28 @@ async fn the_claim_release_and_renewal_read_only_their_rows_whatever_the_statist
             .unwrap();
     }
     app.put_gpt4o_key("seed", "big", 4).await;
+    let limits = json!({"max_concurrent_leases": 24,
+                        "rate_limits": [{"tokens": 1_000_000, "seconds": 600},
+                                        {"requests": 100_000, "seconds": 600}]});
+    let key = app.tenant_key("team", limits).await;
+    let tenant = PlanTenant {
+        key_hash: app
+            .scalar_of("SELECT encode(sha256(convert_to($1, 'UTF8')), 'hex')", &key)
+            .await,
+    };
+    // another tenant waits for the pool's model, at its cap of 0: never yielded to, but each
+    // waiting claim of `team` weighs its share against it (the pool's live leases)
+    app.run_sql(
+        "INSERT INTO tenants (tenant_id, max_concurrent_leases, pools)
+         VALUES ('blocked', 0, '{*/*}')",
+    )
+    .await;
+    app.run_sql(
+        "INSERT INTO pool_waiters (waiter, instance, tenant, provider, pools, model, since, until)
+         VALUES (gen_random_uuid(), 'plan-other', 'blocked', 'openai', '{big}', 'gpt-4o', now(),
+                 now() + interval '1 hour')",
+    )
+    .await;
     for phase in ["never-analyzed", "stale", "fresh"] {
         match phase {
             "stale" => {
@@ -535,7 +763,10 @@ async fn the_claim_release_and_renewal_read_only_their_rows_whatever_the_statist
             }
             "fresh" => {
                 app.db
-                    .execute("ANALYZE credentials, lease_slots")
+                    .execute(
+                        "ANALYZE credentials, lease_slots, tenants, tenant_keys, tenant_slots,
+                                 tenant_windows, pool_waiters, affinity_bindings",
+                    )
                     .await
                     .unwrap();
             }
@@ -547,60 +778,19 @@ async fn the_claim_release_and_renewal_read_only_their_rows_whatever_the_statist
                  SELECT 'big-' || g, 'openai', 'big', '{gpt-4o}', 4, '\\x00'::bytea
                  FROM generate_series($1::int, $1::int + 4999) g", start).await;
             app.run_sql_with("SELECT credpool_fit_slots('big-' || g) FROM generate_series($1::int, $1::int + 4999) g", start).await;
+            plan_tenants(&app, start).await;
         }
-        let mut conn = connect(&app).await;
-        conn.execute("BEGIN").await.unwrap();
-        let mut leases = Vec::new();
-        for i in 0..20 {
-            let ranked: Vec<String> = (0..8)
-                .map(|j| format!("big-{}", (i * 97 + j * 13) % 10_000))
-                .collect();
-            let ranked: Vec<&str> = ranked.iter().map(String::as_str).collect();
-            let row = sqlx::query("SELECT key_id, lease_id, fence FROM credpool_claim($1)")
-                .bind(claim_body(
-                    &ranked,
-                    "big",
-                    Some(&format!("plan-{phase}-{i}")),
-                ))
-                .fetch_one(&mut conn)
-                .await
-                .unwrap();
-            let key: String = row.get("key_id");
-            let lease: uuid::Uuid = row.get("lease_id");
-            leases.push((key, lease));
-        }
-        let renewals: Vec<Value> = leases
-            .iter()
-            .map(|(key, lease)| json!({"lease_id": lease, "key_id": key, "provider": "openai", "pool": "big", "fence": null, "lease_seconds": 60}))
-            .collect();
-        let renewed: Vec<Option<time::OffsetDateTime>> =
-            sqlx::query_scalar("SELECT lease_until FROM credpool_renew($1)")
-                .bind(Value::Array(renewals))
-                .fetch_all(&mut conn)
-                .await
-                .unwrap();
-        assert!(renewed.iter().all(Option::is_some));
-        let releases: Vec<Value> = leases
-            .iter()
-            .map(|(key, lease)| json!({"lease_id": lease, "key_id": key, "provider": "openai", "pool": "big", "fence": null, "outcome": "success"}))
-            .collect();
-        let verdicts: Vec<String> =
-            sqlx::query_scalar("SELECT verdict FROM credpool_release($1, $2)")
-                .bind(Value::Array(releases))
-                .bind(policy())
-                .fetch_all(&mut conn)
-                .await
-                .unwrap();
-        assert!(verdicts.iter().all(|v| v == "released"), "{verdicts:?}");
-        for (table, seq_scans, rows) in reads(&mut conn).await {
-            assert_eq!(seq_scans, 0, "{phase}: a sequential scan of {table}");
-            // 20 claims x 8 candidates x (1 credential + 4 slots), renewals and releases by id
-            assert!(
-                rows < 2_000,
-                "{phase}: {rows} rows of {table} read for 20 leases"
-            );
-        }
-        conn.execute("ROLLBACK").await.unwrap();
+        // a connection each: a backend's counts of a transaction stay in its `pg_stat_xact_*`
+        // views until they are flushed, which may be after its next transaction began
+        claims_read_only_their_rows(&mut connect(&app).await, phase, None).await;
+        // the waiters' processes said they are alive just now
+        app.run_sql(
+            "INSERT INTO pool_waiter_processes (instance, seen_at)
+             VALUES ('plan', now()), ('plan-other', now())
+             ON CONFLICT (instance) DO UPDATE SET seen_at = EXCLUDED.seen_at",
+        )
+        .await;
+        claims_read_only_their_rows(&mut connect(&app).await, phase, Some(&tenant)).await;
     }
 }
 
