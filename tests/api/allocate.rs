@@ -254,12 +254,21 @@ async fn cooling_credentials_are_pool_exhausted_until_the_cooldown_ends_then_usa
 }
 
 #[tokio::test]
-async fn rate_limited_with_unknown_cooldown_end_is_not_usable() {
-    let app = TestApp::with_credential("key-a", 1).await;
-    app.set_status("key-a", "cooldown", None).await;
-    app.allocate(gpt4o_in("default"))
-        .refused(StatusCode::CONFLICT, "no_usable_credentials")
-        .await;
+async fn rate_limited_cooldown_or_exhausted_with_unknown_cooldown_end_is_not_usable() {
+    // one credential per status, each alone in its pool
+    let app = TestApp::spawn().await;
+    for status in ["rate_limited", "cooldown", "exhausted"] {
+        app.put_gpt4o_key(status, status, 1).await;
+        app.set_status(status, status, None).await;
+    }
+    for status in ["rate_limited", "cooldown", "exhausted"] {
+        let response = app.allocate(gpt4o_in(status)).await;
+        let answer = (response.status(), response.text().await.unwrap());
+        assert!(
+            answer.0 == StatusCode::CONFLICT && answer.1.contains("\"no_usable_credentials\""),
+            "{status} with no cooldown end: {answer:?}"
+        );
+    }
 }
 
 #[tokio::test]
