@@ -339,7 +339,10 @@ async fn a_late_report_of_usage_replaces_the_reservation_in_the_tenant_window() 
         .scalar("SELECT count(*) FROM lease_slots WHERE lease_until > now()")
         .await;
     assert_eq!(live, 0, "the lease has not expired yet");
-    // expired, its reservation still holds: an expiry gives no tokens back, only a report does
+    // the cleanup pass ends it as `expired`: its reservation still holds, an expiry gives no
+    // tokens back, only a report does
+    let reaped: i32 = app.scalar("SELECT credpool_reap_expired_leases()").await;
+    assert_eq!(reaped, 1, "the expired lease left its slot");
     let refused = app.allocate_as(&key, reserving(800)).await;
     assert_eq!(
         refused.status(),
@@ -351,6 +354,14 @@ async fn a_late_report_of_usage_replaces_the_reservation_in_the_tenant_window() 
     report["usage"] = json!({"tokens": 100});
     app.release_as(&key, report).ok_json().await;
     app.allocate_as(&key, reserving(800)).ok_json().await;
+    // 100 used and 800 reserved: exactly 100 left
+    let refused = app.allocate_as(&key, reserving(101)).await;
+    assert_eq!(
+        refused.status(),
+        StatusCode::TOO_MANY_REQUESTS,
+        "the report gave back more than its reservation less its usage"
+    );
+    app.allocate_as(&key, reserving(100)).ok_json().await;
     audit_passes(BIN, &app.database).await;
 }
 
