@@ -84,8 +84,20 @@ async fn an_import_and_a_release_group_never_deadlock() {
     // credential row and its pool's version row while waiting, and a release on `ky` reporting a
     // rate limit waited for that version row: once the test let go, the import wanted the
     // release's slot and the two deadlocked. Now an import takes every slot row before any
-    // credential row, and pool versions are never waited for.
+    // credential row, and pool versions are never waited for. The release group also carries a
+    // late report of a lease of `kx`, which counts for kx's health: holding ky's slot, the group
+    // takes kx's credential row, which an import that locked one credential after the other
+    // would hold while it waits for ky's slots.
     let app = TestApp::with_credential("kx", 2).await;
+    let late = app.lease(gpt4o_in_for("default", 600)).await;
+    app.run_sql_with(
+        "UPDATE lease_slots SET granted_at = now() - interval '2 seconds',
+             lease_until = now() - interval '1 second' WHERE lease_id = $1::uuid",
+        late["lease_id"].as_str().unwrap(),
+    )
+    .await;
+    let reaped: i32 = app.scalar("SELECT credpool_reap_expired_leases()").await;
+    assert_eq!(reaped, 1, "kx's lease left its slot");
     app.put_gpt4o_key("ky", "default", 2).await;
     // both of ky's slots leased; the one in slot 1 is released below
     app.run_sql("UPDATE credentials SET status = 'disabled' WHERE key_id = 'kx'")
@@ -136,13 +148,26 @@ async fn an_import_and_a_release_group_never_deadlock() {
     // that never waits has nothing to deadlock with, and must fail the test, not pass it)
     wait_for_lock_waiters(&app, 1).await;
 
-    let release = {
-        let app_release = app.release(release_body(&released, "rate_limited"));
-        tokio::time::timeout(Duration::from_secs(20), app_release)
-    };
-    let response = release.await.expect("the release hung");
-    let body = json_body(response, StatusCode::OK).await;
-    assert_eq!(body["released"], true, "{body}");
+    // the release group, as the service runs it
+    let group = json!([
+        group_release(&late, "rate_limited"),
+        group_release(&released, "rate_limited")
+    ]);
+    let releasing = sqlx::query_scalar::<_, String>(
+        "SELECT verdict FROM credpool_release($1, $2) ORDER BY release",
+    )
+    .bind(group)
+    .bind(policy())
+    .fetch_all(&app.db);
+    let verdicts = tokio::time::timeout(Duration::from_secs(20), releasing)
+        .await
+        .expect("the release group hung")
+        .expect("the release group failed");
+    assert_eq!(verdicts, ["not_found", "released"]);
+    let late_reports: i64 = app
+        .scalar("SELECT count(*) FROM lease_events WHERE event = 'outcome_after_expiry'")
+        .await;
+    assert_eq!(late_reports, 1, "the late report was not recorded");
     blocker.execute("COMMIT").await.unwrap();
     let (created, updated) = import.await.unwrap().expect("the import failed");
     assert_eq!((created, updated), (0, 2));
