@@ -11,10 +11,9 @@ stand-in defined below: replace it with your SDK's.
 """
 
 import asyncio
-import os
 import sys
 
-from credpool import AsyncClient, PoolExhausted
+from credpool import AsyncClient, MissingSetting, PoolExhausted
 
 
 class UpstreamRateLimit(Exception):
@@ -33,23 +32,9 @@ async def call_upstream(api_key: str) -> str:
     return "the upstream answered"
 
 
-def internal_key() -> str:
-    """The executor key, from ``CREDPOOL_INTERNAL_KEY``; without it, says so and exits 2."""
-    key = os.environ.get("CREDPOOL_INTERNAL_KEY")
-    if not key:
-        print(
-            "CREDPOOL_INTERNAL_KEY is not set: export the executor key first "
-            '(`eval "$(credpool env)"` exports it for the embedded default)',
-            file=sys.stderr,
-        )
-        sys.exit(2)
-    return key
-
-
 async def main() -> None:
-    url = os.environ.get("CREDPOOL_URL", "http://127.0.0.1:8080")
-    key = internal_key()
-    async with AsyncClient(url, internal_key=key) as client:
+    # the service and the executor key: CREDPOOL_URL and CREDPOOL_INTERNAL_KEY
+    async with AsyncClient.from_env() as client:
         try:
             async with client.lease(
                 "openai", "gpt-4o", pool="default", holder="worker-7", lease_seconds=35, wait=5.0
@@ -71,4 +56,8 @@ async def main() -> None:
 
 
 if __name__ == "__main__":
-    asyncio.run(main())
+    try:
+        asyncio.run(main())
+    except MissingSetting as e:  # no CREDPOOL_INTERNAL_KEY: say so, and exit 2
+        print(e, file=sys.stderr)
+        sys.exit(2)

@@ -10,11 +10,10 @@ Quickstart, steps 3 to 5), after ``pip install ./clients/python``::
 stand-in defined below: replace it with your SDK's.
 """
 
-import os
 import sys
 import time
 
-from credpool import Client
+from credpool import Client, MissingSetting
 
 
 def call_upstream(api_key: str) -> str:
@@ -23,23 +22,9 @@ def call_upstream(api_key: str) -> str:
     return "the upstream answered" if api_key else "no api_key in the credential"
 
 
-def internal_key() -> str:
-    """The executor key, from ``CREDPOOL_INTERNAL_KEY``; without it, says so and exits 2."""
-    key = os.environ.get("CREDPOOL_INTERNAL_KEY")
-    if not key:
-        print(
-            "CREDPOOL_INTERNAL_KEY is not set: export the executor key first "
-            '(`eval "$(credpool env)"` exports it for the embedded default)',
-            file=sys.stderr,
-        )
-        sys.exit(2)
-    return key
-
-
 def main() -> None:
-    url = os.environ.get("CREDPOOL_URL", "http://127.0.0.1:8080")
-    key = internal_key()
-    with Client(url, internal_key=key) as client:
+    # the service and the executor key: CREDPOOL_URL and CREDPOOL_INTERNAL_KEY
+    with Client.from_env() as client:
         with client.lease("openai", "gpt-4o", wait=5.0) as lease:
             answer = call_upstream(lease.credential["api_key"])
         print(answer)
@@ -47,4 +32,8 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    try:
+        main()
+    except MissingSetting as e:  # no CREDPOOL_INTERNAL_KEY: say so, and exit 2
+        print(e, file=sys.stderr)
+        sys.exit(2)

@@ -17,28 +17,16 @@ import sys
 import litellm
 from litellm.router import Router
 
+from credpool import MissingSetting
 from credpool.integrations.litellm import CredpoolLeases
 
 QUESTION = [{"role": "user", "content": "Say hello."}]
 
 
-def internal_key() -> str:
-    """The executor key, from ``CREDPOOL_INTERNAL_KEY``; without it, says so and exits 2."""
-    key = os.environ.get("CREDPOOL_INTERNAL_KEY")
-    if not key:
-        print(
-            "CREDPOOL_INTERNAL_KEY is not set: export the executor key first "
-            '(`eval "$(credpool env)"` exports it for the embedded default)',
-            file=sys.stderr,
-        )
-        sys.exit(2)
-    return key
-
-
 async def main() -> None:
-    # CREDPOOL_URL from the environment (default http://127.0.0.1:8080); provider and model
-    # from each call (openai, gpt-4o)
-    leases = CredpoolLeases(internal_key=internal_key(), holder="litellm-example")
+    # CREDPOOL_URL and CREDPOOL_INTERNAL_KEY from the environment; provider and model from each
+    # call (openai, gpt-4o)
+    leases = CredpoolLeases(holder="litellm-example")
     litellm.callbacks = [leases]
     router = Router(
         model_list=[
@@ -69,4 +57,8 @@ async def main() -> None:
 
 
 if __name__ == "__main__":
-    asyncio.run(main())
+    try:
+        asyncio.run(main())
+    except MissingSetting as e:  # no CREDPOOL_INTERNAL_KEY: say so, and exit 2
+        print(e, file=sys.stderr)
+        sys.exit(2)

@@ -12,14 +12,13 @@ provider endpoint than OpenAI's (scripts/run-examples points it at a mock).
 """
 
 import asyncio
-import os
 import sys
 from typing import List
 
 import openai
 from openai.types.chat import ChatCompletionMessageParam
 
-from credpool import AsyncClient
+from credpool import AsyncClient, MissingSetting
 
 QUESTION: List[ChatCompletionMessageParam] = [{"role": "user", "content": "Say hello."}]
 
@@ -58,28 +57,18 @@ async def ask(client: AsyncClient, sdk: openai.AsyncOpenAI, stream: bool) -> Non
     print(f"released: {lease.released}")
 
 
-def internal_key() -> str:
-    """The executor key, from ``CREDPOOL_INTERNAL_KEY``; without it, says so and exits 2."""
-    key = os.environ.get("CREDPOOL_INTERNAL_KEY")
-    if not key:
-        print(
-            "CREDPOOL_INTERNAL_KEY is not set: export the executor key first "
-            '(`eval "$(credpool env)"` exports it for the embedded default)',
-            file=sys.stderr,
-        )
-        sys.exit(2)
-    return key
-
-
 async def main() -> None:
-    url = os.environ.get("CREDPOOL_URL", "http://127.0.0.1:8080")
-    key = internal_key()
     # one SDK client (one connection pool); each call gets its key from its lease
     sdk = openai.AsyncOpenAI(api_key="leased per call")
-    async with AsyncClient(url, internal_key=key) as client:
+    # the service and the executor key: CREDPOOL_URL and CREDPOOL_INTERNAL_KEY
+    async with AsyncClient.from_env() as client:
         await ask(client, sdk, stream=False)
         await ask(client, sdk, stream=True)
 
 
 if __name__ == "__main__":
-    asyncio.run(main())
+    try:
+        asyncio.run(main())
+    except MissingSetting as e:  # no CREDPOOL_INTERNAL_KEY: say so, and exit 2
+        print(e, file=sys.stderr)
+        sys.exit(2)

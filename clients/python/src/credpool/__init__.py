@@ -11,94 +11,37 @@ with the outcome of the upstream call::
             api_key = lease.credential["api_key"]
             ...
 
+``AsyncClient.from_env()`` takes the URL and key from ``CREDPOOL_URL`` and
+``CREDPOOL_INTERNAL_KEY`` (:class:`MissingSetting` when the key is not set).
 :class:`Client` is the synchronous twin. Errors are one class per API error code under
 :class:`CredpoolError` (:mod:`credpool.errors`); :func:`outcome_for` turns an openai or
 anthropic SDK exception into the outcome to report.
 """
 
+from . import errors
 from ._async import AsyncClient, AsyncLease
 from ._lease import Credential, Lease, Released
 from ._protocol import DEFAULT_LEASE_SECONDS, MAX_RETRY_AFTER_SECONDS, OUTCOMES, RetryPolicy
 from ._sync import Client, SyncLease
 from ._version import __version__
-from .errors import (
-    ApiError,
-    CredentialNotFound,
-    CredpoolError,
-    Forbidden,
-    GenerationMoved,
-    InternalError,
-    InvalidRequest,
-    LeaseLost,
-    MethodNotAllowed,
-    ModelNotSupported,
-    NotReady,
-    NoUsableCredentials,
-    PayloadTooLarge,
-    PoolExhausted,
-    PoolNotAllowed,
-    PoolNotFound,
-    RequestIdConflict,
-    RouteNotFound,
-    ShuttingDown,
-    StoreUnavailable,
-    TenantInUse,
-    TenantKeyNotFound,
-    TenantLimit,
-    TenantNotFound,
-    TokensExceedBudget,
-    TokenUrlNotAllowed,
-    TransportError,
-    Unauthorized,
-    UnexpectedResponse,
-    UnsupportedMediaType,
-)
+from .errors import *  # noqa: F403 - every error class, as errors.__all__ lists them
 from .outcomes import Outcome, outcome_for, retry_after_of
 
 __all__ = [
     "DEFAULT_LEASE_SECONDS",
     "MAX_RETRY_AFTER_SECONDS",
     "OUTCOMES",
-    "ApiError",
     "AsyncClient",
     "AsyncLease",
     "Client",
     "Credential",
-    "CredentialNotFound",
-    "CredpoolError",
-    "Forbidden",
-    "GenerationMoved",
-    "InternalError",
-    "InvalidRequest",
     "Lease",
-    "LeaseLost",
-    "MethodNotAllowed",
-    "ModelNotSupported",
-    "NoUsableCredentials",
-    "NotReady",
     "Outcome",
-    "PayloadTooLarge",
-    "PoolExhausted",
-    "PoolNotAllowed",
-    "PoolNotFound",
     "Released",
-    "RequestIdConflict",
     "RetryPolicy",
-    "RouteNotFound",
-    "ShuttingDown",
-    "StoreUnavailable",
     "SyncLease",
-    "TenantInUse",
-    "TenantKeyNotFound",
-    "TenantLimit",
-    "TenantNotFound",
-    "TokenUrlNotAllowed",
-    "TokensExceedBudget",
-    "TransportError",
-    "Unauthorized",
-    "UnexpectedResponse",
-    "UnsupportedMediaType",
     "__version__",
     "outcome_for",
     "retry_after_of",
 ]
+__all__ += errors.__all__

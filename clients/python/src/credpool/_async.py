@@ -5,31 +5,26 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import sys
 import time
-import uuid
 import weakref
 from datetime import datetime
 from types import TracebackType
-from typing import Any, Awaitable, Callable, Dict, Iterator, Optional, Set, Tuple, Type, TypeVar
+from typing import Any, Callable, Dict, Optional, Set, Tuple, Type, TypeVar
 
 import httpx
 
 from . import _protocol as p
 from ._lease import Lease, LeaseState, Released, _Report
 from ._version import USER_AGENT
-from .errors import CredpoolError, LeaseLost, PoolExhausted
+from .errors import CredpoolError, LeaseLost
 
 __all__ = ["AsyncClient", "AsyncLease"]
 
 log = logging.getLogger("credpool")
 
 T = TypeVar("T")
-
-
-def _pauses(policy: p.RetryPolicy) -> Iterator[float]:
-    """The policy's backoff without an end, for pauses between 429s the server did not hold."""
-    return p.RetryPolicy(policy.base_delay, policy.max_delay, None, 1.0).delays()
 
 
 class _AsyncLeaseState(LeaseState):
@@ -49,12 +44,6 @@ class _AsyncLeaseState(LeaseState):
     def lose(self, error: CredpoolError) -> None:
         if not self.mark_lost(error):
             return
-        log.warning(
-            "credpool lease lost: stop using the credential (key_id=%s lease_id=%s): %s",
-            self.ref.key_id,
-            self.ref.lease_id,
-            self.lost_reason,
-        )
         self.lost.set()
         task = self.cancel_on_loss
         if task is not None and not task.done():
@@ -104,16 +93,16 @@ class AsyncLease(Lease):
 class _LeaseContext:
     """What :meth:`AsyncClient.lease` returns: ``async with`` it to get an :class:`AsyncLease`."""
 
-    def __init__(self, client: AsyncClient, cancel_on_loss: bool, **request: Any) -> None:
+    def __init__(self, client: AsyncClient, request: p.LeaseRequest, cancel_on_loss: bool) -> None:
         self._client = client
-        self._cancel_on_loss = cancel_on_loss
         self._request = request
+        self._cancel_on_loss = cancel_on_loss
         self._lease: Optional[AsyncLease] = None
 
     async def __aenter__(self) -> AsyncLease:
         if self._lease is not None:
             raise RuntimeError("this lease(...) was already entered; call lease() again")
-        lease = await self._client._acquire(**self._request)
+        lease = await self._client._acquire(self._request)
         self._lease = lease
         if self._cancel_on_loss:
             lease._state.cancel_on_loss = asyncio.current_task()
@@ -202,18 +191,29 @@ class AsyncClient:
         )
         self._held: Set[_AsyncLeaseState] = set()
 
+    @classmethod
+    def from_env(cls, **options: Any) -> AsyncClient:
+        """A client configured by the environment, as a script or a worker is: the service in
+        ``CREDPOOL_URL`` (default ``http://127.0.0.1:8080``), the executor key in
+        ``CREDPOOL_INTERNAL_KEY``; ``options`` are the constructor's other arguments
+        (``timeout``, ``retry``, ...)::
+
+            async with AsyncClient.from_env() as client:
+                ...
+
+        Raises :class:`~credpool.MissingSetting` (a ``ValueError``) naming
+        ``CREDPOOL_INTERNAL_KEY`` when it is unset or empty."""
+        return cls(
+            p.base_url_from(os.environ), internal_key=p.internal_key_from(os.environ), **options
+        )
+
     def __repr__(self) -> str:
         return f"AsyncClient(base_url={self._config.base_url!r})"
 
     async def __aenter__(self) -> AsyncClient:
         return self
 
-    async def __aexit__(
-        self,
-        exc_type: Optional[Type[BaseException]],
-        exc: Optional[BaseException],
-        tb: Optional[TracebackType],
-    ) -> None:
+    async def __aexit__(self, *exc: object) -> None:
         await self.aclose()
 
     async def aclose(self) -> None:
@@ -276,121 +276,43 @@ class AsyncClient:
         (with ``retry_after``), ``PoolNotFound``, ``ModelNotSupported``, ... and ``ValueError``
         for arguments no server takes.
         """
-        p.check_lease_args(lease_seconds, wait, tokens)
         affinity = p.affinity_fields(affinity_key, affinity_ttl, affinity_mode)
-        return _LeaseContext(
-            self,
-            cancel_on_loss,
-            provider=provider,
-            model=model,
-            pool=pool,
-            holder=holder,
-            lease_seconds=lease_seconds,
-            wait=wait,
-            tokens=tokens,
-            affinity=affinity,
+        request = p.LeaseRequest(
+            provider, model, pool, holder, lease_seconds, wait, tokens, affinity
         )
+        return _LeaseContext(self, request, cancel_on_loss)
 
     # -- the three calls -------------------------------------------------------------------
 
-    async def _acquire(
-        self,
-        *,
-        provider: str,
-        model: str,
-        pool: str,
-        holder: Optional[str],
-        lease_seconds: Optional[int],
-        wait: Optional[float],
-        tokens: Optional[int],
-        affinity: Dict[str, Any],
-    ) -> AsyncLease:
-        config = self._config
-        request_id = str(uuid.uuid4())
-        wait_until = time.monotonic() + min(wait, p.MAX_WAIT) if wait else None
-        pauses = _pauses(config.retry)
-        while True:
-            # Any attempt of this run may be the one the server granted (a lost answer is retried
-            # and gets the same lease back), so the lease started no earlier than this: the
-            # renewal clock counts from here.
-            run_started = time.monotonic()
-
-            async def attempt() -> p.Granted:
-                left = None if wait_until is None else wait_until - time.monotonic()
-                wait_ms = int(left * 1000) if left is not None and left >= 0.001 else None
-                body = p.allocate_body(
-                    provider=provider,
-                    model=model,
-                    pool=pool,
-                    lease_seconds=lease_seconds,
-                    holder=holder,
-                    request_id=request_id,
-                    wait_ms=wait_ms,
-                    tokens=tokens,
-                    affinity=affinity,
-                )
-                timeout = config.timeout + (wait_ms or 0) / 1000.0
-                answer = await self._post(config.allocate_url, body, timeout)
-                if answer.status != 200:
-                    raise p.error_of(answer, config.scrub)
-                return p.parse_granted(answer)
-
-            try:
-                granted = await self._with_retries("allocate", attempt)
-            except PoolExhausted as exhausted:
-                now = time.monotonic()
-                left = 0.0 if wait_until is None else wait_until - now
-                if left < 0.001:
-                    raise
-                if now - run_started < p.HELD_AT_LEAST:
-                    pause = min(next(pauses), exhausted.retry_after, left)
-                    log.debug("credpool pool exhausted; pausing %.3f s", pause)
-                    await asyncio.sleep(pause)
-                continue
-            log.debug(
-                "credpool leased key_id=%s lease_id=%s pool=%s fence=%d",
-                granted.ref.key_id,
-                granted.ref.lease_id,
-                granted.ref.pool,
-                granted.ref.fence,
-            )
-            state = _AsyncLeaseState(granted, lease_seconds)
-            lease = AsyncLease(self, state, granted.credential)
-            self._held.add(state)
-            state.renewal = asyncio.ensure_future(
-                self._keep_renewed(state, weakref.ref(lease), run_started)
-            )
-            return lease
+    async def _acquire(self, request: p.LeaseRequest) -> AsyncLease:
+        allocation = p.Allocation(self._config, request, time.monotonic())
+        granted = await self._call("allocate", allocation.attempt, allocation)
+        state = _AsyncLeaseState(granted, request.lease_seconds)
+        lease = AsyncLease(self, state, granted.credential)
+        self._held.add(state)
+        # Any attempt of the last run may be the one the server granted (a lost answer is
+        # retried and gets the same lease back): the renewal clock counts from the run's start.
+        state.renewal = asyncio.ensure_future(
+            self._keep_renewed(state, weakref.ref(lease), allocation.run_started)
+        )
+        return lease
 
     async def _renew(self, state: LeaseState, deadline: float) -> Tuple[datetime, float]:
         """Renews the lease, retrying 503s and transport errors until ``deadline`` (the local,
         monotonic estimate of its end). Returns the new ``lease_until`` and when the request that
         got it was sent."""
-        config = self._config
-        body = p.renew_body(state.ref, state.requested_seconds)
-
-        async def attempt() -> Tuple[datetime, float]:
-            sent_at = time.monotonic()
-            timeout = max(min(config.timeout, deadline - sent_at), p.MIN_ATTEMPT_TIMEOUT)
-            answer = await self._post(config.renew_url, body, timeout)
-            if answer.status != 200:
-                raise p.error_of(answer, config.scrub)
-            return p.parse_renewed(answer), sent_at
-
-        return await self._with_retries("renew", attempt, deadline)
+        ref, lease_seconds = state.ref, state.requested_seconds
+        retries = p.Retries(self._config.retry, time.monotonic(), deadline)
+        return await self._call(
+            "renew", lambda now: self._config.renew(ref, lease_seconds, deadline, now), retries
+        )
 
     async def _release(self, state: LeaseState, report: _Report) -> Released:
-        config = self._config
-        body = p.release_body(state.ref, report.outcome, report.retry_after, report.usage_tokens)
-
-        async def attempt() -> Released:
-            answer = await self._post(config.release_url, body, config.timeout)
-            if answer.status != 200:
-                raise p.error_of(answer, config.scrub)
-            released, reason = p.parse_released(answer)
-            return Released(released, reason)
-
-        return await self._with_retries("release", attempt)
+        request = self._config.release(
+            state.ref, report.outcome, report.retry_after, report.usage_tokens
+        )
+        retries = p.Retries(self._config.retry, time.monotonic())
+        return Released(*await self._call("release", lambda _: request, retries))
 
     # -- lease bookkeeping -----------------------------------------------------------------
 
@@ -407,12 +329,7 @@ class AsyncClient:
         while True:
             await asyncio.sleep(max(0.0, renewed_at + interval - time.monotonic()))
             if lease() is None:
-                log.warning(
-                    "credpool lease key_id=%s lease_id=%s was dropped without a release: "
-                    "releasing it with outcome failure",
-                    state.ref.key_id,
-                    state.ref.lease_id,
-                )
+                state.warn_dropped()
                 self._start_release(state, _Report("failure", None, None))
                 return
             try:
@@ -452,13 +369,7 @@ class AsyncClient:
             state.release_failed_once = True
             if quiet or state.lost_error is not None or not first:
                 if first:
-                    log.warning(
-                        "credpool release of key_id=%s lease_id=%s failed; the lease ends at "
-                        "lease_until: %s",
-                        state.ref.key_id,
-                        state.ref.lease_id,
-                        error,
-                    )
+                    state.warn_release_failed(error)
                 return None
             raise
         state.released = released
@@ -466,37 +377,33 @@ class AsyncClient:
 
     # -- HTTP ------------------------------------------------------------------------------
 
-    async def _with_retries(
-        self, call: str, attempt: Callable[[], Awaitable[T]], deadline: Optional[float] = None
+    async def _call(
+        self, call: str, attempt: Callable[[float], p.Request[T]], schedule: p.Schedule
     ) -> T:
-        """Runs ``attempt`` until it succeeds, fails with an error the client does not retry, or
-        the retry policy (or ``deadline``, a ``time.monotonic()`` value, if sooner) gives up; then
-        raises the last error."""
-        retry = self._config.retry
-        if retry.max_elapsed is not None:
-            give_up = time.monotonic() + retry.max_elapsed
-            deadline = give_up if deadline is None else min(deadline, give_up)
-        delays = retry.delays()
+        """Sends ``attempt(now)`` (a request made anew for each attempt) until it succeeds or
+        ``schedule`` gives up after an error; then raises that error. ``call`` names the call in
+        the log."""
         while True:
             try:
-                return await attempt()
+                return await self._send(attempt(time.monotonic()))
             except CredpoolError as error:
-                if not p.retried_by_client(error):
-                    raise
-                delay = next(delays, None)
-                if delay is None or (deadline is not None and time.monotonic() + delay >= deadline):
+                delay = schedule.pause_after(error, time.monotonic())
+                if delay is None:
                     raise
                 log.debug("credpool %s: retrying in %.3f s after: %s", call, delay, error)
             await asyncio.sleep(delay)
 
-    async def _post(self, url: str, body: Dict[str, Any], timeout: float) -> p.Answer:
+    async def _send(self, request: p.Request[T]) -> T:
         try:
             response = await self._http.post(
-                url, json=body, headers=self._config.headers, timeout=timeout
+                request.url,
+                json=request.body,
+                headers=self._config.headers,
+                timeout=request.timeout,
             )
         except httpx.HTTPError as error:
             raise p.transport_error(error) from error
-        return p.Answer.of(response)
+        return request.read(p.Answer.of(response))
 
 
 def _retrieve(task: asyncio.Task[Any]) -> None:

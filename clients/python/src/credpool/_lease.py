@@ -4,6 +4,7 @@ threads."""
 
 from __future__ import annotations
 
+import logging
 import threading
 from dataclasses import dataclass
 from datetime import datetime
@@ -12,6 +13,8 @@ from typing import Any, Dict, Optional
 from ._protocol import DEFAULT_LEASE_SECONDS, Granted, LeaseRef, check_report
 from .errors import CredpoolError, LeaseLost
 from .outcomes import outcome_for
+
+log = logging.getLogger("credpool")
 
 
 class Credential(Dict[str, Any]):
@@ -52,7 +55,8 @@ class _Report:
 
 class LeaseState:
     """What a lease and its renewal share. The renewal holds this, never the :class:`Lease`
-    object itself, so that a lease nobody holds any more can be noticed (and released)."""
+    object itself, so that a lease nobody holds any more can be noticed (and released). It also
+    writes the log lines both clients write about a lease (ids only, never the credential)."""
 
     def __init__(self, granted: Granted, requested_seconds: Optional[int]) -> None:
         self.ref: LeaseRef = granted.ref
@@ -76,6 +80,13 @@ class LeaseState:
         self.settled = False
         #: The answer of the release, once it came.
         self.released: Optional[Released] = None
+        log.debug(
+            "credpool leased key_id=%s lease_id=%s pool=%s fence=%d",
+            self.ref.key_id,
+            self.ref.lease_id,
+            self.ref.pool,
+            self.ref.fence,
+        )
 
     @property
     def lease_until(self) -> datetime:
@@ -96,8 +107,8 @@ class LeaseState:
             return True
 
     def mark_lost(self, error: CredpoolError) -> bool:
-        """Records why the lease is lost. False when it was already lost or settled (then
-        nothing changes)."""
+        """Records why the lease is lost, and logs the warning. False when it was already lost
+        or settled (then nothing changes)."""
         with self._lock:
             if self.settled or self.lost_error is not None:
                 return False
@@ -109,7 +120,31 @@ class LeaseState:
                 )
             else:
                 self.lost_reason = f"renewal failed and the lease would have ended by now: {error}"
-            return True
+        log.warning(
+            "credpool lease lost: stop using the credential (key_id=%s lease_id=%s): %s",
+            self.ref.key_id,
+            self.ref.lease_id,
+            self.lost_reason,
+        )
+        return True
+
+    def warn_dropped(self) -> None:
+        """Logs that the lease object was dropped unreleased (its renewal releases it)."""
+        log.warning(
+            "credpool lease key_id=%s lease_id=%s was dropped without a release: "
+            "releasing it with outcome failure",
+            self.ref.key_id,
+            self.ref.lease_id,
+        )
+
+    def warn_release_failed(self, error: CredpoolError) -> None:
+        """Logs a release that failed after its retries, which is not raised."""
+        log.warning(
+            "credpool release of key_id=%s lease_id=%s failed; the lease ends at lease_until: %s",
+            self.ref.key_id,
+            self.ref.lease_id,
+            error,
+        )
 
 
 class Lease:

@@ -1,5 +1,8 @@
-"""What the async and the sync client share, with no I/O: request bodies, the parsing of answers,
-the error an answer stands for, the retry schedule and the renewal schedule.
+"""What the async and the sync client share, with no I/O: the requests of the three calls
+(:class:`Request`: URL, body, timeout, and how its answer is read), the error an answer stands
+for, when to try again (:class:`Retries`, and :class:`Allocation` for an allocate's wait), the
+renewal schedule, and the settings ``from_env`` reads. Time comes in as ``now`` (a
+``time.monotonic()`` value), so the clients only send, sleep and keep time.
 
 Answers are read as JSON and picked apart by hand, so that a parse error can name the field that
 was wrong without quoting its value (the value may be a secret).
@@ -11,9 +14,21 @@ import json
 import math
 import random
 import re
+import uuid
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta, timezone
-from typing import Any, Callable, Dict, Iterator, Mapping, Optional, Tuple
+from typing import (
+    Any,
+    Callable,
+    Dict,
+    Generic,
+    Iterator,
+    Mapping,
+    Optional,
+    Protocol,
+    Tuple,
+    TypeVar,
+)
 
 import httpx
 
@@ -21,6 +36,7 @@ from .errors import (
     ERRORS_BY_CODE,
     ApiError,
     CredpoolError,
+    MissingSetting,
     PoolExhausted,
     StoreUnavailable,
     TransportError,
@@ -69,9 +85,39 @@ OUTCOMES = frozenset(
 #: The outcomes that may carry a ``retry_after``.
 OUTCOMES_WITH_RETRY_AFTER = frozenset({"rate_limited", "quota_exhausted"})
 
+#: The environment variables ``from_env`` reads: the service's base URL (default
+#: :data:`DEFAULT_BASE_URL`) and the executor key (no default).
+URL_VARIABLE = "CREDPOOL_URL"
+KEY_VARIABLE = "CREDPOOL_INTERNAL_KEY"
+
+#: The service ``from_env`` talks to when ``CREDPOOL_URL`` is unset: ``credpool serve``'s default
+#: listen address.
+DEFAULT_BASE_URL = "http://127.0.0.1:8080"
+
 ALLOCATE_ROUTE = "api/internal/allocate-key"
 RENEW_ROUTE = "api/internal/renew-lease"
 RELEASE_ROUTE = "api/internal/release-key"
+
+T = TypeVar("T")
+
+
+def base_url_from(environ: Mapping[str, str]) -> str:
+    """``CREDPOOL_URL`` of ``environ`` (``os.environ``), else :data:`DEFAULT_BASE_URL` (also when
+    it is empty)."""
+    return environ.get(URL_VARIABLE) or DEFAULT_BASE_URL
+
+
+def internal_key_from(environ: Mapping[str, str]) -> str:
+    """``CREDPOOL_INTERNAL_KEY`` of ``environ`` (``os.environ``). Raises :class:`MissingSetting`
+    naming the variable when it is unset or empty."""
+    key = environ.get(KEY_VARIABLE)
+    if not key:
+        raise MissingSetting(
+            KEY_VARIABLE,
+            'export the executor key first (`eval "$(credpool env)"` exports it for the '
+            "embedded default)",
+        )
+    return key
 
 
 @dataclass(frozen=True)
@@ -115,6 +161,39 @@ class RetryPolicy:
             n += 1
 
 
+class Schedule(Protocol):
+    """What decides, after an attempt of a call failed, whether and when to make another."""
+
+    def pause_after(self, error: CredpoolError, now: float) -> Optional[float]:
+        """Seconds to pause before the next attempt after ``error`` at ``now`` (a
+        ``time.monotonic()`` value); ``None`` to give up and raise ``error``."""
+
+
+class Retries:
+    """One call's retries by its :class:`RetryPolicy` (a :class:`Schedule`): the pause before
+    each, until the policy gives up or the pause would end past the call's deadline."""
+
+    def __init__(self, policy: RetryPolicy, now: float, deadline: Optional[float] = None) -> None:
+        """``now`` and ``deadline`` are ``time.monotonic()`` values: the first attempt's start
+        (``max_elapsed`` counts from it) and, if given, when the call must have ended."""
+        if policy.max_elapsed is not None:
+            give_up = now + policy.max_elapsed
+            deadline = give_up if deadline is None else min(deadline, give_up)
+        self._deadline = deadline
+        self._delays = policy.delays()
+
+    def pause_after(self, error: CredpoolError, now: float) -> Optional[float]:
+        """Seconds to pause before the next attempt after ``error`` at ``now``; ``None`` to give
+        up and raise it: an error the client does not retry (:func:`retried_by_client`), the
+        retries used up, or a pause that would end at or past the deadline."""
+        if not retried_by_client(error):
+            return None
+        delay = next(self._delays, None)
+        if delay is None or (self._deadline is not None and now + delay >= self._deadline):
+            return None
+        return delay
+
+
 def renew_schedule(lease_seconds: float, fraction: float) -> Tuple[float, float]:
     """``(interval, margin)`` in seconds for a lease of ``lease_seconds``: renew every
     ``lease_seconds * fraction`` (at least :data:`MIN_RENEW_INTERVAL`), and count the lease as
@@ -155,19 +234,52 @@ def _check_count(name: str, value: Optional[int]) -> None:
         raise ValueError(f"{name} must be a whole number of tokens, zero or more")
 
 
-def check_lease_args(
-    lease_seconds: Optional[int], wait: Optional[float], tokens: Optional[int]
-) -> None:
-    """Raises ``ValueError`` for arguments of ``lease()`` no server can take."""
-    if lease_seconds is not None and (
-        isinstance(lease_seconds, bool) or not isinstance(lease_seconds, int) or lease_seconds < 1
-    ):
-        raise ValueError("lease_seconds must be a whole number of seconds, at least 1")
-    if wait is not None and (
-        isinstance(wait, bool) or not isinstance(wait, (int, float)) or not wait >= 0
-    ):
-        raise ValueError("wait must be zero or more seconds")
-    _check_count("tokens", tokens)
+@dataclass(frozen=True)
+class LeaseRequest:
+    """What one ``lease()`` asks for, checked when made (``ValueError`` for arguments no server
+    can take): the allocate's fields, the ``wait`` in seconds, and the affinity fields of
+    :func:`affinity_fields`."""
+
+    provider: str
+    model: str
+    pool: str
+    holder: Optional[str]
+    lease_seconds: Optional[int]
+    wait: Optional[float]
+    tokens: Optional[int]
+    affinity: Dict[str, Any]
+
+    def __post_init__(self) -> None:
+        lease_seconds, wait = self.lease_seconds, self.wait
+        if lease_seconds is not None and (
+            isinstance(lease_seconds, bool)
+            or not isinstance(lease_seconds, int)
+            or lease_seconds < 1
+        ):
+            raise ValueError("lease_seconds must be a whole number of seconds, at least 1")
+        if wait is not None and (
+            isinstance(wait, bool) or not isinstance(wait, (int, float)) or not wait >= 0
+        ):
+            raise ValueError("wait must be zero or more seconds")
+        _check_count("tokens", self.tokens)
+
+    def body(self, request_id: str, wait_ms: Optional[int]) -> Dict[str, Any]:
+        """The ``POST /api/internal/allocate-key`` body of one attempt: ``request_id``, the same
+        for every attempt, and ``wait_ms``, what is left of the wait (``None``: none). Optional
+        fields are left out when unset: the server refuses unknown fields, so ``tokens`` (rate
+        windows) is sent only when given, and the affinity fields only with an affinity key."""
+        body: Dict[str, Any] = {"provider": self.provider, "model": self.model, "pool": self.pool}
+        if self.lease_seconds is not None:
+            body["lease_seconds"] = self.lease_seconds
+        if self.holder is not None:
+            body["holder"] = self.holder
+        body["request_id"] = request_id
+        if wait_ms is not None:
+            body["wait_ms"] = wait_ms
+        if self.tokens is not None:
+            body["tokens"] = self.tokens
+        body.update(self.affinity)
+        return body
 
 
 #: The longest binding TTL the server takes, in seconds (one day).
@@ -209,36 +321,6 @@ def affinity_fields(
             raise ValueError("affinity_mode must be 'preferred' or 'strict'")
         fields["affinity_mode"] = affinity_mode
     return fields
-
-
-def allocate_body(
-    *,
-    provider: str,
-    model: str,
-    pool: str,
-    lease_seconds: Optional[int],
-    holder: Optional[str],
-    request_id: str,
-    wait_ms: Optional[int],
-    tokens: Optional[int],
-    affinity: Optional[Mapping[str, Any]] = None,
-) -> Dict[str, Any]:
-    """The ``POST /api/internal/allocate-key`` body. Optional fields are left out when unset:
-    the server refuses unknown fields, so ``tokens`` (rate windows) is sent only when given, and
-    the affinity fields (:func:`affinity_fields`) only with an affinity key."""
-    body: Dict[str, Any] = {"provider": provider, "model": model, "pool": pool}
-    if lease_seconds is not None:
-        body["lease_seconds"] = lease_seconds
-    if holder is not None:
-        body["holder"] = holder
-    body["request_id"] = request_id
-    if wait_ms is not None:
-        body["wait_ms"] = wait_ms
-    if tokens is not None:
-        body["tokens"] = tokens
-    if affinity:
-        body.update(affinity)
-    return body
 
 
 @dataclass(frozen=True)
@@ -538,8 +620,27 @@ def join_route(base_url: str, route: str) -> str:
     return str(url.copy_with(path=path + route, query=None, fragment=None))
 
 
+@dataclass(frozen=True)
+class Request(Generic[T]):
+    """One attempt of a call, ready to send: the URL, the JSON body, the seconds to wait for the
+    answer, and how to read a 200 answer. ``repr()`` shows the URL and timeout only."""
+
+    url: str
+    body: Dict[str, Any] = field(repr=False)
+    timeout: float
+    parse: Callable[[Answer], T] = field(repr=False)
+    scrub: Callable[[str], str] = field(repr=False)
+
+    def read(self, answer: Answer) -> T:
+        """The call's result from ``answer``; raises the error an answer other than 200 stands
+        for (:func:`error_of`), or :class:`UnexpectedResponse`."""
+        if answer.status != 200:
+            raise error_of(answer, self.scrub)
+        return self.parse(answer)
+
+
 class Config:
-    """Checked settings, shared by both clients."""
+    """Checked settings, shared by both clients, and the requests they send."""
 
     def __init__(
         self,
@@ -569,3 +670,79 @@ class Config:
 
     def __repr__(self) -> str:
         return f"Config(base_url={self.base_url!r})"
+
+    def renew(
+        self, ref: LeaseRef, lease_seconds: Optional[int], deadline: float, now: float
+    ) -> Request[Tuple[datetime, float]]:
+        """The renewal of ``ref`` sent at ``now``, read as ``(lease_until, now)``. Its timeout
+        ends at ``deadline`` (the lease's local end; both ``time.monotonic()`` values), but is
+        never shorter than :data:`MIN_ATTEMPT_TIMEOUT`."""
+        timeout = max(min(self.timeout, deadline - now), MIN_ATTEMPT_TIMEOUT)
+        body = renew_body(ref, lease_seconds)
+        return Request(
+            self.renew_url, body, timeout, lambda answer: (parse_renewed(answer), now), self.scrub
+        )
+
+    def release(
+        self,
+        ref: LeaseRef,
+        outcome: str,
+        retry_after: Optional[float],
+        usage_tokens: Optional[int],
+    ) -> Request[Tuple[bool, Optional[str]]]:
+        """The release of ``ref`` with its outcome (:func:`release_body`), read as
+        ``(released, reason)``."""
+        body = release_body(ref, outcome, retry_after, usage_tokens)
+        return Request(self.release_url, body, self.timeout, parse_released, self.scrub)
+
+
+class Allocation:
+    """The allocate of one ``lease()`` over all its attempts, and their :class:`Schedule`: the one
+    random ``request_id`` that every attempt carries (so a retry after a lost answer gets the
+    same lease back and never takes a second slot), and the ``wait``: a 429 while some of it is
+    left is asked again, at once when the server held the request, else after a backoff pause.
+
+    Attempts come in runs: a run starts with the lease asked for or asked again after a 429, and
+    retries 503s and transport errors by the client's :class:`RetryPolicy`. ``run_started`` is
+    when the current run started; a lease granted to any attempt of the run was granted no
+    earlier, so its renewal clock may count from there."""
+
+    def __init__(self, config: Config, request: LeaseRequest, now: float) -> None:
+        """``now``: ``time.monotonic()`` when the lease was asked for; the wait counts from it."""
+        self._config = config
+        self._request = request
+        self.request_id = str(uuid.uuid4())
+        wait = request.wait
+        self._wait_until = now + min(wait, MAX_WAIT) if wait else None
+        retry = config.retry
+        # the policy's backoff, endless: it paces 429s for as long as the wait lasts
+        self._pauses = RetryPolicy(retry.base_delay, retry.max_delay, None, 1.0).delays()
+        self.run_started = now
+        self._retries = Retries(retry, now)
+
+    def attempt(self, now: float) -> Request[Granted]:
+        """The attempt sent at ``now``: its ``wait_ms`` is what is left of the wait, which its
+        timeout gets on top of the client's."""
+        left = None if self._wait_until is None else self._wait_until - now
+        wait_ms = int(left * 1000) if left is not None and left >= 0.001 else None
+        body = self._request.body(self.request_id, wait_ms)
+        timeout = self._config.timeout + (wait_ms or 0) / 1000.0
+        return Request(self._config.allocate_url, body, timeout, parse_granted, self._config.scrub)
+
+    def pause_after(self, error: CredpoolError, now: float) -> Optional[float]:
+        """As :meth:`Retries.pause_after` within a run. After a 429: ``None`` when the wait is
+        used up, else a new run, after no pause when the server held the request (it waited for
+        a slot already), else after the next backoff pause, cut to the 429's ``retry_after`` and
+        to what is left of the wait."""
+        if not isinstance(error, PoolExhausted):
+            return self._retries.pause_after(error, now)
+        left = 0.0 if self._wait_until is None else self._wait_until - now
+        if left < 0.001:
+            return None
+        pause = 0.0
+        if now - self.run_started < HELD_AT_LEAST:
+            pause = min(next(self._pauses), error.retry_after, left)
+        # the next attempt is sent no earlier than this
+        self.run_started = now + pause
+        self._retries = Retries(self._config.retry, self.run_started)
+        return pause

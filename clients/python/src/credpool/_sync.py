@@ -4,9 +4,9 @@ renewed from a background thread. The same protocol as :mod:`credpool._async`, s
 from __future__ import annotations
 
 import logging
+import os
 import threading
 import time
-import uuid
 import weakref
 from datetime import datetime
 from types import TracebackType
@@ -15,10 +15,9 @@ from typing import Any, Callable, Dict, Optional, Set, Tuple, Type, TypeVar
 import httpx
 
 from . import _protocol as p
-from ._async import _pauses
 from ._lease import Lease, LeaseState, Released, _Report
 from ._version import USER_AGENT
-from .errors import CredpoolError, PoolExhausted
+from .errors import CredpoolError
 
 __all__ = ["Client", "SyncLease"]
 
@@ -44,15 +43,8 @@ class _SyncLeaseState(LeaseState):
         self.release_done = False
 
     def lose(self, error: CredpoolError) -> None:
-        if not self.mark_lost(error):
-            return
-        log.warning(
-            "credpool lease lost: stop using the credential (key_id=%s lease_id=%s): %s",
-            self.ref.key_id,
-            self.ref.lease_id,
-            self.lost_reason,
-        )
-        self.lost.set()
+        if self.mark_lost(error):
+            self.lost.set()
 
 
 class SyncLease(Lease):
@@ -88,7 +80,7 @@ class SyncLease(Lease):
 class _LeaseContext:
     """What :meth:`Client.lease` returns: ``with`` it to get a :class:`SyncLease`."""
 
-    def __init__(self, client: Client, **request: Any) -> None:
+    def __init__(self, client: Client, request: p.LeaseRequest) -> None:
         self._client = client
         self._request = request
         self._lease: Optional[SyncLease] = None
@@ -96,7 +88,7 @@ class _LeaseContext:
     def __enter__(self) -> SyncLease:
         if self._lease is not None:
             raise RuntimeError("this lease(...) was already entered; call lease() again")
-        self._lease = self._client._acquire(**self._request)
+        self._lease = self._client._acquire(self._request)
         return self._lease
 
     def __exit__(
@@ -140,18 +132,24 @@ class Client:
         self._held: Set[_SyncLeaseState] = set()
         self._held_lock = threading.Lock()
 
+    @classmethod
+    def from_env(cls, **options: Any) -> Client:
+        """A client configured by the environment, as :meth:`credpool.AsyncClient.from_env`:
+        ``CREDPOOL_URL`` (default ``http://127.0.0.1:8080``) and ``CREDPOOL_INTERNAL_KEY``;
+        ``options`` are the constructor's other arguments. Raises
+        :class:`~credpool.MissingSetting` (a ``ValueError``) naming ``CREDPOOL_INTERNAL_KEY`` when
+        it is unset or empty."""
+        return cls(
+            p.base_url_from(os.environ), internal_key=p.internal_key_from(os.environ), **options
+        )
+
     def __repr__(self) -> str:
         return f"Client(base_url={self._config.base_url!r})"
 
     def __enter__(self) -> Client:
         return self
 
-    def __exit__(
-        self,
-        exc_type: Optional[Type[BaseException]],
-        exc: Optional[BaseException],
-        tb: Optional[TracebackType],
-    ) -> None:
+    def __exit__(self, *exc: object) -> None:
         self.close()
 
     def close(self) -> None:
@@ -180,123 +178,51 @@ class Client:
         without ``cancel_on_loss`` (a thread cannot be cancelled): check ``lease.lost.is_set()``
         or call ``lease.raise_if_lost()`` between steps. ``affinity_key``, ``affinity_ttl`` and
         ``affinity_mode``: conversation affinity, as there."""
-        p.check_lease_args(lease_seconds, wait, tokens)
         affinity = p.affinity_fields(affinity_key, affinity_ttl, affinity_mode)
-        return _LeaseContext(
-            self,
-            provider=provider,
-            model=model,
-            pool=pool,
-            holder=holder,
-            lease_seconds=lease_seconds,
-            wait=wait,
-            tokens=tokens,
-            affinity=affinity,
+        request = p.LeaseRequest(
+            provider, model, pool, holder, lease_seconds, wait, tokens, affinity
         )
+        return _LeaseContext(self, request)
 
     # -- the three calls -------------------------------------------------------------------
 
-    def _acquire(
-        self,
-        *,
-        provider: str,
-        model: str,
-        pool: str,
-        holder: Optional[str],
-        lease_seconds: Optional[int],
-        wait: Optional[float],
-        tokens: Optional[int],
-        affinity: Dict[str, Any],
-    ) -> SyncLease:
-        config = self._config
-        request_id = str(uuid.uuid4())
-        wait_until = time.monotonic() + min(wait, p.MAX_WAIT) if wait else None
-        pauses = _pauses(config.retry)
-        while True:
-            # As in the async client: the renewal clock counts from the start of this run.
-            run_started = time.monotonic()
-
-            def attempt() -> p.Granted:
-                left = None if wait_until is None else wait_until - time.monotonic()
-                wait_ms = int(left * 1000) if left is not None and left >= 0.001 else None
-                body = p.allocate_body(
-                    provider=provider,
-                    model=model,
-                    pool=pool,
-                    lease_seconds=lease_seconds,
-                    holder=holder,
-                    request_id=request_id,
-                    wait_ms=wait_ms,
-                    tokens=tokens,
-                    affinity=affinity,
-                )
-                timeout = config.timeout + (wait_ms or 0) / 1000.0
-                answer = self._post(config.allocate_url, body, timeout)
-                if answer.status != 200:
-                    raise p.error_of(answer, config.scrub)
-                return p.parse_granted(answer)
-
-            try:
-                granted = self._with_retries("allocate", attempt)
-            except PoolExhausted as exhausted:
-                now = time.monotonic()
-                left = 0.0 if wait_until is None else wait_until - now
-                if left < 0.001:
-                    raise
-                if now - run_started < p.HELD_AT_LEAST:
-                    pause = min(next(pauses), exhausted.retry_after, left)
-                    log.debug("credpool pool exhausted; pausing %.3f s", pause)
-                    time.sleep(pause)
-                continue
-            log.debug(
-                "credpool leased key_id=%s lease_id=%s pool=%s fence=%d",
-                granted.ref.key_id,
-                granted.ref.lease_id,
-                granted.ref.pool,
-                granted.ref.fence,
-            )
-            state = _SyncLeaseState(granted, lease_seconds)
-            lease = SyncLease(self, state, granted.credential)
-            with self._held_lock:
-                self._held.add(state)
-            threading.Thread(
-                target=self._keep_renewed,
-                args=(state, weakref.ref(lease), run_started),
-                name=f"credpool-renew-{granted.ref.key_id}",
-                daemon=True,
-            ).start()
-            return lease
+    def _acquire(self, request: p.LeaseRequest) -> SyncLease:
+        allocation = p.Allocation(self._config, request, time.monotonic())
+        granted = self._call("allocate", allocation.attempt, allocation)
+        state = _SyncLeaseState(granted, request.lease_seconds)
+        lease = SyncLease(self, state, granted.credential)
+        with self._held_lock:
+            self._held.add(state)
+        # As in the async client: the renewal clock counts from the start of the last run.
+        threading.Thread(
+            target=self._keep_renewed,
+            args=(state, weakref.ref(lease), allocation.run_started),
+            name=f"credpool-renew-{granted.ref.key_id}",
+            daemon=True,
+        ).start()
+        return lease
 
     def _renew(self, state: _SyncLeaseState, deadline: float) -> Tuple[datetime, float]:
-        config = self._config
-        body = p.renew_body(state.ref, state.requested_seconds)
-
-        def attempt() -> Tuple[datetime, float]:
-            sent_at = time.monotonic()
-            timeout = max(min(config.timeout, deadline - sent_at), p.MIN_ATTEMPT_TIMEOUT)
-            answer = self._post(config.renew_url, body, timeout)
-            if answer.status != 200:
-                raise p.error_of(answer, config.scrub)
-            return p.parse_renewed(answer), sent_at
+        ref, lease_seconds = state.ref, state.requested_seconds
+        retries = p.Retries(self._config.retry, time.monotonic(), deadline)
 
         def sleep(seconds: float) -> None:
             if state.stop.wait(seconds):
                 raise _Stopped
 
-        return self._with_retries("renew", attempt, deadline, sleep)
+        return self._call(
+            "renew",
+            lambda now: self._config.renew(ref, lease_seconds, deadline, now),
+            retries,
+            sleep,
+        )
 
     def _release(self, state: LeaseState, report: _Report) -> Released:
-        config = self._config
-        body = p.release_body(state.ref, report.outcome, report.retry_after, report.usage_tokens)
-
-        def attempt() -> Released:
-            answer = self._post(config.release_url, body, config.timeout)
-            if answer.status != 200:
-                raise p.error_of(answer, config.scrub)
-            released, reason = p.parse_released(answer)
-            return Released(released, reason)
-
-        return self._with_retries("release", attempt)
+        request = self._config.release(
+            state.ref, report.outcome, report.retry_after, report.usage_tokens
+        )
+        retries = p.Retries(self._config.retry, time.monotonic())
+        return Released(*self._call("release", lambda _: request, retries))
 
     # -- lease bookkeeping -----------------------------------------------------------------
 
@@ -312,12 +238,7 @@ class Client:
             if state.stop.wait(max(0.0, renewed_at + interval - time.monotonic())):
                 return
             if lease() is None:
-                log.warning(
-                    "credpool lease key_id=%s lease_id=%s was dropped without a release: "
-                    "releasing it with outcome failure",
-                    state.ref.key_id,
-                    state.ref.lease_id,
-                )
+                state.warn_dropped()
                 self._release_lease(state, _Report("failure", None, None), True)
                 return
             try:
@@ -353,13 +274,7 @@ class Client:
             except CredpoolError as error:
                 state.release_done = True
                 if quiet or state.lost_error is not None:
-                    log.warning(
-                        "credpool release of key_id=%s lease_id=%s failed; the lease ends at "
-                        "lease_until: %s",
-                        state.ref.key_id,
-                        state.ref.lease_id,
-                        error,
-                    )
+                    state.warn_release_failed(error)
                     return None
                 raise
             state.released = released
@@ -368,36 +283,32 @@ class Client:
 
     # -- HTTP ------------------------------------------------------------------------------
 
-    def _with_retries(
+    def _call(
         self,
         call: str,
-        attempt: Callable[[], T],
-        deadline: Optional[float] = None,
+        attempt: Callable[[float], p.Request[T]],
+        schedule: p.Schedule,
         sleep: Callable[[float], None] = time.sleep,
     ) -> T:
-        """As :meth:`credpool.AsyncClient._with_retries`; ``sleep`` may raise to stop early."""
-        retry = self._config.retry
-        if retry.max_elapsed is not None:
-            give_up = time.monotonic() + retry.max_elapsed
-            deadline = give_up if deadline is None else min(deadline, give_up)
-        delays = retry.delays()
+        """As :meth:`credpool.AsyncClient._call`; ``sleep`` may raise to stop early."""
         while True:
             try:
-                return attempt()
+                return self._send(attempt(time.monotonic()))
             except CredpoolError as error:
-                if not p.retried_by_client(error):
-                    raise
-                delay = next(delays, None)
-                if delay is None or (deadline is not None and time.monotonic() + delay >= deadline):
+                delay = schedule.pause_after(error, time.monotonic())
+                if delay is None:
                     raise
                 log.debug("credpool %s: retrying in %.3f s after: %s", call, delay, error)
             sleep(delay)
 
-    def _post(self, url: str, body: Dict[str, Any], timeout: float) -> p.Answer:
+    def _send(self, request: p.Request[T]) -> T:
         try:
             response = self._http.post(
-                url, json=body, headers=self._config.headers, timeout=timeout
+                request.url,
+                json=request.body,
+                headers=self._config.headers,
+                timeout=request.timeout,
             )
         except httpx.HTTPError as error:
             raise p.transport_error(error) from error
-        return p.Answer.of(response)
+        return request.read(p.Answer.of(response))

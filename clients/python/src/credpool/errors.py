@@ -4,7 +4,12 @@ All of them derive from :class:`CredpoolError`. Errors that came from a credpool
 (``{"error": {"code", "message"}}``) derive from :class:`ApiError` and carry the HTTP
 ``status``, the stable ``code``, the server's ``message`` and the response's ``request_id``
 (its ``X-Request-Id`` header, which is on every server log line of that request). A code this
-client does not know is raised as :class:`ApiError` itself.
+client does not know is raised as :class:`ApiError` itself. Each subclass names its code and
+status where it is defined (``class PoolNotFound(ApiError, code="pool_not_found", status=404)``),
+which also enters it in :data:`ERRORS_BY_CODE`, the table the client maps answers by.
+
+:class:`MissingSetting` is apart: a ``ValueError`` raised before anything is sent, by
+:meth:`credpool.Client.from_env` and :meth:`credpool.AsyncClient.from_env`.
 
 Neither ``str()`` nor ``repr()`` of any of them holds the internal key or credential material:
 server messages are kept with the internal key scrubbed out, and malformed answers are described
@@ -13,32 +18,45 @@ by their shape, never by their content.
 
 from __future__ import annotations
 
-from typing import ClassVar, Dict, Optional, Type
+from typing import Any, ClassVar, Dict, Optional, Type
 
 __all__ = [
     "ApiError",
     "CredentialNotFound",
     "CredpoolError",
     "Forbidden",
+    "GenerationMoved",
     "InternalError",
     "InvalidRequest",
     "LeaseLost",
     "MethodNotAllowed",
+    "MissingSetting",
     "ModelNotSupported",
     "NoUsableCredentials",
+    "NotReady",
     "PayloadTooLarge",
     "PoolExhausted",
+    "PoolNotAllowed",
     "PoolNotFound",
     "RequestIdConflict",
     "RouteNotFound",
+    "ShuttingDown",
     "StoreUnavailable",
+    "TenantInUse",
+    "TenantKeyNotFound",
     "TenantLimit",
+    "TenantNotFound",
+    "TokenUrlNotAllowed",
     "TokensExceedBudget",
     "TransportError",
     "Unauthorized",
     "UnexpectedResponse",
     "UnsupportedMediaType",
 ]
+
+#: Every known error code and its class, filled by the classes below as they are defined (the
+#: ``code=`` of :class:`ApiError`'s subclasses).
+ERRORS_BY_CODE: Dict[str, Type[ApiError]] = {}
 
 
 class CredpoolError(Exception):
@@ -69,6 +87,21 @@ class ApiError(CredpoolError):
     #: The HTTP status the class stands for (the instance's ``status`` is what was received).
     default_status: ClassVar[int] = 0
 
+    def __init_subclass__(
+        cls, *, code: Optional[str] = None, status: Optional[int] = None, **kwargs: Any
+    ) -> None:
+        """``class X(ApiError, code="...", status=N)``: ``X`` is what an answer with ``code``
+        is raised as (entered in :data:`ERRORS_BY_CODE`; a code can have one class only), and
+        ``N`` its ``default_status``. Without them a subclass keeps its parent's."""
+        super().__init_subclass__(**kwargs)
+        if status is not None:
+            cls.default_status = status
+        if code is not None:
+            if code in ERRORS_BY_CODE:
+                raise TypeError(f"error code {code!r} is already {ERRORS_BY_CODE[code].__name__}")
+            cls.code = code
+            ERRORS_BY_CODE[code] = cls
+
     def __init__(
         self,
         message: str,
@@ -98,93 +131,60 @@ class ApiError(CredpoolError):
         )
 
 
-class InvalidRequest(ApiError):
+class InvalidRequest(ApiError, code="invalid_request", status=400):
     """400 ``invalid_request``: malformed JSON, wrong types, unknown or missing fields, values out
     of range (a name outside its character set, ``lease_seconds`` above the server's maximum).
     Fix the caller; retrying does not help."""
 
-    code = "invalid_request"
-    default_status = 400
 
-
-class Unauthorized(ApiError):
+class Unauthorized(ApiError, code="unauthorized", status=401):
     """401 ``unauthorized``: the internal key is missing or wrong. Fix the configuration."""
 
-    code = "unauthorized"
-    default_status = 401
 
-
-class Forbidden(ApiError):
+class Forbidden(ApiError, code="forbidden", status=403):
     """403 ``forbidden``: a valid key, but not for this route (the executor key on an operator
     route)."""
 
-    code = "forbidden"
-    default_status = 403
 
-
-class PoolNotFound(ApiError):
+class PoolNotFound(ApiError, code="pool_not_found", status=404):
     """404 ``pool_not_found``: no credentials at all for this provider and pool."""
 
-    code = "pool_not_found"
-    default_status = 404
 
-
-class CredentialNotFound(ApiError):
+class CredentialNotFound(ApiError, code="credential_not_found", status=404):
     """404 ``credential_not_found``: no credential with this key id (operator routes)."""
 
-    code = "credential_not_found"
-    default_status = 404
 
-
-class RouteNotFound(ApiError):
+class RouteNotFound(ApiError, code="route_not_found", status=404):
     """404 ``route_not_found``: the base URL does not point at a credpool (or has a wrong path
     prefix)."""
 
-    code = "route_not_found"
-    default_status = 404
 
-
-class MethodNotAllowed(ApiError):
+class MethodNotAllowed(ApiError, code="method_not_allowed", status=405):
     """405 ``method_not_allowed``: the route exists but not for this method; check the base URL."""
 
-    code = "method_not_allowed"
-    default_status = 405
 
-
-class ModelNotSupported(ApiError):
+class ModelNotSupported(ApiError, code="model_not_supported", status=409):
     """409 ``model_not_supported``: the pool has credentials but none serves the model. Switch
     pool or model, and alert."""
 
-    code = "model_not_supported"
-    default_status = 409
 
-
-class NoUsableCredentials(ApiError):
+class NoUsableCredentials(ApiError, code="no_usable_credentials", status=409):
     """409 ``no_usable_credentials``: every credential that serves the model waits for an
     operator (disabled, pending, exhausted without a retry-after). Alert an operator."""
 
-    code = "no_usable_credentials"
-    default_status = 409
 
-
-class RequestIdConflict(ApiError):
+class RequestIdConflict(ApiError, code="request_id_conflict", status=409):
     """409 ``request_id_conflict``: the allocate's ``request_id`` holds a live lease granted for
     other parameters. The client draws a new one per lease, so this means two callers shared one."""
 
-    code = "request_id_conflict"
-    default_status = 409
 
-
-class TokensExceedBudget(ApiError):
+class TokensExceedBudget(ApiError, code="tokens_exceed_budget", status=409):
     """409 ``tokens_exceed_budget``: the allocate's ``tokens`` estimate is larger than a token
     window of every credential that serves the model. No wait can make room: lower the estimate
     or split the call."""
 
-    code = "tokens_exceed_budget"
-    default_status = 409
 
-
-class LeaseLost(ApiError):
+class LeaseLost(ApiError, code="lease_lost", status=410):
     """410 ``lease_lost``: the lease expired, was released or force-released, or the ids or fence
     do not match. Stop using the credential: another executor may hold its slot.
 
@@ -192,33 +192,22 @@ class LeaseLost(ApiError):
     cancel_on_loss=True)`` block whose task was cancelled because the lease was lost; then
     ``status`` is the 410 that told, or 0 when the loss was found otherwise (renewals gave up)."""
 
-    code = "lease_lost"
-    default_status = 410
 
-
-class PayloadTooLarge(ApiError):
+class PayloadTooLarge(ApiError, code="payload_too_large", status=413):
     """413 ``payload_too_large``: the request body is over the server's limit (256 KiB)."""
 
-    code = "payload_too_large"
-    default_status = 413
 
-
-class UnsupportedMediaType(ApiError):
+class UnsupportedMediaType(ApiError, code="unsupported_media_type", status=415):
     """415 ``unsupported_media_type``: the body was not sent as ``application/json``."""
 
-    code = "unsupported_media_type"
-    default_status = 415
 
-
-class PoolExhausted(ApiError):
+class PoolExhausted(ApiError, code="pool_exhausted", status=429):
     """429 ``pool_exhausted``: candidates exist but none is free now (all slots held, or cooling
     down), and the ``wait``, if any, is used up. Back off and retry.
 
     ``retry_after`` is the server's ``Retry-After`` in seconds (at least 1; 1 when the header is
     missing or not a number of seconds)."""
 
-    code = "pool_exhausted"
-    default_status = 429
     retryable = True
 
     def __init__(
@@ -236,12 +225,12 @@ class PoolExhausted(ApiError):
 
     def __repr__(self) -> str:
         return (
-            f"PoolExhausted(retry_after={self.retry_after!r}, message={self.message!r}, "
-            f"request_id={self.request_id!r})"
+            f"{type(self).__name__}(retry_after={self.retry_after!r}, "
+            f"message={self.message!r}, request_id={self.request_id!r})"
         )
 
 
-class TenantLimit(PoolExhausted):
+class TenantLimit(PoolExhausted, code="tenant_limit"):
     """429 ``tenant_limit``: the tenant whose key this client presents holds as many live leases as
     its cap allows, or a window of its ``rate_limits`` has no room (over every credential and
     every replica), and the ``wait``, if any, is used up. A different fact from
@@ -249,93 +238,56 @@ class TenantLimit(PoolExhausted):
     ``retry_after`` seconds (the earliest end of the tenant's own leases, or when its window has
     room), or lease with ``wait``."""
 
-    code = "tenant_limit"
 
-    def __repr__(self) -> str:
-        return (
-            f"TenantLimit(retry_after={self.retry_after!r}, message={self.message!r}, "
-            f"request_id={self.request_id!r})"
-        )
-
-
-class InternalError(ApiError):
+class InternalError(ApiError, code="internal_error", status=500):
     """500 ``internal_error``: a bug in credpool (logged on the server). Not retried."""
 
-    code = "internal_error"
-    default_status = 500
 
-
-class StoreUnavailable(ApiError):
+class StoreUnavailable(ApiError, code="store_unavailable", status=503):
     """503 ``store_unavailable``: credpool's database is unreachable or slow. The client retries
     these with backoff; this error means the retries gave up."""
 
-    code = "store_unavailable"
-    default_status = 503
     retryable = True
 
 
-class PoolNotAllowed(ApiError):
+class PoolNotAllowed(ApiError, code="pool_not_allowed", status=403):
     """403 ``pool_not_allowed``: the tenant of the key this client presents may not lease from
     this provider and pool (its ``pools``); an operator adds the pool to the tenant. Retrying
     does not help."""
 
-    code = "pool_not_allowed"
-    default_status = 403
 
-
-class TokenUrlNotAllowed(ApiError):
+class TokenUrlNotAllowed(ApiError, code="token_url_not_allowed", status=400):
     """400 ``token_url_not_allowed``: an OAuth credential's ``token_url`` is neither https nor
     http on a loopback address, or reaches a private address the operator does not allow
     (operator routes)."""
 
-    code = "token_url_not_allowed"
-    default_status = 400
 
-
-class TenantNotFound(ApiError):
+class TenantNotFound(ApiError, code="tenant_not_found", status=404):
     """404 ``tenant_not_found``: no tenant with this tenant id (operator routes)."""
 
-    code = "tenant_not_found"
-    default_status = 404
 
-
-class TenantKeyNotFound(ApiError):
+class TenantKeyNotFound(ApiError, code="tenant_key_not_found", status=404):
     """404 ``tenant_key_not_found``: the tenant has no live key with this id (operator routes)."""
 
-    code = "tenant_key_not_found"
-    default_status = 404
 
-
-class TenantInUse(ApiError):
+class TenantInUse(ApiError, code="tenant_in_use", status=409):
     """409 ``tenant_in_use``: the tenant cannot be deleted: it is ``default``, or it holds live
     leases (operator routes)."""
 
-    code = "tenant_in_use"
-    default_status = 409
 
-
-class GenerationMoved(ApiError):
+class GenerationMoved(ApiError, code="generation_moved", status=412):
     """412 ``generation_moved``: a PUT with ``If-Match`` found the credential's OAuth token at
     another generation (refreshed since); read it again (operator routes)."""
 
-    code = "generation_moved"
-    default_status = 412
 
-
-class NotReady(ApiError):
+class NotReady(ApiError, code="not_ready", status=503):
     """503 ``not_ready`` (``/readyz``): a background task is restarting, or the database is
     unreachable, slow or not current for this version."""
 
-    code = "not_ready"
-    default_status = 503
 
-
-class ShuttingDown(ApiError):
+class ShuttingDown(ApiError, code="shutting_down", status=503):
     """503 ``shutting_down`` (``/readyz``): the service received SIGTERM and is about to stop;
     send requests to another replica."""
-
-    code = "shutting_down"
-    default_status = 503
 
 
 class TransportError(CredpoolError):
@@ -372,35 +324,13 @@ class UnexpectedResponse(CredpoolError):
         self.request_id = request_id
 
 
-#: Every known error code and its class.
-ERRORS_BY_CODE: Dict[str, Type[ApiError]] = {
-    str(cls.code): cls
-    for cls in (
-        InvalidRequest,
-        Unauthorized,
-        Forbidden,
-        PoolNotFound,
-        CredentialNotFound,
-        RouteNotFound,
-        MethodNotAllowed,
-        ModelNotSupported,
-        NoUsableCredentials,
-        RequestIdConflict,
-        TokensExceedBudget,
-        LeaseLost,
-        PayloadTooLarge,
-        UnsupportedMediaType,
-        PoolExhausted,
-        TenantLimit,
-        InternalError,
-        StoreUnavailable,
-        PoolNotAllowed,
-        TokenUrlNotAllowed,
-        TenantNotFound,
-        TenantKeyNotFound,
-        TenantInUse,
-        GenerationMoved,
-        NotReady,
-        ShuttingDown,
-    )
-}
+class MissingSetting(ValueError):
+    """A setting the client takes from the environment is not set (or empty), such as
+    ``CREDPOOL_INTERNAL_KEY`` for :meth:`credpool.AsyncClient.from_env`. ``variable`` names it;
+    the message says so and how to set it. A ``ValueError``, not a :class:`CredpoolError`:
+    nothing was sent."""
+
+    def __init__(self, variable: str, hint: str) -> None:
+        super().__init__(f"{variable} is not set: {hint}")
+        #: The environment variable that is missing.
+        self.variable = variable

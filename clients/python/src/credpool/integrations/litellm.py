@@ -78,6 +78,7 @@ except ImportError as missing:  # pragma: no cover - depends on the environment
 
 import httpx
 
+from .. import _protocol as p
 from .._async import AsyncClient, AsyncLease
 from ..errors import CredpoolError
 from ..outcomes import outcome_for
@@ -137,7 +138,8 @@ class CredpoolLeases(CustomLogger):
 
     - ``base_url``: the credpool service (default ``CREDPOOL_URL``, else
       ``http://127.0.0.1:8080``); ``internal_key``: the executor key (default
-      ``CREDPOOL_INTERNAL_KEY``), never logged or shown by ``repr()``.
+      ``CREDPOOL_INTERNAL_KEY``; :class:`~credpool.MissingSetting`, a ``ValueError``, when
+      neither is given), never logged or shown by ``repr()``.
     - ``provider``, ``pool``, ``model``: what to lease. ``None`` (the default for ``provider`` and
       ``model``) takes them from the call: the provider LiteLLM resolved (``openai`` for
       ``openai/gpt-4o``) and the model without its provider prefix (``gpt-4o``); a Router call
@@ -184,11 +186,12 @@ class CredpoolLeases(CustomLogger):
         transport: Optional[httpx.AsyncBaseTransport] = None,
     ) -> None:
         super().__init__()
-        self.base_url = base_url or os.environ.get("CREDPOOL_URL", "http://127.0.0.1:8080")
-        key = internal_key if internal_key is not None else os.environ.get("CREDPOOL_INTERNAL_KEY")
-        if not key:
-            raise ValueError("CredpoolLeases needs internal_key (or CREDPOOL_INTERNAL_KEY)")
-        self._internal_key = key
+        self.base_url = base_url or p.base_url_from(os.environ)
+        if internal_key is None:
+            internal_key = p.internal_key_from(os.environ)
+        if not internal_key:
+            raise ValueError("CredpoolLeases needs a non-empty internal_key")
+        self._internal_key = internal_key
         self.provider = provider
         self.pool = pool
         self.model = model
