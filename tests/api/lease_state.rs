@@ -679,10 +679,10 @@ async fn claims_read_only_their_rows(
 }
 
 /// The plan test's tenants `plan-<first>` .. `plan-<first + 999>` (cap 4, a window), their keys,
-/// 5 waiters each for other models of pool `big`, and bindings `conversation-<n>` to credentials
-/// `big-<first + n>` for n below 5,000, of `team` and of each of them in turn. The waiters are
-/// spread over 50 models: the fair share probe reads the waiters of its provider and model by
-/// index, but under statistics that show one model only, its generic plan reads every waiter.
+/// 5 waiters each for another model of pool `big`, and bindings `conversation-<n>` to credentials
+/// `big-<first + n>` for n below 5,000, of `team` and of each of them in turn. Every waiter waits
+/// for the one other model: statistics that show one model only are where a plan made for any
+/// model (a cached generic plan) would read every waiter to find the claim's.
 async fn plan_tenants(app: &TestApp, first: i32) {
     app.run_sql_with(
         "INSERT INTO tenants (tenant_id, max_concurrent_leases, rate_limits, pools)
@@ -706,7 +706,7 @@ async fn plan_tenants(app: &TestApp, first: i32) {
     app.run_sql_with(
         "INSERT INTO pool_waiters (waiter, instance, tenant, provider, pools, model, since, until)
          SELECT gen_random_uuid(), 'plan-other', 'plan-' || (g / 5), 'openai', '{big}',
-                'model-' || (g % 50), now(), now() + interval '1 hour'
+                'model-other', now(), now() + interval '1 hour'
          FROM generate_series($1::int * 5, $1::int * 5 + 4999) g",
         first,
     )
