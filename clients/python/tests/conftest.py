@@ -18,6 +18,7 @@ from harness import (
     DEFAULT_DATABASE_URL,
     Admin,
     Service,
+    StoredCredential,
     psql,
     start_service,
     stop_service,
@@ -66,3 +67,12 @@ def admin(service: Service) -> Iterator[Admin]:
 def provider() -> str:
     """A provider name no other test uses."""
     return "py-" + secrets.token_hex(5)
+
+
+@pytest.fixture
+def credential(admin: Admin, provider: str) -> StoredCredential:
+    """One credential of ``provider``, ``{provider}-a``: one slot, serving gpt-4o, holding the
+    API key ``sk-{provider}-a``."""
+    stored = StoredCredential(f"{provider}-a", f"sk-{provider}-a")
+    admin.put_key(stored.key_id, provider, secret={"api_key": stored.secret})
+    return stored

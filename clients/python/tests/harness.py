@@ -23,7 +23,18 @@ import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Dict, List, Optional, Tuple, Union
+from typing import (
+    Any,
+    Awaitable,
+    Callable,
+    Dict,
+    List,
+    NamedTuple,
+    Optional,
+    Tuple,
+    TypeVar,
+    Union,
+)
 from urllib.parse import urlsplit, urlunsplit
 
 import httpx
@@ -42,6 +53,14 @@ SCHEDULING_SLACK_SECONDS = 10.0
 #: the renewal's round trip and scheduling on a loaded machine: with a 1 s interval the bound is
 #: 3 s, which a client that renews every 3 s (or renews by some other length) misses.
 LOSS_SLACK_SECONDS = 2.0
+
+
+def loss_bound(lease_seconds: float) -> float:
+    """Seconds from before the allocate within which a force release must set ``lost`` on a
+    lease of ``lease_seconds``: one renewal interval (a third of the lease, the clients' default
+    ``renew_fraction``) and ``LOSS_SLACK_SECONDS``."""
+    return lease_seconds / 3 + LOSS_SLACK_SECONDS
+
 
 #: How long the service may take to start (migrations on a fresh database, a loaded machine).
 START_TIMEOUT_SECONDS = 120.0
@@ -214,6 +233,13 @@ class Admin:
         return self._ok(self._http.post(f"/leases/{lease_id}/release", json={"reason": reason}))
 
 
+class StoredCredential(NamedTuple):
+    """A credential a test stored: its key id and the API key it holds."""
+
+    key_id: str
+    secret: str
+
+
 def peak_from_trail(database_url: str, key_id: str) -> int:
     """The most leases ``key_id`` ever held at once, from the audit trail alone: the book's "How a
     lease is claimed", the peak-concurrency query, for one credential."""
@@ -264,50 +290,79 @@ def audit_verify(service: Service) -> Dict[str, Any]:
     return result
 
 
-class DropFirstAllocateAnswer:
-    """An HTTP-aware TCP proxy, on asyncio in a thread of its own (so both clients can use it),
-    that forwards every request to the service and every answer back, except the answer to the
-    first allocate: that one it reads from the service and then drops, closing the client's
-    connection without a byte, as a network failure after the grant would.
+Served = TypeVar("Served", bound="ServedInThread")
 
-    Each request goes to the service on a fresh connection; answers carry ``Content-Length``
-    (credpool's JSON answers do)."""
 
-    def __init__(self, upstream: Tuple[str, int]) -> None:
-        self._upstream = upstream
-        self.dropped: List[Dict[str, Any]] = []
-        self.allocates = 0
+class ServedInThread:
+    """A server on 127.0.0.1 on an event loop of its own in a daemon thread, so that sync and
+    async tests (and other processes) reach it alike. A context manager: entering starts it and
+    waits (30 s at most) until it listens, on ``port`` (``base_url``); leaving stops it.
+    Subclasses start listening in :meth:`_listen`."""
+
+    def __init__(self, name: str, port: int = 0) -> None:
+        self.port = port
+        self._name = name
         self._loop = asyncio.new_event_loop()
         self._ready = threading.Event()
-        self._thread = threading.Thread(target=self._run, daemon=True)
-        self._server: Optional[asyncio.AbstractServer] = None
-        self.port = 0
-
-    def __enter__(self) -> DropFirstAllocateAnswer:
-        self._thread.start()
-        if not self._ready.wait(30):
-            raise RuntimeError("the proxy did not start")
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self._loop.call_soon_threadsafe(self._loop.stop)
-        self._thread.join(30)
+        self._stop: Optional[asyncio.Event] = None
+        self._thread = threading.Thread(target=self._run, daemon=True, name=name)
 
     @property
     def base_url(self) -> str:
         return f"http://127.0.0.1:{self.port}"
 
+    async def _listen(self) -> Tuple[int, Callable[[], Awaitable[None]]]:
+        """Starts serving (on ``self.port``, 0 for any); returns the port it listens on and what
+        stops it."""
+        raise NotImplementedError
+
+    def __enter__(self: Served) -> Served:
+        self._thread.start()
+        if not self._ready.wait(30):
+            raise RuntimeError(f"the {self._name} did not start")
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self._stop is not None:
+            self._loop.call_soon_threadsafe(self._stop.set)
+        self._thread.join(30)
+
     def _run(self) -> None:
         asyncio.set_event_loop(self._loop)
-        self._server = self._loop.run_until_complete(
-            asyncio.start_server(self._serve, "127.0.0.1", 0)
-        )
-        self.port = self._server.sockets[0].getsockname()[1]
-        self._ready.set()
-        self._loop.run_forever()
-        self._server.close()
-        self._loop.run_until_complete(self._server.wait_closed())
+        self._loop.run_until_complete(self._serve_until_stopped())
         self._loop.close()
+
+    async def _serve_until_stopped(self) -> None:
+        self._stop = asyncio.Event()
+        self.port, close = await self._listen()
+        self._ready.set()
+        await self._stop.wait()
+        await close()
+
+
+class DropFirstAllocateAnswer(ServedInThread):
+    """An HTTP-aware TCP proxy, served in a thread of its own (so both clients can use it), that
+    forwards every request to the service and every answer back, except the answer to the first
+    allocate: that one it reads from the service and then drops, closing the client's connection
+    without a byte, as a network failure after the grant would.
+
+    Each request goes to the service on a fresh connection; answers carry ``Content-Length``
+    (credpool's JSON answers do)."""
+
+    def __init__(self, upstream: Tuple[str, int]) -> None:
+        super().__init__("proxy")
+        self._upstream = upstream
+        self.dropped: List[Dict[str, Any]] = []
+        self.allocates = 0
+
+    async def _listen(self) -> Tuple[int, Callable[[], Awaitable[None]]]:
+        server = await asyncio.start_server(self._serve, "127.0.0.1", self.port)
+
+        async def close() -> None:
+            server.close()
+            await server.wait_closed()
+
+        return server.sockets[0].getsockname()[1], close
 
     @staticmethod
     async def _read_message(reader: asyncio.StreamReader) -> Tuple[bytes, bytes]:

@@ -27,24 +27,27 @@ import sys
 import threading
 import time
 from collections import Counter
-from typing import Any, Dict, List, Optional, Set, Tuple
+from typing import Any, Awaitable, Callable, Dict, List, Optional, Set, Tuple
 
 from aiohttp import web
+
+from harness import ServedInThread
 
 #: What every answer says, one chunk (and one completion token) per word.
 WORDS = ["Hello", " from", " the", " mock", " upstream", "."]
 PROMPT_TOKENS = 10
 
 
-class MockUpstream:
-    """The mock provider, served by aiohttp on an event loop of its own in a daemon thread (so
-    that sync and async tests, and other processes, can call it). Use it as a context manager;
-    ``base_url`` is ``http://127.0.0.1:PORT`` once entered.
+class MockUpstream(ServedInThread):
+    """The mock provider, served by aiohttp in a thread of its own (so that sync and async tests,
+    and other processes, can call it). Use it as a context manager; ``base_url`` is
+    ``http://127.0.0.1:PORT`` once entered.
 
     ``delay`` is the seconds an unstreamed answer takes; ``chunk_delay`` the seconds between two
     chunks of a streamed one."""
 
     def __init__(self, delay: float = 0.05, chunk_delay: float = 0.02) -> None:
+        super().__init__("mock upstream")
         self.delay = delay
         self.chunk_delay = chunk_delay
         self._lock = threading.Lock()
@@ -57,11 +60,6 @@ class MockUpstream:
         self._rejected: Set[str] = set()
         self._cut: Set[str] = set()
         self.tokens_issued = 0
-        self._loop = asyncio.new_event_loop()
-        self._thread = threading.Thread(target=self._run, daemon=True, name="mock-upstream")
-        self._ready = threading.Event()
-        self._stop: Optional[asyncio.Event] = None
-        self.port = 0
 
     # -- scripting and reading -----------------------------------------------------------
 
@@ -85,30 +83,9 @@ class MockUpstream:
         with self._lock:
             return {key: n for key, n in self.in_flight.items() if n}
 
-    @property
-    def base_url(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
-
     # -- running ---------------------------------------------------------------------------
 
-    def __enter__(self) -> MockUpstream:
-        self._thread.start()
-        if not self._ready.wait(30):
-            raise RuntimeError("the mock upstream did not start")
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        if self._stop is not None:
-            self._loop.call_soon_threadsafe(self._stop.set)
-        self._thread.join(30)
-
-    def _run(self) -> None:
-        asyncio.set_event_loop(self._loop)
-        self._loop.run_until_complete(self._serve())
-        self._loop.close()
-
-    async def _serve(self) -> None:
-        self._stop = asyncio.Event()
+    async def _listen(self) -> Tuple[int, Callable[[], Awaitable[None]]]:
         app = web.Application()
         app.router.add_post("/v1/chat/completions", self._chat)
         app.router.add_post("/chat/completions", self._chat)
@@ -117,12 +94,8 @@ class MockUpstream:
         # Cancelled handlers are how a client that goes away mid-stream is seen.
         runner = web.AppRunner(app, handler_cancellation=True, access_log=None)
         await runner.setup()
-        site = web.TCPSite(runner, "127.0.0.1", self.port)
-        await site.start()
-        self.port = runner.addresses[0][1]
-        self._ready.set()
-        await self._stop.wait()
-        await runner.cleanup()
+        await web.TCPSite(runner, "127.0.0.1", self.port).start()
+        return runner.addresses[0][1], runner.cleanup
 
     # -- bookkeeping ------------------------------------------------------------------------
 
@@ -154,96 +127,101 @@ class MockUpstream:
             return _error(401, kind, "Invalid credentials", anthropic)
         return None
 
-    # -- OpenAI ------------------------------------------------------------------------------
-
-    async def _chat(self, request: web.Request) -> web.StreamResponse:
-        key = _bearer(request)
+    async def _call(self, request: web.Request, key: str, anthropic: bool) -> web.StreamResponse:
+        """One call of either API presenting ``key``: refused if scripted so, else counted while
+        it is served: its answer as JSON after ``delay``, or, when the body asks for a stream,
+        its events (False from the stream: it was cut)."""
         body = await request.json()
-        refused = self._refusal(key, anthropic=False)
+        refused = self._refusal(key, anthropic)
         if refused is not None:
             return refused
         self._enter(key)
         finished = False
         try:
-            model = str(body.get("model", "gpt-4o"))
+            model = str(body.get("model", "claude-sonnet-4" if anthropic else "gpt-4o"))
             if not body.get("stream"):
                 await asyncio.sleep(self.delay)
                 finished = True
-                return web.json_response(_chat_completion(model))
-            include_usage = bool((body.get("stream_options") or {}).get("include_usage"))
+                return web.json_response(_message(model) if anthropic else _chat_completion(model))
             response = await _open_sse(request)
-            for n, word in enumerate(WORDS):
-                await asyncio.sleep(self.chunk_delay)
-                if n == 2 and self._is_cut(key):
-                    # the connection drops mid-stream, as a provider's or a network's failure
-                    assert request.transport is not None
-                    request.transport.close()
-                    return response
-                delta: Dict[str, Any] = {"content": word}
-                if n == 0:
-                    delta["role"] = "assistant"
-                await _send(response, _chunk(model, delta, None))
-            await _send(response, _chunk(model, {}, "stop"))
-            if include_usage:
-                await _send(response, {**_chunk(model, None, None), "usage": _usage()})
-            await response.write(b"data: [DONE]\n\n")
-            await response.write_eof()
-            finished = True
+            if anthropic:
+                finished = await self._messages_stream(response, model)
+            else:
+                finished = await self._chat_stream(request, response, key, model, body)
             return response
         finally:
             self._leave(key, finished)
+
+    # -- OpenAI ------------------------------------------------------------------------------
+
+    async def _chat(self, request: web.Request) -> web.StreamResponse:
+        return await self._call(request, _bearer(request), anthropic=False)
+
+    async def _chat_stream(
+        self,
+        request: web.Request,
+        response: web.StreamResponse,
+        key: str,
+        model: str,
+        body: Dict[str, Any],
+    ) -> bool:
+        include_usage = bool((body.get("stream_options") or {}).get("include_usage"))
+        for n, word in enumerate(WORDS):
+            await asyncio.sleep(self.chunk_delay)
+            if n == 2 and self._is_cut(key):
+                # the connection drops mid-stream, as a provider's or a network's failure
+                assert request.transport is not None
+                request.transport.close()
+                return False
+            delta: Dict[str, Any] = {"content": word}
+            if n == 0:
+                delta["role"] = "assistant"
+            await _send(response, _chunk(model, delta, None))
+        await _send(response, _chunk(model, {}, "stop"))
+        if include_usage:
+            await _send(response, {**_chunk(model, None, None), "usage": _usage()})
+        await response.write(b"data: [DONE]\n\n")
+        await response.write_eof()
+        return True
 
     # -- Anthropic ---------------------------------------------------------------------------
 
     async def _messages(self, request: web.Request) -> web.StreamResponse:
         key = request.headers.get("x-api-key") or _bearer(request)
-        body = await request.json()
-        refused = self._refusal(key, anthropic=True)
-        if refused is not None:
-            return refused
-        self._enter(key)
-        finished = False
-        try:
-            model = str(body.get("model", "claude-sonnet-4"))
-            if not body.get("stream"):
-                await asyncio.sleep(self.delay)
-                finished = True
-                return web.json_response(_message(model))
-            response = await _open_sse(request)
-            start = _message(model)
-            start.update(content=[], stop_reason=None)
-            start["usage"] = {"input_tokens": PROMPT_TOKENS, "output_tokens": 1}
-            await _event(response, "message_start", {"type": "message_start", "message": start})
-            block = {"type": "text", "text": ""}
+        return await self._call(request, key, anthropic=True)
+
+    async def _messages_stream(self, response: web.StreamResponse, model: str) -> bool:
+        start = _message(model)
+        start.update(content=[], stop_reason=None)
+        start["usage"] = {"input_tokens": PROMPT_TOKENS, "output_tokens": 1}
+        await _event(response, "message_start", {"type": "message_start", "message": start})
+        block = {"type": "text", "text": ""}
+        await _event(
+            response,
+            "content_block_start",
+            {"type": "content_block_start", "index": 0, "content_block": block},
+        )
+        for word in WORDS:
+            await asyncio.sleep(self.chunk_delay)
+            delta = {"type": "text_delta", "text": word}
             await _event(
                 response,
-                "content_block_start",
-                {"type": "content_block_start", "index": 0, "content_block": block},
+                "content_block_delta",
+                {"type": "content_block_delta", "index": 0, "delta": delta},
             )
-            for word in WORDS:
-                await asyncio.sleep(self.chunk_delay)
-                delta = {"type": "text_delta", "text": word}
-                await _event(
-                    response,
-                    "content_block_delta",
-                    {"type": "content_block_delta", "index": 0, "delta": delta},
-                )
-            await _event(response, "content_block_stop", {"type": "content_block_stop", "index": 0})
-            await _event(
-                response,
-                "message_delta",
-                {
-                    "type": "message_delta",
-                    "delta": {"stop_reason": "end_turn", "stop_sequence": None},
-                    "usage": {"output_tokens": len(WORDS)},
-                },
-            )
-            await _event(response, "message_stop", {"type": "message_stop"})
-            await response.write_eof()
-            finished = True
-            return response
-        finally:
-            self._leave(key, finished)
+        await _event(response, "content_block_stop", {"type": "content_block_stop", "index": 0})
+        await _event(
+            response,
+            "message_delta",
+            {
+                "type": "message_delta",
+                "delta": {"stop_reason": "end_turn", "stop_sequence": None},
+                "usage": {"output_tokens": len(WORDS)},
+            },
+        )
+        await _event(response, "message_stop", {"type": "message_stop"})
+        await response.write_eof()
+        return True
 
     # -- OAuth -------------------------------------------------------------------------------
 

@@ -27,6 +27,7 @@ from harness import (  # noqa: E402
     SCHEDULING_SLACK_SECONDS,
     Admin,
     Service,
+    StoredCredential,
     peak_from_trail,
     psql,
     trail,
@@ -175,11 +176,11 @@ async def test_streamed_and_unstreamed_calls_report_their_usage_at_release(
         assert service.internal_key not in line
 
 
+@pytest.mark.usefixtures("leases")
 async def test_a_429_with_retry_after_rests_the_credential(
-    service: Service, admin: Admin, provider: str, upstream: MockUpstream, leases: CredpoolLeases
+    service: Service, admin: Admin, credential: StoredCredential, upstream: MockUpstream
 ) -> None:
-    key_id, secret = f"{provider}-a", f"sk-{provider}"
-    admin.put_key(key_id, provider, limit=1, secret={"api_key": secret})
+    key_id, secret = credential
     upstream.rate_limit(secret, retry_after="30")
     with pytest.raises(litellm.RateLimitError):
         await completion(upstream)
@@ -192,8 +193,9 @@ async def test_a_429_with_retry_after_rests_the_credential(
     assert nothing_leased(admin, key_id)
 
 
+@pytest.mark.usefixtures("leases")
 async def test_a_401_on_an_oauth_credential_reports_auth_expired_and_the_refreshed_token_serves(
-    service: Service, admin: Admin, provider: str, upstream: MockUpstream, leases: CredpoolLeases
+    service: Service, admin: Admin, provider: str, upstream: MockUpstream
 ) -> None:
     key_id = f"{provider}-oauth"
     expires_at = (datetime.now(timezone.utc) + timedelta(hours=1)).isoformat()
@@ -226,11 +228,11 @@ async def test_a_401_on_an_oauth_credential_reports_auth_expired_and_the_refresh
     await until("the release", lambda: nothing_leased(admin, key_id))
 
 
+@pytest.mark.usefixtures("leases")
 async def test_a_consumer_that_abandons_a_stream_leaves_no_live_lease(
-    service: Service, admin: Admin, provider: str, upstream: MockUpstream, leases: CredpoolLeases
+    service: Service, admin: Admin, credential: StoredCredential, upstream: MockUpstream
 ) -> None:
-    key_id, secret = f"{provider}-a", f"sk-{provider}"
-    admin.put_key(key_id, provider, limit=1, secret={"api_key": secret})
+    key_id = credential.key_id
     upstream.chunk_delay = 0.5
 
     async def read_one_chunk_and_stop() -> None:
@@ -259,11 +261,11 @@ async def test_a_consumer_that_abandons_a_stream_leaves_no_live_lease(
     assert ("expired", None) not in events
 
 
+@pytest.mark.usefixtures("leases")
 async def test_a_stream_the_provider_cuts_is_released_with_failure(
-    service: Service, admin: Admin, provider: str, upstream: MockUpstream, leases: CredpoolLeases
+    service: Service, admin: Admin, credential: StoredCredential, upstream: MockUpstream
 ) -> None:
-    key_id, secret = f"{provider}-a", f"sk-{provider}"
-    admin.put_key(key_id, provider, limit=1, secret={"api_key": secret})
+    key_id, secret = credential
     upstream.cut(secret)
     stream = await completion(upstream, stream=True)
     with pytest.raises(Exception):  # noqa: B017, PT011 - LiteLLM's class for a dropped stream varies
@@ -275,10 +277,9 @@ async def test_a_stream_the_provider_cuts_is_released_with_failure(
 
 
 async def test_a_long_call_keeps_its_lease_renewed(
-    service: Service, admin: Admin, provider: str
+    service: Service, provider: str, credential: StoredCredential
 ) -> None:
-    key_id = f"{provider}-a"
-    admin.put_key(key_id, provider, limit=1)
+    key_id = credential.key_id
     callback = CredpoolLeases(
         service.base_url, internal_key=service.internal_key, provider=provider, lease_seconds=2
     )
@@ -313,10 +314,13 @@ class SlowReleases(httpx.AsyncBaseTransport):
 
 
 async def test_a_release_in_flight_survives_the_callers_cancellation(
-    service: Service, admin: Admin, provider: str, upstream: MockUpstream
+    service: Service,
+    admin: Admin,
+    provider: str,
+    credential: StoredCredential,
+    upstream: MockUpstream,
 ) -> None:
-    key_id, secret = f"{provider}-a", f"sk-{provider}"
-    admin.put_key(key_id, provider, limit=1, secret={"api_key": secret})
+    key_id, secret = credential
     upstream.rate_limit(secret, retry_after="30")
     transport = SlowReleases()
     callback = CredpoolLeases(
@@ -334,10 +338,13 @@ async def test_a_release_in_flight_survives_the_callers_cancellation(
 
 
 async def test_the_proxy_stream_hook_releases_when_the_client_goes_away(
-    service: Service, admin: Admin, provider: str, upstream: MockUpstream, leases: CredpoolLeases
+    service: Service,
+    admin: Admin,
+    credential: StoredCredential,
+    upstream: MockUpstream,
+    leases: CredpoolLeases,
 ) -> None:
-    key_id, secret = f"{provider}-a", f"sk-{provider}"
-    admin.put_key(key_id, provider, limit=1, secret={"api_key": secret})
+    key_id = credential.key_id
     upstream.chunk_delay = 0.5
     router = litellm.Router(
         model_list=[
@@ -385,10 +392,9 @@ def test_a_synchronous_call_is_not_leased_and_says_so(
 
 
 async def test_a_call_that_finds_every_slot_taken_raises_pool_exhausted_and_sends_nothing(
-    service: Service, admin: Admin, provider: str, upstream: MockUpstream
+    service: Service, provider: str, credential: StoredCredential, upstream: MockUpstream
 ) -> None:
-    key_id, secret = f"{provider}-a", f"sk-{provider}"
-    admin.put_key(key_id, provider, limit=1, secret={"api_key": secret})
+    key_id, secret = credential
     callback = CredpoolLeases(
         service.base_url, internal_key=service.internal_key, provider=provider, wait=0
     )

@@ -142,64 +142,90 @@ def _response(module: Any, status: int, headers: Dict[str, str]) -> Any:
     return http.Response(status, headers=headers, request=request)
 
 
-def test_real_openai_exceptions() -> None:
-    openai = pytest.importorskip("openai")
-    limited = openai.RateLimitError(
-        "Error code: 429",
-        response=_response(openai, 429, {"retry-after-ms": "2500", "x-request-id": "r"}),
-        body={"message": "Rate limit reached", "type": "requests", "code": "rate_limit_exceeded"},
-    )
-    assert outcome_for(limited) == Outcome("rate_limited", 2.5)
-    quota = openai.RateLimitError(
-        "Error code: 429 - insufficient_quota",
-        response=_response(openai, 429, {}),
-        body={
-            "message": "You exceeded your current quota",
-            "type": "insufficient_quota",
-            "code": "insufficient_quota",
-        },
-    )
-    assert outcome_for(quota) == Outcome("quota_exhausted", None)
-    auth = openai.AuthenticationError(
-        "Error code: 401",
-        response=_response(openai, 401, {}),
-        body={
-            "message": "Incorrect API key provided",
-            "type": "invalid_request_error",
-            "code": "invalid_api_key",
-        },
-    )
-    assert outcome_for(auth) == Outcome("auth_expired")
-    server = openai.InternalServerError(
-        "Error code: 500", response=_response(openai, 500, {}), body=None
-    )
-    assert outcome_for(server) == Outcome("failure")
+def _anthropic_body(kind: str) -> Dict[str, Any]:
+    return {"type": "error", "error": {"type": kind, "message": "m"}}
 
 
-def test_real_anthropic_exceptions() -> None:
-    anthropic = pytest.importorskip("anthropic")
-
-    def body(kind: str) -> Dict[str, Any]:
-        return {"type": "error", "error": {"type": kind, "message": "m"}}
-
-    limited = anthropic.RateLimitError(
-        "Error code: 429",
-        response=_response(anthropic, 429, {"retry-after": "30"}),
-        body=body("rate_limit_error"),
-    )
-    assert outcome_for(limited) == Outcome("rate_limited", 30.0)
-    auth = anthropic.AuthenticationError(
-        "Error code: 401",
-        response=_response(anthropic, 401, {}),
-        body=body("authentication_error"),
-    )
-    assert outcome_for(auth) == Outcome("auth_expired")
-    billing = anthropic.BadRequestError(
-        "Error code: 400", response=_response(anthropic, 400, {}), body=body("billing_error")
-    )
-    assert outcome_for(billing) == Outcome("quota_exhausted", None)
-    overloaded_cls = getattr(anthropic, "OverloadedError", anthropic.InternalServerError)
-    overloaded = overloaded_cls(
-        "Error code: 529", response=_response(anthropic, 529, {}), body=body("overloaded_error")
-    )
-    assert outcome_for(overloaded) == Outcome("failure")
+@pytest.mark.parametrize(
+    ("sdk", "name", "status", "headers", "body", "expected"),
+    [
+        (
+            "openai",
+            "RateLimitError",
+            429,
+            {"retry-after-ms": "2500", "x-request-id": "r"},
+            {"message": "Rate limit reached", "type": "requests", "code": "rate_limit_exceeded"},
+            Outcome("rate_limited", 2.5),
+        ),
+        (
+            "openai",
+            "RateLimitError",
+            429,
+            {},
+            {
+                "message": "You exceeded your current quota",
+                "type": "insufficient_quota",
+                "code": "insufficient_quota",
+            },
+            Outcome("quota_exhausted", None),
+        ),
+        (
+            "openai",
+            "AuthenticationError",
+            401,
+            {},
+            {
+                "message": "Incorrect API key provided",
+                "type": "invalid_request_error",
+                "code": "invalid_api_key",
+            },
+            Outcome("auth_expired"),
+        ),
+        ("openai", "InternalServerError", 500, {}, None, Outcome("failure")),
+        (
+            "anthropic",
+            "RateLimitError",
+            429,
+            {"retry-after": "30"},
+            _anthropic_body("rate_limit_error"),
+            Outcome("rate_limited", 30.0),
+        ),
+        (
+            "anthropic",
+            "AuthenticationError",
+            401,
+            {},
+            _anthropic_body("authentication_error"),
+            Outcome("auth_expired"),
+        ),
+        (
+            "anthropic",
+            "BadRequestError",
+            400,
+            {},
+            _anthropic_body("billing_error"),
+            Outcome("quota_exhausted", None),
+        ),
+        (
+            "anthropic",
+            "OverloadedError",
+            529,
+            {},
+            _anthropic_body("overloaded_error"),
+            Outcome("failure"),
+        ),
+    ],
+)
+def test_real_sdk_exceptions(
+    sdk: str,
+    name: str,
+    status: int,
+    headers: Dict[str, str],
+    body: Any,
+    expected: Outcome,
+) -> None:
+    module = pytest.importorskip(sdk)
+    # anthropic's OverloadedError is newer than some versions the dev extra allows
+    cls = getattr(module, name, None) or module.InternalServerError
+    error = cls(f"Error code: {status}", response=_response(module, status, headers), body=body)
+    assert outcome_for(error) == expected
