@@ -23,6 +23,37 @@ fn fast_retries() -> RetryPolicy {
     }
 }
 
+/// A client of `base_url` with [`fast_retries`] that gives up after `max_retries` retries.
+fn client_retrying(base_url: impl Into<String>, max_retries: usize) -> Client {
+    Client::builder(base_url, INTERNAL_KEY)
+        .retry(RetryPolicy {
+            max_retries: Some(max_retries),
+            ..fast_retries()
+        })
+        .build()
+        .expect("builds")
+}
+
+/// An address on 127.0.0.1 that nothing listens on (the listener bound to it is gone).
+fn closed_address() -> std::net::SocketAddr {
+    let listener = std::net::TcpListener::bind("127.0.0.1:0").expect("binds");
+    listener.local_addr().expect("has an address")
+}
+
+/// The server's 429 `pool_exhausted` with `Retry-After: {retry_after}` (seconds).
+fn exhausted(retry_after: u64) -> Reply {
+    Reply::error(429, "pool_exhausted").header("retry-after", retry_after.to_string())
+}
+
+/// Panics unless `error` is `PoolExhausted` with a `Retry-After` of `seconds` (`context`
+/// names the case).
+fn assert_exhausted(error: &Error, seconds: u64, context: impl std::fmt::Debug) {
+    assert!(
+        matches!(error, Error::PoolExhausted { retry_after } if *retry_after == Duration::from_secs(seconds)),
+        "{context:?}: {error:?}"
+    );
+}
+
 fn client(fake: &Fake) -> Client {
     Client::builder(&fake.url, INTERNAL_KEY)
         .retry(fast_retries())
@@ -125,10 +156,7 @@ async fn allocate_retries_a_closed_connection() {
 
 #[tokio::test]
 async fn allocate_retries_a_refused_connection() {
-    let addr = {
-        let listener = std::net::TcpListener::bind("127.0.0.1:0").expect("binds");
-        listener.local_addr().expect("has an address")
-    };
+    let addr = closed_address();
     let client = Client::builder(format!("http://{addr}"), INTERNAL_KEY)
         .retry(fast_retries())
         .build()
@@ -164,13 +192,7 @@ async fn allocate_retries_a_timed_out_attempt_with_the_same_request_id() {
 #[tokio::test]
 async fn store_unavailable_and_proxy_errors_give_up_after_the_retry_policy() {
     let fake = Fake::start().await;
-    let client = Client::builder(&fake.url, INTERNAL_KEY)
-        .retry(RetryPolicy {
-            max_retries: Some(2),
-            ..fast_retries()
-        })
-        .build()
-        .expect("builds");
+    let client = client_retrying(&fake.url, 2);
 
     fake.always(Route::Allocate, Reply::error(503, "store_unavailable"));
     let error = client.lease(request()).await.expect_err("gives up");
@@ -197,15 +219,9 @@ async fn store_unavailable_and_proxy_errors_give_up_after_the_retry_policy() {
 #[tokio::test]
 async fn pool_exhausted_without_wait_returns_retry_after_at_once() {
     let fake = Fake::start().await;
-    fake.always(
-        Route::Allocate,
-        Reply::error(429, "pool_exhausted").header("retry-after", "7"),
-    );
+    fake.always(Route::Allocate, exhausted(7));
     let error = client(&fake).lease(request()).await.expect_err("exhausted");
-    assert!(
-        matches!(error, Error::PoolExhausted { retry_after } if retry_after == Duration::from_secs(7)),
-        "{error:?}"
-    );
+    assert_exhausted(&error, 7, "no wait");
     let requests = fake.requests(Route::Allocate);
     assert_eq!(requests.len(), 1);
     assert!(requests[0].body.get("wait_ms").is_none());
@@ -225,19 +241,14 @@ async fn pool_exhausted_with_wait_resends_with_the_time_left() {
     // The server holds each request 200 ms (its cap), then answers 429.
     fake.always(
         Route::Allocate,
-        Reply::error(429, "pool_exhausted")
-            .header("retry-after", "3")
-            .after(Duration::from_millis(200)),
+        exhausted(3).after(Duration::from_millis(200)),
     );
     let started = Instant::now();
     let error = client(&fake)
         .lease(request().wait(Duration::from_millis(900)))
         .await
         .expect_err("exhausted");
-    assert!(
-        matches!(error, Error::PoolExhausted { retry_after } if retry_after == Duration::from_secs(3)),
-        "{error:?}"
-    );
+    assert_exhausted(&error, 3, "a wait of 900 ms");
     assert!(started.elapsed() >= Duration::from_millis(800));
 
     let waits: Vec<u64> = fake
@@ -257,9 +268,7 @@ async fn a_waiting_lease_succeeds_when_a_later_send_gets_a_slot() {
     let fake = Fake::start().await;
     fake.queue(
         Route::Allocate,
-        [Reply::error(429, "pool_exhausted")
-            .header("retry-after", "1")
-            .after(Duration::from_millis(150))],
+        [exhausted(1).after(Duration::from_millis(150))],
     );
     let guard = client(&fake)
         .lease(request().wait(Duration::from_secs(5)))
@@ -277,10 +286,7 @@ async fn a_waiting_lease_succeeds_when_a_later_send_gets_a_slot() {
 #[tokio::test]
 async fn a_server_that_does_not_hold_the_request_is_not_hammered() {
     let fake = Fake::start().await;
-    fake.always(
-        Route::Allocate,
-        Reply::error(429, "pool_exhausted").header("retry-after", "1"),
-    );
+    fake.always(Route::Allocate, exhausted(1));
     let client = Client::builder(&fake.url, INTERNAL_KEY)
         .retry(RetryPolicy {
             base_delay: Duration::from_millis(100),
@@ -302,13 +308,7 @@ async fn a_server_that_does_not_hold_the_request_is_not_hammered() {
 #[tokio::test]
 async fn every_error_code_maps_to_its_variant() {
     let fake = Fake::start().await;
-    let client = Client::builder(&fake.url, INTERNAL_KEY)
-        .retry(RetryPolicy {
-            max_retries: Some(1),
-            ..fast_retries()
-        })
-        .build()
-        .expect("builds");
+    let client = client_retrying(&fake.url, 1);
     type Expected = fn(&Error) -> bool;
     let cases: Vec<(u16, &str, Expected)> = vec![
         (
@@ -455,10 +455,7 @@ async fn malformed_answers_are_typed_errors() {
         }
         fake.always(Route::Allocate, reply);
         let error = client.lease(request()).await.expect_err("exhausted");
-        assert!(
-            matches!(error, Error::PoolExhausted { retry_after } if retry_after == Duration::from_secs(1)),
-            "{header:?}: {error:?}"
-        );
+        assert_exhausted(&error, 1, header);
     }
 }
 
@@ -835,13 +832,7 @@ fn dropping_the_guard_after_its_runtime_is_gone_sends_nothing_and_does_not_panic
 #[tokio::test]
 async fn debug_and_display_never_show_the_secret_or_the_internal_key() {
     let fake = Fake::start().await;
-    let client = Client::builder(&fake.url, INTERNAL_KEY)
-        .retry(RetryPolicy {
-            max_retries: Some(1),
-            ..fast_retries()
-        })
-        .build()
-        .expect("builds");
+    let client = client_retrying(&fake.url, 1);
     assert_no_secret(&format!("{client:?}"));
 
     let guard = client.lease(request()).await.expect("leases");
@@ -879,17 +870,7 @@ async fn debug_and_display_never_show_the_secret_or_the_internal_key() {
     fake.always(Route::Allocate, Reply::raw(502, "text/plain", SECRET));
     errors.push(client.lease(request()).await.expect_err("refused"));
     // A transport error: nothing listens.
-    let closed = {
-        let listener = std::net::TcpListener::bind("127.0.0.1:0").expect("binds");
-        listener.local_addr().expect("has an address")
-    };
-    let unreachable = Client::builder(format!("http://{closed}"), INTERNAL_KEY)
-        .retry(RetryPolicy {
-            max_retries: Some(1),
-            ..fast_retries()
-        })
-        .build()
-        .expect("builds");
+    let unreachable = client_retrying(format!("http://{}", closed_address()), 1);
     let error = unreachable.lease(request()).await.expect_err("unreachable");
     assert!(
         matches!(&error, Error::Transport(t) if t.kind() == TransportKind::Connect),
