@@ -17,6 +17,44 @@ pub async fn connect(app: &TestApp) -> PgConnection {
         .expect("test connection")
 }
 
+/// A connection of the test's own ([`connect`]) in a transaction that has run each of
+/// `statements` (locking selects, a refit, a row written) and holds what they locked until the
+/// test commits or rolls back on it: another transaction in progress, stepped by hand. Panics,
+/// naming the statement, if one fails.
+pub async fn transaction_holding(app: &TestApp, statements: &[&'static str]) -> PgConnection {
+    use sqlx::Executor;
+    let mut conn = connect(app).await;
+    conn.execute("BEGIN").await.unwrap();
+    for statement in statements {
+        conn.execute(*statement)
+            .await
+            .unwrap_or_else(|e| panic!("{statement}: {e}"));
+    }
+    conn
+}
+
+/// [`transaction_holding`] with `$1` bound to `arg` in each of `statements`.
+pub async fn transaction_holding_with<'a, A>(
+    app: &TestApp,
+    statements: &[&'static str],
+    arg: A,
+) -> PgConnection
+where
+    A: 'a + Copy + Send + sqlx::Encode<'a, sqlx::Postgres> + sqlx::Type<sqlx::Postgres>,
+{
+    use sqlx::Executor;
+    let mut conn = connect(app).await;
+    conn.execute("BEGIN").await.unwrap();
+    for statement in statements {
+        sqlx::query(*statement)
+            .bind(arg)
+            .execute(&mut conn)
+            .await
+            .unwrap_or_else(|e| panic!("{statement}: {e}"));
+    }
+    conn
+}
+
 /// The backend process id of `conn` (`pg_backend_pid()`), for [`until_waiting`].
 pub async fn backend_pid(conn: &mut PgConnection) -> i32 {
     sqlx::query_scalar("SELECT pg_backend_pid()")

@@ -347,12 +347,7 @@ async fn a_release_all_that_waited_for_a_raised_limit_locks_the_new_slots_before
     // the limit is raised (committed), and the refit that follows is held before its commit
     app.run_sql("UPDATE credentials SET max_concurrent_uses = 2 WHERE key_id = 'k'")
         .await;
-    let mut fit = connect(&app).await;
-    fit.execute("BEGIN").await.unwrap();
-    sqlx::query("SELECT credpool_fit_slots('k')")
-        .execute(&mut fit)
-        .await
-        .unwrap();
+    let mut fit = transaction_holding(&app, &["SELECT credpool_fit_slots('k')"]).await;
     // someone holds the credential row next: queued behind the refit for the operator lock,
     // ahead of the release-all, it takes the row and lets the operator lock go, so the
     // release-all then waits for the row (two transactions that both wait for the refit's row

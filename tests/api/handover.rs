@@ -108,12 +108,11 @@ async fn a_claim_is_served_while_a_cleanup_pass_is_still_purging() {
     )
     .await;
     tokio::time::sleep(Duration::from_millis(1_200)).await;
-    let mut blocker = connect(&app).await;
-    blocker.execute("BEGIN").await.unwrap();
-    sqlx::query("SELECT 1 FROM credential_events WHERE reason = 'long ago' FOR UPDATE")
-        .execute(&mut blocker)
-        .await
-        .unwrap();
+    let mut blocker = transaction_holding(
+        &app,
+        &["SELECT 1 FROM credential_events WHERE reason = 'long ago' FOR UPDATE"],
+    )
+    .await;
     let db = app.db.clone();
     let pass =
         tokio::spawn(

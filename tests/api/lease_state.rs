@@ -117,13 +117,12 @@ async fn an_import_and_a_release_group_never_deadlock() {
     let held = 0;
     let before = deadlocks(&app.db).await;
 
-    let mut blocker = connect(&app).await;
-    blocker.execute("BEGIN").await.unwrap();
-    sqlx::query("SELECT 1 FROM lease_slots WHERE key_id = 'ky' AND slot = $1 FOR UPDATE")
-        .bind(held)
-        .execute(&mut blocker)
-        .await
-        .unwrap();
+    let mut blocker = transaction_holding_with(
+        &app,
+        &["SELECT 1 FROM lease_slots WHERE key_id = 'ky' AND slot = $1 FOR UPDATE"],
+        held,
+    )
+    .await;
 
     let import_db = Db::direct(app.database.pool(2).await);
     let specs: Vec<_> = ["kx", "ky"]
@@ -189,6 +188,38 @@ async fn oauth_refreshed(app: &TestApp, key_id: &str) {
     .await;
 }
 
+/// Release group `group` (each lease, as allocate answered it, with the outcome it reports) run
+/// as the service runs it beside another transaction of the test's own, which has run each of
+/// `other`'s statements (`$1`: the lease id of its lease) and holds what they locked; once the
+/// group waits, the other transaction takes `lock` (a row the group may be holding) and commits.
+/// Panics if the group hangs or fails, or if the other transaction cannot take `lock` (`what`:
+/// that lock) or commit: the group's verdicts, in order.
+async fn release_group_beside(
+    app: &TestApp,
+    other: (&Value, &[&'static str]),
+    group: &[(&Value, &str)],
+    lock: &'static str,
+    what: &str,
+) -> Vec<String> {
+    let (held, statements) = other;
+    let mut other =
+        transaction_holding_with(app, statements, held["lease_id"].as_str().unwrap()).await;
+    let group: Vec<Value> = group
+        .iter()
+        .map(|(lease, outcome)| group_release(lease, outcome))
+        .collect();
+    let releasing = release_group_waiting(app, json!(group)).await;
+    let locked = sqlx::query(lock).execute(&mut other).await;
+    let committed = other.execute("COMMIT").await;
+    let verdicts = tokio::time::timeout(Duration::from_secs(20), releasing)
+        .await
+        .expect("the release group hung")
+        .unwrap();
+    locked.unwrap_or_else(|e| panic!("{what} failed: {e}"));
+    committed.unwrap();
+    verdicts.expect("the release group failed")
+}
+
 #[tokio::test]
 async fn a_release_group_with_an_auth_expired_report_and_a_late_report_never_deadlocks() {
     // Release group G reports `auth_expired` on a live lease of `k` and, late, an outcome for an
@@ -212,45 +243,25 @@ async fn a_release_group_with_an_auth_expired_report_and_a_late_report_never_dea
     assert_eq!(reaped, 1, "the short lease left its slot");
     let before = deadlocks(&app.db).await;
 
-    // the other group: its late report's lease lock and trail row (credpool_release_late)
-    let mut other = connect(&app).await;
-    other.execute("BEGIN").await.unwrap();
-    sqlx::query(
+    // the other group: its late report's lease lock and trail row (credpool_release_late); G
+    // waits for that lease lock; the other group goes on, in the lock order: the credential row
+    // of its outcome
+    let other = [
         "SELECT pg_advisory_xact_lock(hashtextextended('credpool.lease:' || $1::text::uuid, 0))",
-    )
-    .bind(short["lease_id"].as_str().unwrap())
-    .execute(&mut other)
-    .await
-    .unwrap();
-    sqlx::query(
         "INSERT INTO lease_events
              (event, lease_id, key_id, provider, pool, slot, holder, outcome, lease_until, at, tenant)
          SELECT 'outcome_after_expiry', lease_id, key_id, provider, pool, slot, holder, 'failure',
                 lease_until, clock_timestamp(), tenant
          FROM lease_events WHERE lease_id = $1::text::uuid AND event = 'granted'",
+    ];
+    let verdicts = release_group_beside(
+        &app,
+        (&short, &other),
+        &[(&live, "auth_expired"), (&short, "failure")],
+        "SELECT 1 FROM credentials WHERE key_id = 'k' FOR NO KEY UPDATE",
+        "the other group's lock of the credential row",
     )
-    .bind(short["lease_id"].as_str().unwrap())
-    .execute(&mut other)
-    .await
-    .unwrap();
-
-    // G: waits for that lease lock
-    let group = [(&live, "auth_expired"), (&short, "failure")];
-    let group = group.map(|(lease, outcome)| group_release(lease, outcome));
-    let releasing = release_group_waiting(&app, json!(group)).await;
-
-    // the other group goes on, in the lock order: the credential row of its outcome
-    let locked = sqlx::query("SELECT 1 FROM credentials WHERE key_id = 'k' FOR NO KEY UPDATE")
-        .execute(&mut other)
-        .await;
-    let committed = other.execute("COMMIT").await;
-    let verdicts = tokio::time::timeout(Duration::from_secs(20), releasing)
-        .await
-        .expect("the release group hung")
-        .unwrap();
-    locked.expect("the other group's lock of the credential row failed");
-    committed.unwrap();
-    let verdicts = verdicts.expect("the release group failed");
+    .await;
     // the late report counted once, the other group's
     assert_eq!(verdicts, ["released", "not_found"]);
     assert_eq!(app.in_flight("k").await, 0);
@@ -273,34 +284,19 @@ async fn a_release_group_with_an_auth_expired_report_locks_the_other_leases_slot
     let on_b = app.lease(gpt4o_in_for("b", 600)).await;
     let before = deadlocks(&app.db).await;
 
-    let mut other = connect(&app).await;
-    other.execute("BEGIN").await.unwrap();
-    sqlx::query("SELECT 1 FROM lease_slots WHERE lease_id = $1::text::uuid FOR UPDATE")
-        .bind(on_a["lease_id"].as_str().unwrap())
-        .execute(&mut other)
-        .await
-        .unwrap();
-
-    let group = [(&on_b, "auth_expired"), (&on_a, "success")];
-    let group = group.map(|(lease, outcome)| group_release(lease, outcome));
-    let releasing = release_group_waiting(&app, json!(group)).await;
-
-    // the other transaction goes on in key order: a slot row of kb
-    let locked =
-        sqlx::query("SELECT 1 FROM lease_slots WHERE key_id = 'kb' AND slot = 1 FOR UPDATE")
-            .execute(&mut other)
-            .await;
-    let committed = other.execute("COMMIT").await;
-    let verdicts = tokio::time::timeout(Duration::from_secs(20), releasing)
-        .await
-        .expect("the release group hung")
-        .unwrap();
-    locked.expect("the other transaction's lock of kb's slot row failed");
-    committed.unwrap();
-    assert_eq!(
-        verdicts.expect("the release group failed"),
-        ["released", "released"]
-    );
+    // the other transaction holds ka's slot, then goes on in key order: a slot row of kb
+    let verdicts = release_group_beside(
+        &app,
+        (
+            &on_a,
+            &["SELECT 1 FROM lease_slots WHERE lease_id = $1::text::uuid FOR UPDATE"],
+        ),
+        &[(&on_b, "auth_expired"), (&on_a, "success")],
+        "SELECT 1 FROM lease_slots WHERE key_id = 'kb' AND slot = 1 FOR UPDATE",
+        "the other transaction's lock of kb's slot row",
+    )
+    .await;
+    assert_eq!(verdicts, ["released", "released"]);
     assert_eq!(deadlocks(&app.db).await, before, "a deadlock was detected");
 }
 
@@ -356,13 +352,12 @@ async fn a_claim_for_a_request_id_whose_lease_expired_does_not_wait_for_a_refit(
     app.release_ok(&freed, "success").await;
 
     // the claim group takes the free slot while the expired one is held by somebody else
-    let mut holder = connect(&app).await;
-    holder.execute("BEGIN").await.unwrap();
-    sqlx::query("SELECT 1 FROM lease_slots WHERE key_id = 'kb' AND slot = $1 FOR UPDATE")
-        .bind(expired_slot)
-        .execute(&mut holder)
-        .await
-        .unwrap();
+    let mut holder = transaction_holding_with(
+        &app,
+        &["SELECT 1 FROM lease_slots WHERE key_id = 'kb' AND slot = $1 FOR UPDATE"],
+        expired_slot,
+    )
+    .await;
     let mut group = connect(&app).await;
     group.execute("SET lock_timeout = '3s'").await.unwrap();
     group.execute("BEGIN").await.unwrap();
@@ -525,17 +520,17 @@ async fn a_claim_never_waits_for_a_lock() {
     )
     .await;
 
-    let mut holder = connect(&app).await;
-    holder.execute("BEGIN").await.unwrap();
-    for statement in [
-        "SELECT 1 FROM lease_slots FOR UPDATE",
-        "SELECT 1 FROM credentials FOR UPDATE",
-        "SELECT 1 FROM lease_requests FOR UPDATE",
-        "SELECT 1 FROM pool_versions FOR UPDATE",
-        "SELECT pg_advisory_xact_lock(hashtextextended('credpool.request_id:default/req-busy', 0))",
-    ] {
-        holder.execute(statement).await.unwrap();
-    }
+    let mut holder = transaction_holding(
+        &app,
+        &[
+            "SELECT 1 FROM lease_slots FOR UPDATE",
+            "SELECT 1 FROM credentials FOR UPDATE",
+            "SELECT 1 FROM lease_requests FOR UPDATE",
+            "SELECT 1 FROM pool_versions FOR UPDATE",
+            "SELECT pg_advisory_xact_lock(hashtextextended('credpool.request_id:default/req-busy', 0))",
+        ],
+    )
+    .await;
     let mut claim = connect(&app).await;
     claim.execute("SET lock_timeout = '500ms'").await.unwrap();
     // a free slot held elsewhere: nothing granted, and `busy` (claim again in a moment)
