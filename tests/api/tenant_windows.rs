@@ -14,7 +14,8 @@ use credpool_test_support::*;
 
 use crate::BIN;
 use crate::common::{
-    claim_answer, claim_refused_after_a_grant, pause_claim, race_tenant, two_replicas,
+    app_with_pools_a_and_b, claim_answer, claim_refused_after_a_grant, pause_claim, race_tenant,
+    two_replicas,
 };
 
 /// An allocate body of gpt-4o from openai's `default` pool for 600 seconds, reserving `tokens`.
@@ -156,9 +157,7 @@ async fn a_claim_paused_before_the_tenant_window_lock_never_grants_into_a_window
     // another pool and commits. Resumed, the claim locks the tenant_windows row, finds it full
     // (the re-check of the locked row) and grants nothing: 'tenant_limit'. Decided on the row
     // as the snapshot had it, it would grant a second request into a window of one.
-    let app = TestApp::spawn().await;
-    app.put_gpt4o_key("ka", "a", 4).await;
-    app.put_gpt4o_key("kb", "b", 4).await;
+    let app = app_with_pools_a_and_b().await;
     app.put_tenant(
         "team",
         json!({"rate_limits": [{"requests": 1, "seconds": 600}]}),
@@ -168,16 +167,11 @@ async fn a_claim_paused_before_the_tenant_window_lock_never_grants_into_a_window
 
     claim_refused_after_a_grant(
         &app,
-        &key,
+        ("team", &key),
         "claim.before_tenant_window_lock",
         "a second request in a window of one",
     )
     .await;
-    let grants: i64 = app
-        .scalar("SELECT count(*) FROM lease_events WHERE event = 'granted' AND tenant = 'team'")
-        .await;
-    assert_eq!(grants, 1);
-    audit_passes(BIN, &app.database).await;
 }
 
 /// Tenant `team` (no cap, no windows) with a claim of its paused in PICK, after its snapshot
@@ -187,9 +181,7 @@ async fn a_claim_paused_before_the_tenant_window_lock_never_grants_into_a_window
 async fn change_while_a_claim_is_in_flight(
     change: Value,
 ) -> (Option<String>, u16, reqwest::Response) {
-    let app = TestApp::spawn().await;
-    app.put_gpt4o_key("ka", "a", 4).await;
-    app.put_gpt4o_key("kb", "b", 4).await;
+    let app = app_with_pools_a_and_b().await;
     app.put_tenant("team", json!({})).await;
     let (_, key) = app.mint_key("team").await;
 

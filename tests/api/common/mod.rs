@@ -88,11 +88,26 @@ pub async fn claim_answer(
         .expect("the claim failed")
 }
 
+/// The app with a credential of 4 slots in each of two pools: `ka` in pool `a` (which the
+/// claims paused here take) and `kb` in pool `b` (which the tenant's other requests take).
+pub async fn app_with_pools_a_and_b() -> TestApp {
+    let app = TestApp::spawn().await;
+    app.put_gpt4o_key("ka", "a", 4).await;
+    app.put_gpt4o_key("kb", "b", 4).await;
+    app
+}
+
 /// A claim of `key`'s tenant for `ka` in pool `a` paused at test hook `point` ([`pause_claim`])
 /// while the service grants the tenant a lease of `kb` in pool `b` and commits; then the hook
 /// opens: the paused claim must grant nothing and answer `tenant_limit` (`why`: the rule it
-/// would break otherwise).
-pub async fn claim_refused_after_a_grant(app: &TestApp, key: &str, point: &'static str, why: &str) {
+/// would break otherwise), and `tenant` holds that one grant alone (one `granted` event, one
+/// live slot), which the audit proves.
+pub async fn claim_refused_after_a_grant(
+    app: &TestApp,
+    (tenant, key): (&str, &str),
+    point: &'static str,
+    why: &str,
+) {
     let (hook, claiming) = pause_claim(app, key, point).await;
     // the paused claim holds no tenant row yet: the service's grant commits meanwhile
     let granted = app.lease_as(key, "b").await;
@@ -101,6 +116,21 @@ pub async fn claim_refused_after_a_grant(app: &TestApp, key: &str, point: &'stat
     let (key_id, request) = claim_answer(claiming).await;
     assert_eq!(key_id, None, "{why}");
     assert_eq!(request.as_deref(), Some("tenant_limit"));
+    let grants: i64 = app
+        .scalar_of(
+            "SELECT count(*) FROM lease_events WHERE event = 'granted' AND tenant = $1",
+            tenant,
+        )
+        .await;
+    assert_eq!(grants, 1, "{why}");
+    let held: i64 = app
+        .scalar_of(
+            "SELECT count(*) FROM lease_slots WHERE tenant = $1 AND lease_until > now()",
+            tenant,
+        )
+        .await;
+    assert_eq!(held, 1, "{why}");
+    audit_passes(BIN, &app.database).await;
 }
 
 /// Two `credpool serve` processes on a fresh database, with credentials k0..k`count` of limit
