@@ -427,6 +427,21 @@ impl Trail {
     }
 
     /// The tenant window proof from 5 minutes before `t0` to now, a [`line`] per row.
+    /// Panics unless the tenant window proof finds `lines`, one a tenant and window, and
+    /// `audit verify` of `database` fails saying that one grant exceeded a tenant's window, and
+    /// each of `findings`.
+    async fn one_grant_over_a_window(
+        &self,
+        database: &TestDatabase,
+        lines: &[Line],
+        findings: &[&str],
+    ) {
+        assert_eq!(self.proof().await, lines);
+        let mut said = vec!["tenant rate windows: 1 grants exceeded a tenant's window"];
+        said.extend(findings);
+        audit_fails(BIN, database, &said).await;
+    }
+
     async fn proof(&self) -> Vec<Line> {
         let until = audit::database_now(&self.db).await.unwrap();
         audit::tenant_window_check(&self.db, self.at(-300), until)
@@ -554,28 +569,23 @@ async fn a_grant_over_a_tenants_window_written_into_the_trail_fails_audit_verify
     // (t0 + 10, t0 + 70] holds 40 + 30 + 30: room again at the very moment the first grant
     // leaves the window
     trail.grant("team", "t4", "west", 70, 30).await;
-    assert_eq!(
-        trail.proof().await,
-        [line(
-            "team",
-            "tokens",
-            60,
-            [100, 4, 110, 1],
-            Some(trail.at(30))
-        )]
-    );
-
-    audit_fails(
-        BIN,
-        &database,
-        &[
-            "team",
-            "100 tokens / 60 s",
-            "tenant rate windows: 1 grants exceeded a tenant's window",
-            "no grant ever exceeded a limit",
-        ],
-    )
-    .await;
+    trail
+        .one_grant_over_a_window(
+            &database,
+            &[line(
+                "team",
+                "tokens",
+                60,
+                [100, 4, 110, 1],
+                Some(trail.at(30)),
+            )],
+            &[
+                "team",
+                "100 tokens / 60 s",
+                "no grant ever exceeded a limit",
+            ],
+        )
+        .await;
     let verified = audit_verify_json(BIN, &database.url()).await;
     let (ok, report) = (verified.success, verified.report());
     assert!(!ok, "{report}");
@@ -612,19 +622,16 @@ async fn a_usage_counts_against_the_tenants_grants_after_its_report_and_never_be
     trail.grant("first", "f3", "east", 100, 80).await;
     trail.release("f3", 101, 10).await;
     trail.grant("first", "f4", "west", 102, 60).await;
-    assert_eq!(
-        trail.proof().await,
-        [
-            line("first", "tokens", 60, [100, 4, 110, 1], Some(trail.at(5))),
-            line("later", "tokens", 60, [100, 2, 100, 0], None),
-        ]
-    );
-    audit_fails(
-        BIN,
-        &database,
-        &["tenant rate windows: 1 grants exceeded a tenant's window"],
-    )
-    .await;
+    trail
+        .one_grant_over_a_window(
+            &database,
+            &[
+                line("first", "tokens", 60, [100, 4, 110, 1], Some(trail.at(5))),
+                line("later", "tokens", 60, [100, 2, 100, 0], None),
+            ],
+            &[],
+        )
+        .await;
 }
 
 #[tokio::test]
@@ -668,25 +675,19 @@ async fn a_tenants_grant_is_judged_by_the_windows_the_tenant_had_when_it_was_gra
     assert_eq!(windows_at("nobody", 0).await.unwrap(), json!([]));
 
     // six grants judged (not the two made without windows), the one over its window at t0 + 130
-    assert_eq!(
-        trail.proof().await,
-        [line(
-            "shifting",
-            "requests",
-            60,
-            [4, 6, 4, 1],
-            Some(trail.at(130))
-        )]
-    );
-    audit_fails(
-        BIN,
-        &database,
-        &[
-            "shifting",
-            "tenant rate windows: 1 grants exceeded a tenant's window",
-        ],
-    )
-    .await;
+    trail
+        .one_grant_over_a_window(
+            &database,
+            &[line(
+                "shifting",
+                "requests",
+                60,
+                [4, 6, 4, 1],
+                Some(trail.at(130)),
+            )],
+            &["shifting"],
+        )
+        .await;
 }
 
 #[tokio::test]

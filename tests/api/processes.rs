@@ -605,23 +605,22 @@ async fn no_secret_reaches_a_log_line_a_metric_or_a_database_row_even_at_trace_l
             "{path} returned a secret"
         );
     }
-    admin(
-        Method::PATCH,
-        "/api/admin/keys/leak-1",
-        Some(json!({"state": "drain"})),
-    )
-    .await
-    .unwrap();
-    admin(
-        Method::POST,
-        "/api/admin/keys/leak-2/release-all",
-        Some(json!({"reason": "test"})),
-    )
-    .await
-    .unwrap();
-    admin(Method::DELETE, "/api/admin/keys/leak-1", None)
-        .await
-        .unwrap();
+    // an operator drains, force-releases and removes credentials
+    for (method, path, body) in [
+        (
+            Method::PATCH,
+            "/api/admin/keys/leak-1",
+            Some(json!({"state": "drain"})),
+        ),
+        (
+            Method::POST,
+            "/api/admin/keys/leak-2/release-all",
+            Some(json!({"reason": "test"})),
+        ),
+        (Method::DELETE, "/api/admin/keys/leak-1", None),
+    ] {
+        admin(method, path, body).await.unwrap();
+    }
     // a wrong key is refused without being echoed
     let wrong = client
         .post(url("/api/internal/allocate-key"))
