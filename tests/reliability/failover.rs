@@ -222,21 +222,13 @@ async fn the_pool_leaves_a_server_that_turns_read_only_and_follows_the_writable_
         let admin = options[index]
             .clone()
             .options([("default_transaction_read_only", "off")]);
-        let mut conn = PgConnection::connect_with(&admin).await.unwrap();
+        let conn = PgConnection::connect_with(&admin).await.unwrap();
         let statement = if on {
             "ALTER SYSTEM SET default_transaction_read_only = on"
         } else {
             "ALTER SYSTEM RESET default_transaction_read_only"
         };
-        sqlx::raw_sql(sqlx::AssertSqlSafe(statement))
-            .execute(&mut conn)
-            .await
-            .unwrap();
-        sqlx::raw_sql("SELECT pg_reload_conf()")
-            .execute(&mut conn)
-            .await
-            .unwrap();
-        conn.close().await.unwrap();
+        run_and_close(conn, &[statement, "SELECT pg_reload_conf()"]).await;
     };
     let dir_of = |index: usize| options[index].get_socket().unwrap().clone();
     read_only(1, true).await;
@@ -531,25 +523,20 @@ impl Formation {
             );
             tokio::time::sleep(Duration::from_millis(200)).await;
         }
-        for setting in [
-            "pgautofailover.health_check_period = 1000",
-            "pgautofailover.health_check_timeout = 1000",
-            "pgautofailover.health_check_max_retries = 1",
-            "pgautofailover.health_check_retry_delay = 500",
-            "pgautofailover.node_considered_unhealthy_timeout = 2000",
-            // the killed node's keeper is dead too: nothing can demote it, no need to wait
-            "pgautofailover.primary_demote_timeout = 2000",
-        ] {
-            sqlx::raw_sql(sqlx::AssertSqlSafe(format!("ALTER SYSTEM SET {setting}")))
-                .execute(&mut monitor)
-                .await
-                .unwrap();
-        }
-        sqlx::raw_sql("SELECT pg_reload_conf()")
-            .execute(&mut monitor)
-            .await
-            .unwrap();
-        monitor.close().await.unwrap();
+        run_and_close(
+            monitor,
+            &[
+                "ALTER SYSTEM SET pgautofailover.health_check_period = 1000",
+                "ALTER SYSTEM SET pgautofailover.health_check_timeout = 1000",
+                "ALTER SYSTEM SET pgautofailover.health_check_max_retries = 1",
+                "ALTER SYSTEM SET pgautofailover.health_check_retry_delay = 500",
+                "ALTER SYSTEM SET pgautofailover.node_considered_unhealthy_timeout = 2000",
+                // the killed node's keeper is dead too: nothing can demote it, no need to wait
+                "ALTER SYSTEM SET pgautofailover.primary_demote_timeout = 2000",
+                "SELECT pg_reload_conf()",
+            ],
+        )
+        .await;
 
         formation.start_node(0);
         formation
@@ -561,14 +548,10 @@ impl Formation {
             .await;
         // pg_basebackup of node2 starts with a spread checkpoint, paced at 10 buffers a second
         // over what initdb and createdb dirtied (about 90 s): leave it nothing to write
-        let mut node1 = formation
+        let node1 = formation
             .connect(formation.nodes[0].port, DATABASE, "node1")
             .await;
-        sqlx::raw_sql("CHECKPOINT")
-            .execute(&mut node1)
-            .await
-            .unwrap();
-        node1.close().await.unwrap();
+        run_and_close(node1, &["CHECKPOINT"]).await;
         formation.start_node(1);
         formation
             .wait_until("node2 streams as a synchronous secondary", |nodes| {
@@ -788,14 +771,14 @@ impl Formation {
     /// waited for until the old primary streams again as a secondary.
     async fn switchover(&self) {
         let before = self.primary().await;
-        let mut monitor = self
+        let monitor = self
             .connect(self.monitor.port, "pg_auto_failover", "the monitor")
             .await;
-        sqlx::raw_sql("SELECT pgautofailover.perform_failover('default', 0)")
-            .execute(&mut monitor)
-            .await
-            .unwrap();
-        monitor.close().await.unwrap();
+        run_and_close(
+            monitor,
+            &["SELECT pgautofailover.perform_failover('default', 0)"],
+        )
+        .await;
         self.wait_until("the switchover", |nodes| {
             nodes
                 .iter()
@@ -1542,4 +1525,16 @@ async fn check(
         (writable_at - failed_at).as_secs_f64(),
         back.saturating_duration_since(writable_at).as_secs_f64(),
     )
+}
+
+/// Runs each of `statements` on `conn`, whole and unprepared (`ALTER SYSTEM`, `CHECKPOINT`),
+/// then closes it; panics, naming the statement, if one fails.
+async fn run_and_close(mut conn: PgConnection, statements: &[&str]) {
+    for statement in statements {
+        sqlx::raw_sql(sqlx::AssertSqlSafe(*statement))
+            .execute(&mut conn)
+            .await
+            .unwrap_or_else(|e| panic!("{statement}: {e}"));
+    }
+    conn.close().await.unwrap();
 }
