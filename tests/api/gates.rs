@@ -15,7 +15,7 @@ use sqlx::{Executor, Row};
 use credpool_test_support::*;
 
 use crate::BIN;
-use crate::common::claim_body;
+use crate::common::{claim_body, granted_of};
 
 /// Sets credential `k`'s limit through the operator API; panics unless it answers 200.
 async fn set_limit(app: &TestApp, limit: u32) {
@@ -235,20 +235,6 @@ async fn a_claim_paused_while_its_first_candidate_is_disabled_takes_the_next() {
     }
 }
 
-/// `n` simultaneous allocations of gpt-4o from `default`: how many were granted.
-async fn granted_of(app: &TestApp, n: usize) -> usize {
-    let answers = futures::future::join_all((0..n).map(|_| app.allocate(gpt4o_for(600)))).await;
-    let mut granted = 0;
-    for answer in answers {
-        match answer.status() {
-            StatusCode::OK => granted += 1,
-            StatusCode::TOO_MANY_REQUESTS => {}
-            other => panic!("allocate answered {other}"),
-        }
-    }
-    granted
-}
-
 #[tokio::test]
 async fn a_lowered_limit_reopens_when_the_leases_over_it_end_without_maintenance() {
     // Limit 3 -> 1 while three 2-second leases are held; the holders crash. Nothing runs the
@@ -260,7 +246,7 @@ async fn a_lowered_limit_reopens_when_the_leases_over_it_end_without_maintenance
     }
     set_limit(&app, 1).await;
     assert_eq!(
-        granted_of(&app, 3).await,
+        granted_of(&app, INTERNAL_KEY, 3).await,
         0,
         "granted over the lowered limit"
     );
@@ -272,7 +258,7 @@ async fn a_lowered_limit_reopens_when_the_leases_over_it_end_without_maintenance
         .await;
     tokio::time::sleep(Duration::from_secs_f64(last_end.max(0.0) + 0.3)).await;
     assert_eq!(
-        granted_of(&app, 3).await,
+        granted_of(&app, INTERNAL_KEY, 3).await,
         1,
         "not exactly the new limit once the leases ended"
     );
@@ -287,7 +273,7 @@ async fn a_force_release_over_a_lowered_limit_reopens_at_once() {
         app.lease(gpt4o_for(600)).await;
     }
     set_limit(&app, 2).await;
-    assert_eq!(granted_of(&app, 3).await, 0);
+    assert_eq!(granted_of(&app, INTERNAL_KEY, 3).await, 0);
     let status = app
         .admin(
             Method::POST,
@@ -298,7 +284,7 @@ async fn a_force_release_over_a_lowered_limit_reopens_at_once() {
         .status();
     assert_eq!(status, StatusCode::OK);
     assert_eq!(
-        granted_of(&app, 4).await,
+        granted_of(&app, INTERNAL_KEY, 4).await,
         2,
         "not exactly the new limit after the force release"
     );
@@ -326,12 +312,12 @@ async fn a_lease_over_a_lowered_limit_is_never_renewed_past_the_leases_within_it
     // the lease within the limit ends early: its row closes while the surplus lease is held
     app.release_ok(&long, "success").await;
     assert_eq!(
-        granted_of(&app, 2).await,
+        granted_of(&app, INTERNAL_KEY, 2).await,
         0,
         "granted while the surplus lease was held"
     );
     app.release_ok(&short, "success").await;
-    assert_eq!(granted_of(&app, 2).await, 1);
+    assert_eq!(granted_of(&app, INTERNAL_KEY, 2).await, 1);
 }
 
 #[tokio::test]
@@ -523,7 +509,7 @@ async fn a_short_renewal_within_a_lowered_limit_never_ends_it_before_the_surplus
     );
     tokio::time::sleep(Duration::from_secs(4)).await;
     assert_eq!(
-        granted_of(&app, 2).await,
+        granted_of(&app, INTERNAL_KEY, 2).await,
         0,
         "granted on a limit-1 credential while the surplus lease is live"
     );

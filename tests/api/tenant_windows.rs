@@ -14,8 +14,8 @@ use credpool_test_support::*;
 
 use crate::BIN;
 use crate::common::{
-    app_with_pools_a_and_b, claim_answer, claim_refused_after_a_grant, pause_claim, race_tenant,
-    two_replicas,
+    app_with_pools_a_and_b, claim_answer, claim_refused_after_a_grant, granted_of, pause_claim,
+    race_tenant, two_replicas,
 };
 
 /// An allocate body of gpt-4o from openai's `default` pool for 600 seconds, reserving `tokens`.
@@ -440,14 +440,7 @@ async fn a_window_set_on_a_busy_tenant_never_holds_its_claims_back_while_it_read
     }
     hook.open().await;
     assert_eq!(putting.await.unwrap(), StatusCode::OK);
-    let answers = futures::future::join_all(
-        (0..3).map(|_| app.allocate_as(&key, gpt4o_in_for("default", 600))),
-    )
-    .await;
-    let granted = answers
-        .iter()
-        .filter(|a| a.status() == StatusCode::OK)
-        .count();
+    let granted = granted_of(&app, &key, 3).await;
     assert_eq!(
         granted, 1,
         "the window of 8 did not count the 7 grants before it"

@@ -11,7 +11,7 @@ use credpool_test_support::*;
 
 use crate::BIN;
 use crate::common::{
-    app_with_pools_a_and_b, claim_refused_after_a_grant, race_tenant, two_replicas,
+    app_with_pools_a_and_b, claim_refused_after_a_grant, granted_of, race_tenant, two_replicas,
 };
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
@@ -1234,14 +1234,7 @@ async fn a_lowered_cap_reopens_when_the_leases_over_it_end_without_maintenance()
         .refused(StatusCode::TOO_MANY_REQUESTS, "tenant_limit")
         .await;
     tokio::time::sleep(Duration::from_millis(2_500)).await;
-    let answers = futures::future::join_all(
-        (0..3).map(|_| app.allocate_as(&key, gpt4o_in_for("default", 600))),
-    )
-    .await;
-    let granted = answers
-        .iter()
-        .filter(|a| a.status() == StatusCode::OK)
-        .count();
+    let granted = granted_of(&app, &key, 3).await;
     assert_eq!(granted, 1, "not exactly the new cap once the leases ended");
     audit_passes(BIN, &app.database).await;
 }

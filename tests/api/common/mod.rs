@@ -133,6 +133,22 @@ pub async fn claim_refused_after_a_grant(
     audit_passes(BIN, &app.database).await;
 }
 
+/// `n` simultaneous allocations of gpt-4o from `default` for 600 seconds with executor key
+/// `key`: how many were granted. Panics on any answer but 200 and 429.
+pub async fn granted_of(app: &TestApp, key: &str, n: usize) -> usize {
+    let answers =
+        futures::future::join_all((0..n).map(|_| app.allocate_as(key, gpt4o_for(600)))).await;
+    let mut granted = 0;
+    for answer in answers {
+        match answer.status() {
+            StatusCode::OK => granted += 1,
+            StatusCode::TOO_MANY_REQUESTS => {}
+            other => panic!("allocate answered {other}"),
+        }
+    }
+    granted
+}
+
 /// Two `credpool serve` processes on a fresh database, with credentials k0..k`count` of limit
 /// `limit` (provider openai, model gpt-4o, pool default).
 pub async fn two_replicas(count: usize, limit: u32) -> (TestDatabase, ServeProcess, ServeProcess) {
