@@ -123,8 +123,9 @@ impl Groups {
     }
 
     /// Runs `claim` ([`leases::claim_slots`]) in the next claim group. If the caller is gone
-    /// before its group runs, nothing is claimed; if it is gone when its group has committed, the
-    /// lease it got is released at once rather than stranded until lease_until.
+    /// before its group runs, nothing is claimed; if it is gone when its group has committed, or
+    /// leaves before it has read the answer, the lease it got is released at once rather than
+    /// stranded until lease_until (and a waiting request's row is deleted).
     /// (Shared, not copied: a caller that claims again after `in_flight` or `busy` sends the
     /// same claim.)
     pub async fn claim(&self, claim: Arc<Claim>) -> Result<ClaimAnswer, sqlx::Error> {
@@ -196,13 +197,10 @@ trait Operation: Send + Sync + Sized + 'static {
         conn: &'a mut Conn<'static>,
     ) -> BoxFuture<'a, Self::Output>;
 
-    /// The caller left before it could be answered: undo what it would have had to undo.
-    fn abandoned<'a>(
-        &'a self,
-        _output: Self::Output,
-        _conn: &'a mut Conn<'static>,
-    ) -> BoxFuture<'a, ()> {
-        Box::pin(async {})
+    /// The caller left without reading its answer `output`: what undoes what it would have had to
+    /// undo, run on a connection of `db`'s; `None` when nothing is to be undone.
+    fn abandoned(self, _output: Self::Output, _db: Db) -> Option<BoxFuture<'static, ()>> {
+        None
     }
 }
 
@@ -235,62 +233,62 @@ impl Operation for Arc<Claim> {
         Box::pin(async move { staged })
     }
 
-    fn abandoned<'a>(
-        &'a self,
-        output: ClaimAnswer,
-        conn: &'a mut Conn<'static>,
-    ) -> BoxFuture<'a, ()> {
-        Box::pin(async move {
-            let (ClaimOutcome::Granted(granted) | ClaimOutcome::Replayed(granted)) = output.outcome
-            else {
-                // A waiting request's claim that granted nothing recorded the request as waiting
-                // (or left its row there); its caller is gone, and its own goodbye may have run
-                // before this claim committed: without this, the row would outlive the caller
-                // until the end of its wait, and other tenants would yield to nobody.
-                if let Some(waiting) = &self.waiting {
-                    let forgotten = async {
-                        let mut work = conn.work().await?;
-                        leases::forget_waiter(&mut *work, waiting.waiter).await?;
-                        work.done().await
-                    };
-                    if let Err(error) = forgotten.await {
-                        tracing::debug!(error = %error, "cannot delete a departed waiter's row");
-                    }
+    fn abandoned(self, output: ClaimAnswer, db: Db) -> Option<BoxFuture<'static, ()>> {
+        let (ClaimOutcome::Granted(granted) | ClaimOutcome::Replayed(granted)) = output.outcome
+        else {
+            // A waiting request's claim that granted nothing recorded the request as waiting (or
+            // left its row there); its caller is gone, and its own goodbye may have run before
+            // this claim committed: without this, the row would outlive the caller until the end
+            // of its wait, and other tenants would yield to nobody.
+            let waiter = self.waiting.as_ref()?.waiter;
+            return Some(Box::pin(async move {
+                let forgotten = async {
+                    let mut work = db.work().await?;
+                    leases::forget_waiter(&mut *work, waiter).await?;
+                    work.done().await
+                };
+                if let Err(error) = forgotten.await {
+                    tracing::debug!(error = %error, "cannot delete a departed waiter's row");
                 }
-                return;
+            }));
+        };
+        if self.request.is_some() {
+            // A retry of the same request_id may be waiting for this very lease (its first
+            // attempt timed out on the client's side): given back, the retry would be answered
+            // with a lease the server had already ended while the first attempt's caller may
+            // still use the credential upstream. It stays the request's until lease_until.
+            tracing::info!(lease_id = %granted.lease_id,
+                "lease of a departed caller kept for a retry of its request_id");
+            return None;
+        }
+        let release = ReleaseRequest {
+            lease: LeaseRef {
+                key_id: granted.key_id,
+                provider: self.provider.clone(),
+                pool: granted.pool,
+                lease_id: granted.lease_id,
+                fence: Some(granted.fence),
+            },
+            outcome: None,
+            retry_after_seconds: None,
+            usage_tokens: None,
+            // the claim's own key: a lease is released only by a key of its tenant
+            caller: self.caller,
+            may_disable: true,
+        };
+        Some(Box::pin(async move {
+            let released = async {
+                let mut conn = db.acquire().await?;
+                leases::release_on(&mut conn, &release, &HealthPolicy::default()).await
             };
-            if self.request.is_some() {
-                // A retry of the same request_id may be waiting for this very lease (its first
-                // attempt timed out on the client's side): given back, the retry would be answered
-                // with a lease the server had already ended while the first attempt's caller may
-                // still use the credential upstream. It stays the request's until lease_until.
-                tracing::info!(lease_id = %granted.lease_id,
-                    "lease of a departed caller kept for a retry of its request_id");
-                return;
-            }
-            let release = ReleaseRequest {
-                lease: LeaseRef {
-                    key_id: granted.key_id,
-                    provider: self.provider.clone(),
-                    pool: granted.pool,
-                    lease_id: granted.lease_id,
-                    fence: Some(granted.fence),
-                },
-                outcome: None,
-                retry_after_seconds: None,
-                usage_tokens: None,
-                // the claim's own key: a lease is released only by a key of its tenant
-                caller: self.caller,
-                may_disable: true,
-            };
-            match leases::release_on(conn, &release, &HealthPolicy::default()).await {
+            match released.await {
                 Ok(_) => {
                     tracing::info!(lease_id = %release.lease.lease_id, "lease of a departed caller given back")
                 }
                 Err(error) => tracing::warn!(lease_id = %release.lease.lease_id, error = %error,
                     "could not give back the lease of a departed caller; it frees at lease_until"),
             }
-        })
+        }))
     }
 }
 
@@ -386,7 +384,40 @@ impl Operation for Renewal {
 /// An operation waiting for its group, and where its answer goes.
 struct Pending<O: Operation> {
     operation: O,
-    reply: oneshot::Sender<Result<O::Output, sqlx::Error>>,
+    reply: oneshot::Sender<Result<Answer<O>, sqlx::Error>>,
+}
+
+/// An operation's answer on its way to its caller. Dropped unread, it is undone
+/// ([`Operation::abandoned`], in a task of its own): the caller left after its group had
+/// committed, whether before the answer was sent or after, while it waited in the channel (the
+/// group cannot tell the second from a caller that read it).
+struct Answer<O: Operation> {
+    output: Option<O::Output>,
+    operation: Option<O>,
+    db: Db,
+}
+
+impl<O: Operation> Answer<O> {
+    /// The answer, read by its caller: nothing to undo.
+    fn read(mut self) -> O::Output {
+        self.operation = None;
+        self.output
+            .take()
+            .expect("an answer is made with its output")
+    }
+}
+
+impl<O: Operation> Drop for Answer<O> {
+    fn drop(&mut self) {
+        let (Some(output), Some(operation)) = (self.output.take(), self.operation.take()) else {
+            return;
+        };
+        if let Some(undo) = operation.abandoned(output, self.db.clone())
+            && let Ok(runtime) = tokio::runtime::Handle::try_current()
+        {
+            runtime.spawn(undo);
+        }
+    }
 }
 
 /// The queue of one kind of operation; its workers share the receiving end.
@@ -427,7 +458,7 @@ impl<O: Operation> Queue<O> {
         self.sender
             .send(Pending { operation, reply })
             .map_err(|_| sqlx::Error::PoolClosed)?;
-        answer.await.map_err(|_| sqlx::Error::PoolClosed)?
+        Ok(answer.await.map_err(|_| sqlx::Error::PoolClosed)??.read())
     }
 }
 
@@ -540,9 +571,12 @@ async fn run_group<O: Operation>(db: &Db, mut group: Vec<Pending<O>>) {
     );
     for (Pending { operation, reply }, staged) in group.into_iter().zip(staged) {
         let output = operation.finish(staged, &mut conn).await;
-        if let Err(Ok(output)) = reply.send(Ok(output)) {
-            operation.abandoned(output, &mut conn).await;
-        }
+        // (not sent, or never read: undone by its drop)
+        let _ = reply.send(Ok(Answer {
+            output: Some(output),
+            operation: Some(operation),
+            db: db.clone(),
+        }));
     }
 }
 
@@ -563,5 +597,99 @@ fn copy_error(error: &sqlx::Error) -> sqlx::Error {
         other => sqlx::Error::Io(std::io::Error::other(format!(
             "the group transaction failed: {other}"
         ))),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// An operation whose undo notes its output.
+    struct Noted(Arc<std::sync::Mutex<Vec<u32>>>);
+
+    impl Operation for Noted {
+        type Staged = u32;
+        type Output = u32;
+        const KIND: &'static str = "noted";
+        const TASK: &'static str = "noted_group";
+
+        fn one_statement(_: usize) -> bool {
+            true
+        }
+
+        fn stage_group<'a>(
+            group: Vec<&'a Self>,
+            _: &'a mut PgConnection,
+        ) -> BoxFuture<'a, Result<Vec<u32>, sqlx::Error>> {
+            Box::pin(async move { Ok(vec![0; group.len()]) })
+        }
+
+        fn finish<'a>(&'a self, staged: u32, _: &'a mut Conn<'static>) -> BoxFuture<'a, u32> {
+            Box::pin(async move { staged })
+        }
+
+        fn abandoned(self, output: u32, _: Db) -> Option<BoxFuture<'static, ()>> {
+            Some(Box::pin(async move { self.0.lock().unwrap().push(output) }))
+        }
+    }
+
+    /// A channel as a group answers on, an answer `output` of a [`Noted`], and what its undo notes.
+    #[allow(clippy::type_complexity)]
+    fn answering(
+        output: u32,
+    ) -> (
+        oneshot::Sender<Result<Answer<Noted>, sqlx::Error>>,
+        oneshot::Receiver<Result<Answer<Noted>, sqlx::Error>>,
+        Answer<Noted>,
+        Arc<std::sync::Mutex<Vec<u32>>>,
+    ) {
+        let pool = sqlx::postgres::PgPoolOptions::new()
+            .connect_lazy("postgres://nobody@127.0.0.1:1/none")
+            .expect("a lazy pool");
+        let undone = Arc::new(std::sync::Mutex::new(Vec::new()));
+        let answer = Answer {
+            output: Some(output),
+            operation: Some(Noted(undone.clone())),
+            db: Db::direct(pool),
+        };
+        let (reply, receiver) = oneshot::channel();
+        (reply, receiver, answer, undone)
+    }
+
+    /// What was undone once the spawned undo had its turn (at most 10 seconds).
+    async fn undone_after(undone: &std::sync::Mutex<Vec<u32>>, expected: usize) -> Vec<u32> {
+        for _ in 0..1_000 {
+            if undone.lock().unwrap().len() >= expected {
+                break;
+            }
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+        undone.lock().unwrap().clone()
+    }
+
+    #[tokio::test]
+    async fn an_answer_its_caller_reads_is_not_undone() {
+        let (reply, receiver, answer, undone) = answering(7);
+        assert!(reply.send(Ok(answer)).is_ok());
+        assert_eq!(receiver.await.unwrap().unwrap().read(), 7);
+        tokio::task::yield_now().await;
+        assert_eq!(undone_after(&undone, 0).await, Vec::<u32>::new());
+    }
+
+    #[tokio::test]
+    async fn an_answer_sent_but_never_read_is_undone() {
+        // the caller left after the send and before it read: the answer dies in the channel
+        let (reply, receiver, answer, undone) = answering(7);
+        assert!(reply.send(Ok(answer)).is_ok(), "the caller was still there");
+        drop(receiver);
+        assert_eq!(undone_after(&undone, 1).await, [7]);
+    }
+
+    #[tokio::test]
+    async fn an_answer_whose_caller_left_before_it_was_sent_is_undone() {
+        let (reply, receiver, answer, undone) = answering(7);
+        drop(receiver);
+        assert!(reply.send(Ok(answer)).is_err(), "the caller was gone");
+        assert_eq!(undone_after(&undone, 1).await, [7]);
     }
 }

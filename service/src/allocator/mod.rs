@@ -803,9 +803,6 @@ impl Allocator {
                     Step::Claim { batch, free_seen } => (batch, free_seen),
                 };
             let claim = Arc::new(keys.claim(request, pool, batch, view.windowed));
-            if let Some(waiting) = keys.waiting {
-                waiting.claiming();
-            }
             let answer = self.claim(&claim).await?;
             pass.claimed = true;
             if let Some(waiting) = keys.waiting {

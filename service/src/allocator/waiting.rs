@@ -490,9 +490,9 @@ pub struct Registration {
 
 /// A request that may wait for a slot, as its claims record it in `pool_waiters` (the claim
 /// writes the row when it grants nothing and deletes it when it grants). Dropped with the
-/// request: a row its claims may have left (its wait ended without a lease, or its caller left
-/// while a claim's answer was on its way) is deleted then. A claim still running when its caller
-/// leaves deletes the row it wrote itself ([`super::groups`]).
+/// request: a row its claims left (its wait ended without a lease) is deleted then. A claim
+/// whose answer its caller never read (it left while the claim ran, or before it read the
+/// answer) deletes the row it wrote itself ([`super::groups`]).
 #[derive(Debug)]
 pub struct WaitingRequest {
     waits: Arc<Waits>,
@@ -520,13 +520,6 @@ impl WaitingRequest {
             waited,
             wait_left: self.wait.saturating_sub(waited),
         }
-    }
-
-    /// One of its claims is on its way: until its answer is read, the request's row may be
-    /// there. A caller that leaves after the claim's answer was sent but before it was read is
-    /// seen by nobody else (the claim group saw the answer taken), so the drop must delete it.
-    pub fn claiming(&self) {
-        self.recorded.store(true, Ordering::SeqCst);
     }
 
     /// One of its claims ran: `recorded` when it left the request's row (it granted nothing and
