@@ -179,12 +179,9 @@ trait Operation: Send + Sync + Sized + 'static {
     /// The name its workers run under in the [`Supervisor`] (a metric label).
     const TASK: &'static str;
 
-    /// Whether [`Operation::stage_group`] writes a group of `operations` in one statement, so that
-    /// it needs no explicit transaction (a group of one then costs one round trip, as ungrouped).
-    fn one_statement(operations: usize) -> bool;
-
-    /// Does the work of a whole group, in order, inside its transaction (or, when
-    /// [`Operation::one_statement`], as one statement); one result per operation.
+    /// Does the work of a whole group, in order, in ONE statement (one call of the kind's SQL
+    /// function), which needs no explicit transaction: a group of one costs one round trip, as
+    /// ungrouped. One result per operation.
     fn stage_group<'a>(
         group: Vec<&'a Self>,
         tx: &'a mut PgConnection,
@@ -209,10 +206,6 @@ impl Operation for Arc<Claim> {
     type Output = ClaimAnswer;
     const KIND: &'static str = "claim";
     const TASK: &'static str = "claim_group";
-
-    fn one_statement(_: usize) -> bool {
-        true
-    }
 
     /// The whole group's claims in one statement (`credpool_claim` runs them in order).
     fn stage_group<'a>(
@@ -305,11 +298,6 @@ impl Operation for Release {
     const KIND: &'static str = "release";
     const TASK: &'static str = "release_group";
 
-    /// A group of releases is one call of `credpool_release`.
-    fn one_statement(_: usize) -> bool {
-        true
-    }
-
     /// The whole group in one statement ([`leases::release_group`]).
     fn stage_group<'a>(
         group: Vec<&'a Self>,
@@ -356,11 +344,6 @@ impl Operation for Renewal {
     type Output = Renewed;
     const KIND: &'static str = "renewal";
     const TASK: &'static str = "renewal_group";
-
-    /// A group of renewals is one call of `credpool_renew`.
-    fn one_statement(_: usize) -> bool {
-        true
-    }
 
     /// The whole group in one statement ([`leases::renew_group`]).
     fn stage_group<'a>(
@@ -519,10 +502,9 @@ impl Drop for Running<'_> {
     }
 }
 
-/// Runs one group: every operation's statements in one transaction, one commit, then each
-/// operation's follow-up and answer. A group of one runs the same way. Without BEGIN and COMMIT
-/// when the writes are one statement (claims, renewals), except behind a transaction pooler.
-/// Every answer is sent after the commit.
+/// Runs one group: every operation's work in one statement (one transaction, one commit), then
+/// each operation's follow-up and answer. A group of one runs the same way. Without BEGIN and
+/// COMMIT, except behind a transaction pooler. Every answer is sent after the commit.
 async fn run_group<O: Operation>(db: &Db, mut group: Vec<Pending<O>>) {
     // a caller that is gone (timed out, disconnected) gets nothing done: a claim takes no slot
     group.retain(|pending| !pending.reply.is_closed());
@@ -544,19 +526,12 @@ async fn run_group<O: Operation>(db: &Db, mut group: Vec<Pending<O>>) {
     }
     let operations: Vec<&O> = group.iter().map(|pending| &pending.operation).collect();
     let staged = async {
-        if O::one_statement(operations.len()) {
-            // direct: the statement alone, which commits itself; behind a transaction pooler:
-            // inside BEGIN and COMMIT, like every statement there
-            let mut work = conn.work().await?;
-            let staged = O::stage_group(operations, &mut work).await?;
-            work.done().await?;
-            Ok(staged)
-        } else {
-            let mut tx = conn.begin().await?;
-            let staged = O::stage_group(operations, &mut tx).await?;
-            tx.commit().await?;
-            Ok(staged)
-        }
+        // direct: the statement alone, which commits itself; behind a transaction pooler:
+        // inside BEGIN and COMMIT, like every statement there
+        let mut work = conn.work().await?;
+        let staged = O::stage_group(operations, &mut work).await?;
+        work.done().await?;
+        Ok::<_, sqlx::Error>(staged)
     }
     .await;
     let staged = match staged {
@@ -612,10 +587,6 @@ mod tests {
         type Output = u32;
         const KIND: &'static str = "noted";
         const TASK: &'static str = "noted_group";
-
-        fn one_statement(_: usize) -> bool {
-            true
-        }
 
         fn stage_group<'a>(
             group: Vec<&'a Self>,
