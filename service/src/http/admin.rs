@@ -10,7 +10,10 @@ use serde::{Deserialize, Serialize};
 use utoipa_axum::router::OpenApiRouter;
 use utoipa_axum::routes;
 
-use super::{AdminKey, ApiError, ApiJson, ApiPath, ApiQuery, AppState, ErrorBody};
+use super::{
+    AdminKey, ApiError, ApiJson, ApiPath, ApiQuery, AppState, BodyRefusals, ErrorBody,
+    OperatorRefusals,
+};
 use crate::domain::{InvalidValue, KeyId, LeaseId, ModelName, PoolName, ProviderName, Status};
 use crate::store::credentials::{
     self, Actor, CredentialDetail, CredentialInput, ForceReleaseOutcome, ForcedRelease, ListFilter,
@@ -93,11 +96,8 @@ fn if_match_generation(headers: &axum::http::HeaderMap) -> Result<Option<i64>, A
         (status = 412, description = "`generation_moved`: If-Match names another generation", body = ErrorBody),
         (status = 201, description = "created", body = CredentialDetail),
         (status = 400, description = "`invalid_request`; `token_url_not_allowed`: an OAuth `token_url` that is neither https nor http on a loopback address, or an https one whose host is or resolves to a private, loopback or link-local address (unless --oauth-allow-private-token-urls)", body = ErrorBody),
-        (status = 401, description = "`unauthorized`: missing or wrong key", body = ErrorBody),
-        (status = 403, description = "`forbidden`: the executor key", body = ErrorBody),
-        (status = 503, description = "`store_unavailable`", body = ErrorBody),
-        (status = 413, description = "`payload_too_large`", body = ErrorBody),
-        (status = 415, description = "`unsupported_media_type`", body = ErrorBody),
+        OperatorRefusals,
+        BodyRefusals,
     ))]
 #[tracing::instrument(skip_all, fields(key_id = %raw_key_id))]
 async fn put_key(
@@ -157,9 +157,7 @@ struct KeyPage {
     responses(
         (status = 200, description = "a page of credentials", body = KeyPage),
         (status = 400, description = "`invalid_request`", body = ErrorBody),
-        (status = 401, description = "`unauthorized`: missing or wrong key", body = ErrorBody),
-        (status = 403, description = "`forbidden`: the executor key", body = ErrorBody),
-        (status = 503, description = "`store_unavailable`", body = ErrorBody),
+        OperatorRefusals,
     ))]
 async fn list_keys(
     State(state): State<AppState>,
@@ -192,9 +190,7 @@ async fn list_keys(
         (status = 200, description = "the credential", body = CredentialDetail),
         (status = 400, description = "`invalid_request`", body = ErrorBody),
         (status = 404, description = "`credential_not_found`", body = ErrorBody),
-        (status = 401, description = "`unauthorized`: missing or wrong key", body = ErrorBody),
-        (status = 403, description = "`forbidden`: the executor key", body = ErrorBody),
-        (status = 503, description = "`store_unavailable`", body = ErrorBody),
+        OperatorRefusals,
     ))]
 async fn get_key(
     State(state): State<AppState>,
@@ -236,11 +232,8 @@ struct PatchBody {
         (status = 200, description = "changed", body = CredentialDetail),
         (status = 400, description = "`invalid_request`", body = ErrorBody),
         (status = 404, description = "`credential_not_found`", body = ErrorBody),
-        (status = 401, description = "`unauthorized`: missing or wrong key", body = ErrorBody),
-        (status = 403, description = "`forbidden`: the executor key", body = ErrorBody),
-        (status = 503, description = "`store_unavailable`", body = ErrorBody),
-        (status = 413, description = "`payload_too_large`", body = ErrorBody),
-        (status = 415, description = "`unsupported_media_type`", body = ErrorBody),
+        OperatorRefusals,
+        BodyRefusals,
     ))]
 #[tracing::instrument(skip_all, fields(key_id = %raw_key_id))]
 async fn patch_key(
@@ -299,9 +292,7 @@ struct Deleted {
         (status = 200, description = "deleted", body = Deleted),
         (status = 400, description = "`invalid_request`", body = ErrorBody),
         (status = 404, description = "`credential_not_found`", body = ErrorBody),
-        (status = 401, description = "`unauthorized`: missing or wrong key", body = ErrorBody),
-        (status = 403, description = "`forbidden`: the executor key", body = ErrorBody),
-        (status = 503, description = "`store_unavailable`", body = ErrorBody),
+        OperatorRefusals,
     ))]
 #[tracing::instrument(skip_all, fields(key_id = %raw_key_id))]
 async fn delete_key(
@@ -347,11 +338,8 @@ struct ReleasedAll {
         (status = 200, description = "released", body = ReleasedAll),
         (status = 400, description = "`invalid_request`", body = ErrorBody),
         (status = 404, description = "`credential_not_found`", body = ErrorBody),
-        (status = 401, description = "`unauthorized`: missing or wrong key", body = ErrorBody),
-        (status = 403, description = "`forbidden`: the executor key", body = ErrorBody),
-        (status = 503, description = "`store_unavailable`", body = ErrorBody),
-        (status = 413, description = "`payload_too_large`", body = ErrorBody),
-        (status = 415, description = "`unsupported_media_type`", body = ErrorBody),
+        OperatorRefusals,
+        BodyRefusals,
     ))]
 #[tracing::instrument(skip_all, fields(key_id = %raw_key_id))]
 async fn release_all(
@@ -392,11 +380,8 @@ struct LeaseReleased {
     responses(
         (status = 200, description = "`released: true`, or `released: false` with `reason` `expired` or `not_found`", body = LeaseReleased),
         (status = 400, description = "`invalid_request`", body = ErrorBody),
-        (status = 401, description = "`unauthorized`: missing or wrong key", body = ErrorBody),
-        (status = 403, description = "`forbidden`: the executor key", body = ErrorBody),
-        (status = 503, description = "`store_unavailable`", body = ErrorBody),
-        (status = 413, description = "`payload_too_large`", body = ErrorBody),
-        (status = 415, description = "`unsupported_media_type`", body = ErrorBody),
+        OperatorRefusals,
+        BodyRefusals,
     ))]
 #[tracing::instrument(skip_all, fields(lease_id = %raw_lease_id))]
 async fn release_lease(
@@ -425,9 +410,7 @@ struct Pools {
     security(("admin_key" = [])),
     responses(
         (status = 200, description = "every pool", body = Pools),
-        (status = 401, description = "`unauthorized`: missing or wrong key", body = ErrorBody),
-        (status = 403, description = "`forbidden`: the executor key", body = ErrorBody),
-        (status = 503, description = "`store_unavailable`", body = ErrorBody),
+        OperatorRefusals,
     ))]
 async fn pools(
     State(state): State<AppState>,

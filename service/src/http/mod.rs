@@ -681,6 +681,35 @@ impl ApiError {
     }
 }
 
+/// The refusals every operator route may answer, for the OpenAPI document (never built: it
+/// only describes responses).
+#[derive(utoipa::IntoResponses)]
+#[allow(dead_code)]
+pub(crate) enum OperatorRefusals {
+    /// A missing or wrong key.
+    #[response(status = 401, description = "`unauthorized`: missing or wrong key")]
+    Unauthorized(ErrorBody),
+    /// The executor key.
+    #[response(status = 403, description = "`forbidden`: the executor key")]
+    Forbidden(ErrorBody),
+    /// PostgreSQL down or out of reach.
+    #[response(status = 503, description = "`store_unavailable`")]
+    StoreUnavailable(ErrorBody),
+}
+
+/// The refusals of a route's JSON body, for the OpenAPI document (never built: it only
+/// describes responses).
+#[derive(utoipa::IntoResponses)]
+#[allow(dead_code)]
+pub(crate) enum BodyRefusals {
+    /// A body over the size limit.
+    #[response(status = 413, description = "`payload_too_large`")]
+    PayloadTooLarge(ErrorBody),
+    /// A body that is not JSON.
+    #[response(status = 415, description = "`unsupported_media_type`")]
+    UnsupportedMediaType(ErrorBody),
+}
+
 /// The error body of every route: `{"error": {"code": "...", "message": "..."}}`.
 #[derive(Debug, serde::Serialize, utoipa::ToSchema)]
 pub struct ErrorBody {

@@ -12,7 +12,7 @@ use utoipa_axum::routes;
 use uuid::Uuid;
 
 use super::admin::Operator;
-use super::{ApiError, ApiJson, ApiPath, AppState, ErrorBody};
+use super::{ApiError, ApiJson, ApiPath, AppState, BodyRefusals, ErrorBody, OperatorRefusals};
 use crate::domain::windows::RateLimits;
 use crate::domain::{InvalidValue, PoolPattern, TenantId, TenantScope};
 use crate::store::tenants::{self, DeleteRefused, TenantDetail, TenantSpec};
@@ -79,11 +79,8 @@ struct TenantInput {
         (status = 200, description = "updated", body = TenantDetail),
         (status = 201, description = "created", body = TenantDetail),
         (status = 400, description = "`invalid_request` (changes nothing)", body = ErrorBody),
-        (status = 401, description = "`unauthorized`: missing or wrong key", body = ErrorBody),
-        (status = 403, description = "`forbidden`: the executor key", body = ErrorBody),
-        (status = 413, description = "`payload_too_large`", body = ErrorBody),
-        (status = 415, description = "`unsupported_media_type`", body = ErrorBody),
-        (status = 503, description = "`store_unavailable`", body = ErrorBody),
+        OperatorRefusals,
+        BodyRefusals,
     ))]
 #[tracing::instrument(skip_all, fields(tenant_id = %raw))]
 async fn put_tenant(
@@ -164,9 +161,7 @@ struct TenantList {
     security(("admin_key" = [])),
     responses(
         (status = 200, description = "every tenant", body = TenantList),
-        (status = 401, description = "`unauthorized`: missing or wrong key", body = ErrorBody),
-        (status = 403, description = "`forbidden`: the executor key", body = ErrorBody),
-        (status = 503, description = "`store_unavailable`", body = ErrorBody),
+        OperatorRefusals,
     ))]
 async fn list_tenants(
     State(state): State<AppState>,
@@ -190,11 +185,9 @@ struct TenantDeleted {
     responses(
         (status = 200, description = "deleted", body = TenantDeleted),
         (status = 400, description = "`invalid_request`", body = ErrorBody),
-        (status = 401, description = "`unauthorized`: missing or wrong key", body = ErrorBody),
-        (status = 403, description = "`forbidden`: the executor key", body = ErrorBody),
+        OperatorRefusals,
         (status = 404, description = "`tenant_not_found`", body = ErrorBody),
         (status = 409, description = "`tenant_in_use`: `default`, or it holds live leases", body = ErrorBody),
-        (status = 503, description = "`store_unavailable`", body = ErrorBody),
     ))]
 #[tracing::instrument(skip_all, fields(tenant_id = %raw))]
 async fn delete_tenant(
@@ -238,10 +231,8 @@ struct MintedKey {
     responses(
         (status = 201, description = "minted", body = MintedKey),
         (status = 400, description = "`invalid_request`", body = ErrorBody),
-        (status = 401, description = "`unauthorized`: missing or wrong key", body = ErrorBody),
-        (status = 403, description = "`forbidden`: the executor key", body = ErrorBody),
+        OperatorRefusals,
         (status = 404, description = "`tenant_not_found`", body = ErrorBody),
-        (status = 503, description = "`store_unavailable`", body = ErrorBody),
     ))]
 #[tracing::instrument(skip_all, fields(tenant_id = %raw))]
 async fn mint_key(
@@ -277,10 +268,8 @@ struct KeyRevoked {
     responses(
         (status = 200, description = "revoked", body = KeyRevoked),
         (status = 400, description = "`invalid_request`", body = ErrorBody),
-        (status = 401, description = "`unauthorized`: missing or wrong key", body = ErrorBody),
-        (status = 403, description = "`forbidden`: the executor key", body = ErrorBody),
+        OperatorRefusals,
         (status = 404, description = "`tenant_key_not_found`: no live key with this id", body = ErrorBody),
-        (status = 503, description = "`store_unavailable`", body = ErrorBody),
     ))]
 #[tracing::instrument(skip_all, fields(tenant_id = %raw.0, key_id = %raw.1))]
 async fn revoke_key(
