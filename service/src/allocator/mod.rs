@@ -819,6 +819,7 @@ impl Allocator {
                 ));
             }
             let stale = answer.pool_version != view.version;
+            let replayed = matches!(answer.outcome, ClaimOutcome::Replayed(_));
             // the batch claimed, read back from the claim (shared with the claim group, not copied)
             let batch = &claim.ranked;
             match answer.outcome {
@@ -854,17 +855,10 @@ impl Allocator {
                         retry_after_seconds: retry_after_seconds(frees_at.zip(answer.db_now)),
                     });
                 }
-                ClaimOutcome::Granted(granted) => {
+                ClaimOutcome::Granted(granted) | ClaimOutcome::Replayed(granted) => {
                     let reload = stale.then_some(answer.pool_version);
                     return self
-                        .granted(request, pool, granted, false, reload)
-                        .await
-                        .map(Ok);
-                }
-                ClaimOutcome::Replayed(granted) => {
-                    let reload = stale.then_some(answer.pool_version);
-                    return self
-                        .granted(request, pool, granted, true, reload)
+                        .granted(request, pool, granted, replayed, reload)
                         .await
                         .map(Ok);
                 }

@@ -9,7 +9,9 @@ use time::OffsetDateTime;
 use utoipa_axum::router::OpenApiRouter;
 use utoipa_axum::routes;
 
-use super::{AllocationOutcome, ApiError, ApiJson, AppState, Caller, ErrorBody, ErrorCode};
+use super::{
+    AllocationOutcome, ApiError, ApiJson, AppState, BodyRefusals, Caller, ErrorBody, ErrorCode,
+};
 use crate::allocator::{Affinity, AllocateRequest};
 use crate::domain::{
     AffinityKey, AffinityMode, AffinityResult, AffinityTtl, Holder, InvalidValue, KeyId, LeaseId,
@@ -213,8 +215,7 @@ fn lease_seconds(requested: Option<i64>, max: u32) -> Result<LeaseSeconds, ApiEr
         (status = 403, description = "`pool_not_allowed`: the caller's tenant may not lease from this provider and pool (its `pools`); the same answer whether or not the pool exists", body = ErrorBody),
         (status = 404, description = "`pool_not_found`: no credentials for the provider and pool", body = ErrorBody),
         (status = 409, description = "`model_not_supported`, `no_usable_credentials` (every credential that serves the model waits for an operator), `request_id_conflict` (the request_id holds a live lease granted for other parameters), or `tokens_exceed_budget` (the `tokens` estimate is larger than a token window of every credential that serves the model, or of the caller's tenant)", body = ErrorBody),
-        (status = 413, description = "`payload_too_large`", body = ErrorBody),
-        (status = 415, description = "`unsupported_media_type`", body = ErrorBody),
+        BodyRefusals,
         (status = 429, description = "`pool_exhausted`: candidates exist but none is free now (or none freed within `wait_ms`); `tenant_limit`: the caller's tenant holds as many live leases as its `max_concurrent_leases` allows, or a window of its `rate_limits` has no room", body = ErrorBody,
          headers(("Retry-After" = u64, description = "whole seconds (>= 1) until the earliest lease or cooldown among the candidates ends (`tenant_limit`: the earliest end of the tenant's own leases, or when its windows have room)"))),
         (status = 500, description = "`internal_error`", body = ErrorBody),
@@ -359,8 +360,7 @@ struct ReleaseResponse {
         (status = 200, description = "`released: true`, or `released: false` with `reason` `mismatch`, `expired` or `not_found` (nothing released)", body = ReleaseResponse),
         (status = 400, description = "`invalid_request`", body = ErrorBody),
         (status = 401, description = "`unauthorized`: missing or wrong key, or a key of another tenant than the lease's (nothing released or reported)", body = ErrorBody),
-        (status = 413, description = "`payload_too_large`", body = ErrorBody),
-        (status = 415, description = "`unsupported_media_type`", body = ErrorBody),
+        BodyRefusals,
         (status = 503, description = "`store_unavailable`", body = ErrorBody),
     ))]
 #[tracing::instrument(skip_all, fields(key_id = %body.key_id, lease_id = %body.lease_id))]
@@ -465,8 +465,7 @@ struct RenewResponse {
         (status = 400, description = "`invalid_request`", body = ErrorBody),
         (status = 401, description = "`unauthorized`: missing or wrong key, or a key of another tenant than the lease's (nothing renewed)", body = ErrorBody),
         (status = 410, description = "`lease_lost`: expired, unknown, released or mismatched; stop using the credential", body = ErrorBody),
-        (status = 413, description = "`payload_too_large`", body = ErrorBody),
-        (status = 415, description = "`unsupported_media_type`", body = ErrorBody),
+        BodyRefusals,
         (status = 503, description = "`store_unavailable`", body = ErrorBody),
     ))]
 #[tracing::instrument(skip_all, fields(key_id = %body.key_id, lease_id = %body.lease_id))]
