@@ -490,9 +490,10 @@ $$;
 -- in progress: 'busy'); its pool's version; a waiting request's arrival and end of wait, dated on
 -- this clock. A claim without a live key is 'unauthorized'; one of a pool its tenant's `pools` no
 -- longer admit (changed since the request arrived: a waiting request claims for up to its whole
--- wait) 'pool_not_allowed'; neither takes the tenant's lock. A scope read in this statement's
--- snapshot is the one in force when the lock is got, or a change in progress holds the lock: a
--- change of `pools` applies to every claim that starts after it committed. Returns the claims
+-- wait) 'pool_not_allowed'; neither takes the tenant's lock. The scope is read in this
+-- statement's snapshot and not read again after the lock: a change of `pools` applies to every
+-- claim whose call starts after it committed (one in progress holds the lock: 'busy'); a call
+-- that started just before the commit may still grant under the old scope. Returns the claims
 -- still open, and
 -- says which phases the call needs
 -- (whether a tenant looks capped or windowed is read here BEFORE the lock was taken, so it is a

@@ -383,7 +383,6 @@ struct Answer<O: Operation> {
 impl<O: Operation> Answer<O> {
     /// The answer, read by its caller: nothing to undo.
     fn read(mut self) -> O::Output {
-        self.operation = None;
         self.output
             .take()
             .expect("an answer is made with its output")
@@ -579,8 +578,12 @@ fn copy_error(error: &sqlx::Error) -> sqlx::Error {
 mod tests {
     use super::*;
 
-    /// An operation whose undo notes its output.
-    struct Noted(Arc<std::sync::Mutex<Vec<u32>>>);
+    /// An operation whose undo notes its output: asked for at once (`asked`), done in its task
+    /// (`undone`).
+    struct Noted {
+        asked: Arc<std::sync::Mutex<Vec<u32>>>,
+        undone: Arc<std::sync::Mutex<Vec<u32>>>,
+    }
 
     impl Operation for Noted {
         type Staged = u32;
@@ -600,11 +603,15 @@ mod tests {
         }
 
         fn abandoned(self, output: u32, _: Db) -> Option<BoxFuture<'static, ()>> {
-            Some(Box::pin(async move { self.0.lock().unwrap().push(output) }))
+            self.asked.lock().unwrap().push(output);
+            Some(Box::pin(
+                async move { self.undone.lock().unwrap().push(output) },
+            ))
         }
     }
 
-    /// A channel as a group answers on, an answer `output` of a [`Noted`], and what its undo notes.
+    /// A channel as a group answers on, an answer `output` of a [`Noted`], and the undos it
+    /// asked for and did.
     #[allow(clippy::type_complexity)]
     fn answering(
         output: u32,
@@ -612,19 +619,25 @@ mod tests {
         oneshot::Sender<Result<Answer<Noted>, sqlx::Error>>,
         oneshot::Receiver<Result<Answer<Noted>, sqlx::Error>>,
         Answer<Noted>,
-        Arc<std::sync::Mutex<Vec<u32>>>,
+        Noted,
     ) {
         let pool = sqlx::postgres::PgPoolOptions::new()
             .connect_lazy("postgres://nobody@127.0.0.1:1/none")
             .expect("a lazy pool");
-        let undone = Arc::new(std::sync::Mutex::new(Vec::new()));
+        let noted = Noted {
+            asked: Arc::default(),
+            undone: Arc::default(),
+        };
         let answer = Answer {
             output: Some(output),
-            operation: Some(Noted(undone.clone())),
+            operation: Some(Noted {
+                asked: noted.asked.clone(),
+                undone: noted.undone.clone(),
+            }),
             db: Db::direct(pool),
         };
         let (reply, receiver) = oneshot::channel();
-        (reply, receiver, answer, undone)
+        (reply, receiver, answer, noted)
     }
 
     /// What was undone once the spawned undo had its turn (at most 10 seconds).
@@ -640,27 +653,27 @@ mod tests {
 
     #[tokio::test]
     async fn an_answer_its_caller_reads_is_not_undone() {
-        let (reply, receiver, answer, undone) = answering(7);
+        let (reply, receiver, answer, noted) = answering(7);
         assert!(reply.send(Ok(answer)).is_ok());
         assert_eq!(receiver.await.unwrap().unwrap().read(), 7);
-        tokio::task::yield_now().await;
-        assert_eq!(undone_after(&undone, 0).await, Vec::<u32>::new());
+        // (the read answer is dropped inside `read`: an undo would have been asked for by now)
+        assert_eq!(*noted.asked.lock().unwrap(), Vec::<u32>::new());
     }
 
     #[tokio::test]
     async fn an_answer_sent_but_never_read_is_undone() {
         // the caller left after the send and before it read: the answer dies in the channel
-        let (reply, receiver, answer, undone) = answering(7);
+        let (reply, receiver, answer, noted) = answering(7);
         assert!(reply.send(Ok(answer)).is_ok(), "the caller was still there");
         drop(receiver);
-        assert_eq!(undone_after(&undone, 1).await, [7]);
+        assert_eq!(undone_after(&noted.undone, 1).await, [7]);
     }
 
     #[tokio::test]
     async fn an_answer_whose_caller_left_before_it_was_sent_is_undone() {
-        let (reply, receiver, answer, undone) = answering(7);
+        let (reply, receiver, answer, noted) = answering(7);
         drop(receiver);
         assert!(reply.send(Ok(answer)).is_err(), "the caller was gone");
-        assert_eq!(undone_after(&undone, 1).await, [7]);
+        assert_eq!(undone_after(&noted.undone, 1).await, [7]);
     }
 }
