@@ -232,14 +232,43 @@ mod tests {
         }
     }
 
+    /// The batch of a `Claim` step; panics unless it claims `batch`, in that order, and saw a
+    /// free candidate exactly when `free_seen`.
+    fn assert_claims(step: Step, batch: &[&str], free_seen: bool) -> Vec<KeyId> {
+        let (claimed, saw_free) = claimed(step);
+        assert_eq!(claimed, keys(batch));
+        assert_eq!(saw_free, free_seen, "free_seen");
+        claimed
+    }
+
+    /// Panics unless `step` answers with the pool's `Try` verdict.
+    fn assert_answers_try(step: &Step) {
+        assert!(
+            matches!(step, Step::Answer(PoolVerdict::Try { .. })),
+            "{step:?}"
+        );
+    }
+
+    /// The attempt of a waiter woken for the freed credential `key_id`.
+    fn woken_for(key_id: &str, settings: &ClaimSettings) -> PoolAttempt {
+        PoolAttempt::new(settings, Some(KeyId::parse(key_id).unwrap()))
+    }
+
+    impl PoolAttempt {
+        /// [`PoolAttempt::decide`] on a view just read that the ranking did not load itself.
+        fn decide_young(&mut self, verdict: PoolVerdict, settings: &ClaimSettings) -> Step {
+            self.decide(verdict, false, YOUNG, settings)
+        }
+    }
+
     #[test]
     fn a_404_or_409_from_a_stale_view_reads_the_pool_before_it_is_answered() {
         let settings = settings(1);
         let mut attempt = PoolAttempt::new(&settings, None);
-        let step = attempt.decide(PoolVerdict::NotFound, false, YOUNG, &settings);
+        let step = attempt.decide_young(PoolVerdict::NotFound, &settings);
         assert!(matches!(step, Step::Reload), "{step:?}");
         attempt.reloaded();
-        let step = attempt.decide(PoolVerdict::NotFound, false, YOUNG, &settings);
+        let step = attempt.decide_young(PoolVerdict::NotFound, &settings);
         assert!(
             matches!(step, Step::Answer(PoolVerdict::NotFound)),
             "{step:?}"
@@ -258,14 +287,8 @@ mod tests {
     fn a_free_candidate_is_claimed_without_using_up_an_attempt() {
         let settings = settings(1);
         let mut attempt = PoolAttempt::new(&settings, None);
-        let (batch, free_seen) = claimed(attempt.decide(
-            try_verdict(&["key-a", "key-b"], true, None),
-            false,
-            YOUNG,
-            &settings,
-        ));
-        assert_eq!(batch, keys(&["key-a", "key-b"]));
-        assert!(free_seen);
+        let step = attempt.decide_young(try_verdict(&["key-a", "key-b"], true, None), &settings);
+        assert_claims(step, &["key-a", "key-b"], true);
         assert_eq!(attempt.attempts, 0);
     }
 
@@ -273,21 +296,14 @@ mod tests {
     fn an_empty_batch_is_checked_by_one_claim_unless_the_view_is_fresh() {
         let settings = settings(1);
         let mut attempt = PoolAttempt::new(&settings, None);
-        let (batch, _) =
-            claimed(attempt.decide(try_verdict(&[], false, None), false, YOUNG, &settings));
+        let (batch, _) = claimed(attempt.decide_young(try_verdict(&[], false, None), &settings));
         assert!(batch.is_empty());
-        let step = attempt.decide(try_verdict(&[], false, None), false, YOUNG, &settings);
-        assert!(
-            matches!(step, Step::Answer(PoolVerdict::Try { .. })),
-            "{step:?}"
-        );
+        let step = attempt.decide_young(try_verdict(&[], false, None), &settings);
+        assert_answers_try(&step);
 
         let mut attempt = PoolAttempt::new(&settings, None);
         let step = attempt.decide(try_verdict(&[], false, None), true, YOUNG, &settings);
-        assert!(
-            matches!(step, Step::Answer(PoolVerdict::Try { .. })),
-            "{step:?}"
-        );
+        assert_answers_try(&step);
     }
 
     #[test]
@@ -296,20 +312,12 @@ mod tests {
         let mut attempt = PoolAttempt::new(&settings, None);
         for key in ["key-a", "key-b"] {
             let (batch, free_seen) =
-                claimed(attempt.decide(try_verdict(&[key], false, None), false, YOUNG, &settings));
+                claimed(attempt.decide_young(try_verdict(&[key], false, None), &settings));
             assert!(!free_seen);
             attempt.missed(&batch, None, None);
         }
-        let step = attempt.decide(
-            try_verdict(&["key-c"], false, None),
-            false,
-            YOUNG,
-            &settings,
-        );
-        assert!(
-            matches!(step, Step::Answer(PoolVerdict::Try { .. })),
-            "{step:?}"
-        );
+        let step = attempt.decide_young(try_verdict(&["key-c"], false, None), &settings);
+        assert_answers_try(&step);
         assert_eq!(attempt.attempts, 2);
     }
 
@@ -318,61 +326,34 @@ mod tests {
         let settings = settings(1);
         let mut attempt = PoolAttempt::new(&settings, None);
         for _ in 0..MAX_CLAIMS_PER_POOL {
-            let (batch, _) = claimed(attempt.decide(
-                try_verdict(&["key-a"], true, None),
-                false,
-                YOUNG,
-                &settings,
-            ));
+            let (batch, _) =
+                claimed(attempt.decide_young(try_verdict(&["key-a"], true, None), &settings));
             attempt.missed(&batch, None, None);
         }
-        let step = attempt.decide(try_verdict(&["key-a"], true, None), false, YOUNG, &settings);
-        assert!(
-            matches!(step, Step::Answer(PoolVerdict::Try { .. })),
-            "{step:?}"
-        );
+        let step = attempt.decide_young(try_verdict(&["key-a"], true, None), &settings);
+        assert_answers_try(&step);
     }
 
     #[test]
     fn the_freed_credential_of_a_wake_up_is_claimed_first_once_and_counts_as_free() {
         let settings = settings(1);
-        let hint = KeyId::parse("key-h").unwrap();
-        let mut attempt = PoolAttempt::new(&settings, Some(hint));
-        let (batch, free_seen) = claimed(attempt.decide(
-            try_verdict(&["key-a", "key-h"], false, None),
-            false,
-            YOUNG,
-            &settings,
-        ));
-        assert_eq!(batch, keys(&["key-h", "key-a"]));
-        assert!(free_seen);
+        let mut attempt = woken_for("key-h", &settings);
+        let step = attempt.decide_young(try_verdict(&["key-a", "key-h"], false, None), &settings);
+        let batch = assert_claims(step, &["key-h", "key-a"], true);
         assert_eq!(attempt.attempts, 0);
         attempt.missed(&batch, None, None);
         // the hint is spent: the next ranking is taken as it is
-        let (batch, free_seen) = claimed(attempt.decide(
-            try_verdict(&["key-b"], false, None),
-            false,
-            YOUNG,
-            &settings,
-        ));
-        assert_eq!(batch, keys(&["key-b"]));
-        assert!(!free_seen);
+        let step = attempt.decide_young(try_verdict(&["key-b"], false, None), &settings);
+        assert_claims(step, &["key-b"], false);
     }
 
     #[test]
     fn a_wake_up_for_a_credential_already_tried_is_ignored() {
         let settings = settings(1);
-        let hint = KeyId::parse("key-h").unwrap();
-        let mut attempt = PoolAttempt::new(&settings, Some(hint));
+        let mut attempt = woken_for("key-h", &settings);
         attempt.missed(&keys(&["key-h"]), None, None);
-        let (batch, free_seen) = claimed(attempt.decide(
-            try_verdict(&["key-a"], false, None),
-            false,
-            YOUNG,
-            &settings,
-        ));
-        assert_eq!(batch, keys(&["key-a"]));
-        assert!(!free_seen);
+        let step = attempt.decide_young(try_verdict(&["key-a"], false, None), &settings);
+        assert_claims(step, &["key-a"], false);
     }
 
     #[test]
@@ -380,45 +361,23 @@ mod tests {
         let settings = settings(0);
         let passed = Some((now() - Duration::seconds(1), now()));
         let mut attempt = PoolAttempt::new(&settings, None);
-        let step = attempt.decide(
-            try_verdict(&["key-a"], false, passed),
-            false,
-            YOUNG,
-            &settings,
-        );
+        let step = attempt.decide_young(try_verdict(&["key-a"], false, passed), &settings);
         assert!(matches!(step, Step::CatchUp), "{step:?}");
         attempt.reloaded();
-        let step = attempt.decide(
-            try_verdict(&["key-a"], false, passed),
-            false,
-            YOUNG,
-            &settings,
-        );
-        assert!(
-            matches!(step, Step::Answer(PoolVerdict::Try { .. })),
-            "{step:?}"
-        );
+        let step = attempt.decide_young(try_verdict(&["key-a"], false, passed), &settings);
+        assert_answers_try(&step);
 
         // a claim's word on when its batch frees says nothing of the rest of the view
         let settings = self::settings(1);
         let mut attempt = PoolAttempt::new(&settings, None);
-        let (batch, _) = claimed(attempt.decide(
-            try_verdict(&["key-a"], false, None),
-            false,
-            YOUNG,
-            &settings,
-        ));
+        let (batch, _) =
+            claimed(attempt.decide_young(try_verdict(&["key-a"], false, None), &settings));
         attempt.missed(
             &batch,
             Some(now() + Duration::seconds(5)),
             Some(HeldBy::Slots),
         );
-        let step = attempt.decide(
-            try_verdict(&["key-b"], false, passed),
-            false,
-            YOUNG,
-            &settings,
-        );
+        let step = attempt.decide_young(try_verdict(&["key-b"], false, passed), &settings);
         assert!(matches!(step, Step::CatchUp), "{step:?}");
     }
 
@@ -440,10 +399,7 @@ mod tests {
         attempt.reloaded();
         // read once per attempt: the fresh view's word is the answer
         let step = attempt.decide(try_verdict(&["key-b"], false, later), false, old, &settings);
-        assert!(
-            matches!(step, Step::Answer(PoolVerdict::Try { .. })),
-            "{step:?}"
-        );
+        assert_answers_try(&step);
 
         // a young view that expects nothing to have ended is answered from
         let mut attempt = PoolAttempt::new(&settings, None);
@@ -460,10 +416,7 @@ mod tests {
             MAX_VIEW_AGE_FOR_429,
             &settings,
         );
-        assert!(
-            matches!(step, Step::Answer(PoolVerdict::Try { .. })),
-            "{step:?}"
-        );
+        assert_answers_try(&step);
     }
 
     #[test]

@@ -741,58 +741,37 @@ mod tests {
 
     #[test]
     fn changes_bring_a_view_to_what_a_whole_read_would_show() {
+        // idle credentials as (key_id, the one model it serves, limit), and those that left
         let snapshot =
-            |credentials: Vec<CredentialFacts>, departed: Vec<&str>, version| PoolSnapshot {
+            |credentials: &[(&str, &str, i32)], departed: &[&str], version| PoolSnapshot {
                 version: Some(version),
                 db_now: now(),
                 read_at: Instant::now(),
                 xmin: version,
-                credentials,
-                departed: departed
-                    .into_iter()
-                    .map(|k| KeyId::parse(k).unwrap())
+                credentials: credentials
+                    .iter()
+                    .map(|&(key_id, model, limit)| CredentialFacts::idle(key_id, &[model], limit))
                     .collect(),
+                departed: departed.iter().map(|&k| KeyId::parse(k).unwrap()).collect(),
             };
         let (scoring, health) = (ScoringPolicy::default(), HealthPolicy::default());
-        let mut view = PoolView::from_snapshot(
-            snapshot(
-                vec![
-                    CredentialFacts::idle("a", &["gpt-4o"], 1),
-                    CredentialFacts::idle("b", &["gpt-4o"], 1),
-                    CredentialFacts::idle("c", &["o1"], 1),
-                ],
-                vec![],
-                1,
-            ),
-            &scoring,
-            &health,
-        );
+        let from_snapshot = |snapshot| PoolView::from_snapshot(snapshot, &scoring, &health);
+        let mut view = from_snapshot(snapshot(
+            &[("a", "gpt-4o", 1), ("b", "gpt-4o", 1), ("c", "o1", 1)],
+            &[],
+            1,
+        ));
         // b now serves o1 with limit 3, c left the pool, d joined it, a is as it was
         view.apply(
-            snapshot(
-                vec![
-                    CredentialFacts::idle("d", &["gpt-4o"], 2),
-                    CredentialFacts::idle("b", &["o1"], 3),
-                ],
-                vec!["c"],
-                2,
-            ),
+            snapshot(&[("d", "gpt-4o", 2), ("b", "o1", 3)], &["c"], 2),
             &scoring,
             &health,
         );
-        let whole = PoolView::from_snapshot(
-            snapshot(
-                vec![
-                    CredentialFacts::idle("a", &["gpt-4o"], 1),
-                    CredentialFacts::idle("b", &["o1"], 3),
-                    CredentialFacts::idle("d", &["gpt-4o"], 2),
-                ],
-                vec![],
-                2,
-            ),
-            &scoring,
-            &health,
-        );
+        let whole = from_snapshot(snapshot(
+            &[("a", "gpt-4o", 1), ("b", "o1", 3), ("d", "gpt-4o", 2)],
+            &[],
+            2,
+        ));
         let keys = |v: &PoolView, model: &str| -> Vec<(String, i32)> {
             v.serving(model)
                 .iter()
@@ -812,11 +791,7 @@ mod tests {
             "c is gone"
         );
         // a credential that left and came back in the same changes is there
-        view.apply(
-            snapshot(vec![CredentialFacts::idle("c", &["o1"], 1)], vec!["c"], 3),
-            &scoring,
-            &health,
-        );
+        view.apply(snapshot(&[("c", "o1", 1)], &["c"], 3), &scoring, &health);
         assert_eq!(keys(&view, "o1"), [("b".into(), 3), ("c".into(), 1)]);
     }
 }

@@ -830,79 +830,85 @@ mod tests {
             .expect("the waiter was never woken")
     }
 
-    fn names() -> (ProviderName, PoolName, ModelName) {
-        (
-            ProviderName::parse("openai").unwrap(),
-            PoolName::default_pool(),
-            ModelName::parse("gpt-4o").unwrap(),
-        )
+    /// Waits for `openai`'s `gpt-4o` in the default pool.
+    struct Queues {
+        waits: Arc<Waits>,
+        provider: ProviderName,
+        pool: PoolName,
+        model: ModelName,
+    }
+
+    impl Queues {
+        fn new() -> Self {
+            Self {
+                waits: waits(),
+                provider: ProviderName::parse("openai").unwrap(),
+                pool: PoolName::default_pool(),
+                model: ModelName::parse("gpt-4o").unwrap(),
+            }
+        }
+
+        /// A waiter in every pool of `pools`, behind those registered before it.
+        async fn waiter_in(&self, pools: &[PoolName]) -> Registration {
+            self.waits
+                .register(&self.provider, pools, &self.model, None, Duration::ZERO)
+                .await
+        }
+
+        /// A waiter in the default pool alone.
+        async fn waiter(&self) -> Registration {
+            self.waiter_in(std::slice::from_ref(&self.pool)).await
+        }
+
+        /// Frees a slot of credential `key_id` in the default pool; the hint a waiter gets.
+        fn free(&self, key_id: &str) -> Option<Hint> {
+            let key_id = KeyId::parse(key_id).unwrap();
+            self.waits.slot_freed(&self.provider, &self.pool, &key_id);
+            Some((self.pool.clone(), key_id))
+        }
     }
 
     #[tokio::test]
     async fn freed_slots_go_one_each_to_the_longest_waiting_waiters() {
-        let waits = waits();
-        let (provider, pool, model) = names();
-        let pools = [pool.clone()];
-        let first = waits
-            .register(&provider, &pools, &model, None, Duration::ZERO)
-            .await;
-        let second = waits
-            .register(&provider, &pools, &model, None, Duration::ZERO)
-            .await;
-        let third = waits
-            .register(&provider, &pools, &model, None, Duration::ZERO)
-            .await;
-        let (a, b) = (KeyId::parse("a").unwrap(), KeyId::parse("b").unwrap());
-        waits.slot_freed(&provider, &pool, &a);
-        waits.slot_freed(&provider, &pool, &b);
-        assert_eq!(woken(&first).await, Some((pool.clone(), a)));
-        assert_eq!(woken(&second).await, Some((pool.clone(), b)));
+        let queues = Queues::new();
+        let first = queues.waiter().await;
+        let second = queues.waiter().await;
+        let third = queues.waiter().await;
+        let a = queues.free("a");
+        let b = queues.free("b");
+        assert_eq!(woken(&first).await, a);
+        assert_eq!(woken(&second).await, b);
         assert_eq!(third.take_hint(), None, "two slots woke three waiters");
     }
 
     #[tokio::test]
     async fn a_slot_freed_right_after_a_wake_up_for_all_still_goes_to_the_first_waiter() {
-        let waits = waits();
-        let (provider, pool, model) = names();
-        let pools = [pool.clone()];
-        let first = waits
-            .register(&provider, &pools, &model, None, Duration::ZERO)
-            .await;
-        let second = waits
-            .register(&provider, &pools, &model, None, Duration::ZERO)
-            .await;
+        let queues = Queues::new();
+        let first = queues.waiter().await;
+        let second = queues.waiter().await;
         // the pool changed: everybody looks again; before either has, a slot is freed
-        waits.pool_changed(Some((&provider, &pool)));
-        let a = KeyId::parse("a").unwrap();
-        waits.slot_freed(&provider, &pool, &a);
-        assert_eq!(woken(&first).await, Some((pool.clone(), a)));
+        queues
+            .waits
+            .pool_changed(Some((&queues.provider, &queues.pool)));
+        let a = queues.free("a");
+        assert_eq!(woken(&first).await, a);
         assert_eq!(woken(&second).await, None);
     }
 
     #[tokio::test]
     async fn a_waiter_that_leaves_with_an_unused_wake_up_hands_it_to_the_next_waiter() {
-        let waits = waits();
-        let (provider, pool, model) = names();
-        let pools = [pool.clone()];
-        let leaving = waits
-            .register(&provider, &pools, &model, None, Duration::ZERO)
-            .await;
-        let next = waits
-            .register(&provider, &pools, &model, None, Duration::ZERO)
-            .await;
-        let a = KeyId::parse("a").unwrap();
+        let queues = Queues::new();
+        let leaving = queues.waiter().await;
+        let next = queues.waiter().await;
         // the slot is freed while the first waiter's last claim is in flight; it then leaves
-        waits.slot_freed(&provider, &pool, &a);
+        let a = queues.free("a");
         drop(leaving);
-        assert_eq!(woken(&next).await, Some((pool.clone(), a)));
+        assert_eq!(woken(&next).await, a);
 
         // a waiter that took its wake-up and used it hands nothing on
-        let third = waits
-            .register(&provider, &pools, &model, None, Duration::ZERO)
-            .await;
-        let b = KeyId::parse("b").unwrap();
-        waits.slot_freed(&provider, &pool, &b);
-        assert_eq!(woken(&next).await, Some((pool.clone(), b)));
+        let third = queues.waiter().await;
+        let b = queues.free("b");
+        assert_eq!(woken(&next).await, b);
         drop(next);
         assert_eq!(third.take_hint(), None, "a used wake-up was handed on");
     }
@@ -929,27 +935,16 @@ mod tests {
 
     #[tokio::test]
     async fn a_waiter_leaves_every_queue_when_dropped() {
-        let waits = waits();
-        let (provider, pool, model) = names();
-        let both = [PoolName::parse("vip").unwrap(), pool.clone()];
-        let gone = waits
-            .register(&provider, &both, &model, None, Duration::ZERO)
+        let queues = Queues::new();
+        let gone = queues
+            .waiter_in(&[PoolName::parse("vip").unwrap(), queues.pool.clone()])
             .await;
-        let staying = waits
-            .register(
-                &provider,
-                std::slice::from_ref(&pool),
-                &model,
-                None,
-                Duration::ZERO,
-            )
-            .await;
+        let staying = queues.waiter().await;
         drop(gone);
-        let a = KeyId::parse("a").unwrap();
-        waits.slot_freed(&provider, &pool, &a);
-        assert_eq!(woken(&staying).await, Some((pool, a)));
+        let a = queues.free("a");
+        assert_eq!(woken(&staying).await, a);
         assert!(
-            waits.pools.lock().unwrap().len() == 1,
+            queues.waits.pools.lock().unwrap().len() == 1,
             "the vip queue was not removed"
         );
     }
