@@ -437,6 +437,28 @@ mod tests {
         }
     }
 
+    /// What `report` makes of an available credential at `now()`.
+    fn from_available(report: Report, policy: &HealthPolicy) -> (Health, Option<Transition>) {
+        apply(&Health::new(Status::Available), report, now(), policy)
+    }
+
+    /// An available credential after `count` failures, one every `every_seconds` from `now()`;
+    /// panics if any of them changes its status.
+    fn failures_without_a_transition(
+        count: i64,
+        every_seconds: i64,
+        policy: &HealthPolicy,
+    ) -> Health {
+        let mut health = Health::new(Status::Available);
+        for i in 0..count {
+            let at = now() + Duration::seconds(i * every_seconds);
+            let (next, transition) = apply(&health, report(Outcome::Failure), at, policy);
+            assert!(transition.is_none(), "failure {i}");
+            health = next;
+        }
+        health
+    }
+
     fn cooling(status: Status, ends_in_seconds: i64) -> Health {
         Health {
             cooldown_until: Some(now() + Duration::seconds(ends_in_seconds)),
@@ -446,12 +468,7 @@ mod tests {
 
     #[test]
     fn success_counts_and_refreshes_liveness_without_a_transition() {
-        let (next, transition) = apply(
-            &Health::new(Status::Available),
-            report(Outcome::Success),
-            now(),
-            &HealthPolicy::default(),
-        );
+        let (next, transition) = from_available(report(Outcome::Success), &HealthPolicy::default());
         assert_eq!(next.successes, 1.0);
         assert_eq!(next.last_success_at, Some(now()));
         assert_eq!(next.status, Status::Available);
@@ -471,12 +488,7 @@ mod tests {
 
     #[test]
     fn a_single_failure_does_not_cool_a_credential_down() {
-        let (next, transition) = apply(
-            &Health::new(Status::Available),
-            report(Outcome::Failure),
-            now(),
-            &HealthPolicy::default(),
-        );
+        let (next, transition) = from_available(report(Outcome::Failure), &HealthPolicy::default());
         assert_eq!(next.status, Status::Available);
         assert_eq!(next.failures, 1.0);
         assert!(transition.is_none());
@@ -485,17 +497,7 @@ mod tests {
     #[test]
     fn the_fifth_failure_within_sixty_seconds_starts_a_cooldown() {
         let policy = HealthPolicy::default();
-        let mut health = Health::new(Status::Available);
-        for i in 0..4 {
-            let (next, transition) = apply(
-                &health,
-                report(Outcome::Failure),
-                now() + Duration::seconds(i * 10),
-                &policy,
-            );
-            assert!(transition.is_none(), "failure {i}");
-            health = next;
-        }
+        let health = failures_without_a_transition(4, 10, &policy);
         let at = now() + Duration::seconds(45);
         let (next, transition) = apply(&health, report(Outcome::Failure), at, &policy);
         assert_eq!(next.status, Status::Cooldown);
@@ -511,18 +513,7 @@ mod tests {
 
     #[test]
     fn failures_spread_wider_than_the_window_do_not_cool_down() {
-        let policy = HealthPolicy::default();
-        let mut health = Health::new(Status::Available);
-        for i in 0..10 {
-            let (next, transition) = apply(
-                &health,
-                report(Outcome::Failure),
-                now() + Duration::seconds(i * 20),
-                &policy,
-            );
-            assert!(transition.is_none(), "failure {i}");
-            health = next;
-        }
+        let health = failures_without_a_transition(10, 20, &HealthPolicy::default());
         assert_eq!(health.recent_failures.len(), 5);
     }
 
@@ -569,22 +560,12 @@ mod tests {
     #[test]
     fn auth_error_disables_and_quota_exhaustion_waits_for_retry_after_or_an_operator() {
         let policy = HealthPolicy::default();
-        let (next, transition) = apply(
-            &Health::new(Status::Available),
-            report(Outcome::AuthError),
-            now(),
-            &policy,
-        );
+        let (next, transition) = from_available(report(Outcome::AuthError), &policy);
         assert_eq!(next.status, Status::Disabled);
         assert!(next.status_reason.unwrap().contains("auth_error"));
         assert!(transition.is_some());
 
-        let (next, _) = apply(
-            &Health::new(Status::Available),
-            report(Outcome::QuotaExhausted),
-            now(),
-            &policy,
-        );
+        let (next, _) = from_available(report(Outcome::QuotaExhausted), &policy);
         assert_eq!(
             (next.status, next.cooldown_until),
             (Status::Exhausted, None)
@@ -596,7 +577,7 @@ mod tests {
             probe: false,
             may_disable: true,
         };
-        let (next, _) = apply(&Health::new(Status::Available), with_retry, now(), &policy);
+        let (next, _) = from_available(with_retry, &policy);
         assert_eq!(next.cooldown_until, Some(now() + Duration::hours(1)));
         assert!(next.usable(now() + Duration::hours(1)));
     }
@@ -621,8 +602,7 @@ mod tests {
                     may_disable,
                     ..tenants(outcome, Some(month))
                 };
-                let (next, transition) =
-                    apply(&Health::new(Status::Available), report, now(), &policy);
+                let (next, transition) = from_available(report, &policy);
                 assert_eq!(
                     next.cooldown_until,
                     Some(now() + Duration::hours(1)),
@@ -637,12 +617,7 @@ mod tests {
                 );
             }
             // within the bound: as asked, and nothing clamped
-            let (next, transition) = apply(
-                &Health::new(Status::Available),
-                tenants(outcome, Some(600)),
-                now(),
-                &policy,
-            );
+            let (next, transition) = from_available(tenants(outcome, Some(600)), &policy);
             assert_eq!(next.cooldown_until, Some(now() + Duration::minutes(10)));
             assert_eq!(transition.unwrap().clamped_from, None);
         }
@@ -651,12 +626,7 @@ mod tests {
     #[test]
     fn auth_error_of_a_reporter_that_may_not_disable_rests_for_the_backoff() {
         let policy = HealthPolicy::default();
-        let (next, transition) = apply(
-            &Health::new(Status::Available),
-            tenants(Outcome::AuthError, None),
-            now(),
-            &policy,
-        );
+        let (next, transition) = from_available(tenants(Outcome::AuthError, None), &policy);
         assert_eq!(next.status, Status::Cooldown);
         assert_eq!(next.cooldown_until, Some(now() + Duration::seconds(60)));
         assert_eq!(next.failures, 1.0);
@@ -686,20 +656,10 @@ mod tests {
     fn quota_exhausted_without_retry_after_waits_for_an_operator_only_if_the_reporter_may_disable()
     {
         let policy = HealthPolicy::default();
-        let (next, _) = apply(
-            &Health::new(Status::Available),
-            tenants(Outcome::QuotaExhausted, None),
-            now(),
-            &policy,
-        );
+        let (next, _) = from_available(tenants(Outcome::QuotaExhausted, None), &policy);
         assert_eq!(next.status, Status::Exhausted);
         assert_eq!(next.cooldown_until, Some(now() + Duration::hours(1)));
-        let (next, _) = apply(
-            &Health::new(Status::Available),
-            report(Outcome::QuotaExhausted),
-            now(),
-            &policy,
-        );
+        let (next, _) = from_available(report(Outcome::QuotaExhausted), &policy);
         assert_eq!(
             (next.status, next.cooldown_until),
             (Status::Exhausted, None)
