@@ -328,9 +328,14 @@ pub(crate) fn from_answer(
         Some(ErrorCode::StoreUnavailable) => Error::StoreUnavailable,
         Some(ErrorCode::RouteNotFound) => Error::RouteNotFound,
         Some(ErrorCode::MethodNotAllowed) => Error::MethodNotAllowed,
-        // the operator routes' codes, the probes', and a newer server's: passed on as they came
+        // the operator routes' codes, the probes', the relay's (which this client never calls),
+        // and a newer server's: passed on as they came
         Some(
-            ErrorCode::TokenUrlNotAllowed
+            ErrorCode::UpstreamNotConfigured
+            | ErrorCode::UpstreamUnreachable
+            | ErrorCode::CredentialNotRelayable
+            | ErrorCode::UpstreamTimeout
+            | ErrorCode::TokenUrlNotAllowed
             | ErrorCode::CredentialNotFound
             | ErrorCode::TenantNotFound
             | ErrorCode::TenantKeyNotFound

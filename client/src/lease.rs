@@ -21,9 +21,7 @@ use crate::wire::Granted;
 /// is below 35, set `lease_seconds` explicitly.
 pub const DEFAULT_LEASE_SECONDS: u32 = 35;
 
-/// The longest `retry_after_seconds` a release may carry: 31 days, in seconds (the server's
-/// limit; longer rests are cut to this).
-pub const MAX_RETRY_AFTER_SECONDS: u32 = 31 * 86_400;
+pub use credpool_protocol::MAX_RETRY_AFTER_SECONDS;
 
 /// Renewals never come closer together than this, whatever the lease length and renew fraction.
 const MIN_RENEW_INTERVAL: Duration = Duration::from_millis(200);

@@ -66,6 +66,8 @@ error_codes! {
     Forbidden = "forbidden", 403, false;
     /// 403: the caller's tenant may not lease from this provider and pool.
     PoolNotAllowed = "pool_not_allowed", 403, false;
+    /// 404 (relay): no upstream is configured for the provider.
+    UpstreamNotConfigured = "upstream_not_configured", 404, false;
     /// 404: no credentials at all for the provider and pool asked for.
     PoolNotFound = "pool_not_found", 404, false;
     /// 404: no credential with this key_id.
@@ -103,14 +105,26 @@ error_codes! {
     TenantLimit = "tenant_limit", 429, true;
     /// 500: a bug (a handler panicked) or a credential whose secret cannot be opened.
     InternalError = "internal_error", 500, false;
+    /// 502 (relay): the upstream could not be reached, or failed before its answer started.
+    UpstreamUnreachable = "upstream_unreachable", 502, false;
+    /// 502 (relay): the leased credential's secret has neither an `api_key` nor an
+    /// `access_token` to give the upstream.
+    CredentialNotRelayable = "credential_not_relayable", 502, false;
     /// 503: PostgreSQL failed or did not answer in time; retry.
     StoreUnavailable = "store_unavailable", 503, false;
+    /// 504 (relay): the upstream did not start its answer within its `timeout_seconds`.
+    UpstreamTimeout = "upstream_timeout", 504, false;
     /// 503 (`/readyz`): a background task is restarting, or the database is unreachable, slow or
     /// not current for this version.
     NotReady = "not_ready", 503, false;
     /// 503 (`/readyz`): the service received SIGTERM and is about to stop.
     ShuttingDown = "shutting_down", 503, false;
 }
+
+/// The longest rest an outcome report may ask for (`retry_after_seconds`): 31 days, in seconds (a
+/// monthly quota's reset). Longer values are a caller's bug, not a provider's answer, and would
+/// rest a credential for decades: the service refuses them, the clients cut them to this.
+pub const MAX_RETRY_AFTER_SECONDS: u32 = 31 * 86_400;
 
 impl std::fmt::Display for ErrorCode {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {

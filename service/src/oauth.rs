@@ -48,35 +48,11 @@ fn printable(field: &'static str, value: &str, max: usize) -> Result<(), Invalid
     )
 }
 
-/// Whether `url` may be a token endpoint: https, or http on a loopback host. The error names the
-/// rule, never more of the URL than the operator sent.
+/// Whether `url` may be a token endpoint: https, or http on a loopback host
+/// ([`crate::domain::check_endpoint_url`]). The error names the rule, never more of the URL
+/// than the operator sent.
 pub fn check_token_url(url: &str) -> Result<url::Url, InvalidValue> {
-    let refuse = || {
-        InvalidValue::new(
-            "oauth.token_url",
-            "must be an https URL, or http on a loopback address (127.0.0.1, ::1, localhost)",
-        )
-    };
-    // the URL parser would percent-encode a control character of the path, but the URL is
-    // stored as given
-    if url.len() > 2048 || url.chars().any(char::is_control) {
-        return Err(refuse());
-    }
-    let parsed = url::Url::parse(url).map_err(|_| refuse())?;
-    if !parsed.username().is_empty() || parsed.password().is_some() {
-        return Err(refuse());
-    }
-    let loopback = match parsed.host() {
-        Some(url::Host::Ipv4(ip)) => ip.is_loopback(),
-        Some(url::Host::Ipv6(ip)) => ip.is_loopback(),
-        Some(url::Host::Domain(name)) => name.eq_ignore_ascii_case("localhost"),
-        None => false,
-    };
-    match parsed.scheme() {
-        "https" if parsed.host().is_some() => Ok(parsed),
-        "http" if loopback => Ok(parsed),
-        _ => Err(refuse()),
-    }
+    crate::domain::check_endpoint_url("oauth.token_url", url)
 }
 
 /// Whether `ip` is a public unicast address a token endpoint may have: not loopback, private
@@ -438,12 +414,51 @@ pub fn expires_in(given: Option<u64>) -> Result<i64, RefreshError> {
 /// The largest token endpoint answer read, in bytes.
 const MAX_ANSWER_BYTES: usize = 64 * 1024;
 
-type HttpsClient = hyper_util::client::legacy::Client<
-    hyper_rustls::HttpsConnector<
-        hyper_util::client::legacy::connect::HttpConnector<PublicResolver>,
-    >,
+type HttpsClient = OutboundClient<PublicResolver>;
+
+/// The service's client for the endpoints it calls (OAuth token endpoints, relay upstreams):
+/// HTTP/1 through hyper, TLS through rustls with the ring provider and the webpki roots, names
+/// resolved by `R`. Request bodies are whole (`Full`).
+pub type OutboundClient<R> = hyper_util::client::legacy::Client<
+    hyper_rustls::HttpsConnector<hyper_util::client::legacy::connect::HttpConnector<R>>,
     http_body_util::Full<bytes::Bytes>,
 >;
+
+/// An [`OutboundClient`] resolving names with `resolver`: https for any host, http as well (the
+/// callers admit http on loopback hosts only: [`crate::domain::check_endpoint_url`]). It follows
+/// no redirect (hyper's client never does), so an endpoint cannot send a call elsewhere.
+pub fn https_client<R>(resolver: R) -> OutboundClient<R>
+where
+    R: tower_service::Service<
+            hyper_util::client::legacy::connect::dns::Name,
+            Response: Iterator<Item = std::net::SocketAddr>,
+            Error: Into<Box<dyn std::error::Error + Send + Sync>>,
+            Future: Send,
+        > + Clone
+        + Send
+        + Sync
+        + 'static,
+{
+    let tls = rustls::ClientConfig::builder_with_provider(Arc::new(
+        rustls::crypto::ring::default_provider(),
+    ))
+    .with_safe_default_protocol_versions()
+    .expect("ring supports the default protocol versions")
+    .with_root_certificates(rustls::RootCertStore {
+        roots: webpki_roots::TLS_SERVER_ROOTS.to_vec(),
+    })
+    .with_no_client_auth();
+    let mut resolving =
+        hyper_util::client::legacy::connect::HttpConnector::new_with_resolver(resolver);
+    resolving.enforce_http(false);
+    let connector = hyper_rustls::HttpsConnectorBuilder::new()
+        .with_tls_config(tls)
+        .https_or_http()
+        .enable_http1()
+        .wrap_connector(resolving);
+    hyper_util::client::legacy::Client::builder(hyper_util::rt::TokioExecutor::new())
+        .build(connector)
+}
 
 /// The refresher of one service process: finds tokens due, takes their refresh in PostgreSQL,
 /// calls the token endpoint, and writes the answer.
@@ -468,32 +483,11 @@ impl std::fmt::Debug for Refresher {
 impl Refresher {
     /// A refresher over `db`, opening grants with `keyring`.
     pub fn new(db: Db, keyring: Arc<Keyring>, settings: OAuthSettings) -> Self {
-        let tls = rustls::ClientConfig::builder_with_provider(Arc::new(
-            rustls::crypto::ring::default_provider(),
-        ))
-        .with_safe_default_protocol_versions()
-        .expect("ring supports the default protocol versions")
-        .with_root_certificates(rustls::RootCertStore {
-            roots: webpki_roots::TLS_SERVER_ROOTS.to_vec(),
-        })
-        .with_no_client_auth();
-        // https for any host, http for the loopback hosts check_token_url admits (it redirects
-        // nowhere: hyper's client does not follow redirects); names resolved to public
-        // addresses only, unless the operator allows private ones
-        let mut resolving =
-            hyper_util::client::legacy::connect::HttpConnector::new_with_resolver(PublicResolver {
-                inner: hyper_util::client::legacy::connect::dns::GaiResolver::new(),
-                allow_private: settings.allow_private_token_urls,
-            });
-        resolving.enforce_http(false);
-        let connector = hyper_rustls::HttpsConnectorBuilder::new()
-            .with_tls_config(tls)
-            .https_or_http()
-            .enable_http1()
-            .wrap_connector(resolving);
-        let http =
-            hyper_util::client::legacy::Client::builder(hyper_util::rt::TokioExecutor::new())
-                .build(connector);
+        // names resolved to public addresses only, unless the operator allows private ones
+        let http = https_client(PublicResolver {
+            inner: hyper_util::client::legacy::connect::dns::GaiResolver::new(),
+            allow_private: settings.allow_private_token_urls,
+        });
         Self {
             db,
             keyring,

@@ -95,6 +95,7 @@ impl Application {
             shutting_down: ShuttingDown::default(),
             background: background.clone(),
             allow_private_token_urls: settings.oauth.allow_private_token_urls,
+            relay: crate::http::relay::RelayClient::new(),
         });
         // the OAuth refresher runs in every replica; PostgreSQL picks one writer per generation
         crate::oauth::Refresher::new(

@@ -38,6 +38,24 @@ pub const REQUEST_SECONDS: &str = "credpool_request_duration_seconds";
 pub const RELEASES: &str = "credpool_releases_total";
 /// Renewals by `result` (`renewed`, `lost`).
 pub const RENEWALS: &str = "credpool_renewals_total";
+/// Relay calls (`/relay/{provider}/{pool}/...`) by `provider`, `pool` (that served; both empty
+/// for a call refused before a lease) and `outcome` ([`RELAY_OUTCOMES`]).
+pub const RELAY_CALLS: &str = "credpool_relay_calls_total";
+/// What `outcome` of [`RELAY_CALLS`] can say: the outcome the relay reported at release, or how
+/// the call ended without one (`client_closed`: the client went away first; `lease_lost`: the
+/// lease could not be renewed and the call was cut; `upstream_unreachable`, `upstream_timeout`;
+/// `refused`: credpool answered the call itself, before any upstream).
+pub const RELAY_OUTCOMES: [&str; 9] = [
+    "success",
+    "failure",
+    "rate_limited",
+    "auth_expired",
+    "quota_exhausted",
+    "client_closed",
+    "lease_lost",
+    "upstream_unreachable",
+    "upstream_timeout",
+];
 /// OAuth access token refreshes this process ran, by `result` (`refreshed`, `superseded`,
 /// `failed`, `invalid_grant`).
 pub const OAUTH_REFRESHES: &str = "credpool_oauth_refreshes_total";
@@ -223,6 +241,13 @@ pub const METRICS: &[Metric] = &[
         labels: &["result", "reason"],
         unit: "releases",
         help: "Release requests by result (released, not_released) and reason (mismatch, expired, not_found; empty when released).",
+    },
+    Metric {
+        name: RELAY_CALLS,
+        kind: Kind::Counter,
+        labels: &["provider", "pool", "outcome"],
+        unit: "calls",
+        help: "Relay calls by provider, pool (that served) and outcome (success, failure, rate_limited, auth_expired, quota_exhausted, client_closed, lease_lost, upstream_unreachable, upstream_timeout; refused, with empty provider and pool, for calls credpool answered itself).",
     },
     Metric {
         name: RENEWALS,
@@ -489,6 +514,7 @@ fn zero_series() {
     for result in ["renewed", "lost"] {
         counter!(RENEWALS, "result" => result).absolute(0);
     }
+    counter!(RELAY_CALLS, "provider" => "", "pool" => "", "outcome" => "refused").absolute(0);
     for result in ["refreshed", "superseded", "failed", "invalid_grant"] {
         counter!(OAUTH_REFRESHES, "result" => result).absolute(0);
     }
@@ -620,6 +646,15 @@ pub fn held_back(
 pub fn release(released: bool, reason: &'static str) {
     let result = if released { "released" } else { "not_released" };
     counter!(RELEASES, "result" => result, "reason" => reason).increment(1);
+}
+
+/// Counts a relay call that ended with `outcome` ([`RELAY_OUTCOMES`], or `refused` with empty
+/// provider and pool). `provider` is a configured upstream's and `pool` one that served, so that
+/// no request can add series.
+pub fn relay_call(provider: &str, pool: &str, outcome: &'static str) {
+    counter!(RELAY_CALLS, "provider" => provider.to_owned(), "pool" => pool.to_owned(),
+             "outcome" => outcome)
+    .increment(1);
 }
 
 /// Sets how many HTTP connections are open.

@@ -14,6 +14,7 @@
 
 pub mod health;
 pub mod oauth;
+pub mod relay;
 pub mod windows;
 
 use std::fmt;
@@ -764,6 +765,39 @@ impl utoipa::ToSchema for Secret {}
 impl fmt::Debug for Secret {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.write_str("Secret(<redacted>)")
+    }
+}
+
+/// Whether `url` may be an endpoint the service calls (an OAuth token endpoint, a relay upstream):
+/// https to any host, or http on a loopback host (127.0.0.0/8, ::1, `localhost`: tests and local
+/// gateways), at most 2048 characters, without control characters or user info. The error names
+/// `field` and the rule, never the URL.
+pub fn check_endpoint_url(field: &'static str, url: &str) -> Result<url::Url, InvalidValue> {
+    let refuse = || {
+        InvalidValue::new(
+            field,
+            "must be an https URL, or http on a loopback address (127.0.0.1, ::1, localhost)",
+        )
+    };
+    // the URL parser would percent-encode a control character of the path, but the URL is
+    // stored as given
+    if url.len() > 2048 || url.chars().any(char::is_control) {
+        return Err(refuse());
+    }
+    let parsed = url::Url::parse(url).map_err(|_| refuse())?;
+    if !parsed.username().is_empty() || parsed.password().is_some() {
+        return Err(refuse());
+    }
+    let loopback = match parsed.host() {
+        Some(url::Host::Ipv4(ip)) => ip.is_loopback(),
+        Some(url::Host::Ipv6(ip)) => ip.is_loopback(),
+        Some(url::Host::Domain(name)) => name.eq_ignore_ascii_case("localhost"),
+        None => false,
+    };
+    match parsed.scheme() {
+        "https" if parsed.host().is_some() => Ok(parsed),
+        "http" if loopback => Ok(parsed),
+        _ => Err(refuse()),
     }
 }
 

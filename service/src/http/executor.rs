@@ -3,6 +3,7 @@
 use axum::Json;
 use axum::extract::State;
 use axum::response::{IntoResponse, Response};
+use credpool_protocol::MAX_RETRY_AFTER_SECONDS;
 use serde::{Deserialize, Serialize};
 use std::time::Duration;
 use time::OffsetDateTime;
@@ -339,10 +340,6 @@ struct UsageBody {
     #[schema(minimum = 0, maximum = 1_000_000_000)]
     tokens: u64,
 }
-
-/// The longest rest a release may ask for: 31 days in seconds (a monthly quota's reset). Longer
-/// values are a caller's bug, not a provider's answer, and would rest a credential for decades.
-pub const MAX_RETRY_AFTER_SECONDS: u32 = 31 * 86_400;
 
 /// `{"released":true}` or `{"released":false,"reason":...}`.
 #[derive(Debug, Serialize, utoipa::ToSchema)]

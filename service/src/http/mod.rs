@@ -6,6 +6,7 @@ mod admin;
 mod dashboard;
 mod executor;
 mod ops;
+pub mod relay;
 pub mod server;
 mod tenants;
 
@@ -129,6 +130,8 @@ pub struct Shared {
     /// Whether an OAuth credential's https token URL may reach a private, loopback or link-local
     /// address (`--oauth-allow-private-token-urls`).
     pub allow_private_token_urls: bool,
+    /// The client relay calls go out through (`/relay/...`).
+    pub relay: relay::RelayClient,
 }
 
 /// Whether the service has begun to shut down (SIGINT/SIGTERM; [`crate::startup`]): from then on
@@ -203,6 +206,7 @@ fn routes() -> utoipa_axum::router::OpenApiRouter<AppState> {
         .merge(admin::routes())
         .merge(tenants::routes())
         .merge(ops::routes())
+        .merge(relay::routes())
 }
 
 /// The whole router: executor routes under `/api/internal`, operator routes under `/api/admin`,
@@ -227,6 +231,7 @@ pub fn app(state: AppState) -> Router {
             }),
         )
         .merge(dashboard::routes())
+        .merge(relay::route())
         .fallback(|| async { ApiError::RouteNotFound })
         .method_not_allowed_fallback(|| async { ApiError::MethodNotAllowed })
         .layer(axum::extract::DefaultBodyLimit::max(MAX_BODY_BYTES))
@@ -355,6 +360,9 @@ async fn observe(
     let http1 = request.version() <= axum::http::Version::HTTP_11;
     let timeout = if route == executor::ALLOCATE_ROUTE {
         state.request_timeout + state.max_wait
+    } else if route == relay::ROUTE {
+        // bounded by its own wait and its upstream's timeout_seconds
+        Duration::MAX
     } else {
         state.request_timeout
     };
@@ -526,6 +534,23 @@ pub enum ApiError {
         /// Whole seconds, at least 1.
         retry_after_seconds: u64,
     },
+    /// 404 `upstream_not_configured` (relay): no upstream is set for the provider
+    /// (`PUT /api/admin/relay/upstreams/{provider}`); nothing was leased or sent.
+    #[error("no relay upstream is configured for this provider")]
+    UpstreamNotConfigured,
+    /// 502 `upstream_unreachable` (relay): the upstream could not be reached, or its answer broke
+    /// off before it started. The lease was released with outcome `failure`.
+    #[error("the upstream could not be reached")]
+    UpstreamUnreachable,
+    /// 502 `credential_not_relayable` (relay): the leased credential's secret has neither an
+    /// `api_key` nor an `access_token` (a string a header can carry). Released; logged with its
+    /// key_id.
+    #[error("the leased credential has no api_key or access_token the relay can send")]
+    CredentialNotRelayable,
+    /// 504 `upstream_timeout` (relay): the upstream did not start its answer within its
+    /// `timeout_seconds`. The lease was released with outcome `failure`.
+    #[error("the upstream did not answer within its timeout_seconds")]
+    UpstreamTimeout,
     /// 500 `internal_error`: a bug (a handler panicked). Logged; changes nothing the request had
     /// not committed.
     #[error("internal error")]
@@ -566,6 +591,10 @@ impl ApiError {
             ApiError::PayloadTooLarge => ErrorCode::PayloadTooLarge,
             ApiError::UnsupportedMediaType => ErrorCode::UnsupportedMediaType,
             ApiError::PoolExhausted { .. } => ErrorCode::PoolExhausted,
+            ApiError::UpstreamNotConfigured => ErrorCode::UpstreamNotConfigured,
+            ApiError::UpstreamUnreachable => ErrorCode::UpstreamUnreachable,
+            ApiError::CredentialNotRelayable => ErrorCode::CredentialNotRelayable,
+            ApiError::UpstreamTimeout => ErrorCode::UpstreamTimeout,
             ApiError::Internal => ErrorCode::InternalError,
             ApiError::StoreUnavailable(_) | ApiError::Timeout => ErrorCode::StoreUnavailable,
         }
@@ -895,13 +924,28 @@ impl FromRequestParts<AppState> for Caller {
     type Rejection = ApiError;
 
     async fn from_request_parts(parts: &mut Parts, state: &AppState) -> Result<Self, ApiError> {
-        if key_matches(&parts.headers, "x-internal-key", &state.keys.internal) {
+        Caller::of_key(
+            state,
+            parts
+                .headers
+                .get("x-internal-key")
+                .map(HeaderValue::as_bytes),
+        )
+        .await
+    }
+}
+
+impl Caller {
+    /// The caller `key` (the executor key as presented, in whatever header) names: the internal
+    /// key compared in constant time, else a live tenant key looked up by its hash. 401
+    /// `unauthorized` for anything else, or none.
+    pub async fn of_key(state: &AppState, key: Option<&[u8]>) -> Result<Self, ApiError> {
+        let key = key.ok_or(ApiError::Unauthorized)?;
+        if bool::from(key.ct_eq(state.keys.internal.as_bytes())) {
             return Ok(Caller::internal());
         }
-        let hash = parts
-            .headers
-            .get("x-internal-key")
-            .and_then(|given| given.to_str().ok())
+        let hash = std::str::from_utf8(key)
+            .ok()
             .and_then(crate::domain::TenantKey::parse)
             .map(|key| key.hash())
             .ok_or(ApiError::Unauthorized)?;

@@ -40,6 +40,7 @@ pub mod failover;
 pub mod leases;
 pub mod maintenance;
 pub mod oauth;
+pub mod relay;
 pub mod schema;
 pub mod target;
 pub mod tenants;

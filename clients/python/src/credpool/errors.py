@@ -23,6 +23,7 @@ from typing import Any, ClassVar, Dict, Optional, Type
 __all__ = [
     "ApiError",
     "CredentialNotFound",
+    "CredentialNotRelayable",
     "CredpoolError",
     "Forbidden",
     "GenerationMoved",
@@ -52,6 +53,9 @@ __all__ = [
     "Unauthorized",
     "UnexpectedResponse",
     "UnsupportedMediaType",
+    "UpstreamNotConfigured",
+    "UpstreamTimeout",
+    "UpstreamUnreachable",
 ]
 
 #: Every known error code and its class, filled by the classes below as they are defined (the
@@ -288,6 +292,26 @@ class NotReady(ApiError, code="not_ready", status=503):
 class ShuttingDown(ApiError, code="shutting_down", status=503):
     """503 ``shutting_down`` (``/readyz``): the service received SIGTERM and is about to stop;
     send requests to another replica."""
+
+
+class UpstreamNotConfigured(ApiError, code="upstream_not_configured", status=404):
+    """404 ``upstream_not_configured`` (the relay, ``/relay/{provider}/{pool}/...``): no upstream
+    is set for the provider; nothing was leased or sent."""
+
+
+class UpstreamUnreachable(ApiError, code="upstream_unreachable", status=502):
+    """502 ``upstream_unreachable`` (the relay): the upstream could not be reached, or its answer
+    broke off before it started."""
+
+
+class CredentialNotRelayable(ApiError, code="credential_not_relayable", status=502):
+    """502 ``credential_not_relayable`` (the relay): the leased credential's secret has neither
+    an ``api_key`` nor an ``access_token`` to send upstream."""
+
+
+class UpstreamTimeout(ApiError, code="upstream_timeout", status=504):
+    """504 ``upstream_timeout`` (the relay): the upstream did not start its answer within its
+    ``timeout_seconds``."""
 
 
 class TransportError(CredpoolError):
