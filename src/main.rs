@@ -73,6 +73,7 @@ async fn run(mut cli: Cli) -> anyhow::Result<ExitCode> {
         Command::Keys(args) => operator::keys(args).await?,
         Command::Leases(args) => operator::leases(args).await?,
         Command::Pools(args) => operator::pools(args).await?,
+        Command::Relay(args) => operator::relay(args).await?,
         Command::Audit(args) => return operator::audit(args).await,
         Command::Cron(args) => operator::cron(args).await?,
         Command::Maintenance(args) => operator::maintenance(args).await?,

@@ -18,11 +18,12 @@ use time::format_description::well_known::Rfc3339;
 
 use crate::config::{
     AuditArgs, AuditCommand, CliArgs, CronArgs, CronCommand, KeysArgs, KeysCommand, LeasesArgs,
-    LeasesCommand, MaintenanceRunArgs, VerifyArgs,
+    LeasesCommand, MaintenanceRunArgs, RelayArgs, RelayCommand, VerifyArgs,
 };
 use credpool::allocator::health::HealthPolicy;
 use credpool::allocator::windows::RateLimits;
 use credpool::database::Database;
+use credpool::domain::relay::{ApiStyle, UpstreamInput};
 use credpool::domain::{KeyId, PoolName, ProviderName, Status};
 use credpool::startup::{check_secret_config, prepare_keyring};
 use credpool::store::audit::{self, Run};
@@ -316,6 +317,95 @@ pub async fn leases(args: LeasesArgs) -> anyhow::Result<()> {
                     println!("{key_id}: {} leases force-released", released.len());
                     Ok(())
                 }
+            })
+            .await
+        }
+    }
+}
+
+/// `credpool relay ...`: the relay's upstreams, with the admin API's checks and trail.
+pub async fn relay(args: RelayArgs) -> anyhow::Result<()> {
+    let cli = &args.cli;
+    match args.command.clone().unwrap_or(RelayCommand::List) {
+        RelayCommand::List => {
+            with_database(cli, async |db| {
+                let upstreams = credpool::store::relay::list(&db.pool).await?;
+                if cli.json {
+                    return print_json(&serde_json::json!({ "upstreams": upstreams }));
+                }
+                let mut t = table(&[
+                    "provider",
+                    "base_url",
+                    "api",
+                    "credential",
+                    "wait_ms",
+                    "affinity",
+                    "timeout_s",
+                    "set by",
+                ]);
+                for u in &upstreams {
+                    t.add_row(vec![
+                        u.provider.clone(),
+                        u.base_url.clone(),
+                        u.api.as_str().to_owned(),
+                        u.credential_header.clone(),
+                        u.wait_ms.to_string(),
+                        u.affinity_header.clone().unwrap_or_default(),
+                        u.timeout_seconds.to_string(),
+                        u.updated_by.clone(),
+                    ]);
+                }
+                println!("{t}");
+                Ok(())
+            })
+            .await
+        }
+        RelayCommand::Set {
+            provider,
+            base_url,
+            api,
+            credential_header,
+            wait_ms,
+            affinity_header,
+            timeout_seconds,
+        } => {
+            let actor = actor(cli)?;
+            let provider = ProviderName::parse(provider).map_err(anyhow::Error::msg)?;
+            let upstream = UpstreamInput {
+                base_url,
+                api: ApiStyle::parse(&api).context("--api is openai or anthropic")?,
+                credential_header,
+                wait_ms,
+                affinity_header,
+                timeout_seconds,
+            }
+            .check(provider)
+            .map_err(anyhow::Error::msg)?;
+            with_database(cli, async |db| {
+                let (detail, created) =
+                    credpool::store::relay::put(&db.pool, &upstream, &actor).await?;
+                if cli.json {
+                    print_json(&detail)
+                } else {
+                    let verb = if created { "set" } else { "replaced" };
+                    println!(
+                        "{}: relay upstream {verb}: {}",
+                        detail.provider, detail.base_url
+                    );
+                    Ok(())
+                }
+            })
+            .await
+        }
+        RelayCommand::Remove { provider } => {
+            let actor = actor(cli)?;
+            let provider = ProviderName::parse(provider).map_err(anyhow::Error::msg)?;
+            with_database(cli, async |db| {
+                if !credpool::store::relay::remove(&db.pool, &provider, &actor).await? {
+                    bail!("no relay upstream for {provider}");
+                }
+                println!("{provider}: relay upstream removed");
+                Ok(())
             })
             .await
         }

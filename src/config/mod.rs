@@ -17,7 +17,7 @@ pub use bench::{BenchArgs, BenchBaseline, BenchCreateBy};
 pub use demo::DemoArgs;
 pub use operator::{
     AuditArgs, AuditCommand, CliArgs, CronArgs, CronCommand, EnvArgs, KeysArgs, KeysCommand,
-    LeasesArgs, LeasesCommand, MaintenanceRunArgs, VerifyArgs,
+    LeasesArgs, LeasesCommand, MaintenanceRunArgs, RelayArgs, RelayCommand, VerifyArgs,
 };
 
 /// credpool: leases upstream credentials to executors under per-credential concurrency limits.
@@ -68,6 +68,9 @@ pub enum Command {
     Pools(CliArgs),
     /// Questions answered from the audit trail; alone, runs `verify` (the continuous proof).
     Audit(AuditArgs),
+    /// Where each provider's relay calls go (`/relay/{provider}/{pool}/...`), straight in the
+    /// database; alone, lists them.
+    Relay(RelayArgs),
     /// Schedule the cleanup functions with pg_cron.
     Cron(CronArgs),
     /// Run one cleanup pass now (reap expired leases, record ended cooldowns, purge old audit rows).
@@ -94,6 +97,7 @@ impl Command {
             Command::Keys(KeysArgs { cli, .. })
             | Command::Leases(LeasesArgs { cli, .. })
             | Command::Pools(cli)
+            | Command::Relay(RelayArgs { cli, .. })
             | Command::Audit(AuditArgs { cli, .. })
             | Command::Cron(CronArgs { cli, .. })
             | Command::Maintenance(MaintenanceRunArgs { cli, .. }) => cli.db.load_secret_files(),

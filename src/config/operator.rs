@@ -250,3 +250,53 @@ pub enum LeasesCommand {
         reason: String,
     },
 }
+
+/// `credpool relay`: where each provider's relay calls go (`/relay/{provider}/{pool}/...`).
+#[derive(Debug, Clone, Args)]
+pub struct RelayArgs {
+    #[command(flatten)]
+    pub cli: CliArgs,
+
+    /// What to do; without one, `list` the upstreams.
+    #[command(subcommand)]
+    pub command: Option<RelayCommand>,
+}
+
+/// The `credpool relay` subcommands.
+#[derive(Debug, Clone, Subcommand)]
+pub enum RelayCommand {
+    /// List every provider's upstream.
+    List,
+    /// Set where a provider's relay calls go (created or replaced); the same checks and defaults
+    /// as `PUT /api/admin/relay/upstreams/{provider}`.
+    Set {
+        /// The provider whose calls go there.
+        provider: String,
+        /// `https://...`, or `http://` on a loopback address.
+        #[arg(long)]
+        base_url: String,
+        /// The API the upstream speaks: the shape of credpool's own refusals and the default
+        /// credential header.
+        #[arg(long, value_parser = ["openai", "anthropic"])]
+        api: String,
+        /// The header the leased credential goes in (default: `authorization` for openai,
+        /// `x-api-key` for anthropic).
+        #[arg(long)]
+        credential_header: Option<String>,
+        /// How long a call waits for a free credential, in milliseconds (default 10000).
+        #[arg(long)]
+        wait_ms: Option<u64>,
+        /// A request header whose value is the call's affinity key (e.g. `x-session-id`).
+        #[arg(long)]
+        affinity_header: Option<String>,
+        /// The longest the upstream may take to start its answer, and between two chunks of it,
+        /// in seconds (default 600).
+        #[arg(long)]
+        timeout_seconds: Option<u64>,
+    },
+    /// Remove a provider's upstream: its relay calls are refused from then on.
+    Remove {
+        /// The provider.
+        provider: String,
+    },
+}
