@@ -266,6 +266,18 @@ impl TestDatabase {
         }
     }
 
+    /// A fresh database migrated up to and including migration `version` (the schema of an
+    /// earlier release, for an upgrade to start from), with a pool of 2 connections on it.
+    pub async fn create_at(version: i64) -> (Self, PgPool) {
+        let database = Self::create_empty().await;
+        let pool = database.pool(2).await;
+        store::MIGRATOR
+            .run_to(version, &pool)
+            .await
+            .unwrap_or_else(|e| panic!("the migrations up to {version}: {e}"));
+        (database, pool)
+    }
+
     /// A `postgres://` URL of this database for child processes.
     pub fn url(&self) -> String {
         url_for(&self.options, &self.name)
@@ -315,8 +327,5 @@ pub async fn race_turn() -> MutexGuard<'static, ()> {
 
 /// How many rounds each race repeats: `CREDPOOL_RACE_ROUNDS`, default 60.
 pub fn race_rounds() -> usize {
-    std::env::var("CREDPOOL_RACE_ROUNDS")
-        .ok()
-        .and_then(|v| v.parse().ok())
-        .unwrap_or(60)
+    crate::env_number("CREDPOOL_RACE_ROUNDS", 60)
 }

@@ -53,6 +53,15 @@ pub const ADMIN_KEY: &str = "test-admin-key-0";
 /// The master key the tests seal secrets with.
 pub const MASTER_KEY: &str = "00112233445566778899aabbccddeeff00112233445566778899aabbccddeeff";
 
+/// The number in the environment variable `name` (a scenario's rounds or seconds), or `default`
+/// when it is unset or not a number.
+pub fn env_number<T: std::str::FromStr>(name: &str, default: T) -> T {
+    std::env::var(name)
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(default)
+}
+
 /// A keyring holding [`MASTER_KEY`] alone, as the tests' services seal and open secrets.
 pub fn keyring() -> std::sync::Arc<credpool::secrets::Keyring> {
     let key = credpool::secrets::MasterKey::parse(MASTER_KEY).unwrap();

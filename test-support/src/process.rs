@@ -160,13 +160,7 @@ impl Service for ServeProcess {
 /// (as an in-process app's: a pool keeps its connections open while idle, and two tests with
 /// two processes each must fit in a server's default 100 beside the suite's racers).
 pub fn keyed_env(database: &TestDatabase) -> Vec<(&'static str, String)> {
-    vec![
-        ("DATABASE_URL", database.url()),
-        ("CREDPOOL_INTERNAL_KEY", INTERNAL_KEY.to_owned()),
-        ("CREDPOOL_ADMIN_KEY", ADMIN_KEY.to_owned()),
-        ("CREDPOOL_DB_MAX_CONNECTIONS", "8".to_owned()),
-        ("CREDPOOL_MASTER_KEY", MASTER_KEY.to_owned()),
-    ]
+    keyed_env_at(database.url(), 8)
 }
 
 /// `keyed_env(database)` with the service's pool at `max_connections`
@@ -175,13 +169,20 @@ pub fn keyed_env_with_connections(
     database: &TestDatabase,
     max_connections: u32,
 ) -> Vec<(&'static str, String)> {
-    let mut env = keyed_env(database);
-    for (name, value) in &mut env {
-        if *name == "CREDPOOL_DB_MAX_CONNECTIONS" {
-            *value = max_connections.to_string();
-        }
-    }
-    env
+    keyed_env_at(database.url(), max_connections)
+}
+
+/// The environment of a `credpool serve` on the database at `database_url` (one a test built
+/// itself: a multi-host URL, a server it restarts) with the tests' keys and a pool of
+/// `max_connections` (`CREDPOOL_DB_MAX_CONNECTIONS`).
+pub fn keyed_env_at(database_url: String, max_connections: u32) -> Vec<(&'static str, String)> {
+    vec![
+        ("DATABASE_URL", database_url),
+        ("CREDPOOL_INTERNAL_KEY", INTERNAL_KEY.to_owned()),
+        ("CREDPOOL_ADMIN_KEY", ADMIN_KEY.to_owned()),
+        ("CREDPOOL_DB_MAX_CONNECTIONS", max_connections.to_string()),
+        ("CREDPOOL_MASTER_KEY", MASTER_KEY.to_owned()),
+    ]
 }
 
 /// What a one-shot `credpool` command did.

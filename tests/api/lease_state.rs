@@ -819,9 +819,7 @@ async fn a_database_migrated_by_the_previous_release_upgrades_cleanly() {
     // The schema as the previous release left it (migrations up to the executor protocol, whose
     // functions it defined), with live state in it: leases, a request_id, a credential over a
     // lowered limit, a drained one.
-    let server = TestDatabase::create_empty().await;
-    let pool = server.pool(2).await;
-    store::MIGRATOR.run_to(20261130000006, &pool).await.unwrap();
+    let (_server, pool) = TestDatabase::create_at(20261130000006).await;
     pool.execute(
         "INSERT INTO credentials (key_id, provider, pool, models, max_concurrent_uses, secret_ciphertext)
          VALUES ('up-a', 'openai', 'default', '{gpt-4o}', 2, '\\x00'),

@@ -1071,12 +1071,7 @@ async fn an_upgrade_keeps_existing_tenants_leasing_everywhere_and_new_ones_start
     // A database of the release before scopes, with a tenant and its key: after the upgrade the
     // tenant still leases from every pool (nobody's traffic stops), its reports may not disable,
     // and a tenant created afterwards leases nowhere until it is given pools.
-    let database = TestDatabase::create_empty().await;
-    let pool = database.pool(2).await;
-    credpool::store::schema::MIGRATOR
-        .run_to(20261203000016, &pool)
-        .await
-        .expect("the migrations before scopes");
+    let (database, pool) = TestDatabase::create_at(20261203000016).await;
     let key = format!("cpk_{}", "ab".repeat(32));
     let hash = credpool::domain::TenantKey::parse(&key).unwrap().hash();
     sqlx::raw_sql(sqlx::AssertSqlSafe(format!(

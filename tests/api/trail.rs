@@ -158,12 +158,7 @@ async fn an_upgrade_keeps_the_trail_before_partitions_whole_and_its_ids_go_on() 
     // the old rows are in the trail (the partition `lease_events_before`), new rows get larger
     // event ids, the lease still releases, and retention deletes its old rows in batches until
     // the whole partition is past retention.
-    let database = TestDatabase::create_empty().await;
-    let pool = database.pool(2).await;
-    credpool::store::schema::MIGRATOR
-        .run_to(20261204000020, &pool)
-        .await
-        .expect("the migrations before partitions");
+    let (database, pool) = TestDatabase::create_at(20261204000020).await;
     sqlx::raw_sql(
         "INSERT INTO lease_events (event, lease_id, key_id, provider, pool, slot, lease_until, at)
          VALUES ('granted', '0190aaaa-0000-7000-8000-000000000002', 'gone', 'openai', 'default', 0,

@@ -272,12 +272,8 @@ async fn a_database_restart_under_load_answers_503_in_time_loses_no_lease_and_re
     }
     let log_path = dir.path().join("serve.log");
     let log = std::fs::File::create(&log_path).unwrap();
-    let env = vec![
-        ("DATABASE_URL", url.clone()),
-        ("CREDPOOL_INTERNAL_KEY", INTERNAL_KEY.to_owned()),
-        ("CREDPOOL_ADMIN_KEY", ADMIN_KEY.to_owned()),
-        ("CREDPOOL_MASTER_KEY", MASTER_KEY.to_owned()),
-        ("CREDPOOL_DB_MAX_CONNECTIONS", "32".to_owned()),
+    let mut env = keyed_env_at(url.clone(), 32);
+    env.extend([
         (
             "CREDPOOL_REQUEST_TIMEOUT_MS",
             REQUEST_TIMEOUT.as_millis().to_string(),
@@ -287,7 +283,7 @@ async fn a_database_restart_under_load_answers_503_in_time_loses_no_lease_and_re
         ("CREDPOOL_DB_ACQUIRE_TIMEOUT_MS", "5000".to_owned()),
         // the in-process reaper runs every second: through the outage, and after it
         ("CREDPOOL_MAINTENANCE_INTERVAL_SECONDS", "1".to_owned()),
-    ];
+    ]);
     let serve = ServeProcess::start_in(BIN, None, log.into(), &env, &[]).await;
     let service = Arc::new(Service {
         client: reqwest::Client::builder()

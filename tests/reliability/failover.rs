@@ -153,26 +153,15 @@ async fn a_multi_host_url_skips_a_dead_host_for_migrate_the_cli_and_serve() {
         database.name
     );
     let credpool = async |args: &[&str]| {
-        let output = Command::new(BIN)
+        let ran = run(credpool_command(BIN, &url)
             .args(args)
-            .env("DATABASE_URL", &url)
-            .env("CREDPOOL_MASTER_KEY", MASTER_KEY)
-            .env("RUST_LOG", "warn")
-            .output()
-            .await
-            .unwrap();
-        let printed = String::from_utf8_lossy(&output.stdout).into_owned()
-            + &String::from_utf8_lossy(&output.stderr);
-        assert!(output.status.success(), "credpool {args:?}: {printed}");
-        String::from_utf8_lossy(&output.stdout).into_owned()
+            .env("CREDPOOL_MASTER_KEY", MASTER_KEY))
+        .await;
+        assert!(ran.success, "credpool {args:?}: {}", ran.printed());
+        ran.stdout
     };
     credpool(&["migrate"]).await;
-    let mut env = keyed_env(&database);
-    for (name, value) in &mut env {
-        if *name == "DATABASE_URL" {
-            *value = url.clone();
-        }
-    }
+    let env = keyed_env_at(url.clone(), 8);
     let serve = ServeProcess::start(BIN, &env, &[]).await;
     let app = reqwest::Client::new();
     let response = app
@@ -485,25 +474,7 @@ impl Formation {
             engine,
             dir,
         };
-        let port = formation.monitor.port.to_string();
-        let pgdata = formation.monitor.pgdata.display().to_string();
-        formation.monitor.child = Some(formation.spawn(
-            &formation.monitor.log,
-            &[
-                "create",
-                "monitor",
-                "--pgdata",
-                &pgdata,
-                "--pgport",
-                &port,
-                "--hostname",
-                "127.0.0.1",
-                "--auth",
-                "trust",
-                "--no-ssl",
-                "--run",
-            ],
-        ));
+        formation.monitor.child = Some(formation.create(&formation.monitor, "monitor", &[]));
         let mut monitor = formation
             .connect(formation.monitor.port, "pg_auto_failover", "the monitor")
             .await;
@@ -583,13 +554,31 @@ impl Formation {
         formation
     }
 
-    fn spawn(&self, log: &Path, args: &[&str]) -> Child {
-        let file = std::fs::File::create(log).unwrap();
+    /// Runs `pg_autoctl create <what>` for `keeper` on its port and data directory, trusting
+    /// every local connection, with `extra` arguments; its output goes to the keeper's log.
+    fn create(&self, keeper: &Keeper, what: &str, extra: &[&str]) -> Child {
+        let (port, pgdata) = (keeper.port.to_string(), keeper.pgdata.display().to_string());
+        let mut args = vec![
+            "create",
+            what,
+            "--pgdata",
+            &pgdata,
+            "--pgport",
+            &port,
+            "--hostname",
+            "127.0.0.1",
+            "--auth",
+            "trust",
+            "--no-ssl",
+        ];
+        args.extend_from_slice(extra);
+        args.push("--run");
+        let file = std::fs::File::create(&keeper.log).unwrap();
         if let Some(user) = &self.engine.user {
-            nix::unistd::chown(log, Some(user.uid), Some(user.gid)).unwrap();
+            nix::unistd::chown(&keeper.log, Some(user.uid), Some(user.gid)).unwrap();
         }
         self.engine
-            .command(self.dir.path(), args)
+            .command(self.dir.path(), &args)
             .stdout(file.try_clone().unwrap())
             .stderr(file)
             .spawn()
@@ -605,33 +594,17 @@ impl Formation {
 
     fn start_node(&mut self, index: usize) {
         let node = &self.nodes[index];
-        let (port, pgdata, name) = (
-            node.port.to_string(),
-            node.pgdata.display().to_string(),
-            node.name.clone(),
-        );
         let monitor = self.monitor_url();
-        let child = self.spawn(
-            &node.log,
+        let child = self.create(
+            node,
+            "postgres",
             &[
-                "create",
-                "postgres",
-                "--pgdata",
-                &pgdata,
-                "--pgport",
-                &port,
-                "--hostname",
-                "127.0.0.1",
-                "--auth",
-                "trust",
-                "--no-ssl",
                 "--monitor",
                 &monitor,
                 "--name",
-                &name,
+                &node.name,
                 "--dbname",
                 DATABASE,
-                "--run",
             ],
         );
         self.nodes[index].child = Some(child);
@@ -639,11 +612,7 @@ impl Formation {
 
     /// A connection to a server of the formation as `postgres`, waiting (up to 60 s) for it.
     async fn connect(&self, port: u16, database: &str, what: &str) -> PgConnection {
-        let options = sqlx::postgres::PgConnectOptions::new()
-            .host("127.0.0.1")
-            .port(port)
-            .username("postgres")
-            .database(database);
+        let options = as_postgres(port, database);
         let since = Instant::now();
         loop {
             match PgConnection::connect_with(&options).await {
@@ -661,12 +630,8 @@ impl Formation {
 
     /// The monitor's view of the nodes.
     async fn states(&self) -> Result<Vec<NodeState>, sqlx::Error> {
-        let options = sqlx::postgres::PgConnectOptions::new()
-            .host("127.0.0.1")
-            .port(self.monitor.port)
-            .username("postgres")
-            .database("pg_auto_failover");
-        let mut conn = PgConnection::connect_with(&options).await?;
+        let mut conn =
+            PgConnection::connect_with(&as_postgres(self.monitor.port, "pg_auto_failover")).await?;
         let rows: Vec<(String, String, String)> = sqlx::query_as(
             "SELECT nodename, reportedstate::text, goalstate::text
              FROM pgautofailover.node ORDER BY nodeid",
@@ -938,6 +903,15 @@ fn descendants(root: Pid) -> Vec<Pid> {
     found
 }
 
+/// How a test connects to `database` on a server of the formation: as `postgres`, trusted.
+fn as_postgres(port: u16, database: &str) -> sqlx::postgres::PgConnectOptions {
+    sqlx::postgres::PgConnectOptions::new()
+        .host("127.0.0.1")
+        .port(port)
+        .username("postgres")
+        .database(database)
+}
+
 /// Every process whose working directory is `dir` or below it: the keepers run in the
 /// formation's directory, each server in its data directory there.
 fn running_in(dir: &Path) -> Vec<Pid> {
@@ -1109,14 +1083,8 @@ impl Run {
     /// URL), its log in the formation's directory under `name`.
     async fn serve(formation: &Formation, name: &str) -> (ServeProcess, PathBuf) {
         let log = formation.dir.path().join(format!("serve-{name}.log"));
-        let env = vec![
-            ("DATABASE_URL", formation.url()),
-            ("CREDPOOL_INTERNAL_KEY", INTERNAL_KEY.to_owned()),
-            ("CREDPOOL_ADMIN_KEY", ADMIN_KEY.to_owned()),
-            ("CREDPOOL_MASTER_KEY", MASTER_KEY.to_owned()),
-            ("CREDPOOL_DB_MAX_CONNECTIONS", "32".to_owned()),
-            ("RUST_LOG", "credpool=info,warn".to_owned()),
-        ];
+        let mut env = keyed_env_at(formation.url(), 32);
+        env.push(("RUST_LOG", "credpool=info,warn".to_owned()));
         let serve = ServeProcess::start_in(
             BIN,
             None,
@@ -1131,17 +1099,11 @@ impl Run {
     /// Migrates through the multi-host URL, starts the service and the proxy, loads the
     /// credentials and takes the long leases.
     async fn start(formation: &Formation) -> Self {
-        let output = Command::new(BIN)
-            .arg("migrate")
-            .env("DATABASE_URL", formation.url())
-            .env("RUST_LOG", "warn")
-            .output()
-            .await
-            .unwrap();
+        let migrated = run(credpool_command(BIN, &formation.url()).arg("migrate")).await;
         assert!(
-            output.status.success(),
+            migrated.success,
             "credpool migrate on the multi-host URL: {}",
-            String::from_utf8_lossy(&output.stderr)
+            migrated.stderr
         );
         let (serve, log) = Self::serve(formation, "load").await;
         let (proxy, base) = Proxy::start(&serve.base).await;

@@ -19,10 +19,7 @@ const LIMIT: usize = 3;
 
 /// Rounds of the renew-versus-release race: `CREDPOOL_RACE_ROUNDS` when set, else 200.
 fn renew_release_rounds() -> usize {
-    std::env::var("CREDPOOL_RACE_ROUNDS")
-        .ok()
-        .and_then(|v| v.parse().ok())
-        .unwrap_or(200)
+    env_number("CREDPOOL_RACE_ROUNDS", 200)
 }
 
 fn request(pool: &str) -> Value {

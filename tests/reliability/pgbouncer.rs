@@ -287,6 +287,27 @@ async fn renew_and_release(round: &Round, renew_at: &Remote, release_at: &Remote
     }
 }
 
+/// [`race_rounds`] rounds of a race for each of [`LIMITS`] over `replicas`, each on a credential
+/// of its own (`<name>-<limit>-<round>`): exact winners ([`assert_exact`]), every lease renewed
+/// and released through the pair of `renew_and_release`, and none left held.
+async fn race_rounds_of_every_limit(
+    name: &str,
+    replicas: &[Remote],
+    (renew_at, release_at): (&Remote, &Remote),
+    direct: &sqlx::PgPool,
+    bouncer: &Bouncer,
+) {
+    for round in 0..race_rounds() {
+        for limit in LIMITS {
+            let key_id = format!("{name}-{limit}-{round}");
+            let result = race_round(replicas, &key_id, limit).await;
+            assert_exact(&result, limit, &key_id, direct, bouncer).await;
+            renew_and_release(&result, renew_at, release_at).await;
+            assert_eq!(in_flight(direct, &key_id).await, 0, "{key_id}: released");
+        }
+    }
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn http_race_through_pgbouncer_has_exact_winners_every_round_in_pooler_mode() {
     let _turn = race_turn().await;
@@ -295,15 +316,8 @@ async fn http_race_through_pgbouncer_has_exact_winners_every_round_in_pooler_mod
     let (addr, _stop) = serve(pooled_db(&bouncer, &database), &AppOptions::default()).await;
     let replicas = [Remote::at(addr)];
     let direct = database.pool(2).await;
-    for round in 0..race_rounds() {
-        for limit in LIMITS {
-            let key_id = format!("race-{limit}-{round}");
-            let result = race_round(&replicas, &key_id, limit).await;
-            assert_exact(&result, limit, &key_id, &direct, &bouncer).await;
-            renew_and_release(&result, &replicas[0], &replicas[0]).await;
-            assert_eq!(in_flight(&direct, &key_id).await, 0, "{key_id}: released");
-        }
-    }
+    let one = &replicas[0];
+    race_rounds_of_every_limit("race", &replicas, (one, one), &direct, &bouncer).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
@@ -311,14 +325,7 @@ async fn serve_processes_through_pgbouncer_race_renew_and_release_without_overse
     let _turn = race_turn().await;
     let database = TestDatabase::create().await;
     let bouncer = Bouncer::start(&database).await;
-    let mut env = keyed_env(&database);
-    for (name, value) in &mut env {
-        match *name {
-            "DATABASE_URL" => *value = bouncer.url(&database),
-            "CREDPOOL_DB_MAX_CONNECTIONS" => *value = "16".to_owned(),
-            _ => {}
-        }
-    }
+    let mut env = keyed_env_at(bouncer.url(&database), 16);
     env.push(("CREDPOOL_DB_POOLER", "transaction".to_owned()));
     let mut processes = Vec::new();
     for _ in 0..3 {
@@ -326,16 +333,9 @@ async fn serve_processes_through_pgbouncer_race_renew_and_release_without_overse
     }
     let replicas: Vec<Remote> = processes.iter().map(ServeProcess::remote).collect();
     let direct = database.pool(2).await;
-    for round in 0..race_rounds() {
-        for limit in LIMITS {
-            let key_id = format!("replicas-{limit}-{round}");
-            let result = race_round(&replicas, &key_id, limit).await;
-            assert_exact(&result, limit, &key_id, &direct, &bouncer).await;
-            // renewed and released by other processes than the ones that granted them
-            renew_and_release(&result, &replicas[1], &replicas[2]).await;
-            assert_eq!(in_flight(&direct, &key_id).await, 0, "{key_id}: released");
-        }
-    }
+    // renewed and released by other processes than the ones that granted them
+    let others = (&replicas[1], &replicas[2]);
+    race_rounds_of_every_limit("replicas", &replicas, others, &direct, &bouncer).await;
     for process in processes {
         assert!(
             process.terminate().await.success(),

@@ -14,10 +14,7 @@ use crate::BIN;
 
 /// How long the bounded fleet runs, in seconds: `CREDPOOL_RELIABILITY_SECONDS`, default 20.
 fn run_seconds() -> u64 {
-    std::env::var("CREDPOOL_RELIABILITY_SECONDS")
-        .ok()
-        .and_then(|v| v.parse().ok())
-        .unwrap_or(20)
+    env_number("CREDPOOL_RELIABILITY_SECONDS", 20)
 }
 
 /// The replicas' environment: the keys, and few enough connections each that three replicas and

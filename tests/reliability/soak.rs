@@ -116,9 +116,6 @@ async fn soak_bounded() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 #[ignore = "30 minutes; run by its command (docs/reliability.md)"]
 async fn soak_long() {
-    let seconds = std::env::var("CREDPOOL_SOAK_SECONDS")
-        .ok()
-        .and_then(|v| v.parse().ok())
-        .unwrap_or(1800);
+    let seconds = env_number("CREDPOOL_SOAK_SECONDS", 1800);
     soak(Duration::from_secs(seconds)).await;
 }

@@ -21,10 +21,7 @@ const EXECUTORS: usize = 64;
 const CREDENTIALS_PER_POOL: usize = 200;
 
 fn storm_seconds() -> u64 {
-    std::env::var("CREDPOOL_STORM_SECONDS")
-        .ok()
-        .and_then(|v| v.parse().ok())
-        .unwrap_or(30)
+    env_number("CREDPOOL_STORM_SECONDS", 30)
 }
 
 #[derive(Default)]
