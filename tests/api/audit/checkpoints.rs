@@ -74,13 +74,20 @@ async fn bench_trail(db: &sqlx::PgPool, leases: i64, ago_seconds: f64) {
         .unwrap();
 }
 
+/// A fresh database with [`bench_trail`]'s `leases` from `ago_seconds` ago on: it, and a pool of
+/// 2 connections on it.
+async fn database_with_bench_trail(leases: i64, ago_seconds: f64) -> (TestDatabase, sqlx::PgPool) {
+    let database = TestDatabase::create().await;
+    let db = database.pool(2).await;
+    bench_trail(&db, leases, ago_seconds).await;
+    (database, db)
+}
+
 #[tokio::test]
 async fn a_proof_over_millions_of_trail_rows_completes_with_the_operator_defaults() {
     // Two million trail rows: before chunks and the operators' own statement timeout, one
     // statement proved them and the request path's 5 s cancelled it.
-    let database = TestDatabase::create().await;
-    let db = database.pool(2).await;
-    bench_trail(&db, 1_000_000, 900.0).await;
+    let (database, _) = database_with_bench_trail(1_000_000, 900.0).await;
 
     let ran = credpool(&database, &["audit", "verify", "--json"], &[]).await;
     assert!(ran.success, "{}{}", ran.stdout, ran.stderr);
@@ -107,9 +114,7 @@ async fn the_services_maintenance_pass_proves_a_chunk_longer_than_a_requests_sta
     // The service runs its maintenance pass on the request path's pool, whose connections carry
     // the request path's statement timeout; a proof chunk of 200,000 trail rows takes far longer
     // than the 100 ms given here, and must not be cancelled by it.
-    let database = TestDatabase::create().await;
-    let db = database.pool(1).await;
-    bench_trail(&db, 100_000, 600.0).await;
+    let (database, _) = database_with_bench_trail(100_000, 600.0).await;
     let pool = sqlx::postgres::PgPoolOptions::new()
         .max_connections(1)
         .connect_with(
@@ -132,9 +137,7 @@ async fn the_services_maintenance_pass_proves_a_chunk_longer_than_a_requests_sta
 
 #[tokio::test]
 async fn operator_commands_take_their_own_statement_timeout_not_the_request_paths() {
-    let database = TestDatabase::create().await;
-    let db = database.pool(2).await;
-    bench_trail(&db, 20_000, 600.0).await;
+    let (database, _) = database_with_bench_trail(20_000, 600.0).await;
     // the service's setting, as a deployment's environment would give it to every command
     let ran = credpool(
         &database,
@@ -195,9 +198,7 @@ async fn advance_all(conn: &mut PgConnection, run: &Run, chunk_rows: u32) -> i64
 
 #[tokio::test]
 async fn the_next_incremental_run_reads_only_the_new_rows_and_finds_an_oversell_among_them() {
-    let database = TestDatabase::create().await;
-    let db = database.pool(2).await;
-    bench_trail(&db, 100_000, 1800.0).await;
+    let (database, db) = database_with_bench_trail(100_000, 1800.0).await;
     let ran = credpool(&database, &["audit", "verify", "--json"], &[]).await;
     assert!(ran.success, "{}{}", ran.stdout, ran.stderr);
     assert_eq!(ran.report()["rows_read"], 200_000);
@@ -247,9 +248,7 @@ async fn the_next_incremental_run_reads_only_the_new_rows_and_finds_an_oversell_
 
 #[tokio::test]
 async fn an_interrupted_proof_resumes_from_its_checkpoint_and_finds_what_a_whole_proof_finds() {
-    let database = TestDatabase::create().await;
-    let db = database.pool(2).await;
-    bench_trail(&db, 20_000, 1200.0).await;
+    let (database, db) = database_with_bench_trail(20_000, 1200.0).await;
     // two oversells in the range, ten minutes apart
     for minutes_ago in [15, 5] {
         db.run_sql_with("INSERT INTO lease_events (event, lease_id, key_id, provider, pool, slot, lease_until, at, tenant)
@@ -901,12 +900,9 @@ impl Lines {
 
 /// A run's findings as [`Lines`]: the concurrency proof's and the window proof's, per scope.
 fn lines(found: &audit::Findings) -> [Lines; 4] {
-    let caps = |rows: Vec<(String, [i64; 3], Option<OffsetDateTime>)>| {
-        Lines(
-            rows.into_iter()
-                .map(|(id, figures, first)| ((id, String::new(), 0), (None, figures, first)))
-                .collect(),
-        )
+    // a concurrency proof's line: whom, and its leases, peak and grants over the limit or cap
+    let cap = |id: &str, figures: [i64; 3], first: Option<OffsetDateTime>| {
+        ((id.to_owned(), String::new(), 0), (None, figures, first))
     };
     let windows = |rows: &[audit::WindowRow]| {
         Lines(
@@ -928,34 +924,18 @@ fn lines(found: &audit::Findings) -> [Lines; 4] {
                 .collect(),
         )
     };
+    let credentials = found.credentials.iter().map(|r| {
+        let figures = [r.leases, r.peak, r.grants_over_limit];
+        cap(&r.key_id, figures, r.first_violation_at)
+    });
+    let tenants = found.tenants.iter().map(|r| {
+        let figures = [r.leases, r.peak, r.grants_over_cap];
+        cap(&r.tenant_id, figures, r.first_violation_at)
+    });
     [
-        caps(
-            found
-                .credentials
-                .iter()
-                .map(|r| {
-                    (
-                        r.key_id.clone(),
-                        [r.leases, r.peak, r.grants_over_limit],
-                        r.first_violation_at,
-                    )
-                })
-                .collect(),
-        ),
+        Lines(credentials.collect()),
         windows(&found.windows),
-        caps(
-            found
-                .tenants
-                .iter()
-                .map(|r| {
-                    (
-                        r.tenant_id.clone(),
-                        [r.leases, r.peak, r.grants_over_cap],
-                        r.first_violation_at,
-                    )
-                })
-                .collect(),
-        ),
+        Lines(tenants.collect()),
         windows(&found.tenant_windows),
     ]
 }
