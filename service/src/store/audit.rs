@@ -35,7 +35,8 @@ pub async fn oversell_check(
     since: OffsetDateTime,
     until: OffsetDateTime,
 ) -> Result<Vec<OversellRow>, sqlx::Error> {
-    let rows = sqlx::query!(
+    sqlx::query_as!(
+        OversellRow,
         r#"
         SELECT key_id AS "key_id!", max_concurrent_uses, leases AS "leases!", peak AS "peak!",
                grants_over_limit AS "grants_over_limit!", first_violation_at
@@ -45,18 +46,7 @@ pub async fn oversell_check(
         until,
     )
     .fetch_all(executor)
-    .await?;
-    Ok(rows
-        .into_iter()
-        .map(|r| OversellRow {
-            key_id: r.key_id,
-            max_concurrent_uses: r.max_concurrent_uses,
-            leases: r.leases,
-            peak: r.peak,
-            grants_over_limit: r.grants_over_limit,
-            first_violation_at: r.first_violation_at,
-        })
-        .collect())
+    .await
 }
 
 /// Whom a line of a window proof is about: a credential (`credpool_window_check`) or a tenant
@@ -207,7 +197,8 @@ pub async fn tenant_cap_check(
     since: OffsetDateTime,
     until: OffsetDateTime,
 ) -> Result<Vec<TenantCapRow>, sqlx::Error> {
-    let rows = sqlx::query!(
+    sqlx::query_as!(
+        TenantCapRow,
         r#"
         SELECT tenant_id AS "tenant_id!", max_concurrent_leases, leases AS "leases!",
                peak AS "peak!", grants_over_cap AS "grants_over_cap!", first_violation_at
@@ -217,18 +208,7 @@ pub async fn tenant_cap_check(
         until,
     )
     .fetch_all(executor)
-    .await?;
-    Ok(rows
-        .into_iter()
-        .map(|r| TenantCapRow {
-            tenant_id: r.tenant_id,
-            max_concurrent_leases: r.max_concurrent_leases,
-            leases: r.leases,
-            peak: r.peak,
-            grants_over_cap: r.grants_over_cap,
-            first_violation_at: r.first_violation_at,
-        })
-        .collect())
+    .await
 }
 
 /// Leases among `key_ids` granted in `[since, until)` that ended by expiry (SQL function

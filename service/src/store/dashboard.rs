@@ -191,7 +191,8 @@ pub struct MinuteRow {
 #[tracing::instrument(skip_all, err(level = "debug"))]
 pub async fn utilization(db: &Db) -> Result<Vec<MinuteRow>, sqlx::Error> {
     let mut work = db.work().await?;
-    let rows = sqlx::query!(
+    let rows = sqlx::query_as!(
+        MinuteRow,
         r#"
         WITH minutes AS (
             SELECT m FROM generate_series(date_trunc('minute', now()) - interval '59 minutes',
@@ -223,16 +224,7 @@ pub async fn utilization(db: &Db) -> Result<Vec<MinuteRow>, sqlx::Error> {
     .fetch_all(&mut *work)
     .await?;
     work.done().await?;
-    Ok(rows
-        .into_iter()
-        .map(|r| MinuteRow {
-            provider: r.provider,
-            pool: r.pool,
-            minute: r.minute,
-            lease_seconds: r.lease_seconds,
-            minute_seconds: r.minute_seconds,
-        })
-        .collect())
+    Ok(rows)
 }
 
 /// One pool's affinity results over the last hour.
@@ -256,7 +248,8 @@ pub struct AffinityRow {
 #[tracing::instrument(skip_all, err(level = "debug"))]
 pub async fn affinity(db: &Db) -> Result<Vec<AffinityRow>, sqlx::Error> {
     let mut work = db.work().await?;
-    let rows = sqlx::query!(
+    let rows = sqlx::query_as!(
+        AffinityRow,
         r#"
         SELECT e.provider AS "provider!", e.pool AS "pool!",
                count(*) FILTER (WHERE e.affinity = 'hit') AS "hit!",
@@ -271,14 +264,5 @@ pub async fn affinity(db: &Db) -> Result<Vec<AffinityRow>, sqlx::Error> {
     .fetch_all(&mut *work)
     .await?;
     work.done().await?;
-    Ok(rows
-        .into_iter()
-        .map(|r| AffinityRow {
-            provider: r.provider,
-            pool: r.pool,
-            hit: r.hit,
-            new: r.new,
-            moved: r.moved,
-        })
-        .collect())
+    Ok(rows)
 }
