@@ -26,6 +26,7 @@ mod operations;
 mod operator;
 mod processes;
 mod races;
+mod relay;
 mod release_renew;
 mod selection;
 mod tenant_windows;
