@@ -58,6 +58,10 @@ CODES = [
     (412, "generation_moved", credpool.GenerationMoved),
     (503, "not_ready", credpool.NotReady),
     (503, "shutting_down", credpool.ShuttingDown),
+    (404, "upstream_not_configured", credpool.UpstreamNotConfigured),
+    (502, "upstream_unreachable", credpool.UpstreamUnreachable),
+    (502, "credential_not_relayable", credpool.CredentialNotRelayable),
+    (504, "upstream_timeout", credpool.UpstreamTimeout),
 ]
 
 #: Retries give up at once, so a 503 comes back as its class instead of being retried.

@@ -446,7 +446,8 @@ async fn forward(
 
     let Some(credential) = credential_header(&upstream, &lease) else {
         tracing::error!(key_id = %lease.key_id, "a leased credential has neither api_key nor access_token: the relay cannot use it");
-        held.settle(None, None, None, "failure").await;
+        held.settle(Some(Outcome::Failure), None, None, "failure")
+            .await;
         return Err(ApiError::CredentialNotRelayable);
     };
     let mut headers = passed_on(&parts.headers, REQUEST_HEADERS_KEPT_BACK);
@@ -683,7 +684,11 @@ impl HeldLease {
     }
 
     /// Releases the lease with `outcome`, the upstream's Retry-After and the `usage` its answer
-    /// reported, and counts the call under `label`.
+    /// reported, and counts the call under `label`. The release runs as a task of its own, and
+    /// is awaited: a client that goes away while it runs (the OpenAI SDK closes its connection
+    /// once it has read `data: [DONE]`, before the answer's end) makes hyper drop the answer's
+    /// body, and with it this future; a release dropped half-way would hold the slot until the
+    /// lease's end.
     async fn settle(
         mut self,
         outcome: Option<Outcome>,
@@ -697,7 +702,9 @@ impl HeldLease {
             request.retry_after_seconds = retry_after_seconds;
             request.usage_tokens = usage;
             crate::telemetry::relay_call(&self.provider, &self.pool, label);
-            release(&self.state, request).await;
+            let state = self.state.clone();
+            // an Err is the task's panic, which the panic hook has logged
+            let _ = tokio::spawn(async move { release(&state, request).await }).await;
         }
     }
 }
