@@ -299,6 +299,9 @@ async fn a_call_reaches_the_upstream_with_the_credential_and_never_the_callers_k
             .unwrap()
             .contains("sk-test-k1")
     );
+    // the dashboard's pool card counts the relay's calls of the last hour, from the trail
+    let page = app.admin_text("/dashboard/fragments/pools").await;
+    assert!(page.contains("relay, last hour: 1 success"), "{page}");
 }
 
 #[tokio::test]

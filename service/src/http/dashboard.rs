@@ -172,6 +172,10 @@ struct PoolView {
     affinity_percent: Option<i64>,
     /// `"870 hit, 30 moved, 100 new"`; empty without such grants.
     affinity: String,
+    /// Relay calls that ended over the last hour (all outcomes), and `"110 success, 5
+    /// rate_limited"`; 0 and empty without any.
+    relay_calls: i64,
+    relay: String,
 }
 
 /// Polyline points of per-minute utilization (0..=1) in a 120 x 24 box, oldest minute left.
@@ -194,6 +198,7 @@ async fn pools(State(state): State<AppState>, _admin: AdminKey) -> Result<Respon
     let summaries = store::credentials::pools(&state.db).await?;
     let minutes = store::dashboard::utilization(&state.db).await?;
     let affinity = store::dashboard::affinity(&state.db).await?;
+    let relayed = store::relay::calls_last_hour(&state.db).await?;
     let views: Vec<PoolView> = summaries
         .into_iter()
         .map(|p| {
@@ -213,6 +218,10 @@ async fn pools(State(state): State<AppState>, _admin: AdminKey) -> Result<Respon
             let affinity_counts = bound.map_or_else(String::new, |a| {
                 format!("{} hit, {} moved, {} new", a.hit, a.moved, a.new)
             });
+            let relay: Vec<_> = relayed
+                .iter()
+                .filter(|r| r.provider == p.provider && r.pool == p.pool)
+                .collect();
             let by_status = p
                 .by_status
                 .iter()
@@ -232,6 +241,12 @@ async fn pools(State(state): State<AppState>, _admin: AdminKey) -> Result<Respon
                 peak_percent: (peak * 100.0).round() as i64,
                 affinity_percent,
                 affinity: affinity_counts,
+                relay_calls: relay.iter().map(|r| r.calls).sum(),
+                relay: relay
+                    .iter()
+                    .map(|r| format!("{} {}", r.calls, r.outcome))
+                    .collect::<Vec<_>>()
+                    .join(", "),
                 credentials: p.credentials,
                 total_slots: p.total_slots,
                 in_flight: p.in_flight,

@@ -206,3 +206,43 @@ pub async fn get(db: &Db, provider: &ProviderName) -> Result<Option<Upstream>, s
             .ok()
     }))
 }
+
+/// One provider's and pool's relay calls that ended over the last hour, by `outcome` (the one
+/// reported at release; `none` for calls whose client went away, or that ended without a
+/// release).
+#[derive(Debug, Clone)]
+pub struct RelayCalls {
+    /// The provider.
+    pub provider: String,
+    /// The pool that served.
+    pub pool: String,
+    /// `success`, `rate_limited`, ..., or `none`.
+    pub outcome: String,
+    /// How many.
+    pub calls: i64,
+}
+
+/// The relay calls that ended over the last hour, per provider, pool and outcome, from the trail
+/// (the leases of holder `relay` or `relay:<name>`): every replica's calls, unlike a process's
+/// counters. Errors: the store's.
+#[tracing::instrument(skip_all, err(level = "debug"))]
+pub async fn calls_last_hour(db: &Db) -> Result<Vec<RelayCalls>, sqlx::Error> {
+    let mut work = db.work().await?;
+    let rows = sqlx::query_as!(
+        RelayCalls,
+        r#"
+        SELECT e.provider AS "provider!", e.pool AS "pool!",
+               coalesce(e.outcome, 'none') AS "outcome!", count(*) AS "calls!"
+        FROM lease_events e
+        WHERE e.at > now() - interval '1 hour'
+          AND e.event IN ('released', 'expired', 'force_released')
+          AND (e.holder = 'relay' OR e.holder LIKE 'relay:%')
+        GROUP BY e.provider, e.pool, 3
+        ORDER BY e.provider, e.pool, 3
+        "#
+    )
+    .fetch_all(&mut *work)
+    .await?;
+    work.done().await?;
+    Ok(rows)
+}
