@@ -1,7 +1,8 @@
 //! The relay (`/relay/{provider}/{pool}/...`), against a mock upstream of the test's own on
 //! 127.0.0.1 that records what reaches it, counts the calls it serves at once, streams its answers
-//! chunk by chunk at a pace the call asks for (`x-mock-chunks`, `x-mock-interval-ms`: plain headers
-//! the relay passes on), and answers a credential scripted so with 429.
+//! chunk by chunk at a pace the call asks for (`x-mock-chunks`, `x-mock-interval-ms`; an unstreamed
+//! answer after `x-mock-delay-ms`: plain headers the relay passes on), and answers a credential
+//! scripted so with 429.
 
 use std::collections::HashSet;
 use std::net::SocketAddr;
@@ -111,6 +112,8 @@ async fn answer(State(mock): State<Arc<Mock>>, request: Request) -> Response {
         .unwrap_or(Value::Null);
     let mut serving = Serving::start(&mock);
     if body["stream"] != json!(true) {
+        let delay = header_number(&parts.headers, "x-mock-delay-ms", 0);
+        tokio::time::sleep(Duration::from_millis(delay)).await;
         serving.finished = true;
         return axum::Json(json!({
             "id": "chatcmpl-mock", "object": "chat.completion",
@@ -684,4 +687,112 @@ async fn upstreams_are_checked_and_every_change_is_trailed() {
         events,
         [("set", OPERATOR), ("set", OPERATOR), ("removed", OPERATOR)]
     );
+}
+
+#[tokio::test]
+async fn a_conversation_stays_on_its_credential_through_the_configured_header() {
+    let (app, addr, mock) = relay_app(4, 35).await;
+    for key in ["k2", "k3"] {
+        app.put_gpt4o_key(key, "default", 4).await;
+    }
+    let response = app
+        .admin(
+            Method::PUT,
+            "/api/admin/relay/upstreams/openai",
+            Some(json!({"base_url": format!("http://{addr}"), "api": "openai", "affinity_header": "x-session-id"})),
+        )
+        .await;
+    assert_eq!(response.status(), StatusCode::OK);
+    for session in ["conversation-a", "conversation-b"] {
+        for _ in 0..4 {
+            let answer = call(
+                &app,
+                CHAT,
+                INTERNAL_KEY,
+                chat(false),
+                &[("x-session-id", session)],
+            )
+            .await;
+            assert_eq!(answer.status(), StatusCode::OK);
+            answer.bytes().await.unwrap();
+        }
+    }
+    let seen = mock.seen.lock().unwrap().clone();
+    let used = |session: &str| -> HashSet<String> {
+        seen.iter()
+            .filter(|s| s.headers["x-session-id"] == session)
+            .map(|s| credential_of(&s.headers))
+            .collect()
+    };
+    // every call of a conversation on one credential (the session header still reaches the
+    // upstream: it is the caller's, not credpool's)
+    assert_eq!(
+        used("conversation-a").len(),
+        1,
+        "{:?}",
+        used("conversation-a")
+    );
+    assert_eq!(
+        used("conversation-b").len(),
+        1,
+        "{:?}",
+        used("conversation-b")
+    );
+    let affinity: Vec<String> = sqlx::query_scalar(
+        "SELECT affinity FROM lease_events WHERE event = 'granted' AND holder = 'relay' ORDER BY event_id",
+    )
+    .fetch_all(&app.db)
+    .await
+    .unwrap();
+    assert_eq!(
+        affinity.iter().filter(|a| *a == "hit").count(),
+        6,
+        "{affinity:?}"
+    );
+}
+
+#[tokio::test]
+async fn an_upstream_that_is_slow_or_away_is_a_gateway_error_and_frees_the_slot() {
+    let (app, addr, _mock) = relay_app(1, 35).await;
+    let set = |base_url: String| {
+        app.admin(
+            Method::PUT,
+            "/api/admin/relay/upstreams/openai",
+            Some(json!({"base_url": base_url, "api": "openai", "timeout_seconds": 1})),
+        )
+    };
+    assert_eq!(set(format!("http://{addr}")).await.status(), StatusCode::OK);
+    let slow = call(
+        &app,
+        CHAT,
+        INTERNAL_KEY,
+        chat(false),
+        &[("x-mock-delay-ms", "3000")],
+    )
+    .await;
+    assert_eq!(slow.status(), StatusCode::GATEWAY_TIMEOUT);
+    let body: Value = slow.json().await.unwrap();
+    assert_eq!(body["error"]["code"], "upstream_timeout");
+    assert_eq!(app.in_flight("k1").await, 0);
+
+    // a port nothing listens on
+    let closed = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let nowhere = closed.local_addr().unwrap();
+    drop(closed);
+    assert_eq!(
+        set(format!("http://{nowhere}")).await.status(),
+        StatusCode::OK
+    );
+    let away = call(&app, CHAT, INTERNAL_KEY, chat(false), &[]).await;
+    assert_eq!(away.status(), StatusCode::BAD_GATEWAY);
+    let body: Value = away.json().await.unwrap();
+    assert_eq!(body["error"]["code"], "upstream_unreachable");
+    assert_eq!(app.in_flight("k1").await, 0);
+    let outcomes: Vec<Option<String>> = relay_trail(&app)
+        .await
+        .into_iter()
+        .filter(|row| row.0 == "released")
+        .map(|row| row.2)
+        .collect();
+    assert_eq!(outcomes, [Some("failure".into()), Some("failure".into())]);
 }
