@@ -114,16 +114,20 @@ class Service:
     log_path: Path
     process: subprocess.Popen[bytes]
     address: Tuple[str, int] = ("127.0.0.1", 0)
+    #: The key its secrets are sealed with: a replica on the same database needs the same one.
+    master_key: str = ""
 
     def log_tail(self, lines: int = 40) -> str:
         return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
 
 
-def start_service(database_url: str, workdir: Path) -> Service:
-    """Starts ``credpool serve`` on a free port against ``database_url`` (already created)."""
+def start_service(database_url: str, workdir: Path, *, like: Optional[Service] = None) -> Service:
+    """Starts ``credpool serve`` on a free port against ``database_url`` (already created): with
+    keys of its own, or a replica of ``like`` (its internal, admin and master keys)."""
     binary = credpool_bin()
-    internal_key = "ik-" + secrets.token_hex(16)
-    admin_key = "ak-" + secrets.token_hex(16)
+    internal_key = like.internal_key if like else "ik-" + secrets.token_hex(16)
+    admin_key = like.admin_key if like else "ak-" + secrets.token_hex(16)
+    master_key = like.master_key if like else secrets.token_hex(32)
     log_path = workdir / "credpool-serve.log"
     env = dict(os.environ)
     env.update(
@@ -132,7 +136,7 @@ def start_service(database_url: str, workdir: Path) -> Service:
         # Keys go by environment, not argv, so they are not in the process list.
         CREDPOOL_INTERNAL_KEY=internal_key,
         CREDPOOL_ADMIN_KEY=admin_key,
-        CREDPOOL_MASTER_KEY=secrets.token_hex(32),
+        CREDPOOL_MASTER_KEY=master_key,
         CREDPOOL_DATA_DIR=str(workdir / "data"),
         RUST_LOG=os.environ.get("CREDPOOL_TEST_RUST_LOG", "credpool=info,warn"),
     )
@@ -161,6 +165,7 @@ def start_service(database_url: str, workdir: Path) -> Service:
         log_path=log_path,
         process=process,
         address=(match.group(2), int(match.group(3))),
+        master_key=master_key,
     )
 
 
@@ -228,6 +233,20 @@ class Admin:
 
     def key(self, key_id: str) -> Any:
         return self._ok(self._http.get(f"/keys/{key_id}"))
+
+    def put_upstream(self, provider: str, base_url: str, api: str, **settings: Any) -> Any:
+        """Sets ``provider``'s relay upstream: ``base_url``, ``api`` (``openai`` or
+        ``anthropic``) and any other field of the body (``wait_ms``, ``timeout_seconds``, ...)."""
+        body = {"base_url": base_url, "api": api, **settings}
+        return self._ok(self._http.put(f"/relay/upstreams/{provider}", json=body))
+
+    def mint_tenant_key(self, tenant_id: str) -> Tuple[str, str]:
+        """A new executor key of tenant ``tenant_id`` (which exists): its id and the key."""
+        minted = self._ok(self._http.post(f"/tenants/{tenant_id}/keys"))
+        return minted["key_id"], minted["key"]
+
+    def revoke_tenant_key(self, tenant_id: str, key_id: str) -> Any:
+        return self._ok(self._http.delete(f"/tenants/{tenant_id}/keys/{key_id}"))
 
     def force_release(self, lease_id: str, reason: str = "test") -> Any:
         return self._ok(self._http.post(f"/leases/{lease_id}/release", json={"reason": reason}))

@@ -7,6 +7,9 @@ serving at once: a request counts from its arrival until its answer's last byte 
 client goes away (aiohttp cancels the handler then). ``peak[key]`` is the most it ever served at
 once, which is what a provider's concurrency limit is about.
 
+``received[path]`` counts every request that reached it, by path, whatever it answered (404 to
+a path it does not serve).
+
 What a key is answered is scripted per key: ``rate_limit(key, retry_after)`` (429 with
 ``Retry-After``), ``reject(key)`` (401), ``cut(key)`` (a stream whose connection drops after two
 chunks). Each answer reports token usage (10 prompt tokens, and
@@ -30,6 +33,7 @@ from collections import Counter
 from typing import Any, Awaitable, Callable, Dict, List, Optional, Set, Tuple
 
 from aiohttp import web
+from aiohttp.typedefs import Handler
 
 from harness import ServedInThread
 
@@ -56,6 +60,8 @@ class MockUpstream(ServedInThread):
         self.served: Counter[str] = Counter()
         #: Streams whose client went away before the last event.
         self.abandoned: Counter[str] = Counter()
+        #: Every request that reached it, by path (refused, unknown and failed ones too).
+        self.received: Counter[str] = Counter()
         self._rate_limited: Dict[str, str] = {}
         self._rejected: Set[str] = set()
         self._cut: Set[str] = set()
@@ -86,7 +92,13 @@ class MockUpstream(ServedInThread):
     # -- running ---------------------------------------------------------------------------
 
     async def _listen(self) -> Tuple[int, Callable[[], Awaitable[None]]]:
-        app = web.Application()
+        @web.middleware
+        async def count(request: web.Request, handler: Handler) -> web.StreamResponse:
+            with self._lock:
+                self.received[request.path] += 1
+            return await handler(request)
+
+        app = web.Application(middlewares=[count])
         app.router.add_post("/v1/chat/completions", self._chat)
         app.router.add_post("/chat/completions", self._chat)
         app.router.add_post("/v1/messages", self._messages)
