@@ -1,8 +1,8 @@
 //! The relay (`/relay/{provider}/{pool}/...`), against a mock upstream of the test's own on
 //! 127.0.0.1 that records what reaches it, counts the calls it serves at once, streams its answers
 //! chunk by chunk at a pace the call asks for (`x-mock-chunks`, `x-mock-interval-ms`; an unstreamed
-//! answer after `x-mock-delay-ms`: plain headers the relay passes on), and answers a credential
-//! scripted so with 429.
+//! answer after `x-mock-delay-ms`; the end of a stream `x-mock-linger-ms` after its last event:
+//! plain headers the relay passes on), and answers a credential scripted so with 429.
 
 use std::collections::HashSet;
 use std::net::SocketAddr;
@@ -124,19 +124,23 @@ async fn answer(State(mock): State<Arc<Mock>>, request: Request) -> Response {
     }
     let chunks = header_number(&parts.headers, "x-mock-chunks", 3);
     let interval = Duration::from_millis(header_number(&parts.headers, "x-mock-interval-ms", 10));
+    let linger = Duration::from_millis(header_number(&parts.headers, "x-mock-linger-ms", 0));
     let events = futures::stream::unfold((0, serving), move |(n, mut serving)| async move {
         if n == chunks {
+            // the last event has gone; the answer's own end comes after `linger`
+            tokio::time::sleep(linger).await;
             serving.finished = true;
             drop(serving);
             return None;
         }
         tokio::time::sleep(interval).await;
-        let event = if n + 1 == chunks {
-            json!({"choices": [], "usage": {"total_tokens": 21}})
+        let line = if n + 1 == chunks {
+            let usage = json!({"choices": [], "usage": {"total_tokens": 21}});
+            format!("data: {usage}\n\ndata: [DONE]\n\n")
         } else {
-            json!({"choices": [{"delta": {"content": format!("chunk {n}")}}]})
+            let delta = json!({"choices": [{"delta": {"content": format!("chunk {n}")}}]});
+            format!("data: {delta}\n\n")
         };
-        let line = format!("data: {event}\n\n");
         Some((Ok::<_, std::io::Error>(line), (n + 1, serving)))
     });
     Response::builder()
@@ -795,4 +799,37 @@ async fn an_upstream_that_is_slow_or_away_is_a_gateway_error_and_frees_the_slot(
         .map(|row| row.2)
         .collect();
     assert_eq!(outcomes, [Some("failure".into()), Some("failure".into())]);
+}
+
+#[tokio::test]
+async fn a_client_that_leaves_after_the_last_event_made_a_whole_call() {
+    let (app, _, _mock) = relay_app(1, 35).await;
+    // the upstream keeps the answer open 5 s after its last event; the client, as OpenAI's SDK
+    // does, leaves once it has read `data: [DONE]`
+    let mut response = call(
+        &app,
+        CHAT,
+        INTERNAL_KEY,
+        chat(true),
+        &[("x-mock-chunks", "3"), ("x-mock-linger-ms", "5000")],
+    )
+    .await;
+    let mut read = Vec::new();
+    while !String::from_utf8_lossy(&read).contains("[DONE]") {
+        read.extend_from_slice(&response.chunk().await.unwrap().unwrap());
+    }
+    drop(response);
+    assert!(
+        eventually(Duration::from_secs(1), async || app.in_flight("k1").await
+            == 0)
+        .await,
+        "the lease outlived its client"
+    );
+    let trail = relay_trail(&app).await;
+    let released = trail.last().unwrap();
+    assert_eq!(
+        (released.2.as_deref(), released.3),
+        (Some("success"), Some(21)),
+        "a whole answer counts as a success with its usage: {trail:?}"
+    );
 }

@@ -321,6 +321,9 @@ pub struct UsageScanner {
     events: bool,
     buffer: Vec<u8>,
     overflowed: bool,
+    /// A stream's last event has passed (OpenAI's `data: [DONE]`, Anthropic's `message_stop`, the
+    /// responses API's `response.completed`).
+    ended: bool,
     input: Option<u64>,
     output: Option<u64>,
     total: Option<u64>,
@@ -369,11 +372,26 @@ impl UsageScanner {
         let Some(data) = line.strip_prefix(b"data:") else {
             return;
         };
+        let data = data.trim_ascii();
+        if data == b"[DONE]"
+            || contains(data, b"\"type\":\"message_stop\"")
+            || contains(data, b"\"type\": \"message_stop\"")
+            || contains(data, b"\"type\":\"response.completed\"")
+            || contains(data, b"\"type\": \"response.completed\"")
+        {
+            self.ended = true;
+        }
         if contains(data, b"\"usage\"")
             && let Ok(value) = serde_json::from_slice::<serde_json::Value>(data.trim_ascii())
         {
             self.read(&value);
         }
+    }
+
+    /// Whether a stream's last event has passed through: a client may close its connection then,
+    /// before the upstream's own end, and the call still counts as whole.
+    pub fn stream_ended(&self) -> bool {
+        self.ended
     }
 
     /// The tokens the answer reported, once it has ended: a total where one was given, else
@@ -602,10 +620,13 @@ mod tests {
 
         let mut openai = UsageScanner::new(true);
         openai.feed(b"data: {\"choices\":[]}\n\ndata: {\"choices\":[],\"usage\":{\"total_tokens\":21}}\n\ndata: [DONE]\n\n");
+        assert!(openai.stream_ended());
         assert_eq!(openai.tokens(), Some(21));
+        assert!(anthropic_ended(stream));
 
         let mut none = UsageScanner::new(true);
         none.feed(b"data: {\"choices\":[{\"delta\":{\"content\":\"hi\"}}]}\n\n");
+        assert!(!none.stream_ended());
         assert_eq!(none.tokens(), None);
 
         // an event longer than the bound is skipped, the next one still read
@@ -614,6 +635,15 @@ mod tests {
         long.feed(&vec![b'a'; MAX_EVENT_BYTES + 1]);
         long.feed(b"\"}\ndata: {\"usage\":{\"total_tokens\":7}}\n");
         assert_eq!(long.tokens(), Some(7));
+    }
+
+    /// Whether `stream`, then Anthropic's last event, reads as ended (and `stream` alone not).
+    fn anthropic_ended(stream: &str) -> bool {
+        let mut scanner = UsageScanner::new(true);
+        scanner.feed(stream.as_bytes());
+        let before = scanner.stream_ended();
+        scanner.feed(b"event: message_stop\ndata: {\"type\": \"message_stop\"}\n\n");
+        !before && scanner.stream_ended()
     }
 
     #[test]

@@ -562,7 +562,8 @@ fn outcome_label(outcome: Outcome) -> &'static str {
 /// A successful answer on its way to the client, chunk by chunk as the upstream sends them: read
 /// for its usage as it passes, and its lease released when it ends (before the client sees the
 /// end, so that a client that calls again at once finds the slot free), or when the client goes
-/// away (the body is dropped: [`HeldLease`]'s drop).
+/// away (the body is dropped: [`HeldLease`]'s drop, unless the stream's last event had passed:
+/// then the call was whole, and is released as a success with its usage).
 struct Passing {
     upstream: hyper::body::Incoming,
     scanner: UsageScanner,
@@ -570,6 +571,19 @@ struct Passing {
     held: Option<HeldLease>,
     /// The longest wait for the next chunk.
     idle: Duration,
+}
+
+impl Drop for Passing {
+    fn drop(&mut self) {
+        // SDKs close their connection once they have read a stream's last event (OpenAI's after
+        // `data: [DONE]`), which can come before the upstream's own end of the answer
+        if self.scanner.stream_ended()
+            && let Some(held) = self.held.take()
+        {
+            let usage = std::mem::take(&mut self.scanner).tokens();
+            tokio::spawn(held.settle(Some(Outcome::Success), None, usage, "success"));
+        }
+    }
 }
 
 impl Passing {
