@@ -394,11 +394,7 @@ impl Client {
         deadline: Instant,
     ) -> Result<(OffsetDateTime, Instant), Error> {
         let body = wire::RenewBody {
-            provider: &lease.provider,
-            pool: &lease.pool,
-            key_id: &lease.key_id,
-            lease_id: &lease.lease_id,
-            fence: lease.fence,
+            lease: lease_body(lease),
             lease_seconds: lease.requested_seconds,
         };
         self.with_retries("renew", Some(deadline), || async {
@@ -432,11 +428,7 @@ impl Client {
     ) -> Result<Released, Error> {
         let (outcome, retry_after_seconds) = outcome.wire();
         let body = wire::ReleaseBody {
-            provider: &lease.provider,
-            pool: &lease.pool,
-            key_id: &lease.key_id,
-            lease_id: &lease.lease_id,
-            fence: lease.fence,
+            lease: lease_body(lease),
             outcome,
             retry_after_seconds,
             usage: usage_tokens.map(|tokens| wire::UsageBody { tokens }),
@@ -545,6 +537,17 @@ impl Client {
                 }
             },
         )
+    }
+}
+
+/// How a renewal or a release names `lease`.
+fn lease_body(lease: &LeaseState) -> wire::LeaseBody<'_> {
+    wire::LeaseBody {
+        provider: &lease.provider,
+        pool: &lease.pool,
+        key_id: &lease.key_id,
+        lease_id: &lease.lease_id,
+        fence: lease.fence,
     }
 }
 

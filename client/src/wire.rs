@@ -37,14 +37,22 @@ pub(crate) struct AllocateBody<'a> {
     pub affinity_mode: Option<&'static str>,
 }
 
-/// `POST /api/internal/renew-lease` body.
+/// The lease a renewal or a release names, with the fence it was granted: the fields both
+/// bodies open with.
 #[derive(Debug, Serialize)]
-pub(crate) struct RenewBody<'a> {
+pub(crate) struct LeaseBody<'a> {
     pub provider: &'a str,
     pub pool: &'a str,
     pub key_id: &'a str,
     pub lease_id: &'a str,
     pub fence: u64,
+}
+
+/// `POST /api/internal/renew-lease` body.
+#[derive(Debug, Serialize)]
+pub(crate) struct RenewBody<'a> {
+    #[serde(flatten)]
+    pub lease: LeaseBody<'a>,
     #[serde(skip_serializing_if = "Option::is_none")]
     pub lease_seconds: Option<u32>,
 }
@@ -52,11 +60,8 @@ pub(crate) struct RenewBody<'a> {
 /// `POST /api/internal/release-key` body.
 #[derive(Debug, Serialize)]
 pub(crate) struct ReleaseBody<'a> {
-    pub provider: &'a str,
-    pub pool: &'a str,
-    pub key_id: &'a str,
-    pub lease_id: &'a str,
-    pub fence: u64,
+    #[serde(flatten)]
+    pub lease: LeaseBody<'a>,
     pub outcome: &'static str,
     #[serde(skip_serializing_if = "Option::is_none")]
     pub retry_after_seconds: Option<u32>,
