@@ -192,6 +192,12 @@ impl TestApp {
         .await
         .expect("events")
     }
+
+    /// [`TestApp::events`] of `lease` as allocate answered it.
+    pub async fn lease_events(&self, lease: &serde_json::Value) -> Vec<String> {
+        self.events(lease["lease_id"].as_str().expect("a lease_id"))
+            .await
+    }
 }
 
 impl Drop for TestApp {

@@ -29,15 +29,12 @@ pub fn lease_ref(lease: &Value) -> Value {
            "lease_id": lease["lease_id"]})
 }
 
-/// The release body for a granted lease (as returned by allocate), reporting `outcome`.
+/// The release body for a granted lease (as returned by allocate): [`lease_ref`] reporting
+/// `outcome`.
 pub fn release_body(lease: &Value, outcome: &str) -> Value {
-    json!({
-        "provider": lease["provider"],
-        "pool": lease["pool"],
-        "key_id": lease["key_id"],
-        "lease_id": lease["lease_id"],
-        "outcome": outcome,
-    })
+    let mut body = lease_ref(lease);
+    body["outcome"] = json!(outcome);
+    body
 }
 
 /// The renewal body for a granted lease: [`lease_ref`] for `lease_seconds` more seconds.

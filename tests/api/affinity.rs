@@ -351,13 +351,7 @@ async fn bad_affinity_input_is_a_400_and_writes_nothing() {
 async fn concurrent_allocates_of_one_conversation_over_replicas_never_oversell_or_deadlock() {
     const RACERS: usize = 48;
     let _turn = race_turn().await;
-    let app = Arc::new(
-        TestApp::spawn_with(AppOptions {
-            db_max_connections: 16,
-            ..AppOptions::default()
-        })
-        .await,
-    );
+    let app = Arc::new(TestApp::spawn_with(AppOptions::connections(16)).await);
     let (second, _stop_second) = app.replica(16).await;
     let (third, _stop_third) = app.replica(16).await;
     let bases = [

@@ -336,10 +336,7 @@ async fn expired_lease_frees_its_slot_without_any_cleanup_job() {
     let second = app.lease(body).await;
     assert_ne!(first["lease_id"], second["lease_id"]);
     // the expired lease was ended in the trail by the claim that reused its slot
-    assert_eq!(
-        app.events(first["lease_id"].as_str().unwrap()).await,
-        ["granted", "expired"]
-    );
+    assert_eq!(app.lease_events(&first).await, ["granted", "expired"]);
     assert_eq!(app.in_flight("key-a").await, 1);
 }
 

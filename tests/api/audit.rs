@@ -57,10 +57,7 @@ async fn the_reaper_ends_expired_leases_in_the_trail_in_bounded_batches_and_is_i
         0
     );
     for l in &leases {
-        assert_eq!(
-            app.events(l["lease_id"].as_str().unwrap()).await,
-            ["granted", "expired"]
-        );
+        assert_eq!(app.lease_events(l).await, ["granted", "expired"]);
     }
     let active: i64 = app.scalar("SELECT count(*) FROM active_leases").await;
     assert_eq!(active, 1);

@@ -6,7 +6,7 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::{Duration, Instant};
 
-use credpool_client::{Client, Error, LeaseRequest, NotReleased, Outcome};
+use credpool_client::{Client, Error, LeaseGuard, LeaseRequest, NotReleased, Outcome};
 use reqwest::StatusCode;
 use serde_json::json;
 use tokio::io::AsyncReadExt;
@@ -16,6 +16,17 @@ use credpool_test_support::*;
 
 fn client_for(addr: SocketAddr) -> Client {
     Client::new(format!("http://{addr}"), INTERNAL_KEY).expect("client")
+}
+
+/// An app with credential `k1` of limit 1, and its one lease (gpt-4o from openai for
+/// `lease_seconds` seconds) taken through the client.
+async fn leased_through_the_client(lease_seconds: u32) -> (TestApp, LeaseGuard) {
+    let app = TestApp::with_credential("k1", 1).await;
+    let lease = client_for(app.addr)
+        .lease(LeaseRequest::new("openai", "gpt-4o").lease_seconds(lease_seconds))
+        .await
+        .expect("lease");
+    (app, lease)
 }
 
 async fn events_of(app: &TestApp, lease_id: &str, event: &str) -> Vec<(Option<String>,)> {
@@ -89,11 +100,7 @@ async fn the_guard_renews_past_the_lease_length_and_finish_releases_with_the_out
 
 #[tokio::test]
 async fn lost_fires_when_an_operator_force_releases_the_lease() {
-    let app = TestApp::with_credential("k1", 1).await;
-    let lease = client_for(app.addr)
-        .lease(LeaseRequest::new("openai", "gpt-4o").lease_seconds(3))
-        .await
-        .expect("lease");
+    let (app, lease) = leased_through_the_client(3).await;
     assert!(!lease.is_lost());
     let response = app.force_release(lease.lease_id(), "stuck worker").await;
     assert_eq!(response.status(), StatusCode::OK);
@@ -109,11 +116,7 @@ async fn lost_fires_when_an_operator_force_releases_the_lease() {
 
 #[tokio::test]
 async fn dropping_the_guard_releases_the_lease_with_failure() {
-    let app = TestApp::with_credential("k1", 1).await;
-    let lease = client_for(app.addr)
-        .lease(LeaseRequest::new("openai", "gpt-4o").lease_seconds(600))
-        .await
-        .expect("lease");
+    let (app, lease) = leased_through_the_client(600).await;
     let lease_id = lease.lease_id().to_owned();
     drop(lease);
     eventually("the dropped guard's release", || async {

@@ -24,6 +24,17 @@ async fn set_limit(app: &TestApp, limit: u32) {
     assert_eq!(status, StatusCode::OK);
 }
 
+/// An app whose credential `k` of limit 3 has three leases of `lease_seconds` seconds held when
+/// its limit is lowered to `limit`.
+async fn full_then_lowered_to(limit: u32, lease_seconds: u64) -> TestApp {
+    let app = TestApp::with_credential("k", 3).await;
+    for _ in 0..3 {
+        app.lease(gpt4o_for(lease_seconds)).await;
+    }
+    set_limit(&app, limit).await;
+    app
+}
+
 /// How the operator changes credential `k` (provider openai, pool default, models gpt-4o and
 /// gpt-4o-mini, alias `fast` -> gpt-4o, limit 2, one lease held) while a claim for `model` in
 /// `default` waits between its snapshot and its lock.
@@ -240,11 +251,7 @@ async fn a_lowered_limit_reopens_when_the_leases_over_it_end_without_maintenance
     // Limit 3 -> 1 while three 2-second leases are held; the holders crash. Nothing runs the
     // cleanup pass (the in-process app has no scheduler). Once the last of them has ended, on the
     // database clock, the credential grants again: exactly its new limit.
-    let app = TestApp::with_credential("k", 3).await;
-    for _ in 0..3 {
-        app.lease(gpt4o_for(2)).await;
-    }
-    set_limit(&app, 1).await;
+    let app = full_then_lowered_to(1, 2).await;
     assert_eq!(
         granted_of(&app, INTERNAL_KEY, 3).await,
         0,
@@ -268,11 +275,7 @@ async fn a_lowered_limit_reopens_when_the_leases_over_it_end_without_maintenance
 
 #[tokio::test]
 async fn a_force_release_over_a_lowered_limit_reopens_at_once() {
-    let app = TestApp::with_credential("k", 3).await;
-    for _ in 0..3 {
-        app.lease(gpt4o_for(600)).await;
-    }
-    set_limit(&app, 2).await;
+    let app = full_then_lowered_to(2, 600).await;
     assert_eq!(granted_of(&app, INTERNAL_KEY, 3).await, 0);
     let status = app
         .admin(

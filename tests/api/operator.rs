@@ -260,7 +260,7 @@ async fn deleting_a_leased_credential_ends_its_leases_in_the_trail_and_late_rele
     let slots: i64 = app.scalar("SELECT count(*) FROM lease_slots").await;
     assert_eq!(slots, 0);
     for l in [&first, &second] {
-        let mut events = app.events(l["lease_id"].as_str().unwrap()).await;
+        let mut events = app.lease_events(l).await;
         events.sort();
         assert!(events.contains(&"force_released".to_owned()), "{events:?}");
     }
@@ -454,13 +454,7 @@ async fn secrets_are_sealed_at_rest_and_a_ciphertext_moved_to_another_credential
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn lowering_the_limit_under_load_never_grants_beyond_the_new_limit() {
     let _turn = race_turn().await;
-    let app = Arc::new(
-        TestApp::spawn_with(AppOptions {
-            db_max_connections: 40,
-            ..AppOptions::default()
-        })
-        .await,
-    );
+    let app = Arc::new(TestApp::spawn_with(AppOptions::connections(40)).await);
     app.put_gpt4o_key("hot", "default", 5).await;
     let mut held = Vec::new();
     for _ in 0..5 {

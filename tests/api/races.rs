@@ -18,11 +18,7 @@ use credpool_test_support::*;
 const RACERS: usize = 64;
 
 async fn race_app() -> TestApp {
-    TestApp::spawn_with(AppOptions {
-        db_max_connections: RACERS as u32,
-        ..AppOptions::default()
-    })
-    .await
+    TestApp::spawn_with(AppOptions::connections(RACERS as u32)).await
 }
 
 /// One round: a fresh credential with `limit` slots in its own pool, 64 allocations released at
@@ -175,10 +171,7 @@ async fn eighty_racers_over_a_hundred_free_credentials_get_eighty_distinct_crede
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn a_view_refresh_overlapping_releases_never_hides_a_free_credential() {
     let _turn = race_turn().await;
-    let mut options = AppOptions {
-        db_max_connections: RACERS as u32,
-        ..AppOptions::default()
-    };
+    let mut options = AppOptions::connections(RACERS as u32);
     options.settings.view_refresh = std::time::Duration::from_millis(20);
     let app = Arc::new(TestApp::spawn_with(options).await);
     wide_race(&app, "snug", 64, 64, race_rounds()).await;
@@ -241,10 +234,7 @@ async fn wide_race(
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn grouped_claims_renewals_and_releases_never_oversell() {
     let _turn = race_turn().await;
-    let mut options = AppOptions {
-        db_max_connections: RACERS as u32,
-        ..AppOptions::default()
-    };
+    let mut options = AppOptions::connections(RACERS as u32);
     options.settings.groups = credpool::allocator::GroupSettings {
         max_size: RACERS,
         max_wait: std::time::Duration::from_millis(20),

@@ -71,10 +71,7 @@ async fn releasing_twice_reports_not_released_the_second_time() {
     let second = app.release(release_body(&lease, "success")).ok_json().await;
     assert_eq!(first, json!({"released": true}));
     assert_eq!(second, json!({"released": false, "reason": "not_found"}));
-    assert_eq!(
-        app.events(lease["lease_id"].as_str().unwrap()).await,
-        ["granted", "released"]
-    );
+    assert_eq!(app.lease_events(&lease).await, ["granted", "released"]);
 }
 
 #[tokio::test]
@@ -96,7 +93,7 @@ async fn releasing_an_expired_lease_releases_nothing_and_leaves_others_intact() 
     assert_eq!(refused, json!({"released": false, "reason": "expired"}));
     // nothing released; the late outcome is recorded (it counts for health) and the expired
     // lease is ended in the trail
-    let mut events = app.events(short["lease_id"].as_str().unwrap()).await;
+    let mut events = app.lease_events(&short).await;
     events.sort();
     assert_eq!(events, ["expired", "granted", "outcome_after_expiry"]);
     assert_eq!(app.in_flight("key-a").await, 1);
@@ -144,10 +141,7 @@ async fn renew_extends_the_lease_on_the_database_clock() {
     app.allocate(gpt4o())
         .refused(StatusCode::TOO_MANY_REQUESTS, "pool_exhausted")
         .await;
-    assert_eq!(
-        app.events(lease["lease_id"].as_str().unwrap()).await,
-        ["granted", "renewed"]
-    );
+    assert_eq!(app.lease_events(&lease).await, ["granted", "renewed"]);
 }
 
 #[tokio::test]
@@ -162,10 +156,7 @@ async fn renewing_an_expired_lease_fails_and_never_resurrects_it() {
         .refused(StatusCode::GONE, "lease_lost")
         .await;
     assert_eq!(app.in_flight("key-a").await, 0);
-    assert_eq!(
-        app.events(lease["lease_id"].as_str().unwrap()).await,
-        ["granted"]
-    );
+    assert_eq!(app.lease_events(&lease).await, ["granted"]);
 
     // the slot is free for someone else, and renewing after that fails too
     let next = app.lease(gpt4o_for(600)).await;

@@ -226,7 +226,7 @@ async fn an_outcome_after_expiry_counts_for_health_once_and_releases_nothing() {
         .scalar("SELECT health_failures FROM credentials WHERE key_id = 'key-a'")
         .await;
     assert!((0.99..=1.0).contains(&failures), "counted {failures} times");
-    let mut events = app.events(late["lease_id"].as_str().unwrap()).await;
+    let mut events = app.lease_events(&late).await;
     events.sort();
     assert_eq!(events, ["expired", "granted", "outcome_after_expiry"]);
     // the slot is free for the next executor

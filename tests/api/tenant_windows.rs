@@ -94,8 +94,7 @@ async fn a_tenant_token_window_holds_over_every_replica_and_the_trail_proves_it(
 
         // usage below the reservation gives the difference back to the tenant's window
         for (i, lease) in granted.iter().take(5).enumerate() {
-            let mut release = lease_ref(lease);
-            release["outcome"] = json!("success");
+            let mut release = release_body(lease, "success");
             release["usage"] = json!({"tokens": 20});
             let replica = if i % 2 == 0 { &a } else { &b };
             let released = replica.release_as(&key, release).ok_json().await;
@@ -299,9 +298,9 @@ async fn an_upgrade_seeds_the_windows_set_before_they_were_enforced_and_names_li
         "a third request in a window of two"
     );
     // the capped tenant's release frees its cap
-    let mut release = lease_ref(&held);
-    release["outcome"] = json!("success");
-    app.release_as(&capped, release).ok_json().await;
+    app.release_as(&capped, release_body(&held, "success"))
+        .ok_json()
+        .await;
     app.lease_as(&capped, "default").await;
 }
 
@@ -341,8 +340,7 @@ async fn a_late_report_of_usage_replaces_the_reservation_in_the_tenant_window() 
         StatusCode::TOO_MANY_REQUESTS,
         "the expiry returned the reservation"
     );
-    let mut report = lease_ref(&lease);
-    report["outcome"] = json!("success");
+    let mut report = release_body(&lease, "success");
     report["usage"] = json!({"tokens": 100});
     app.release_as(&key, report).ok_json().await;
     app.allocate_as(&key, reserving(800)).ok_json().await;

@@ -292,9 +292,9 @@ async fn a_tenant_key_is_shown_once_and_never_again() {
     let (key_id, key) = app.mint_key("team").await;
     assert!(key.starts_with("cpk_") && key.len() == 68, "{key}");
     let lease = app.lease_as(&key, "default").await;
-    let mut release = lease_ref(&lease);
-    release["outcome"] = json!("success");
-    app.release_as(&key, release).ok_json().await;
+    app.release_as(&key, release_body(&lease, "success"))
+        .ok_json()
+        .await;
 
     // the list names the key by its id, never the key
     let listed = app
@@ -517,8 +517,7 @@ async fn a_release_takes_its_tenant_row_right_after_its_slot_row_before_any_wind
         .execute(&mut *holder)
         .await
         .unwrap();
-    let mut release = lease_ref(&lease);
-    release["outcome"] = json!("success");
+    let mut release = release_body(&lease, "success");
     release["usage"] = json!({"tokens": 10});
     let releasing = {
         let (app, key) = (app.remote(), key.clone());
@@ -966,8 +965,7 @@ async fn a_tenants_report_rests_a_credential_at_most_the_bound_and_cannot_disabl
     app.put_tenant("team", json!({})).await;
     let (_, key) = app.mint_key("team").await;
     let release = |lease: &Value, outcome: &str, retry_after: Option<u32>| {
-        let mut body = lease_ref(lease);
-        body["outcome"] = json!(outcome);
+        let mut body = release_body(lease, outcome);
         if let Some(seconds) = retry_after {
             body["retry_after_seconds"] = json!(seconds);
         }
@@ -1024,9 +1022,9 @@ async fn a_tenants_report_rests_a_credential_at_most_the_bound_and_cannot_disabl
     let (_, trusted) = app.mint_key("trusted").await;
     app.set_status(&reported, "available", None).await;
     let lease = app.lease_as(&trusted, "default").await;
-    let mut body = lease_ref(&lease);
-    body["outcome"] = json!("auth_error");
-    app.release_as(&trusted, body).ok_json().await;
+    app.release_as(&trusted, release_body(&lease, "auth_error"))
+        .ok_json()
+        .await;
     let detail = app.credential(lease["key_id"].as_str().unwrap()).await;
     assert_eq!(detail["status"], "disabled", "{detail}");
 }

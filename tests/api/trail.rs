@@ -105,10 +105,7 @@ async fn retention_drops_whole_days_but_never_one_holding_a_live_lease() {
     assert_eq!(trail_rows(&app.db).await, 0);
     app.run_sql("SELECT credpool_make_trail_days(7)").await;
     let again = app.lease(gpt4o_for(600)).await;
-    assert_eq!(
-        app.events(again["lease_id"].as_str().unwrap()).await,
-        ["granted"]
-    );
+    assert_eq!(app.lease_events(&again).await, ["granted"]);
 }
 
 #[tokio::test]

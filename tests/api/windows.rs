@@ -20,11 +20,7 @@ use crate::BIN;
 const RACERS: usize = 64;
 
 async fn window_app() -> TestApp {
-    TestApp::spawn_with(AppOptions {
-        db_max_connections: 32,
-        ..AppOptions::default()
-    })
-    .await
+    TestApp::spawn_with(AppOptions::connections(32)).await
 }
 
 async fn put_windowed(app: &TestApp, key: &str, pool: &str, limit: u32, rate_limits: Value) {

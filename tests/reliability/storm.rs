@@ -34,13 +34,7 @@ struct Tally {
 
 #[tokio::test]
 async fn a_rate_limit_storm_across_two_pools_deadlocks_nothing_and_answers_no_5xx() {
-    let app = Arc::new(
-        TestApp::spawn_with(AppOptions {
-            db_max_connections: 32,
-            ..AppOptions::default()
-        })
-        .await,
-    );
+    let app = Arc::new(TestApp::spawn_with(AppOptions::connections(32)).await);
     for pool in ["pa", "pb"] {
         for i in 0..CREDENTIALS_PER_POOL {
             app.put_gpt4o_key(&format!("{pool}-{i:03}"), pool, 4).await;

@@ -116,20 +116,19 @@ pub async fn claim_refused_after_a_grant(
     let (key_id, request) = claim_answer(claiming).await;
     assert_eq!(key_id, None, "{why}");
     assert_eq!(request.as_deref(), Some("tenant_limit"));
-    let grants: i64 = app
-        .scalar_of(
+    for (what, count) in [
+        (
+            "granted events",
             "SELECT count(*) FROM lease_events WHERE event = 'granted' AND tenant = $1",
-            tenant,
-        )
-        .await;
-    assert_eq!(grants, 1, "{why}");
-    let held: i64 = app
-        .scalar_of(
+        ),
+        (
+            "live slots",
             "SELECT count(*) FROM lease_slots WHERE tenant = $1 AND lease_until > now()",
-            tenant,
-        )
-        .await;
-    assert_eq!(held, 1, "{why}");
+        ),
+    ] {
+        let counted: i64 = app.scalar_of(count, tenant).await;
+        assert_eq!(counted, 1, "{what}: {why}");
+    }
     audit_passes(BIN, &app.database).await;
 }
 
