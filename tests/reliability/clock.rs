@@ -350,15 +350,15 @@ fn retry_after_bounds(window: Window, frees_at: OffsetDateTime) -> std::ops::Ran
     least..=most
 }
 
-/// Asserts a 429 `pool_exhausted` whose `Retry-After` is the whole seconds left until `frees_at`
-/// at the service's moment of decision, somewhere in `window`.
-async fn assert_busy_until(
+/// Allocates, and asserts a 429 `pool_exhausted` whose `Retry-After` is the whole seconds left
+/// until `frees_at` at the service's moment of decision: the transcript's line for `step`.
+async fn allocate_busy_until(
+    service: &Service,
     condition: Condition,
     step: &str,
-    response: reqwest::Response,
-    window: Window,
     frees_at: OffsetDateTime,
-) {
+) -> String {
+    let (response, window) = timed(&service.db, service.allocate()).await;
     let retry_after = assert_busy(condition, step, response).await;
     let bounds = retry_after_bounds(window, frees_at);
     assert!(
@@ -366,6 +366,7 @@ async fn assert_busy_until(
         "{condition:?}, {step}: Retry-After {retry_after}, expected {bounds:?} seconds until \
          {frees_at}"
     );
+    format!("allocate {step}: pool_exhausted")
 }
 
 /// One row of `lease_events`: (event, lease_until, at).
@@ -427,16 +428,8 @@ async fn scenario(condition: Condition) -> Vec<String> {
     transcript.push(format!("credential: lease_until at UTC{offset}"));
 
     // While it lives, its slot is taken: 429 until lease_until.
-    let (response, window) = timed(db, service.allocate()).await;
-    assert_busy_until(
-        condition,
-        "while the lease lives",
-        response,
-        window,
-        first_until,
-    )
-    .await;
-    transcript.push("allocate while the lease lives: pool_exhausted".into());
+    let line = allocate_busy_until(&service, condition, "while the lease lives", first_until).await;
+    transcript.push(line);
 
     // A renewal extends it to lease_seconds from the renewal, on the database clock...
     sleep_until_db(db, first_until - Duration::seconds(1)).await;
@@ -455,18 +448,16 @@ async fn scenario(condition: Condition) -> Vec<String> {
     // ...so past its first end the slot is still taken, up to the renewed end...
     sleep_until_db(db, renewed_until - Duration::milliseconds(1500)).await;
     assert!(db_clock(db).await > first_until);
-    let (response, window) = timed(db, service.allocate()).await;
     // the candidate view still has the first end, which has passed: the service must notice and
     // count from the renewed end (a Retry-After of 1 here was the bug)
-    assert_busy_until(
+    let line = allocate_busy_until(
+        &service,
         condition,
-        "past the first end",
-        response,
-        window,
+        "past the first end, before the renewed one",
         renewed_until,
     )
     .await;
-    transcript.push("allocate past the first end, before the renewed one: pool_exhausted".into());
+    transcript.push(line);
 
     // ...and from the renewed end on, the lease is lost and its slot free.
     sleep_until_db(db, renewed_until).await;
@@ -513,20 +504,17 @@ async fn scenario(condition: Condition) -> Vec<String> {
     ));
 
     // ...429 with the seconds left until then...
-    let (response, window) = timed(db, service.allocate()).await;
-    assert_busy_until(condition, "while resting", response, window, cooldown_until).await;
-    transcript.push("allocate while resting: pool_exhausted".into());
+    let line = allocate_busy_until(&service, condition, "while resting", cooldown_until).await;
+    transcript.push(line);
     sleep_until_db(db, cooldown_until - Duration::milliseconds(1500)).await;
-    let (response, window) = timed(db, service.allocate()).await;
-    assert_busy_until(
+    let line = allocate_busy_until(
+        &service,
         condition,
         "shortly before the rest ends",
-        response,
-        window,
         cooldown_until,
     )
     .await;
-    transcript.push("allocate shortly before the rest ends: pool_exhausted".into());
+    transcript.push(line);
 
     // ...and from its end on, the probe lease.
     sleep_until_db(db, cooldown_until).await;

@@ -360,22 +360,21 @@ fn table(lease: &Value) -> Vec<Row> {
     ] {
         t.bad(what, exec(ALLOCATE).json(with(&alloc, fields)));
     }
-    t.media_type(
-        "Content-Type text/plain",
-        exec(ALLOCATE)
-            .json(alloc.clone())
-            .content_type(Some("text/plain")),
-    );
-    t.media_type(
-        "no Content-Type",
-        exec(ALLOCATE).json(alloc.clone()).content_type(None),
-    );
-    t.media_type(
-        "Content-Type form-urlencoded",
-        exec(ALLOCATE)
-            .json(alloc.clone())
-            .content_type(Some("application/x-www-form-urlencoded")),
-    );
+    for (what, content_type) in [
+        ("Content-Type text/plain", Some("text/plain")),
+        ("no Content-Type", None),
+        (
+            "Content-Type form-urlencoded",
+            Some("application/x-www-form-urlencoded"),
+        ),
+    ] {
+        t.media_type(
+            what,
+            exec(ALLOCATE)
+                .json(alloc.clone())
+                .content_type(content_type),
+        );
+    }
     t.row(
         "no key",
         exec(ALLOCATE)
