@@ -98,8 +98,10 @@ async fn every_response_carries_a_request_id_taken_from_the_request_or_generated
     assert_ne!(other.headers()["x-request-id"].to_str().unwrap(), id);
 }
 
-/// Every route the service serves, as (method, path template).
-const ROUTES: [(&str, &str); 20] = [
+/// Every route the service serves, as (method, path template); the relay's own route
+/// (`/relay/{provider}/{pool}/...`, any method) passes an upstream API through and is not in the
+/// document.
+const ROUTES: [(&str, &str); 23] = [
     ("post", "/api/internal/allocate-key"),
     ("post", "/api/internal/release-key"),
     ("post", "/api/internal/renew-lease"),
@@ -116,6 +118,9 @@ const ROUTES: [(&str, &str); 20] = [
     ("delete", "/api/admin/tenants/{tenant_id}"),
     ("post", "/api/admin/tenants/{tenant_id}/keys"),
     ("delete", "/api/admin/tenants/{tenant_id}/keys/{key_id}"),
+    ("get", "/api/admin/relay/upstreams"),
+    ("put", "/api/admin/relay/upstreams/{provider}"),
+    ("delete", "/api/admin/relay/upstreams/{provider}"),
     ("get", "/livez"),
     ("get", "/healthz"),
     ("get", "/readyz"),
