@@ -14,6 +14,10 @@
 //!   [`leases::release_on`]) one request at a time, one connection per executor, no HTTP.
 //! - `redis` (`redis_lua.rs`): the original article's ALLOCATE and RELEASE Lua scripts on Redis.
 //!
+//! `--relay` (`relay.rs`) measures the relay instead: the same executors make an OpenAI-style call
+//! to a mock upstream in this process, directly and then through `/relay/bench/{pool}/...`, and
+//! the report gives the relay's latency and CPU per call over the direct call's.
+//!
 //! Server time per claim and release (`server_time.rs`) comes from `pg_stat_statements` when the
 //! server has it loaded, and for Redis from `INFO commandstats`; the report says when it is not
 //! available. The credpool and unbatched modes share one pool of bench credentials (provider
@@ -27,6 +31,7 @@
 
 mod cpu;
 mod redis_lua;
+mod relay;
 mod server_time;
 mod simple_sql;
 
@@ -238,6 +243,18 @@ pub async fn run(args: BenchArgs) -> anyhow::Result<ExitCode> {
     if baselines.contains(&BenchBaseline::Redis) {
         redis_lua::check(&args.redis_url).await?;
     }
+    let serving = if args.hot_spot == 0 {
+        args.credentials
+    } else {
+        args.hot_spot
+    };
+    anyhow::ensure!(
+        !args.relay || u64::from(serving) * u64::from(args.limit) >= u64::from(args.executors),
+        "--relay measures the relay's overhead, not waits for a credential: the serving \
+         credentials' slots ({serving} of limit {}) must be at least --executors ({})",
+        args.limit,
+        args.executors
+    );
     let database = Database::open(&args.db).await?;
     let result = run_on(&args, &baselines, &database).await;
     database.close().await;
@@ -321,7 +338,12 @@ async fn run_on(
             pool: pool.clone(),
             serving,
             lease_seconds: args.lease_seconds,
-            hold: Duration::from_millis(args.hold_ms),
+            // with --relay the hold is the mock upstream's, inside each call
+            hold: if args.relay {
+                Duration::ZERO
+            } else {
+                Duration::from_millis(args.hold_ms)
+            },
             request_ids: args.request_ids,
             affinity: args.affinity,
             progress: AtomicU64::new(0),
@@ -332,8 +354,15 @@ async fn run_on(
                 .and_then(|backend| cpu::postmaster_of(backend.try_into().ok()?)),
         });
 
+        let executor_key = match &tenant_key {
+            Some(key) => key.expose().to_owned(),
+            None => internal_key.clone(),
+        };
         let since = audit::now(db).await?;
         let mut reports = Vec::new();
+        if args.relay {
+            reports = relay::measure(args, db, &plan, &base, &executor_key).await?;
+        }
         let options = (*db.pool().connect_options()).clone();
         for baseline in baselines {
             let mode = match baseline {
@@ -362,16 +391,15 @@ async fn run_on(
             };
             reports.push(run_measured(args, db, &source, &plan, mode).await?);
         }
-        let credpool = Mode::Http {
-            client: http_client(args)?,
-            base: base.clone(),
-            executor_key: match &tenant_key {
-                Some(key) => key.expose().to_owned(),
-                None => internal_key.clone(),
-            },
-            name: "credpool",
-        };
-        reports.push(run_measured(args, db, &source, &plan, credpool).await?);
+        if !args.relay {
+            let credpool = Mode::Http {
+                client: http_client(args)?,
+                base: base.clone(),
+                executor_key,
+                name: "credpool",
+            };
+            reports.push(run_measured(args, db, &source, &plan, credpool).await?);
+        }
         let until = audit::now(db).await?;
 
         if let Some((stop, handle)) = server {
@@ -423,7 +451,11 @@ async fn run_on(
     extension.context("dropping pg_stat_statements, created for the run")?;
 
     let rss_peak_mb = peak_rss_mb();
-    print_report(args, &reports, &source, oversold, rss_peak_mb);
+    if args.relay {
+        relay::print_report(args, &reports, oversold, rss_peak_mb);
+    } else {
+        print_report(args, &reports, &source, oversold, rss_peak_mb);
+    }
     let errors: u64 = reports.iter().map(|r| r.errors).sum();
     Ok(if oversold == 0 && errors == 0 {
         ExitCode::SUCCESS
@@ -646,6 +678,18 @@ enum Mode {
         /// The allocator's name in the report.
         name: &'static str,
     },
+    /// OpenAI-style calls (`--relay`): to the mock upstream directly, or through the relay.
+    Call {
+        client: reqwest::Client,
+        /// The chat completions URL.
+        url: String,
+        /// The `Authorization` header: a bench credential's key, or the executor key.
+        authorization: String,
+        /// The call's JSON body.
+        body: String,
+        /// `direct` or `relay`.
+        name: &'static str,
+    },
     Sql(Box<PgConnectOptions>),
     Unbatched(Box<PgConnectOptions>),
     Redis(Box<redis_lua::RedisBaseline>),
@@ -654,7 +698,7 @@ enum Mode {
 impl Mode {
     fn name(&self) -> &'static str {
         match self {
-            Mode::Http { name, .. } => name,
+            Mode::Http { name, .. } | Mode::Call { name, .. } => name,
             Mode::Sql(_) => BenchBaseline::Sql.name(),
             Mode::Unbatched(_) => BenchBaseline::Unbatched.name(),
             Mode::Redis(_) => BenchBaseline::Redis.name(),
@@ -672,6 +716,16 @@ impl Mode {
                 ..
             } => {
                 let allocator = HttpAllocator::new(plan, client, base, executor_key, index);
+                drive(plan, window, allocator).await
+            }
+            Mode::Call {
+                client,
+                url,
+                authorization,
+                body,
+                ..
+            } => {
+                let allocator = relay::CallAllocator::new(client, url, authorization, body);
                 drive(plan, window, allocator).await
             }
             Mode::Sql(options) => {

@@ -72,6 +72,15 @@ pub struct BenchArgs {
     )]
     pub baseline: Vec<BenchBaseline>,
 
+    /// Measure the relay's overhead instead of allocate/release cycles: the executors make an
+    /// OpenAI-style chat completion to a mock upstream this run serves on 127.0.0.1, directly
+    /// (`direct`) and then through `/relay/bench/{pool}/v1/chat/completions` (`relay`: a lease per
+    /// call), and the report gives the relay's latency (p50, p99) and CPU per call over the
+    /// direct call's. The run sets the mock as provider `bench`'s relay upstream (with `--url`,
+    /// the service must run on this machine) and puts the previous one back afterwards.
+    #[arg(long, env = "CREDPOOL_BENCH_RELAY", conflicts_with = "baseline")]
+    pub relay: bool,
+
     /// The Redis server `--baseline redis` runs on (`redis://host:port[/db]`); the run's keys
     /// live under a run-specific prefix and are deleted afterwards.
     #[arg(
@@ -96,7 +105,8 @@ pub struct BenchArgs {
           value_parser = clap::value_parser!(u64).range(0..=3_600))]
     pub warmup_seconds: u64,
 
-    /// Milliseconds each executor holds a lease before releasing it.
+    /// Milliseconds each executor holds a lease before releasing it. With `--relay`: how long the
+    /// mock upstream takes to answer each call (each relay call holds its lease about as long).
     #[arg(long, env = "CREDPOOL_BENCH_HOLD_MS", default_value_t = 0,
           value_parser = clap::value_parser!(u64).range(0..=3_600_000))]
     pub hold_ms: u64,

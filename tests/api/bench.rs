@@ -362,3 +362,63 @@ async fn the_report_gives_the_cpu_and_server_time_of_the_server_it_ran_on() {
     }
     pool.close().await;
 }
+
+#[tokio::test]
+async fn a_relay_run_measures_direct_and_relayed_calls_and_puts_the_upstream_back() {
+    // `--relay`: the same calls to the run's mock upstream, directly and through the relay. Every
+    // call completes, both rows and the relay's ratios are reported, the relay's calls were leases
+    // released with the usage the mock's answers report, and provider `bench` has no upstream
+    // afterwards (it had none before).
+    let database = TestDatabase::create().await;
+    let (stdout, _, line) =
+        bench_report(&database.url(), None, &["--relay", "--executors", "2"]).await;
+    assert_eq!(line["relay"], true, "{line}");
+    let results = line["results"].as_array().unwrap();
+    let modes: Vec<&str> = results
+        .iter()
+        .map(|r| r["mode"].as_str().unwrap())
+        .collect();
+    assert_eq!(modes, ["direct", "relay"], "{line}");
+    for result in results {
+        assert!(
+            result["calls_per_second"].as_f64().unwrap() > 0.0,
+            "no calls: {result}"
+        );
+        assert_eq!(result["errors"], 0, "{result}");
+        for p in ["p50", "p99"] {
+            assert!(
+                result["call_ms"][p].as_f64().is_some_and(|ms| ms > 0.0),
+                "{result}"
+            );
+        }
+    }
+    let ratios = line["ratios"].as_array().unwrap();
+    assert_eq!(ratios.len(), 1, "{line}");
+    assert_eq!(ratios[0]["baseline"], "direct");
+    for ratio in ["calls", "latency_p50", "latency_p99"] {
+        assert!(
+            ratios[0][ratio].as_f64().is_some_and(|r| r > 0.0),
+            "{ratio}: {line}"
+        );
+    }
+    assert!(stdout.contains("relay / direct:"), "{stdout}");
+    assert_eq!(line["grants_over_limit"], 0);
+
+    let pool = database.pool(1).await;
+    let relayed: i64 = pool
+        .scalar(
+            "SELECT count(*) FROM lease_events
+             WHERE event = 'released' AND holder = 'relay' AND outcome = 'success' AND tokens = 10",
+        )
+        .await;
+    assert!(
+        relayed > 0,
+        "the relay's calls were released with their usage"
+    );
+    let upstreams: i64 = pool
+        .scalar("SELECT count(*) FROM relay_upstreams WHERE provider = 'bench'")
+        .await;
+    assert_eq!(upstreams, 0, "the bench provider's upstream is removed");
+    let credentials: i64 = pool.scalar("SELECT count(*) FROM credentials").await;
+    assert_eq!(credentials, 0);
+}
