@@ -201,8 +201,11 @@ fn chat(stream: bool) -> Value {
     json!({"model": "gpt-4o", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 50, "stream": stream})
 }
 
-/// The trail rows of the relay's leases: (event, holder, outcome, tokens), in order.
-async fn relay_trail(app: &TestApp) -> Vec<(String, Option<String>, Option<String>, Option<i64>)> {
+/// A trail row of a relay lease: (event, holder, outcome, tokens).
+type TrailRow = (String, Option<String>, Option<String>, Option<i64>);
+
+/// The trail rows of the relay's leases, in order.
+async fn relay_trail(app: &TestApp) -> Vec<TrailRow> {
     sqlx::query_as(
         "SELECT event, holder, outcome, tokens FROM lease_events
           WHERE holder LIKE 'relay%' ORDER BY event_id",
@@ -480,39 +483,40 @@ async fn refusals_reach_no_upstream() {
     let other_scope = app
         .tenant_key("team-b", json!({"pools": ["anthropic/*"]}))
         .await;
-    // (path, key, extra headers, status, code)
-    let cases: Vec<(String, String, Vec<(&str, &str)>, StatusCode, &str)> = vec![
+    // (path, key, an extra header, status, code)
+    let cases = [
         (
-            CHAT.into(),
-            "wrong-key".into(),
-            vec![],
+            CHAT,
+            "wrong-key",
+            None,
             StatusCode::UNAUTHORIZED,
             "unauthorized",
         ),
         (
-            "/relay/nope/default/v1/chat/completions".into(),
-            INTERNAL_KEY.into(),
-            vec![],
+            "/relay/nope/default/v1/chat/completions",
+            INTERNAL_KEY,
+            None,
             StatusCode::NOT_FOUND,
             "upstream_not_configured",
         ),
         (
-            CHAT.into(),
-            other_scope.clone(),
-            vec![],
+            CHAT,
+            &other_scope,
+            None,
             StatusCode::FORBIDDEN,
             "pool_not_allowed",
         ),
         (
-            CHAT.into(),
-            INTERNAL_KEY.into(),
-            vec![("x-credpool-wait-ms", "soon")],
+            CHAT,
+            INTERNAL_KEY,
+            Some(("x-credpool-wait-ms", "soon")),
             StatusCode::BAD_REQUEST,
             "invalid_request",
         ),
     ];
-    for (path, key, headers, status, code) in cases {
-        let response = call(&app, &path, &key, chat(false), &headers).await;
+    for (path, key, header, status, code) in cases {
+        let headers: Vec<_> = header.into_iter().collect();
+        let response = call(&app, path, key, chat(false), &headers).await;
         assert_eq!(response.status(), status, "{path}");
         let body: Value = response.json().await.unwrap();
         assert_eq!(body["error"]["code"], code, "{path}: {body}");

@@ -40,6 +40,10 @@ enum Wire {
     /// Bytes written as they are to a fresh connection, whose write side is then closed: for
     /// framing no HTTP client produces on purpose.
     Raw(Vec<u8>),
+    /// A whole request (with `Connection: close`) written as it is, the connection left open
+    /// until the answer: for a path no HTTP client sends as written (it would resolve the dot
+    /// segments itself).
+    Verbatim(Vec<u8>),
 }
 
 /// A request under construction: the route's key and `Content-Type: application/json` unless
@@ -1157,6 +1161,170 @@ fn table(lease: &Value) -> Vec<Row> {
         admin(Method::DELETE, "/api/admin/tenants/default/keys/key-a"),
     );
 
+    t.on("PUT /api/admin/relay/upstreams/{provider}");
+    let upstream = "/api/admin/relay/upstreams/openai";
+    for (what, body) in [
+        (
+            "http to a host that is not loopback",
+            json!({"base_url": "http://api.example.com", "api": "openai"}),
+        ),
+        (
+            "a base_url with user info",
+            json!({"base_url": "https://user:pw@api.example.com", "api": "openai"}),
+        ),
+        (
+            "a base_url with a query",
+            json!({"base_url": "https://api.example.com/?to=elsewhere", "api": "openai"}),
+        ),
+        (
+            "an api credpool does not speak",
+            json!({"base_url": "https://api.example.com", "api": "gemini"}),
+        ),
+        (
+            "the credential in the Host header",
+            json!({"base_url": "https://api.example.com", "api": "openai", "credential_header": "host"}),
+        ),
+        (
+            "an affinity header that is not a header name",
+            json!({"base_url": "https://api.example.com", "api": "openai", "affinity_header": "x session"}),
+        ),
+        (
+            "wait_ms -1",
+            json!({"base_url": "https://api.example.com", "api": "openai", "wait_ms": -1}),
+        ),
+        (
+            "timeout_seconds 0",
+            json!({"base_url": "https://api.example.com", "api": "openai", "timeout_seconds": 0}),
+        ),
+        (
+            "an unknown field",
+            json!({"base_url": "https://api.example.com", "api": "openai", "proxy": "yes"}),
+        ),
+    ] {
+        t.bad(what, admin(Method::PUT, upstream).json(body));
+    }
+    t.bad(
+        "provider with a quote",
+        admin(Method::PUT, "/api/admin/relay/upstreams/open'ai")
+            .json(json!({"base_url": "https://api.example.com", "api": "openai"})),
+    );
+    t.too_large(
+        "a body of 1 MiB",
+        admin(Method::PUT, upstream).json(json!({"note": long(MIB)})),
+    );
+    t.media_type(
+        "no Content-Type",
+        admin(Method::PUT, upstream)
+            .json(json!({"base_url": "https://api.example.com", "api": "openai"}))
+            .content_type(None),
+    );
+    t.executor_key_as_admin(
+        admin(Method::PUT, upstream)
+            .json(json!({"base_url": "https://api.example.com", "api": "openai"})),
+    );
+
+    t.on("GET /api/admin/relay/upstreams");
+    t.row(
+        "no key",
+        admin(Method::GET, "/api/admin/relay/upstreams")
+            .header("x-admin-key", None)
+            .wire(),
+        StatusCode::UNAUTHORIZED,
+        "unauthorized",
+    );
+
+    t.on("DELETE /api/admin/relay/upstreams/{provider}");
+    t.row(
+        "a provider without one",
+        admin(Method::DELETE, "/api/admin/relay/upstreams/anthropic").wire(),
+        StatusCode::NOT_FOUND,
+        "upstream_not_configured",
+    );
+    t.bad(
+        "provider with SQL",
+        admin(
+            Method::DELETE,
+            "/api/admin/relay/upstreams/x'%20OR%20'1'='1",
+        ),
+    );
+
+    // the relay itself (not in the OpenAPI document: it passes an upstream's API through); the
+    // `openai` upstream is set, at an address nothing answers on: none of these reaches it
+    t.on("POST /relay/{provider}/{pool}/{*path}");
+    let chat = json!({"model": "gpt-4o", "messages": []});
+    t.row(
+        "no key",
+        exec("/relay/openai/default/v1/chat/completions")
+            .header("x-internal-key", None)
+            .json(chat.clone())
+            .wire(),
+        StatusCode::UNAUTHORIZED,
+        "unauthorized",
+    );
+    t.row(
+        "the admin key as a bearer token",
+        exec("/relay/openai/default/v1/chat/completions")
+            .header("x-internal-key", None)
+            .header(
+                "authorization",
+                Some(format!("Bearer {ADMIN_KEY}").as_bytes()),
+            )
+            .json(chat.clone())
+            .wire(),
+        StatusCode::UNAUTHORIZED,
+        "unauthorized",
+    );
+    t.row(
+        "a provider without an upstream",
+        exec("/relay/anthropic/default/v1/messages")
+            .json(chat.clone())
+            .wire(),
+        StatusCode::NOT_FOUND,
+        "upstream_not_configured",
+    );
+    for (what, path) in [
+        (
+            "a path to another host",
+            "/relay/openai/default//evil.example.com/v1",
+        ),
+        ("dot segments", "/relay/openai/default/v1/../../admin"),
+        (
+            "encoded dot segments",
+            "/relay/openai/default/v1/%2e%2e/admin",
+        ),
+        ("an encoded slash", "/relay/openai/default/v1%2f..%2fadmin"),
+        ("a backslash", "/relay/openai/default/v1\\..\\admin"),
+    ] {
+        let head = format!(
+            "POST {path} HTTP/1.1\r\nHost: x\r\nX-Internal-Key: {INTERNAL_KEY}\r\nContent-Type: application/json\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{chat}",
+            chat.to_string().len()
+        );
+        t.row(
+            what,
+            Wire::Verbatim(head.into_bytes()),
+            StatusCode::BAD_REQUEST,
+            "invalid_request",
+        );
+    }
+    t.bad(
+        "a body without a model",
+        exec("/relay/openai/default/v1/chat/completions").json(json!({"messages": []})),
+    );
+    t.bad(
+        "a body that is not JSON",
+        exec("/relay/openai/default/v1/chat/completions").bytes(&b"{\"model\": "[..]),
+    );
+    t.bad(
+        "a model with a NUL",
+        exec("/relay/openai/default/v1/chat/completions").json(json!({"model": "gpt\u{0}4o"})),
+    );
+    t.bad(
+        "a wait that is not a number",
+        exec("/relay/openai/default/v1/chat/completions")
+            .header("x-credpool-wait-ms", Some(b"soon"))
+            .json(chat.clone()),
+    );
+
     t.rows
 }
 
@@ -1196,10 +1364,12 @@ async fn send(app: &TestApp, wire: &Wire, label: &str) -> (StatusCode, String) {
             let status = response.status();
             (status, response.text().await.expect("body"))
         }
-        Wire::Raw(bytes) => {
+        Wire::Raw(bytes) | Wire::Verbatim(bytes) => {
             let mut stream = tokio::net::TcpStream::connect(app.addr).await.unwrap();
             stream.write_all(bytes).await.unwrap();
-            stream.shutdown().await.unwrap();
+            if matches!(wire, Wire::Raw(_)) {
+                stream.shutdown().await.unwrap();
+            }
             let mut answer = Vec::new();
             stream.read_to_end(&mut answer).await.unwrap();
             let answer = String::from_utf8_lossy(&answer).into_owned();
@@ -1224,6 +1394,8 @@ async fn everything(app: &TestApp) -> String {
         ("tenants", "tenant_id"),
         ("tenant_keys", "key_id"),
         ("tenant_events", "event_id"),
+        ("relay_upstreams", "provider"),
+        ("relay_upstream_events", "event_id"),
     ] {
         let rows: Option<String> = sqlx::query_scalar(sqlx::AssertSqlSafe(format!(
             "SELECT string_agg(to_jsonb(t)::text, E'\\n' ORDER BY t.{order}) FROM {table} t"
@@ -1251,6 +1423,13 @@ async fn hostile_requests_to_every_route_get_their_4xx_code_and_change_nothing()
         )
         .await;
     assert_eq!(lease["key_id"], "key-a");
+    let unanswered = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let nowhere = unanswered.local_addr().unwrap();
+    drop(unanswered);
+    let upstream = json!({"base_url": format!("http://{nowhere}"), "api": "openai"});
+    let path = "/api/admin/relay/upstreams/openai";
+    let set = app.admin(Method::PUT, path, Some(upstream)).await;
+    assert_eq!(set.status(), StatusCode::CREATED);
     let before = everything(&app).await;
 
     let rows = table(&lease);
