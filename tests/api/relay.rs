@@ -201,6 +201,14 @@ fn chat(stream: bool) -> Value {
     json!({"model": "gpt-4o", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 50, "stream": stream})
 }
 
+/// A streamed call of 100 chunks 100 ms apart (10 s in all), once its first chunk has come.
+async fn streaming(app: &TestApp) -> reqwest::Response {
+    let chunks = [("x-mock-chunks", "100"), ("x-mock-interval-ms", "100")];
+    let mut response = call(app, CHAT, INTERNAL_KEY, chat(true), &chunks).await;
+    response.chunk().await.unwrap().unwrap();
+    response
+}
+
 /// A trail row of a relay lease: (event, holder, outcome, tokens).
 type TrailRow = (String, Option<String>, Option<String>, Option<i64>);
 
@@ -356,16 +364,7 @@ async fn a_stream_is_passed_on_as_it_comes_and_its_usage_lands_in_the_trail() {
 #[tokio::test]
 async fn a_client_that_leaves_mid_stream_frees_the_slot_at_once() {
     let (app, _, mock) = relay_app(1, 35).await;
-    let response = call(
-        &app,
-        CHAT,
-        INTERNAL_KEY,
-        chat(true),
-        &[("x-mock-chunks", "100"), ("x-mock-interval-ms", "100")],
-    )
-    .await;
-    let mut response = response;
-    response.chunk().await.unwrap().unwrap();
+    let response = streaming(&app).await;
     assert_eq!(app.in_flight("k1").await, 1);
     drop(response);
     // within a second, not at the lease's end 35 s on
@@ -592,20 +591,11 @@ async fn refusals_reach_no_upstream() {
 async fn a_call_whose_lease_is_taken_away_is_cut() {
     // a 3 s lease, renewed every second while the call runs
     let (app, _, mock) = relay_app(1, 3).await;
-    let response = call(
-        &app,
-        CHAT,
-        INTERNAL_KEY,
-        chat(true),
-        &[("x-mock-chunks", "100"), ("x-mock-interval-ms", "100")],
-    )
-    .await;
+    let mut response = streaming(&app).await;
     let lease_id = response.headers()["x-credpool-lease-id"]
         .to_str()
         .unwrap()
         .to_owned();
-    let mut response = response;
-    response.chunk().await.unwrap().unwrap();
     // renewed past its first length: the call outlives its 3 s lease
     tokio::time::sleep(Duration::from_secs(4)).await;
     assert_eq!(

@@ -67,19 +67,71 @@ pub(super) fn routes() -> OpenApiRouter<AppState> {
         .routes(routes!(put_upstream, delete_upstream))
 }
 
+/// How long a replica answers relay calls from the upstream it read last, in seconds: a change
+/// by an operator reaches the calls of every other replica within this (the replica that made it
+/// at once).
+const UPSTREAM_FRESH_FOR: Duration = Duration::from_secs(1);
+
+/// The most providers whose upstream (or its absence) a replica keeps; past it the memory is
+/// emptied (callers are authenticated, but may name any provider).
+const MAX_REMEMBERED_UPSTREAMS: usize = 1024;
+
+/// The upstreams a replica read lately, by provider: when each was read, and what (`None`: the
+/// provider had none).
+type Remembered = std::collections::HashMap<ProviderName, (Instant, Option<Upstream>)>;
+
 /// The HTTP client relay calls go out through (any address the operator's base URL names: an
-/// upstream may be a gateway on a private network).
+/// upstream may be a gateway on a private network), and the upstreams read lately, so that a
+/// call reads its provider's upstream from the store at most once a second per replica.
 #[derive(Clone)]
-pub struct RelayClient(
-    crate::oauth::OutboundClient<hyper_util::client::legacy::connect::dns::GaiResolver>,
-);
+pub struct RelayClient {
+    http: crate::oauth::OutboundClient<hyper_util::client::legacy::connect::dns::GaiResolver>,
+    upstreams: Arc<std::sync::Mutex<Remembered>>,
+}
 
 impl RelayClient {
     /// A client with its own connection pool.
     pub fn new() -> Self {
-        Self(crate::oauth::https_client(
-            hyper_util::client::legacy::connect::dns::GaiResolver::new(),
-        ))
+        Self {
+            http: crate::oauth::https_client(
+                hyper_util::client::legacy::connect::dns::GaiResolver::new(),
+            ),
+            upstreams: Arc::default(),
+        }
+    }
+
+    /// `provider`'s upstream: as read within the last [`UPSTREAM_FRESH_FOR`], else from the
+    /// store. Errors: the store's.
+    async fn upstream(
+        &self,
+        db: &crate::store::Db,
+        provider: &ProviderName,
+    ) -> Result<Option<Upstream>, sqlx::Error> {
+        if let Some((read_at, upstream)) = self.remembered().get(provider)
+            && read_at.elapsed() < UPSTREAM_FRESH_FOR
+        {
+            return Ok(upstream.clone());
+        }
+        let read_at = Instant::now();
+        let upstream = store::get(db, provider).await?;
+        let mut remembered = self.remembered();
+        if remembered.len() >= MAX_REMEMBERED_UPSTREAMS {
+            remembered.clear();
+        }
+        remembered.insert(provider.clone(), (read_at, upstream.clone()));
+        Ok(upstream)
+    }
+
+    /// Forgets `provider`'s upstream: this replica's next call reads it again.
+    fn forget(&self, provider: &ProviderName) {
+        self.remembered().remove(provider);
+    }
+
+    fn remembered(&self) -> std::sync::MutexGuard<'_, Remembered> {
+        // a panic while the map was held leaves nothing half-written in it
+        self.upstreams
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
     }
 }
 
@@ -140,6 +192,7 @@ async fn put_upstream(
 ) -> Result<(StatusCode, Json<UpstreamDetail>), ApiError> {
     let upstream = body.check(ProviderName::parse(raw)?)?;
     let (detail, created) = store::put(&state.db, &upstream, &actor).await?;
+    state.relay.forget(&upstream.provider);
     tracing::info!(actor = actor.as_str(), base_url = %upstream.base_url, "relay upstream set");
     let status = if created {
         StatusCode::CREATED
@@ -166,7 +219,9 @@ async fn delete_upstream(
     ApiPath(raw): ApiPath<String>,
 ) -> Result<StatusCode, ApiError> {
     let provider = ProviderName::parse(raw)?;
-    if store::remove(&state.db, &provider, &actor).await? {
+    let removed = store::remove(&state.db, &provider, &actor).await?;
+    state.relay.forget(&provider);
+    if removed {
         Ok(StatusCode::NO_CONTENT)
     } else {
         Err(ApiError::UpstreamNotConfigured)
@@ -426,7 +481,9 @@ async fn forward(
     // the key first, before anything is read for the caller (docs/src/security.md)
     let caller = Caller::of_key(state, presented_key(&parts.headers)).await?;
     let (provider, pool, rest) = route_parts(parts.uri.path())?;
-    let upstream = store::get(&state.db, &provider)
+    let upstream = state
+        .relay
+        .upstream(&state.db, &provider)
         .await?
         .ok_or(ApiError::UpstreamNotConfigured)?;
     *api = upstream.api;
@@ -463,7 +520,7 @@ async fn forward(
 
     let timeout = Duration::from_secs(u64::from(upstream.timeout_seconds));
     let answer = tokio::select! {
-        answer = tokio::time::timeout(timeout, state.relay.0.request(outbound)) => answer,
+        answer = tokio::time::timeout(timeout, state.relay.http.request(outbound)) => answer,
         () = held.lost.notified() => {
             held.settle(None, None, None, "lease_lost").await;
             return Err(ApiError::Timeout);
