@@ -1164,13 +1164,9 @@ fn print_report(
         }
     }
     print_server_time(reports, source);
-    println!(
-        "oversell check (audit trail, this run's credentials; the sql and redis baselines keep no trail): {}",
-        if oversold == 0 {
-            "no grant exceeded a limit".to_owned()
-        } else {
-            format!("{oversold} grants exceeded a limit")
-        }
+    print_oversell_check(
+        oversold,
+        "this run's credentials; the sql and redis baselines keep no trail",
     );
     if let Some(mb) = rss_peak_mb {
         let what = if args.url.is_some() {
@@ -1268,4 +1264,16 @@ fn print_server_time(reports: &[ModeReport], source: &server_time::Source) {
     );
     println!("{operations}");
     println!("{statements}");
+}
+
+/// The report's line on the oversell check of the audit trail over `what` (its credentials).
+pub(crate) fn print_oversell_check(oversold: i64, what: &str) {
+    println!(
+        "oversell check (audit trail, {what}): {}",
+        if oversold == 0 {
+            "no grant exceeded a limit".to_owned()
+        } else {
+            format!("{oversold} grants exceeded a limit")
+        }
+    );
 }

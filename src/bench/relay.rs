@@ -483,14 +483,7 @@ pub(super) fn print_report(
             );
         }
     }
-    println!(
-        "oversell check (audit trail, this run's credentials): {}",
-        if oversold == 0 {
-            "no grant exceeded a limit".to_owned()
-        } else {
-            format!("{oversold} grants exceeded a limit")
-        }
-    );
+    super::print_oversell_check(oversold, "this run's credentials");
     if let Some(mb) = rss_peak_mb {
         println!("peak RSS of this process: {mb:.0} MB");
     }
