@@ -5,7 +5,7 @@ use std::collections::BTreeSet;
 use std::time::Duration;
 
 use credpool::embedded::EmbeddedCluster;
-use reqwest::StatusCode;
+use reqwest::{Method, StatusCode};
 use serde_json::{Value, json};
 
 use credpool_test_support::*;
@@ -252,12 +252,34 @@ async fn a_stopped_database_is_store_unavailable_and_never_pool_exhausted_and_re
     assert_eq!(allocations(&before, &provider, "pool_exhausted"), 1.0);
     assert_eq!(allocations(&before, &provider, "store_unavailable"), 0.0);
 
+    // the relay's calls of the provider too (its upstream answers nothing: none reaches it)
+    let upstream = json!({"base_url": "http://127.0.0.1:9", "api": "openai"});
+    let path = format!("/api/admin/relay/upstreams/{provider}");
+    let set = service.admin(Method::PUT, &path, Some(upstream)).await;
+    assert_eq!(set.status(), StatusCode::CREATED);
+
     cluster.stop().await;
     for _ in 0..3 {
         allocate()
             .refused(StatusCode::SERVICE_UNAVAILABLE, "store_unavailable")
             .await;
     }
+    let relayed = client
+        .post(format!(
+            "{base}/relay/{provider}/default/v1/chat/completions"
+        ))
+        .bearer_auth(INTERNAL_KEY)
+        .json(&json!({"model": "gpt-4o", "messages": []}))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(relayed.status(), StatusCode::SERVICE_UNAVAILABLE);
+    let body: Value = relayed.json().await.unwrap();
+    assert_eq!(body["error"]["code"], "store_unavailable", "{body}");
+    assert_eq!(
+        body["error"]["type"], "server_error",
+        "OpenAI's shape: {body}"
+    );
     let ready = client.get(format!("{base}/readyz")).send().await.unwrap();
     assert_error(ready, StatusCode::SERVICE_UNAVAILABLE, "not_ready").await;
     // liveness touches no database: the process is alive, and must not be restarted for this
