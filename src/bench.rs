@@ -49,14 +49,13 @@ use sqlx::postgres::PgConnectOptions;
 use sqlx::{ConnectOptions, PgConnection};
 
 use crate::config::{BenchArgs, BenchBaseline};
+use crate::local::LocalService;
 use credpool::allocator::health::HealthPolicy;
 use credpool::database::Database;
 use credpool::domain::{
     Holder, KeyId, LeaseSeconds, ModelName, Outcome, PoolName, ProviderName, Secret, Status,
     TenantId, TenantKey,
 };
-use credpool::http::ApiKeys;
-use credpool::startup::Application;
 use credpool::store::credentials::{self, Actor, CredentialSpec};
 use credpool::store::leases::{self, Claim, GrantedLease, LeaseRef, ReleaseRequest};
 use credpool::store::{Conn, Db, audit, tenants};
@@ -223,7 +222,7 @@ impl Plan {
 
 /// Runs the benchmark; the exit code is non-zero on any error or oversell.
 pub async fn run(args: BenchArgs) -> anyhow::Result<ExitCode> {
-    credpool::startup::check_secret_config(&args.secrets, &args.db)?;
+    credpool::startup::check_secret_config(&args.local.secrets, &args.local.db)?;
     anyhow::ensure!(
         args.hot_spot <= args.credentials,
         "--hot-spot ({}) cannot exceed --credentials ({})",
@@ -235,7 +234,7 @@ pub async fn run(args: BenchArgs) -> anyhow::Result<ExitCode> {
         !(baselines
             .iter()
             .any(|b| matches!(b, BenchBaseline::Sql | BenchBaseline::Unbatched))
-            && args.db.db_pooler == credpool::config::DbPooler::Transaction),
+            && args.local.db.db_pooler == credpool::config::DbPooler::Transaction),
         "--baseline sql and --baseline unbatched run single statements outside transactions, \
          which a transaction pooler cannot carry: run them with a DATABASE_URL that reaches \
          PostgreSQL directly"
@@ -255,7 +254,7 @@ pub async fn run(args: BenchArgs) -> anyhow::Result<ExitCode> {
         args.limit,
         args.executors
     );
-    let database = Database::open(&args.db).await?;
+    let database = Database::open(&args.local.db).await?;
     let result = run_on(&args, &baselines, &database).await;
     database.close().await;
     result
@@ -277,7 +276,7 @@ async fn run_on(
     baselines: &[BenchBaseline],
     database: &Database,
 ) -> anyhow::Result<ExitCode> {
-    let keyring = credpool::startup::prepare_keyring(&args.secrets, database).await?;
+    let keyring = credpool::startup::prepare_keyring(&args.local.secrets, database).await?;
     let run_id = hex::encode(rand::random::<[u8; 4]>());
     let pool = PoolName::parse(format!("run-{run_id}")).map_err(anyhow::Error::msg)?;
     let actor = Actor::parse("bench").map_err(anyhow::Error::msg)?;
@@ -292,23 +291,13 @@ async fn run_on(
             (url.trim_end_matches('/').to_owned(), key, None)
         }
         None => {
-            let internal_key = hex::encode(rand::random::<[u8; 16]>());
-            let admin_key = hex::encode(rand::random::<[u8; 16]>());
-            let keys = ApiKeys::new(internal_key.clone(), admin_key).map_err(anyhow::Error::msg)?;
-            let app = Application::bind(
-                "127.0.0.1:0",
-                database.pool.clone(),
-                keys,
-                keyring.clone(),
-                &args.service.settings(),
+            let service =
+                LocalService::start(database, keyring.clone(), &args.local.service).await?;
+            (
+                service.base.clone(),
+                service.internal_key.clone(),
+                Some(service),
             )
-            .await?;
-            let base = format!("http://{}", app.local_addr()?);
-            let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
-            let handle = tokio::spawn(app.run_until(async {
-                let _ = stopped.await;
-            }));
-            (base, internal_key, Some((stop, handle)))
         }
     };
 
@@ -402,9 +391,8 @@ async fn run_on(
         }
         let until = audit::now(db).await?;
 
-        if let Some((stop, handle)) = server {
-            let _ = stop.send(());
-            handle.await??;
+        if let Some(service) = server {
+            service.stop().await?;
         }
         // the proof reads the run's whole trail: more than a request's statement timeout
         let mut tx = without_statement_timeout(db).await?;

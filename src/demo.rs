@@ -18,9 +18,8 @@ use rand::{RngExt, SeedableRng};
 use serde_json::json;
 
 use crate::config::DemoArgs;
+use crate::local::LocalService;
 use credpool::database::Database;
-use credpool::http::ApiKeys;
-use credpool::startup::Application;
 use credpool::store::audit;
 
 const PROVIDER: &str = "demo";
@@ -161,31 +160,17 @@ impl Fleet {
 
 /// Runs the demo; the exit code is non-zero when any credential's peak exceeded its limit.
 pub async fn run(args: DemoArgs) -> anyhow::Result<ExitCode> {
-    credpool::startup::check_secret_config(&args.secrets, &args.db)?;
-    let database = Database::open(&args.db).await?;
+    credpool::startup::check_secret_config(&args.local.secrets, &args.local.db)?;
+    let database = Database::open(&args.local.db).await?;
     let result = run_on(&args, &database).await;
     database.close().await;
     result
 }
 
 async fn run_on(args: &DemoArgs, database: &Database) -> anyhow::Result<ExitCode> {
-    let internal_key = hex::encode(rand::random::<[u8; 16]>());
-    let admin_key = hex::encode(rand::random::<[u8; 16]>());
-    let keys = ApiKeys::new(internal_key.clone(), admin_key.clone()).map_err(anyhow::Error::msg)?;
-    let keyring = credpool::startup::prepare_keyring(&args.secrets, database).await?;
-    let app = Application::bind(
-        "127.0.0.1:0",
-        database.pool.clone(),
-        keys,
-        keyring,
-        &args.service.settings(),
-    )
-    .await?;
-    let base = format!("http://{}", app.local_addr()?);
-    let (stop_tx, stop_rx) = tokio::sync::oneshot::channel::<()>();
-    let server = tokio::spawn(app.run_until(async {
-        let _ = stop_rx.await;
-    }));
+    let keyring = credpool::startup::prepare_keyring(&args.local.secrets, database).await?;
+    let service = LocalService::start(database, keyring, &args.local.service).await?;
+    let (base, admin_key) = (&service.base, &service.admin_key);
 
     let client = reqwest::Client::builder()
         .timeout(Duration::from_secs(30))
@@ -194,7 +179,7 @@ async fn run_on(args: &DemoArgs, database: &Database) -> anyhow::Result<ExitCode
     for (key_id, pool, limit, models) in &credentials {
         let response = client
             .put(format!("{base}/api/admin/keys/{key_id}"))
-            .header("x-admin-key", &admin_key)
+            .header("x-admin-key", admin_key)
             .json(&json!({"provider": PROVIDER, "pool": pool, "models": models, "max_concurrent_uses": limit,
                           "status": "available", "secret": {"api_key": format!("sk-demo-{}", hex::encode(rand::random::<[u8; 8]>()))}}))
             .send()
@@ -215,7 +200,7 @@ async fn run_on(args: &DemoArgs, database: &Database) -> anyhow::Result<ExitCode
 
     let since = audit::now(&database.pool).await?;
     let fleet = Arc::new(Fleet {
-        client: Client::new(base, internal_key)?,
+        client: Client::new(base.clone(), service.internal_key.clone())?,
         lease_seconds: args.lease_seconds.max(1),
         deadline: Instant::now() + Duration::from_secs(args.duration_seconds),
         stats: Mutex::new(Stats::default()),
@@ -226,8 +211,7 @@ async fn run_on(args: &DemoArgs, database: &Database) -> anyhow::Result<ExitCode
     for task in tasks {
         task.await?;
     }
-    let _ = stop_tx.send(());
-    server.await??;
+    service.stop().await?;
 
     // let crashed executors' leases run out, so that the trail's view of them is final
     tokio::time::sleep(Duration::from_millis(

@@ -6,6 +6,7 @@
 mod bench;
 mod config;
 mod demo;
+mod local;
 mod operator;
 
 use std::io::IsTerminal;

@@ -2,7 +2,7 @@
 
 use clap::Args;
 
-use credpool::config::{DatabaseArgs, SecretArgs, ServiceArgs};
+use super::LocalArgs;
 
 /// An allocator `credpool bench` can measure next to the service (an honest baseline).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
@@ -39,19 +39,9 @@ impl BenchBaseline {
 /// `credpool bench`.
 #[derive(Debug, Clone, Args)]
 pub struct BenchArgs {
-    /// Database settings (the bench credentials, the baseline and the oversell check use it; the
-    /// in-process service runs on it).
+    /// The database, the master keys and the in-process service's behaviour.
     #[command(flatten)]
-    pub db: DatabaseArgs,
-
-    /// Master keys (the bench credentials are sealed like any other; with --url, give the
-    /// service's).
-    #[command(flatten)]
-    pub secrets: SecretArgs,
-
-    /// Behaviour of the in-process service.
-    #[command(flatten)]
-    pub service: ServiceArgs,
+    pub local: LocalArgs,
 
     /// Drive a running credpool at this base URL (`http://host:port`) instead of one started
     /// in-process; it must use the same database.

@@ -2,22 +2,14 @@
 
 use clap::Args;
 
-use credpool::config::{DatabaseArgs, SecretArgs, ServiceArgs};
+use super::LocalArgs;
 
 /// `credpool demo`.
 #[derive(Debug, Clone, Args)]
 pub struct DemoArgs {
-    /// Database settings.
+    /// The database, the master keys and the in-process service's behaviour.
     #[command(flatten)]
-    pub db: DatabaseArgs,
-
-    /// Master keys.
-    #[command(flatten)]
-    pub secrets: SecretArgs,
-
-    /// Service behaviour.
-    #[command(flatten)]
-    pub service: ServiceArgs,
+    pub local: LocalArgs,
 
     /// How long executors start new calls, in seconds (calls in flight then finish, and the
     /// summary waits one lease length for crashed executors' leases to expire).

@@ -10,8 +10,8 @@ mod bench;
 mod demo;
 mod operator;
 
-use clap::{Parser, Subcommand};
-use credpool::config::{DatabaseArgs, ServeArgs};
+use clap::{Args, Parser, Subcommand};
+use credpool::config::{DatabaseArgs, SecretArgs, ServeArgs, ServiceArgs};
 
 pub use bench::{BenchArgs, BenchBaseline, BenchCreateBy};
 pub use demo::DemoArgs;
@@ -33,6 +33,25 @@ pub struct Cli {
     /// (`json`). Filter with RUST_LOG.
     #[arg(long, global = true, env = "CREDPOOL_LOG_FORMAT", value_enum, default_value_t = LogFormat::Human)]
     pub log_format: LogFormat,
+}
+
+/// What `demo` and `bench` share: the database they work on, the master keys, and the
+/// behaviour of the service they run in-process (`bench` runs none with `--url`).
+#[derive(Debug, Clone, Args)]
+pub struct LocalArgs {
+    /// Database settings (the in-process service runs on it; the bench's credentials, baselines
+    /// and oversell check use it too).
+    #[command(flatten)]
+    pub db: DatabaseArgs,
+
+    /// Master keys (the bench credentials are sealed like any other; with `bench --url`, give
+    /// the service's).
+    #[command(flatten)]
+    pub secrets: SecretArgs,
+
+    /// Behaviour of the in-process service.
+    #[command(flatten)]
+    pub service: ServiceArgs,
 }
 
 /// How log lines look.
@@ -92,8 +111,8 @@ impl Command {
         match self {
             Command::Serve(args) => args.load_secret_files(),
             Command::Migrate(db) => db.load_secret_files(),
-            Command::Demo(args) => args.db.load_secret_files(),
-            Command::Bench(args) => args.db.load_secret_files(),
+            Command::Demo(args) => args.local.db.load_secret_files(),
+            Command::Bench(args) => args.local.db.load_secret_files(),
             Command::Keys(KeysArgs { cli, .. })
             | Command::Leases(LeasesArgs { cli, .. })
             | Command::Pools(cli)
@@ -164,34 +183,32 @@ mod oauth_flags {
     use clap::Parser;
     use std::time::Duration;
 
+    /// The refresher settings `credpool serve` with these flags runs with.
+    fn serve_oauth(flags: &[&str]) -> credpool::oauth::OAuthSettings {
+        let cli = Cli::try_parse_from(["credpool", "serve"].iter().chain(flags)).unwrap();
+        let Command::Serve(args) = cli.command else {
+            panic!("not serve");
+        };
+        args.service.settings().oauth
+    }
+
     #[test]
     fn the_refresher_flags_set_its_settings_and_the_marker_outlasts_the_call() {
-        let cli = Cli::try_parse_from([
-            "credpool",
-            "serve",
+        let oauth = serve_oauth(&[
             "--oauth-check-ms",
             "250",
             "--oauth-call-timeout-seconds",
             "20",
             "--oauth-backoff-max-seconds",
             "300",
-        ])
-        .unwrap();
-        let Command::Serve(args) = cli.command else {
-            panic!("not serve");
-        };
-        let oauth = args.service.settings().oauth;
+        ]);
         assert_eq!(oauth.check_every, Duration::from_millis(250));
         assert_eq!(oauth.call_timeout, Duration::from_secs(20));
         assert_eq!(oauth.claim_for, Duration::from_secs(60));
         assert_eq!(oauth.backoff_max, Duration::from_secs(300));
         assert_eq!(oauth.backoff_first, Duration::from_secs(1));
 
-        let defaults = Cli::try_parse_from(["credpool", "serve"]).unwrap();
-        let Command::Serve(args) = defaults.command else {
-            panic!("not serve");
-        };
-        let oauth = args.service.settings().oauth;
+        let oauth = serve_oauth(&[]);
         assert_eq!(oauth.call_timeout, Duration::from_secs(10));
         assert_eq!(oauth.claim_for, Duration::from_secs(30));
         assert_eq!(oauth.check_every, Duration::from_secs(1));
