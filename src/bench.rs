@@ -828,6 +828,31 @@ enum Claimed {
     Failed,
 }
 
+impl Claimed {
+    /// What a baseline's claim statement or script came to: `Some(key_id)`, a slot of `key_id`
+    /// is held under `lease_id` (kept in `held` for the release); `None`, the ranked list has no
+    /// free slot now (the baseline's 429, not a failure); an error is logged at debug as
+    /// `failed` and counts as failed.
+    fn of_baseline<L>(
+        answer: Result<Option<String>, impl std::fmt::Display>,
+        lease_id: L,
+        held: &mut Option<(String, L)>,
+        failed: &str,
+    ) -> Claimed {
+        match answer {
+            Ok(Some(key_id)) => {
+                *held = Some((key_id, lease_id));
+                Claimed::Leased
+            }
+            Ok(None) => Claimed::Exhausted,
+            Err(error) => {
+                tracing::debug!(error = %error, "{failed}");
+                Claimed::Failed
+            }
+        }
+    }
+}
+
 /// One simulated executor of one allocator. It holds at most one lease, from an `allocate`
 /// that answered [`Claimed::Leased`] to the next `release`.
 trait Allocator: Send {

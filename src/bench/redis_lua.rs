@@ -224,21 +224,16 @@ impl Allocator for RedisAllocator<'_> {
         for key_id in plan.window(CANDIDATES) {
             invocation.arg(key_id.as_str());
         }
-        match invocation
+        // nil: this ranked list has no free slot now (the article's 429)
+        let answer = invocation
             .invoke_async::<Option<String>>(&mut self.conn)
-            .await
-        {
-            Ok(Some(key_id)) => {
-                self.lease = Some((key_id, lease_id));
-                Claimed::Leased
-            }
-            // nil: this ranked list has no free slot now (the article's 429, not a failure)
-            Ok(None) => Claimed::Exhausted,
-            Err(error) => {
-                tracing::debug!(error = %error, "redis baseline ALLOCATE failed");
-                Claimed::Failed
-            }
-        }
+            .await;
+        Claimed::of_baseline(
+            answer,
+            lease_id,
+            &mut self.lease,
+            "redis baseline ALLOCATE failed",
+        )
     }
 
     async fn release(&mut self, plan: &Plan) -> bool {

@@ -163,17 +163,12 @@ impl Allocator for SqlAllocator {
             .bind(&ranked)
             .fetch_optional(&mut self.conn)
             .await;
-        match claimed {
-            Ok(Some(key_id)) => {
-                self.lease = Some((key_id, lease_id));
-                Claimed::Leased
-            }
-            Ok(None) => Claimed::Exhausted,
-            Err(error) => {
-                tracing::debug!(error = %error, "sql baseline claim failed");
-                Claimed::Failed
-            }
-        }
+        Claimed::of_baseline(
+            claimed,
+            lease_id,
+            &mut self.lease,
+            "sql baseline claim failed",
+        )
     }
 
     async fn release(&mut self, plan: &Plan) -> bool {
