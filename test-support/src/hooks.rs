@@ -161,34 +161,46 @@ impl Hook {
     /// Closes hook `point` (an advisory lock on a connection of the test's own): connections
     /// that stop there ([`hooked`], [`TestApp::spawn_with_hooks`]) wait until it opens.
     pub async fn close(app: &TestApp, point: &'static str) -> Self {
-        let mut conn = connect(app).await;
-        sqlx::query("SELECT pg_advisory_lock(hashtextextended('credpool.test_hook:' || $1, 0))")
-            .bind(point)
-            .execute(&mut conn)
-            .await
-            .unwrap();
+        let lock = "SELECT pg_advisory_lock(hashtextextended('credpool.test_hook:' || $1, 0))";
+        let conn = connect_and_run(app, lock, point).await;
         Self { conn, point }
     }
 
     /// Opens the hook: whatever waits there goes on.
     pub async fn open(mut self) {
-        sqlx::query("SELECT pg_advisory_unlock(hashtextextended('credpool.test_hook:' || $1, 0))")
-            .bind(self.point)
-            .execute(&mut self.conn)
-            .await
-            .unwrap();
+        run_with(
+            &mut self.conn,
+            "SELECT pg_advisory_unlock(hashtextextended('credpool.test_hook:' || $1, 0))",
+            self.point,
+        )
+        .await;
     }
+}
+
+/// A connection of the test's own ([`connect`]) that has run `sql`, its `$1` bound to `value`.
+async fn connect_and_run(app: &TestApp, sql: &'static str, value: &str) -> PgConnection {
+    let mut conn = connect(app).await;
+    run_with(&mut conn, sql, value).await;
+    conn
+}
+
+/// Runs `sql`, its `$1` bound to `value`, on `conn`.
+async fn run_with(conn: &mut PgConnection, sql: &'static str, value: &str) {
+    sqlx::query(sql)
+        .bind(value)
+        .execute(conn)
+        .await
+        .unwrap_or_else(|e| panic!("{sql}: {e}"));
 }
 
 /// A connection whose SQL functions stop at `points` while their hooks are closed.
 pub async fn hooked(app: &TestApp, points: &str) -> PgConnection {
-    let mut conn = connect(app).await;
-    sqlx::query("SELECT set_config('credpool.test_hooks', $1, false)")
-        .bind(points)
-        .execute(&mut conn)
-        .await
-        .unwrap();
-    conn
+    connect_and_run(
+        app,
+        "SELECT set_config('credpool.test_hooks', $1, false)",
+        points,
+    )
+    .await
 }
 
 /// A transaction of the test's own on `conn` (from [`connect`] or [`hooked`]), run in a task:
