@@ -73,6 +73,15 @@ pub trait Sql {
     }
 }
 
+/// Runs `sql` on `conn`, a connection or an open transaction of the test's own (where [`Sql`]
+/// runs on a pool); panics, naming the statement, when it fails.
+pub async fn run_on<'c>(conn: impl sqlx::PgExecutor<'c>, sql: &'static str) {
+    sqlx::query(sql)
+        .execute(conn)
+        .await
+        .unwrap_or_else(|e| panic!("{sql}: {e}"));
+}
+
 impl Sql for PgPool {
     fn sql_pool(&self) -> &PgPool {
         self

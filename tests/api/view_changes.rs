@@ -22,14 +22,12 @@ async fn a_change_still_open_during_a_read_is_in_the_next_read_of_the_changes() 
 
     // a drain of key-a and the deletion of key-b, written but not committed...
     let mut open = writer.begin().await.unwrap();
-    sqlx::query("UPDATE credentials SET draining = true WHERE key_id = 'key-a'")
-        .execute(&mut *open)
-        .await
-        .unwrap();
-    sqlx::query("DELETE FROM credentials WHERE key_id = 'key-b'")
-        .execute(&mut *open)
-        .await
-        .unwrap();
+    run_on(
+        &mut *open,
+        "UPDATE credentials SET draining = true WHERE key_id = 'key-a'",
+    )
+    .await;
+    run_on(&mut *open, "DELETE FROM credentials WHERE key_id = 'key-b'").await;
     // ...while the pool is read whole: the read sees neither
     let whole = load_pool(&mut reader, &provider, &pool, None)
         .await
@@ -72,24 +70,17 @@ async fn deletes_in_one_pool_never_wait_for_each_others_departures() {
     }
     let mut first = connect(&app).await;
     let mut second = connect(&app).await;
-    sqlx::query(
+    run_on(
+        &mut first,
         "INSERT INTO credential_departures (provider, pool, key_id, departed_at)
          VALUES ('openai', 'default', 'long-gone', now() - interval '11 minutes')",
     )
-    .execute(&mut first)
-    .await
-    .unwrap();
+    .await;
 
     let mut open = first.begin().await.unwrap();
-    sqlx::query("DELETE FROM credentials WHERE key_id = 'key-a'")
-        .execute(&mut *open)
-        .await
-        .unwrap();
+    run_on(&mut *open, "DELETE FROM credentials WHERE key_id = 'key-a'").await;
     // (the bound turns a wait into a failure; a delete that does not wait takes milliseconds)
-    sqlx::query("SET lock_timeout = '10s'")
-        .execute(&mut second)
-        .await
-        .unwrap();
+    run_on(&mut second, "SET lock_timeout = '10s'").await;
     let deleted = sqlx::query("DELETE FROM credentials WHERE key_id = 'key-b'")
         .execute(&mut second)
         .await;
