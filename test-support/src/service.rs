@@ -69,6 +69,13 @@ pub trait Service {
         self.post_as(ALLOCATE, key, body).await
     }
 
+    /// [`Service::allocate_as`] in a task of its own, for a request that waits while the test
+    /// goes on: the task ends with its answer.
+    fn spawn_allocate_as(&self, key: &str, body: Value) -> tokio::task::JoinHandle<Response> {
+        let (remote, key) = (self.remote(), key.to_owned());
+        tokio::spawn(async move { remote.allocate_as(&key, body).await })
+    }
+
     /// `POST /api/internal/release-key` with executor key `key`.
     async fn release_as(&self, key: &str, body: Value) -> Response {
         self.post_as(RELEASE, key, body).await

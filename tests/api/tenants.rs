@@ -1142,16 +1142,10 @@ async fn fair_share_never_yields_to_a_tenant_whose_window_has_no_room() {
     let released = app.release_as(&metered, lease_ref(&used)).await;
     assert_eq!(released.status(), StatusCode::OK);
     app.lease_as(&busy, "default").await;
-    let held_back = {
-        let (app, metered) = (app.remote(), metered.clone());
-        tokio::spawn(async move {
-            app.allocate_as(
-                &metered,
-                json!({"provider": "openai", "model": "gpt-4o", "wait_ms": 6_000}),
-            )
-            .await
-        })
-    };
+    let held_back = app.spawn_allocate_as(
+        &metered,
+        json!({"provider": "openai", "model": "gpt-4o", "wait_ms": 6_000}),
+    );
     // the metered request has been looked at (and refused by its window) at least once
     waiters_queued(&app, 1).await;
     tokio::time::sleep(Duration::from_millis(200)).await;
@@ -1273,16 +1267,10 @@ async fn a_waiting_request_is_refused_a_pool_its_tenant_lost_while_it_waited() {
         .await;
     let (_, key) = app.mint_key("narrowed").await;
     let held = app.lease(gpt4o_in_for("default", 600)).await;
-    let waiting = {
-        let (app, key) = (app.remote(), key.clone());
-        tokio::spawn(async move {
-            app.allocate_as(
-                &key,
-                json!({"provider": "openai", "model": "gpt-4o", "wait_ms": 20_000}),
-            )
-            .await
-        })
-    };
+    let waiting = app.spawn_allocate_as(
+        &key,
+        json!({"provider": "openai", "model": "gpt-4o", "wait_ms": 20_000}),
+    );
     waiters_queued(&app, 1).await;
     app.put_tenant("narrowed", json!({"pools": ["anthropic/*"]}))
         .await;
