@@ -415,12 +415,8 @@ pub async fn relay(args: RelayArgs) -> anyhow::Result<()> {
 /// A lease as `credpool leases --json` prints it.
 #[derive(Debug, Serialize)]
 struct HeldLease {
-    lease_id: String,
-    key_id: String,
-    provider: String,
-    pool: String,
-    slot: i32,
-    holder: Option<String>,
+    #[serde(flatten)]
+    holding: dashboard::LeaseHolding,
     granted_at: Option<String>,
     lease_until: String,
     probe: bool,
@@ -445,12 +441,7 @@ async fn list_leases(cli: &CliArgs) -> anyhow::Result<()> {
                 Ok(HeldLease {
                     granted_at: r.granted_at.map(format).transpose()?,
                     lease_until: format(r.lease_until)?,
-                    lease_id: r.lease_id,
-                    key_id: r.key_id,
-                    provider: r.provider,
-                    pool: r.pool,
-                    slot: r.slot,
-                    holder: r.holder,
+                    holding: r.holding,
                     probe: r.probe,
                     fence: r.fence,
                 })
@@ -475,13 +466,14 @@ async fn list_leases(cli: &CliArgs) -> anyhow::Result<()> {
             "fence",
         ]);
         for l in &leases {
+            let h = &l.holding;
             out.add_row(vec![
-                l.lease_id.clone(),
-                l.key_id.clone(),
-                l.provider.clone(),
-                l.pool.clone(),
-                l.slot.to_string(),
-                l.holder.clone().unwrap_or_default(),
+                h.lease_id.clone(),
+                h.key_id.clone(),
+                h.provider.clone(),
+                h.pool.clone(),
+                h.slot.to_string(),
+                h.holder.clone().unwrap_or_default(),
                 l.granted_at.clone().unwrap_or_default(),
                 l.lease_until.clone(),
                 l.fence.map(|f| f.to_string()).unwrap_or_default(),
@@ -519,12 +511,7 @@ pub async fn pools(cli: CliArgs) -> anyhow::Result<()> {
             "in flight",
         ]);
         for p in &pools {
-            let by_status = p
-                .by_status
-                .iter()
-                .map(|(status, n)| format!("{status} {n}"))
-                .collect::<Vec<_>>()
-                .join(", ");
+            let by_status = p.by_status_line(" ");
             out.add_row(vec![
                 p.provider.clone(),
                 p.pool.clone(),

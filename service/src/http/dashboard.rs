@@ -222,12 +222,7 @@ async fn pools(State(state): State<AppState>, _admin: AdminKey) -> Result<Respon
                 .iter()
                 .filter(|r| r.provider == p.provider && r.pool == p.pool)
                 .collect();
-            let by_status = p
-                .by_status
-                .iter()
-                .map(|(status, n)| format!("{status}: {n}"))
-                .collect::<Vec<_>>()
-                .join(", ");
+            let by_status = p.by_status_line(": ");
             PoolView {
                 by_status,
                 draining: p.draining,
@@ -380,12 +375,8 @@ async fn credentials(
 /// One lease's row.
 #[derive(Debug, Serialize)]
 struct LeaseViewRow {
-    lease_id: String,
-    key_id: String,
-    provider: String,
-    pool: String,
-    slot: i32,
-    holder: Option<String>,
+    #[serde(flatten)]
+    holding: store::dashboard::LeaseHolding,
     age: Option<String>,
     left: String,
     probe: bool,
@@ -409,12 +400,7 @@ async fn leases(State(state): State<AppState>, _admin: AdminKey) -> Result<Respo
             } else {
                 duration(seconds_between(now, l.lease_until))
             },
-            lease_id: l.lease_id,
-            key_id: l.key_id,
-            provider: l.provider,
-            pool: l.pool,
-            slot: l.slot,
-            holder: l.holder,
+            holding: l.holding,
             probe: l.probe,
             fence: l.fence,
             expired: l.expired,

@@ -3,6 +3,7 @@
 //! None selects a secret column (`secret`, `secret_ciphertext`); the dashboard's pools and
 //! credentials come from `credentials::pools` and `credentials::list`.
 
+use serde::Serialize;
 use time::OffsetDateTime;
 
 use super::Db;
@@ -14,10 +15,10 @@ pub const MAX_EXPIRED_LEASES: i64 = 50;
 /// Most events the dashboard lists (newest first).
 pub const MAX_EVENTS: i64 = 50;
 
-/// A lease as the dashboard shows it: held now, or ended by expiry without a release (its
-/// executor crashed or lost track of it).
-#[derive(Debug, Clone)]
-pub struct LeaseRow {
+/// Which lease, on which credential's slot, held by whom: the part of a [`LeaseRow`] that the
+/// dashboard and `credpool leases` show as read.
+#[derive(Debug, Clone, Serialize)]
+pub struct LeaseHolding {
     /// 32 hex digits.
     pub lease_id: String,
     /// The credential it is on.
@@ -30,6 +31,14 @@ pub struct LeaseRow {
     pub slot: i32,
     /// The executor that holds (held) it.
     pub holder: Option<String>,
+}
+
+/// A lease as the dashboard shows it: held now, or ended by expiry without a release (its
+/// executor crashed or lost track of it).
+#[derive(Debug, Clone)]
+pub struct LeaseRow {
+    /// Which lease, where, and whose.
+    pub holding: LeaseHolding,
     /// When it was granted (`None` if the trail no longer has its grant).
     pub granted_at: Option<OffsetDateTime>,
     /// When it stops (stopped) counting.
@@ -84,12 +93,14 @@ pub async fn leases(db: &Db) -> Result<(Vec<LeaseRow>, OffsetDateTime), sqlx::Er
     let leases = rows
         .into_iter()
         .map(|r| LeaseRow {
-            lease_id: r.lease_id,
-            key_id: r.key_id,
-            provider: r.provider,
-            pool: r.pool,
-            slot: r.slot,
-            holder: r.holder,
+            holding: LeaseHolding {
+                lease_id: r.lease_id,
+                key_id: r.key_id,
+                provider: r.provider,
+                pool: r.pool,
+                slot: r.slot,
+                holder: r.holder,
+            },
             granted_at: r.granted_at,
             lease_until: r.lease_until,
             probe: r.probe,

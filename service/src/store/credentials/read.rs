@@ -399,6 +399,18 @@ pub struct PoolSummary {
     pub oauth_expires_in_seconds: Option<f64>,
 }
 
+impl PoolSummary {
+    /// Its credentials by status on one line, in the order of the statuses: each status, then
+    /// `between`, then its count, joined by `, ` (`available: 3, disabled: 1` with `": "`).
+    pub fn by_status_line(&self, between: &str) -> String {
+        self.by_status
+            .iter()
+            .map(|(status, n)| format!("{status}{between}{n}"))
+            .collect::<Vec<_>>()
+            .join(", ")
+    }
+}
+
 /// Every (provider, pool) with its counts, in order.
 pub async fn pools(db: &Db) -> Result<Vec<PoolSummary>, sqlx::Error> {
     let mut work = db.work().await?;
