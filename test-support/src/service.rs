@@ -373,6 +373,13 @@ pub async fn assert_error(response: Response, expected: StatusCode, code: &str) 
     body
 }
 
+/// The message of an error body (`{"error": {"code", "message"}}`); panics when it has none.
+pub fn error_message(body: &Value) -> &str {
+    body["error"]["message"]
+        .as_str()
+        .unwrap_or_else(|| panic!("no error message: {body}"))
+}
+
 /// The `Retry-After` of a response, in seconds; panics when it has none.
 pub fn retry_after(response: &Response) -> u64 {
     response.headers()["retry-after"]

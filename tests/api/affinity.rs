@@ -320,10 +320,7 @@ async fn bad_affinity_input_is_a_400_and_writes_nothing() {
             .refused(StatusCode::BAD_REQUEST, "invalid_request")
             .await;
         assert!(
-            error["error"]["message"]
-                .as_str()
-                .unwrap()
-                .contains("affinity"),
+            error_message(&error).contains("affinity"),
             "{extra}: {error}"
         );
     }

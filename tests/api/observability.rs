@@ -441,10 +441,7 @@ async fn a_background_task_that_panics_is_restarted_and_shows_in_readyz_and_metr
     )
     .await;
     assert!(
-        body["error"]["message"]
-            .as_str()
-            .unwrap()
-            .contains("test_injected_panic"),
+        error_message(&body).contains("test_injected_panic"),
         "{body}"
     );
     let page = get("/metrics").await.text().await.unwrap();
