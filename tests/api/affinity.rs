@@ -22,6 +22,21 @@ fn call(pool: &str, conversation: &str) -> Value {
     })
 }
 
+/// [`call`] in pool `default` with `affinity_mode` `mode`.
+fn call_in_mode(conversation: &str, mode: &str) -> Value {
+    let mut body = call("default", conversation);
+    body["affinity_mode"] = json!(mode);
+    body
+}
+
+/// A call that binds its conversation: leased with `body`, then released with `success`. The
+/// lease.
+async fn lease_and_release(app: &TestApp, body: &Value) -> Value {
+    let lease = app.lease(body.clone()).await;
+    app.release_ok(&lease, "success").await;
+    lease
+}
+
 /// The credential a conversation is bound to (pool asked for `pool`), if any row exists.
 async fn bound(app: &TestApp, pool: &str, conversation: &str) -> Option<String> {
     sqlx::query_scalar(
@@ -172,10 +187,8 @@ async fn a_disabled_or_cooling_bound_credential_moves_the_conversation_never_ref
     for mode in ["preferred", "strict"] {
         // disabled by an operator
         let conversation = format!("disabled-{mode}");
-        let mut body = call("default", &conversation);
-        body["affinity_mode"] = json!(mode);
-        let first = app.lease(body.clone()).await;
-        app.release_ok(&first, "success").await;
+        let body = call_in_mode(&conversation, mode);
+        let first = lease_and_release(&app, &body).await;
         let key = first["key_id"].as_str().unwrap().to_owned();
         let response = app
             .patch_key(&key, json!({"state": "disable", "reason": "test"}))
@@ -189,9 +202,7 @@ async fn a_disabled_or_cooling_bound_credential_moves_the_conversation_never_ref
         assert!(response.status().is_success(), "{}", response.status());
 
         // cooling down after a rate_limited report
-        let conversation = format!("cooling-{mode}");
-        let mut body = call("default", &conversation);
-        body["affinity_mode"] = json!(mode);
+        let body = call_in_mode(&format!("cooling-{mode}"), mode);
         let first = app.lease(body.clone()).await;
         let mut report = release_body(&first, "rate_limited");
         report["retry_after_seconds"] = json!(120);
@@ -215,8 +226,7 @@ async fn a_binding_outlives_neither_its_ttl_nor_its_credentials_pool_move() {
     // TTL: refreshed by each hit, gone after it
     let mut body = call("default", "short");
     body["affinity_ttl_seconds"] = json!(2);
-    let first = app.lease(body.clone()).await;
-    app.release_ok(&first, "success").await;
+    lease_and_release(&app, &body).await;
     let ttl: f64 = app
         .scalar(
             "SELECT extract(epoch FROM expires_at - last_hit_at)::float8 FROM affinity_bindings
@@ -244,10 +254,8 @@ async fn a_binding_outlives_neither_its_ttl_nor_its_credentials_pool_move() {
     // strict
     for mode in ["preferred", "strict"] {
         let conversation = format!("moving-{mode}");
-        let mut body = call("default", &conversation);
-        body["affinity_mode"] = json!(mode);
-        let first = app.lease(body.clone()).await;
-        app.release_ok(&first, "success").await;
+        let body = call_in_mode(&conversation, mode);
+        let first = lease_and_release(&app, &body).await;
         let key = first["key_id"].as_str().unwrap().to_owned();
         app.put_gpt4o_key(&key, "elsewhere", 2).await;
         let next = app.lease(body.clone()).await;
