@@ -44,7 +44,7 @@ pub const RELAY_CALLS: &str = "credpool_relay_calls_total";
 /// What `outcome` of [`RELAY_CALLS`] can say: the outcome the relay reported at release, or how
 /// the call ended without one (`client_closed`: the client went away first; `lease_lost`: the
 /// lease could not be renewed and the call was cut; `upstream_unreachable`, `upstream_timeout`;
-/// `refused`: credpool answered the call itself, before any upstream).
+/// `refused`: credpool answered the call itself, before it took a lease).
 pub const RELAY_OUTCOMES: [&str; 9] = [
     "success",
     "failure",

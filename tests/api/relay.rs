@@ -166,6 +166,11 @@ async fn mock_upstream() -> (SocketAddr, Arc<Mock>) {
 async fn relay_app(limit: u32, lease_seconds: u32) -> (TestApp, SocketAddr, Arc<Mock>) {
     let mut options = AppOptions::default();
     options.settings.max_lease_seconds = lease_seconds;
+    relay_app_with(limit, options).await
+}
+
+/// [`relay_app`] with `options`.
+async fn relay_app_with(limit: u32, options: AppOptions) -> (TestApp, SocketAddr, Arc<Mock>) {
     let app = TestApp::spawn_with(options).await;
     let (addr, mock) = mock_upstream().await;
     app.put_gpt4o_key("k1", "default", limit).await;
@@ -265,6 +270,10 @@ async fn a_call_reaches_the_upstream_with_the_credential_and_never_the_callers_k
         &[
             ("cookie", "session=1"),
             ("x-forwarded-for", "10.1.2.3"),
+            ("x-forwarded-port", "443"),
+            ("via", "1.1 gateway"),
+            // the caller's key again, where Azure-style clients send it
+            ("api-key", INTERNAL_KEY),
             ("openai-beta", "assistants=v2"),
         ],
     )
@@ -280,7 +289,15 @@ async fn a_call_reaches_the_upstream_with_the_credential_and_never_the_callers_k
     let headers = &seen[0].headers;
     assert_eq!(headers["authorization"], "Bearer sk-test-k1");
     assert_eq!(headers["openai-beta"], "assistants=v2");
-    for gone in ["cookie", "x-forwarded-for", "x-internal-key", "x-api-key"] {
+    for gone in [
+        "cookie",
+        "x-forwarded-for",
+        "x-forwarded-port",
+        "via",
+        "x-internal-key",
+        "x-api-key",
+        "api-key",
+    ] {
         assert!(!headers.contains_key(gone), "{gone} reached the upstream");
     }
     let everything = format!("{headers:?}");
@@ -533,6 +550,16 @@ async fn refusals_reach_no_upstream() {
         assert_eq!(status, 400, "{forged}: {body}");
         assert_eq!(body["error"]["code"], "invalid_request", "{forged}: {body}");
     }
+    // the executor key in the query (`?key=`, as some SDKs send one) would reach the upstream
+    let in_query = call(
+        &app,
+        &format!("{CHAT}?key={INTERNAL_KEY}"),
+        INTERNAL_KEY,
+        chat(false),
+        &[],
+    )
+    .await;
+    assert_eq!(in_query.status(), StatusCode::BAD_REQUEST);
     // no key at all; a body without a model
     let bare = app
         .client
@@ -825,5 +852,31 @@ async fn a_client_that_leaves_after_the_last_event_made_a_whole_call() {
         (released.2.as_deref(), released.3),
         (Some("success"), Some(21)),
         "a whole answer counts as a success with its usage: {trail:?}"
+    );
+}
+
+#[tokio::test]
+async fn a_stream_longer_than_the_idle_timeout_is_a_request_in_flight_not_an_idle_connection() {
+    let mut options = AppOptions::default();
+    options.settings.http.idle_timeout = Duration::from_secs(1);
+    let (app, _, mock) = relay_app_with(1, options).await;
+    // 3 s of answer, a chunk every 300 ms, on a service that closes connections idle for 1 s
+    let mut response = call(
+        &app,
+        CHAT,
+        INTERNAL_KEY,
+        chat(true),
+        &[("x-mock-chunks", "10"), ("x-mock-interval-ms", "300")],
+    )
+    .await;
+    let mut read = Vec::new();
+    while let Some(chunk) = response.chunk().await.expect("the stream was cut") {
+        read.extend_from_slice(&chunk);
+    }
+    assert!(String::from_utf8_lossy(&read).contains("[DONE]"));
+    assert_eq!(mock.abandoned.load(Ordering::SeqCst), 0);
+    assert_eq!(
+        relay_trail(&app).await.last().unwrap().2.as_deref(),
+        Some("success")
     );
 }

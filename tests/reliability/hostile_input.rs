@@ -1294,6 +1294,10 @@ fn table(lease: &Value) -> Vec<Row> {
         ),
         ("an encoded slash", "/relay/openai/default/v1%2f..%2fadmin"),
         ("a backslash", "/relay/openai/default/v1\\..\\admin"),
+        (
+            "a Tomcat-style dot segment",
+            "/relay/openai/default/v1/..;/admin",
+        ),
     ] {
         let head = format!(
             "POST {path} HTTP/1.1\r\nHost: x\r\nX-Internal-Key: {INTERNAL_KEY}\r\nContent-Type: application/json\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{chat}",

@@ -3,7 +3,7 @@
 //! to ([`forward_url`]), what an upstream's answer reports (its [`outcome_of`], its
 //! [`retry_after_seconds`], the tokens it used: [`UsageScanner`]) and credpool's own refusals in
 //! the error shape of the API the client speaks ([`refusal_body`]). Values only: the forwarding
-//! itself is `crate::relay`'s.
+//! itself is `crate::http::relay`'s.
 
 use http::HeaderName;
 use serde::{Deserialize, Serialize};
@@ -137,6 +137,15 @@ const RESERVED_HEADERS: &[&str] = &[
     "x-admin-key",
 ];
 
+/// Headers clients carry API keys in: never a conversation's key.
+const KEY_HEADERS: &[&str] = &[
+    "authorization",
+    "proxy-authorization",
+    "x-api-key",
+    "api-key",
+    "x-goog-api-key",
+];
+
 /// A header name an operator gave for `field`: a valid HTTP token, 1..=64 characters, not one
 /// the relay sets or strips itself.
 fn header_name(field: &'static str, value: &str) -> Result<HeaderName, InvalidValue> {
@@ -193,17 +202,27 @@ impl UpstreamInput {
                     )
                 })?,
         };
+        let affinity_header = self
+            .affinity_header
+            .as_deref()
+            .map(|name| header_name("affinity_header", name))
+            .transpose()?;
+        if let Some(name) = &affinity_header
+            && (KEY_HEADERS.contains(&name.as_str()) || *name == credential_header)
+        {
+            // its value is kept as the conversation's key, in the clear
+            return Err(InvalidValue::new(
+                "affinity_header",
+                "may not be a header that carries a key (authorization, x-api-key, api-key, ...) or the credential_header",
+            ));
+        }
         Ok(Upstream {
             provider,
             base_url,
             api: self.api,
             credential_header,
             wait_ms,
-            affinity_header: self
-                .affinity_header
-                .as_deref()
-                .map(|name| header_name("affinity_header", name))
-                .transpose()?,
+            affinity_header,
             timeout_seconds,
         })
     }
@@ -227,7 +246,8 @@ pub fn forward_url(
             "the path after /relay/{provider}/{pool} must be plain segments (no empty, . or .. segments, no encoded slashes)",
         )
     };
-    let allowed = |c: char| c.is_ascii_alphanumeric() || "-._~!$&'()*+,;=:@%/".contains(c);
+    // no `;`: gateways on Tomcat, Jetty or Spring read `..;` as `..`
+    let allowed = |c: char| c.is_ascii_alphanumeric() || "-._~!$&'()*+,=:@%/".contains(c);
     if !rest.chars().all(allowed) {
         return Err(refuse());
     }
@@ -265,19 +285,35 @@ pub fn credential_value(secret: &serde_json::Value) -> Option<(&str, bool)> {
         .filter(|(value, _)| !value.is_empty())
 }
 
-/// What the relay reports at release for an upstream answer with `status` (and, for a 429, its
-/// body's start): 429 is `rate_limited`, or `quota_exhausted` when the body says
-/// `insufficient_quota` (OpenAI's answer for a spent balance); 401 `auth_expired` (an OAuth
-/// credential's token is refreshed; on any other credential it counts as `auth_error`); 402
-/// `quota_exhausted`; 403, 408 and 5xx (Anthropic's 529 too) `failure`. Anything else is
-/// `success`: the credential served, and a 400 or 404 is the caller's request, not the
-/// credential's fault.
+/// Error codes and types in an answer's body that mean the account's quota or credit is used up
+/// (the Python client's `outcome_for` reads the same).
+const QUOTA_CODES: &[&str] = &[
+    "insufficient_quota",
+    "billing_hard_limit_reached",
+    "billing_not_active",
+    "billing_error",
+    "quota_exceeded",
+    "resource_exhausted_quota",
+];
+
+/// What the relay reports at release for an upstream's error answer with `status` and `body` (the
+/// Python client's `outcome_for` follows the same rules for an SDK's exceptions):
+/// `quota_exhausted` for 402, a quota or billing code in the body (OpenAI's
+/// `insufficient_quota`, ...) or Anthropic's "credit balance is too low" (a 400); `rate_limited`
+/// for 429; `auth_expired` for 401 (an OAuth credential's token is refreshed; on any other
+/// credential it counts as `auth_error`); `failure` for 403, 408 and 5xx (Anthropic's 529 too).
+/// Any other status is `success`: the credential served, and a 400 or 404 is the caller's
+/// request, not the credential's fault.
 pub fn outcome_of(status: u16, body: &[u8]) -> Outcome {
+    let quota = QUOTA_CODES
+        .iter()
+        .any(|code| contains(body, format!("\"{code}\"").as_bytes()))
+        || contains(&body.to_ascii_lowercase(), b"credit balance is too low");
     match status {
-        429 if contains(body, b"insufficient_quota") => Outcome::QuotaExhausted,
+        402 => Outcome::QuotaExhausted,
+        400..=499 if quota => Outcome::QuotaExhausted,
         429 => Outcome::RateLimited,
         401 => Outcome::AuthExpired,
-        402 => Outcome::QuotaExhausted,
         403 | 408 | 500..=599 => Outcome::Failure,
         _ => Outcome::Success,
     }
@@ -288,9 +324,9 @@ fn contains(haystack: &[u8], needle: &[u8]) -> bool {
 }
 
 /// An upstream's `Retry-After` in whole seconds (at least 1, at most
-/// [`MAX_RETRY_AFTER_SECONDS`]): the header's seconds, else OpenAI's `retry-after-ms` rounded up.
-/// An HTTP date or anything unreadable: `None` (the release then rests the credential for the
-/// service's default).
+/// [`MAX_RETRY_AFTER_SECONDS`]): OpenAI's `retry-after-ms` rounded up, else the `retry-after`
+/// header's seconds (the Python client's order). An HTTP date or anything unreadable: `None` (the
+/// release then rests the credential for the service's default).
 pub fn retry_after_seconds(headers: &http::HeaderMap) -> Option<u32> {
     let number = |name: &str| {
         headers
@@ -299,8 +335,9 @@ pub fn retry_after_seconds(headers: &http::HeaderMap) -> Option<u32> {
             .and_then(|v| v.trim().parse::<f64>().ok())
             .filter(|v| v.is_finite() && *v >= 0.0)
     };
-    let seconds =
-        number("retry-after").or_else(|| number("retry-after-ms").map(|ms| ms / 1000.0))?;
+    let seconds = number("retry-after-ms")
+        .map(|ms| ms / 1000.0)
+        .or_else(|| number("retry-after"))?;
     Some((seconds.ceil() as u64).clamp(1, u64::from(MAX_RETRY_AFTER_SECONDS)) as u32)
 }
 
@@ -500,6 +537,7 @@ mod tests {
             "/v1\\..\\admin",
             "/@evil.example.com",
             "/v1/\u{0}",
+            "/v1/..;/admin",
             "/v1 x",
             "v1",
         ] {
@@ -579,6 +617,12 @@ mod tests {
         );
         assert_eq!(outcome_of(401, b""), Outcome::AuthExpired);
         assert_eq!(outcome_of(402, b""), Outcome::QuotaExhausted);
+        let credit = br#"{"type":"error","error":{"type":"invalid_request_error","message":"Your credit balance is too low to access the Anthropic API."}}"#;
+        assert_eq!(outcome_of(400, credit), Outcome::QuotaExhausted);
+        assert_eq!(
+            outcome_of(403, br#"{"error":{"code":"billing_not_active"}}"#),
+            Outcome::QuotaExhausted
+        );
         assert_eq!(outcome_of(529, b""), Outcome::Failure);
         assert_eq!(outcome_of(503, b""), Outcome::Failure);
     }
@@ -590,6 +634,12 @@ mod tests {
         h.insert("retry-after-ms", "1500".parse().unwrap());
         assert_eq!(retry_after_seconds(&h), Some(2));
         h.insert("retry-after", "30".parse().unwrap());
+        assert_eq!(
+            retry_after_seconds(&h),
+            Some(2),
+            "the milliseconds are the finer figure"
+        );
+        h.remove("retry-after-ms");
         assert_eq!(retry_after_seconds(&h), Some(30));
         h.insert("retry-after", "0".parse().unwrap());
         assert_eq!(retry_after_seconds(&h), Some(1));

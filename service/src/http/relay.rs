@@ -7,10 +7,11 @@
 //! reports, or at once when the client goes away. The operator routes that set each provider's
 //! upstream are here too (`/api/admin/relay/upstreams`).
 //!
-//! What leaves: only to the base URL an operator set for the provider (the call's path replaces
-//! nothing but the path: [`forward_url`]); without the caller's key, cookies, forwarding or
-//! hop-by-hop headers; with the credential in the header the operator named. Bodies are never
-//! logged, and the credential appears in no answer, log line, metric or trail row.
+//! What leaves: only to the base URL an operator set for the provider (the call's path is appended
+//! to its path and changes nothing else: [`forward_url`]); without the caller's key (wherever it
+//! was sent again), cookies, forwarding or hop-by-hop headers; with the credential in the header
+//! the operator named. Bodies are never logged, and credpool puts the credential in no answer, log
+//! line, metric or trail row.
 
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -235,9 +236,37 @@ async fn relay(State(state): State<AppState>, request: Request) -> Response {
     let mut api = ApiStyle::of_request(request.headers());
     match forward(&state, request, &mut api).await {
         Ok(response) => response,
-        Err(error) => {
-            crate::telemetry::relay_call("", "", "refused");
+        Err(Refused { error, leased }) => {
+            // a call that held a lease was counted by its release, under how it ended
+            if !leased {
+                crate::telemetry::relay_call("", "", "refused");
+            }
             refusal(api, error)
+        }
+    }
+}
+
+/// credpool's own answer to a relay call, and whether the call held a lease (released by then).
+struct Refused {
+    error: ApiError,
+    leased: bool,
+}
+
+impl Refused {
+    /// `error`, answered after the call's lease was released.
+    fn after_lease(error: ApiError) -> Self {
+        Self {
+            error,
+            leased: true,
+        }
+    }
+}
+
+impl<E: Into<ApiError>> From<E> for Refused {
+    fn from(error: E) -> Self {
+        Self {
+            error: error.into(),
+            leased: false,
         }
     }
 }
@@ -306,16 +335,32 @@ fn header_text<'a>(
         .transpose()
 }
 
-/// The allocation a relay call asks for.
+/// Whether a request's body is JSON by its `Content-Type` (absent: taken as JSON, as SDKs that
+/// send JSON without saying so mean it).
+fn is_json(headers: &HeaderMap) -> bool {
+    headers
+        .get(header::CONTENT_TYPE)
+        .and_then(|v| v.to_str().ok())
+        .map(|v| {
+            v.split(';')
+                .next()
+                .unwrap_or_default()
+                .trim()
+                .to_ascii_lowercase()
+        })
+        .is_none_or(|kind| kind == "application/json" || kind.ends_with("+json"))
+}
+
+/// The allocation a relay call asks for, from the pools its caller may use (`pools`).
 fn allocation(
     state: &AppState,
     upstream: &Upstream,
     caller: &Caller,
-    pool: PoolName,
+    (pool, pools): (PoolName, Vec<PoolName>),
     headers: &HeaderMap,
     body: &[u8],
 ) -> Result<AllocateRequest, ApiError> {
-    let fields: Option<CallFields> = if body.is_empty() {
+    let fields: Option<CallFields> = if body.is_empty() || !is_json(headers) {
         None
     } else {
         Some(serde_json::from_slice(body).map_err(|_| {
@@ -324,15 +369,17 @@ fn allocation(
             )
         })?)
     };
-    let model = match (header_text(headers, "x-credpool-model")?, fields.as_ref()) {
-        (Some(model), _) => model.to_owned(),
-        (
-            None,
-            Some(CallFields {
-                model: Some(model), ..
-            }),
-        ) => model.clone(),
-        _ => {
+    let named = header_text(headers, "x-credpool-model")?;
+    let model = match (fields.as_ref().and_then(|f| f.model.as_deref()), named) {
+        (Some(body), Some(header)) if body != header => {
+            return Err(InvalidValue::new(
+                "X-Credpool-Model",
+                "names another model than the body's (the body's model is the one leased for)",
+            )
+            .into());
+        }
+        (Some(model), _) | (None, Some(model)) => model.to_owned(),
+        (None, None) => {
             return Err(ApiError::InvalidRequest(
                 "the relay needs the call's model: a JSON body with \"model\", or the X-Credpool-Model header".into(),
             ));
@@ -360,31 +407,20 @@ fn allocation(
         None => Holder::parse("relay".to_owned())?,
         Some(name) => Holder::parse(format!("relay:{name}"))?,
     };
-    let affinity = match &upstream.affinity_header {
-        None => None,
-        Some(name) => headers
-            .get(name)
-            .map(|value| {
-                let key = value
-                    .to_str()
-                    .ok()
-                    .and_then(|v| AffinityKey::parse(v.to_owned()).ok())
-                    .ok_or_else(|| {
-                        ApiError::from(InvalidValue::new(
-                            "affinity header",
-                            "must be 1 to 256 printable characters",
-                        ))
-                    })?;
-                Ok::<_, ApiError>(Affinity {
-                    key,
-                    ttl: AffinityTtl::DEFAULT,
-                    mode: Default::default(),
-                })
-            })
-            .transpose()?,
-    };
+    // a preference: a value that cannot be a conversation's key leaves the call without one
+    let affinity = upstream
+        .affinity_header
+        .as_ref()
+        .and_then(|name| headers.get(name))
+        .and_then(|value| value.to_str().ok())
+        .and_then(|value| AffinityKey::parse(value.to_owned()).ok())
+        .map(|key| Affinity {
+            key,
+            ttl: AffinityTtl::DEFAULT,
+            mode: Default::default(),
+        });
     Ok(AllocateRequest {
-        pools: caller.pools(&upstream.provider, &pool)?,
+        pools,
         provider: upstream.provider.clone(),
         model: ModelName::parse(model)?,
         pool,
@@ -399,8 +435,9 @@ fn allocation(
 }
 
 /// Request headers never forwarded: hop-by-hop ones (RFC 9110 section 7.6.1), the caller's keys
-/// and cookies, what says where the call came from, and `accept-encoding` (the answer is read for
-/// its usage, so it comes unencoded).
+/// and cookies, what says where the call came from (`x-forwarded-*` too), `expect` (the body is
+/// whole already), and `accept-encoding` (the answer is read for its usage, so it comes
+/// unencoded).
 const REQUEST_HEADERS_KEPT_BACK: &[&str] = &[
     "host",
     "connection",
@@ -420,17 +457,18 @@ const REQUEST_HEADERS_KEPT_BACK: &[&str] = &[
     "accept-encoding",
     "cookie",
     "forwarded",
-    "x-forwarded-for",
-    "x-forwarded-host",
-    "x-forwarded-proto",
     "x-real-ip",
+    "via",
+    "expect",
 ];
 
 /// Answer headers never passed back: hop-by-hop ones, cookies the upstream sets for the
-/// credential's session, and `content-length` (the answer goes on chunked, so that its end is
+/// credential's session, `location` (a redirect is not followed, nor offered to the client, which
+/// would send its key there), and `content-length` (the answer goes on chunked, so that its end is
 /// seen: the lease is released when the last chunk has been read, whatever its length said).
 const ANSWER_HEADERS_KEPT_BACK: &[&str] = &[
     "content-length",
+    "location",
     "connection",
     "keep-alive",
     "proxy-authenticate",
@@ -453,15 +491,25 @@ fn named_by_connection(headers: &HeaderMap) -> Vec<String> {
         .collect()
 }
 
-/// `headers` less `kept_back`, those `Connection` names, and `x-credpool-*`.
-fn passed_on(headers: &HeaderMap, kept_back: &[&str]) -> HeaderMap {
+/// `headers` less `kept_back`, those `Connection` names, `x-credpool-*`, `x-forwarded-*`,
+/// `proxy-*`, and any header whose value holds `key` (the caller's key, sent again where the
+/// relay does not look for it: `api-key`, `x-goog-api-key`, ...).
+fn passed_on(headers: &HeaderMap, kept_back: &[&str], key: Option<&[u8]>) -> HeaderMap {
     let connection = named_by_connection(headers);
+    let holds_key = |value: &HeaderValue| {
+        key.is_some_and(|key| {
+            !key.is_empty() && value.as_bytes().windows(key.len()).any(|w| w == key)
+        })
+    };
     let mut out = HeaderMap::with_capacity(headers.len());
     for (name, value) in headers {
         let name_str = name.as_str();
         if kept_back.contains(&name_str)
             || connection.iter().any(|c| c == name_str)
-            || name_str.starts_with("x-credpool-")
+            || ["x-credpool-", "x-forwarded-", "proxy-"]
+                .iter()
+                .any(|prefix| name_str.starts_with(prefix))
+            || holds_key(value)
         {
             continue;
         }
@@ -476,22 +524,53 @@ async fn forward(
     state: &AppState,
     request: Request,
     api: &mut ApiStyle,
-) -> Result<Response, ApiError> {
+) -> Result<Response, Refused> {
     let (parts, body) = request.into_parts();
-    // the key first, before anything is read for the caller (docs/src/security.md)
-    let caller = Caller::of_key(state, presented_key(&parts.headers)).await?;
+    // the key first, before anything is read for the caller (docs/src/security.md), then the
+    // tenant's pools: the same answer whether or not the provider has an upstream
+    let key = presented_key(&parts.headers);
+    let caller = Caller::of_key(state, key).await?;
     let (provider, pool, rest) = route_parts(parts.uri.path())?;
+    let pools = caller.pools(&provider, &pool)?;
+    let query = parts.uri.query();
+    if let (Some(key), Some(query)) = (key, query)
+        && !key.is_empty()
+        && query.as_bytes().windows(key.len()).any(|w| w == key)
+    {
+        return Err(InvalidValue::new("query", "must not carry the executor key").into());
+    }
     let upstream = state
         .relay
         .upstream(&state.db, &provider)
         .await?
         .ok_or(ApiError::UpstreamNotConfigured)?;
     *api = upstream.api;
-    let url = forward_url(&upstream.base_url, rest, parts.uri.query())?;
-    let body = axum::body::to_bytes(body, MAX_RELAY_BODY_BYTES)
-        .await
-        .map_err(|_| ApiError::PayloadTooLarge)?;
-    let request = allocation(state, &upstream, &caller, pool, &parts.headers, &body)?;
+    let uri: hyper::Uri = forward_url(&upstream.base_url, rest, query)?
+        .as_str()
+        .parse()
+        .map_err(|_| ApiError::from(InvalidValue::new("path", "is not a valid request path")))?;
+    let body = tokio::time::timeout(
+        state.request_timeout,
+        axum::body::to_bytes(body, MAX_RELAY_BODY_BYTES),
+    )
+    .await
+    .map_err(|_| {
+        ApiError::InvalidRequest(
+            "the request's body did not arrive within the request timeout".into(),
+        )
+    })?
+    .map_err(|_| ApiError::PayloadTooLarge)?;
+    let request = allocation(
+        state,
+        &upstream,
+        &caller,
+        (pool, pools),
+        &parts.headers,
+        &body,
+    )?;
+    // the lease's length runs from before the claim: a renewal is due before the store's
+    // lease_until, never after
+    let claimed_at = Instant::now();
     let lease = tokio::time::timeout(
         state.request_timeout + request.wait,
         state.allocator.allocate(&request),
@@ -499,23 +578,19 @@ async fn forward(
     .await
     .map_err(|_| ApiError::Timeout)?
     .map_err(|error| ApiError::from_allocate(error, &request))?;
-    let held = HeldLease::hold(state, &lease, &caller, request.lease_seconds);
+    let held = HeldLease::hold(state, &lease, &caller, request.lease_seconds, claimed_at);
 
     let Some(credential) = credential_header(&upstream, &lease) else {
         tracing::error!(key_id = %lease.key_id, "a leased credential has neither api_key nor access_token: the relay cannot use it");
         held.settle(Some(Outcome::Failure), None, None, "failure")
             .await;
-        return Err(ApiError::CredentialNotRelayable);
+        return Err(Refused::after_lease(ApiError::CredentialNotRelayable));
     };
-    let mut headers = passed_on(&parts.headers, REQUEST_HEADERS_KEPT_BACK);
-    headers.remove(&credential.0);
+    let mut headers = passed_on(&parts.headers, REQUEST_HEADERS_KEPT_BACK, key);
     headers.insert(credential.0, credential.1);
     let mut outbound = hyper::Request::new(http_body_util::Full::new(body));
     *outbound.method_mut() = parts.method.clone();
-    *outbound.uri_mut() = url
-        .as_str()
-        .parse()
-        .map_err(|_| ApiError::from(InvalidValue::new("path", "is not a valid request path")))?;
+    *outbound.uri_mut() = uri;
     *outbound.headers_mut() = headers;
 
     let timeout = Duration::from_secs(u64::from(upstream.timeout_seconds));
@@ -523,7 +598,7 @@ async fn forward(
         answer = tokio::time::timeout(timeout, state.relay.http.request(outbound)) => answer,
         () = held.lost.notified() => {
             held.settle(None, None, None, "lease_lost").await;
-            return Err(ApiError::Timeout);
+            return Err(Refused::after_lease(ApiError::Timeout));
         }
     };
     let answer = match answer {
@@ -532,17 +607,17 @@ async fn forward(
             tracing::warn!(provider = %provider, error = %error, "the relay's upstream could not be reached");
             held.settle(Some(Outcome::Failure), None, None, "upstream_unreachable")
                 .await;
-            return Err(ApiError::UpstreamUnreachable);
+            return Err(Refused::after_lease(ApiError::UpstreamUnreachable));
         }
         Err(_) => {
             held.settle(Some(Outcome::Failure), None, None, "upstream_timeout")
                 .await;
-            return Err(ApiError::UpstreamTimeout);
+            return Err(Refused::after_lease(ApiError::UpstreamTimeout));
         }
     };
     let (mut answer_parts, answer_body) = answer.into_parts();
     let status = answer_parts.status;
-    answer_parts.headers = passed_on(&answer_parts.headers, ANSWER_HEADERS_KEPT_BACK);
+    answer_parts.headers = passed_on(&answer_parts.headers, ANSWER_HEADERS_KEPT_BACK, None);
     if let Ok(value) = HeaderValue::from_str(&lease.lease_id.to_string()) {
         answer_parts
             .headers
@@ -555,12 +630,21 @@ async fn forward(
             http_body_util::Limited::new(answer_body, MAX_ERROR_ANSWER_BYTES).collect(),
         )
         .await;
-        let Ok(Ok(collected)) = read else {
-            held.settle(Some(Outcome::Failure), None, None, "upstream_unreachable")
-                .await;
-            return Err(ApiError::UpstreamUnreachable);
+        let bytes = match read {
+            Ok(Ok(collected)) => collected.to_bytes(),
+            Ok(Err(error)) if error.is::<http_body_util::LengthLimitError>() => {
+                // too long to pass on whole: its status alone says what happened
+                let outcome = outcome_of(status.as_u16(), b"");
+                held.settle(Some(outcome), None, None, outcome.as_str())
+                    .await;
+                return Err(Refused::after_lease(ApiError::UpstreamUnreachable));
+            }
+            _ => {
+                held.settle(Some(Outcome::Failure), None, None, "upstream_unreachable")
+                    .await;
+                return Err(Refused::after_lease(ApiError::UpstreamUnreachable));
+            }
         };
-        let bytes = collected.to_bytes();
         let outcome = outcome_of(status.as_u16(), &bytes);
         let retry_after = match outcome {
             Outcome::RateLimited | Outcome::QuotaExhausted => {
@@ -568,9 +652,15 @@ async fn forward(
             }
             _ => None,
         };
-        held.settle(Some(outcome), retry_after, None, outcome_label(outcome))
+        held.settle(Some(outcome), retry_after, None, outcome.as_str())
             .await;
         return Ok(Response::from_parts(answer_parts, Body::from(bytes)));
+    }
+    if parts.method == axum::http::Method::HEAD || hyper::body::Body::is_end_stream(&answer_body) {
+        // nothing to stream (HEAD, 204): hyper would drop the body unread
+        held.settle(Some(Outcome::Success), None, None, "success")
+            .await;
+        return Ok(Response::from_parts(answer_parts, Body::empty()));
     }
     let events = answer_parts
         .headers
@@ -578,7 +668,7 @@ async fn forward(
         .and_then(|v| v.to_str().ok())
         .is_some_and(|v| v.starts_with("text/event-stream"));
     let passing = Passing {
-        upstream: answer_body,
+        upstream: Some(answer_body),
         scanner: UsageScanner::new(events),
         held: Some(held),
         idle: timeout,
@@ -605,24 +695,14 @@ fn credential_header(upstream: &Upstream, lease: &Allocation) -> Option<(HeaderN
     Some((name, value))
 }
 
-/// The metric label of a reported outcome.
-fn outcome_label(outcome: Outcome) -> &'static str {
-    match outcome {
-        Outcome::Success => "success",
-        Outcome::RateLimited => "rate_limited",
-        Outcome::AuthExpired | Outcome::AuthError => "auth_expired",
-        Outcome::QuotaExhausted => "quota_exhausted",
-        Outcome::Failure => "failure",
-    }
-}
-
 /// A successful answer on its way to the client, chunk by chunk as the upstream sends them: read
 /// for its usage as it passes, and its lease released when it ends (before the client sees the
 /// end, so that a client that calls again at once finds the slot free), or when the client goes
 /// away (the body is dropped: [`HeldLease`]'s drop, unless the stream's last event had passed:
 /// then the call was whole, and is released as a success with its usage).
 struct Passing {
-    upstream: hyper::body::Incoming,
+    /// `None` once cut: the upstream's connection is let go before the release.
+    upstream: Option<hyper::body::Incoming>,
     scanner: UsageScanner,
     /// `None` once the lease is settled: the stream has ended.
     held: Option<HeldLease>,
@@ -647,8 +727,9 @@ impl Passing {
     async fn next(mut self) -> Option<(Result<Bytes, std::io::Error>, Self)> {
         loop {
             let held = self.held.as_ref()?;
+            let upstream = self.upstream.as_mut()?;
             let frame = tokio::select! {
-                frame = tokio::time::timeout(self.idle, self.upstream.frame()) => frame,
+                frame = tokio::time::timeout(self.idle, upstream.frame()) => frame,
                 () = held.lost.notified() => {
                     return self.cut(None, "lease_lost", "the call's lease could not be renewed").await;
                 }
@@ -699,6 +780,8 @@ impl Passing {
         why: &'static str,
     ) -> Option<(Result<Bytes, std::io::Error>, Self)> {
         let held = self.held.take()?;
+        // the credential's call upstream ends first, then the lease
+        self.upstream = None;
         tracing::warn!(why, "a relay answer was cut short");
         held.settle(outcome, None, None, label).await;
         Some((Err(std::io::Error::other(why)), self))
@@ -721,7 +804,14 @@ struct HeldLease {
 }
 
 impl HeldLease {
-    fn hold(state: &AppState, lease: &Allocation, caller: &Caller, seconds: LeaseSeconds) -> Self {
+    /// Holds `lease`, claimed no earlier than `claimed_at`, for `caller`.
+    fn hold(
+        state: &AppState,
+        lease: &Allocation,
+        caller: &Caller,
+        seconds: LeaseSeconds,
+        claimed_at: Instant,
+    ) -> Self {
         let lease_ref = LeaseRef {
             key_id: lease.key_id.clone(),
             provider: lease.provider.clone(),
@@ -732,7 +822,7 @@ impl HeldLease {
         let lost = Arc::new(Notify::new());
         let renewal = tokio::spawn(renew_while_held(
             state.clone(),
-            lease_ref.clone(),
+            (lease_ref.clone(), claimed_at),
             seconds,
             caller.tenant_key(),
             lost.clone(),
@@ -805,33 +895,37 @@ async fn release(state: &AppState, request: ReleaseRequest) {
     }
 }
 
-/// Renews `lease` every third of its length while the call runs (sooner after a failed renewal);
-/// fires `lost` when the store says it is gone (expired, released by an operator, its key
-/// revoked) or when no renewal has succeeded for a whole lease length.
+/// Renews `lease` (claimed no earlier than the instant beside it) every third of its length while
+/// the call runs (sooner after a failed renewal); fires `lost` when the store says it is gone
+/// (expired, released by an operator, its key revoked) or when no renewal has succeeded within a
+/// lease length of the last one's start: a renewal that hangs (the store out of reach from this
+/// replica alone) is given up at that deadline, when the store may let another caller have the
+/// slot.
 async fn renew_while_held(
     state: AppState,
-    lease: LeaseRef,
+    (lease, claimed_at): (LeaseRef, Instant),
     seconds: LeaseSeconds,
     caller: Option<crate::domain::TenantKeyHash>,
     lost: Arc<Notify>,
 ) {
     let length = Duration::from_secs(u64::from(seconds.get()));
     let every = (length / 3).max(Duration::from_millis(200));
-    let mut good_until = Instant::now() + length;
+    let mut good_until = claimed_at + length;
     let mut pause = every;
     loop {
         tokio::time::sleep(pause).await;
         let asked = Instant::now();
-        match state.allocator.renew(lease.clone(), seconds, caller).await {
-            Ok(Renewed::Until(_)) => {
+        let renewal = state.allocator.renew(lease.clone(), seconds, caller);
+        match tokio::time::timeout_at(good_until.into(), renewal).await {
+            Ok(Ok(Renewed::Until(_))) => {
                 good_until = asked + length;
                 pause = every;
             }
-            Ok(Renewed::Lost | Renewed::Unauthorized) => {
+            Ok(Ok(Renewed::Lost | Renewed::Unauthorized)) | Err(_) => {
                 lost.notify_one();
                 return;
             }
-            Err(error) => {
+            Ok(Err(error)) => {
                 tracing::warn!(lease_id = %lease.lease_id, error = %error, "a relay lease's renewal failed; trying again");
                 pause = every.min(Duration::from_secs(1));
                 if Instant::now() + pause >= good_until {
@@ -875,7 +969,9 @@ mod tests {
         ] {
             h.insert(name, value.parse().unwrap());
         }
-        let kept = passed_on(&h, REQUEST_HEADERS_KEPT_BACK);
+        h.insert("api-key", "executor-key".parse().unwrap());
+        h.insert("x-forwarded-port", "443".parse().unwrap());
+        let kept = passed_on(&h, REQUEST_HEADERS_KEPT_BACK, Some(b"executor-key"));
         let names: Vec<_> = kept.keys().map(|k| k.as_str()).collect();
         assert_eq!(names, ["content-type", "anthropic-version"]);
     }

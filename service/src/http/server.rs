@@ -19,7 +19,9 @@
 //!   connects gets served at once however many idle sockets are open; when every connection has
 //!   a request in flight, accepting pauses until one ends (the kernel's backlog holds new ones).
 //!
-//! A request in flight is bounded by the request timeout (`observe`), its body included.
+//! A request in flight is bounded by the request timeout (`observe`), its body included (the
+//! relay's by its own limits: its wait, its upstream's `timeout_seconds`). It counts as in flight
+//! until its response's body has been written whole: a streamed answer is never an idle connection.
 //! hyper's own header timer is set to the longer of the two timeouts: a backstop, not the rule
 //! (it would also close keep-alive connections at the header timeout, which load balancers that
 //! keep connections 60 s would then find closed under them).
@@ -317,7 +319,9 @@ impl Watch {
     }
 }
 
-/// A request in flight on a connection, until its response is handed to hyper.
+/// A request in flight on a connection, until its response's body has been written whole (or
+/// dropped): a streamed answer (the relay's) is a request in flight, however long it streams, not
+/// an idle connection to close or evict.
 struct Busy(Arc<Watch>);
 
 impl Busy {
@@ -356,10 +360,36 @@ impl hyper::service::Service<hyper::Request<Incoming>> for Counted {
         let busy = Busy::start(self.watch.clone());
         let answer = self.inner.call(request);
         Box::pin(async move {
-            let response = answer.await;
-            drop(busy);
-            response
+            let response = answer.await?;
+            Ok(response.map(|inner| axum::body::Body::new(BusyBody { inner, _busy: busy })))
         })
+    }
+}
+
+/// A response body that keeps its request [`Busy`] until hyper has written its last frame and
+/// dropped it.
+struct BusyBody {
+    inner: axum::body::Body,
+    _busy: Busy,
+}
+
+impl hyper::body::Body for BusyBody {
+    type Data = bytes::Bytes;
+    type Error = axum::Error;
+
+    fn poll_frame(
+        self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+    ) -> Poll<Option<Result<hyper::body::Frame<Self::Data>, Self::Error>>> {
+        Pin::new(&mut self.get_mut().inner).poll_frame(cx)
+    }
+
+    fn is_end_stream(&self) -> bool {
+        self.inner.is_end_stream()
+    }
+
+    fn size_hint(&self) -> hyper::body::SizeHint {
+        self.inner.size_hint()
     }
 }
 
