@@ -797,73 +797,49 @@ fn print_findings(
     over_limit: i64,
     over_cap: i64,
 ) -> anyhow::Result<()> {
-    let mut out = table(&[
-        "key_id",
+    print_proof_table(
+        &["key_id", "limit", "leases", "peak"],
         "limit",
-        "leases",
-        "peak",
-        "grants over limit",
-        "first at",
-    ]);
-    for r in &found.credentials {
-        out.add_row(vec![
-            r.key_id.clone(),
-            r.max_concurrent_uses
-                .map(|l| l.to_string())
-                .unwrap_or_else(|| "(deleted)".into()),
-            r.leases.to_string(),
-            r.peak.to_string(),
-            r.grants_over_limit.to_string(),
-            r.first_violation_at
-                .map(|t| t.to_string())
-                .unwrap_or_default(),
-        ]);
-    }
-    println!("{out}");
+        found.credentials.iter().map(|r| {
+            let limit = r.max_concurrent_uses.map(|l| l.to_string());
+            let cells = [
+                r.key_id.clone(),
+                limit.unwrap_or_else(|| "(deleted)".into()),
+            ];
+            proof_row(
+                cells,
+                r.leases,
+                r.peak,
+                r.grants_over_limit,
+                r.first_violation_at,
+            )
+        }),
+    );
     println!(
         "{} credentials with leases between {} and {}: {}",
         found.credentials.len(),
         since.format(&Rfc3339)?,
         until.format(&Rfc3339)?,
-        if over_limit == 0 {
-            "no grant ever exceeded a limit".to_owned()
-        } else {
-            format!("{over_limit} grants exceeded a limit")
-        }
+        verdict(over_limit, "a limit")
     );
     print_windows(&found.windows, "key_id", "rate windows", "a window");
     if !found.tenants.is_empty() {
-        let mut out = table(&[
-            "tenant",
+        print_proof_table(
+            &["tenant", "cap", "leases", "peak"],
             "cap",
-            "leases",
-            "peak",
-            "grants over cap",
-            "first at",
-        ]);
-        for r in &found.tenants {
-            out.add_row(vec![
-                r.tenant_id.clone(),
-                r.max_concurrent_leases
-                    .map(|c| c.to_string())
-                    .unwrap_or_else(|| "none".into()),
-                r.leases.to_string(),
-                r.peak.to_string(),
-                r.grants_over_cap.to_string(),
-                r.first_violation_at
-                    .map(|t| t.to_string())
-                    .unwrap_or_default(),
-            ]);
-        }
-        println!("{out}");
-        println!(
-            "tenants: {}",
-            if over_cap == 0 {
-                "no grant ever exceeded a tenant's cap".to_owned()
-            } else {
-                format!("{over_cap} grants exceeded a tenant's cap")
-            }
+            found.tenants.iter().map(|r| {
+                let cap = r.max_concurrent_leases.map(|c| c.to_string());
+                let cells = [r.tenant_id.clone(), cap.unwrap_or_else(|| "none".into())];
+                proof_row(
+                    cells,
+                    r.leases,
+                    r.peak,
+                    r.grants_over_cap,
+                    r.first_violation_at,
+                )
+            }),
         );
+        println!("tenants: {}", verdict(over_cap, "a tenant's cap"));
     }
     print_windows(
         &found.tenant_windows,
@@ -872,6 +848,46 @@ fn print_findings(
         "a tenant's window",
     );
     Ok(())
+}
+
+/// A table of `credpool audit verify`: `columns`, then `grants over {rule}` and `first at`; a
+/// row each of `rows` ([`proof_row`]).
+fn print_proof_table(columns: &[&str], rule: &str, rows: impl Iterator<Item = Vec<String>>) {
+    let over = format!("grants over {rule}");
+    let mut out = table(&[columns, &[over.as_str(), "first at"]].concat());
+    for row in rows {
+        out.add_row(row);
+    }
+    println!("{out}");
+}
+
+/// A row of a proof's table: who and under which rule (`subject`), then its leases (or grants),
+/// their peak, the grants over the rule and when the first of them was (empty: none).
+fn proof_row(
+    subject: [String; 2],
+    leases: i64,
+    peak: i64,
+    over: i64,
+    first_at: Option<OffsetDateTime>,
+) -> Vec<String> {
+    let [who, rule] = subject;
+    vec![
+        who,
+        rule,
+        leases.to_string(),
+        peak.to_string(),
+        over.to_string(),
+        first_at.map(|t| t.to_string()).unwrap_or_default(),
+    ]
+}
+
+/// A proof's verdict on its `over` grants over `what` (`a limit`, `a tenant's cap`, ...).
+fn verdict(over: i64, what: &str) -> String {
+    if over == 0 {
+        format!("no grant ever exceeded {what}")
+    } else {
+        format!("{over} grants exceeded {what}")
+    }
 }
 
 /// Where the continuous proof stands (`continuous` in `credpool audit verify --json`).
@@ -909,33 +925,23 @@ fn print_windows(rows: &[audit::WindowRow], who: &str, label: &str, what: &str) 
     if rows.is_empty() {
         return;
     }
-    let mut out = table(&[
-        who,
+    print_proof_table(
+        &[who, "window", "grants", "peak"],
         "window",
-        "grants",
-        "peak",
-        "grants over window",
-        "first at",
-    ]);
-    for r in rows {
-        out.add_row(vec![
-            r.subject.id().to_owned(),
-            format!("{} {} / {} s", r.window_count, r.kind, r.seconds),
-            r.grants.to_string(),
-            r.peak.to_string(),
-            r.grants_over_window.to_string(),
-            r.first_violation_at
-                .map(|t| t.to_string())
-                .unwrap_or_default(),
-        ]);
-    }
-    println!("{out}");
+        rows.iter().map(|r| {
+            let window = format!("{} {} / {} s", r.window_count, r.kind, r.seconds);
+            let cells = [r.subject.id().to_owned(), window];
+            proof_row(
+                cells,
+                r.grants,
+                r.peak,
+                r.grants_over_window,
+                r.first_violation_at,
+            )
+        }),
+    );
     let over: i64 = rows.iter().map(|r| r.grants_over_window).sum();
-    if over == 0 {
-        println!("{label}: no grant ever exceeded {what}");
-    } else {
-        println!("{label}: {over} grants exceeded {what}");
-    }
+    println!("{label}: {}", verdict(over, what));
 }
 
 /// `credpool cron ...`.
