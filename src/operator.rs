@@ -50,6 +50,20 @@ fn print_json(value: &impl Serialize) -> anyhow::Result<()> {
     Ok(())
 }
 
+/// Prints a command's answer: `json` with `--json`, else `text` on a line.
+fn answer(
+    cli: &CliArgs,
+    json: &impl Serialize,
+    text: impl std::fmt::Display,
+) -> anyhow::Result<()> {
+    if cli.json {
+        print_json(json)
+    } else {
+        println!("{text}");
+        Ok(())
+    }
+}
+
 /// A table in the style of every CLI listing, with this header.
 pub(crate) fn table(header: &[&str]) -> Table {
     let mut table = Table::new();
@@ -94,15 +108,15 @@ pub async fn keys(args: KeysArgs) -> anyhow::Result<()> {
                     .collect::<Result<Vec<_>, _>>()
                     .map_err(anyhow::Error::msg)?;
                 let (created, updated) = credentials::import(&db.pool, &specs, &actor).await?;
-                if cli.json {
-                    print_json(&serde_json::json!({"created": created, "updated": updated}))
-                } else {
-                    println!(
-                        "imported {} credentials: {created} created, {updated} updated",
-                        specs.len()
-                    );
-                    Ok(())
-                }
+                let text = format!(
+                    "imported {} credentials: {created} created, {updated} updated",
+                    specs.len()
+                );
+                answer(
+                    cli,
+                    &serde_json::json!({"created": created, "updated": updated}),
+                    text,
+                )
             })
             .await
         }
@@ -211,12 +225,15 @@ pub async fn keys(args: KeysArgs) -> anyhow::Result<()> {
                 let Some(released) = credentials::delete(&db.pool, &key_id, &actor).await? else {
                     bail!("no credential {key_id}");
                 };
-                if cli.json {
-                    print_json(&serde_json::json!({"deleted": key_id.as_str(), "force_released": released}))
-                } else {
-                    println!("deleted {key_id} ({} in-flight leases force-released)", released.len());
-                    Ok(())
-                }
+                let text = format!(
+                    "deleted {key_id} ({} in-flight leases force-released)",
+                    released.len()
+                );
+                answer(
+                    cli,
+                    &serde_json::json!({"deleted": key_id.as_str(), "force_released": released}),
+                    text,
+                )
             })
             .await
         }
@@ -226,14 +243,12 @@ pub async fn keys(args: KeysArgs) -> anyhow::Result<()> {
                 let keyring = prepare_keyring(&cli.secrets, db).await?;
                 let resealed = credentials::reseal(&db.pool, &keyring, false, &actor).await?;
                 let fingerprint = keyring.current().fingerprint();
-                if cli.json {
-                    print_json(
-                        &serde_json::json!({"resealed": resealed, "master_key": fingerprint}),
-                    )
-                } else {
-                    println!("resealed {resealed} secrets under master key {fingerprint}");
-                    Ok(())
-                }
+                let text = format!("resealed {resealed} secrets under master key {fingerprint}");
+                answer(
+                    cli,
+                    &serde_json::json!({"resealed": resealed, "master_key": fingerprint}),
+                    text,
+                )
             })
             .await
         }
@@ -311,12 +326,12 @@ pub async fn leases(args: LeasesArgs) -> anyhow::Result<()> {
                 else {
                     bail!("no credential {key_id}");
                 };
-                if cli.json {
-                    print_json(&serde_json::json!({"released": released.len(), "leases": released}))
-                } else {
-                    println!("{key_id}: {} leases force-released", released.len());
-                    Ok(())
-                }
+                let text = format!("{key_id}: {} leases force-released", released.len());
+                answer(
+                    cli,
+                    &serde_json::json!({"released": released.len(), "leases": released}),
+                    text,
+                )
             })
             .await
         }
@@ -384,16 +399,12 @@ pub async fn relay(args: RelayArgs) -> anyhow::Result<()> {
             with_database(cli, async |db| {
                 let (detail, created) =
                     credpool::store::relay::put(&db.pool, &upstream, &actor).await?;
-                if cli.json {
-                    print_json(&detail)
-                } else {
-                    let verb = if created { "set" } else { "replaced" };
-                    println!(
-                        "{}: relay upstream {verb}: {}",
-                        detail.provider, detail.base_url
-                    );
-                    Ok(())
-                }
+                let verb = if created { "set" } else { "replaced" };
+                let text = format!(
+                    "{}: relay upstream {verb}: {}",
+                    detail.provider, detail.base_url
+                );
+                answer(cli, &detail, text)
             })
             .await
         }
@@ -953,21 +964,14 @@ pub async fn cron(args: CronArgs) -> anyhow::Result<()> {
         } => {
             let retention = std::time::Duration::from_secs(audit_retention_days * 86_400);
             let jobs = maintenance::install_cron(&db.pool, &db.options, retention).await?;
-            if cli.json {
-                print_json(&serde_json::json!({"installed": jobs}))
-            } else {
-                println!("scheduled in pg_cron: {}", jobs.join(", "));
-                Ok(())
-            }
+            let text = format!("scheduled in pg_cron: {}", jobs.join(", "));
+            answer(cli, &serde_json::json!({"installed": jobs}), text)
         }
         CronCommand::Uninstall => {
             let removed = maintenance::uninstall_cron(&db.pool, &db.options).await?;
-            if cli.json {
-                print_json(&serde_json::json!({"removed": removed}))
-            } else {
-                println!("removed {removed} pg_cron jobs; credpool services run the cleanup again");
-                Ok(())
-            }
+            let text =
+                format!("removed {removed} pg_cron jobs; credpool services run the cleanup again");
+            answer(cli, &serde_json::json!({"removed": removed}), text)
         }
     })
     .await
