@@ -7,7 +7,7 @@ use std::time::Duration;
 use credpool::config::ServiceSettings;
 use credpool::http::ApiKeys;
 use credpool::startup::Application;
-use credpool::store::{self, PoolSettings};
+use credpool::store;
 use sqlx::PgPool;
 
 use crate::database::TestDatabase;
@@ -87,12 +87,10 @@ impl TestApp {
 
     /// The app on a database the test has prepared (settings every connection must have, say).
     pub async fn spawn_on(database: TestDatabase, options: AppOptions) -> Self {
-        let app_pool = store::connect_lazy(
+        let app_pool = crate::lazy_pool(
             database.options.clone(),
-            &PoolSettings {
-                max_connections: options.db_max_connections,
-                acquire_timeout: Duration::from_secs(10),
-            },
+            options.db_max_connections,
+            Duration::from_secs(10),
         );
         let (addr, shutdown) = serve(app_pool, &options).await;
         let db = database.pool(4).await;
@@ -120,12 +118,10 @@ impl TestApp {
         &self,
         max_connections: u32,
     ) -> (SocketAddr, tokio::sync::oneshot::Sender<()>) {
-        let pool = store::connect_lazy(
+        let pool = crate::lazy_pool(
             self.database.options.clone(),
-            &PoolSettings {
-                max_connections,
-                acquire_timeout: Duration::from_secs(10),
-            },
+            max_connections,
+            Duration::from_secs(10),
         );
         serve(pool, &AppOptions::default()).await
     }

@@ -195,6 +195,32 @@ mod private_cluster {
     }
 }
 
+/// A directory of a test's own under `/tmp` (a private cluster's, a process's files), named
+/// `prefix` and a random tail; removed when dropped. (Under `/tmp`, not `$TMPDIR`: a Unix
+/// socket's path must stay short.)
+pub fn tmp_dir(prefix: &str) -> tempfile::TempDir {
+    tempfile::Builder::new()
+        .prefix(prefix)
+        .tempdir_in("/tmp")
+        .unwrap_or_else(|e| panic!("a directory {prefix}* in /tmp: {e}"))
+}
+
+/// A pool as the service opens its own ([`store::connect_lazy`]) on `options`: at most
+/// `max_connections`, each waited for at most `acquire_timeout`.
+pub fn lazy_pool(
+    options: PgConnectOptions,
+    max_connections: u32,
+    acquire_timeout: std::time::Duration,
+) -> PgPool {
+    store::connect_lazy(
+        options,
+        &store::PoolSettings {
+            max_connections,
+            acquire_timeout,
+        },
+    )
+}
+
 /// A `postgres://` URL for child processes that reaches the server of `options`, database
 /// `database`: over TCP, or over the Unix socket in the directory the options name, in the form
 /// credpool's URL parsing takes (`postgres://user@localhost/db?host=/socket/dir&port=5432`).

@@ -530,13 +530,7 @@ async fn unreachable_database_is_store_unavailable_not_pool_exhausted() {
     // A pool pointed at a port where nothing listens, with a short acquire timeout.
     let options: sqlx::postgres::PgConnectOptions =
         "postgres://postgres@127.0.0.1:1/none".parse().unwrap();
-    let pool = credpool::store::connect_lazy(
-        options,
-        &credpool::store::PoolSettings {
-            max_connections: 2,
-            acquire_timeout: Duration::from_millis(500),
-        },
-    );
+    let pool = lazy_pool(options, 2, Duration::from_millis(500));
     let (addr, _shutdown) = serve(pool, &AppOptions::default()).await;
     let client = client();
     let url = |path: &str| format!("http://{addr}{path}");

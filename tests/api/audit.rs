@@ -740,10 +740,7 @@ async fn pg_cron_runs_the_cleanup_in_a_cluster_that_preloads_it() {
          set CREDPOOL_TEST_SKIP_PG_CRON=1 to skip this test",
         bin.display()
     );
-    let dir = tempfile::Builder::new()
-        .prefix("credpool-cron-")
-        .tempdir_in("/tmp")
-        .unwrap();
+    let dir = tmp_dir("credpool-cron-");
     let cluster = EmbeddedCluster::start(dir.path(), None).await.unwrap();
     assert!(cluster.has_pg_cron());
     let options = cluster.connect_options();

@@ -324,10 +324,7 @@ async fn the_report_gives_the_cpu_and_server_time_of_the_server_it_ran_on() {
     // A private cluster that loads pg_stat_statements, on this machine: the report measures
     // each mode's server time, and its CPU per cycle counts this server's processes (found
     // through its postmaster) and the load generator, which both did work for every cycle.
-    let dir = tempfile::Builder::new()
-        .prefix("credpool-bench-")
-        .tempdir_in("/tmp")
-        .unwrap();
+    let dir = tmp_dir("credpool-bench-");
     let cluster = credpool::embedded::EmbeddedCluster::start_with_settings(
         dir.path(),
         None,

@@ -1020,10 +1020,7 @@ async fn a_plain_claim_and_a_plain_release_run_only_their_own_statements() {
     use credpool::domain::{Holder, KeyId, LeaseSeconds, ModelName, PoolName, ProviderName};
     use credpool::store::leases::{self, Claim, ClaimOutcome};
 
-    let dir = tempfile::Builder::new()
-        .prefix("credpool-statements-")
-        .tempdir_in("/tmp")
-        .unwrap();
+    let dir = tmp_dir("credpool-statements-");
     let cluster = credpool::embedded::EmbeddedCluster::start_with_settings(
         dir.path(),
         None,

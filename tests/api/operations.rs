@@ -209,22 +209,13 @@ async fn the_openapi_document_covers_every_served_route_with_its_status_codes() 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_stopped_database_is_store_unavailable_and_never_pool_exhausted_and_readiness_follows_it()
 {
-    let dir = tempfile::Builder::new()
-        .prefix("credpool-outage-")
-        .tempdir_in("/tmp")
-        .unwrap();
+    let dir = tmp_dir("credpool-outage-");
     let cluster = EmbeddedCluster::start(dir.path(), None).await.unwrap();
     let options = cluster.connect_options();
     credpool::store::migrate(&sqlx::PgPool::connect_with(options.clone()).await.unwrap())
         .await
         .unwrap();
-    let pool = credpool::store::connect_lazy(
-        options,
-        &credpool::store::PoolSettings {
-            max_connections: 4,
-            acquire_timeout: Duration::from_millis(500),
-        },
-    );
+    let pool = lazy_pool(options, 4, Duration::from_millis(500));
     let (addr, _stop) = serve(pool, &AppOptions::default()).await;
     let service = Remote::at(addr);
     let (client, base) = (&service.client, &service.base);

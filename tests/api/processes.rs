@@ -83,10 +83,7 @@ fn postmaster_running(data_dir: &Path) -> bool {
 
 #[tokio::test]
 async fn serve_without_database_url_runs_on_the_embedded_default_and_stops_it_on_exit() {
-    let dir = tempfile::Builder::new()
-        .prefix("credpool-embedded-")
-        .tempdir_in("/tmp")
-        .unwrap();
+    let dir = tmp_dir("credpool-embedded-");
     let data_dir = dir.path().to_str().unwrap();
 
     // a relative --data-dir, resolved against the working directory

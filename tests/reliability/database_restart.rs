@@ -258,10 +258,7 @@ fn tail(path: &Path) -> String {
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn a_database_restart_under_load_answers_503_in_time_loses_no_lease_and_recovers_without_a_service_restart()
  {
-    let dir = tempfile::Builder::new()
-        .prefix("credpool-restart-")
-        .tempdir_in("/tmp")
-        .unwrap();
+    let dir = tmp_dir("credpool-restart-");
     let cluster = EmbeddedCluster::start(dir.path(), None).await.unwrap();
     let options = cluster.connect_options();
     let url = cluster_url(&cluster);

@@ -189,14 +189,7 @@ async fn a_multi_host_url_skips_a_dead_host_for_migrate_the_cli_and_serve() {
 async fn the_pool_leaves_a_server_that_turns_read_only_and_follows_the_writable_one() {
     // two independent servers stand in for a primary and a standby: "failover" is turning
     // the first read-only and the second writable, then back
-    let dirs: Vec<tempfile::TempDir> = (0..2)
-        .map(|_| {
-            tempfile::Builder::new()
-                .prefix("credpool-follow-")
-                .tempdir_in("/tmp")
-                .unwrap()
-        })
-        .collect();
+    let dirs: Vec<tempfile::TempDir> = (0..2).map(|_| tmp_dir("credpool-follow-")).collect();
     let mut clusters = Vec::new();
     for dir in &dirs {
         clusters.push(
@@ -446,10 +439,7 @@ impl Formation {
     /// and waits until node2 is a streaming `secondary`.
     async fn start(engine: Engine) -> Self {
         let started = Instant::now();
-        let dir = tempfile::Builder::new()
-            .prefix("credpool-failover-")
-            .tempdir_in("/tmp")
-            .unwrap();
+        let dir = tmp_dir("credpool-failover-");
         // pg_autoctl keeps its pid files in XDG_RUNTIME_DIR only when that directory exists;
         // otherwise in /tmp/pg_autoctl/<pgdata>, which would outlive the test
         let run = dir.path().join("run");

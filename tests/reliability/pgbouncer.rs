@@ -14,7 +14,7 @@ use std::path::{Path, PathBuf};
 use std::process::Stdio;
 use std::time::Duration;
 
-use credpool::store::{self, Db, PoolSettings};
+use credpool::store::{self, Db};
 use reqwest::StatusCode;
 use serde_json::{Value, json};
 use sqlx::postgres::PgConnectOptions;
@@ -68,10 +68,7 @@ impl Bouncer {
     async fn start(database: &TestDatabase) -> Self {
         let binary = pgbouncer_binary();
         let user = unprivileged_user();
-        let dir = tempfile::Builder::new()
-            .prefix("credpool-pgbouncer-")
-            .tempdir_in("/tmp")
-            .unwrap();
+        let dir = tmp_dir("credpool-pgbouncer-");
         let port = free_port();
         let server = &database.options;
         let config = format!(
@@ -182,12 +179,10 @@ fn log_of(dir: &Path) -> String {
 /// A pool through PgBouncer as `credpool serve --db-pooler transaction` builds it: no cached
 /// prepared statements, the statement timeout set by each transaction.
 fn pooled_db(bouncer: &Bouncer, database: &TestDatabase) -> Db {
-    let pool = store::connect_lazy(
+    let pool = lazy_pool(
         bouncer.options(database).statement_cache_capacity(0),
-        &PoolSettings {
-            max_connections: RACERS as u32,
-            acquire_timeout: Duration::from_secs(10),
-        },
+        RACERS as u32,
+        Duration::from_secs(10),
     );
     Db::transaction_pooled(pool, Some(Duration::from_secs(5)))
 }
@@ -353,12 +348,10 @@ async fn the_same_race_through_pgbouncer_fails_without_pooler_mode() {
     // a direct-mode pool pointed at PgBouncer (without the statement-timeout startup parameter,
     // which PgBouncer would reject outright): statements outside transactions, cached prepared
     // statements
-    let pool = store::connect_lazy(
+    let pool = lazy_pool(
         bouncer.options(&database),
-        &PoolSettings {
-            max_connections: RACERS as u32,
-            acquire_timeout: Duration::from_secs(10),
-        },
+        RACERS as u32,
+        Duration::from_secs(10),
     );
     let (addr, _stop) = serve(Db::direct(pool), &AppOptions::default()).await;
     let replicas = [Remote::at(addr)];
