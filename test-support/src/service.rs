@@ -373,6 +373,22 @@ pub async fn assert_error(response: Response, expected: StatusCode, code: &str) 
     body
 }
 
+/// The text `field` of each object in the JSON array `list`, in order; panics where `list` is no
+/// array or an object has no such text.
+pub fn texts<'a>(list: &'a Value, field: &str) -> Vec<&'a str> {
+    let objects = list
+        .as_array()
+        .unwrap_or_else(|| panic!("not an array: {list}"));
+    objects
+        .iter()
+        .map(|o| {
+            o[field]
+                .as_str()
+                .unwrap_or_else(|| panic!("no {field}: {o}"))
+        })
+        .collect()
+}
+
 /// The message of an error body (`{"error": {"code", "message"}}`); panics when it has none.
 pub fn error_message(body: &Value) -> &str {
     body["error"]["message"]

@@ -193,10 +193,7 @@ async fn every_baseline_completes_cycles_without_errors_next_to_credpool() {
     .await;
 
     let results = line["results"].as_array().unwrap();
-    let modes: Vec<&str> = results
-        .iter()
-        .map(|r| r["mode"].as_str().unwrap())
-        .collect();
+    let modes = texts(&line["results"], "mode");
     let mut expected = baselines.clone();
     expected.push("credpool");
     assert_eq!(modes, expected, "one row per allocator, credpool last");
@@ -250,12 +247,7 @@ async fn every_baseline_completes_cycles_without_errors_next_to_credpool() {
 async fn a_run_with_a_tenant_key_compares_with_the_internal_key_and_removes_its_tenant() {
     let database = TestDatabase::create().await;
     let (stdout, _, line) = bench_report(&database.url(), None, TENANT_RUN).await;
-    let modes: Vec<&str> = line["results"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .map(|r| r["mode"].as_str().unwrap())
-        .collect();
+    let modes = texts(&line["results"], "mode");
     assert_eq!(modes, ["credpool-untenanted", "credpool"]);
     assert_eq!(line["ratios"].as_array().unwrap().len(), 1);
     assert!(
@@ -371,10 +363,7 @@ async fn a_relay_run_measures_direct_and_relayed_calls_and_puts_the_upstream_bac
         bench_report(&database.url(), None, &["--relay", "--executors", "2"]).await;
     assert_eq!(line["relay"], true, "{line}");
     let results = line["results"].as_array().unwrap();
-    let modes: Vec<&str> = results
-        .iter()
-        .map(|r| r["mode"].as_str().unwrap())
-        .collect();
+    let modes = texts(&line["results"], "mode");
     assert_eq!(modes, ["direct", "relay"], "{line}");
     for result in results {
         assert!(

@@ -36,12 +36,7 @@ async fn get_and_list_show_configuration_health_and_leases_but_never_the_secret(
         .admin(Method::GET, "/api/admin/keys?provider=openai", None)
         .ok_json()
         .await;
-    let ids: Vec<&str> = page["keys"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .map(|k| k["key_id"].as_str().unwrap())
-        .collect();
+    let ids = texts(&page["keys"], "key_id");
     assert_eq!(ids, ["key-a", "key-b"]);
     let page = app
         .admin(Method::GET, "/api/admin/keys?pool=default&limit=1", None)
