@@ -205,6 +205,27 @@ pub fn tmp_dir(prefix: &str) -> tempfile::TempDir {
         .unwrap_or_else(|e| panic!("a directory {prefix}* in /tmp: {e}"))
 }
 
+/// A private cluster in `dir` that preloads pg_stat_statements (postgresql-contrib), with
+/// `settings` besides, and its `postgres` database migrated: the cluster, and a pool on it.
+pub async fn statements_cluster(
+    dir: &std::path::Path,
+    settings: &[(&str, &str)],
+) -> (credpool::embedded::EmbeddedCluster, PgPool) {
+    let settings = [
+        &[("shared_preload_libraries", "pg_stat_statements")],
+        settings,
+    ]
+    .concat();
+    let cluster = credpool::embedded::EmbeddedCluster::start_with_settings(dir, None, &settings)
+        .await
+        .expect("a private cluster with pg_stat_statements (postgresql-contrib)");
+    let pool = PgPool::connect_with(cluster.connect_options())
+        .await
+        .unwrap();
+    store::migrate(&pool).await.unwrap();
+    (cluster, pool)
+}
+
 /// A pool as the service opens its own ([`store::connect_lazy`]) on `options`: at most
 /// `max_connections`, each waited for at most `acquire_timeout`.
 pub fn lazy_pool(

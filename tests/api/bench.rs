@@ -317,16 +317,8 @@ async fn the_report_gives_the_cpu_and_server_time_of_the_server_it_ran_on() {
     // each mode's server time, and its CPU per cycle counts this server's processes (found
     // through its postmaster) and the load generator, which both did work for every cycle.
     let dir = tmp_dir("credpool-bench-");
-    let cluster = credpool::embedded::EmbeddedCluster::start_with_settings(
-        dir.path(),
-        None,
-        &[("shared_preload_libraries", "pg_stat_statements")],
-    )
-    .await
-    .expect("a private cluster with pg_stat_statements (postgresql-contrib)");
+    let (cluster, pool) = statements_cluster(dir.path(), &[]).await;
     let options = cluster.connect_options();
-    let pool = sqlx::PgPool::connect_with(options.clone()).await.unwrap();
-    credpool::store::migrate(&pool).await.unwrap();
     let (stdout, _, line) = bench_report(
         &url_for(&options, "postgres"),
         None,

@@ -1021,21 +1021,14 @@ async fn a_plain_claim_and_a_plain_release_run_only_their_own_statements() {
     use credpool::store::leases::{self, Claim, ClaimOutcome};
 
     let dir = tmp_dir("credpool-statements-");
-    let cluster = credpool::embedded::EmbeddedCluster::start_with_settings(
+    let (_cluster, pool) = statements_cluster(
         dir.path(),
-        None,
         &[
-            ("shared_preload_libraries", "pg_stat_statements"),
             ("pg_stat_statements.track", "all"),
             ("pg_stat_statements.track_utility", "on"),
         ],
     )
-    .await
-    .expect("a private cluster with pg_stat_statements (postgresql-contrib)");
-    let pool = sqlx::PgPool::connect_with(cluster.connect_options())
-        .await
-        .unwrap();
-    store::migrate(&pool).await.unwrap();
+    .await;
     sqlx::raw_sql(
         "CREATE EXTENSION IF NOT EXISTS pg_stat_statements;
          INSERT INTO credentials (key_id, provider, pool, models, max_concurrent_uses,
