@@ -1,7 +1,7 @@
 //! Removing a credential.
 
-use super::force_release::{ForcedRelease, force_release_in};
-use super::{Actor, audit, configuration, lock_credential};
+use super::force_release::{ForcedRelease, release_all_in};
+use super::{Actor, audit, configuration};
 use crate::domain::KeyId;
 use crate::store::Db;
 
@@ -16,26 +16,17 @@ pub async fn delete(
     actor: &Actor,
 ) -> Result<Option<Vec<ForcedRelease>>, sqlx::Error> {
     let mut tx = db.begin().await?;
-    if !lock_credential(&mut tx, key_id).await? {
+    let reason = "credential deleted";
+    let Some((released, ids)) = release_all_in(&mut tx, key_id, reason, actor).await? else {
         return Ok(None);
-    }
+    };
+    // (the leases' end leaves the configuration as it was)
     let old = configuration(&mut tx, key_id).await?;
-    let released =
-        force_release_in(&mut tx, Some(key_id), None, "credential deleted", actor).await?;
     sqlx::query!("DELETE FROM credentials WHERE key_id = $1", key_id.as_str())
         .execute(&mut *tx)
         .await?;
-    let ids: Vec<String> = released.iter().map(|r| r.lease_id.to_string()).collect();
     let details = serde_json::json!({"old": old, "force_released": ids});
-    audit(
-        &mut tx,
-        key_id,
-        "deleted",
-        actor,
-        "credential deleted",
-        details,
-    )
-    .await?;
+    audit(&mut tx, key_id, "deleted", actor, reason, details).await?;
     tx.commit().await?;
     Ok(Some(released))
 }

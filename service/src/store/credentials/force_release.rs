@@ -49,6 +49,23 @@ pub(super) async fn force_release_in(
         .collect())
 }
 
+/// Locks credential `key_id` and ends its in-flight leases as `force_released` with `reason`, in
+/// the caller's transaction: the leases ended, and their ids (for the caller's audit row). `None`
+/// if no such credential.
+pub(super) async fn release_all_in(
+    conn: &mut PgConnection,
+    key_id: &KeyId,
+    reason: &str,
+    actor: &Actor,
+) -> Result<Option<(Vec<ForcedRelease>, Vec<String>)>, sqlx::Error> {
+    if !lock_credential(conn, key_id).await? {
+        return Ok(None);
+    }
+    let released = force_release_in(conn, Some(key_id), None, reason, actor).await?;
+    let ids = released.iter().map(|r| r.lease_id.to_string()).collect();
+    Ok(Some((released, ids)))
+}
+
 /// Force-releases every in-flight lease of a credential (audited `force_released` with the
 /// operator's reason, and a `leases_released` credential event). `None` if no such credential.
 #[tracing::instrument(skip(db), err(level = "debug"))]
@@ -59,11 +76,9 @@ pub async fn release_all(
     actor: &Actor,
 ) -> Result<Option<Vec<ForcedRelease>>, sqlx::Error> {
     let mut tx = db.begin().await?;
-    if !lock_credential(&mut tx, key_id).await? {
+    let Some((released, ids)) = release_all_in(&mut tx, key_id, reason, actor).await? else {
         return Ok(None);
-    }
-    let released = force_release_in(&mut tx, Some(key_id), None, reason, actor).await?;
-    let ids: Vec<String> = released.iter().map(|r| r.lease_id.to_string()).collect();
+    };
     audit(
         &mut tx,
         key_id,
