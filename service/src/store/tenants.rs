@@ -358,12 +358,8 @@ pub async fn mint_key(
     .execute(&mut *tx)
     .await?
     .rows_affected();
-    if inserted == 0 {
-        return Ok(None);
-    }
-    key_event(&mut *tx, tenant, "key_created", key_id, actor).await?;
-    tx.commit().await?;
-    Ok(Some((key_id, key)))
+    let created = key_changed(tx, inserted, tenant, "key_created", key_id, actor).await?;
+    Ok(created.then_some((key_id, key)))
 }
 
 /// Revokes a tenant's key: from the commit on, no request with it succeeds, on any replica (every
@@ -387,10 +383,24 @@ pub async fn revoke_key(
     .execute(&mut *tx)
     .await?
     .rows_affected();
-    if revoked == 0 {
+    key_changed(tx, revoked, tenant, "key_revoked", key_id, actor).await
+}
+
+/// Ends a change to one of `tenant`'s keys: when the change wrote a row (`rows`), records
+/// `event` ([`key_event`]) and commits; otherwise drops `tx`, which rolls it back. Whether it
+/// wrote one.
+async fn key_changed(
+    mut tx: sqlx::Transaction<'static, sqlx::Postgres>,
+    rows: u64,
+    tenant: &TenantId,
+    event: &str,
+    key_id: Uuid,
+    actor: &Actor,
+) -> Result<bool, sqlx::Error> {
+    if rows == 0 {
         return Ok(false);
     }
-    key_event(&mut *tx, tenant, "key_revoked", key_id, actor).await?;
+    key_event(&mut *tx, tenant, event, key_id, actor).await?;
     tx.commit().await?;
     Ok(true)
 }
