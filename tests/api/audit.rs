@@ -28,6 +28,13 @@ async fn scalar_i32(app: &TestApp, sql: &'static str) -> i32 {
     sqlx::query_scalar(sql).fetch_one(&app.db).await.unwrap()
 }
 
+/// Runs `sql` once for each of `answers`, asserting that the calls answer them in turn.
+async fn calls_answer(app: &TestApp, sql: &'static str, answers: &[i32]) {
+    for (call, answer) in answers.iter().enumerate() {
+        assert_eq!(scalar_i32(app, sql).await, *answer, "call {call} of {sql}");
+    }
+}
+
 #[tokio::test]
 async fn the_reaper_ends_expired_leases_in_the_trail_in_bounded_batches_and_is_idempotent() {
     let app = TestApp::with_credential("key-a", 4).await;
@@ -38,24 +45,10 @@ async fn the_reaper_ends_expired_leases_in_the_trail_in_bounded_batches_and_is_i
     ];
     let live = app.lease(audited(600)).await.to_string();
     assert!(live.contains("lease_id"));
-    assert_eq!(
-        scalar_i32(&app, "SELECT credpool_reap_expired_leases(10)").await,
-        0
-    );
+    calls_answer(&app, "SELECT credpool_reap_expired_leases(10)", &[0]).await;
     tokio::time::sleep(Duration::from_millis(1_200)).await;
 
-    assert_eq!(
-        scalar_i32(&app, "SELECT credpool_reap_expired_leases(2)").await,
-        2
-    );
-    assert_eq!(
-        scalar_i32(&app, "SELECT credpool_reap_expired_leases(2)").await,
-        1
-    );
-    assert_eq!(
-        scalar_i32(&app, "SELECT credpool_reap_expired_leases(2)").await,
-        0
-    );
+    calls_answer(&app, "SELECT credpool_reap_expired_leases(2)", &[2, 1, 0]).await;
     for l in &leases {
         assert_eq!(app.lease_events(l).await, ["granted", "expired"]);
     }
@@ -67,19 +60,9 @@ async fn the_reaper_ends_expired_leases_in_the_trail_in_bounded_batches_and_is_i
 async fn ended_cooldowns_are_recorded_once_and_the_status_waits_for_the_probe() {
     let app = TestApp::with_credential("key-a", 1).await;
     app.set_status("key-a", "cooldown", Some(0.5)).await;
-    assert_eq!(
-        scalar_i32(&app, "SELECT credpool_recover_cooldowns()").await,
-        0
-    );
+    calls_answer(&app, "SELECT credpool_recover_cooldowns()", &[0]).await;
     tokio::time::sleep(Duration::from_millis(700)).await;
-    assert_eq!(
-        scalar_i32(&app, "SELECT credpool_recover_cooldowns()").await,
-        1
-    );
-    assert_eq!(
-        scalar_i32(&app, "SELECT credpool_recover_cooldowns()").await,
-        0
-    );
+    calls_answer(&app, "SELECT credpool_recover_cooldowns()", &[1, 0]).await;
     let status: String = app.scalar("SELECT status FROM credentials").await;
     assert_eq!(status, "cooldown");
     // usable: the next lease is the probe
