@@ -1149,12 +1149,8 @@ fn print_report(
         format!(", hot spot: all want the same {}", args.hot_spot)
     };
     println!(
-        "{} executors, {} s measured after {} s warm-up, {} credentials of limit {}{hot}, hold {} ms, {} audit rows added",
-        args.executors,
-        args.duration_seconds,
-        args.warmup_seconds,
-        args.credentials,
-        args.limit,
+        "{}{hot}, hold {} ms, {} audit rows added",
+        run_shape(args, ""),
         args.hold_ms,
         args.audit_rows
     );
@@ -1289,4 +1285,13 @@ pub(crate) fn print_oversell_check(oversold: i64, what: &str) {
             format!("{oversold} grants exceeded a limit")
         }
     );
+}
+
+/// The report's opening words on what was run: `"16 executors, 10 s measured after 2 s warm-up
+/// {per}, 200 credentials of limit 4"`.
+pub(crate) fn run_shape(args: &BenchArgs, per: &str) -> String {
+    format!(
+        "{} executors, {} s measured after {} s warm-up{per}, {} credentials of limit {}",
+        args.executors, args.duration_seconds, args.warmup_seconds, args.credentials, args.limit,
+    )
 }

@@ -77,14 +77,14 @@ impl Application {
         };
         let waits = Waits::new(views.clone(), listen, Some(db.clone()), background.clone());
         let state = AppState::new(Shared {
-            allocator: Allocator::new(
-                Groups::start(db.clone(), settings.groups, &background),
+            allocator: Allocator {
+                groups: Groups::start(db.clone(), settings.groups, &background),
                 views,
                 waits,
-                settings.claims,
-                keyring.clone(),
-                settings.health.clone(),
-            ),
+                claims: settings.claims,
+                keyring: keyring.clone(),
+                health: settings.health.clone(),
+            },
             db,
             keys,
             max_lease_seconds: settings.max_lease_seconds,
@@ -630,16 +630,11 @@ async fn sample_audit(db: &store::Db) {
 /// per scrape), until the pool closes ([`sample_pools`], `sample_audit`). The service runs it
 /// as the supervised background task `metrics_sampler`.
 async fn sample_metrics(db: store::Db, interval: Duration) {
-    let mut ticker = tokio::time::interval(interval);
-    ticker.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
-    loop {
-        ticker.tick().await;
-        if db.pool().is_closed() {
-            return;
-        }
+    store::every(&db, interval, || async {
         sample_pools(&db).await;
         sample_audit(&db).await;
-    }
+    })
+    .await
 }
 
 #[cfg(test)]

@@ -452,12 +452,8 @@ pub(super) fn print_report(
         ]);
     }
     println!(
-        "relay overhead: {} executors, {} s measured after {} s warm-up per mode, {} credentials of limit {}, the mock upstream answers after {} ms",
-        args.executors,
-        args.duration_seconds,
-        args.warmup_seconds,
-        args.credentials,
-        args.limit,
+        "relay overhead: {}, the mock upstream answers after {} ms",
+        super::run_shape(args, " per mode"),
         args.hold_ms,
     );
     println!("{table}");

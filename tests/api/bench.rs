@@ -383,20 +383,18 @@ async fn a_relay_run_measures_direct_and_relayed_calls_and_puts_the_upstream_bac
     assert_eq!(line["grants_over_limit"], 0);
 
     let pool = database.pool(1).await;
-    let relayed: i64 = pool
-        .scalar(
-            "SELECT count(*) FROM lease_events
-             WHERE event = 'released' AND holder = 'relay' AND outcome = 'success' AND tokens = 10",
-        )
-        .await;
+    let relayed = "SELECT count(*) FROM lease_events
+         WHERE event = 'released' AND holder = 'relay' AND outcome = 'success' AND tokens = 10";
+    let upstreams = "SELECT count(*) FROM relay_upstreams WHERE provider = 'bench'";
     assert!(
-        relayed > 0,
+        pool.scalar::<i64>(relayed).await > 0,
         "the relay's calls were released with their usage"
     );
-    let upstreams: i64 = pool
-        .scalar("SELECT count(*) FROM relay_upstreams WHERE provider = 'bench'")
-        .await;
-    assert_eq!(upstreams, 0, "the bench provider's upstream is removed");
+    assert_eq!(
+        pool.scalar::<i64>(upstreams).await,
+        0,
+        "the bench provider's upstream is removed"
+    );
     let credentials: i64 = pool.scalar("SELECT count(*) FROM credentials").await;
     assert_eq!(credentials, 0);
 }

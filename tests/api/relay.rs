@@ -206,10 +206,20 @@ fn chat(stream: bool) -> Value {
     json!({"model": "gpt-4o", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 50, "stream": stream})
 }
 
+/// An unstreamed chat call of the internal key, with `headers`.
+async fn chat_call(app: &TestApp, headers: &[(&str, &str)]) -> reqwest::Response {
+    call(app, CHAT, INTERNAL_KEY, chat(false), headers).await
+}
+
+/// A streamed chat call of the internal key, with `headers` (the mock's pace).
+async fn stream_call(app: &TestApp, headers: &[(&str, &str)]) -> reqwest::Response {
+    call(app, CHAT, INTERNAL_KEY, chat(true), headers).await
+}
+
 /// A streamed call of 100 chunks 100 ms apart (10 s in all), once its first chunk has come.
 async fn streaming(app: &TestApp) -> reqwest::Response {
     let chunks = [("x-mock-chunks", "100"), ("x-mock-interval-ms", "100")];
-    let mut response = call(app, CHAT, INTERNAL_KEY, chat(true), &chunks).await;
+    let mut response = stream_call(app, &chunks).await;
     response.chunk().await.unwrap().unwrap();
     response
 }
@@ -245,6 +255,29 @@ async fn raw_post(app: &TestApp, path: &str, body: &Value) -> (u16, Value) {
     let status = answer[9..12].parse().unwrap();
     let json = answer.split("\r\n\r\n").nth(1).unwrap_or_default();
     (status, serde_json::from_str(json).unwrap_or(Value::Null))
+}
+
+/// Asserts that `k1`'s slot is free within a second: its lease did not outlive its client.
+async fn slot_freed_within_a_second(app: &TestApp) {
+    assert!(
+        eventually(Duration::from_secs(1), async || app.in_flight("k1").await
+            == 0)
+        .await,
+        "the lease outlived its client"
+    );
+}
+
+/// Asserts that the mock upstream sees one stream's client go away within 2 s (the relay let its
+/// connection go).
+async fn upstream_saw_its_client_leave(mock: &Mock) {
+    assert!(
+        eventually(Duration::from_secs(2), async || mock
+            .abandoned
+            .load(Ordering::SeqCst)
+            == 1)
+        .await,
+        "the upstream's call went on"
+    );
 }
 
 /// Polls `check` every 20 ms for up to `within`; true as soon as it holds.
@@ -342,11 +375,8 @@ async fn a_call_reaches_the_upstream_with_the_credential_and_never_the_callers_k
 #[tokio::test]
 async fn a_stream_is_passed_on_as_it_comes_and_its_usage_lands_in_the_trail() {
     let (app, _, _mock) = relay_app(1, 35).await;
-    let response = call(
+    let response = stream_call(
         &app,
-        CHAT,
-        INTERNAL_KEY,
-        chat(true),
         &[("x-mock-chunks", "5"), ("x-mock-interval-ms", "300")],
     )
     .await;
@@ -385,19 +415,8 @@ async fn a_client_that_leaves_mid_stream_frees_the_slot_at_once() {
     assert_eq!(app.in_flight("k1").await, 1);
     drop(response);
     // within a second, not at the lease's end 35 s on
-    assert!(
-        eventually(Duration::from_secs(1), async || app.in_flight("k1").await
-            == 0)
-        .await,
-        "the lease outlived its client"
-    );
-    assert!(
-        eventually(Duration::from_secs(2), async || mock
-            .abandoned
-            .load(Ordering::SeqCst)
-            == 1)
-        .await
-    );
+    slot_freed_within_a_second(&app).await;
+    upstream_saw_its_client_leave(&mock).await;
     let trail = relay_trail(&app).await;
     assert_eq!(trail.last().unwrap().0, "released");
     assert_eq!(
@@ -416,11 +435,8 @@ async fn a_client_that_leaves_mid_stream_frees_the_slot_at_once() {
 async fn calls_never_put_more_on_a_credential_than_its_limit() {
     let (app, _, mock) = relay_app(2, 35).await;
     let calls = (0..12).map(|_| {
-        call(
+        stream_call(
             &app,
-            CHAT,
-            INTERNAL_KEY,
-            chat(true),
             &[("x-mock-chunks", "3"), ("x-mock-interval-ms", "50")],
         )
     });
@@ -449,7 +465,7 @@ async fn an_upstream_429_rests_the_credential_and_reaches_the_client() {
         .lock()
         .unwrap()
         .insert("sk-test-k1".into());
-    let response = call(&app, CHAT, INTERNAL_KEY, chat(false), &[]).await;
+    let response = chat_call(&app, &[]).await;
     assert_eq!(response.status(), StatusCode::TOO_MANY_REQUESTS);
     assert_eq!(response.headers()["retry-after"], "30");
     let body: Value = response.json().await.unwrap();
@@ -465,14 +481,7 @@ async fn an_upstream_429_rests_the_credential_and_reaches_the_client() {
     );
 
     // the next call finds no credential that can serve before its wait ends: credpool's own 429
-    let refused = call(
-        &app,
-        CHAT,
-        INTERNAL_KEY,
-        chat(false),
-        &[("x-credpool-wait-ms", "0")],
-    )
-    .await;
+    let refused = chat_call(&app, &[("x-credpool-wait-ms", "0")]).await;
     assert_eq!(refused.status(), StatusCode::TOO_MANY_REQUESTS);
     let seconds: u64 = refused.headers()["retry-after"]
         .to_str()
@@ -646,13 +655,7 @@ async fn a_call_whose_lease_is_taken_away_is_cut() {
     .await
     .expect("the call went on after its lease was taken away");
     assert!(cut, "a cut call must not read as a whole answer");
-    assert!(
-        eventually(Duration::from_secs(2), async || mock
-            .abandoned
-            .load(Ordering::SeqCst)
-            == 1)
-        .await
-    );
+    upstream_saw_its_client_leave(&mock).await;
 }
 
 #[tokio::test]
@@ -730,14 +733,7 @@ async fn a_conversation_stays_on_its_credential_through_the_configured_header() 
     assert_eq!(response.status(), StatusCode::OK);
     for session in ["conversation-a", "conversation-b"] {
         for _ in 0..4 {
-            let answer = call(
-                &app,
-                CHAT,
-                INTERNAL_KEY,
-                chat(false),
-                &[("x-session-id", session)],
-            )
-            .await;
+            let answer = chat_call(&app, &[("x-session-id", session)]).await;
             assert_eq!(answer.status(), StatusCode::OK);
             answer.bytes().await.unwrap();
         }
@@ -787,14 +783,7 @@ async fn an_upstream_that_is_slow_or_away_is_a_gateway_error_and_frees_the_slot(
         )
     };
     assert_eq!(set(format!("http://{addr}")).await.status(), StatusCode::OK);
-    let slow = call(
-        &app,
-        CHAT,
-        INTERNAL_KEY,
-        chat(false),
-        &[("x-mock-delay-ms", "3000")],
-    )
-    .await;
+    let slow = chat_call(&app, &[("x-mock-delay-ms", "3000")]).await;
     assert_eq!(slow.status(), StatusCode::GATEWAY_TIMEOUT);
     let body: Value = slow.json().await.unwrap();
     assert_eq!(body["error"]["code"], "upstream_timeout");
@@ -808,7 +797,7 @@ async fn an_upstream_that_is_slow_or_away_is_a_gateway_error_and_frees_the_slot(
         set(format!("http://{nowhere}")).await.status(),
         StatusCode::OK
     );
-    let away = call(&app, CHAT, INTERNAL_KEY, chat(false), &[]).await;
+    let away = chat_call(&app, &[]).await;
     assert_eq!(away.status(), StatusCode::BAD_GATEWAY);
     let body: Value = away.json().await.unwrap();
     assert_eq!(body["error"]["code"], "upstream_unreachable");
@@ -827,11 +816,8 @@ async fn a_client_that_leaves_after_the_last_event_made_a_whole_call() {
     let (app, _, _mock) = relay_app(1, 35).await;
     // the upstream keeps the answer open 5 s after its last event; the client, as OpenAI's SDK
     // does, leaves once it has read `data: [DONE]`
-    let mut response = call(
+    let mut response = stream_call(
         &app,
-        CHAT,
-        INTERNAL_KEY,
-        chat(true),
         &[("x-mock-chunks", "3"), ("x-mock-linger-ms", "5000")],
     )
     .await;
@@ -840,12 +826,7 @@ async fn a_client_that_leaves_after_the_last_event_made_a_whole_call() {
         read.extend_from_slice(&response.chunk().await.unwrap().unwrap());
     }
     drop(response);
-    assert!(
-        eventually(Duration::from_secs(1), async || app.in_flight("k1").await
-            == 0)
-        .await,
-        "the lease outlived its client"
-    );
+    slot_freed_within_a_second(&app).await;
     let trail = relay_trail(&app).await;
     let released = trail.last().unwrap();
     assert_eq!(
@@ -861,11 +842,8 @@ async fn a_stream_longer_than_the_idle_timeout_is_a_request_in_flight_not_an_idl
     options.settings.http.idle_timeout = Duration::from_secs(1);
     let (app, _, mock) = relay_app_with(1, options).await;
     // 3 s of answer, a chunk every 300 ms, on a service that closes connections idle for 1 s
-    let mut response = call(
+    let mut response = stream_call(
         &app,
-        CHAT,
-        INTERNAL_KEY,
-        chat(true),
         &[("x-mock-chunks", "10"), ("x-mock-interval-ms", "300")],
     )
     .await;

@@ -350,39 +350,24 @@ impl Default for ClaimSettings {
     }
 }
 
-/// Grants leases. Cheap to clone.
+/// Grants leases. Cheap to clone. Built by the service's start-up from its parts.
 #[derive(Debug, Clone)]
 pub struct Allocator {
-    groups: Groups,
-    views: Arc<CandidateViews>,
-    waits: Arc<Waits>,
-    claims: ClaimSettings,
-    keyring: Arc<Keyring>,
-    health: HealthPolicy,
+    /// Claims, releases and renewals go through these groups.
+    pub(crate) groups: Groups,
+    /// The candidate views it ranks from.
+    pub(crate) views: Arc<CandidateViews>,
+    /// Where waiting requests are parked.
+    pub(crate) waits: Arc<Waits>,
+    /// How many candidates a claim tries.
+    pub(crate) claims: ClaimSettings,
+    /// Opens the secrets of granted credentials.
+    pub(crate) keyring: Arc<Keyring>,
+    /// How outcome reports move health.
+    pub(crate) health: HealthPolicy,
 }
 
 impl Allocator {
-    /// An allocator claiming, releasing and renewing through `groups`, ranking from `views`,
-    /// parking waiting requests in `waits`, opening secrets with `keyring`, applying outcome
-    /// reports to health under `health`.
-    pub fn new(
-        groups: Groups,
-        views: Arc<CandidateViews>,
-        waits: Arc<Waits>,
-        claims: ClaimSettings,
-        keyring: Arc<Keyring>,
-        health: HealthPolicy,
-    ) -> Self {
-        Self {
-            groups,
-            views,
-            waits,
-            claims,
-            keyring,
-            health,
-        }
-    }
-
     /// Releases a lease with its outcome (through the next release group, which announces a
     /// freed slot to the waiting allocations of every process), then tells this process's
     /// candidate view what the release freed and how the credential's health moved.

@@ -134,13 +134,7 @@ pub async fn run_steps(
 /// closes. Used only where pg_cron is not scheduled (each pass checks). The service runs it as
 /// the supervised background task `maintenance`.
 pub async fn scheduler(db: Db, interval: Duration, retention: Duration) {
-    let mut ticker = tokio::time::interval(interval);
-    ticker.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
-    loop {
-        ticker.tick().await;
-        if db.pool().is_closed() {
-            return;
-        }
+    super::every(&db, interval, || async {
         match run_pass(&db, retention).await {
             Ok(Ok(report)) if report != MaintenanceReport::default() => {
                 crate::telemetry::expired("reaper", report.expired_leases_reaped.max(0) as u64);
@@ -162,7 +156,8 @@ pub async fn scheduler(db: Db, interval: Duration, retention: Duration) {
             Ok(_) => {}
             Err(error) => tracing::warn!(error = %error, "maintenance pass failed"),
         }
-    }
+    })
+    .await
 }
 
 /// The pg_cron jobs credpool schedules: (name suffix, schedule, SQL).

@@ -93,3 +93,22 @@ pub async fn ready(db: &Db) -> Result<bool, sqlx::Error> {
     work.done().await?;
     Ok(functions)
 }
+
+/// Runs `pass` on `db` every `interval` (a late tick runs once, not once per tick missed) until
+/// `db`'s pool is closed: the service's timers (the metrics sampler, the in-process maintenance
+/// scheduler).
+pub async fn every<F, Fut>(db: &Db, interval: std::time::Duration, mut pass: F)
+where
+    F: FnMut() -> Fut,
+    Fut: std::future::Future<Output = ()>,
+{
+    let mut ticker = tokio::time::interval(interval);
+    ticker.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    loop {
+        ticker.tick().await;
+        if db.pool().is_closed() {
+            return;
+        }
+        pass().await;
+    }
+}
