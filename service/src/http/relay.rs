@@ -434,22 +434,26 @@ fn allocation(
     })
 }
 
-/// Request headers never forwarded: hop-by-hop ones (RFC 9110 section 7.6.1), the caller's keys
-/// and cookies, what says where the call came from (`x-forwarded-*` too), `expect` (the body is
-/// whole already), and `accept-encoding` (the answer is read for its usage, so it comes
-/// unencoded).
-const REQUEST_HEADERS_KEPT_BACK: &[&str] = &[
-    "host",
+/// Headers that belong to one hop's framing, never passed on either way (RFC 9110 section
+/// 7.6.1, and `content-length`: hyper frames each side itself; an answer goes on chunked, so that
+/// its end is seen and the lease released when its last chunk has been read). `proxy-*` and the
+/// names `Connection` lists are held back too ([`passed_on`]).
+const HOP_BY_HOP: &[&str] = &[
     "connection",
     "keep-alive",
-    "proxy-authenticate",
-    "proxy-authorization",
-    "proxy-connection",
     "te",
     "trailer",
     "transfer-encoding",
     "upgrade",
     "content-length",
+];
+
+/// Request headers never forwarded besides [`HOP_BY_HOP`]: the caller's keys and cookies, what
+/// says where the call came from (`x-forwarded-*` too), `host` (the upstream's is set), `expect`
+/// (the body is whole already), and `accept-encoding` (the answer is read for its usage, so it
+/// comes unencoded).
+const REQUEST_HEADERS_KEPT_BACK: &[&str] = &[
+    "host",
     "authorization",
     "x-api-key",
     "x-internal-key",
@@ -462,23 +466,10 @@ const REQUEST_HEADERS_KEPT_BACK: &[&str] = &[
     "expect",
 ];
 
-/// Answer headers never passed back: hop-by-hop ones, cookies the upstream sets for the
-/// credential's session, `location` (a redirect is not followed, nor offered to the client, which
-/// would send its key there), and `content-length` (the answer goes on chunked, so that its end is
-/// seen: the lease is released when the last chunk has been read, whatever its length said).
-const ANSWER_HEADERS_KEPT_BACK: &[&str] = &[
-    "content-length",
-    "location",
-    "connection",
-    "keep-alive",
-    "proxy-authenticate",
-    "proxy-connection",
-    "te",
-    "trailer",
-    "transfer-encoding",
-    "upgrade",
-    "set-cookie",
-];
+/// Answer headers never passed back besides [`HOP_BY_HOP`]: cookies the upstream sets for the
+/// credential's session, and `location` (a redirect is not followed, nor offered to the client,
+/// which would send its key there).
+const ANSWER_HEADERS_KEPT_BACK: &[&str] = &["location", "set-cookie"];
 
 /// The headers `Connection` names (hop-by-hop for this one message).
 fn named_by_connection(headers: &HeaderMap) -> Vec<String> {
@@ -491,9 +482,9 @@ fn named_by_connection(headers: &HeaderMap) -> Vec<String> {
         .collect()
 }
 
-/// `headers` less `kept_back`, those `Connection` names, `x-credpool-*`, `x-forwarded-*`,
-/// `proxy-*`, and any header whose value holds `key` (the caller's key, sent again where the
-/// relay does not look for it: `api-key`, `x-goog-api-key`, ...).
+/// `headers` less [`HOP_BY_HOP`], `kept_back`, those `Connection` names, `x-credpool-*`,
+/// `x-forwarded-*`, `proxy-*`, and any header whose value holds `key` (the caller's key, sent again
+/// where the relay does not look for it: `api-key`, `x-goog-api-key`, ...).
 fn passed_on(headers: &HeaderMap, kept_back: &[&str], key: Option<&[u8]>) -> HeaderMap {
     let connection = named_by_connection(headers);
     let holds_key = |value: &HeaderValue| {
@@ -504,7 +495,8 @@ fn passed_on(headers: &HeaderMap, kept_back: &[&str], key: Option<&[u8]>) -> Hea
     let mut out = HeaderMap::with_capacity(headers.len());
     for (name, value) in headers {
         let name_str = name.as_str();
-        if kept_back.contains(&name_str)
+        if HOP_BY_HOP.contains(&name_str)
+            || kept_back.contains(&name_str)
             || connection.iter().any(|c| c == name_str)
             || ["x-credpool-", "x-forwarded-", "proxy-"]
                 .iter()
@@ -962,6 +954,8 @@ mod tests {
             ("cookie", "a=b"),
             ("connection", "keep-alive, x-hop"),
             ("x-hop", "1"),
+            ("transfer-encoding", "chunked"),
+            ("proxy-authorization", "Basic abc"),
             ("x-credpool-wait-ms", "5"),
             ("x-forwarded-for", "10.0.0.1"),
             ("content-type", "application/json"),

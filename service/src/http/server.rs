@@ -361,6 +361,15 @@ impl hyper::service::Service<hyper::Request<Incoming>> for Counted {
         let answer = self.inner.call(request);
         Box::pin(async move {
             let response = answer.await?;
+            // a body already whole in memory (every JSON answer) is written at once: only a
+            // streamed one keeps its request busy while it is written
+            if hyper::body::Body::size_hint(response.body())
+                .exact()
+                .is_some()
+            {
+                drop(busy);
+                return Ok(response);
+            }
             Ok(response.map(|inner| axum::body::Body::new(BusyBody { inner, _busy: busy })))
         })
     }
