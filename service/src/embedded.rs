@@ -1,5 +1,6 @@
 //! The embedded default database: a private PostgreSQL cluster in a data directory, started from
-//! the PostgreSQL server binaries installed on the machine, reached over a Unix socket only.
+//! the PostgreSQL server binaries installed on the machine, reached over a Unix socket only
+//! (tests may choose its port and open TCP too: [`StartOptions`]).
 //!
 //! Why our own launcher rather than the `postgresql_embedded` crate: that crate's model is to
 //! download a PostgreSQL bundle (this project's machines reach no such server) and to run
@@ -35,8 +36,9 @@ use sqlx::{ConnectOptions, Connection};
 pub const DATABASE: &str = "credpool";
 /// The cluster's superuser (created by `initdb`).
 pub const SUPERUSER: &str = "credpool";
-/// The port number in the socket's name (`.s.PGSQL.5432`); no TCP port is opened.
-const SOCKET_PORT: u16 = 5432;
+/// The port of a server started without one ([`StartOptions::port`]): the number in its socket's
+/// name (`.s.PGSQL.5432`); no TCP port is opened.
+pub const DEFAULT_PORT: u16 = 5432;
 /// Longest Unix socket path the kernel accepts, less the terminating NUL.
 const MAX_SOCKET_PATH: usize = 107;
 /// How long the server may take to accept connections after it starts.
@@ -206,12 +208,43 @@ fn cluster_user() -> Result<Option<User>, EmbeddedError> {
     Err(EmbeddedError::NoUnprivilegedUser)
 }
 
+/// How [`EmbeddedCluster::start_with`] starts a server. The default is what `credpool serve`
+/// uses: port [`DEFAULT_PORT`], socket only, no extra libraries or settings. A server found
+/// already running keeps the settings it has.
+#[derive(Debug, Clone, Copy)]
+pub struct StartOptions<'a> {
+    /// The server's port: the number in its socket's name (`.s.PGSQL.<port>`) and, when
+    /// `settings` sets `listen_addresses`, its TCP port. Connections from
+    /// [`EmbeddedCluster::connect_options`] use it.
+    pub port: u16,
+    /// Libraries for `shared_preload_libraries`, in this order and ahead of pg_cron (preloaded
+    /// when installed), say `&["citus"]` (Citus must be loaded first) for `citus,pg_cron`. Set
+    /// them here rather than as a setting, which would drop pg_cron and leave its `cron.*`
+    /// settings without it.
+    pub preload_libraries: &'a [&'a str],
+    /// Extra server settings, each passed as `-c name=value` after credpool's own, so they win:
+    /// say `("max_connections", "300")`, or `("listen_addresses", "127.0.0.1")` for TCP on
+    /// `port` (credpool's own `listen_addresses` is empty: socket only).
+    pub settings: &'a [(&'a str, &'a str)],
+}
+
+impl Default for StartOptions<'_> {
+    fn default() -> Self {
+        StartOptions {
+            port: DEFAULT_PORT,
+            preload_libraries: &[],
+            settings: &[],
+        }
+    }
+}
+
 /// A private PostgreSQL cluster. Stop it with [`EmbeddedCluster::stop`]; dropping it stops it too
 /// (blocking). A cluster found already running is left running.
 #[derive(Debug)]
 pub struct EmbeddedCluster {
     data_dir: PathBuf,
     socket_dir: PathBuf,
+    port: u16,
     server: Option<Server>,
     pg_cron: bool,
 }
@@ -228,7 +261,7 @@ impl EmbeddedCluster {
     /// Initialises the cluster on first use, starts it (or finds it running), and makes sure the
     /// `credpool` database exists. `bin_dir` overrides the binary search.
     pub async fn start(data_dir: &Path, bin_dir: Option<&Path>) -> Result<Self, EmbeddedError> {
-        Self::start_with_settings(data_dir, bin_dir, &[]).await
+        Self::start_with(data_dir, bin_dir, &StartOptions::default()).await
     }
 
     /// [`EmbeddedCluster::start`] with extra server settings, each passed as `-c name=value` to
@@ -239,6 +272,20 @@ impl EmbeddedCluster {
         bin_dir: Option<&Path>,
         settings: &[(&str, &str)],
     ) -> Result<Self, EmbeddedError> {
+        let options = StartOptions {
+            settings,
+            ..StartOptions::default()
+        };
+        Self::start_with(data_dir, bin_dir, &options).await
+    }
+
+    /// [`EmbeddedCluster::start`] with a port, preloaded libraries and settings of the caller's
+    /// ([`StartOptions`]), for a server this call starts. Errors as [`EmbeddedCluster::start`].
+    pub async fn start_with(
+        data_dir: &Path,
+        bin_dir: Option<&Path>,
+        options: &StartOptions<'_>,
+    ) -> Result<Self, EmbeddedError> {
         // the cluster's processes run from "/", so a relative path would point elsewhere
         let data_dir = std::path::absolute(data_dir).map_err(io(format!(
             "resolving the data directory {}",
@@ -248,7 +295,7 @@ impl EmbeddedCluster {
         let user = cluster_user()?;
         let pgdata = data_dir.join("pgdata");
         let socket_dir = data_dir.join("run");
-        let socket = socket_dir.join(format!(".s.PGSQL.{SOCKET_PORT}"));
+        let socket = socket_dir.join(format!(".s.PGSQL.{}", options.port));
         if socket.as_os_str().len() > MAX_SOCKET_PATH {
             return Err(EmbeddedError::DataDir {
                 path: data_dir,
@@ -265,6 +312,7 @@ impl EmbeddedCluster {
         let mut cluster = EmbeddedCluster {
             data_dir: data_dir.clone(),
             socket_dir,
+            port: options.port,
             server: None,
             pg_cron,
         };
@@ -283,7 +331,7 @@ impl EmbeddedCluster {
                 &cluster.log_path(),
                 user.as_ref(),
                 pg_cron,
-                settings,
+                options,
             )?);
             cluster.wait_ready().await?;
             tracing::info!(data_dir = %data_dir.display(), bin = %bin.display(), "embedded PostgreSQL started");
@@ -300,9 +348,14 @@ impl EmbeddedCluster {
     fn options_for(&self, database: &str) -> PgConnectOptions {
         PgConnectOptions::new()
             .socket(&self.socket_dir)
-            .port(SOCKET_PORT)
+            .port(self.port)
             .username(SUPERUSER)
             .database(database)
+    }
+
+    /// The server's port ([`StartOptions::port`]).
+    pub fn port(&self) -> u16 {
+        self.port
     }
 
     /// Whether the cluster preloads pg_cron (found next to the server binaries). A cluster found
@@ -466,7 +519,12 @@ fn check_traversable(dir: &Path, user: &User) -> Result<(), EmbeddedError> {
 
 fn as_user(command: &mut Command, user: Option<&User>) {
     if let Some(user) = user {
-        command.uid(user.uid.as_raw()).gid(user.gid.as_raw());
+        // HOME too, as `su` sets it: libpq inside the server (Citus's connections to other nodes,
+        // postgres_fdw) looks for ~/.postgresql/postgresql.crt, and root's home refuses entry
+        command
+            .uid(user.uid.as_raw())
+            .gid(user.gid.as_raw())
+            .env("HOME", &user.dir);
     }
     command.current_dir("/");
 }
@@ -511,7 +569,7 @@ fn spawn_server(
     log_path: &Path,
     user: Option<&User>,
     pg_cron: bool,
-    settings: &[(&str, &str)],
+    options: &StartOptions<'_>,
 ) -> Result<Server, EmbeddedError> {
     let log = OpenOptions::new()
         .create(true)
@@ -520,18 +578,28 @@ fn spawn_server(
         .open(log_path)
         .map_err(io(format!("opening {}", log_path.display())))?;
     let log_err = log.try_clone().map_err(io("duplicating the log handle"))?;
+    let mut preload = options.preload_libraries.to_vec();
+    if pg_cron {
+        preload.push("pg_cron");
+    }
     let mut command = Command::new(bin.join("postgres"));
     command
         .arg("-D")
         .arg(pgdata)
         .arg("-k")
         .arg(socket_dir)
-        .args(["-p", &SOCKET_PORT.to_string(), "-c", "listen_addresses="])
+        .args(["-p", &options.port.to_string(), "-c", "listen_addresses="])
+        .args(if preload.is_empty() {
+            Vec::new()
+        } else {
+            vec![
+                "-c".to_owned(),
+                format!("shared_preload_libraries={}", preload.join(",")),
+            ]
+        })
         .args(if pg_cron {
             // jobs run in background workers: no TCP connection back to this socket-only server
             vec![
-                "-c".to_owned(),
-                "shared_preload_libraries=pg_cron".to_owned(),
                 "-c".to_owned(),
                 format!("cron.database_name={DATABASE}"),
                 "-c".to_owned(),
@@ -543,7 +611,8 @@ fn spawn_server(
             Vec::new()
         })
         .args(
-            settings
+            options
+                .settings
                 .iter()
                 .flat_map(|(name, value)| ["-c".to_owned(), format!("{name}={value}")]),
         )
