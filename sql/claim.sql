@@ -29,10 +29,24 @@ LANGUAGE sql IMMUTABLE PARALLEL SAFE AS $$
     END
 $$;
 
+-- The row helpers below take their rows as `anyelement` (a second row type as `anycompatible`),
+-- not as `credentials`, `lease_slots`, ...: on Citus a statement runs on a shard, whose rows are
+-- of the shard's own type (`credentials_102008`), which a function of `credentials` would not
+-- take. They are SQL functions that PostgreSQL inlines, so the plan is the same as with the
+-- table's type. A row of a subquery is a `record`, whose fields an SQL function cannot name: a
+-- caller passes it cast to its table's type. (The signatures they had are dropped first: an exact
+-- match would win over them.)
+DROP FUNCTION IF EXISTS credpool_slot_eligible(credentials, lease_slots, text, text, text,
+                                               timestamptz, timestamptz);
+DROP FUNCTION IF EXISTS credpool_may_serve(credentials, text, text, text, timestamptz);
+DROP FUNCTION IF EXISTS credpool_token_lasts(credentials, timestamptz);
+DROP FUNCTION IF EXISTS credpool_slot_open(lease_slots, text, timestamptz);
+DROP FUNCTION IF EXISTS credpool_tenant_slot_open(tenant_slots, timestamptz);
+
 -- Whether credential `c` may serve a claim for (provider, pool, model) at `p_at`: it is in the
 -- pool, serves the model (directly or through an alias), is usable and is not drained.
 CREATE OR REPLACE FUNCTION credpool_may_serve(
-    c credentials, p_provider text, p_pool text, p_model text, p_at timestamptz)
+    c anyelement, p_provider text, p_pool text, p_model text, p_at timestamptz)
 RETURNS boolean
 LANGUAGE sql IMMUTABLE PARALLEL SAFE AS $$
     SELECT c.provider = p_provider
@@ -45,7 +59,7 @@ $$;
 -- Whether credential `c`'s access token is still valid at `p_until` (the end of the lease a
 -- claim would grant): always for a credential that is not OAuth (token_expires_at NULL). An OAuth
 -- credential whose token would expire first is passed over until its refresh lands.
-CREATE OR REPLACE FUNCTION credpool_token_lasts(c credentials, p_until timestamptz)
+CREATE OR REPLACE FUNCTION credpool_token_lasts(c anyelement, p_until timestamptz)
 RETURNS boolean
 LANGUAGE sql IMMUTABLE PARALLEL SAFE AS $$
     SELECT c.token_expires_at IS NULL OR c.token_expires_at >= p_until
@@ -76,7 +90,7 @@ $$;
 -- lowered limit, not draining). A credential back from a cooldown (usable, status not yet
 -- `available`) is half-open: only its slot 0 can be claimed, so it serves a single probe lease
 -- at a time.
-CREATE OR REPLACE FUNCTION credpool_slot_open(s lease_slots, p_status text, p_at timestamptz)
+CREATE OR REPLACE FUNCTION credpool_slot_open(s anyelement, p_status text, p_at timestamptz)
 RETURNS boolean
 LANGUAGE sql IMMUTABLE PARALLEL SAFE AS $$
     SELECT (p_status = 'available' OR s.slot = 0)
@@ -89,7 +103,7 @@ $$;
 -- or its lease has expired, and it is not beyond a lowered cap (`surplus`, see FIT TENANT: a row
 -- within a lowered cap reopens when its lease ends, like a credential's). The tenant's
 -- counterpart of credpool_slot_open; an SQL function that inlines into the statement.
-CREATE OR REPLACE FUNCTION credpool_tenant_slot_open(t tenant_slots, p_at timestamptz)
+CREATE OR REPLACE FUNCTION credpool_tenant_slot_open(t anyelement, p_at timestamptz)
 RETURNS boolean
 LANGUAGE sql IMMUTABLE PARALLEL SAFE AS $$
     SELECT NOT t.surplus AND (t.lease_id IS NULL OR t.lease_until <= p_at)
@@ -277,7 +291,7 @@ $$;
 -- (credpool_slot_open), the credential row is the configuration the slot row was fitted to (the
 -- GATES: a change committed after the claim's snapshot moved the slot row's config_version), and
 -- an OAuth credential's token lasts the lease. Inlined into the statement.
-CREATE OR REPLACE FUNCTION credpool_slot_eligible(c credentials, s lease_slots, p_provider text,
+CREATE OR REPLACE FUNCTION credpool_slot_eligible(c anyelement, s anycompatible, p_provider text,
     p_pool text, p_model text, p_at timestamptz, p_until timestamptz)
 RETURNS boolean
 LANGUAGE sql IMMUTABLE PARALLEL SAFE AS $$
@@ -723,8 +737,8 @@ BEGIN
             CROSS JOIN LATERAL (SELECT * FROM credentials c WHERE c.key_id = r.key_id LIMIT 1) AS c
             JOIN lease_slots s ON s.key_id = c.key_id
             WHERE (SELECT credpool_test_hook('claim.before_lock'))
-              AND credpool_slot_eligible(c, s, o.provider, o.pool, o.model, p_now,
-                                         p_now + make_interval(secs => o.lease_seconds))
+              AND credpool_slot_eligible(c::credentials, s, o.provider, o.pool, o.model,
+                                         p_now, p_now + make_interval(secs => o.lease_seconds))
               AND NOT s.windowed
             -- (each claim starts at another slot: claims of one call that rank one credential
             -- first pick different slots of it, and all win the round)
@@ -815,7 +829,8 @@ BEGIN
             WHERE (NOT q.capped OR q.tenant_slot IS NOT NULL)
               AND (NOT q.tenant_windowed OR q.tenant_window_held)
               AND (SELECT credpool_test_hook('claim.before_lock'))
-              AND credpool_slot_eligible(c, s, (q.o).provider, (q.o).pool, (q.o).model, p_now,
+              AND credpool_slot_eligible(c::credentials, s, (q.o).provider, (q.o).pool,
+                                         (q.o).model, p_now,
                                          p_now + make_interval(secs => (q.o).lease_seconds))
               AND NOT s.windowed
             ORDER BY r.rank, s.slot LIMIT 1
@@ -838,7 +853,8 @@ BEGIN
             WHERE (NOT q.capped OR q.tenant_slot IS NOT NULL)
               AND (NOT q.tenant_windowed OR q.tenant_window_held)
               AND (SELECT credpool_test_hook('claim.before_lock'))
-              AND credpool_slot_eligible(c, s, (q.o).provider, (q.o).pool, (q.o).model, p_now,
+              AND credpool_slot_eligible(c::credentials, s, (q.o).provider, (q.o).pool,
+                                         (q.o).model, p_now,
                                          p_now + make_interval(secs => (q.o).lease_seconds))
               AND credpool_window_room(w, p_now, (q.o).tokens)
             ORDER BY r.rank, s.slot LIMIT 1
@@ -886,7 +902,7 @@ BEGIN
     WITH granted AS (
         -- (the slot row is `ls` here: `s` is a field of the pick, the slot row as it was)
         UPDATE lease_slots ls
-        SET lease_id = o.lease_id, provider = o.provider, pool = o.pool, holder = o.holder,
+        SET lease_id = o.lease_id, pool = o.pool, holder = o.holder,
             granted_at = p.at,
             lease_until = least(p.at + make_interval(secs => o.lease_seconds), p.token_expires_at),
             last_granted_at = p.at, probe = p.status <> 'available',
@@ -970,14 +986,16 @@ RETURNS void
 LANGUAGE plpgsql
 AS $$
 BEGIN
-    INSERT INTO lease_requests AS r (tenant, request_id, request_digest, lease_id, key_id, granted_at)
-    SELECT o.tenant, o.request_id, o.request_digest, (g.s).lease_id, (g.s).key_id, (g.s).granted_at
+    INSERT INTO lease_requests AS r (tenant, request_id, request_digest, lease_id, key_id, granted_at,
+                                     provider)
+    SELECT o.tenant, o.request_id, o.request_digest, (g.s).lease_id, (g.s).key_id, (g.s).granted_at,
+           o.provider
     FROM unnest(p_grants) AS g
     JOIN unnest(p_claims) AS o ON o.n = g.n
     WHERE o.request_id IS NOT NULL AND o.request IS NULL
     ON CONFLICT ON CONSTRAINT lease_requests_pkey DO UPDATE
     SET request_digest = EXCLUDED.request_digest, lease_id = EXCLUDED.lease_id,
-        key_id = EXCLUDED.key_id, granted_at = EXCLUDED.granted_at;
+        key_id = EXCLUDED.key_id, granted_at = EXCLUDED.granted_at, provider = EXCLUDED.provider;
 END;
 $$;
 

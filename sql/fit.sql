@@ -120,15 +120,16 @@ BEGIN
     WHERE s.key_id = p_key_id AND s.slot = movers.slot;
 
     DELETE FROM lease_slots WHERE key_id = p_key_id AND slot >= v_limit;
-    INSERT INTO lease_slots (key_id, slot, draining, windowed, config_version)
-    SELECT p_key_id, g, v_draining, v_windowed, v_version FROM generate_series(0, v_limit - 1) AS g
+    INSERT INTO lease_slots (key_id, slot, provider, draining, windowed, config_version)
+    SELECT p_key_id, g, v_provider, v_draining, v_windowed, v_version
+    FROM generate_series(0, v_limit - 1) AS g
     ON CONFLICT ON CONSTRAINT lease_slots_pkey DO NOTHING;
     UPDATE lease_slots
     SET over_limit = false, surplus = false, draining = v_draining, windowed = v_windowed,
-        config_version = v_version
+        config_version = v_version, provider = v_provider
     WHERE key_id = p_key_id
       AND (over_limit OR draining IS DISTINCT FROM v_draining OR windowed IS DISTINCT FROM v_windowed
-           OR config_version IS DISTINCT FROM v_version);
+           OR config_version IS DISTINCT FROM v_version OR provider <> v_provider);
     IF v_was_over THEN
         PERFORM credpool_bump_pool_version(v_provider, v_pool);
     END IF;

@@ -77,8 +77,13 @@ END;
 $$;
 
 -- Whether an update changes who may be leased from the credential: what moves its pool's version
--- (and stamps the row for the incremental read below).
-CREATE OR REPLACE FUNCTION credentials_selection_moved(o credentials, n credentials) RETURNS boolean
+-- (and stamps the row for the incremental read below). Its rows are `anyelement`, not
+-- `credentials`: on Citus a trigger fires on a shard, whose rows are of the shard's own type
+-- (`credentials_102008`), and a function of `credentials` would not take them.
+DROP TRIGGER IF EXISTS credentials_selection_changed ON credentials;
+DROP TRIGGER IF EXISTS credentials_stamp_update ON credentials;
+DROP FUNCTION IF EXISTS credentials_selection_moved(credentials, credentials);
+CREATE OR REPLACE FUNCTION credentials_selection_moved(o anyelement, n anyelement) RETURNS boolean
 LANGUAGE sql IMMUTABLE AS $$
     SELECT (o.provider, o.pool, o.models, o.model_aliases, o.max_concurrent_uses,
             o.status, o.cooldown_until, o.draining, o.rate_limits)
@@ -191,9 +196,26 @@ BEGIN
 END;
 $$;
 
+-- Not on Citus (pool_versions distributed: `credpool citus distribute`): a pool's version row is
+-- on a worker, whose notifications never reach the coordinator's listeners, and PostgreSQL
+-- refuses to prepare (commit on two nodes) a transaction that notified.
 DROP TRIGGER IF EXISTS pool_versions_changed ON pool_versions;
-CREATE TRIGGER pool_versions_changed
-    AFTER INSERT OR UPDATE ON pool_versions
-    FOR EACH ROW
-    WHEN (NEW.backend <> 0)
-    EXECUTE FUNCTION pool_versions_notify_changed();
+DO $$
+DECLARE
+    v_distributed boolean := false;
+BEGIN
+    -- (read with EXECUTE: without Citus, the catalog table is not there to be named)
+    IF to_regclass('pg_catalog.pg_dist_partition') IS NOT NULL THEN
+        EXECUTE 'SELECT EXISTS (SELECT 1 FROM pg_catalog.pg_dist_partition
+                                WHERE logicalrelid = ''pool_versions''::regclass)'
+        INTO v_distributed;
+    END IF;
+    IF NOT v_distributed THEN
+        CREATE TRIGGER pool_versions_changed
+            AFTER INSERT OR UPDATE ON pool_versions
+            FOR EACH ROW
+            WHEN (NEW.backend <> 0)
+            EXECUTE FUNCTION pool_versions_notify_changed();
+    END IF;
+END
+$$;

@@ -70,7 +70,7 @@ DECLARE
 BEGIN
     WITH cleared AS (
         UPDATE lease_slots s
-        SET lease_id = NULL, provider = NULL, pool = NULL, holder = NULL, granted_at = NULL,
+        SET lease_id = NULL, pool = NULL, holder = NULL, granted_at = NULL,
             lease_until = NULL, probe = false, fence = NULL, reserved_tokens = NULL, tenant = NULL,
             tenant_slot = NULL,
             surplus = s.surplus

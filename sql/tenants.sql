@@ -60,7 +60,7 @@ DECLARE
     v_seeded lease_windows;
 BEGIN
     PERFORM credpool_test_hook('tenant.seeding');
-    v_seeded := credpool_windows_fitted(ROW(p_tenant_id, '{}', '{}', '{}', '{}', '{}')::lease_windows,
+    v_seeded := credpool_windows_fitted(ROW(p_tenant_id, '{}', '{}', '{}', '{}', '{}', NULL)::lease_windows,
                                         p_rate_limits, NULL, p_tenant_id, clock_timestamp(),
                                         p_upto => p_cut);
     RETURN jsonb_build_object('cut', p_cut, 'windows', to_jsonb(v_seeded));
@@ -83,7 +83,7 @@ BEGIN
     SELECT (credpool_tenant_window(tw)).* INTO v_old
     FROM tenant_windows tw WHERE tw.tenant_id = p_tenant_id FOR UPDATE;
     IF NOT FOUND THEN
-        v_old := ROW(p_tenant_id, '{}', '{}', '{}', '{}', '{}')::lease_windows;
+        v_old := ROW(p_tenant_id, '{}', '{}', '{}', '{}', '{}', NULL)::lease_windows;
     END IF;
     v_new := credpool_windows_fitted(
         v_old, p_rate_limits, NULL, p_tenant_id, p_now,

@@ -19,12 +19,12 @@
 -- A window that is full blocks also a request that charges it nothing (a token window when the
 -- allocate estimated 0 tokens): full means its count has reached N.
 
--- A tenant's windows (table tenant_windows, the same columns under tenant_id) as the row type
--- every function below takes.
+-- A tenant's windows (table tenant_windows, the same columns under tenant_id, and no provider: a
+-- tenant's windows span providers) as the row type every function below takes.
 CREATE OR REPLACE FUNCTION credpool_tenant_window(tw tenant_windows) RETURNS lease_windows
 LANGUAGE sql IMMUTABLE PARALLEL SAFE AS $$
     SELECT ROW(tw.tenant_id, tw.window_kinds, tw.window_counts, tw.window_seconds, tw.bucket_ids,
-               tw.bucket_charged)::lease_windows
+               tw.bucket_charged, NULL)::lease_windows
 $$;
 
 -- The bucket of `p_at` for a window of `p_seconds`.
@@ -357,9 +357,15 @@ DECLARE
     v_old lease_windows;
     v_new lease_windows;
 BEGIN
+    -- (the row carries its credential's provider, and follows a change of it)
+    UPDATE lease_windows w SET provider = c.provider
+    FROM credentials c
+    WHERE w.key_id = p_key_id AND c.key_id = p_key_id AND w.provider <> c.provider;
     SELECT * INTO v_old FROM lease_windows WHERE key_id = p_key_id;
     IF NOT FOUND THEN
-        INSERT INTO lease_windows (key_id) VALUES (p_key_id) RETURNING * INTO v_old;
+        INSERT INTO lease_windows (key_id, provider)
+        SELECT p_key_id, c.provider FROM credentials c WHERE c.key_id = p_key_id
+        RETURNING * INTO v_old;
     END IF;
     v_new := credpool_windows_fitted(v_old, p_rate_limits, p_key_id, NULL, p_now);
     IF v_new IS DISTINCT FROM v_old THEN

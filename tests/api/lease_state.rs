@@ -181,8 +181,9 @@ async fn an_import_and_a_release_group_never_deadlock() {
 /// endpoint is never called here): what makes a release lock it whole on an `auth_expired` report.
 async fn oauth_refreshed(app: &TestApp, key_id: &str) {
     app.run_sql_with(
-        "INSERT INTO oauth_credentials (key_id, token_url, client_id, refresh_ciphertext)
-         VALUES ($1, 'http://127.0.0.1:9/token', 'client', '\\x00')",
+        "INSERT INTO oauth_credentials (key_id, provider, token_url, client_id, refresh_ciphertext)
+         SELECT $1, provider, 'http://127.0.0.1:9/token', 'client', '\\x00'
+         FROM credentials WHERE key_id = $1",
         key_id,
     )
     .await;

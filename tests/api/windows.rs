@@ -580,7 +580,7 @@ async fn the_rust_estimate_of_a_window_agrees_with_the_database_rule() {
             "SELECT credpool_window_room(w, $6, $7),
                     nullif(credpool_window_frees_at(w, $6, $7), 'infinity'),
                     credpool_window_used(w, 1, $6)
-             FROM (SELECT ROW('case', $1::text[], $2::int8[], $3::int4[], $4::int8[], $5::int8[])::lease_windows AS w) x",
+             FROM (SELECT ROW('case', $1::text[], $2::int8[], $3::int4[], $4::int8[], $5::int8[], 'bench')::lease_windows AS w) x",
         )
         .bind(&kinds)
         .bind(&counts)

@@ -366,11 +366,13 @@ pub(crate) async fn store_config(
     sqlx::query!(
         r#"
         INSERT INTO oauth_credentials AS o
-            (key_id, token_url, client_id, scope, refresh_before_seconds, refresh_ciphertext,
-             generation_at)
-        VALUES ($1, $2, $3, $4, $5, $6, clock_timestamp())
+            (key_id, provider, token_url, client_id, scope, refresh_before_seconds,
+             refresh_ciphertext, generation_at)
+        SELECT $1, c.provider, $2, $3, $4, $5, $6, clock_timestamp()
+        FROM credentials c WHERE c.key_id = $1
         ON CONFLICT ON CONSTRAINT oauth_credentials_pkey DO UPDATE
-        SET token_url = EXCLUDED.token_url, client_id = EXCLUDED.client_id,
+        SET provider = EXCLUDED.provider, token_url = EXCLUDED.token_url,
+            client_id = EXCLUDED.client_id,
             scope = EXCLUDED.scope, refresh_before_seconds = EXCLUDED.refresh_before_seconds,
             refresh_ciphertext = EXCLUDED.refresh_ciphertext, generation = o.generation + 1,
             generation_at = clock_timestamp(),

@@ -134,9 +134,13 @@ pub async fn apply_sql_files(conn: &mut PgConnection) -> Result<Vec<&'static str
         if !stale(recorded.get(*name), &sum) {
             continue;
         }
-        sqlx::raw_sql(sqlx::AssertSqlSafe(*text))
-            .execute(&mut *tx)
-            .await?;
+        // one statement at a time: Citus sends some of them (a function's definition) on to the
+        // workers as the text it was given, and a worker refuses several statements in one
+        for statement in statements(text) {
+            sqlx::raw_sql(sqlx::AssertSqlSafe(statement))
+                .execute(&mut *tx)
+                .await?;
+        }
         sqlx::query(
             "INSERT INTO credpool_sql_files (name, checksum, migration) VALUES ($1, $2, $3)
              ON CONFLICT (name) DO UPDATE
@@ -200,9 +204,108 @@ pub async fn sql_files_up_to_date(conn: &mut PgConnection) -> Result<bool, sqlx:
         .all(|(name, text)| !stale(recorded.get(*name), &checksum(text))))
 }
 
+/// The statements of SQL text `text`, each without its `;`: split at every `;` outside a quoted
+/// string (`'...'`, with `''` inside), a quoted name (`"..."`), a dollar-quoted body
+/// (`$$...$$`, `$q$...$q$`) and a comment (`-- ...`, `/* ... */`, not nested). Statements
+/// that are only blanks and comments are left out.
+fn statements(text: &str) -> Vec<&str> {
+    let bytes = text.as_bytes();
+    let mut found = Vec::new();
+    let (mut start, mut at) = (0, 0);
+    let mut code = false;
+    while at < bytes.len() {
+        let rest = &text[at..];
+        let skip = if rest.starts_with("--") {
+            rest.find('\n').unwrap_or(rest.len())
+        } else if let Some(comment) = rest.strip_prefix("/*") {
+            comment.find("*/").map_or(rest.len(), |end| end + 4)
+        } else if let Some(quote @ ('\'' | '"')) = rest.chars().next() {
+            code = true;
+            rest[1..].find(quote).map_or(rest.len(), |end| end + 2)
+        } else if let Some(tag) = dollar_tag(rest) {
+            code = true;
+            rest[tag.len()..]
+                .find(tag)
+                .map_or(rest.len(), |end| end + 2 * tag.len())
+        } else {
+            if bytes[at] == b';' {
+                if code {
+                    found.push(&text[start..at]);
+                }
+                start = at + 1;
+                code = false;
+            } else if !bytes[at].is_ascii_whitespace() {
+                code = true;
+            }
+            rest.chars().next().map_or(1, char::len_utf8)
+        };
+        at += skip;
+    }
+    if code {
+        found.push(&text[start..]);
+    }
+    found
+}
+
+/// The dollar-quote tag `rest` starts with (`$$`, `$body$`), if it starts with one.
+fn dollar_tag(rest: &str) -> Option<&str> {
+    let body = rest.strip_prefix('$')?;
+    let end = body.find(|c: char| !(c.is_ascii_alphanumeric() || c == '_'))?;
+    (body[end..].starts_with('$') && !body[..end].starts_with(|c: char| c.is_ascii_digit()))
+        .then(|| &rest[..end + 2])
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn statements_split_at_semicolons_outside_quotes_bodies_and_comments() {
+        let text = "-- a comment; not a statement\n\
+                    CREATE FUNCTION f() RETURNS text LANGUAGE sql AS $$ SELECT 'a;b' $$;\n\
+                    /* x; y */ SELECT 'it''s; one', \"odd;name\" FROM t;\n\
+                    DO $q$ BEGIN PERFORM 1; PERFORM $1; END $q$;\n\
+                    -- only a comment after the last one;\n";
+        assert_eq!(
+            statements(text),
+            vec![
+                "-- a comment; not a statement\n\
+                 CREATE FUNCTION f() RETURNS text LANGUAGE sql AS $$ SELECT 'a;b' $$",
+                "\n/* x; y */ SELECT 'it''s; one', \"odd;name\" FROM t",
+                "\nDO $q$ BEGIN PERFORM 1; PERFORM $1; END $q$",
+            ]
+        );
+    }
+
+    #[test]
+    fn every_sql_file_splits_into_whole_statements() {
+        // a cut inside a body or a string would leave a part that starts mid-statement or holds
+        // half a body
+        for (name, text) in SQL_FILES {
+            for part in statements(text) {
+                let code: String = part
+                    .lines()
+                    .map(str::trim)
+                    .filter(|line| !line.starts_with("--"))
+                    .collect::<Vec<_>>()
+                    .join(" ");
+                let first = code.split_whitespace().next().unwrap_or_default();
+                assert!(
+                    [
+                        "CREATE", "DROP", "DO", "ALTER", "COMMENT", "SELECT", "UPDATE", "INSERT",
+                        "DELETE"
+                    ]
+                    .contains(&first),
+                    "{name}: a statement starts with {first:?}: {part}"
+                );
+                assert_eq!(
+                    part.matches("$$").count() % 2,
+                    0,
+                    "{name}: cut inside a body: {part}"
+                );
+            }
+        }
+    }
 
     #[test]
     fn a_file_is_stale_when_absent_or_changed_unless_a_newer_binary_applied_it() {

@@ -227,8 +227,8 @@ pub(super) async fn details(
                o.generation AS "generation?", o.last_error AS "last_error?",
                o.refreshed_at AS "refreshed_at?"
         FROM credentials
-        LEFT JOIN lease_windows w USING (key_id)
-        LEFT JOIN oauth_credentials o USING (key_id)
+        LEFT JOIN lease_windows w USING (key_id, provider)
+        LEFT JOIN oauth_credentials o USING (key_id, provider)
         WHERE ($1::text IS NULL OR key_id = $1)
           AND ($2::text IS NULL OR provider = $2)
           AND ($3::text IS NULL OR pool = $3)
