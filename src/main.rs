@@ -77,6 +77,7 @@ async fn run(mut cli: Cli) -> anyhow::Result<ExitCode> {
         Command::Relay(args) => operator::relay(args).await?,
         Command::Audit(args) => return operator::audit(args).await,
         Command::Cron(args) => operator::cron(args).await?,
+        Command::Citus(args) => operator::citus(args).await?,
         Command::Maintenance(args) => operator::maintenance(args).await?,
     }
     Ok(ExitCode::SUCCESS)

@@ -17,8 +17,9 @@ use time::OffsetDateTime;
 use time::format_description::well_known::Rfc3339;
 
 use crate::config::{
-    AuditArgs, AuditCommand, CliArgs, CronArgs, CronCommand, KeysArgs, KeysCommand, LeasesArgs,
-    LeasesCommand, MaintenanceRunArgs, RelayArgs, RelayCommand, VerifyArgs,
+    AuditArgs, AuditCommand, CitusArgs, CitusCommand, CliArgs, CronArgs, CronCommand, KeysArgs,
+    KeysCommand, LeasesArgs, LeasesCommand, MaintenanceRunArgs, RelayArgs, RelayCommand,
+    VerifyArgs,
 };
 use credpool::allocator::health::HealthPolicy;
 use credpool::allocator::windows::RateLimits;
@@ -975,6 +976,43 @@ pub async fn cron(args: CronArgs) -> anyhow::Result<()> {
         }
     })
     .await
+}
+
+/// `credpool citus distribute`.
+pub async fn citus(args: CitusArgs) -> anyhow::Result<()> {
+    let cli = &args.cli;
+    let CitusCommand::Distribute { shard_count } = args.command;
+    with_database(cli, async |db| {
+        let done = credpool::store::citus::distribute(&db.pool, shard_count).await?;
+        let text = if done.was_done() {
+            format!(
+                "already distributed (Citus {}, {} workers): nothing to do",
+                done.citus_version, done.workers
+            )
+        } else {
+            format!(
+                "distributed by provider on Citus {} ({} workers): {}; reference tables: {}; \
+                 keys with the provider: {}; functions on every node: {}",
+                done.citus_version,
+                done.workers,
+                list_or_none(&done.distributed),
+                list_or_none(&done.reference),
+                list_or_none(&done.keys),
+                done.functions
+            )
+        };
+        answer(cli, &serde_json::to_value(&done)?, text)
+    })
+    .await
+}
+
+/// `items` joined with commas, or `none`.
+fn list_or_none(items: &[String]) -> String {
+    if items.is_empty() {
+        "none".to_owned()
+    } else {
+        items.join(", ")
+    }
 }
 
 /// `credpool maintenance`: one pass now, whoever else runs them (the functions are safe to run

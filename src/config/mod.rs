@@ -16,8 +16,9 @@ use credpool::config::{DatabaseArgs, SecretArgs, ServeArgs, ServiceArgs};
 pub use bench::{BenchArgs, BenchBaseline, BenchCreateBy};
 pub use demo::DemoArgs;
 pub use operator::{
-    AuditArgs, AuditCommand, CliArgs, CronArgs, CronCommand, EnvArgs, KeysArgs, KeysCommand,
-    LeasesArgs, LeasesCommand, MaintenanceRunArgs, RelayArgs, RelayCommand, VerifyArgs,
+    AuditArgs, AuditCommand, CitusArgs, CitusCommand, CliArgs, CronArgs, CronCommand, EnvArgs,
+    KeysArgs, KeysCommand, LeasesArgs, LeasesCommand, MaintenanceRunArgs, RelayArgs, RelayCommand,
+    VerifyArgs,
 };
 
 /// credpool: leases upstream credentials to executors under per-credential concurrency limits.
@@ -92,6 +93,8 @@ pub enum Command {
     Relay(RelayArgs),
     /// Schedule the cleanup functions with pg_cron.
     Cron(CronArgs),
+    /// Run credpool on Citus, past one primary (docs/src/citus.md): distribute the database.
+    Citus(CitusArgs),
     /// Run one cleanup pass now (reap expired leases, record ended cooldowns, purge old audit rows).
     Maintenance(MaintenanceRunArgs),
     /// Measure throughput and latency: simulated executors allocate and release as fast as they
@@ -119,6 +122,7 @@ impl Command {
             | Command::Relay(RelayArgs { cli, .. })
             | Command::Audit(AuditArgs { cli, .. })
             | Command::Cron(CronArgs { cli, .. })
+            | Command::Citus(CitusArgs { cli, .. })
             | Command::Maintenance(MaintenanceRunArgs { cli, .. }) => cli.db.load_secret_files(),
             // reads only the data directory's key file
             Command::Env(_) => Ok(()),

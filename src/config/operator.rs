@@ -89,6 +89,33 @@ pub enum CronCommand {
     Uninstall,
 }
 
+/// `credpool citus ...`.
+#[derive(Debug, Clone, Args)]
+pub struct CitusArgs {
+    /// Shared settings.
+    #[command(flatten)]
+    pub cli: CliArgs,
+
+    /// What to do.
+    #[command(subcommand)]
+    pub command: CitusCommand,
+}
+
+/// The `credpool citus` subcommands.
+#[derive(Debug, Clone, Subcommand)]
+pub enum CitusCommand {
+    /// Distribute the database (a migrated credpool database on a Citus coordinator, empty or
+    /// not) by provider: the lease tables co-located by provider, the tenant tables as
+    /// reference tables (docs/src/citus.md). Idempotent; refuses, changing nothing, where the
+    /// database has no Citus extension.
+    Distribute {
+        /// Shards per distributed table (Citus's `citus.shard_count` when absent). Providers
+        /// hash to shards: more shards than providers buys nothing.
+        #[arg(long, value_parser = clap::value_parser!(u32).range(1..=4096))]
+        shard_count: Option<u32>,
+    },
+}
+
 /// `credpool maintenance`.
 #[derive(Debug, Clone, Args)]
 pub struct MaintenanceRunArgs {

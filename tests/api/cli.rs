@@ -272,8 +272,10 @@ async fn the_maintenance_command_reports_every_step_of_the_pass() {
     let database = TestDatabase::create().await;
     let db = database.pool(1).await;
     db.run_sql(
-        "INSERT INTO lease_requests (tenant, request_id, request_digest, lease_id, key_id, granted_at)
-         VALUES ('default', 'long-gone', 'digest', gen_random_uuid(), 'k', now() - interval '2 hours')",
+        "INSERT INTO lease_requests
+             (tenant, request_id, request_digest, lease_id, key_id, granted_at, provider)
+         VALUES ('default', 'long-gone', 'digest', gen_random_uuid(), 'k', now() - interval '2 hours',
+                 'openai')",
     )
     .await;
     let report: Value = operator(&database, &["maintenance", "--json"])
@@ -374,4 +376,28 @@ async fn rotating_the_master_key_reseals_every_secret_and_the_old_key_can_then_g
             .unwrap()
             .starts_with("sk-cli-rot-")
     );
+}
+
+#[tokio::test]
+async fn citus_distribute_refuses_a_database_without_citus_and_changes_nothing() {
+    let database = TestDatabase::create().await;
+    let db = database.pool(1).await;
+    credpool(&database, MASTER_KEY, None, &["citus", "distribute"], None)
+        .await
+        .failed_saying("this database has no Citus extension");
+    // the keys are as plain PostgreSQL has them, and no setting was left behind
+    let key: String = db
+        .scalar(
+            "SELECT pg_get_constraintdef(oid) FROM pg_constraint
+             WHERE conname = 'credentials_pkey'",
+        )
+        .await;
+    assert_eq!(key, "PRIMARY KEY (key_id)");
+    let settings: i64 = db
+        .scalar(
+            "SELECT count(*) FROM pg_db_role_setting s JOIN pg_database d ON d.oid = s.setdatabase
+             WHERE d.datname = current_database()",
+        )
+        .await;
+    assert_eq!(settings, 0);
 }

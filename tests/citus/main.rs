@@ -6,16 +6,19 @@
 
 mod cluster;
 
+use std::process::Command;
 use std::time::Instant;
 
 use cluster::CitusCluster;
-use sqlx::{Connection, PgConnection};
+use credpool::store::citus::{DISTRIBUTED, REFERENCE};
+use serde_json::Value;
+use sqlx::{Connection, PgConnection, PgPool};
 
-/// The test table, distributed by its text column `pool`.
-const TABLE: &str = "leases_by_pool";
+/// The tables that hold one credential's rows, by provider, checked for where they live.
+const PER_CREDENTIAL: [&str; 3] = ["credentials", "lease_slots", "lease_windows"];
 
 #[tokio::test(flavor = "multi_thread")]
-async fn a_distributed_table_keeps_two_pools_on_different_workers() {
+async fn a_credpool_database_distributes_by_provider_once_and_keeps_its_rows() {
     let started = Instant::now();
     let Some(cluster) = CitusCluster::start().await else {
         return;
@@ -24,168 +27,299 @@ async fn a_distributed_table_keeps_two_pools_on_different_workers() {
         "the Citus cluster started in {:.1} s",
         started.elapsed().as_secs_f64()
     );
-    let mut coordinator = connect(&cluster.coordinator_url()).await;
+    let url = cluster.coordinator_url();
+    let db = PgPool::connect(&url).await.unwrap();
+    credpool::store::migrate(&db).await.unwrap();
 
-    // the coordinator (group 0) and the two workers, all active primaries; the workers alone
-    // hold shards
-    let active: i64 = sqlx::query_scalar(
-        "SELECT count(*) FROM pg_dist_node WHERE noderole = 'primary' AND isactive",
-    )
-    .fetch_one(&mut coordinator)
-    .await
-    .unwrap();
-    assert_eq!(active, 3);
-    let coordinator_holds_shards: bool =
-        sqlx::query_scalar("SELECT shouldhaveshards FROM pg_dist_node WHERE groupid = 0")
-            .fetch_one(&mut coordinator)
-            .await
-            .unwrap();
-    assert!(!coordinator_holds_shards);
-    let mut shard_ports: Vec<i32> = sqlx::query_scalar(
-        "SELECT nodeport FROM pg_dist_node WHERE groupid <> 0 AND shouldhaveshards",
+    let mut coordinator = connect(&url).await;
+    let (first, second) = database_in_use(&mut coordinator).await;
+    let before = row_counts(&mut coordinator).await;
+    assert_eq!(before[1], 3 * 2 + 3 * 3, "slot rows before: {before:?}");
+
+    let report = distribute(&url);
+    assert_eq!(
+        report["distributed"].as_array().unwrap().len(),
+        DISTRIBUTED.len()
+    );
+    assert_eq!(
+        report["reference"].as_array().unwrap().len(),
+        REFERENCE.len()
+    );
+    assert_eq!(report["workers"], 2);
+
+    // every lease table hash-distributed and co-located with credentials; the tenant tables on
+    // every node
+    let colocated: Vec<(String, String)> = sqlx::query_as(
+        "SELECT p.logicalrelid::regclass::text, p.partmethod::text
+         FROM pg_dist_partition p, pg_dist_partition c
+         WHERE c.logicalrelid = 'credentials'::regclass AND p.colocationid = c.colocationid",
     )
     .fetch_all(&mut coordinator)
     .await
     .unwrap();
-    shard_ports.sort_unstable();
-    let mut worker_ports = [0, 1].map(|i| i32::from(cluster.worker_port(i)));
-    worker_ports.sort_unstable();
-    assert_eq!(shard_ports, worker_ports);
-
-    sqlx::raw_sql(sqlx::AssertSqlSafe(format!(
-        "CREATE TABLE {TABLE} (pool text NOT NULL, lease int NOT NULL);
-         SELECT create_distributed_table('{TABLE}', 'pool');"
-    )))
-    .execute(&mut coordinator)
-    .await
-    .unwrap();
-    let (first, second) = pools_on_different_workers(&mut coordinator).await;
-    for (shard, rows) in [(&first, 3), (&second, 2)] {
-        for lease in 0..rows {
-            sqlx::query(sqlx::AssertSqlSafe(format!(
-                "INSERT INTO {TABLE} (pool, lease) VALUES ($1, $2)"
-            )))
-            .bind(&shard.pool)
-            .bind(lease)
-            .execute(&mut coordinator)
-            .await
-            .unwrap();
-        }
+    for table in DISTRIBUTED {
+        assert!(
+            colocated.iter().any(|(t, m)| t == table && m == "h"),
+            "{table} is not distributed with credentials: {colocated:?}"
+        );
+    }
+    for table in REFERENCE {
+        let replicated: Option<String> = sqlx::query_scalar(
+            "SELECT repmodel::text FROM pg_dist_partition WHERE logicalrelid = $1::regclass",
+        )
+        .bind(table)
+        .fetch_one(&mut coordinator)
+        .await
+        .unwrap();
+        assert_eq!(replicated.as_deref(), Some("t"), "{table}");
     }
 
-    // each pool's rows are in its shard's table on its worker, and that table is on no other
-    for (shard, rows) in [(&first, 3_i64), (&second, 2)] {
-        for i in 0..2 {
-            let mut worker = connect(&cluster.worker_url(i)).await;
-            let here = i32::from(cluster.worker_port(i)) == shard.nodeport;
-            let exists: bool = sqlx::query_scalar("SELECT to_regclass($1) IS NOT NULL")
-                .bind(&shard.shard_name)
-                .fetch_one(&mut worker)
-                .await
-                .unwrap();
-            assert_eq!(exists, here, "{} on worker {i}", shard.shard_name);
-            if here {
-                let stored: i64 = sqlx::query_scalar(sqlx::AssertSqlSafe(format!(
-                    "SELECT count(*) FROM {} WHERE pool = $1",
-                    shard.shard_name
-                )))
-                .bind(&shard.pool)
-                .fetch_one(&mut worker)
-                .await
-                .unwrap();
-                assert_eq!(stored, rows, "{} on worker {i}", shard.shard_name);
-            }
-            let _ = worker.close().await;
-        }
+    // each provider's rows of every table live on one worker, and the two providers' on two
+    let mut homes = Vec::new();
+    for provider in [&first, &second] {
+        let nodes: Vec<i32> = sqlx::query_scalar(
+            "SELECT DISTINCT s.nodeport FROM unnest($1::text[]) AS t (name)
+             JOIN citus_shards s ON s.table_name = t.name::regclass
+                AND s.shardid = get_shard_id_for_distribution_column(t.name, $2)",
+        )
+        .bind(PER_CREDENTIAL)
+        .bind(provider)
+        .fetch_all(&mut coordinator)
+        .await
+        .unwrap();
+        assert_eq!(nodes.len(), 1, "{provider}'s rows are on {nodes:?}");
+        homes.push(nodes[0]);
+        let mut worker = connect(&cluster.worker_url(worker_of(&cluster, nodes[0]))).await;
+        let shard: String = sqlx::query_scalar(
+            "SELECT shard_name FROM citus_shards
+             WHERE table_name = 'lease_slots'::regclass
+               AND shardid = get_shard_id_for_distribution_column('lease_slots', $1)",
+        )
+        .bind(provider)
+        .fetch_one(&mut coordinator)
+        .await
+        .unwrap();
+        let slots: i64 = sqlx::query_scalar(sqlx::AssertSqlSafe(format!(
+            "SELECT count(*) FROM {shard} WHERE provider = $1"
+        )))
+        .bind(provider)
+        .fetch_one(&mut worker)
+        .await
+        .unwrap();
+        let expected = if provider == &first { 6 } else { 9 };
+        assert_eq!(slots, expected, "{provider}'s slot rows on its worker");
+        let _ = worker.close().await;
     }
+    assert_ne!(homes[0], homes[1]);
+    // nothing lost or doubled on the way
+    assert_eq!(row_counts(&mut coordinator).await, before);
+
+    // again: nothing left to do
+    let again = distribute(&url);
+    assert!(
+        again["distributed"].as_array().unwrap().is_empty()
+            && again["reference"].as_array().unwrap().is_empty()
+            && again["keys"].as_array().unwrap().is_empty(),
+        "{again}"
+    );
+    assert_eq!(row_counts(&mut coordinator).await, before);
+
+    // a stopped worker takes its providers' rows away, and no others
+    let mut cluster = cluster;
+    let down = worker_of(&cluster, homes[1]);
+    cluster.stop_worker(down).await;
+    let mut coordinator = connect(&url).await;
+    assert_eq!(slot_rows(&mut coordinator, &first).await.unwrap(), 6);
+    assert!(slot_rows(&mut coordinator, &second).await.is_err());
+    cluster.start_worker(down).await;
+    let mut coordinator = connect(&url).await;
+    assert_eq!(slot_rows(&mut coordinator, &second).await.unwrap(), 9);
     let _ = coordinator.close().await;
+    db.close().await;
 }
 
 #[tokio::test(flavor = "multi_thread")]
-async fn a_pool_on_a_stopped_worker_answers_again_once_it_restarts() {
-    let Some(mut cluster) = CitusCluster::start().await else {
+async fn a_slot_pick_for_one_provider_runs_on_its_worker_alone_and_skips_held_slots() {
+    let Some(cluster) = CitusCluster::start().await else {
         return;
     };
-    let mut coordinator = connect(&cluster.coordinator_url()).await;
-    sqlx::raw_sql(sqlx::AssertSqlSafe(format!(
-        "CREATE TABLE {TABLE} (pool text NOT NULL, lease int NOT NULL);
-         SELECT create_distributed_table('{TABLE}', 'pool');"
-    )))
-    .execute(&mut coordinator)
-    .await
-    .unwrap();
-    let (first, second) = pools_on_different_workers(&mut coordinator).await;
-    for shard in [&first, &second] {
-        insert_lease(&mut coordinator, &shard.pool).await.unwrap();
+    let url = cluster.coordinator_url();
+    let db = PgPool::connect(&url).await.unwrap();
+    credpool::store::migrate(&db).await.unwrap();
+    let mut coordinator = connect(&url).await;
+    let (first, _) = database_in_use(&mut coordinator).await;
+    distribute(&url);
+
+    // the claim's pick as credpool_claim_pick_plain writes it (credpool's own eligibility rule,
+    // the slot row locked SKIP LOCKED), for one provider named as a value: Citus plans one task,
+    // on that provider's worker
+    let pick = format!(
+        "SELECT s.key_id, s.slot
+         FROM credentials c
+         JOIN lease_slots s ON s.key_id = c.key_id AND s.provider = c.provider
+         WHERE c.provider = '{first}' AND s.provider = '{first}'
+           AND credpool_slot_eligible(c, s, '{first}', 'default', 'm1', now(),
+                                      now() + interval '1 minute')
+         ORDER BY s.key_id, s.slot
+         LIMIT 1
+         FOR UPDATE OF s SKIP LOCKED"
+    );
+    let plan: Vec<String> =
+        sqlx::query_scalar(sqlx::AssertSqlSafe(format!("EXPLAIN (COSTS OFF) {pick}")))
+            .fetch_all(&mut coordinator)
+            .await
+            .unwrap();
+    let plan = plan.join("\n");
+    assert!(plan.contains("Task Count: 1"), "{plan}");
+
+    // six transactions at once take the provider's six slots, each a different one; a seventh
+    // finds none free
+    let mut holders = Vec::new();
+    let mut taken = std::collections::BTreeSet::new();
+    for _ in 0..6 {
+        let mut conn = connect(&url).await;
+        sqlx::raw_sql("BEGIN").execute(&mut conn).await.unwrap();
+        let slot: (String, i32) = sqlx::query_as(sqlx::AssertSqlSafe(pick.clone()))
+            .fetch_one(&mut conn)
+            .await
+            .unwrap();
+        assert!(taken.insert(slot.clone()), "{slot:?} picked twice");
+        holders.push(conn);
     }
-    let down = (0..2)
-        .find(|&i| i32::from(cluster.worker_port(i)) == second.nodeport)
-        .expect("the second pool's worker");
+    let mut seventh = connect(&url).await;
+    let none: Option<(String, i32)> = sqlx::query_as(sqlx::AssertSqlSafe(pick.clone()))
+        .fetch_optional(&mut seventh)
+        .await
+        .unwrap();
+    assert_eq!(none, None);
+    for conn in holders {
+        let _ = conn.close().await;
+    }
+    let _ = coordinator.close().await;
+    db.close().await;
+}
 
-    cluster.stop_worker(down).await;
-    // the other worker's pool still takes writes; the stopped one's does not
-    insert_lease(&mut coordinator, &first.pool).await.unwrap();
-    assert!(insert_lease(&mut coordinator, &second.pool).await.is_err());
+/// `provider`'s slot rows, counted through the coordinator (a query Citus sends to one worker).
+async fn slot_rows(coordinator: &mut PgConnection, provider: &str) -> Result<i64, sqlx::Error> {
+    sqlx::query_scalar("SELECT count(*) FROM lease_slots WHERE provider = $1")
+        .bind(provider)
+        .fetch_one(coordinator)
+        .await
+}
 
-    cluster.start_worker(down).await;
-    insert_lease(&mut coordinator, &second.pool).await.unwrap();
-    let leases: i64 = sqlx::query_scalar(sqlx::AssertSqlSafe(format!(
-        "SELECT count(*) FROM {TABLE} WHERE pool = $1"
-    )))
-    .bind(&second.pool)
-    .fetch_one(&mut coordinator)
+/// Fills a migrated database as one in use: two providers (on different workers, once
+/// distributed) with three credentials each (limits 2 and 3, a requests window each) and their
+/// slot rows, and a capped tenant. Returns the two providers.
+async fn database_in_use(coordinator: &mut PgConnection) -> (String, String) {
+    let (first, second) = providers_on_different_workers(coordinator).await;
+    for (n, provider) in [&first, &second].into_iter().enumerate() {
+        for key in 0..3 {
+            let key_id = format!("{provider}-key-{key}");
+            sqlx::query(
+                "INSERT INTO credentials (key_id, provider, pool, models, max_concurrent_uses,
+                                          secret, rate_limits)
+                 VALUES ($1, $2, 'default', ARRAY['m1'], $3, '{}',
+                         '[{\"kind\": \"requests\", \"count\": 60, \"seconds\": 60}]')",
+            )
+            .bind(&key_id)
+            .bind(provider)
+            .bind(2 + n as i32)
+            .execute(&mut *coordinator)
+            .await
+            .unwrap();
+            sqlx::query("SELECT credpool_fit_slots($1)")
+                .bind(&key_id)
+                .execute(&mut *coordinator)
+                .await
+                .unwrap();
+        }
+    }
+    sqlx::raw_sql(
+        "INSERT INTO tenants (tenant_id, max_concurrent_leases) VALUES ('capped', 2);
+         SELECT credpool_fit_tenant('capped');",
+    )
+    .execute(&mut *coordinator)
     .await
     .unwrap();
-    assert_eq!(leases, 2);
-    let _ = coordinator.close().await;
+    (first, second)
 }
 
-/// Where a pool's rows of [`TABLE`] live: the shard's table and its worker's port.
-#[derive(Debug)]
-struct Shard {
-    pool: String,
-    shard_name: String,
-    nodeport: i32,
+/// Runs `credpool citus distribute --json` on `url`, which must succeed: what it reported.
+fn distribute(url: &str) -> Value {
+    let out = Command::new(env!("CARGO_BIN_EXE_credpool"))
+        .args(["citus", "--database-url", url, "distribute", "--json"])
+        .env_remove("DATABASE_URL")
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "credpool citus distribute: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    serde_json::from_slice(&out.stdout).unwrap_or_else(|e| {
+        panic!(
+            "credpool citus distribute --json printed {}: {e}",
+            String::from_utf8_lossy(&out.stdout)
+        )
+    })
 }
 
-/// Two pools whose shards are on different workers, by the coordinator's `citus_shards`.
-async fn pools_on_different_workers(coordinator: &mut PgConnection) -> (Shard, Shard) {
-    let mut first: Option<Shard> = None;
+/// Rows of credentials, lease_slots, lease_windows and tenant_slots, as the coordinator counts
+/// them.
+async fn row_counts(coordinator: &mut PgConnection) -> [i64; 4] {
+    let counts: (i64, i64, i64, i64) = sqlx::query_as(
+        "SELECT (SELECT count(*) FROM credentials), (SELECT count(*) FROM lease_slots),
+                (SELECT count(*) FROM lease_windows), (SELECT count(*) FROM tenant_slots)",
+    )
+    .fetch_one(coordinator)
+    .await
+    .unwrap();
+    [counts.0, counts.1, counts.2, counts.3]
+}
+
+/// Two provider names whose rows Citus will put on different workers: the worker of a value is
+/// decided by its hash alone, so the coordinator can say it before anything is distributed (by
+/// a throwaway table distributed the way `credpool citus distribute` distributes credentials).
+async fn providers_on_different_workers(coordinator: &mut PgConnection) -> (String, String) {
+    sqlx::raw_sql(
+        "CREATE TABLE provider_probe (provider text NOT NULL);
+         SELECT create_distributed_table('provider_probe', 'provider');",
+    )
+    .execute(&mut *coordinator)
+    .await
+    .unwrap();
+    let mut first: Option<(String, i32)> = None;
+    let mut found = None;
     for n in 0..64 {
-        let pool = format!("pool-{n}");
-        let (shard_name, nodeport): (String, i32) = sqlx::query_as(sqlx::AssertSqlSafe(format!(
-            "SELECT shard_name, nodeport FROM citus_shards
-             WHERE table_name = '{TABLE}'::regclass
-               AND shardid = get_shard_id_for_distribution_column('{TABLE}', $1)"
-        )))
-        .bind(&pool)
+        let provider = format!("provider-{n}");
+        let node: i32 = sqlx::query_scalar(
+            "SELECT nodeport FROM citus_shards
+             WHERE table_name = 'provider_probe'::regclass
+               AND shardid = get_shard_id_for_distribution_column('provider_probe', $1)",
+        )
+        .bind(&provider)
         .fetch_one(&mut *coordinator)
         .await
         .unwrap();
-        let shard = Shard {
-            pool,
-            shard_name,
-            nodeport,
-        };
-        match first {
-            None => first = Some(shard),
-            Some(ref one) if one.nodeport != shard.nodeport => {
-                return (first.unwrap(), shard);
+        match &first {
+            None => first = Some((provider, node)),
+            Some((one, at)) if *at != node => {
+                found = Some((one.clone(), provider));
+                break;
             }
             Some(_) => {}
         }
     }
-    panic!("64 pools, all on one worker: {TABLE} is not spread over the workers");
+    // (kept: credentials, distributed the same way, joins its co-location group, so the probe's
+    // placements are the ones credentials gets)
+    found.expect("64 providers, all on one worker: the cluster does not spread shards")
 }
 
-async fn insert_lease(coordinator: &mut PgConnection, pool: &str) -> Result<(), sqlx::Error> {
-    sqlx::query(sqlx::AssertSqlSafe(format!(
-        "INSERT INTO {TABLE} (pool, lease) VALUES ($1, 0)"
-    )))
-    .bind(pool)
-    .execute(coordinator)
-    .await
-    .map(drop)
+/// Which of the cluster's workers listens on `port`.
+fn worker_of(cluster: &CitusCluster, port: i32) -> usize {
+    (0..2)
+        .find(|&i| i32::from(cluster.worker_port(i)) == port)
+        .unwrap_or_else(|| panic!("no worker on port {port}"))
 }
 
 async fn connect(url: &str) -> PgConnection {

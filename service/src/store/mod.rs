@@ -33,6 +33,7 @@ pub(crate) use health_of_row;
 
 pub mod audit;
 pub mod candidates;
+pub mod citus;
 mod connection;
 pub mod credentials;
 pub mod dashboard;
