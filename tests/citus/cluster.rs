@@ -2,11 +2,11 @@
 //! cluster (credpool's embedded launcher, `credpool::embedded`) in a temporary directory,
 //! listening on a free TCP port of 127.0.0.1 and preloading Citus.
 
-use std::net::TcpListener;
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
 use credpool::embedded::{self, EmbeddedCluster, StartOptions};
+use credpool_test_support::{free_port, report_skipped};
 use sqlx::{Connection, PgConnection};
 use tempfile::TempDir;
 
@@ -45,8 +45,9 @@ struct Node {
 impl CitusCluster {
     /// Starts the three nodes (in parallel on a multi-thread runtime), creates the `citus`
     /// extension in the `credpool` database of each and registers the workers with the
-    /// coordinator. `None`, after one `skipped:` line on stderr and on stdout, when Citus is not
-    /// installed next to the PostgreSQL server binaries or `CREDPOOL_TEST_SKIP_CITUS` is set.
+    /// coordinator. `None`, after a `skipped: <test>: <why>` line (test-support's
+    /// `report_skipped`), when Citus is not installed next to the PostgreSQL server binaries or
+    /// `CREDPOOL_TEST_SKIP_CITUS` is set.
     /// Panics when a node does not start or the cluster cannot be set up.
     pub async fn start() -> Option<CitusCluster> {
         let bin_dir = match citus_bin_dir() {
@@ -241,25 +242,9 @@ fn citus_bin_dir() -> Result<PathBuf, String> {
     }
 }
 
-/// A TCP port of 127.0.0.1 that was free a moment ago: the kernel's pick for port 0.
-fn free_port() -> u16 {
-    TcpListener::bind((HOST, 0))
-        .and_then(|listener| listener.local_addr())
-        .expect("binding a free port")
-        .port()
-}
-
-async fn connect(url: &str) -> PgConnection {
+/// A connection to `url`; panics, naming it, when there is none.
+pub async fn connect(url: &str) -> PgConnection {
     PgConnection::connect(url)
         .await
         .unwrap_or_else(|e| panic!("connecting to {url}: {e}"))
-}
-
-/// Prints `skipped: <reason>` on stderr and on stdout, straight to the file descriptors: libtest
-/// captures the print macros of a passing test, and a skipped run would read as a full pass.
-fn report_skipped(reason: &str) {
-    use std::io::Write;
-    let line = format!("skipped: {reason}\n");
-    let _ = std::io::stderr().lock().write_all(line.as_bytes());
-    let _ = std::io::stdout().lock().write_all(line.as_bytes());
 }

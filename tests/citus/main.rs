@@ -9,7 +9,7 @@ mod cluster;
 use std::process::Command;
 use std::time::Instant;
 
-use cluster::CitusCluster;
+use cluster::{CitusCluster, connect};
 use credpool::store::citus::{DISTRIBUTED, REFERENCE};
 use serde_json::Value;
 use sqlx::{Connection, PgConnection, PgPool};
@@ -320,10 +320,4 @@ fn worker_of(cluster: &CitusCluster, port: i32) -> usize {
     (0..2)
         .find(|&i| i32::from(cluster.worker_port(i)) == port)
         .unwrap_or_else(|| panic!("no worker on port {port}"))
-}
-
-async fn connect(url: &str) -> PgConnection {
-    PgConnection::connect(url)
-        .await
-        .unwrap_or_else(|e| panic!("connecting to {url}: {e}"))
 }
