@@ -48,6 +48,7 @@ DECLARE
     v_was_over boolean;
     v_rate_limits jsonb;
     v_windowed boolean;
+    v_expired lease_slots[];
 BEGIN
     IF credpool_lock_credentials(ARRAY[p_key_id]) = 0 THEN
         RETURN;
@@ -57,25 +58,36 @@ BEGIN
     FROM credentials WHERE key_id = p_key_id;
     PERFORM credpool_test_hook('fit.locked');
     v_now := clock_timestamp();
-    v_windowed := credpool_fit_windows(p_key_id, v_rate_limits, v_now);
+    v_windowed := credpool_fit_windows(p_key_id, v_provider, v_rate_limits, v_now);
 
-    PERFORM credpool_end_leases(array_agg(s ORDER BY s.slot), array_agg('expired'::text),
-                                array_agg(s.lease_until ORDER BY s.slot))
+    -- (every statement below names the credential's provider: on Citus it runs on the
+    -- provider's worker alone)
+    -- (the rows first, END in a statement of its own: on Citus a function called in a statement
+    -- that reads a shard runs on the shard's worker; the row is rebuilt from its columns, as a
+    -- row read from a shard is of the shard's own type)
+    SELECT array_agg(ROW(s.*)::lease_slots ORDER BY s.slot) INTO v_expired
     FROM lease_slots s
-    WHERE s.key_id = p_key_id AND s.lease_id IS NOT NULL AND s.lease_until <= v_now;
+    WHERE s.provider = v_provider AND s.key_id = p_key_id AND s.lease_id IS NOT NULL
+      AND s.lease_until <= v_now;
+    IF v_expired IS NOT NULL THEN
+        PERFORM credpool_end_leases(v_provider, v_expired,
+                                    array_fill('expired'::text, ARRAY[cardinality(v_expired)]),
+                                    ARRAY(SELECT x.lease_until FROM unnest(v_expired) AS x));
+    END IF;
 
     SELECT count(*) FILTER (WHERE lease_id IS NOT NULL), coalesce(bool_or(over_limit), false)
     INTO v_live, v_was_over
-    FROM lease_slots WHERE key_id = p_key_id;
+    FROM lease_slots WHERE provider = v_provider AND key_id = p_key_id;
 
     IF v_live > v_limit THEN
-        DELETE FROM lease_slots WHERE key_id = p_key_id AND lease_id IS NULL;
+        DELETE FROM lease_slots
+        WHERE provider = v_provider AND key_id = p_key_id AND lease_id IS NULL;
         UPDATE lease_slots s
         SET over_limit = true, surplus = r.rank > v_limit, draining = v_draining,
             windowed = v_windowed, config_version = v_version
         FROM (SELECT slot, row_number() OVER (ORDER BY lease_until DESC, slot) AS rank
-              FROM lease_slots WHERE key_id = p_key_id) AS r
-        WHERE s.key_id = p_key_id AND s.slot = r.slot
+              FROM lease_slots WHERE provider = v_provider AND key_id = p_key_id) AS r
+        WHERE s.provider = v_provider AND s.key_id = p_key_id AND s.slot = r.slot
           AND (NOT s.over_limit OR s.surplus IS DISTINCT FROM (r.rank > v_limit)
                OR s.draining IS DISTINCT FROM v_draining OR s.windowed IS DISTINCT FROM v_windowed
                OR s.config_version IS DISTINCT FROM v_version);
@@ -91,45 +103,50 @@ BEGIN
     WITH movers AS (
         SELECT slot, row_number() OVER (ORDER BY slot) AS n
         FROM lease_slots
-        WHERE key_id = p_key_id AND slot >= v_limit AND lease_id IS NOT NULL
+        WHERE provider = v_provider AND key_id = p_key_id AND slot >= v_limit
+          AND lease_id IS NOT NULL
     ),
     targets AS (
         SELECT g AS slot, row_number() OVER (ORDER BY g) AS n
         FROM generate_series(0, v_limit - 1) AS g
         WHERE NOT EXISTS (SELECT 1 FROM lease_slots s
-                          WHERE s.key_id = p_key_id AND s.slot = g AND s.lease_id IS NOT NULL)
+                          WHERE s.provider = v_provider AND s.key_id = p_key_id AND s.slot = g
+                            AND s.lease_id IS NOT NULL)
     )
     DELETE FROM lease_slots s
     USING movers JOIN targets USING (n)
-    WHERE s.key_id = p_key_id AND s.slot = targets.slot AND s.lease_id IS NULL;
+    WHERE s.provider = v_provider AND s.key_id = p_key_id AND s.slot = targets.slot
+      AND s.lease_id IS NULL;
 
     WITH movers AS (
         SELECT slot, row_number() OVER (ORDER BY slot) AS n
         FROM lease_slots
-        WHERE key_id = p_key_id AND slot >= v_limit AND lease_id IS NOT NULL
+        WHERE provider = v_provider AND key_id = p_key_id AND slot >= v_limit
+          AND lease_id IS NOT NULL
     ),
     targets AS (
         SELECT g AS slot, row_number() OVER (ORDER BY g) AS n
         FROM generate_series(0, v_limit - 1) AS g
         WHERE NOT EXISTS (SELECT 1 FROM lease_slots s
-                          WHERE s.key_id = p_key_id AND s.slot = g AND s.lease_id IS NOT NULL)
+                          WHERE s.provider = v_provider AND s.key_id = p_key_id AND s.slot = g
+                            AND s.lease_id IS NOT NULL)
     )
     UPDATE lease_slots s
     SET slot = targets.slot
     FROM movers JOIN targets USING (n)
-    WHERE s.key_id = p_key_id AND s.slot = movers.slot;
+    WHERE s.provider = v_provider AND s.key_id = p_key_id AND s.slot = movers.slot;
 
-    DELETE FROM lease_slots WHERE key_id = p_key_id AND slot >= v_limit;
+    DELETE FROM lease_slots WHERE provider = v_provider AND key_id = p_key_id AND slot >= v_limit;
     INSERT INTO lease_slots (key_id, slot, provider, draining, windowed, config_version)
     SELECT p_key_id, g, v_provider, v_draining, v_windowed, v_version
     FROM generate_series(0, v_limit - 1) AS g
     ON CONFLICT ON CONSTRAINT lease_slots_pkey DO NOTHING;
     UPDATE lease_slots
     SET over_limit = false, surplus = false, draining = v_draining, windowed = v_windowed,
-        config_version = v_version, provider = v_provider
-    WHERE key_id = p_key_id
+        config_version = v_version
+    WHERE provider = v_provider AND key_id = p_key_id
       AND (over_limit OR draining IS DISTINCT FROM v_draining OR windowed IS DISTINCT FROM v_windowed
-           OR config_version IS DISTINCT FROM v_version OR provider <> v_provider);
+           OR config_version IS DISTINCT FROM v_version);
     IF v_was_over THEN
         PERFORM credpool_bump_pool_version(v_provider, v_pool);
     END IF;
@@ -151,6 +168,7 @@ LANGUAGE plpgsql AS $$
 #variable_conflict use_column
 DECLARE
     v_key text := p_key_id;
+    v_provider text;
     v_now timestamptz;
     v_slots lease_slots[];
     v_ended uuid[];
@@ -164,11 +182,13 @@ BEGIN
         RETURN;
     END IF;
     v_now := clock_timestamp();
-    v_slots := ARRAY(SELECT s FROM lease_slots s
-                     WHERE s.key_id = v_key AND s.lease_id IS NOT NULL AND s.lease_until > v_now
-                       AND (p_lease_id IS NULL OR s.lease_id = p_lease_id)
-                     ORDER BY s.slot);
+    SELECT c.provider INTO v_provider FROM credentials c WHERE c.key_id = v_key;
+    SELECT coalesce(array_agg(ROW(s.*)::lease_slots ORDER BY s.slot), '{}') INTO v_slots
+    FROM lease_slots s
+    WHERE s.provider = v_provider AND s.key_id = v_key AND s.lease_id IS NOT NULL
+      AND s.lease_until > v_now AND (p_lease_id IS NULL OR s.lease_id = p_lease_id);
     v_ended := credpool_end_leases(
+        v_provider,
         v_slots,
         array_fill('force_released'::text, ARRAY[cardinality(v_slots)]),
         array_fill(v_now, ARRAY[cardinality(v_slots)]),
@@ -198,26 +218,34 @@ $$;
 -- 4), which it may wait for while a claim that locked one commits (milliseconds). Leaves the rows within a lowered limit (over_limit, not
 -- surplus) to claims and to REFIT: ended here, END would close them while a surplus row still
 -- holds its (expired) lease. Returns how many leases it ended.
+-- Provider by provider (on Citus each provider's statement runs on its worker), up to p_batch in
+-- all.
 CREATE OR REPLACE FUNCTION credpool_reap_expired_leases(p_batch integer DEFAULT 1000) RETURNS integer
 LANGUAGE plpgsql AS $$
 DECLARE
+    v_provider text;
     v_slots lease_slots[];
+    v_ended integer := 0;
 BEGIN
-    SELECT array_agg(locked.s ORDER BY (locked.s).key_id, (locked.s).slot) INTO v_slots
-    FROM (SELECT s
-          FROM lease_slots s
-          WHERE s.lease_id IS NOT NULL AND s.lease_until <= statement_timestamp()
-            AND (s.surplus OR NOT s.over_limit)
-          ORDER BY s.lease_until
-          LIMIT p_batch
-          FOR UPDATE SKIP LOCKED) AS locked;
-    IF v_slots IS NULL THEN
-        RETURN 0;
-    END IF;
-    RETURN cardinality(credpool_end_leases(
-        v_slots,
-        array_fill('expired'::text, ARRAY[cardinality(v_slots)]),
-        ARRAY(SELECT x.lease_until FROM unnest(v_slots) AS x)));
+    FOR v_provider IN SELECT DISTINCT c.provider FROM credentials c ORDER BY 1 LOOP
+        EXIT WHEN v_ended >= p_batch;
+        SELECT array_agg(ROW(s.*)::lease_slots ORDER BY s.key_id, s.slot) INTO v_slots
+        FROM (SELECT s.*
+              FROM lease_slots s
+              WHERE s.provider = v_provider
+                AND s.lease_id IS NOT NULL AND s.lease_until <= statement_timestamp()
+                AND (s.surplus OR NOT s.over_limit)
+              ORDER BY s.lease_until
+              LIMIT p_batch - v_ended
+              FOR UPDATE SKIP LOCKED) AS s;
+        CONTINUE WHEN v_slots IS NULL;
+        v_ended := v_ended + cardinality(credpool_end_leases(
+            v_provider,
+            v_slots,
+            array_fill('expired'::text, ARRAY[cardinality(v_slots)]),
+            ARRAY(SELECT x.lease_until FROM unnest(v_slots) AS x)));
+    END LOOP;
+    RETURN v_ended;
 END;
 $$;
 
@@ -237,11 +265,12 @@ DECLARE
     r record;
 BEGIN
     FOR r IN
-        SELECT c.key_id
+        SELECT c.key_id, c.provider
         FROM credentials c
-        WHERE EXISTS (SELECT 1 FROM lease_slots s WHERE s.key_id = c.key_id AND s.over_limit)
+        WHERE EXISTS (SELECT 1 FROM lease_slots s
+                      WHERE s.provider = c.provider AND s.key_id = c.key_id AND s.over_limit)
           AND (SELECT count(*) FROM lease_slots s
-               WHERE s.key_id = c.key_id AND s.lease_id IS NOT NULL
+               WHERE s.provider = c.provider AND s.key_id = c.key_id AND s.lease_id IS NOT NULL
                  AND s.lease_until > statement_timestamp()) < c.max_concurrent_uses
         ORDER BY c.key_id
         LIMIT p_batch
@@ -249,13 +278,19 @@ BEGIN
         -- all or nothing, without waiting: the operator lock (before any row: FIT takes it), every
         -- slot row, the windows row and the credential row, or skip it
         IF pg_try_advisory_xact_lock(credpool_operator_lock(r.key_id))
-           AND (SELECT count(*) FROM (SELECT 1 FROM lease_slots s WHERE s.key_id = r.key_id
-                                  ORDER BY s.slot FOR UPDATE SKIP LOCKED) locked)
-           = (SELECT count(*) FROM lease_slots s WHERE s.key_id = r.key_id)
-           AND (SELECT count(*) FROM (SELECT 1 FROM lease_windows w WHERE w.key_id = r.key_id
+           AND (SELECT count(*) FROM (SELECT 1 FROM lease_slots s
+                                      WHERE s.provider = r.provider AND s.key_id = r.key_id
+                                      ORDER BY s.slot FOR UPDATE SKIP LOCKED) locked)
+               = (SELECT count(*) FROM lease_slots s
+                  WHERE s.provider = r.provider AND s.key_id = r.key_id)
+           AND (SELECT count(*) FROM (SELECT 1 FROM lease_windows w
+                                      WHERE w.provider = r.provider AND w.key_id = r.key_id
                                       FOR UPDATE SKIP LOCKED) locked)
-               = (SELECT count(*) FROM lease_windows w WHERE w.key_id = r.key_id)
-           AND EXISTS (SELECT 1 FROM credentials c WHERE c.key_id = r.key_id FOR UPDATE SKIP LOCKED)
+               = (SELECT count(*) FROM lease_windows w
+                  WHERE w.provider = r.provider AND w.key_id = r.key_id)
+           AND EXISTS (SELECT 1 FROM credentials c
+                       WHERE c.provider = r.provider AND c.key_id = r.key_id
+                       FOR UPDATE SKIP LOCKED)
         THEN
             PERFORM credpool_fit_slots(r.key_id);
             v_fitted := v_fitted + 1;

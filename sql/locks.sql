@@ -61,16 +61,21 @@ $$;
 --     one, releases only with an `auth_expired` report, before any row lock (RELEASE). 64
 --     buckets keep a large import's advisory locks well within PostgreSQL's lock table;
 --     operators' changes of two keys in one bucket wait for each other;
---   * every slot row of each, ascending (key_id, slot), including rows that a fit which held them
---     inserted while this call waited: a statement's snapshot does not see rows committed after
---     it started, so the rows are read again afterwards, and if any is not among those locked the
---     locks are given back (the block is a subtransaction: its row locks end with it) and taken
---     again, so that no slot row is ever locked after a credential row or out of order;
---     with them, in the same statement and order, the slot rows of leases `p_lease_ids` of other
---     credentials (RELEASE: its group's other leases, so that none of their rows is locked after
---     a rejected credential's rows that sort after it);
+--   * then provider by provider, ascending (the providers of the credentials as they are once
+--     the operator locks are held: every creation and deletion of a key takes its operator lock,
+--     and a credential keeps its provider; and the providers of leases `p_lease_ids`), each in
+--     statements that name that one provider (on Citus, each runs on the provider's worker):
+--     every slot row of each credential, ascending (key_id, slot), including rows that a fit
+--     which held them inserted while this call waited: a statement's snapshot does not see rows
+--     committed after it started, so the rows are read again afterwards, and if any is not among
+--     those locked the locks are given back (the block is a subtransaction: its row locks end
+--     with it) and taken again, so that no slot row is ever locked after a credential row or out
+--     of order; with them, in the same statement and order, the slot rows of leases
+--     `p_lease_ids` of other credentials (RELEASE: its group's other leases, so that none of
+--     their rows is locked after a rejected credential's rows that sort after it);
 --   * the tenant_slots rows of their leases, their lease_windows rows, then (unless
---     p_credential_rows is false) the credential rows, FOR UPDATE, each kind in one statement.
+--     p_credential_rows is false) the credential rows, FOR UPDATE, each kind in one statement
+--     per provider, providers ascending.
 --     Without the credential rows, the caller takes them itself later in the lock order: RELEASE
 --     takes its late reports' lease locks (lock order 7) before it takes them.
 -- Returns how many of the credentials exist.
@@ -81,45 +86,69 @@ CREATE OR REPLACE FUNCTION credpool_lock_credentials(p_key_ids text[],
 RETURNS integer
 LANGUAGE plpgsql AS $$
 DECLARE
+    v_providers text[];
+    v_provider text;
     v_locked text[];
     v_present text[];
-    v_found integer;
+    v_tenant_slots lease_slots[] := '{}';
 BEGIN
     PERFORM pg_advisory_xact_lock(b.bucket)
     FROM (SELECT DISTINCT credpool_operator_lock(k) AS bucket FROM unnest(p_key_ids) AS k) AS b
     ORDER BY b.bucket;
-    LOOP
-        BEGIN
-            SELECT coalesce(array_agg(format('%s/%s', l.key_id, l.slot) ORDER BY l.key_id, l.slot), '{}')
-            INTO v_locked
-            FROM (SELECT s.key_id, s.slot FROM lease_slots s
-                  WHERE s.key_id = ANY (p_key_ids) OR s.lease_id = ANY (p_lease_ids)
-                  ORDER BY s.key_id, s.slot
-                  FOR UPDATE) AS l;
-            SELECT coalesce(array_agg(format('%s/%s', s.key_id, s.slot) ORDER BY s.key_id, s.slot), '{}')
-            INTO v_present
-            FROM lease_slots s
-            WHERE s.key_id = ANY (p_key_ids) OR s.lease_id = ANY (p_lease_ids);
-            IF v_locked <> v_present THEN
-                RAISE EXCEPTION 'slot rows changed while they were locked' USING ERRCODE = 'CPL01';
-            END IF;
-            EXIT;
-        EXCEPTION WHEN SQLSTATE 'CPL01' THEN
-            NULL;
-        END;
+    v_providers := ARRAY(
+        SELECT c.provider FROM credentials c WHERE c.key_id = ANY (p_key_ids)
+        UNION
+        SELECT s.provider FROM lease_slots s
+        WHERE cardinality(p_lease_ids) > 0 AND s.lease_id = ANY (p_lease_ids)
+        ORDER BY 1);
+    FOREACH v_provider IN ARRAY v_providers LOOP
+        LOOP
+            BEGIN
+                SELECT coalesce(array_agg(format('%s/%s', l.key_id, l.slot) ORDER BY l.key_id, l.slot), '{}')
+                INTO v_locked
+                FROM (SELECT s.key_id, s.slot FROM lease_slots s
+                      WHERE s.provider = v_provider
+                        AND (s.key_id = ANY (p_key_ids) OR s.lease_id = ANY (p_lease_ids))
+                      ORDER BY s.key_id, s.slot
+                      FOR UPDATE) AS l;
+                SELECT coalesce(array_agg(format('%s/%s', s.key_id, s.slot) ORDER BY s.key_id, s.slot), '{}')
+                INTO v_present
+                FROM lease_slots s
+                WHERE s.provider = v_provider
+                  AND (s.key_id = ANY (p_key_ids) OR s.lease_id = ANY (p_lease_ids));
+                IF v_locked <> v_present THEN
+                    RAISE EXCEPTION 'slot rows changed while they were locked' USING ERRCODE = 'CPL01';
+                END IF;
+                EXIT;
+            EXCEPTION WHEN SQLSTATE 'CPL01' THEN
+                NULL;
+            END;
+        END LOOP;
     END LOOP;
     -- the tenant slot rows of their leases (END clears them: FIT ends expired leases), in the
-    -- lock order: after the slot rows, before the windows and credential rows
-    PERFORM credpool_lock_tenant_slots(ARRAY(
-        SELECT s FROM lease_slots s WHERE s.key_id = ANY (p_key_ids) AND s.lease_id IS NOT NULL));
-    PERFORM 1 FROM lease_windows w WHERE w.key_id = ANY (p_key_ids) ORDER BY w.key_id FOR UPDATE;
-    IF NOT p_credential_rows THEN
-        SELECT count(*)::integer INTO v_found FROM credentials c WHERE c.key_id = ANY (p_key_ids);
-        RETURN v_found;
+    -- lock order: after every slot row, before the windows and credential rows
+    FOREACH v_provider IN ARRAY v_providers LOOP
+        -- (the row rebuilt from its columns: on Citus a row read from a shard is of the shard's
+        -- own type)
+        SELECT v_tenant_slots || coalesce(array_agg(ROW(s.*)::lease_slots), '{}')
+        INTO v_tenant_slots
+        FROM lease_slots s
+        WHERE s.provider = v_provider AND s.key_id = ANY (p_key_ids) AND s.lease_id IS NOT NULL;
+    END LOOP;
+    PERFORM credpool_lock_tenant_slots(v_tenant_slots);
+    FOREACH v_provider IN ARRAY v_providers LOOP
+        PERFORM 1 FROM lease_windows w
+        WHERE w.provider = v_provider AND w.key_id = ANY (p_key_ids)
+        ORDER BY w.key_id FOR UPDATE;
+    END LOOP;
+    IF p_credential_rows THEN
+        FOREACH v_provider IN ARRAY v_providers LOOP
+            PERFORM 1 FROM credentials c
+            WHERE c.provider = v_provider AND c.key_id = ANY (p_key_ids)
+            ORDER BY c.key_id FOR UPDATE;
+        END LOOP;
     END IF;
-    SELECT count(*)::integer INTO v_found
-    FROM (SELECT 1 FROM credentials c WHERE c.key_id = ANY (p_key_ids) ORDER BY c.key_id FOR UPDATE) AS l;
-    RETURN v_found;
+    RETURN (SELECT count(*)::integer FROM credentials c WHERE c.key_id = ANY (p_key_ids));
 END;
 $$;
 
@@ -139,7 +168,8 @@ BEGIN
     END IF;
     PERFORM credpool_test_hook('config.before_slots');
     UPDATE lease_slots s SET config_version = NEW.config_version
-    WHERE s.key_id = NEW.key_id AND s.config_version <> NEW.config_version;
+    WHERE s.provider = NEW.provider AND s.key_id = NEW.key_id
+      AND s.config_version <> NEW.config_version;
     RETURN NULL;
 END;
 $$;

@@ -23,30 +23,51 @@
 -- would make a claim that binds a conversation to the credential wait for this pass (the binding's
 -- foreign key takes a key share lock on the credential row). Returns how many credentials it
 -- recorded.
-CREATE OR REPLACE FUNCTION credpool_recover_cooldowns(p_batch integer DEFAULT 1000) RETURNS integer
-LANGUAGE sql AS $$
-    WITH due AS (
-        SELECT c.key_id, c.status, c.cooldown_until
-        FROM credentials c
-        WHERE c.status IN ('rate_limited', 'cooldown', 'exhausted')
-          AND c.cooldown_until <= now()
-          AND NOT EXISTS (
-              SELECT 1 FROM credential_events e
-              WHERE e.key_id = c.key_id AND e.event = 'cooldown_ended'
-                AND e.cooldown_until = c.cooldown_until)
-        ORDER BY c.cooldown_until
-        LIMIT p_batch
-        FOR NO KEY UPDATE SKIP LOCKED
-    ),
-    recorded AS (
-        INSERT INTO credential_events (key_id, event, old_status, new_status, reason, cooldown_until, at)
-        SELECT key_id, 'cooldown_ended', status, status,
-               'cooldown ended: usable again, half-open (the next lease is a single probe)',
-               cooldown_until, now()
-        FROM due
-        RETURNING 1
-    )
-    SELECT count(*)::integer FROM recorded
+-- Provider by provider (on Citus each provider's rows are locked on its worker), in two
+-- statements: the due rows, locked, then those with no record yet, recorded (the records are
+-- the coordinator's, which a statement on a worker cannot read).
+DROP FUNCTION IF EXISTS credpool_recover_cooldowns(integer);
+CREATE FUNCTION credpool_recover_cooldowns(p_batch integer DEFAULT 1000) RETURNS integer
+LANGUAGE plpgsql AS $$
+DECLARE
+    v_provider text;
+    v_keys text[];
+    v_ends timestamptz[];
+    v_statuses text[];
+    v_recorded integer := 0;
+    v_now timestamptz := now();
+BEGIN
+    FOR v_provider IN SELECT DISTINCT c.provider FROM credentials c ORDER BY 1 LOOP
+        EXIT WHEN v_recorded >= p_batch;
+        SELECT coalesce(array_agg(c.key_id ORDER BY c.cooldown_until), '{}'),
+               coalesce(array_agg(c.cooldown_until ORDER BY c.cooldown_until), '{}'),
+               coalesce(array_agg(c.status ORDER BY c.cooldown_until), '{}')
+        INTO v_keys, v_ends, v_statuses
+        FROM (SELECT c.key_id, c.cooldown_until, c.status
+              FROM credentials c
+              WHERE c.provider = v_provider
+                AND c.status IN ('rate_limited', 'cooldown', 'exhausted')
+                AND c.cooldown_until <= v_now
+              FOR NO KEY UPDATE SKIP LOCKED) AS c;
+        WITH recorded AS (
+            INSERT INTO credential_events
+                (key_id, event, old_status, new_status, reason, cooldown_until, at)
+            SELECT d.key_id, 'cooldown_ended', d.status, d.status,
+                   'cooldown ended: usable again, half-open (the next lease is a single probe)',
+                   d.cooldown_until, v_now
+            FROM unnest(v_keys, v_ends, v_statuses) AS d (key_id, cooldown_until, status)
+            WHERE NOT EXISTS (
+                SELECT 1 FROM credential_events e
+                WHERE e.key_id = d.key_id AND e.event = 'cooldown_ended'
+                  AND e.cooldown_until = d.cooldown_until)
+            ORDER BY d.cooldown_until
+            LIMIT p_batch - v_recorded
+            RETURNING 1
+        )
+        SELECT v_recorded + count(*)::integer INTO v_recorded FROM recorded;
+    END LOOP;
+    RETURN v_recorded;
+END;
 $$;
 
 -- The partitions of the lease trail, one per UTC day of `at` (and `lease_events_before`, the
@@ -149,21 +170,36 @@ RETURNS integer
 LANGUAGE plpgsql AS $$
 DECLARE
     v_leases integer := 0;
+    v_deleted integer;
     v_credentials integer;
+    v_provider text;
+    v_doomed record;
 BEGIN
     IF to_regclass('lease_events_before') IS NOT NULL THEN
-        DELETE FROM lease_events_before
-        WHERE ctid = ANY (ARRAY(
-            SELECT e.ctid
-            FROM lease_events_before e
-            WHERE e.at < now() - p_retention
-              AND e.at < coalesce((SELECT min(c.proven_until) FROM audit_checkpoints c
-                                   WHERE c.run = 'continuous'), 'infinity')
-              AND NOT EXISTS (SELECT 1 FROM lease_slots s
-                              WHERE s.key_id = e.key_id AND s.lease_id = e.lease_id)
-            ORDER BY e.at
-            LIMIT p_batch));
-        GET DIAGNOSTICS v_leases = ROW_COUNT;
+        -- the rows, read; then deleted provider by provider (on Citus a row's ctid names it only
+        -- within its provider's shard)
+        SELECT coalesce(array_agg(e.provider), '{}') AS providers,
+               coalesce(array_agg(e.ctid), '{}') AS ctids
+        INTO v_doomed
+        FROM (SELECT e.provider, e.ctid
+              FROM lease_events_before e
+              WHERE e.at < now() - p_retention
+                AND e.at < coalesce((SELECT min(c.proven_until) FROM audit_checkpoints c
+                                     WHERE c.run = 'continuous'), 'infinity')
+                AND NOT EXISTS (SELECT 1 FROM lease_slots s
+                                WHERE s.provider = e.provider AND s.key_id = e.key_id
+                                  AND s.lease_id = e.lease_id)
+              ORDER BY e.at
+              LIMIT p_batch) AS e;
+        FOR v_provider IN SELECT DISTINCT x FROM unnest(v_doomed.providers) AS x ORDER BY 1 LOOP
+            DELETE FROM lease_events_before
+            WHERE provider = v_provider
+              AND ctid = ANY (ARRAY(SELECT d.ctid
+                                    FROM unnest(v_doomed.providers, v_doomed.ctids) AS d (provider, ctid)
+                                    WHERE d.provider = v_provider));
+            GET DIAGNOSTICS v_deleted = ROW_COUNT;
+            v_leases := v_leases + v_deleted;
+        END LOOP;
     END IF;
 
     WITH doomed AS (
@@ -183,30 +219,51 @@ $$;
 -- would get a new lease), the row is only storage. Each row is deleted under its request_id's
 -- advisory lock, taken with a try-lock like a claim's, so a claim writing the row is never waited
 -- for, and never waits. Returns how many rows it deleted.
-CREATE OR REPLACE FUNCTION credpool_purge_requests(p_keep interval DEFAULT '1 hour', p_batch integer DEFAULT 10000)
+-- (In three statements: the rows, read; their request ids' advisory locks, tried in a statement of
+-- their own (on Citus, on the coordinator, where a claim takes them); the rows got, deleted,
+-- provider by provider, ascending: on Citus each provider's rows live on its worker.)
+DROP FUNCTION IF EXISTS credpool_purge_requests(interval, integer);
+CREATE FUNCTION credpool_purge_requests(p_keep interval DEFAULT '1 hour', p_batch integer DEFAULT 10000)
 RETURNS integer
-LANGUAGE sql AS $$
-    WITH doomed AS (
-        SELECT r.tenant, r.request_id
-        FROM lease_requests r
-        WHERE r.granted_at < now() - p_keep
-          AND NOT EXISTS (SELECT 1 FROM lease_slots s
-                          WHERE s.key_id = r.key_id AND s.lease_id = r.lease_id
-                            AND s.lease_until > now())
-        ORDER BY r.granted_at
-        LIMIT p_batch
-    ),
-    deleted AS (
+LANGUAGE plpgsql AS $$
+DECLARE
+    v_doomed record;
+    v_provider text;
+    v_deleted integer := 0;
+    v_n integer;
+BEGIN
+    SELECT coalesce(array_agg(r.provider), '{}') AS providers,
+           coalesce(array_agg(r.tenant), '{}') AS tenants,
+           coalesce(array_agg(r.request_id), '{}') AS ids
+    INTO v_doomed
+    FROM (SELECT r.provider, r.tenant, r.request_id
+          FROM lease_requests r
+          WHERE r.granted_at < now() - p_keep
+            AND NOT EXISTS (SELECT 1 FROM lease_slots s
+                            WHERE s.provider = r.provider AND s.key_id = r.key_id
+                              AND s.lease_id = r.lease_id AND s.lease_until > now())
+          ORDER BY r.granted_at
+          LIMIT p_batch) AS r;
+    SELECT coalesce(array_agg(d.provider), '{}') AS providers,
+           coalesce(array_agg(d.tenant), '{}') AS tenants,
+           coalesce(array_agg(d.request_id), '{}') AS ids
+    INTO v_doomed
+    FROM unnest(v_doomed.providers, v_doomed.tenants, v_doomed.ids) AS d (provider, tenant, request_id)
+    WHERE pg_try_advisory_xact_lock(
+              hashtextextended('credpool.request_id:' || d.tenant || '/' || d.request_id, 0));
+    FOR v_provider IN SELECT DISTINCT x FROM unnest(v_doomed.providers) AS x ORDER BY 1 LOOP
         DELETE FROM lease_requests r
-        USING doomed
-        WHERE r.tenant = doomed.tenant AND r.request_id = doomed.request_id
-          -- again on the row as it is when locked: a claim that granted it anew meanwhile wins
-          AND r.granted_at < now() - p_keep
-          AND pg_try_advisory_xact_lock(
-                  hashtextextended('credpool.request_id:' || r.tenant || '/' || r.request_id, 0))
-        RETURNING 1
-    )
-    SELECT count(*)::integer FROM deleted
+        USING unnest(v_doomed.providers, v_doomed.tenants, v_doomed.ids)
+              AS d (provider, tenant, request_id)
+        WHERE r.provider = v_provider AND d.provider = v_provider
+          AND r.tenant = d.tenant AND r.request_id = d.request_id
+          -- again on the row as it is now: a claim that granted it anew meanwhile wins
+          AND r.granted_at < now() - p_keep;
+        GET DIAGNOSTICS v_n = ROW_COUNT;
+        v_deleted := v_deleted + v_n;
+    END LOOP;
+    RETURN v_deleted;
+END;
 $$;
 
 -- AFFINITY: deletes up to p_batch affinity bindings that have expired, then, while more
@@ -218,56 +275,70 @@ $$;
 -- it (a binding a claim is writing right now is left for the next pass). The row lock is FOR
 -- UPDATE, as a delete needs; no foreign key points at a binding, so no key share lock meets it.
 -- Counting the live bindings reads the table once per pass. Returns how many rows it deleted.
-CREATE OR REPLACE FUNCTION credpool_purge_affinity(p_cap bigint DEFAULT NULL, p_batch integer DEFAULT 10000)
+-- (In steps, each provider's rows in statements of their own, as on Citus they live on its worker:
+-- the candidates, read; per provider, ascending, their rows locked with SKIP LOCKED and their keys'
+-- advisory locks tried, in statements of their own; the rows got, deleted.)
+DROP FUNCTION IF EXISTS credpool_purge_affinity(bigint, integer);
+CREATE FUNCTION credpool_purge_affinity(p_cap bigint DEFAULT NULL, p_batch integer DEFAULT 10000)
 RETURNS integer
 LANGUAGE plpgsql AS $$
 DECLARE
     v_cap bigint := coalesce(p_cap,
         nullif(current_setting('credpool.affinity_max_bindings', true), '')::bigint, 1000000);
-    v_expired integer;
     v_over bigint;
-    v_evicted integer := 0;
+    v_deleted integer := 0;
+    v_pass integer;
+    v_provider text;
+    v_doomed record;
+    v_got record;
+    v_n integer;
 BEGIN
-    WITH doomed AS (
-        SELECT b.tenant, b.provider, b.pool, b.affinity_key
-        FROM affinity_bindings b
-        WHERE b.expires_at <= now()
-        ORDER BY b.expires_at
-        LIMIT p_batch
-        FOR UPDATE SKIP LOCKED
-    ),
-    deleted AS (
-        DELETE FROM affinity_bindings b
-        USING doomed d
-        WHERE b.tenant = d.tenant AND b.provider = d.provider AND b.pool = d.pool
-          AND b.affinity_key = d.affinity_key
-          -- again on the row as locked: a claim's hit since the snapshot keeps it
-          AND b.expires_at <= now()
-          AND pg_try_advisory_xact_lock(credpool_affinity_lock(b.tenant, b.provider, b.pool, b.affinity_key))
-        RETURNING 1
-    )
-    SELECT count(*)::integer INTO v_expired FROM deleted;
-
-    SELECT count(*) - v_cap INTO v_over FROM affinity_bindings WHERE expires_at > now();
-    IF v_over > 0 THEN
-        WITH doomed AS (
-            SELECT b.tenant, b.provider, b.pool, b.affinity_key
-            FROM affinity_bindings b
-            ORDER BY b.last_hit_at
-            LIMIT least(v_over, p_batch)
-            FOR UPDATE SKIP LOCKED
-        ),
-        deleted AS (
+    FOR v_pass IN 1 .. 2 LOOP
+        IF v_pass = 2 THEN
+            SELECT count(*) - v_cap INTO v_over FROM affinity_bindings WHERE expires_at > now();
+            EXIT WHEN v_over <= 0;
+        END IF;
+        -- pass 1: the expired bindings; pass 2: the least recently hit ones over the cap
+        SELECT coalesce(array_agg(b.provider), '{}') AS providers,
+               coalesce(array_agg(b.tenant), '{}') AS tenants,
+               coalesce(array_agg(b.pool), '{}') AS pools,
+               coalesce(array_agg(b.affinity_key), '{}') AS keys
+        INTO v_doomed
+        FROM (SELECT b.provider, b.tenant, b.pool, b.affinity_key
+              FROM affinity_bindings b
+              WHERE v_pass = 2 OR b.expires_at <= now()
+              ORDER BY CASE WHEN v_pass = 1 THEN b.expires_at ELSE b.last_hit_at END
+              LIMIT CASE WHEN v_pass = 1 THEN p_batch ELSE least(v_over, p_batch) END) AS b;
+        FOR v_provider IN SELECT DISTINCT x FROM unnest(v_doomed.providers) AS x ORDER BY 1 LOOP
+            SELECT coalesce(array_agg(b.tenant), '{}') AS tenants,
+                   coalesce(array_agg(b.pool), '{}') AS pools,
+                   coalesce(array_agg(b.affinity_key), '{}') AS keys
+            INTO v_got
+            FROM (SELECT b.tenant, b.pool, b.affinity_key
+                  FROM affinity_bindings b
+                  JOIN unnest(v_doomed.providers, v_doomed.tenants, v_doomed.pools, v_doomed.keys)
+                       AS d (provider, tenant, pool, affinity_key)
+                    ON b.tenant = d.tenant AND b.pool = d.pool AND b.affinity_key = d.affinity_key
+                  WHERE b.provider = v_provider AND d.provider = v_provider
+                    -- again on the row as locked: a claim's hit since the read keeps it
+                    AND (v_pass = 2 OR b.expires_at <= now())
+                  FOR UPDATE OF b SKIP LOCKED) AS b;
+            SELECT coalesce(array_agg(d.tenant), '{}') AS tenants,
+                   coalesce(array_agg(d.pool), '{}') AS pools,
+                   coalesce(array_agg(d.affinity_key), '{}') AS keys
+            INTO v_got
+            FROM unnest(v_got.tenants, v_got.pools, v_got.keys) AS d (tenant, pool, affinity_key)
+            WHERE pg_try_advisory_xact_lock(
+                      credpool_affinity_lock(d.tenant, v_provider, d.pool, d.affinity_key));
             DELETE FROM affinity_bindings b
-            USING doomed d
-            WHERE b.tenant = d.tenant AND b.provider = d.provider AND b.pool = d.pool
-              AND b.affinity_key = d.affinity_key
-              AND pg_try_advisory_xact_lock(credpool_affinity_lock(b.tenant, b.provider, b.pool, b.affinity_key))
-            RETURNING 1
-        )
-        SELECT count(*)::integer INTO v_evicted FROM deleted;
-    END IF;
-    RETURN v_expired + v_evicted;
+            USING unnest(v_got.tenants, v_got.pools, v_got.keys) AS d (tenant, pool, affinity_key)
+            WHERE b.provider = v_provider AND b.tenant = d.tenant AND b.pool = d.pool
+              AND b.affinity_key = d.affinity_key;
+            GET DIAGNOSTICS v_n = ROW_COUNT;
+            v_deleted := v_deleted + v_n;
+        END LOOP;
+    END LOOP;
+    RETURN v_deleted;
 END;
 $$;
 

@@ -39,28 +39,54 @@ $$;
 -- whose backend number a new backend has taken again is locked by it (SKIP LOCKED passes over
 -- it) or folded before the new backend bumps it (which then inserts a fresh row). Row 0 is
 -- written only here, and the maintenance pass runs one at a time. Returns the rows folded.
-CREATE OR REPLACE FUNCTION credpool_compact_pool_versions() RETURNS integer
-LANGUAGE sql AS $$
-    WITH gone AS (
-        SELECT v.provider, v.pool, v.backend
-        FROM pool_versions v
-        WHERE v.backend <> 0
-          AND NOT EXISTS (SELECT 1 FROM pg_stat_activity a WHERE a.pid = v.backend)
-        ORDER BY v.provider, v.pool, v.backend
-        FOR UPDATE SKIP LOCKED
-    ),
-    folded AS (
-        DELETE FROM pool_versions v
-        USING gone
-        WHERE (v.provider, v.pool, v.backend) = (gone.provider, gone.pool, gone.backend)
-        RETURNING v.provider, v.pool, v.version
-    ),
-    base AS (
+-- Provider by provider (on Citus, each on its worker, whose backends write its rows).
+DROP FUNCTION IF EXISTS credpool_compact_pool_versions();
+CREATE FUNCTION credpool_compact_pool_versions() RETURNS integer
+LANGUAGE plpgsql AS $$
+DECLARE
+    v_provider text;
+    v_pools text[];
+    v_backends integer[];
+    v_live integer[];
+    v_versions bigint[];
+    v_folded integer := 0;
+    v_n integer;
+BEGIN
+    -- the live backends, read first (on Citus, the coordinator's: a row a worker's backend
+    -- bumped is folded at every pass, which is safe: a fold keeps the pool's sum, and the
+    -- backend's next bump starts a fresh row)
+    v_live := ARRAY(SELECT a.pid FROM pg_stat_activity a);
+    FOR v_provider IN SELECT DISTINCT v.provider FROM pool_versions v ORDER BY 1 LOOP
+        -- (in statements of their own, each on one provider's rows: Citus takes neither a
+        -- modifying CTE fed by a locking one nor an INSERT fed by a modifying CTE)
+        SELECT coalesce(array_agg(v.pool), '{}'), coalesce(array_agg(v.backend), '{}')
+        INTO v_pools, v_backends
+        FROM (SELECT v.pool, v.backend
+              FROM pool_versions v
+              WHERE v.provider = v_provider AND v.backend <> 0 AND v.backend <> ALL (v_live)
+              ORDER BY v.pool, v.backend
+              FOR UPDATE SKIP LOCKED) AS v;
+        CONTINUE WHEN v_pools = '{}';
+        WITH folded AS (
+            DELETE FROM pool_versions v
+            USING unnest(v_pools, v_backends) AS g (pool, backend)
+            WHERE v.provider = v_provider AND v.pool = g.pool AND v.backend = g.backend
+            RETURNING v.pool, v.version
+        )
+        SELECT coalesce(array_agg(f.pool), '{}'), coalesce(array_agg(f.version), '{}')
+        INTO v_pools, v_versions
+        FROM folded f;
+        v_n := cardinality(v_pools);
+        -- (a statement of its own: Citus takes no INSERT fed by a modifying CTE)
         INSERT INTO pool_versions AS v (provider, pool, backend, version)
-        SELECT provider, pool, 0, sum(version) FROM folded GROUP BY provider, pool
-        ON CONFLICT ON CONSTRAINT pool_versions_pkey DO UPDATE SET version = v.version + EXCLUDED.version
-    )
-    SELECT count(*)::integer FROM folded
+        SELECT v_provider, f.pool, 0, sum(f.version)
+        FROM unnest(v_pools, v_versions) AS f (pool, version)
+        GROUP BY f.pool
+        ON CONFLICT ON CONSTRAINT pool_versions_pkey DO UPDATE SET version = v.version + EXCLUDED.version;
+        v_folded := v_folded + v_n;
+    END LOOP;
+    RETURN v_folded;
+END;
 $$;
 
 CREATE OR REPLACE FUNCTION credentials_bump_pool_version() RETURNS trigger
@@ -133,8 +159,10 @@ CREATE TRIGGER credentials_stamp_update
 CREATE OR REPLACE FUNCTION credentials_note_departure() RETURNS trigger
 LANGUAGE plpgsql AS $$
 BEGIN
+    -- (the provider named on both: on Citus the statement runs on the provider's worker alone)
     DELETE FROM credential_departures d
-    WHERE d.ctid = ANY (ARRAY(
+    WHERE d.provider = OLD.provider AND d.pool = OLD.pool
+      AND d.ctid = ANY (ARRAY(
         SELECT o.ctid FROM credential_departures o
         WHERE o.provider = OLD.provider AND o.pool = OLD.pool
           AND o.departed_at < now() - interval '10 minutes'

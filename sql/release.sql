@@ -51,9 +51,13 @@ $$;
 -- (credpool_refit_tenants).
 -- The caller has locked the slot rows (in the lock order) and decided, on its own clock, that the
 -- leases end now. It announces nothing: the caller does when waiters must hear of it (a
--- release, a forced release). Returns the leases it ended.
+-- release, a forced release). Every slot row is of credentials of provider `p_provider` (on
+-- Citus the statements run on its worker alone; a caller with leases of several providers calls
+-- once per provider, ascending). Returns the leases it ended.
 DROP FUNCTION IF EXISTS credpool_end_lease(lease_slots, text, timestamptz, text, text, text, bigint);
-CREATE OR REPLACE FUNCTION credpool_end_leases(
+DROP FUNCTION IF EXISTS credpool_end_leases(lease_slots[], text[], timestamptz[], text[], text[],
+    text[], bigint[]);
+CREATE OR REPLACE FUNCTION credpool_end_leases(p_provider text,
     p_slots lease_slots[], p_events text[], p_at timestamptz[], p_outcomes text[] DEFAULT NULL,
     p_reasons text[] DEFAULT NULL, p_actors text[] DEFAULT NULL, p_tokens bigint[] DEFAULT NULL)
 RETURNS uuid[]
@@ -76,10 +80,12 @@ BEGIN
             surplus = s.surplus
                       OR (s.over_limit
                           AND EXISTS (SELECT 1 FROM lease_slots o
-                                      WHERE o.key_id = s.key_id AND o.surplus
-                                        AND o.lease_id IS NOT NULL AND o.slot <> s.slot))
+                                      WHERE o.provider = p_provider AND o.key_id = s.key_id
+                                        AND o.surplus AND o.lease_id IS NOT NULL
+                                        AND o.slot <> s.slot))
         FROM generate_subscripts(p_slots, 1) AS i
-        WHERE s.key_id = (p_slots[i]).key_id AND s.slot = (p_slots[i]).slot
+        WHERE s.provider = p_provider
+          AND s.key_id = (p_slots[i]).key_id AND s.slot = (p_slots[i]).slot
           AND s.lease_id = (p_slots[i]).lease_id
         RETURNING i
     )
@@ -193,10 +199,10 @@ $$;
 -- for an `auth_expired` report on the caller's own lease of an OAuth credential, the operator
 -- locks and every slot row, tenant slot row and lease_windows row of that credential
 -- (credpool_lock_credentials without its credential row); the named leases' slot rows, ascending
--- (key_id, slot), in one statement; their tenant slot rows (credpool_lock_tenant_slots); the
+-- (provider, key_id, slot), in one statement; their tenant slot rows (credpool_lock_tenant_slots); the
 -- lease_windows rows of the credentials named with a usage, then those leases' tenants'
 -- tenant_windows rows; late reports' lease advisory locks, ascending lease_id; the credential
--- rows of counted outcomes, ascending key_id. Decision clock: clock_timestamp() after the slot
+-- rows of counted outcomes, ascending (provider, key_id). Decision clock: clock_timestamp() after the slot
 -- locks (`released` rows carry it as `at`), and for health after the credential rows' locks.
 DROP FUNCTION IF EXISTS credpool_release(jsonb);
 DROP FUNCTION IF EXISTS credpool_release(jsonb, boolean);
@@ -338,7 +344,7 @@ AS $$
       AND coalesce(s.key_id, g.key_id) = r.key_id AND coalesce(s.tenant, g.tenant) = r.tenant
 $$;
 
--- LOCK: the slot rows of the named leases, ascending (key_id, slot), in one statement: returned
+-- LOCK: the slot rows of the named leases, ascending (provider, key_id, slot), in one statement: returned
 -- as locked (their newest versions); their tenant slot rows right after (lock order 4: END
 -- clears them), only when a lease has one; with a usage, the lease_windows rows of the
 -- credentials named with one, then the tenant_windows rows of those leases' tenants (whose
@@ -355,7 +361,7 @@ BEGIN
     INTO v_slots, v_tenant_rows
     FROM (SELECT s FROM lease_slots s
           WHERE (s.key_id, s.lease_id) IN (SELECT r.key_id, r.lease_id FROM unnest(p_releases) AS r)
-          ORDER BY s.key_id, s.slot
+          ORDER BY s.provider, s.key_id, s.slot
           FOR UPDATE) AS l;
     IF v_tenant_rows THEN
         v_tenant_rows := credpool_lock_tenant_slots(v_slots);
@@ -364,7 +370,7 @@ BEGIN
         PERFORM 1 FROM lease_windows w
         WHERE w.key_id IN (SELECT r.key_id FROM unnest(p_releases) AS r
                            WHERE r.usage_tokens IS NOT NULL)
-        ORDER BY w.key_id
+        ORDER BY w.provider, w.key_id
         FOR UPDATE;
         PERFORM 1 FROM tenant_windows tw
         WHERE tw.tenant_id IN (SELECT coalesce(x.tenant, g.tenant)
@@ -396,6 +402,9 @@ CREATE OR REPLACE FUNCTION credpool_release_verdicts(p_releases credpool_release
     OUT releases credpool_release[], OUT late boolean, OUT counted boolean)
 LANGUAGE plpgsql
 AS $$
+DECLARE
+    v_providers text[];
+    v_provider text;
 BEGIN
     SELECT array_agg(ROW(j.lease_id, j.key_id, j.provider, j.pool, j.fence, j.outcome,
                          j.usage_tokens, j.key_hash, j.retry_after_seconds, j.may_disable, j.n,
@@ -405,8 +414,10 @@ BEGIN
            coalesce(bool_or(j.decided IN ('expired', 'not_found')
                             AND (j.outcome IS NOT NULL OR j.usage_tokens IS NOT NULL)
                             OR j.decided = 'released' AND j.usage_tokens IS NOT NULL), false),
-           coalesce(bool_or(j.decided = 'released' AND j.outcome IS NOT NULL), false)
-    INTO releases, late, counted
+           coalesce(bool_or(j.decided = 'released' AND j.outcome IS NOT NULL), false),
+           coalesce(array_agg(DISTINCT (j.s).provider ORDER BY (j.s).provider)
+                        FILTER (WHERE j.decided IN ('released', 'expired')), '{}')
+    INTO releases, late, counted, v_providers
     FROM (
         SELECT b.*,
                CASE WHEN NOT b.authorized THEN 'unauthorized'
@@ -441,21 +452,33 @@ BEGIN
         ) AS a
         ) AS b
     ) AS j;
-    PERFORM credpool_end_leases(
-        ARRAY(SELECT r.slot FROM unnest(releases) AS r
-              WHERE r.verdict IN ('released', 'expired') ORDER BY r.n),
-        ARRAY(SELECT r.verdict FROM unnest(releases) AS r
-              WHERE r.verdict IN ('released', 'expired') ORDER BY r.n),
-        ARRAY(SELECT CASE WHEN r.verdict = 'released' THEN p_now ELSE (r.slot).lease_until END
-              FROM unnest(releases) AS r WHERE r.verdict IN ('released', 'expired') ORDER BY r.n),
-        ARRAY(SELECT CASE WHEN r.verdict = 'released' THEN r.outcome END
-              FROM unnest(releases) AS r WHERE r.verdict IN ('released', 'expired') ORDER BY r.n),
-        NULL,
-        NULL,
-        CASE WHEN p_usage THEN
-            ARRAY(SELECT CASE WHEN r.verdict = 'released' THEN r.usage_tokens END
-                  FROM unnest(releases) AS r WHERE r.verdict IN ('released', 'expired') ORDER BY r.n)
-        END);
+    -- (one call per provider of the leases that end, ascending: almost always one)
+    FOREACH v_provider IN ARRAY v_providers LOOP
+        PERFORM credpool_end_leases(
+            v_provider,
+            ARRAY(SELECT r.slot FROM unnest(releases) AS r
+                  WHERE r.verdict IN ('released', 'expired') AND (r.slot).provider = v_provider
+                  ORDER BY r.n),
+            ARRAY(SELECT r.verdict FROM unnest(releases) AS r
+                  WHERE r.verdict IN ('released', 'expired') AND (r.slot).provider = v_provider
+                  ORDER BY r.n),
+            ARRAY(SELECT CASE WHEN r.verdict = 'released' THEN p_now ELSE (r.slot).lease_until END
+                  FROM unnest(releases) AS r
+                  WHERE r.verdict IN ('released', 'expired') AND (r.slot).provider = v_provider
+                  ORDER BY r.n),
+            ARRAY(SELECT CASE WHEN r.verdict = 'released' THEN r.outcome END
+                  FROM unnest(releases) AS r
+                  WHERE r.verdict IN ('released', 'expired') AND (r.slot).provider = v_provider
+                  ORDER BY r.n),
+            NULL,
+            NULL,
+            CASE WHEN p_usage THEN
+                ARRAY(SELECT CASE WHEN r.verdict = 'released' THEN r.usage_tokens END
+                      FROM unnest(releases) AS r
+                      WHERE r.verdict IN ('released', 'expired') AND (r.slot).provider = v_provider
+                      ORDER BY r.n)
+            END);
+    END LOOP;
 END;
 $$;
 
@@ -545,39 +568,49 @@ DECLARE
     v_current credentials;
     v_now timestamptz;
     v_events jsonb := '[]';
-    v_key text;
+    v_key record;
     r credpool_release;
     a record;
 BEGIN
     IF p_reject_keys <> '{}' THEN
-        FOR v_key IN SELECT DISTINCT x.key_id FROM unnest(p_releases) AS x
-                     WHERE x.counted ORDER BY x.key_id LOOP
-            IF v_key = ANY (p_reject_keys) THEN
-                v_rows := v_rows || ARRAY(SELECT c FROM credentials c WHERE c.key_id = v_key FOR UPDATE);
+        FOR v_key IN SELECT DISTINCT x.provider, x.key_id FROM unnest(p_releases) AS x
+                     WHERE x.counted ORDER BY x.provider, x.key_id LOOP
+            IF v_key.key_id = ANY (p_reject_keys) THEN
+                v_rows := v_rows || ARRAY(SELECT c FROM credentials c
+                                          WHERE c.provider = v_key.provider
+                                            AND c.key_id = v_key.key_id
+                                          FOR UPDATE);
             ELSE
-                v_rows := v_rows || ARRAY(SELECT c FROM credentials c WHERE c.key_id = v_key
+                v_rows := v_rows || ARRAY(SELECT c FROM credentials c
+                                          WHERE c.provider = v_key.provider
+                                            AND c.key_id = v_key.key_id
                                           FOR NO KEY UPDATE);
             END IF;
         END LOOP;
     ELSE
         v_rows := ARRAY(SELECT c FROM credentials c
-                        WHERE c.key_id IN (SELECT x.key_id FROM unnest(p_releases) AS x
-                                           WHERE x.counted)
-                        ORDER BY c.key_id
+                        WHERE (c.provider, c.key_id) IN (SELECT x.provider, x.key_id
+                                                         FROM unnest(p_releases) AS x
+                                                         WHERE x.counted)
+                        ORDER BY c.provider, c.key_id
                         FOR NO KEY UPDATE);
     END IF;
     v_now := clock_timestamp();
-    -- (both in ascending key_id: the rows are walked once, alongside the reports)
-    FOR r IN SELECT x.* FROM unnest(p_releases) AS x WHERE x.counted ORDER BY x.key_id, x.n LOOP
+    -- (both in ascending (provider, key_id): the rows are walked once, alongside the reports; a
+    -- counted report named its lease's provider, which is its credential's)
+    FOR r IN SELECT x.* FROM unnest(p_releases) AS x WHERE x.counted
+             ORDER BY x.provider, x.key_id, x.n LOOP
         IF v_current.key_id IS DISTINCT FROM r.key_id THEN
             IF v_current.key_id IS NOT NULL THEN
                 v_written := v_written || v_current;
             END IF;
             LOOP
                 v_at := v_at + 1;
-                EXIT WHEN v_at > cardinality(v_rows) OR v_rows[v_at].key_id >= r.key_id;
+                EXIT WHEN v_at > cardinality(v_rows)
+                          OR (v_rows[v_at].provider, v_rows[v_at].key_id) >= (r.provider, r.key_id);
             END LOOP;
-            IF v_at > cardinality(v_rows) OR v_rows[v_at].key_id <> r.key_id THEN
+            IF v_at > cardinality(v_rows)
+               OR (v_rows[v_at].provider, v_rows[v_at].key_id) <> (r.provider, r.key_id) THEN
                 -- deleted meanwhile: nothing to apply
                 v_current := NULL;
                 v_at := v_at - 1;

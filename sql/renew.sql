@@ -49,7 +49,7 @@ $$;
 -- began wrote a token this lease does not hold.)
 -- A lease of a capped tenant moves its tenant slot row's lease_until in step (the row frees when
 -- the lease does; see CLAIM, "Tenants").
--- Locks: the named leases' slot rows, ascending (key_id, slot), in one statement; then their
+-- Locks: the named leases' slot rows, ascending (provider, key_id, slot), in one statement; then their
 -- tenant slot rows, ascending (tenant_id, slot) (credpool_lock_tenant_slots).
 DROP FUNCTION IF EXISTS credpool_renew(jsonb);
 CREATE FUNCTION credpool_renew(p_renewals jsonb)
@@ -67,7 +67,7 @@ BEGIN
     FROM lease_slots s
     WHERE s.key_id = ANY (ARRAY(SELECT e ->> 'key_id' FROM jsonb_array_elements(p_renewals) AS e))
       AND s.lease_id = ANY (ARRAY(SELECT (e ->> 'lease_id')::uuid FROM jsonb_array_elements(p_renewals) AS e))
-    ORDER BY s.key_id, s.slot
+    ORDER BY s.provider, s.key_id, s.slot
     FOR UPDATE;
     PERFORM credpool_lock_tenant_slots(ARRAY(
         SELECT s FROM lease_slots s

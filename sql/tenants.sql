@@ -150,7 +150,7 @@ BEGIN
     IF v_cap IS NOT NULL AND NOT EXISTS (SELECT 1 FROM tenant_slots WHERE tenant_id = p_tenant_id) THEN
         PERFORM 1 FROM lease_slots s
         WHERE s.tenant = p_tenant_id AND s.lease_id IS NOT NULL
-        ORDER BY s.key_id, s.slot
+        ORDER BY s.provider, s.key_id, s.slot
         FOR UPDATE;
         -- (each adopted lease names its row on its slot row, as a grant's does)
         WITH adopted AS (

@@ -20,8 +20,13 @@
 -- allocate estimated 0 tokens): full means its count has reached N.
 
 -- A tenant's windows (table tenant_windows, the same columns under tenant_id, and no provider: a
--- tenant's windows span providers) as the row type every function below takes.
-CREATE OR REPLACE FUNCTION credpool_tenant_window(tw tenant_windows) RETURNS lease_windows
+-- tenant's windows span providers) as a lease_windows row.
+--
+-- The functions below take any row with the columns of lease_windows (`anyelement`): a
+-- lease_windows row, a tenant's as this function gives it, and on Citus a row of a shard, which
+-- is of the shard's own type (`lease_windows_102072`).
+DROP FUNCTION IF EXISTS credpool_tenant_window(tenant_windows);
+CREATE OR REPLACE FUNCTION credpool_tenant_window(tw anyelement) RETURNS lease_windows
 LANGUAGE sql IMMUTABLE PARALLEL SAFE AS $$
     SELECT ROW(tw.tenant_id, tw.window_kinds, tw.window_counts, tw.window_seconds, tw.bucket_ids,
                tw.bucket_charged, NULL)::lease_windows
@@ -34,7 +39,8 @@ LANGUAGE sql IMMUTABLE PARALLEL SAFE AS $$
 $$;
 
 -- What window `p_window` (1-based) of `w` counts at `p_at`.
-CREATE OR REPLACE FUNCTION credpool_window_used(w lease_windows, p_window integer, p_at timestamptz)
+DROP FUNCTION IF EXISTS credpool_window_used(lease_windows, integer, timestamptz);
+CREATE OR REPLACE FUNCTION credpool_window_used(w anyelement, p_window integer, p_at timestamptz)
 RETURNS bigint
 LANGUAGE plpgsql IMMUTABLE PARALLEL SAFE AS $$
 DECLARE
@@ -51,14 +57,16 @@ END;
 $$;
 
 -- What one grant charges window `p_window`: one request, or its token reservation.
-CREATE OR REPLACE FUNCTION credpool_window_amount(w lease_windows, p_window integer, p_tokens bigint)
+DROP FUNCTION IF EXISTS credpool_window_amount(lease_windows, integer, bigint);
+CREATE OR REPLACE FUNCTION credpool_window_amount(w anyelement, p_window integer, p_tokens bigint)
 RETURNS bigint
 LANGUAGE sql IMMUTABLE PARALLEL SAFE AS $$
     SELECT CASE w.window_kinds[p_window] WHEN 'requests' THEN 1 ELSE p_tokens END
 $$;
 
 -- ROOM: whether every window of `w` admits, at `p_at`, one more grant reserving `p_tokens`.
-CREATE OR REPLACE FUNCTION credpool_window_room(w lease_windows, p_at timestamptz, p_tokens bigint)
+DROP FUNCTION IF EXISTS credpool_window_room(lease_windows, timestamptz, bigint);
+CREATE OR REPLACE FUNCTION credpool_window_room(w anyelement, p_at timestamptz, p_tokens bigint)
 RETURNS boolean
 LANGUAGE plpgsql IMMUTABLE PARALLEL SAFE AS $$
 DECLARE
@@ -76,54 +84,59 @@ BEGIN
 END;
 $$;
 
--- CHARGE: `w` with a grant at `p_at` reserving `p_tokens` counted in every window.
-CREATE OR REPLACE FUNCTION credpool_window_charge(w lease_windows, p_at timestamptz, p_tokens bigint)
-RETURNS lease_windows
+-- CHARGE: the buckets of `w` with a grant at `p_at` reserving `p_tokens` counted in every window.
+DROP FUNCTION IF EXISTS credpool_window_charge(lease_windows, timestamptz, bigint);
+CREATE OR REPLACE FUNCTION credpool_window_charge(w anyelement, p_at timestamptz, p_tokens bigint,
+    OUT bucket_ids bigint[], OUT bucket_charged bigint[])
 LANGUAGE plpgsql IMMUTABLE PARALLEL SAFE AS $$
 DECLARE
     v_bucket bigint;
     v_index integer;
 BEGIN
+    bucket_ids := w.bucket_ids;
+    bucket_charged := w.bucket_charged;
     FOR i IN 1 .. coalesce(cardinality(w.window_kinds), 0) LOOP
         v_bucket := credpool_window_bucket(p_at, w.window_seconds[i]);
         v_index := (i - 1) * 17 + (v_bucket % 17)::integer + 1;
-        IF w.bucket_ids[v_index] >= v_bucket THEN
-            w.bucket_charged[v_index] := w.bucket_charged[v_index] + credpool_window_amount(w, i, p_tokens);
+        IF bucket_ids[v_index] >= v_bucket THEN
+            bucket_charged[v_index] := bucket_charged[v_index] + credpool_window_amount(w, i, p_tokens);
         ELSE
-            w.bucket_ids[v_index] := v_bucket;
-            w.bucket_charged[v_index] := credpool_window_amount(w, i, p_tokens);
+            bucket_ids[v_index] := v_bucket;
+            bucket_charged[v_index] := credpool_window_amount(w, i, p_tokens);
         END IF;
     END LOOP;
-    RETURN w;
 END;
 $$;
 
--- USAGE: `w` with the token windows' charge of a grant made at `p_granted_at` changed by
--- `p_delta` (usage reported minus the reservation), if that grant's bucket is still counted
--- (an older one has left every window: nothing to change). Never below zero.
-CREATE OR REPLACE FUNCTION credpool_window_adjust(w lease_windows, p_granted_at timestamptz, p_delta bigint)
-RETURNS lease_windows
+-- USAGE: the buckets of `w` with the token windows' charge of a grant made at `p_granted_at`
+-- changed by `p_delta` (usage reported minus the reservation), if that grant's bucket is still
+-- counted (an older one has left every window: nothing to change). Never below zero.
+DROP FUNCTION IF EXISTS credpool_window_adjust(lease_windows, timestamptz, bigint);
+CREATE OR REPLACE FUNCTION credpool_window_adjust(w anyelement, p_granted_at timestamptz,
+    p_delta bigint, OUT bucket_ids bigint[], OUT bucket_charged bigint[])
 LANGUAGE plpgsql IMMUTABLE PARALLEL SAFE AS $$
 DECLARE
     v_bucket bigint;
     v_index integer;
 BEGIN
+    bucket_ids := w.bucket_ids;
+    bucket_charged := w.bucket_charged;
     FOR i IN 1 .. coalesce(cardinality(w.window_kinds), 0) LOOP
         CONTINUE WHEN w.window_kinds[i] <> 'tokens';
         v_bucket := credpool_window_bucket(p_granted_at, w.window_seconds[i]);
         v_index := (i - 1) * 17 + (v_bucket % 17)::integer + 1;
-        IF w.bucket_ids[v_index] = v_bucket THEN
-            w.bucket_charged[v_index] := greatest(w.bucket_charged[v_index] + p_delta, 0);
+        IF bucket_ids[v_index] = v_bucket THEN
+            bucket_charged[v_index] := greatest(bucket_charged[v_index] + p_delta, 0);
         END IF;
     END LOOP;
-    RETURN w;
 END;
 $$;
 
 -- FREES: the earliest moment from `p_at` on when every window of `w` admits a grant reserving
 -- `p_tokens` (`p_at` itself when they do now; 'infinity' when a window's count is smaller than
 -- the reservation: it never will). A bucket b leaves its window at (b + 17) * S/16.
-CREATE OR REPLACE FUNCTION credpool_window_frees_at(w lease_windows, p_at timestamptz, p_tokens bigint)
+DROP FUNCTION IF EXISTS credpool_window_frees_at(lease_windows, timestamptz, bigint);
+CREATE OR REPLACE FUNCTION credpool_window_frees_at(w anyelement, p_at timestamptz, p_tokens bigint)
 RETURNS timestamptz
 LANGUAGE plpgsql IMMUTABLE PARALLEL SAFE AS $$
 DECLARE
@@ -176,7 +189,8 @@ $$;
 
 -- HOLDING: the kind of the first window of `w` that does not admit, at `p_at`, a grant reserving
 -- `p_tokens` ('requests' or 'tokens'); NULL when every one does.
-CREATE OR REPLACE FUNCTION credpool_window_holding(w lease_windows, p_at timestamptz, p_tokens bigint)
+DROP FUNCTION IF EXISTS credpool_window_holding(lease_windows, timestamptz, bigint);
+CREATE OR REPLACE FUNCTION credpool_window_holding(w anyelement, p_at timestamptz, p_tokens bigint)
 RETURNS text
 LANGUAGE plpgsql IMMUTABLE PARALLEL SAFE AS $$
 DECLARE
@@ -195,18 +209,8 @@ $$;
 
 -- Seeding a new window from the trail, and fitting a window row to a configuration.
 
--- The tokens a token window counts for lease `p_lease_id`, granted with reservation `p_reserved`,
--- as the trail stood at `p_at` (NULL: now): the usage its release (or a late report) reported by
--- then, else its reservation.
-CREATE OR REPLACE FUNCTION credpool_grant_tokens(p_lease_id uuid, p_reserved bigint, p_at timestamptz)
-RETURNS bigint
-LANGUAGE sql STABLE AS $$
-    SELECT coalesce((SELECT e.tokens FROM lease_events e
-                     WHERE e.lease_id = p_lease_id AND e.tokens IS NOT NULL
-                       AND e.event IN ('released', 'outcome_after_expiry')
-                       AND e.at <= coalesce(p_at, 'infinity')
-                     LIMIT 1), p_reserved, 0)
-$$;
+-- (the tokens of one grant as the trail stood at a moment: folded into SEED below)
+DROP FUNCTION IF EXISTS credpool_grant_tokens(uuid, bigint, timestamptz);
 
 -- What a new window of `p_kind` and `p_seconds` has counted at `p_now`, from the trail: the
 -- grants of credential `p_key_id` (or, when it is NULL, of tenant `p_tenant`) in the buckets it
@@ -219,45 +223,90 @@ $$;
 -- without the tenant's lock; FIT TENANT adds this under it).
 DROP FUNCTION IF EXISTS credpool_seed_window(text, text, integer, timestamptz);
 DROP FUNCTION IF EXISTS credpool_seed_window(text, text, text, integer, timestamptz);
+DROP FUNCTION IF EXISTS credpool_seed_window(text, text, text, integer, timestamptz, timestamptz,
+    timestamptz);
+-- (`p_provider`: the credential's, with `p_key_id`. PL/pgSQL, in three steps: the grants, their
+-- reported usage, then the ring from those two alone. Citus plans no SQL function with
+-- parameters that reads a distributed table, nor a function that reads one called from a
+-- statement that runs on a worker.)
 CREATE OR REPLACE FUNCTION credpool_seed_window(
-    p_key_id text, p_tenant text, p_kind text, p_seconds integer, p_now timestamptz,
-    p_after timestamptz DEFAULT NULL, p_upto timestamptz DEFAULT NULL,
+    p_key_id text, p_provider text, p_tenant text, p_kind text, p_seconds integer,
+    p_now timestamptz, p_after timestamptz DEFAULT NULL, p_upto timestamptz DEFAULT NULL,
     OUT ids bigint[], OUT charged bigint[])
-LANGUAGE sql STABLE AS $$
-    WITH scoped AS (
-        -- the grants made after p_after (two branches, one run: a credential's grants through
-        -- its (key_id, at) index, a tenant's through the trail's time index)
-        SELECT g.lease_id, g.at, g.tokens FROM lease_events g
-        WHERE p_key_id IS NOT NULL AND g.key_id = p_key_id AND g.event = 'granted'
-          AND g.at >= p_now - make_interval(secs => p_seconds * 17.0 / 16)
-          AND g.at > coalesce(p_after, '-infinity') AND g.at <= coalesce(p_upto, 'infinity')
-        UNION ALL
-        SELECT g.lease_id, g.at, g.tokens FROM lease_events g
-        WHERE p_key_id IS NULL AND g.tenant = p_tenant AND g.event = 'granted'
-          AND g.at >= p_now - make_interval(secs => p_seconds * 17.0 / 16)
-          AND g.at > coalesce(p_after, '-infinity') AND g.at <= coalesce(p_upto, 'infinity')
-        UNION ALL
-        -- with p_after, a token window's grants made up to it whose usage was reported after it
-        SELECT g.lease_id, g.at, g.tokens
-        FROM lease_events r
-        JOIN lease_events g ON g.lease_id = r.lease_id AND g.event = 'granted'
-        WHERE p_after IS NOT NULL AND p_kind = 'tokens'
-          AND r.event IN ('released', 'outcome_after_expiry') AND r.tokens IS NOT NULL
-          AND r.at > p_after AND r.at <= coalesce(p_upto, 'infinity')
-          AND g.at <= p_after AND g.at >= p_now - make_interval(secs => p_seconds * 17.0 / 16)
-          AND ((p_key_id IS NOT NULL AND g.key_id = p_key_id)
-               OR (p_key_id IS NULL AND g.tenant = p_tenant))
+LANGUAGE plpgsql STABLE AS $$
+DECLARE
+    v_since timestamptz := p_now - make_interval(secs => p_seconds * 17.0 / 16);
+    v_after timestamptz := coalesce(p_after, '-infinity');
+    v_upto timestamptz := coalesce(p_upto, 'infinity');
+    v_leases uuid[];
+    v_at timestamptz[];
+    v_reserved bigint[];
+    v_used_leases uuid[] := '{}';
+    v_used_at timestamptz[] := '{}';
+    v_used bigint[] := '{}';
+BEGIN
+    -- the grants made after p_after (a credential's through its (key_id, at) index, a tenant's
+    -- through the trail's time index) and, with p_after, a token window's grants made up to it
+    -- whose usage was reported after it
+    IF p_key_id IS NOT NULL THEN
+        SELECT coalesce(array_agg(g.lease_id), '{}'), coalesce(array_agg(g.at), '{}'),
+               coalesce(array_agg(g.tokens), '{}')
+        INTO v_leases, v_at, v_reserved
+        FROM (SELECT g.lease_id, g.at, g.tokens FROM lease_events g
+              WHERE g.provider = p_provider AND g.key_id = p_key_id AND g.event = 'granted'
+                AND g.at >= v_since AND g.at > v_after AND g.at <= v_upto
+              UNION ALL
+              SELECT g.lease_id, g.at, g.tokens
+              FROM lease_events r
+              JOIN lease_events g
+                ON g.provider = r.provider AND g.lease_id = r.lease_id AND g.event = 'granted'
+              WHERE p_after IS NOT NULL AND p_kind = 'tokens'
+                AND r.provider = p_provider AND r.key_id = p_key_id
+                AND r.event IN ('released', 'outcome_after_expiry') AND r.tokens IS NOT NULL
+                AND r.at > p_after AND r.at <= v_upto
+                AND g.at <= p_after AND g.at >= v_since) AS g;
+    ELSE
+        SELECT coalesce(array_agg(g.lease_id), '{}'), coalesce(array_agg(g.at), '{}'),
+               coalesce(array_agg(g.tokens), '{}')
+        INTO v_leases, v_at, v_reserved
+        FROM (SELECT g.lease_id, g.at, g.tokens FROM lease_events g
+              WHERE g.tenant = p_tenant AND g.event = 'granted'
+                AND g.at >= v_since AND g.at > v_after AND g.at <= v_upto
+              UNION ALL
+              SELECT g.lease_id, g.at, g.tokens
+              FROM lease_events r
+              JOIN lease_events g
+                ON g.provider = r.provider AND g.lease_id = r.lease_id AND g.event = 'granted'
+              WHERE p_after IS NOT NULL AND p_kind = 'tokens' AND r.tenant = p_tenant
+                AND r.event IN ('released', 'outcome_after_expiry') AND r.tokens IS NOT NULL
+                AND r.at > p_after AND r.at <= v_upto
+                AND g.at <= p_after AND g.at >= v_since) AS g;
+    END IF;
+    -- a token window counts a grant's usage as its release (or late report) reported it by
+    -- p_upto, else its reservation (a lease's usage is reported once)
+    IF p_kind = 'tokens' AND cardinality(v_leases) > 0 THEN
+        SELECT coalesce(array_agg(e.lease_id), '{}'), coalesce(array_agg(e.at), '{}'),
+               coalesce(array_agg(e.tokens), '{}')
+        INTO v_used_leases, v_used_at, v_used
+        FROM lease_events e
+        WHERE e.lease_id = ANY (v_leases) AND e.tokens IS NOT NULL
+          AND e.event IN ('released', 'outcome_after_expiry') AND e.at <= v_upto;
+    END IF;
+    WITH usage AS (
+        SELECT DISTINCT ON (u.lease_id) u.lease_id, u.at, u.tokens
+        FROM unnest(v_used_leases, v_used_at, v_used) AS u (lease_id, at, tokens)
+        ORDER BY u.lease_id, u.at
     ),
     grants AS (
         -- each grant's amount as of p_upto, less what a seed up to p_after counted of it
         SELECT credpool_window_bucket(g.at, p_seconds) AS bucket,
                CASE WHEN p_kind = 'requests' THEN 1
-                    WHEN g.at > coalesce(p_after, '-infinity')
-                        THEN credpool_grant_tokens(g.lease_id, g.tokens, p_upto)
-                    ELSE credpool_grant_tokens(g.lease_id, g.tokens, p_upto)
-                         - credpool_grant_tokens(g.lease_id, g.tokens, p_after)
+                    WHEN g.at > v_after THEN coalesce(u.tokens, g.reserved, 0)
+                    ELSE coalesce(u.tokens, g.reserved, 0)
+                         - coalesce(CASE WHEN u.at <= v_after THEN u.tokens END, g.reserved, 0)
                END AS amount
-        FROM scoped g
+        FROM unnest(v_leases, v_at, v_reserved) AS g (lease_id, at, reserved)
+        LEFT JOIN usage u ON u.lease_id = g.lease_id
     ),
     buckets AS (
         SELECT bucket, sum(amount)::bigint AS amount
@@ -267,8 +316,10 @@ LANGUAGE sql STABLE AS $$
     )
     SELECT array_agg(coalesce(b.bucket, 0) ORDER BY ring.slot),
            array_agg(coalesce(b.amount, 0) ORDER BY ring.slot)
+    INTO ids, charged
     FROM generate_series(0, 16) AS ring (slot)
-    LEFT JOIN buckets b ON b.bucket % 17 = ring.slot
+    LEFT JOIN buckets b ON b.bucket % 17 = ring.slot;
+END;
 $$;
 
 -- Two rings of the same window added bucket by bucket: a bucket number both hold, their charges
@@ -320,8 +371,9 @@ BEGIN
             v_new.bucket_charged := v_new.bucket_charged
                 || p_old.bucket_charged[(v_kept - 1) * 17 + 1 : v_kept * 17];
         ELSIF v_seeded IS NOT NULL THEN
-            v_seed := credpool_seed_window(p_key_id, p_tenant, v_config.kinds[i], v_config.seconds[i],
-                                           p_now, p_after => p_cut, p_upto => p_upto);
+            v_seed := credpool_seed_window(p_key_id, p_old.provider, p_tenant, v_config.kinds[i],
+                                           v_config.seconds[i], p_now, p_after => p_cut,
+                                           p_upto => p_upto);
             v_seed := credpool_window_ring_sum(
                 p_seeded.bucket_ids[(v_seeded - 1) * 17 + 1 : v_seeded * 17],
                 p_seeded.bucket_charged[(v_seeded - 1) * 17 + 1 : v_seeded * 17],
@@ -329,8 +381,8 @@ BEGIN
             v_new.bucket_ids := v_new.bucket_ids || v_seed.ids;
             v_new.bucket_charged := v_new.bucket_charged || v_seed.charged;
         ELSE
-            v_seed := credpool_seed_window(p_key_id, p_tenant, v_config.kinds[i], v_config.seconds[i],
-                                           p_now, p_upto => p_upto);
+            v_seed := credpool_seed_window(p_key_id, p_old.provider, p_tenant, v_config.kinds[i],
+                                           v_config.seconds[i], p_now, p_upto => p_upto);
             v_new.bucket_ids := v_new.bucket_ids || v_seed.ids;
             v_new.bucket_charged := v_new.bucket_charged || v_seed.charged;
         END IF;
@@ -341,30 +393,29 @@ $$;
 
 -- The 1-based position of the window of `p_kind` and `p_seconds` among windows `w`; NULL when
 -- `w` has none (or is NULL).
-CREATE OR REPLACE FUNCTION credpool_window_index(w lease_windows, p_kind text, p_seconds integer)
+DROP FUNCTION IF EXISTS credpool_window_index(lease_windows, text, integer);
+CREATE OR REPLACE FUNCTION credpool_window_index(w anyelement, p_kind text, p_seconds integer)
 RETURNS integer
 LANGUAGE sql IMMUTABLE PARALLEL SAFE AS $$
     SELECT min(i)::integer FROM generate_subscripts(w.window_kinds, 1) AS i
     WHERE w.window_kinds[i] = p_kind AND w.window_seconds[i] = p_seconds
 $$;
 
--- Brings a credential's lease_windows row in line with its rate_limits (see credpool_fit_slots,
--- which calls it holding the row's lock). Returns whether the credential has windows.
-CREATE OR REPLACE FUNCTION credpool_fit_windows(p_key_id text, p_rate_limits jsonb, p_now timestamptz)
+-- Brings the lease_windows row of credential `p_key_id` of provider `p_provider` in line with its
+-- rate_limits (see credpool_fit_slots, which calls it holding the row's lock). Returns whether the
+-- credential has windows.
+DROP FUNCTION IF EXISTS credpool_fit_windows(text, jsonb, timestamptz);
+CREATE OR REPLACE FUNCTION credpool_fit_windows(p_key_id text, p_provider text, p_rate_limits jsonb,
+    p_now timestamptz)
 RETURNS boolean
 LANGUAGE plpgsql AS $$
 DECLARE
     v_old lease_windows;
     v_new lease_windows;
 BEGIN
-    -- (the row carries its credential's provider, and follows a change of it)
-    UPDATE lease_windows w SET provider = c.provider
-    FROM credentials c
-    WHERE w.key_id = p_key_id AND c.key_id = p_key_id AND w.provider <> c.provider;
-    SELECT * INTO v_old FROM lease_windows WHERE key_id = p_key_id;
+    SELECT * INTO v_old FROM lease_windows WHERE provider = p_provider AND key_id = p_key_id;
     IF NOT FOUND THEN
-        INSERT INTO lease_windows (key_id, provider)
-        SELECT p_key_id, c.provider FROM credentials c WHERE c.key_id = p_key_id
+        INSERT INTO lease_windows (key_id, provider) VALUES (p_key_id, p_provider)
         RETURNING * INTO v_old;
     END IF;
     v_new := credpool_windows_fitted(v_old, p_rate_limits, p_key_id, NULL, p_now);
@@ -373,7 +424,7 @@ BEGIN
         SET window_kinds = v_new.window_kinds, window_counts = v_new.window_counts,
             window_seconds = v_new.window_seconds, bucket_ids = v_new.bucket_ids,
             bucket_charged = v_new.bucket_charged
-        WHERE key_id = p_key_id;
+        WHERE provider = p_provider AND key_id = p_key_id;
     END IF;
     RETURN cardinality(v_new.window_kinds) > 0;
 END;

@@ -992,13 +992,15 @@ pub async fn citus(args: CitusArgs) -> anyhow::Result<()> {
         } else {
             format!(
                 "distributed by provider on Citus {} ({} workers): {}; reference tables: {}; \
-                 keys with the provider: {}; functions on every node: {}",
+                 keys with the provider: {}; functions on every node: {}; functions planned \
+                 per call: {}",
                 done.citus_version,
                 done.workers,
                 list_or_none(&done.distributed),
                 list_or_none(&done.reference),
                 list_or_none(&done.keys),
-                done.functions
+                done.functions,
+                done.per_call_plans
             )
         };
         answer(cli, &serde_json::to_value(&done)?, text)

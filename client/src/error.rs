@@ -341,6 +341,7 @@ pub(crate) fn from_answer(
             | ErrorCode::TenantKeyNotFound
             | ErrorCode::TenantInUse
             | ErrorCode::GenerationMoved
+            | ErrorCode::ProviderChanged
             | ErrorCode::NotReady
             | ErrorCode::ShuttingDown,
         )

@@ -91,6 +91,9 @@ error_codes! {
     TokensExceedBudget = "tokens_exceed_budget", 409, false;
     /// 409: the tenant cannot be deleted (it is `default`, or holds live leases).
     TenantInUse = "tenant_in_use", 409, false;
+    /// 409: a PUT or import names a credential that exists under another provider (a credential
+    /// keeps its provider: delete it and add it again to move it).
+    ProviderChanged = "provider_changed", 409, false;
     /// 410: the lease is expired, unknown, released or does not match: stop using the credential.
     LeaseLost = "lease_lost", 410, false;
     /// 412: a PUT with `If-Match` found the credential's OAuth token at another generation.

@@ -202,3 +202,66 @@ async fn raising_the_limit_takes_effect_for_the_next_allocation() {
         .await;
     assert_eq!(app.in_flight("key-a").await, 3);
 }
+
+#[tokio::test]
+async fn a_credential_keeps_its_provider_a_put_or_import_that_moves_it_is_refused_and_changes_nothing()
+ {
+    let app = TestApp::with_credential("key-a", 2).await;
+    let lease = app.lease(gpt4o()).await;
+    let before = app.credential("key-a").await;
+
+    // a PUT that names another provider: 409, and the credential, its slots and the lease stay
+    let mut moved = spec(3);
+    moved["provider"] = json!("anthropic");
+    let refused = app
+        .put_key_raw("key-a", moved.clone())
+        .refused(StatusCode::CONFLICT, "provider_changed")
+        .await;
+    let message = error_message(&refused);
+    assert!(message.contains("openai"), "{message}");
+    assert!(!message.contains("sk-admin-test-secret"), "{message}");
+    let after = app.credential("key-a").await;
+    assert_eq!(after["provider"], "openai");
+    assert_eq!(after["max_concurrent_uses"], before["max_concurrent_uses"]);
+    let slots: Vec<(String, i32)> = sqlx::query_as(
+        "SELECT provider, slot FROM lease_slots WHERE key_id = 'key-a' ORDER BY slot",
+    )
+    .fetch_all(&app.db)
+    .await
+    .unwrap();
+    assert_eq!(
+        slots,
+        vec![("openai".to_owned(), 0), ("openai".to_owned(), 1)]
+    );
+    app.renew(renew_body(&lease, 60)).ok_json().await;
+
+    // an import that moves one credential imports none of the others either
+    let specs: Vec<_> = [("key-a", "anthropic"), ("key-new", "openai")]
+        .iter()
+        .map(|(key, provider)| {
+            let mut input = spec(1);
+            input["provider"] = json!(provider);
+            serde_json::from_value::<credpool::store::credentials::CredentialInput>(input)
+                .unwrap()
+                .into_spec(credpool::domain::KeyId::parse(*key).unwrap(), &keyring())
+                .unwrap()
+        })
+        .collect();
+    let db = credpool::store::Db::direct(app.database.pool(1).await);
+    let actor = credpool::store::credentials::Actor::parse("test").unwrap();
+    let error = credpool::store::credentials::import(&db, &specs, &actor)
+        .await
+        .unwrap_err();
+    assert!(
+        matches!(
+            error,
+            credpool::store::credentials::UpsertError::ProviderChanged { .. }
+        ),
+        "{error:?}"
+    );
+    let created: i64 = app
+        .scalar("SELECT count(*) FROM credentials WHERE key_id = 'key-new'")
+        .await;
+    assert_eq!(created, 0, "nothing of a refused import is written");
+    app.release_ok(&lease, "success").await;
+}

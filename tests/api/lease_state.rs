@@ -177,6 +177,88 @@ async fn an_import_and_a_release_group_never_deadlock() {
     assert_eq!(deadlocks(&app.db).await, before);
 }
 
+#[tokio::test]
+async fn an_import_and_a_release_group_across_providers_lock_in_one_order() {
+    // Slot rows are locked provider by provider (on Citus a statement that locks rows names one
+    // provider), so the order is (provider, key_id, slot) everywhere. Here the key ids sort one
+    // way (k1 < k9) and their providers the other (zeta > alpha). The import locks alpha's k9
+    // (waiting for the test's lock on it), then would take zeta's k1; the release group of a
+    // lease on each arrives second. In key order it would take k1 first and wait for k9 behind
+    // the import, which, once it has k9, waits for k1: a deadlock. In the one order it waits for
+    // k9 first, holding nothing.
+    let app = TestApp::spawn().await;
+    app.put_key("k1", "zeta", "default", &["gpt-4o"], 1).await;
+    app.put_key("k9", "alpha", "default", &["gpt-4o"], 1).await;
+    let on_k1 = app
+        .lease(json!({"provider": "zeta", "model": "gpt-4o"}))
+        .await;
+    let on_k9 = app
+        .lease(json!({"provider": "alpha", "model": "gpt-4o"}))
+        .await;
+    let before = deadlocks(&app.db).await;
+    let mut blocker = transaction_holding_with(
+        &app,
+        &["SELECT 1 FROM lease_slots WHERE key_id = 'k9' AND slot = $1 FOR UPDATE"],
+        0,
+    )
+    .await;
+
+    let import_db = Db::direct(app.database.pool(2).await);
+    let specs: Vec<_> = [("k1", "zeta"), ("k9", "alpha")]
+        .iter()
+        .map(|(key, provider)| {
+            let input: credpool::store::credentials::CredentialInput =
+                serde_json::from_value(json!({
+                    "provider": provider, "pool": "default", "models": ["gpt-4o"],
+                    "max_concurrent_uses": 1, "status": "available",
+                    "secret": {"api_key": format!("sk-test-{key}")},
+                }))
+                .unwrap();
+            input
+                .into_spec(credpool::domain::KeyId::parse(*key).unwrap(), &keyring())
+                .unwrap()
+        })
+        .collect();
+    let actor = credpool::store::credentials::Actor::parse("test").unwrap();
+    let import =
+        tokio::spawn(async move { store::credentials::import(&import_db, &specs, &actor).await });
+    wait_for_lock_waiters(&app, 1).await;
+
+    let group = json!([
+        group_release(&on_k1, "success"),
+        group_release(&on_k9, "success")
+    ]);
+    let release_db = app.database.pool(1).await;
+    let releasing = tokio::spawn(async move {
+        sqlx::query_scalar::<_, String>(
+            "SELECT verdict FROM credpool_release($1, $2) ORDER BY release",
+        )
+        .bind(group)
+        .bind(policy())
+        .fetch_all(&release_db)
+        .await
+    });
+    wait_for_lock_waiters(&app, 2).await;
+    blocker.execute("COMMIT").await.unwrap();
+
+    let (created, updated) = tokio::time::timeout(Duration::from_secs(20), import)
+        .await
+        .expect("the import hung")
+        .unwrap()
+        .expect("the import failed");
+    assert_eq!((created, updated), (0, 2));
+    let verdicts = tokio::time::timeout(Duration::from_secs(20), releasing)
+        .await
+        .expect("the release group hung")
+        .unwrap()
+        .expect("the release group failed");
+    assert_eq!(verdicts, ["released", "released"]);
+    let mut app = app;
+    app.stop();
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    assert_eq!(deadlocks(&app.db).await, before);
+}
+
 /// Makes credential `key_id` one that refreshes by OAuth (an `oauth_credentials` row, whose token
 /// endpoint is never called here): what makes a release lock it whole on an `auth_expired` report.
 async fn oauth_refreshed(app: &TestApp, key_id: &str) {

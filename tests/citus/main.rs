@@ -11,7 +11,9 @@ use std::time::Instant;
 
 use cluster::{CitusCluster, connect};
 use credpool::store::citus::{DISTRIBUTED, REFERENCE};
-use serde_json::Value;
+use credpool_test_support::{Answer, AppOptions, Remote, Service, serve};
+use reqwest::{Method, StatusCode};
+use serde_json::{Value, json};
 use sqlx::{Connection, PgConnection, PgPool};
 
 /// The tables that hold one credential's rows, by provider, checked for where they live.
@@ -197,6 +199,110 @@ async fn a_slot_pick_for_one_provider_runs_on_its_worker_alone_and_skips_held_sl
     }
     let _ = coordinator.close().await;
     db.close().await;
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn an_operator_manages_credentials_of_two_workers_through_the_api() {
+    let Some(cluster) = CitusCluster::start().await else {
+        return;
+    };
+    let url = cluster.coordinator_url();
+    let db = PgPool::connect(&url).await.unwrap();
+    credpool::store::migrate(&db).await.unwrap();
+    let mut coordinator = connect(&url).await;
+    let (first, second) = providers_on_different_workers(&mut coordinator).await;
+    distribute(&url);
+    let (addr, _stop) = serve(db.clone(), &AppOptions::default()).await;
+    let app = Remote::at(addr);
+
+    // created: each credential's rows on its provider's worker, counted through the coordinator
+    app.put_key("a-1", &first, "default", &["m1"], 2).await;
+    app.put_key("b-1", &second, "default", &["m1"], 3).await;
+    assert_eq!(slot_rows(&mut coordinator, &first).await.unwrap(), 2);
+    assert_eq!(slot_rows(&mut coordinator, &second).await.unwrap(), 3);
+
+    // replaced with a higher limit: the fit adds the slot rows; moved to another provider:
+    // refused, nothing changes
+    app.put_key("a-1", &first, "default", &["m1"], 4).await;
+    assert_eq!(slot_rows(&mut coordinator, &first).await.unwrap(), 4);
+    let moved = json!({"provider": second, "pool": "default", "models": ["m1"],
+                       "max_concurrent_uses": 1, "secret": {"api_key": "sk-moved"}});
+    app.put_key_raw("a-1", moved)
+        .refused(StatusCode::CONFLICT, "provider_changed")
+        .await;
+    assert_eq!(slot_rows(&mut coordinator, &first).await.unwrap(), 4);
+
+    // drained, lowered, given rate windows: every slot row follows, and the window row is there
+    let patched = app
+        .patch_key(
+            "b-1",
+            json!({"state": "drain", "max_concurrent_uses": 2,
+                   "rate_limits": [{"requests": 5, "seconds": 60}, {"tokens": 1000, "seconds": 60}]}),
+        )
+        .ok_json()
+        .await;
+    assert_eq!(patched["draining"], true);
+    assert_eq!(patched["windows"].as_array().unwrap().len(), 2, "{patched}");
+    let (slots, draining, windowed): (i64, i64, i64) = sqlx::query_as(
+        "SELECT count(*), count(*) FILTER (WHERE draining), count(*) FILTER (WHERE windowed)
+         FROM lease_slots WHERE provider = $1",
+    )
+    .bind(&second)
+    .fetch_one(&mut coordinator)
+    .await
+    .unwrap();
+    assert_eq!((slots, draining, windowed), (2, 2, 2));
+
+    // read back: the list, one credential, the pools
+    let listed = app.admin_get("/api/admin/keys").await;
+    let keys: Vec<&str> = listed["keys"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|k| k["key_id"].as_str().unwrap())
+        .collect();
+    assert_eq!(keys, ["a-1", "b-1"]);
+    assert_eq!(app.credential("a-1").await["max_concurrent_uses"], 4);
+    let pools = app.admin_get("/api/admin/pools").await;
+    let total: Vec<i64> = pools["pools"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|p| p["total_slots"].as_i64().unwrap())
+        .collect();
+    assert_eq!(total.iter().sum::<i64>(), 4 + 2, "{pools}");
+
+    // deleted: its rows go, its departure is noted, the other provider's stay
+    let deleted = app.admin(Method::DELETE, "/api/admin/keys/b-1", None).await;
+    assert_eq!(deleted.status(), StatusCode::OK);
+    assert_eq!(slot_rows(&mut coordinator, &second).await.unwrap(), 0);
+    assert_eq!(slot_rows(&mut coordinator, &first).await.unwrap(), 4);
+    let departed: i64 =
+        sqlx::query_scalar("SELECT count(*) FROM credential_departures WHERE provider = $1")
+            .bind(&second)
+            .fetch_one(&mut coordinator)
+            .await
+            .unwrap();
+    assert_eq!(departed, 1);
+
+    // the cleanup pass's steps run on the cluster (all but the audit proof's advance)
+    for step in [
+        "credpool_reap_expired_leases(1000)",
+        "credpool_refit_over_limit(100)",
+        "credpool_refit_tenants(100)",
+        "credpool_recover_cooldowns(1000)",
+        "credpool_purge_audit('30 days', 10000)",
+        "credpool_purge_requests('1 hour', 10000)",
+        "credpool_compact_pool_versions()",
+        "credpool_purge_affinity(NULL, 10000)",
+        "credpool_make_trail_days(7)",
+    ] {
+        sqlx::query(sqlx::AssertSqlSafe(format!("SELECT {step}")))
+            .execute(&mut coordinator)
+            .await
+            .unwrap_or_else(|e| panic!("{step}: {e}"));
+    }
+    let _ = coordinator.close().await;
 }
 
 /// `provider`'s slot rows, counted through the coordinator (a query Citus sends to one worker).

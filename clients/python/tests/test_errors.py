@@ -55,6 +55,7 @@ CODES = [
     (404, "tenant_not_found", credpool.TenantNotFound),
     (404, "tenant_key_not_found", credpool.TenantKeyNotFound),
     (409, "tenant_in_use", credpool.TenantInUse),
+    (409, "provider_changed", credpool.ProviderChanged),
     (412, "generation_moved", credpool.GenerationMoved),
     (503, "not_ready", credpool.NotReady),
     (503, "shutting_down", credpool.ShuttingDown),

@@ -37,10 +37,10 @@
 //!   whatever the order of its claims.
 //! - A release group (with an `auth_expired` report: after the operator locks and every slot,
 //!   tenant slot and lease_windows row of the credentials it names) locks its leases' slot rows
-//!   in ascending (key_id, slot) order in one statement, then their tenant slot rows in
-//!   ascending (tenant_id, slot) order, then the lease_windows rows of the usage it reports in
-//!   ascending key_id order, then trail rows guarded by unique indexes in lease_id order, then
-//!   the credential rows of the outcomes in ascending key_id order in one statement. A renewal
+//!   in ascending (provider, key_id, slot) order in one statement, then their tenant slot rows
+//!   in ascending (tenant_id, slot) order, then the lease_windows rows of the usage it reports
+//!   in ascending (provider, key_id) order, then trail rows guarded by unique indexes in lease_id
+//!   order, then the credential rows of the outcomes in ascending (provider, key_id) order. A renewal
 //!   group locks its leases' slot rows, then their tenant slot rows, each kind sorted in one
 //!   statement. Every other transaction (operator changes, refits, tenant fits, the cleanup
 //!   pass) takes its locks in the same order (operator locks, a tenant's advisory lock, slot

@@ -93,6 +93,7 @@ fn if_match_generation(headers: &axum::http::HeaderMap) -> Result<Option<i64>, A
     params(("X-Operator" = Option<String>, Header, description = "who you are, for the audit trail (default `admin-key`)"), ("If-Match" = Option<i64>, Header, description = "OAuth: the token generation this PUT replaces; 412 `generation_moved` when it moved"), ("key_id" = KeyId, Path, description = "the credential")),
     responses(
         (status = 200, description = "updated", body = CredentialDetail),
+        (status = 409, description = "`provider_changed`: the credential exists under another provider (delete it and add it again to move it)", body = ErrorBody),
         (status = 412, description = "`generation_moved`: If-Match names another generation", body = ErrorBody),
         (status = 201, description = "created", body = CredentialDetail),
         (status = 400, description = "`invalid_request`; `token_url_not_allowed`: an OAuth `token_url` that is neither https nor http on a loopback address, or an https one whose host is or resolves to a private, loopback or link-local address (unless --oauth-allow-private-token-urls)", body = ErrorBody),
@@ -116,9 +117,7 @@ async fn put_key(
     }
     let spec = body.into_spec(key_id, &state.keyring)?;
     let (detail, created) =
-        credentials::upsert(&state.db, &spec, &actor, &state.health, if_generation)
-            .await?
-            .ok_or(ApiError::GenerationMoved)?;
+        credentials::upsert(&state.db, &spec, &actor, &state.health, if_generation).await?;
     tracing::info!(created, actor = actor.as_str(), "credential stored");
     let status = if created {
         StatusCode::CREATED

@@ -487,6 +487,11 @@ pub enum ApiError {
         "the tokens estimate is larger than a token window of every credential that serves the model, or of the caller's tenant"
     )]
     TokensExceedBudget,
+    /// 409 `provider_changed`: a PUT names a credential that exists under another provider. A
+    /// credential keeps its provider (its leases', windows' and trail's rows are the provider's);
+    /// changes nothing.
+    #[error("{0}")]
+    ProviderChanged(String),
     /// 410 `lease_lost`: renewal of a lease that is expired, unknown, released or mismatched.
     /// Stop using the credential.
     #[error("the lease is expired, unknown, released or does not match; stop using the credential")]
@@ -588,6 +593,7 @@ impl ApiError {
             ApiError::TokensExceedBudget => ErrorCode::TokensExceedBudget,
             ApiError::LeaseLost => ErrorCode::LeaseLost,
             ApiError::GenerationMoved => ErrorCode::GenerationMoved,
+            ApiError::ProviderChanged(_) => ErrorCode::ProviderChanged,
             ApiError::PayloadTooLarge => ErrorCode::PayloadTooLarge,
             ApiError::UnsupportedMediaType => ErrorCode::UnsupportedMediaType,
             ApiError::PoolExhausted { .. } => ErrorCode::PoolExhausted,
@@ -653,6 +659,17 @@ impl IntoResponse for ApiError {
 impl From<sqlx::Error> for ApiError {
     fn from(error: sqlx::Error) -> Self {
         ApiError::StoreUnavailable(error)
+    }
+}
+
+impl From<crate::store::credentials::UpsertError> for ApiError {
+    fn from(error: crate::store::credentials::UpsertError) -> Self {
+        use crate::store::credentials::UpsertError;
+        match error {
+            UpsertError::GenerationMoved => ApiError::GenerationMoved,
+            UpsertError::ProviderChanged { .. } => ApiError::ProviderChanged(error.to_string()),
+            UpsertError::Store(error) => ApiError::StoreUnavailable(error),
+        }
     }
 }
 

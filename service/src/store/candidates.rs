@@ -167,11 +167,11 @@ pub async fn load_pool(
                w.window_seconds AS "window_seconds?", w.bucket_ids AS "bucket_ids?",
                w.bucket_charged AS "bucket_charged?"
         FROM credentials c
-        LEFT JOIN lease_slots s ON s.key_id = c.key_id
-        LEFT JOIN lease_windows w ON w.key_id = c.key_id
+        LEFT JOIN lease_slots s ON s.key_id = c.key_id AND s.provider = c.provider
+        LEFT JOIN lease_windows w ON w.key_id = c.key_id AND w.provider = c.provider
         WHERE c.provider = $1 AND c.pool = $2
           AND ($3::bigint IS NULL OR c.changed_by >= $3::bigint::text::xid8)
-        GROUP BY c.key_id, w.key_id
+        GROUP BY c.key_id, c.provider, w.key_id, w.provider
         ORDER BY c.key_id
         "#,
         provider.as_str(),

@@ -15,8 +15,8 @@ use std::time::Duration;
 use time::OffsetDateTime;
 use uuid::Uuid;
 
-use crate::domain::KeyId;
 use crate::domain::oauth::OAuthSpec;
+use crate::domain::{KeyId, ProviderName};
 use crate::store::Db;
 use crate::store::credentials::{self, Actor};
 
@@ -73,7 +73,7 @@ pub async fn due(db: &Db) -> Result<Vec<(KeyId, i64)>, sqlx::Error> {
         r#"
         SELECT o.key_id, o.generation
         FROM oauth_credentials o
-        JOIN credentials c ON c.key_id = o.key_id
+        JOIN credentials c ON c.key_id = o.key_id AND c.provider = o.provider
         WHERE c.status <> 'disabled'
           AND c.token_expires_at - make_interval(secs => o.refresh_before_seconds) <= now()
           AND o.next_attempt_at <= now()
@@ -334,10 +334,12 @@ pub async fn write_failure(
 pub(crate) async fn locked_generation(
     conn: &mut sqlx::PgConnection,
     key_id: &KeyId,
+    provider: &ProviderName,
 ) -> Result<Option<i64>, sqlx::Error> {
     sqlx::query_scalar!(
-        "SELECT generation FROM oauth_credentials WHERE key_id = $1 FOR UPDATE",
-        key_id.as_str()
+        "SELECT generation FROM oauth_credentials WHERE provider = $2 AND key_id = $1 FOR UPDATE",
+        key_id.as_str(),
+        provider.as_str()
     )
     .fetch_optional(&mut *conn)
     .await
@@ -348,16 +350,19 @@ pub(crate) async fn locked_generation(
 /// generation + 1 with `generation_at` read under the locks (every lease granted at or after it
 /// holds the new token, every lease before it an older one: what an `auth_expired` report is
 /// judged by), and any refresh in progress loses its marker (its write is refused). The caller
-/// holds the credential's locks and has written `credentials.token_expires_at`.
+/// holds the credential's locks and has written `credentials.token_expires_at`; `provider` is
+/// the credential's (every statement names it: on Citus it runs on the provider's worker).
 pub(crate) async fn store_config(
     conn: &mut sqlx::PgConnection,
     key_id: &KeyId,
+    provider: &ProviderName,
     spec: Option<&OAuthSpec>,
 ) -> Result<(), sqlx::Error> {
     let Some(spec) = spec else {
         sqlx::query!(
-            "DELETE FROM oauth_credentials WHERE key_id = $1",
-            key_id.as_str()
+            "DELETE FROM oauth_credentials WHERE provider = $2 AND key_id = $1",
+            key_id.as_str(),
+            provider.as_str()
         )
         .execute(&mut *conn)
         .await?;
@@ -368,14 +373,14 @@ pub(crate) async fn store_config(
         INSERT INTO oauth_credentials AS o
             (key_id, provider, token_url, client_id, scope, refresh_before_seconds,
              refresh_ciphertext, generation_at)
-        SELECT $1, c.provider, $2, $3, $4, $5, $6, clock_timestamp()
-        FROM credentials c WHERE c.key_id = $1
+        VALUES ($1, $7, $2, $3, $4, $5, $6, clock_timestamp())
         ON CONFLICT ON CONSTRAINT oauth_credentials_pkey DO UPDATE
-        SET provider = EXCLUDED.provider, token_url = EXCLUDED.token_url,
-            client_id = EXCLUDED.client_id,
+        SET token_url = EXCLUDED.token_url, client_id = EXCLUDED.client_id,
             scope = EXCLUDED.scope, refresh_before_seconds = EXCLUDED.refresh_before_seconds,
             refresh_ciphertext = EXCLUDED.refresh_ciphertext, generation = o.generation + 1,
-            generation_at = clock_timestamp(),
+            -- (the clock read for the inserted row: Citus takes no function but an immutable
+            -- one here)
+            generation_at = EXCLUDED.generation_at,
             refreshing_holder = NULL, refreshing_until = NULL, failed_attempts = 0,
             next_attempt_at = '-infinity', last_error = NULL
         "#,
@@ -385,6 +390,7 @@ pub(crate) async fn store_config(
         spec.scope,
         spec.refresh_before_seconds,
         spec.sealed_grant,
+        provider.as_str(),
     )
     .execute(&mut *conn)
     .await?;

@@ -153,6 +153,9 @@ pub async fn apply_sql_files(conn: &mut PgConnection) -> Result<Vec<&'static str
         .await?;
         applied.push(*name);
     }
+    if !applied.is_empty() && super::citus::is_distributed(&mut tx).await? {
+        super::citus::plan_per_call(&mut tx).await?;
+    }
     tx.commit().await?;
     if !applied.is_empty() {
         tracing::info!(files = ?applied, "SQL functions applied");

@@ -39,6 +39,7 @@ __all__ = [
     "PoolExhausted",
     "PoolNotAllowed",
     "PoolNotFound",
+    "ProviderChanged",
     "RequestIdConflict",
     "RouteNotFound",
     "ShuttingDown",
@@ -277,6 +278,11 @@ class TenantKeyNotFound(ApiError, code="tenant_key_not_found", status=404):
 class TenantInUse(ApiError, code="tenant_in_use", status=409):
     """409 ``tenant_in_use``: the tenant cannot be deleted: it is ``default``, or it holds live
     leases (operator routes)."""
+
+
+class ProviderChanged(ApiError, code="provider_changed", status=409):
+    """409 ``provider_changed``: a PUT names a credential that exists under another provider; a
+    credential keeps its provider (delete it and add it again to move it) (operator routes)."""
 
 
 class GenerationMoved(ApiError, code="generation_moved", status=412):

@@ -1,7 +1,7 @@
 //! Removing a credential.
 
 use super::force_release::{ForcedRelease, release_all_in};
-use super::{Actor, audit, configuration};
+use super::{Actor, audit, configuration, provider_of};
 use crate::domain::KeyId;
 use crate::store::Db;
 
@@ -22,9 +22,13 @@ pub async fn delete(
     };
     // (the leases' end leaves the configuration as it was)
     let old = configuration(&mut tx, key_id).await?;
-    sqlx::query!("DELETE FROM credentials WHERE key_id = $1", key_id.as_str())
-        .execute(&mut *tx)
-        .await?;
+    sqlx::query!(
+        "DELETE FROM credentials WHERE provider = $2 AND key_id = $1",
+        key_id.as_str(),
+        provider_of(old.as_ref())
+    )
+    .execute(&mut *tx)
+    .await?;
     let details = serde_json::json!({"old": old, "force_released": ids});
     audit(&mut tx, key_id, "deleted", actor, reason, details).await?;
     tx.commit().await?;

@@ -119,7 +119,8 @@ pub async fn force_release_lease(
         sqlx::query_scalar!(
             r#"SELECT s.lease_until <= clock_timestamp() AS "expired!"
                FROM lease_events g
-               JOIN lease_slots s ON s.key_id = g.key_id AND s.lease_id = g.lease_id
+               JOIN lease_slots s
+                 ON s.key_id = g.key_id AND s.provider = g.provider AND s.lease_id = g.lease_id
                WHERE g.lease_id = $1 AND g.event = 'granted'"#,
             lease_id.as_uuid()
         )

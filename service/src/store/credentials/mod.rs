@@ -31,7 +31,7 @@ pub use patch::{Patch, PatchOutcome, StateChange, patch};
 pub use read::{CredentialDetail, ListFilter, PoolSummary, get, list, pools};
 pub use reseal::{reseal, sealing_keys};
 pub use upsert::import;
-pub use upsert::upsert;
+pub use upsert::{UpsertError, upsert};
 pub use validation::{CredentialInput, CredentialSpec};
 pub use validation::{check_limit, check_models};
 
@@ -100,6 +100,14 @@ async fn configuration(
     )
     .fetch_optional(&mut *conn)
     .await
+}
+
+/// The provider of a credential's [`configuration`] (empty when there is none): statements that
+/// change a credential's rows name it, so that on Citus they run on the provider's worker alone.
+fn provider_of(configuration: Option<&serde_json::Value>) -> &str {
+    configuration
+        .and_then(|c| c["provider"].as_str())
+        .unwrap_or_default()
 }
 
 /// Writes a `credential_events` row for `key_id`: `event`, `reason`, `actor` and `details`, whose

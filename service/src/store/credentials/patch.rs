@@ -6,7 +6,7 @@ use std::collections::BTreeMap;
 
 use super::read::{CredentialDetail, details_one};
 use super::validation::check_models;
-use super::{Actor, audit, configuration, lock_credential};
+use super::{Actor, audit, configuration, lock_credential, provider_of};
 use crate::domain::health::HealthPolicy;
 use crate::domain::windows::RateLimits;
 use crate::domain::{InvalidValue, KeyId, ModelName, PoolName};
@@ -107,22 +107,25 @@ pub async fn patch(
     sqlx::query!(
         r#"
         UPDATE credentials
-        SET status = CASE $2::text WHEN 'disable' THEN 'disabled' WHEN 'enable' THEN 'available' ELSE status END,
-            status_reason = CASE $2::text
-                WHEN 'disable' THEN coalesce($3, 'disabled by an operator')
-                WHEN 'enable' THEN NULL
-                ELSE status_reason END,
+        SET status = CASE WHEN $2::text = 'disable' THEN 'disabled'
+                          WHEN $2::text = 'enable' THEN 'available' ELSE status END,
+            status_reason = CASE WHEN $2::text = 'disable' THEN coalesce($3, 'disabled by an operator')
+                                 WHEN $2::text = 'enable' THEN NULL
+                                 ELSE status_reason END,
             cooldown_until = CASE WHEN $2::text IN ('disable', 'enable') THEN NULL ELSE cooldown_until END,
             cooldowns_in_a_row = CASE WHEN $2::text = 'enable' THEN 0 ELSE cooldowns_in_a_row END,
             recent_failures = CASE WHEN $2::text = 'enable' THEN '{}' ELSE recent_failures END,
-            draining = CASE $2::text WHEN 'drain' THEN true WHEN 'enable' THEN false WHEN 'disable' THEN false ELSE draining END,
+            -- (searched CASEs: Citus 13.2 sends `CASE $2 WHEN ...` to a worker with its WHEN
+            -- values lost)
+            draining = CASE WHEN $2::text = 'drain' THEN true
+                            WHEN $2::text IN ('enable', 'disable') THEN false ELSE draining END,
             max_concurrent_uses = coalesce($4, max_concurrent_uses),
             models = coalesce($5, models),
             model_aliases = coalesce($6, model_aliases),
             pool = coalesce($7, pool),
             rate_limits = coalesce($8, rate_limits),
             updated_at = now()
-        WHERE key_id = $1
+        WHERE key_id = $1 AND provider = $9
         "#,
         key_id.as_str(),
         state,
@@ -132,6 +135,7 @@ pub async fn patch(
         aliases,
         patch.pool.as_ref().map(PoolName::as_str),
         patch.rate_limits.as_ref().map(RateLimits::to_json),
+        provider_of(Some(&old)),
     )
     .execute(&mut *tx)
     .await?;

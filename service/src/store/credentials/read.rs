@@ -214,7 +214,8 @@ pub(super) async fn details(
         r#"
         SELECT key_id, provider, pool, models, model_aliases, max_concurrent_uses, status,
                status_reason, cooldown_until, draining, rate_limits,
-               (SELECT max(s.last_granted_at) FROM lease_slots s WHERE s.key_id = credentials.key_id)
+               (SELECT max(s.last_granted_at) FROM lease_slots s
+                WHERE s.key_id = credentials.key_id AND s.provider = credentials.provider)
                    AS last_used_at,
                last_success_at, recovered_at,
                health_successes, health_failures, health_rate_limits, health_decayed_at,
@@ -431,12 +432,12 @@ pub async fn pools(db: &Db) -> Result<Vec<PoolSummary>, sqlx::Error> {
                                   - now())::float8 AS oauth_expires_in_seconds
         FROM credentials c
         LEFT JOIN (
-            SELECT key_id, count(*) AS in_flight
+            SELECT key_id, provider, count(*) AS in_flight
             FROM lease_slots
             WHERE lease_id IS NOT NULL AND lease_until > now()
-            GROUP BY key_id
-        ) s ON s.key_id = c.key_id
-        LEFT JOIN lease_windows w ON w.key_id = c.key_id
+            GROUP BY key_id, provider
+        ) s ON s.key_id = c.key_id AND s.provider = c.provider
+        LEFT JOIN lease_windows w ON w.key_id = c.key_id AND w.provider = c.provider
         GROUP BY c.provider, c.pool
         ORDER BY c.provider, c.pool
         "#

@@ -5,21 +5,51 @@ use sqlx::PgConnection;
 
 use super::read::{CredentialDetail, ListFilter, details};
 use super::validation::CredentialSpec;
-use super::{Actor, audit, configuration, lock_credential, lock_credentials};
+use super::{Actor, audit, configuration, lock_credential, lock_credentials, provider_of};
 use crate::domain::Status;
 use crate::domain::health::HealthPolicy;
 use crate::store::Db;
 use crate::store::leases::fit_slots;
+
+/// Why a PUT or an import stored nothing (its transaction was rolled back).
+#[derive(Debug, thiserror::Error)]
+pub enum UpsertError {
+    /// `If-Match` named a token generation the credential is no longer at (or it is not an
+    /// OAuth credential).
+    #[error("the credential's token generation is not the one If-Match names; read it again")]
+    GenerationMoved,
+    /// The credential exists under another provider. A credential keeps its provider: the rows of
+    /// its leases, windows and trail are the provider's (on Citus they live on the provider's
+    /// worker, and a row's distribution column cannot change), and a key of one provider is never
+    /// a key of another. To move it, delete it and add it again.
+    #[error(
+        "credential {key_id} exists under provider {provider}; a credential keeps its provider \
+         (delete it and add it again to move it)"
+    )]
+    ProviderChanged {
+        /// The credential.
+        key_id: String,
+        /// The provider it has.
+        provider: String,
+    },
+    /// The store failed.
+    #[error(transparent)]
+    Store(#[from] sqlx::Error),
+}
 
 /// Creates or updates a credential and fits its slot rows to its limit, in one transaction, and
 /// audits it (`created` / `updated`, old and new configuration; the secret only as "replaced").
 /// Returns the stored credential and whether it was created. Lowering the limit revokes no lease
 /// (see `credpool_fit_slots`).
 ///
+/// # Errors
+/// [`UpsertError::ProviderChanged`] when the credential exists under another provider (judged
+/// under its locks); [`UpsertError::GenerationMoved`] (below); [`UpsertError::Store`].
+///
 /// `if_generation` (`If-Match` on PUT, for refreshers outside credpool): store only if the
 /// credential is an OAuth credential whose token generation is still this one, judged under the
-/// credential's locks; otherwise change nothing and return `None`, so that two refreshers can
-/// never roll back a rotated token.
+/// credential's locks; otherwise change nothing and answer [`UpsertError::GenerationMoved`], so
+/// that two refreshers can never roll back a rotated token.
 #[tracing::instrument(skip_all, fields(key_id = %spec.key_id), err(level = "debug"))]
 pub async fn upsert(
     db: &Db,
@@ -27,13 +57,14 @@ pub async fn upsert(
     actor: &Actor,
     policy: &HealthPolicy,
     if_generation: Option<i64>,
-) -> Result<Option<(CredentialDetail, bool)>, sqlx::Error> {
+) -> Result<(CredentialDetail, bool), UpsertError> {
     let mut tx = db.begin().await?;
     if let Some(expected) = if_generation {
         lock_credential(&mut tx, &spec.key_id).await?;
-        let generation = crate::store::oauth::locked_generation(&mut tx, &spec.key_id).await?;
+        let generation =
+            crate::store::oauth::locked_generation(&mut tx, &spec.key_id, &spec.provider).await?;
         if generation != Some(expected) {
-            return Ok(None);
+            return Err(UpsertError::GenerationMoved);
         }
     }
     let created = upsert_in(&mut tx, spec, actor).await?;
@@ -50,16 +81,25 @@ pub async fn upsert(
     .pop()
     .ok_or(sqlx::Error::RowNotFound)?;
     tx.commit().await?;
-    Ok(Some((detail, created)))
+    Ok((detail, created))
 }
 
 async fn upsert_in(
     conn: &mut PgConnection,
     spec: &CredentialSpec,
     actor: &Actor,
-) -> Result<bool, sqlx::Error> {
+) -> Result<bool, UpsertError> {
     lock_credential(conn, &spec.key_id).await?;
+    // (read under the credential's operator lock, which every creation and deletion of the key
+    // takes: the provider read here stays true until this transaction commits)
     let old = configuration(conn, &spec.key_id).await?;
+    let provider = provider_of(old.as_ref());
+    if !provider.is_empty() && provider != spec.provider.as_str() {
+        return Err(UpsertError::ProviderChanged {
+            key_id: spec.key_id.as_str().to_owned(),
+            provider: provider.to_owned(),
+        });
+    }
     let models: Vec<String> = spec.models.iter().map(|m| m.as_str().to_owned()).collect();
     let aliases =
         serde_json::to_value(&spec.aliases).map_err(|e| sqlx::Error::Encode(Box::new(e)))?;
@@ -67,11 +107,10 @@ async fn upsert_in(
         r#"
         INSERT INTO credentials
             (key_id, provider, pool, models, model_aliases, max_concurrent_uses, status,
-             secret_ciphertext, rate_limits, token_expires_at)
-        VALUES ($1, $2, $3, $4, $5, $6, COALESCE($7, 'available'), $8, $9, $10)
+             secret_ciphertext, rate_limits, token_expires_at, updated_at)
+        VALUES ($1, $2, $3, $4, $5, $6, COALESCE($7, 'available'), $8, $9, $10, now())
         ON CONFLICT ON CONSTRAINT credentials_pkey DO UPDATE
-        SET provider = EXCLUDED.provider,
-            pool = EXCLUDED.pool,
+        SET pool = EXCLUDED.pool,
             models = EXCLUDED.models,
             model_aliases = EXCLUDED.model_aliases,
             max_concurrent_uses = EXCLUDED.max_concurrent_uses,
@@ -81,7 +120,8 @@ async fn upsert_in(
             secret = NULL,
             secret_ciphertext = EXCLUDED.secret_ciphertext,
             token_expires_at = EXCLUDED.token_expires_at,
-            updated_at = now()
+            -- (the inserted row's time: Citus takes no function but an immutable one here)
+            updated_at = EXCLUDED.updated_at
         RETURNING (xmax = 0) AS "created!"
         "#,
         spec.key_id.as_str(),
@@ -97,7 +137,13 @@ async fn upsert_in(
     )
     .fetch_one(&mut *conn)
     .await?;
-    crate::store::oauth::store_config(&mut *conn, &spec.key_id, spec.oauth.as_ref()).await?;
+    crate::store::oauth::store_config(
+        &mut *conn,
+        &spec.key_id,
+        &spec.provider,
+        spec.oauth.as_ref(),
+    )
+    .await?;
     fit_slots(&mut *conn, &spec.key_id).await?;
     let new = configuration(conn, &spec.key_id).await?;
     let (event, reason) = if created {
@@ -116,6 +162,10 @@ const ANALYZE_AFTER_IMPORT: usize = 100;
 /// Creates or updates many credentials in ONE transaction: all or nothing. Returns how many
 /// were created and how many updated.
 ///
+/// # Errors
+/// [`UpsertError::ProviderChanged`] (nothing imported) when one of them exists under another
+/// provider; [`UpsertError::Store`].
+///
 /// After a large import (100 credentials or more) the statistics of `credentials` and
 /// `lease_slots` are refreshed at once, best effort: until autovacuum gets to it, the planner
 /// would still see the tables as they were, and a pool it believes tiny gets plans that read all
@@ -124,7 +174,7 @@ pub async fn import(
     db: &Db,
     specs: &[CredentialSpec],
     actor: &Actor,
-) -> Result<(usize, usize), sqlx::Error> {
+) -> Result<(usize, usize), UpsertError> {
     let mut tx = db.begin().await?;
     // every lock first, in the lock order (slot rows, then credential rows, each ascending), and
     // the credentials in key order: an import holding one credential's row while it waits for
