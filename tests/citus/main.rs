@@ -48,6 +48,8 @@ async fn a_credpool_database_distributes_by_provider_once_and_keeps_its_rows() {
         REFERENCE.len()
     );
     assert_eq!(report["workers"], 2);
+    // the claim's, the release's and END's functions plan per call on Citus
+    assert!(report["per_call_plans"].as_i64().unwrap() >= 3, "{report}");
 
     // every lease table hash-distributed and co-located with credentials; the tenant tables on
     // every node
@@ -231,6 +233,28 @@ async fn an_operator_manages_credentials_of_two_workers_through_the_api() {
         .refused(StatusCode::CONFLICT, "provider_changed")
         .await;
     assert_eq!(slot_rows(&mut coordinator, &first).await.unwrap(), 4);
+
+    // a lease that ran out in its slot is ended by the next fit, in the trail (END: a statement
+    // that joins, planned for the provider's value)
+    sqlx::query(
+        "UPDATE lease_slots
+         SET lease_id = 'a0eebc99-9c0b-4ef8-bb6d-6bb9bd380a11', pool = 'default', holder = 'h',
+             granted_at = '2026-01-01 00:00Z', lease_until = '2026-01-01 00:01Z', fence = 1
+         WHERE provider = $1 AND key_id = 'a-1' AND slot = 0",
+    )
+    .bind(&first)
+    .execute(&mut coordinator)
+    .await
+    .unwrap();
+    app.put_key("a-1", &first, "default", &["m1"], 4).await;
+    let ended: Vec<(String, String)> =
+        sqlx::query_as("SELECT event, key_id FROM lease_events WHERE provider = $1")
+            .bind(&first)
+            .fetch_all(&mut coordinator)
+            .await
+            .unwrap();
+    assert_eq!(ended, [("expired".to_owned(), "a-1".to_owned())]);
+    assert_eq!(app.credential("a-1").await["leases"], json!([]));
 
     // drained, lowered, given rate windows: every slot row follows, and the window row is there
     let patched = app

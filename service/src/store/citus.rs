@@ -244,6 +244,7 @@ pub async fn distribute(db: &Db, shard_count: Option<u32>) -> Result<Distributio
             done.reference.push(table.to_owned());
         }
     }
+    done.per_call_plans = plan_per_call(&mut tx).await?;
     // The coordinator keeps its copy of a reference table as a shard (`tenant_slots_102040`), and
     // a function of the table's row type now takes the shard's: drop those and apply the SQL
     // files again, which define them on the table's type.
@@ -282,7 +283,6 @@ pub async fn distribute(db: &Db, shard_count: Option<u32>) -> Result<Distributio
     )
     .fetch_one(&mut *tx)
     .await?;
-    done.per_call_plans = plan_per_call(&mut tx).await?;
     tx.commit().await?;
     Ok(done)
 }
