@@ -125,21 +125,7 @@ async fn an_import_and_a_release_group_never_deadlock() {
     .await;
 
     let import_db = Db::direct(app.database.pool(2).await);
-    let specs: Vec<_> = ["kx", "ky"]
-        .iter()
-        .map(|key| {
-            let input: credpool::store::credentials::CredentialInput =
-                serde_json::from_value(json!({
-                    "provider": "openai", "pool": "default", "models": ["gpt-4o"],
-                    "max_concurrent_uses": 2, "status": "available",
-                    "secret": {"api_key": format!("sk-test-{key}")},
-                }))
-                .unwrap();
-            input
-                .into_spec(credpool::domain::KeyId::parse(*key).unwrap(), &keyring())
-                .unwrap()
-        })
-        .collect();
+    let specs = import_specs(&[("kx", "openai"), ("ky", "openai")], 2);
     let actor = credpool::store::credentials::Actor::parse("test").unwrap();
     let import =
         tokio::spawn(async move { store::credentials::import(&import_db, &specs, &actor).await });
@@ -204,21 +190,7 @@ async fn an_import_and_a_release_group_across_providers_lock_in_one_order() {
     .await;
 
     let import_db = Db::direct(app.database.pool(2).await);
-    let specs: Vec<_> = [("k1", "zeta"), ("k9", "alpha")]
-        .iter()
-        .map(|(key, provider)| {
-            let input: credpool::store::credentials::CredentialInput =
-                serde_json::from_value(json!({
-                    "provider": provider, "pool": "default", "models": ["gpt-4o"],
-                    "max_concurrent_uses": 1, "status": "available",
-                    "secret": {"api_key": format!("sk-test-{key}")},
-                }))
-                .unwrap();
-            input
-                .into_spec(credpool::domain::KeyId::parse(*key).unwrap(), &keyring())
-                .unwrap()
-        })
-        .collect();
+    let specs = import_specs(&[("k1", "zeta"), ("k9", "alpha")], 1);
     let actor = credpool::store::credentials::Actor::parse("test").unwrap();
     let import =
         tokio::spawn(async move { store::credentials::import(&import_db, &specs, &actor).await });
@@ -257,6 +229,29 @@ async fn an_import_and_a_release_group_across_providers_lock_in_one_order() {
     app.stop();
     tokio::time::sleep(Duration::from_millis(500)).await;
     assert_eq!(deadlocks(&app.db).await, before);
+}
+
+/// What an import of `entries` (key id, provider) carries: available credentials of pool
+/// `default` serving gpt-4o, with `limit` slots each.
+fn import_specs(
+    entries: &[(&str, &str)],
+    limit: u32,
+) -> Vec<credpool::store::credentials::CredentialSpec> {
+    entries
+        .iter()
+        .map(|(key, provider)| {
+            let input: credpool::store::credentials::CredentialInput =
+                serde_json::from_value(json!({
+                    "provider": provider, "pool": "default", "models": ["gpt-4o"],
+                    "max_concurrent_uses": limit, "status": "available",
+                    "secret": {"api_key": format!("sk-test-{key}")},
+                }))
+                .unwrap();
+            input
+                .into_spec(credpool::domain::KeyId::parse(*key).unwrap(), &keyring())
+                .unwrap()
+        })
+        .collect()
 }
 
 /// Makes credential `key_id` one that refreshes by OAuth (an `oauth_credentials` row, whose token

@@ -21,19 +21,9 @@ const PER_CREDENTIAL: [&str; 3] = ["credentials", "lease_slots", "lease_windows"
 
 #[tokio::test(flavor = "multi_thread")]
 async fn a_credpool_database_distributes_by_provider_once_and_keeps_its_rows() {
-    let started = Instant::now();
-    let Some(cluster) = CitusCluster::start().await else {
+    let Some((cluster, url, db, mut coordinator)) = migrated_cluster().await else {
         return;
     };
-    eprintln!(
-        "the Citus cluster started in {:.1} s",
-        started.elapsed().as_secs_f64()
-    );
-    let url = cluster.coordinator_url();
-    let db = PgPool::connect(&url).await.unwrap();
-    credpool::store::migrate(&db).await.unwrap();
-
-    let mut coordinator = connect(&url).await;
     let (first, second) = database_in_use(&mut coordinator).await;
     let before = row_counts(&mut coordinator).await;
     assert_eq!(before[1], 3 * 2 + 3 * 3, "slot rows before: {before:?}");
@@ -144,13 +134,9 @@ async fn a_credpool_database_distributes_by_provider_once_and_keeps_its_rows() {
 
 #[tokio::test(flavor = "multi_thread")]
 async fn a_slot_pick_for_one_provider_runs_on_its_worker_alone_and_skips_held_slots() {
-    let Some(cluster) = CitusCluster::start().await else {
+    let Some((_cluster, url, db, mut coordinator)) = migrated_cluster().await else {
         return;
     };
-    let url = cluster.coordinator_url();
-    let db = PgPool::connect(&url).await.unwrap();
-    credpool::store::migrate(&db).await.unwrap();
-    let mut coordinator = connect(&url).await;
     let (first, _) = database_in_use(&mut coordinator).await;
     distribute(&url);
 
@@ -205,13 +191,9 @@ async fn a_slot_pick_for_one_provider_runs_on_its_worker_alone_and_skips_held_sl
 
 #[tokio::test(flavor = "multi_thread")]
 async fn an_operator_manages_credentials_of_two_workers_through_the_api() {
-    let Some(cluster) = CitusCluster::start().await else {
+    let Some((_cluster, url, db, mut coordinator)) = migrated_cluster().await else {
         return;
     };
-    let url = cluster.coordinator_url();
-    let db = PgPool::connect(&url).await.unwrap();
-    credpool::store::migrate(&db).await.unwrap();
-    let mut coordinator = connect(&url).await;
     let (first, second) = providers_on_different_workers(&mut coordinator).await;
     distribute(&url);
     let (addr, _stop) = serve(db.clone(), &AppOptions::default()).await;
@@ -327,6 +309,23 @@ async fn an_operator_manages_credentials_of_two_workers_through_the_api() {
             .unwrap_or_else(|e| panic!("{step}: {e}"));
     }
     let _ = coordinator.close().await;
+}
+
+/// A started cluster whose coordinator holds a migrated credpool database: the cluster (its nodes
+/// stop when it drops), the coordinator's URL, a pool and a connection to it. `None` where the
+/// suite is skipped (the `skipped:` line is printed).
+async fn migrated_cluster() -> Option<(CitusCluster, String, PgPool, PgConnection)> {
+    let started = Instant::now();
+    let cluster = CitusCluster::start().await?;
+    eprintln!(
+        "the Citus cluster started in {:.1} s",
+        started.elapsed().as_secs_f64()
+    );
+    let url = cluster.coordinator_url();
+    let db = PgPool::connect(&url).await.unwrap();
+    credpool::store::migrate(&db).await.unwrap();
+    let coordinator = connect(&url).await;
+    Some((cluster, url, db, coordinator))
 }
 
 /// `provider`'s slot rows, counted through the coordinator (a query Citus sends to one worker).
