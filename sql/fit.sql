@@ -218,26 +218,36 @@ $$;
 -- 4), which it may wait for while a claim that locked one commits (milliseconds). Leaves the rows within a lowered limit (over_limit, not
 -- surplus) to claims and to REFIT: ended here, END would close them while a surplus row still
 -- holds its (expired) lease. Returns how many leases it ended.
--- Provider by provider (on Citus each provider's statement runs on its worker), up to p_batch in
--- all.
+-- The leases, oldest first, are read; then, provider by provider (on Citus each provider's
+-- statements run on its worker), their slot rows are locked, the lease's expiry checked again on
+-- the locked row, and ended.
 CREATE OR REPLACE FUNCTION credpool_reap_expired_leases(p_batch integer DEFAULT 1000) RETURNS integer
 LANGUAGE plpgsql AS $$
 DECLARE
+    v_doomed record;
     v_provider text;
     v_slots lease_slots[];
     v_ended integer := 0;
 BEGIN
-    FOR v_provider IN SELECT DISTINCT c.provider FROM credentials c ORDER BY 1 LOOP
-        EXIT WHEN v_ended >= p_batch;
+    SELECT coalesce(array_agg(s.provider), '{}') AS providers,
+           coalesce(array_agg(s.key_id), '{}') AS keys, coalesce(array_agg(s.slot), '{}') AS slots
+    INTO v_doomed
+    FROM (SELECT s.provider, s.key_id, s.slot
+          FROM lease_slots s
+          WHERE s.lease_id IS NOT NULL AND s.lease_until <= statement_timestamp()
+            AND (s.surplus OR NOT s.over_limit)
+          ORDER BY s.lease_until
+          LIMIT p_batch) AS s;
+    FOR v_provider IN SELECT DISTINCT x FROM unnest(v_doomed.providers) AS x ORDER BY 1 LOOP
         SELECT array_agg(ROW(s.*)::lease_slots ORDER BY s.key_id, s.slot) INTO v_slots
         FROM (SELECT s.*
               FROM lease_slots s
-              WHERE s.provider = v_provider
+              JOIN unnest(v_doomed.providers, v_doomed.keys, v_doomed.slots)
+                   AS d (provider, key_id, slot) ON s.key_id = d.key_id AND s.slot = d.slot
+              WHERE s.provider = v_provider AND d.provider = v_provider
                 AND s.lease_id IS NOT NULL AND s.lease_until <= statement_timestamp()
                 AND (s.surplus OR NOT s.over_limit)
-              ORDER BY s.lease_until
-              LIMIT p_batch - v_ended
-              FOR UPDATE SKIP LOCKED) AS s;
+              FOR UPDATE OF s SKIP LOCKED) AS s;
         CONTINUE WHEN v_slots IS NULL;
         v_ended := v_ended + cardinality(credpool_end_leases(
             v_provider,

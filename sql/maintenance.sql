@@ -23,48 +23,58 @@
 -- would make a claim that binds a conversation to the credential wait for this pass (the binding's
 -- foreign key takes a key share lock on the credential row). Returns how many credentials it
 -- recorded.
--- Provider by provider (on Citus each provider's rows are locked on its worker), in two
--- statements: the due rows, locked, then those with no record yet, recorded (the records are
--- the coordinator's, which a statement on a worker cannot read).
+-- In steps: the due credentials, read; those with no record yet, oldest first (the records are
+-- the coordinator's, which a statement on a worker cannot read); then, provider by provider (on
+-- Citus each provider's rows are locked on its worker), their rows locked, the cooldown checked
+-- again on the locked row, and recorded.
 DROP FUNCTION IF EXISTS credpool_recover_cooldowns(integer);
 CREATE FUNCTION credpool_recover_cooldowns(p_batch integer DEFAULT 1000) RETURNS integer
 LANGUAGE plpgsql AS $$
 DECLARE
+    v_due record;
+    v_got record;
     v_provider text;
-    v_keys text[];
-    v_ends timestamptz[];
-    v_statuses text[];
     v_recorded integer := 0;
+    v_n integer;
     v_now timestamptz := now();
 BEGIN
-    FOR v_provider IN SELECT DISTINCT c.provider FROM credentials c ORDER BY 1 LOOP
-        EXIT WHEN v_recorded >= p_batch;
-        SELECT coalesce(array_agg(c.key_id ORDER BY c.cooldown_until), '{}'),
-               coalesce(array_agg(c.cooldown_until ORDER BY c.cooldown_until), '{}'),
-               coalesce(array_agg(c.status ORDER BY c.cooldown_until), '{}')
-        INTO v_keys, v_ends, v_statuses
+    SELECT coalesce(array_agg(c.provider), '{}') AS providers,
+           coalesce(array_agg(c.key_id), '{}') AS keys,
+           coalesce(array_agg(c.cooldown_until), '{}') AS ends
+    INTO v_due
+    FROM credentials c
+    WHERE c.status IN ('rate_limited', 'cooldown', 'exhausted') AND c.cooldown_until <= v_now;
+    SELECT coalesce(array_agg(d.provider ORDER BY d.cooldown_until), '{}') AS providers,
+           coalesce(array_agg(d.key_id ORDER BY d.cooldown_until), '{}') AS keys,
+           coalesce(array_agg(d.cooldown_until ORDER BY d.cooldown_until), '{}') AS ends
+    INTO v_due
+    FROM (SELECT d.*
+          FROM unnest(v_due.providers, v_due.keys, v_due.ends) AS d (provider, key_id, cooldown_until)
+          WHERE NOT EXISTS (
+              SELECT 1 FROM credential_events e
+              WHERE e.key_id = d.key_id AND e.event = 'cooldown_ended'
+                AND e.cooldown_until = d.cooldown_until)
+          ORDER BY d.cooldown_until
+          LIMIT p_batch) AS d;
+    FOR v_provider IN SELECT DISTINCT x FROM unnest(v_due.providers) AS x ORDER BY 1 LOOP
+        SELECT coalesce(array_agg(c.key_id), '{}') AS keys,
+               coalesce(array_agg(c.cooldown_until), '{}') AS ends,
+               coalesce(array_agg(c.status), '{}') AS statuses
+        INTO v_got
         FROM (SELECT c.key_id, c.cooldown_until, c.status
               FROM credentials c
-              WHERE c.provider = v_provider
+              JOIN unnest(v_due.providers, v_due.keys, v_due.ends) AS d (provider, key_id, cooldown_until)
+                ON c.key_id = d.key_id AND c.cooldown_until = d.cooldown_until
+              WHERE c.provider = v_provider AND d.provider = v_provider
                 AND c.status IN ('rate_limited', 'cooldown', 'exhausted')
-                AND c.cooldown_until <= v_now
-              FOR NO KEY UPDATE SKIP LOCKED) AS c;
-        WITH recorded AS (
-            INSERT INTO credential_events
-                (key_id, event, old_status, new_status, reason, cooldown_until, at)
-            SELECT d.key_id, 'cooldown_ended', d.status, d.status,
-                   'cooldown ended: usable again, half-open (the next lease is a single probe)',
-                   d.cooldown_until, v_now
-            FROM unnest(v_keys, v_ends, v_statuses) AS d (key_id, cooldown_until, status)
-            WHERE NOT EXISTS (
-                SELECT 1 FROM credential_events e
-                WHERE e.key_id = d.key_id AND e.event = 'cooldown_ended'
-                  AND e.cooldown_until = d.cooldown_until)
-            ORDER BY d.cooldown_until
-            LIMIT p_batch - v_recorded
-            RETURNING 1
-        )
-        SELECT v_recorded + count(*)::integer INTO v_recorded FROM recorded;
+              FOR NO KEY UPDATE OF c SKIP LOCKED) AS c;
+        INSERT INTO credential_events (key_id, event, old_status, new_status, reason, cooldown_until, at)
+        SELECT g.key_id, 'cooldown_ended', g.status, g.status,
+               'cooldown ended: usable again, half-open (the next lease is a single probe)',
+               g.cooldown_until, v_now
+        FROM unnest(v_got.keys, v_got.ends, v_got.statuses) AS g (key_id, cooldown_until, status);
+        GET DIAGNOSTICS v_n = ROW_COUNT;
+        v_recorded := v_recorded + v_n;
     END LOOP;
     RETURN v_recorded;
 END;
@@ -275,9 +285,8 @@ $$;
 -- it (a binding a claim is writing right now is left for the next pass). The row lock is FOR
 -- UPDATE, as a delete needs; no foreign key points at a binding, so no key share lock meets it.
 -- Counting the live bindings reads the table once per pass. Returns how many rows it deleted.
--- (In steps, each provider's rows in statements of their own, as on Citus they live on its worker:
--- the candidates, read; per provider, ascending, their rows locked with SKIP LOCKED and their keys'
--- advisory locks tried, in statements of their own; the rows got, deleted.)
+-- (In steps: the candidates, read through their index; then, provider by provider, ascending (on
+-- Citus each provider's rows live on its worker), PURGE BINDINGS.)
 DROP FUNCTION IF EXISTS credpool_purge_affinity(bigint, integer);
 CREATE FUNCTION credpool_purge_affinity(p_cap bigint DEFAULT NULL, p_batch integer DEFAULT 10000)
 RETURNS integer
@@ -286,19 +295,24 @@ DECLARE
     v_cap bigint := coalesce(p_cap,
         nullif(current_setting('credpool.affinity_max_bindings', true), '')::bigint, 1000000);
     v_over bigint;
-    v_deleted integer := 0;
-    v_pass integer;
-    v_provider text;
     v_doomed record;
-    v_got record;
-    v_n integer;
+    v_deleted integer;
 BEGIN
-    FOR v_pass IN 1 .. 2 LOOP
-        IF v_pass = 2 THEN
-            SELECT count(*) - v_cap INTO v_over FROM affinity_bindings WHERE expires_at > now();
-            EXIT WHEN v_over <= 0;
-        END IF;
-        -- pass 1: the expired bindings; pass 2: the least recently hit ones over the cap
+    SELECT coalesce(array_agg(b.provider), '{}') AS providers,
+           coalesce(array_agg(b.tenant), '{}') AS tenants,
+           coalesce(array_agg(b.pool), '{}') AS pools,
+           coalesce(array_agg(b.affinity_key), '{}') AS keys
+    INTO v_doomed
+    FROM (SELECT b.provider, b.tenant, b.pool, b.affinity_key
+          FROM affinity_bindings b
+          WHERE b.expires_at <= now()
+          ORDER BY b.expires_at
+          LIMIT p_batch) AS b;
+    v_deleted := credpool_purge_bindings(v_doomed.providers, v_doomed.tenants, v_doomed.pools,
+                                         v_doomed.keys, true);
+
+    SELECT count(*) - v_cap INTO v_over FROM affinity_bindings WHERE expires_at > now();
+    IF v_over > 0 THEN
         SELECT coalesce(array_agg(b.provider), '{}') AS providers,
                coalesce(array_agg(b.tenant), '{}') AS tenants,
                coalesce(array_agg(b.pool), '{}') AS pools,
@@ -306,37 +320,56 @@ BEGIN
         INTO v_doomed
         FROM (SELECT b.provider, b.tenant, b.pool, b.affinity_key
               FROM affinity_bindings b
-              WHERE v_pass = 2 OR b.expires_at <= now()
-              ORDER BY CASE WHEN v_pass = 1 THEN b.expires_at ELSE b.last_hit_at END
-              LIMIT CASE WHEN v_pass = 1 THEN p_batch ELSE least(v_over, p_batch) END) AS b;
-        FOR v_provider IN SELECT DISTINCT x FROM unnest(v_doomed.providers) AS x ORDER BY 1 LOOP
-            SELECT coalesce(array_agg(b.tenant), '{}') AS tenants,
-                   coalesce(array_agg(b.pool), '{}') AS pools,
-                   coalesce(array_agg(b.affinity_key), '{}') AS keys
-            INTO v_got
-            FROM (SELECT b.tenant, b.pool, b.affinity_key
-                  FROM affinity_bindings b
-                  JOIN unnest(v_doomed.providers, v_doomed.tenants, v_doomed.pools, v_doomed.keys)
-                       AS d (provider, tenant, pool, affinity_key)
-                    ON b.tenant = d.tenant AND b.pool = d.pool AND b.affinity_key = d.affinity_key
-                  WHERE b.provider = v_provider AND d.provider = v_provider
-                    -- again on the row as locked: a claim's hit since the read keeps it
-                    AND (v_pass = 2 OR b.expires_at <= now())
-                  FOR UPDATE OF b SKIP LOCKED) AS b;
-            SELECT coalesce(array_agg(d.tenant), '{}') AS tenants,
-                   coalesce(array_agg(d.pool), '{}') AS pools,
-                   coalesce(array_agg(d.affinity_key), '{}') AS keys
-            INTO v_got
-            FROM unnest(v_got.tenants, v_got.pools, v_got.keys) AS d (tenant, pool, affinity_key)
-            WHERE pg_try_advisory_xact_lock(
-                      credpool_affinity_lock(d.tenant, v_provider, d.pool, d.affinity_key));
-            DELETE FROM affinity_bindings b
-            USING unnest(v_got.tenants, v_got.pools, v_got.keys) AS d (tenant, pool, affinity_key)
-            WHERE b.provider = v_provider AND b.tenant = d.tenant AND b.pool = d.pool
-              AND b.affinity_key = d.affinity_key;
-            GET DIAGNOSTICS v_n = ROW_COUNT;
-            v_deleted := v_deleted + v_n;
-        END LOOP;
+              ORDER BY b.last_hit_at
+              LIMIT least(v_over, p_batch)) AS b;
+        v_deleted := v_deleted + credpool_purge_bindings(v_doomed.providers, v_doomed.tenants,
+                                                         v_doomed.pools, v_doomed.keys, false);
+    END IF;
+    RETURN v_deleted;
+END;
+$$;
+
+-- PURGE BINDINGS: deletes the bindings named by element i of each array, provider by provider,
+-- ascending: the rows, locked with SKIP LOCKED (with `p_expired_only`, only those still expired on
+-- the locked row: a claim's hit since the read keeps it), then their keys' advisory locks, tried
+-- in a statement of their own (on Citus, on the coordinator, where a claim takes them), then the
+-- rows got, deleted. Returns how many it deleted.
+CREATE OR REPLACE FUNCTION credpool_purge_bindings(p_providers text[], p_tenants text[],
+    p_pools text[], p_keys text[], p_expired_only boolean)
+RETURNS integer
+LANGUAGE plpgsql AS $$
+DECLARE
+    v_provider text;
+    v_got record;
+    v_deleted integer := 0;
+    v_n integer;
+BEGIN
+    FOR v_provider IN SELECT DISTINCT x FROM unnest(p_providers) AS x ORDER BY 1 LOOP
+        SELECT coalesce(array_agg(b.tenant), '{}') AS tenants,
+               coalesce(array_agg(b.pool), '{}') AS pools,
+               coalesce(array_agg(b.affinity_key), '{}') AS keys
+        INTO v_got
+        FROM (SELECT b.tenant, b.pool, b.affinity_key
+              FROM affinity_bindings b
+              JOIN unnest(p_providers, p_tenants, p_pools, p_keys)
+                   AS d (provider, tenant, pool, affinity_key)
+                ON b.tenant = d.tenant AND b.pool = d.pool AND b.affinity_key = d.affinity_key
+              WHERE b.provider = v_provider AND d.provider = v_provider
+                AND (NOT p_expired_only OR b.expires_at <= now())
+              FOR UPDATE OF b SKIP LOCKED) AS b;
+        SELECT coalesce(array_agg(d.tenant), '{}') AS tenants,
+               coalesce(array_agg(d.pool), '{}') AS pools,
+               coalesce(array_agg(d.affinity_key), '{}') AS keys
+        INTO v_got
+        FROM unnest(v_got.tenants, v_got.pools, v_got.keys) AS d (tenant, pool, affinity_key)
+        WHERE pg_try_advisory_xact_lock(
+                  credpool_affinity_lock(d.tenant, v_provider, d.pool, d.affinity_key));
+        DELETE FROM affinity_bindings b
+        USING unnest(v_got.tenants, v_got.pools, v_got.keys) AS d (tenant, pool, affinity_key)
+        WHERE b.provider = v_provider AND b.tenant = d.tenant AND b.pool = d.pool
+          AND b.affinity_key = d.affinity_key;
+        GET DIAGNOSTICS v_n = ROW_COUNT;
+        v_deleted := v_deleted + v_n;
     END LOOP;
     RETURN v_deleted;
 END;

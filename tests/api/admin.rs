@@ -6,6 +6,8 @@ use serde_json::{Value, json};
 
 use credpool_test_support::*;
 
+use crate::common::import_specs;
+
 fn spec(limit: u32) -> Value {
     json!({
         "provider": "openai",
@@ -236,17 +238,7 @@ async fn a_credential_keeps_its_provider_a_put_or_import_that_moves_it_is_refuse
     app.renew(renew_body(&lease, 60)).ok_json().await;
 
     // an import that moves one credential imports none of the others either
-    let specs: Vec<_> = [("key-a", "anthropic"), ("key-new", "openai")]
-        .iter()
-        .map(|(key, provider)| {
-            let mut input = spec(1);
-            input["provider"] = json!(provider);
-            serde_json::from_value::<credpool::store::credentials::CredentialInput>(input)
-                .unwrap()
-                .into_spec(credpool::domain::KeyId::parse(*key).unwrap(), &keyring())
-                .unwrap()
-        })
-        .collect();
+    let specs = import_specs(&[("key-a", "anthropic"), ("key-new", "openai")], 1);
     let db = credpool::store::Db::direct(app.database.pool(1).await);
     let actor = credpool::store::credentials::Actor::parse("test").unwrap();
     let error = credpool::store::credentials::import(&db, &specs, &actor)
@@ -264,4 +256,38 @@ async fn a_credential_keeps_its_provider_a_put_or_import_that_moves_it_is_refuse
         .await;
     assert_eq!(created, 0, "nothing of a refused import is written");
     app.release_ok(&lease, "success").await;
+}
+
+#[tokio::test]
+async fn two_puts_creating_one_key_under_two_providers_store_the_first_and_refuse_the_second() {
+    // The first PUT of a new key (openai, limit 2) is held before its commit (`fit.done`); a
+    // second PUT of the key under anthropic (limit 3) queues behind it on the key's operator
+    // lock. It reads the key's provider after that lock: 409, and the credential stays the
+    // first's. Read before the lock (the key did not exist yet), the second would pass the check
+    // and overwrite the first's configuration on a credential of another provider.
+    let app = TestApp::spawn_with_hooks("fit.done").await;
+    let put = |provider: &'static str, limit: u32| {
+        let app = app.remote();
+        tokio::spawn(async move {
+            let mut body = spec(limit);
+            body["provider"] = json!(provider);
+            app.put_key_raw("new", body).await
+        })
+    };
+    let hook = Hook::close(&app, "fit.done").await;
+    let first = put("openai", 2);
+    wait_for_lock_waiters(&app, 1).await;
+    let second = put("anthropic", 3);
+    wait_for_lock_waiters(&app, 2).await;
+    hook.open().await;
+    assert_eq!(first.await.unwrap().status(), StatusCode::CREATED);
+    assert_error(
+        second.await.unwrap(),
+        StatusCode::CONFLICT,
+        "provider_changed",
+    )
+    .await;
+    let stored = app.credential("new").await;
+    assert_eq!(stored["provider"], "openai");
+    assert_eq!(stored["max_concurrent_uses"], 2);
 }

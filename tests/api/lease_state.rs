@@ -17,7 +17,7 @@ use sqlx::{Executor, PgConnection, Row};
 use credpool_test_support::*;
 
 use crate::BIN;
-use crate::common::claim_body;
+use crate::common::{claim_body, import_specs};
 
 #[tokio::test]
 async fn health_changes_in_two_pools_in_opposite_orders_never_wait_for_each_other() {
@@ -229,29 +229,6 @@ async fn an_import_and_a_release_group_across_providers_lock_in_one_order() {
     app.stop();
     tokio::time::sleep(Duration::from_millis(500)).await;
     assert_eq!(deadlocks(&app.db).await, before);
-}
-
-/// What an import of `entries` (key id, provider) carries: available credentials of pool
-/// `default` serving gpt-4o, with `limit` slots each.
-fn import_specs(
-    entries: &[(&str, &str)],
-    limit: u32,
-) -> Vec<credpool::store::credentials::CredentialSpec> {
-    entries
-        .iter()
-        .map(|(key, provider)| {
-            let input: credpool::store::credentials::CredentialInput =
-                serde_json::from_value(json!({
-                    "provider": provider, "pool": "default", "models": ["gpt-4o"],
-                    "max_concurrent_uses": limit, "status": "available",
-                    "secret": {"api_key": format!("sk-test-{key}")},
-                }))
-                .unwrap();
-            input
-                .into_spec(credpool::domain::KeyId::parse(*key).unwrap(), &keyring())
-                .unwrap()
-        })
-        .collect()
 }
 
 /// Makes credential `key_id` one that refreshes by OAuth (an `oauth_credentials` row, whose token

@@ -82,7 +82,7 @@ pub struct Distribution {
     /// credpool's SQL functions this run sent to every node.
     pub functions: i64,
     /// credpool's SQL functions this run made plan each call for its values
-    /// ([`plan_per_call`]).
+    /// ([`super::schema::plan_per_call`]).
     pub per_call_plans: i64,
 }
 
@@ -244,7 +244,7 @@ pub async fn distribute(db: &Db, shard_count: Option<u32>) -> Result<Distributio
             done.reference.push(table.to_owned());
         }
     }
-    done.per_call_plans = plan_per_call(&mut tx).await?;
+    done.per_call_plans = super::schema::plan_per_call(&mut tx).await?;
     // The coordinator keeps its copy of a reference table as a shard (`tenant_slots_102040`), and
     // a function of the table's row type now takes the shard's: drop those and apply the SQL
     // files again, which define them on the table's type.
@@ -285,56 +285,6 @@ pub async fn distribute(db: &Db, shard_count: Option<u32>) -> Result<Distributio
     .await?;
     tx.commit().await?;
     Ok(done)
-}
-
-/// Whether the database's `credentials` table is distributed by Citus.
-///
-/// # Errors
-/// When the store fails.
-pub async fn is_distributed(conn: &mut PgConnection) -> Result<bool, sqlx::Error> {
-    // (the catalog table is there only with Citus: looked up before it is named)
-    let citus: bool =
-        sqlx::query_scalar("SELECT to_regclass('pg_catalog.pg_dist_partition') IS NOT NULL")
-            .fetch_one(&mut *conn)
-            .await?;
-    if !citus {
-        return Ok(false);
-    }
-    sqlx::query_scalar(
-        "SELECT EXISTS (SELECT 1 FROM pg_catalog.pg_dist_partition
-                        WHERE logicalrelid = 'credentials'::regclass)",
-    )
-    .fetch_one(conn)
-    .await
-}
-
-/// Takes `plan_cache_mode` off every credpool SQL function that sets it (the claim's, the
-/// release's, END's: on plain PostgreSQL they keep one generic plan per statement, so that a pool
-/// just loaded gets index probes whatever its statistics), so that on Citus each statement is
-/// planned for the values of its call: Citus routes a statement to a worker by the provider's
-/// value, which a generic plan does not have, and refuses to plan a generic one that joins
-/// ("could not create distributed plan", measured). Returns how many functions it changed; run by
-/// `distribute` and after the SQL files are applied again on a distributed database.
-///
-/// # Errors
-/// When the store fails.
-pub async fn plan_per_call(conn: &mut PgConnection) -> Result<i64, sqlx::Error> {
-    let functions: Vec<String> = sqlx::query_scalar(
-        "SELECT p.oid::regprocedure::text
-         FROM pg_proc p
-         WHERE p.pronamespace = 'public'::regnamespace
-           AND EXISTS (SELECT 1 FROM unnest(p.proconfig) AS c WHERE c LIKE 'plan_cache_mode=%')",
-    )
-    .fetch_all(&mut *conn)
-    .await?;
-    for function in &functions {
-        run(
-            conn,
-            format!("ALTER FUNCTION {function} RESET plan_cache_mode"),
-        )
-        .await?;
-    }
-    Ok(i64::try_from(functions.len()).unwrap_or(i64::MAX))
 }
 
 /// The version of the database's `citus` extension, if it has one.

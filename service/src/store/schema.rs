@@ -153,14 +153,64 @@ pub async fn apply_sql_files(conn: &mut PgConnection) -> Result<Vec<&'static str
         .await?;
         applied.push(*name);
     }
-    if !applied.is_empty() && super::citus::is_distributed(&mut tx).await? {
-        super::citus::plan_per_call(&mut tx).await?;
+    if !applied.is_empty() && is_distributed(&mut tx).await? {
+        plan_per_call(&mut tx).await?;
     }
     tx.commit().await?;
     if !applied.is_empty() {
         tracing::info!(files = ?applied, "SQL functions applied");
     }
     Ok(applied)
+}
+
+/// Whether the database's `credentials` table is distributed by Citus.
+///
+/// # Errors
+/// When the store fails.
+pub async fn is_distributed(conn: &mut PgConnection) -> Result<bool, sqlx::Error> {
+    // (the catalog table is there only with Citus: looked up before it is named)
+    let citus: bool =
+        sqlx::query_scalar("SELECT to_regclass('pg_catalog.pg_dist_partition') IS NOT NULL")
+            .fetch_one(&mut *conn)
+            .await?;
+    if !citus {
+        return Ok(false);
+    }
+    sqlx::query_scalar(
+        "SELECT EXISTS (SELECT 1 FROM pg_catalog.pg_dist_partition
+                        WHERE logicalrelid = 'credentials'::regclass)",
+    )
+    .fetch_one(conn)
+    .await
+}
+
+/// Takes `plan_cache_mode` off every credpool SQL function that sets it (the claim's, the
+/// release's, END's: on plain PostgreSQL they keep one generic plan per statement, so that a pool
+/// just loaded gets index probes whatever its statistics), so that on Citus each statement is
+/// planned for the values of its call: Citus routes a statement to a worker by the provider's
+/// value, which a generic plan does not have, and refuses to plan a generic one that joins
+/// ("could not create distributed plan", measured). Returns how many functions it changed; run by
+/// `credpool citus distribute` and by [`apply_sql_files`] after the SQL files are applied again on a distributed database.
+///
+/// # Errors
+/// When the store fails.
+pub async fn plan_per_call(conn: &mut PgConnection) -> Result<i64, sqlx::Error> {
+    let functions: Vec<String> = sqlx::query_scalar(
+        "SELECT p.oid::regprocedure::text
+         FROM pg_proc p
+         WHERE p.pronamespace = 'public'::regnamespace
+           AND EXISTS (SELECT 1 FROM unnest(p.proconfig) AS c WHERE c LIKE 'plan_cache_mode=%')",
+    )
+    .fetch_all(&mut *conn)
+    .await?;
+    for function in &functions {
+        sqlx::raw_sql(sqlx::AssertSqlSafe(format!(
+            "ALTER FUNCTION {function} RESET plan_cache_mode"
+        )))
+        .execute(&mut *conn)
+        .await?;
+    }
+    Ok(i64::try_from(functions.len()).unwrap_or(i64::MAX))
 }
 
 /// Whether the database has every migration of this binary applied, each with the checksum of

@@ -196,3 +196,26 @@ pub async fn race_tenant(
     }
     (granted, refused)
 }
+
+/// What an import of `entries` (key id, provider) carries: available credentials of pool
+/// `default` serving gpt-4o, with `limit` slots each.
+pub fn import_specs(
+    entries: &[(&str, &str)],
+    limit: u32,
+) -> Vec<credpool::store::credentials::CredentialSpec> {
+    entries
+        .iter()
+        .map(|(key, provider)| {
+            let input: credpool::store::credentials::CredentialInput =
+                serde_json::from_value(json!({
+                    "provider": provider, "pool": "default", "models": ["gpt-4o"],
+                    "max_concurrent_uses": limit, "status": "available",
+                    "secret": {"api_key": format!("sk-test-{key}")},
+                }))
+                .unwrap();
+            input
+                .into_spec(credpool::domain::KeyId::parse(*key).unwrap(), &keyring())
+                .unwrap()
+        })
+        .collect()
+}

@@ -16,7 +16,7 @@ use crate::store::leases::fit_slots;
 pub enum UpsertError {
     /// `If-Match` named a token generation the credential is no longer at (or it is not an
     /// OAuth credential).
-    #[error("the credential's token generation is not the one If-Match names; read it again")]
+    #[error("generation moved")]
     GenerationMoved,
     /// The credential exists under another provider. A credential keeps its provider: the rows of
     /// its leases, windows and trail are the provider's (on Citus they live on the provider's
