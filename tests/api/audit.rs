@@ -758,23 +758,30 @@ async fn pg_cron_runs_the_cleanup_in_a_cluster_that_preloads_it() {
     .await
     .unwrap();
 
-    // pg_cron schedules by the minute: wait for a tick (at most a little over two minutes)
+    // pg_cron schedules by the minute: wait for a tick (at most a little over two minutes), and
+    // for its run to end (the pass commits step by step, so the lease is reaped before the run
+    // is recorded as succeeded)
     let mut reaped = false;
+    let mut runs: Vec<(String, Option<String>)> = Vec::new();
     for _ in 0..75 {
         let expired: i64 = db
             .scalar("SELECT count(*) FROM lease_events WHERE event = 'expired'")
             .await;
-        if expired == 1 {
-            reaped = true;
+        reaped = expired == 1;
+        runs = sqlx::query_as(
+            "SELECT status, return_message FROM cron.job_run_details ORDER BY runid",
+        )
+        .fetch_all(&db)
+        .await
+        .unwrap();
+        let ended = runs
+            .iter()
+            .any(|(status, _)| status == "succeeded" || status == "failed");
+        if reaped && ended {
             break;
         }
         tokio::time::sleep(Duration::from_secs(2)).await;
     }
-    let runs: Vec<(String, Option<String>)> =
-        sqlx::query_as("SELECT status, return_message FROM cron.job_run_details ORDER BY runid")
-            .fetch_all(&db)
-            .await
-            .unwrap();
     assert!(
         reaped,
         "pg_cron did not reap the expired lease; runs: {runs:?}"
