@@ -29,6 +29,20 @@ LANGUAGE sql IMMUTABLE PARALLEL SAFE AS $$
     END
 $$;
 
+-- ROUTING: whether a row of provider `p_row_provider` is one for a statement about provider
+-- `p_provider`, written on every table a lease-path statement reads by key. On plain PostgreSQL
+-- always true, and inlined away: a credential's rows are reached by key, and a provider predicate
+-- there only misleads the planner (measured: with it, a group claim's pick started from every
+-- slot row of the provider, 50 times slower on a small pool). On Citus `credpool citus
+-- distribute` (and every later application of these files) redefines it as `p_row_provider =
+-- p_provider` (store::schema::route_by_provider), which routes the statement to the provider's
+-- worker.
+CREATE OR REPLACE FUNCTION credpool_on_provider(p_row_provider text, p_provider text)
+RETURNS boolean
+LANGUAGE sql IMMUTABLE PARALLEL SAFE AS $$
+    SELECT true
+$$;
+
 -- The row helpers below take their rows as `anyelement` (a second row type as `anycompatible`),
 -- not as `credentials`, `lease_slots`, ...: on Citus a statement runs on a shard, whose rows are
 -- of the shard's own type (`credentials_102008`), which a function of `credentials` would not
@@ -72,16 +86,21 @@ $$;
 -- about a second. For the Retry-After of a claim that passed over the credential: the refresh,
 -- not a slot, is what it waits for (`held_by` 'token_refresh'). A token a report rejected
 -- (`auth_expired`, RELEASE) counts as expired, so it is due at once.
-CREATE OR REPLACE FUNCTION credpool_token_refreshed_at(c credentials, p_until timestamptz,
+-- `p_next_attempt_at` and `p_refresh_before_seconds` are the credential's oauth_credentials
+-- columns (the caller reads them with its credential row: on Citus a function that reads a
+-- table cannot run inside the statement a worker runs).
+DROP FUNCTION IF EXISTS credpool_token_refreshed_at(credentials, timestamptz, timestamptz);
+CREATE OR REPLACE FUNCTION credpool_token_refreshed_at(c anyelement,
+    p_next_attempt_at timestamptz, p_refresh_before_seconds integer, p_until timestamptz,
     p_at timestamptz)
 RETURNS timestamptz
 LANGUAGE sql STABLE AS $$
     SELECT CASE
         WHEN credpool_token_lasts(c, p_until) THEN p_at
-        ELSE (SELECT greatest(p_at + interval '1 second', o.next_attempt_at,
-                              c.token_expires_at - make_interval(secs => o.refresh_before_seconds))
-              FROM oauth_credentials o
-              WHERE o.key_id = c.key_id)
+        -- (no oauth_credentials row: no refresh is coming)
+        WHEN p_refresh_before_seconds IS NULL THEN NULL
+        ELSE greatest(p_at + interval '1 second', p_next_attempt_at,
+                      c.token_expires_at - make_interval(secs => p_refresh_before_seconds))
     END
 $$;
 
@@ -109,15 +128,20 @@ LANGUAGE sql IMMUTABLE PARALLEL SAFE AS $$
     SELECT NOT t.surplus AND (t.lease_id IS NULL OR t.lease_until <= p_at)
 $$;
 
--- When credential `c` (its windows `w`, or NULL) may next serve a claim reserving `p_tokens`,
--- judged at `p_at`: `at`, the latest of the end of its cooldown, the moment one of its slots
--- frees, and the moment its windows admit the claim (`p_at` when it may serve now; NULL when
--- nothing known ends: it waits for an operator, is over a lowered limit or draining, or a window
--- can never hold the reservation), and `held_by`, which of those it is: 'slots', 'cooldown',
--- 'requests_window' or 'tokens_window'. For the Retry-After of a claim that granted nothing.
+-- When credential `c` (its windows `w`, or NULL; its slot rows `p_slots`) may next serve a claim
+-- reserving `p_tokens`, judged at `p_at`: `at`, the latest of the end of its cooldown, the moment
+-- one of its slots frees, and the moment its windows admit the claim (`p_at` when it may serve
+-- now; NULL when nothing known ends: it waits for an operator, is over a lowered limit or
+-- draining, or a window can never hold the reservation), and `held_by`, which of those it is:
+-- 'slots', 'cooldown', 'requests_window' or 'tokens_window'. For the Retry-After of a claim that
+-- granted nothing. The rows come from the caller's statement (a function that reads a table
+-- cannot run inside a statement a Citus worker runs); `c` and `w` are polymorphic because a
+-- worker's rows are of its shard's row type.
 DROP FUNCTION IF EXISTS credpool_frees_at(credentials, lease_windows, bigint, timestamptz);
-CREATE FUNCTION credpool_frees_at(c credentials, w lease_windows, p_tokens bigint, p_at timestamptz,
-    OUT at timestamptz, OUT held_by text)
+DROP FUNCTION IF EXISTS credpool_frees_at(anyelement, anycompatible, lease_slots[], bigint,
+    timestamptz);
+CREATE FUNCTION credpool_frees_at(c anyelement, w anycompatible, p_slots lease_slots[],
+    p_tokens bigint, p_at timestamptz, OUT at timestamptz, OUT held_by text)
 LANGUAGE plpgsql STABLE AS $$
 DECLARE
     v_usable timestamptz;
@@ -134,8 +158,7 @@ BEGIN
                          WHERE s.lease_until > p_at AND NOT s.surplus AND NOT s.draining
                            AND (c.status = 'available' OR s.slot = 0)) END
     INTO v_slot
-    FROM lease_slots s
-    WHERE s.key_id = c.key_id;
+    FROM unnest(p_slots) AS s;
     IF v_slot IS NULL THEN
         RETURN;
     END IF;
@@ -348,7 +371,8 @@ $$;
 --   TENANT HELD  whether a tenant's cap or windows hold back a claim that got nothing (a gated
 --                tenant)
 --   WAIT         the waiting requests' pool_waiters rows                    (a wait)
---   ANSWERS      one row per claim
+--   FREES        when a candidate frees up, per provider     (a claim that got nothing)
+--   ANSWERS      the grants' trail rows, and one row per claim
 --
 -- Why this cannot oversell: capacity is not counted, it is the set of slot rows, and a lease
 -- exists only inside the slot row that holds it. Every condition that decides whether a grant
@@ -421,6 +445,13 @@ DECLARE
     v_regated integer[];
     v_parsed record;
     v_round record;
+    v_providers text[];
+    v_provider text;
+    v_todo integer[];
+    v_frees record;
+    v_frees_n integer[] := '{}';
+    v_frees_at timestamptz[] := '{}';
+    v_frees_held text[] := '{}';
 BEGIN
     -- (the phases are called in expressions, not statements: each costs a function call only)
     v_parsed := credpool_claim_parse(p_claims, v_now);
@@ -431,6 +462,7 @@ BEGIN
     v_affine := v_parsed.affine;
     v_requested := v_parsed.requested;
     v_waiting := v_parsed.waiting;
+    v_providers := v_parsed.providers;
     IF v_claims IS NULL THEN
         RETURN;
     END IF;
@@ -464,23 +496,34 @@ BEGIN
         v_plain := v_open;
         v_rest := '{}';
     END IF;
-    WHILE cardinality(v_plain) > 0 LOOP
-        v_round := credpool_claim_pick_plain(v_claims, v_plain, v_now);
-        v_picks := v_round.picks;
-        v_plain := v_round.lost;
-        v_regated := v_round.regated;
-        v_rest := v_rest || v_regated;
-        v_gated := v_gated OR cardinality(v_regated) > 0;
-        EXIT WHEN cardinality(v_picks) = 0;
-        v_grants := v_grants || credpool_claim_grant(v_claims, v_picks);
+    -- provider by provider, ascending (each pick and grant names one provider: on Citus each
+    -- runs on the worker that holds the provider's rows; a call of one provider runs as many
+    -- statements as it would without)
+    FOREACH v_provider IN ARRAY v_providers LOOP
+        v_todo := v_plain;
+        WHILE cardinality(v_todo) > 0 LOOP
+            v_round := credpool_claim_pick_plain(v_claims, v_todo, v_provider, v_now);
+            v_picks := v_round.picks;
+            v_todo := v_round.lost;
+            v_regated := v_round.regated;
+            v_rest := v_rest || v_regated;
+            v_gated := v_gated OR cardinality(v_regated) > 0;
+            EXIT WHEN cardinality(v_picks) = 0;
+            v_grants := v_grants || credpool_claim_grant(v_claims, v_picks, v_provider);
+        END LOOP;
     END LOOP;
-    WHILE cardinality(v_rest) > 0 LOOP
-        v_round := credpool_claim_pick(v_claims, v_rest, v_now);
-        v_picks := v_round.picks;
-        v_rest := v_round.lost;
-        EXIT WHEN cardinality(v_picks) = 0;
-        v_grants := v_grants || credpool_claim_grant(v_claims, v_picks);
-    END LOOP;
+    IF cardinality(v_rest) > 0 THEN
+        FOREACH v_provider IN ARRAY v_providers LOOP
+            v_todo := v_rest;
+            WHILE cardinality(v_todo) > 0 LOOP
+                v_round := credpool_claim_pick(v_claims, v_todo, v_provider, v_now);
+                v_picks := v_round.picks;
+                v_todo := v_round.lost;
+                EXIT WHEN cardinality(v_picks) = 0;
+                v_grants := v_grants || credpool_claim_grant(v_claims, v_picks, v_provider);
+            END LOOP;
+        END LOOP;
+    END IF;
     IF v_requested AND cardinality(v_grants) > 0 THEN
         PERFORM credpool_claim_remember(v_claims, v_grants);
     END IF;
@@ -493,7 +536,16 @@ BEGIN
     IF v_waiting THEN
         PERFORM credpool_claim_wait(v_claims, v_grants, v_now);
     END IF;
-    RETURN QUERY SELECT * FROM credpool_claim_answers(v_claims, v_grants, v_now);
+    IF cardinality(v_grants) < cardinality(v_claims) THEN
+        FOREACH v_provider IN ARRAY v_providers LOOP
+            v_frees := credpool_claim_frees(v_claims, v_grants, v_provider, v_now);
+            v_frees_n := v_frees_n || v_frees.claims;
+            v_frees_at := v_frees_at || v_frees.frees_at;
+            v_frees_held := v_frees_held || v_frees.held_by;
+        END LOOP;
+    END IF;
+    RETURN QUERY SELECT * FROM credpool_claim_answers(v_claims, v_grants, v_frees_n, v_frees_at,
+                                                      v_frees_held, v_now);
 END;
 $$;
 
@@ -515,9 +567,12 @@ $$;
 DROP FUNCTION IF EXISTS credpool_claim_parse(jsonb, timestamptz);
 CREATE FUNCTION credpool_claim_parse(p_claims jsonb, p_now timestamptz,
     OUT claims credpool_claim[], OUT open integer[], OUT gated boolean, OUT windowed boolean,
-    OUT affine boolean, OUT requested boolean, OUT waiting boolean)
+    OUT affine boolean, OUT requested boolean, OUT waiting boolean, OUT providers text[])
 LANGUAGE plpgsql
 AS $$
+DECLARE
+    v_probe boolean;
+    v_windowed boolean;
 BEGIN
     WITH x AS (
         SELECT x.*, x.ordinality::integer AS place
@@ -529,7 +584,7 @@ BEGIN
     )
     SELECT array_agg(ROW(
                x.ranked, x.provider, x.pool, x.model, x.lease_id, x.holder, x.lease_seconds,
-               coalesce(x.tokens, 0), x.request_id, x.request_digest, x.key_hash, w.windowed,
+               coalesce(x.tokens, 0), x.request_id, x.request_digest, x.key_hash, x.windowed,
                x.affinity_key, x.affinity_pools, coalesce(x.affinity_ttl_seconds, 3600),
                x.affinity_mode, x.waiting,
                x.place, t.tenant_id, t.steady, coalesce(t.capped, false),
@@ -543,11 +598,14 @@ BEGIN
                NULL, false, NULL, false, NULL)::credpool_claim ORDER BY x.place),
            coalesce(array_agg(x.place ORDER BY x.place) FILTER (WHERE t.steady), '{}'),
            coalesce(bool_or(t.steady AND (t.capped OR t.windowed)), false),
-           coalesce(bool_or(t.steady AND w.windowed), false),
+           coalesce(bool_or(t.steady AND x.windowed), false),
            coalesce(bool_or(t.steady AND x.affinity_key IS NOT NULL), false),
            coalesce(bool_or(t.steady AND x.request_id IS NOT NULL), false),
-           coalesce(bool_or(t.steady AND jsonb_typeof(x.waiting) = 'object'), false)
-    INTO claims, open, gated, windowed, affine, requested, waiting
+           coalesce(bool_or(t.steady AND jsonb_typeof(x.waiting) = 'object'), false),
+           coalesce(bool_or(x.windowed IS NULL), false),
+           coalesce(array_agg(DISTINCT x.provider ORDER BY x.provider) FILTER (WHERE t.steady),
+                    '{}')
+    INTO claims, open, gated, windowed, affine, requested, waiting, v_probe, providers
     FROM x
     JOIN versions v ON v.provider = x.provider AND v.pool = x.pool
     LEFT JOIN LATERAL (
@@ -563,16 +621,29 @@ BEGIN
             SELECT x.key_hash IS NULL OR credpool_scope_admits(t.pools, x.provider, x.pool)
                    AS admitted
         ) AS s
-    ) AS t ON true
-    -- (absent from the request: a probe per candidate; LIMIT 1 keeps the planner from reading
-    -- credentials in search of the few with windows)
-    CROSS JOIN LATERAL (
-        SELECT coalesce(x.windowed, EXISTS (
-                   SELECT 1 FROM unnest(x.ranked) AS r (key_id)
-                   CROSS JOIN LATERAL (SELECT c.rate_limits FROM credentials c
-                                       WHERE c.key_id = r.key_id LIMIT 1) AS c
-                   WHERE c.rate_limits <> '[]'::jsonb)) AS windowed
-    ) AS w;
+    ) AS t ON true;
+    -- "windowed" absent (a caller of the SQL API; the service always sends it): a probe per
+    -- candidate, in a statement of its own, provider by provider, so that the service's claims
+    -- pay nothing for it (and on Citus each probe reads its provider's worker only)
+    IF v_probe THEN
+        FOR i IN 1 .. cardinality(claims) LOOP
+            CONTINUE WHEN claims[i].windowed IS NOT NULL;
+            -- (a query of its own, not an assignment's expression, which Citus cannot send)
+            -- (LIMIT 1 keeps the planner from reading credentials in search of the few with
+            -- windows)
+            SELECT EXISTS (
+                       SELECT 1 FROM unnest(claims[i].ranked) AS r (key_id)
+                       CROSS JOIN LATERAL (
+                           SELECT c.rate_limits FROM credentials c
+                           WHERE c.key_id = r.key_id
+                             AND credpool_on_provider(c.provider, claims[i].provider)
+                           LIMIT 1) AS c
+                       WHERE c.rate_limits <> '[]'::jsonb)
+            INTO v_windowed;
+            claims[i].windowed := v_windowed;
+            windowed := windowed OR (claims[i].windowed AND claims[i].n = ANY (open));
+        END LOOP;
+    END IF;
 END;
 $$;
 
@@ -654,13 +725,18 @@ BEGIN
             claims[q.n].request := 'in_flight';
             CONTINUE;
         END IF;
-        SELECT s, r.request_digest = q.request_digest AS same_request, c.secret_ciphertext,
+        -- (on Citus, a statement on the claim's provider's worker: a request id is its tenant's
+        -- and its provider's there, see docs/src/citus.md)
+        SELECT ROW(s.*)::lease_slots AS s, r.request_digest = q.request_digest AS same_request,
+               c.secret_ciphertext,
                coalesce(c.model_aliases ->> q.model, q.model) AS provider_model
         INTO prior
         FROM lease_requests r
         JOIN lease_slots s ON s.key_id = r.key_id AND s.lease_id = r.lease_id
-        JOIN credentials c ON c.key_id = s.key_id
-        WHERE r.tenant = q.tenant AND r.request_id = q.request_id AND s.lease_until > p_now;
+            AND credpool_on_provider(s.provider, q.provider)
+        JOIN credentials c ON c.key_id = s.key_id AND credpool_on_provider(c.provider, q.provider)
+        WHERE r.tenant = q.tenant AND r.request_id = q.request_id
+          AND credpool_on_provider(r.provider, q.provider) AND s.lease_until > p_now;
         IF FOUND THEN
             claims[q.n].request := CASE WHEN prior.same_request THEN 'replayed' ELSE 'conflict' END;
             IF prior.same_request THEN
@@ -711,8 +787,10 @@ $$;
 -- slots of one credential. Whether the tenant has a cap or windows is read again here, after the call took the
 -- tenant's lock (PARSE read it before): a claim whose tenant turned out gated is `regated`, for
 -- PICK. A claim that picked nothing is in neither list: nothing can serve it now.
+DROP FUNCTION IF EXISTS credpool_claim_pick_plain(credpool_claim[], integer[], timestamptz);
 CREATE OR REPLACE FUNCTION credpool_claim_pick_plain(p_claims credpool_claim[], p_open integer[],
-    p_now timestamptz, OUT picks credpool_pick[], OUT lost integer[], OUT regated integer[])
+    p_provider text, p_now timestamptz, OUT picks credpool_pick[], OUT lost integer[],
+    OUT regated integer[])
 LANGUAGE plpgsql
 AS $$
 BEGIN
@@ -722,7 +800,7 @@ BEGIN
                        WHERE t.tenant_id = o.tenant AND t.max_concurrent_leases IS NOT NULL)
                OR EXISTS (SELECT 1 FROM tenant_windows w WHERE w.tenant_id = o.tenant) AS gated
         FROM unnest(p_claims) AS o
-        WHERE o.n = ANY (p_open)
+        WHERE o.n = ANY (p_open) AND o.provider = p_provider
     ),
     picked AS (
         SELECT ROW(o.n, x.s, x.status, x.cooldown_until, x.at, x.secret_ciphertext,
@@ -730,12 +808,16 @@ BEGIN
                row_number() OVER (PARTITION BY (x.s).key_id, (x.s).slot ORDER BY o.n) = 1 AS first
         FROM open o
         CROSS JOIN LATERAL (
-            SELECT s, c.status, c.cooldown_until, c.secret_ciphertext,
+            SELECT ROW(s.*)::lease_slots AS s, c.status, c.cooldown_until, c.secret_ciphertext,
                    coalesce(c.model_aliases ->> o.model, o.model) AS provider_model,
                    clock_timestamp() AS at, c.token_expires_at
             FROM unnest(o.ranked) WITH ORDINALITY AS r (key_id, rank)
-            CROSS JOIN LATERAL (SELECT * FROM credentials c WHERE c.key_id = r.key_id LIMIT 1) AS c
+            CROSS JOIN LATERAL (SELECT * FROM credentials c
+                                WHERE c.key_id = r.key_id
+                                  AND credpool_on_provider(c.provider, p_provider)
+                                LIMIT 1) AS c
             JOIN lease_slots s ON s.key_id = c.key_id
+                AND credpool_on_provider(s.provider, p_provider)
             WHERE (SELECT credpool_test_hook('claim.before_lock'))
               AND credpool_slot_eligible(c::credentials, s, o.provider, o.pool, o.model,
                                          p_now, p_now + make_interval(secs => o.lease_seconds))
@@ -770,8 +852,9 @@ $$;
 -- that credential's lease_windows row with the slot row, and only when every window has room for
 -- it. Of the claims that picked one credential, one tenant slot row or one windowed tenant, the
 -- first wins; the others are `lost` (they pick again next round).
+DROP FUNCTION IF EXISTS credpool_claim_pick(credpool_claim[], integer[], timestamptz);
 CREATE OR REPLACE FUNCTION credpool_claim_pick(p_claims credpool_claim[], p_open integer[],
-    p_now timestamptz, OUT picks credpool_pick[], OUT lost integer[])
+    p_provider text, p_now timestamptz, OUT picks credpool_pick[], OUT lost integer[])
 LANGUAGE plpgsql
 AS $$
 BEGIN
@@ -812,7 +895,7 @@ BEGIN
             LIMIT 1
             FOR UPDATE SKIP LOCKED
         ) AS twl ON true
-        WHERE o.n = ANY (p_open)
+        WHERE o.n = ANY (p_open) AND o.provider = p_provider
     ),
     picked AS (
         SELECT ROW((q.o).n, x.s, x.status, x.cooldown_until, x.at, x.secret_ciphertext,
@@ -820,12 +903,16 @@ BEGIN
                    q.tenant_windowed)::credpool_pick AS p, (q.o).tenant
         FROM tenancy q
         CROSS JOIN LATERAL (
-            SELECT s, c.status, c.cooldown_until, c.secret_ciphertext,
+            SELECT ROW(s.*)::lease_slots AS s, c.status, c.cooldown_until, c.secret_ciphertext,
                    coalesce(c.model_aliases ->> (q.o).model, (q.o).model) AS provider_model,
                    clock_timestamp() AS at, c.token_expires_at
             FROM unnest((q.o).ranked) WITH ORDINALITY AS r (key_id, rank)
-            CROSS JOIN LATERAL (SELECT * FROM credentials c WHERE c.key_id = r.key_id LIMIT 1) AS c
+            CROSS JOIN LATERAL (SELECT * FROM credentials c
+                                WHERE c.key_id = r.key_id
+                                  AND credpool_on_provider(c.provider, p_provider)
+                                LIMIT 1) AS c
             JOIN lease_slots s ON s.key_id = c.key_id
+                AND credpool_on_provider(s.provider, p_provider)
             WHERE (NOT q.capped OR q.tenant_slot IS NOT NULL)
               AND (NOT q.tenant_windowed OR q.tenant_window_held)
               AND (SELECT credpool_test_hook('claim.before_lock'))
@@ -843,13 +930,18 @@ BEGIN
                    q.tenant_windowed)::credpool_pick AS p, (q.o).tenant
         FROM tenancy q
         CROSS JOIN LATERAL (
-            SELECT s, c.status, c.cooldown_until, c.secret_ciphertext,
+            SELECT ROW(s.*)::lease_slots AS s, c.status, c.cooldown_until, c.secret_ciphertext,
                    coalesce(c.model_aliases ->> (q.o).model, (q.o).model) AS provider_model,
                    clock_timestamp() AS at, c.token_expires_at
             FROM unnest((q.o).ranked) WITH ORDINALITY AS r (key_id, rank)
-            CROSS JOIN LATERAL (SELECT * FROM credentials c WHERE c.key_id = r.key_id LIMIT 1) AS c
+            CROSS JOIN LATERAL (SELECT * FROM credentials c
+                                WHERE c.key_id = r.key_id
+                                  AND credpool_on_provider(c.provider, p_provider)
+                                LIMIT 1) AS c
             JOIN lease_windows w ON w.key_id = c.key_id
+                AND credpool_on_provider(w.provider, p_provider)
             JOIN lease_slots s ON s.key_id = c.key_id
+                AND credpool_on_provider(s.provider, p_provider)
             WHERE (NOT q.capped OR q.tenant_slot IS NOT NULL)
               AND (NOT q.tenant_windowed OR q.tenant_window_held)
               AND (SELECT credpool_test_hook('claim.before_lock'))
@@ -880,14 +972,18 @@ BEGIN
 END;
 $$;
 
--- GRANT: begins the leases of `p_picks` (their slot rows locked by the pick): each slot row takes
--- its lease (lease_until: the claim's length from the clock read with the slot row, never past an
--- OAuth token's expiry), and its `granted` trail row is written, in ONE statement; then, each in
--- a statement of its own run only when a pick needs it: the expired leases the slots still
--- carried end in the trail (at their own lease_until), the tenant slot rows take their leases,
+-- GRANT: begins the leases of `p_picks` (their slot rows locked by the pick, all of provider
+-- `p_provider`): each slot row takes its lease (lease_until: the claim's length from the clock
+-- read with the slot row, never past an OAuth token's expiry) and its fence from lease_fence_seq,
+-- in ONE statement (the `granted` trail rows are written by ANSWERS, for every grant of the call
+-- at once: Citus refuses an INSERT fed by a modifying CTE); then, each in a statement of its own
+-- run only when a pick needs it: the expired leases the slots still carried end in the trail (at
+-- their own lease_until), the tenant slot rows take their leases,
 -- the credentials' and tenants' windows are charged, a probe lease of a credential back from a
 -- cooldown is recorded. Returns the grants.
-CREATE OR REPLACE FUNCTION credpool_claim_grant(p_claims credpool_claim[], p_picks credpool_pick[])
+DROP FUNCTION IF EXISTS credpool_claim_grant(credpool_claim[], credpool_pick[]);
+CREATE OR REPLACE FUNCTION credpool_claim_grant(p_claims credpool_claim[], p_picks credpool_pick[],
+    p_provider text)
 RETURNS credpool_grant[]
 LANGUAGE plpgsql
 AS $$
@@ -898,32 +994,33 @@ DECLARE
     v_windows boolean;
     v_tenant_windows boolean;
     v_probes boolean;
+    v_fences bigint[] := '{}';
 BEGIN
+    -- one fence per pick, each drawn in an expression of its own (no statement): Citus evaluates
+    -- a nextval() of a statement it routes to a worker once, for all the statement's rows
+    FOR i IN 1 .. cardinality(p_picks) LOOP
+        v_fences := v_fences || nextval('lease_fence_seq');
+    END LOOP;
     WITH granted AS (
         -- (the slot row is `ls` here: `s` is a field of the pick, the slot row as it was)
         UPDATE lease_slots ls
-        SET lease_id = o.lease_id, pool = o.pool, holder = o.holder,
-            granted_at = p.at,
-            lease_until = least(p.at + make_interval(secs => o.lease_seconds), p.token_expires_at),
-            last_granted_at = p.at, probe = p.status <> 'available',
-            fence = nextval('lease_fence_seq'), reserved_tokens = o.tokens, tenant = o.tenant,
+        SET lease_id = p.lease_id, pool = p.pool, holder = p.holder, granted_at = p.at,
+            lease_until = p.lease_until, last_granted_at = p.at, probe = p.probe,
+            fence = p.fence, reserved_tokens = p.tokens, tenant = p.tenant,
             tenant_slot = p.tenant_slot
-        FROM unnest(p_picks) AS p
-        JOIN unnest(p_claims) AS o ON o.n = p.n
-        WHERE ls.key_id = (p.s).key_id AND ls.slot = (p.s).slot
-        RETURNING p.*, ls AS granted, o.affinity_key, o.bound
-    ),
-    trail AS (
-        INSERT INTO lease_events
-            (event, lease_id, key_id, provider, pool, slot, holder, lease_until, at, fence, tokens,
-             tenant, affinity)
-        SELECT 'granted', (g.granted).lease_id, (g.granted).key_id, (g.granted).provider,
-               (g.granted).pool, (g.granted).slot, (g.granted).holder, (g.granted).lease_until,
-               (g.granted).granted_at, (g.granted).fence, (g.granted).reserved_tokens,
-               (g.granted).tenant,
-               -- AFFINITY: the grant's result, for the dashboard's hit ratio
-               credpool_affinity_result(g.affinity_key, g.bound, (g.granted).key_id)
-        FROM granted g
+        -- (every new value is computed in the subquery, which Citus evaluates on the
+        -- coordinator: it refuses a stable function of a column (the lease's end) in the SET of
+        -- an UPDATE of a distributed table)
+        FROM (SELECT p.*, o.lease_id, o.pool, o.holder, o.tokens, o.tenant,
+                     least(p.at + make_interval(secs => o.lease_seconds), p.token_expires_at)
+                         AS lease_until,
+                     p.status <> 'available' AS probe, f.fence
+              FROM unnest(p_picks) WITH ORDINALITY AS p
+              JOIN unnest(v_fences) WITH ORDINALITY AS f (fence, place) ON f.place = p.ordinality
+              JOIN unnest(p_claims) AS o ON o.n = p.n) AS p
+        WHERE credpool_on_provider(ls.provider, p_provider)
+          AND ls.key_id = (p.s).key_id AND ls.slot = (p.s).slot
+        RETURNING p.*, ROW(ls.*)::lease_slots AS granted
     )
     SELECT coalesce(array_agg(ROW(g.n, g.granted, g.secret, g.provider_model,
                                   (g.s).lease_id IS NOT NULL)::credpool_grant ORDER BY g.n), '{}'),
@@ -953,7 +1050,9 @@ BEGIN
              FROM credpool_window_charge(lw, p.at, (g.s).reserved_tokens) AS x)
         FROM unnest(p_picks) AS p
         JOIN unnest(v_grants) AS g ON g.n = p.n
-        WHERE p.windowed AND lw.key_id = (p.s).key_id AND cardinality(lw.window_kinds) > 0;
+        WHERE p.windowed AND credpool_on_provider(lw.provider, p_provider)
+          AND lw.key_id = (p.s).key_id
+          AND cardinality(lw.window_kinds) > 0;
     END IF;
     IF v_tenant_windows THEN
         UPDATE tenant_windows tw
@@ -1143,17 +1242,69 @@ BEGIN
 END;
 $$;
 
--- ANSWERS: one row per claim, in claim order (the columns of credpool_claim); its words are those
+-- FREES: for each claim of provider `p_provider` that got nothing (and that its tenant does not
+-- hold back, TENANT HELD), when may a candidate serve it, read now (credpool_frees_at and
+-- credpool_token_refreshed_at of its first candidate to free up): `claims` (their places),
+-- `frees_at` and `held_by`, in one order; a claim none of whose candidates will free up on its own
+-- is left out. ONE statement, run only when a claim of the call got nothing: a call that granted
+-- every claim pays nothing for it.
+DROP FUNCTION IF EXISTS credpool_claim_frees(credpool_claim[], credpool_grant[], text, timestamptz);
+CREATE FUNCTION credpool_claim_frees(p_claims credpool_claim[], p_grants credpool_grant[],
+    p_provider text, p_now timestamptz, OUT claims integer[], OUT frees_at timestamptz[],
+    OUT held_by text[])
+LANGUAGE plpgsql
+AS $$
+BEGIN
+    SELECT coalesce(array_agg(o.n ORDER BY o.n), '{}'),
+           coalesce(array_agg(f.at ORDER BY o.n), '{}'),
+           coalesce(array_agg(f.held_by ORDER BY o.n), '{}')
+    INTO claims, frees_at, held_by
+    FROM unnest(p_claims) AS o
+    CROSS JOIN LATERAL (
+        SELECT greatest(f.at, t.at) AS at,
+               CASE WHEN t.at > f.at THEN 'token_refresh' ELSE f.held_by END AS held_by
+        FROM unnest(o.ranked) AS r (key_id)
+        CROSS JOIN LATERAL (SELECT * FROM credentials c
+                            WHERE c.key_id = r.key_id
+                              AND credpool_on_provider(c.provider, p_provider)
+                            LIMIT 1) AS c
+        LEFT JOIN lease_windows w ON w.key_id = c.key_id
+            AND credpool_on_provider(w.provider, p_provider)
+        LEFT JOIN oauth_credentials oc ON oc.key_id = c.key_id
+            AND credpool_on_provider(oc.provider, p_provider)
+        CROSS JOIN LATERAL (
+            SELECT array_agg(ROW(s.*)::lease_slots) AS slots
+            FROM lease_slots s
+            WHERE s.key_id = c.key_id AND credpool_on_provider(s.provider, p_provider)
+        ) AS s
+        CROSS JOIN LATERAL credpool_frees_at(c::credentials, w, s.slots, o.tokens, p_now) AS f
+        CROSS JOIN LATERAL credpool_token_refreshed_at(
+            c::credentials, oc.next_attempt_at, oc.refresh_before_seconds,
+            p_now + make_interval(secs => o.lease_seconds), p_now) AS t (at)
+        WHERE c.pool = o.pool AND (o.model = ANY (c.models) OR c.model_aliases ? o.model)
+          AND NOT c.draining AND f.at IS NOT NULL AND t.at IS NOT NULL
+        ORDER BY greatest(f.at, t.at)
+        LIMIT 1
+    ) AS f
+    WHERE o.provider = p_provider AND o.request IS NULL AND NOT (o.cap_full OR o.window_full)
+      AND NOT o.n = ANY (ARRAY(SELECT g.n FROM unnest(p_grants) AS g));
+END;
+$$;
+
+-- ANSWERS: the `granted` trail rows of the call's grants (not its replays), and one row per
+-- claim, in claim order (the columns of credpool_claim), in ONE statement; its words are those
 -- of the enum types credpool_claim_state, credpool_held_by and credpool_affinity_answer, through
--- which they are cast (a new word must join its type, and the service's decoder). Nothing granted:
--- when may a candidate serve it, read now? A candidate whose slot or window row another
--- transaction held (a concurrent claim, the reaper, an operator's change) was passed over
--- without knowing what that transaction leaves: if, read now, one may serve at once, the claim
--- is 'busy' (the caller claims again). A claim its tenant holds back (TENANT HELD) is
--- 'tenant_limit', whatever the credentials say (a tenant both at its cap and out of window room:
--- the later of the two; NULL when its window can never hold the reservation).
+-- which they are cast (a new word must join its type, and the service's decoder). Nothing
+-- granted: when may a candidate serve it (FREES: `p_frees_n`, `p_frees_at`, `p_frees_held`, one
+-- entry per claim in the same order)? A candidate whose slot or window row another transaction
+-- held (a concurrent claim, the reaper, an operator's change) was passed over without knowing
+-- what that transaction leaves: if, read now, one may serve at once, the claim is 'busy' (the
+-- caller claims again). A claim its tenant holds back (TENANT HELD) is 'tenant_limit', whatever
+-- the credentials say (a tenant both at its cap and out of window room: the later of the two;
+-- NULL when its window can never hold the reservation).
+DROP FUNCTION IF EXISTS credpool_claim_answers(credpool_claim[], credpool_grant[], timestamptz);
 CREATE OR REPLACE FUNCTION credpool_claim_answers(p_claims credpool_claim[],
-    p_grants credpool_grant[], p_now timestamptz)
+    p_grants credpool_grant[], p_frees_n integer[], p_frees_at timestamptz[], p_frees_held text[], p_now timestamptz)
 RETURNS TABLE (claim integer, pool_version bigint, key_id text, lease_id uuid, lease_pool text,
                granted_at timestamptz, lease_until timestamptz, probe boolean,
                provider_model text, sealed_secret bytea, pruned_expired boolean, fence bigint,
@@ -1164,6 +1315,19 @@ AS $$
 #variable_conflict use_column
 BEGIN
     RETURN QUERY
+    WITH trail AS (
+        INSERT INTO lease_events
+            (event, lease_id, key_id, provider, pool, slot, holder, lease_until, at, fence, tokens,
+             tenant, affinity)
+        SELECT 'granted', (g.s).lease_id, (g.s).key_id, (g.s).provider, (g.s).pool, (g.s).slot,
+               (g.s).holder, (g.s).lease_until, (g.s).granted_at, (g.s).fence,
+               (g.s).reserved_tokens, (g.s).tenant,
+               -- AFFINITY: the grant's result, for the dashboard's hit ratio
+               credpool_affinity_result(o.affinity_key, o.bound, (g.s).key_id)
+        FROM unnest(p_grants) AS g
+        JOIN unnest(p_claims) AS o ON o.n = g.n
+        WHERE o.request IS NULL
+    )
     SELECT o.n, o.pool_version, (g.s).key_id, (g.s).lease_id, (g.s).pool, (g.s).granted_at,
            (g.s).lease_until, (g.s).probe, g.provider_model, g.secret, g.pruned, (g.s).fence,
            (CASE WHEN o.request IS NOT NULL THEN o.request
@@ -1187,22 +1351,8 @@ BEGIN
            o.yield_to
     FROM unnest(p_claims) AS o
     LEFT JOIN unnest(p_grants) AS g ON g.n = o.n
-    LEFT JOIN LATERAL (
-        SELECT greatest(f.at, t.at) AS at,
-               CASE WHEN t.at > f.at THEN 'token_refresh' ELSE f.held_by END AS held_by
-        FROM unnest(o.ranked) AS r (key_id)
-        JOIN credentials c ON c.key_id = r.key_id
-        LEFT JOIN lease_windows w ON w.key_id = c.key_id
-        CROSS JOIN LATERAL credpool_frees_at(c, w, o.tokens, p_now) AS f
-        CROSS JOIN LATERAL credpool_token_refreshed_at(
-            c, p_now + make_interval(secs => o.lease_seconds), p_now) AS t (at)
-        WHERE g.n IS NULL AND o.request IS NULL AND NOT (o.cap_full OR o.window_full)
-          AND c.provider = o.provider AND c.pool = o.pool
-          AND (o.model = ANY (c.models) OR c.model_aliases ? o.model)
-          AND NOT c.draining AND f.at IS NOT NULL AND t.at IS NOT NULL
-        ORDER BY greatest(f.at, t.at)
-        LIMIT 1
-    ) AS f ON true
+    LEFT JOIN unnest(p_frees_n, p_frees_at, p_frees_held) AS f (n, at, held_by)
+        ON f.n = o.n AND g.n IS NULL
     ORDER BY o.n;
 END;
 $$;

@@ -11,7 +11,9 @@ use std::time::Instant;
 
 use cluster::{CitusCluster, connect};
 use credpool::store::citus::{DISTRIBUTED, REFERENCE};
-use credpool_test_support::{Answer, AppOptions, Remote, Service, serve};
+use credpool_test_support::{
+    Answer, AppOptions, INTERNAL_KEY, Remote, Service, allocate_at_once, serve,
+};
 use reqwest::{Method, StatusCode};
 use serde_json::{Value, json};
 use sqlx::{Connection, PgConnection, PgPool};
@@ -309,6 +311,119 @@ async fn an_operator_manages_credentials_of_two_workers_through_the_api() {
             .unwrap_or_else(|e| panic!("{step}: {e}"));
     }
     let _ = coordinator.close().await;
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn claims_for_providers_on_two_workers_are_granted_exactly_to_their_limits_and_replayed() {
+    let Some((_cluster, url, db, mut coordinator)) = migrated_cluster().await else {
+        return;
+    };
+    let (first, second) = providers_on_different_workers(&mut coordinator).await;
+    distribute(&url);
+    // two replicas of the service on the coordinator, as executors' claims spread over them
+    let (one, _stop_one) = serve(db.clone(), &AppOptions::default()).await;
+    let (two, _stop_two) = serve(db.clone(), &AppOptions::default()).await;
+    let replicas = [Remote::at(one), Remote::at(two)];
+    replicas[0]
+        .put_key("a-1", &first, "default", &["m1"], 2)
+        .await;
+    replicas[0]
+        .put_key("a-2", &first, "default", &["m1"], 1)
+        .await;
+    replicas[0]
+        .put_key("b-1", &second, "default", &["m1"], 2)
+        .await;
+
+    // six claims for each provider at once, over both replicas: each provider grants exactly
+    // its three slots (no oversell, no underuse), the others answer 429 with a Retry-After
+    let body = |provider: &str| json!({"provider": provider, "model": "m1", "lease_seconds": 60});
+    for round in 0..3 {
+        let bodies = (0..12)
+            .map(|i| body(if i % 2 == 0 { &first } else { &second }))
+            .collect();
+        let answers = allocate_at_once(&replicas, INTERNAL_KEY, bodies).await;
+        let mut granted: std::collections::BTreeMap<String, Vec<(String, i64)>> =
+            std::collections::BTreeMap::new();
+        for answer in &answers {
+            match answer.status {
+                StatusCode::OK => granted
+                    .entry(answer.body["provider"].as_str().unwrap().to_owned())
+                    .or_default()
+                    .push((
+                        answer.body["key_id"].as_str().unwrap().to_owned(),
+                        answer.body["fence"].as_i64().unwrap(),
+                    )),
+                StatusCode::TOO_MANY_REQUESTS => {
+                    assert!(answer.retry_after.is_some(), "{}", answer.text);
+                }
+                status => panic!("round {round}: {status}: {}", answer.text),
+            }
+        }
+        let on_first = granted.get(&first).cloned().unwrap_or_default();
+        let on_second = granted.get(&second).cloned().unwrap_or_default();
+        if round == 0 {
+            assert_eq!(on_first.len(), 3, "round {round}: {answers:?}");
+            assert_eq!(on_second.len(), 2, "round {round}: {answers:?}");
+            let per_key = |key: &str| on_first.iter().filter(|(k, _)| k == key).count();
+            assert_eq!((per_key("a-1"), per_key("a-2")), (2, 1));
+        } else {
+            // every slot is held: nothing more is granted, whatever the replica
+            assert!(granted.is_empty(), "round {round}: {granted:?}");
+        }
+        // the slot rows say the same as the answers: one live lease per slot, never more
+        let live: Vec<(String, i64)> = sqlx::query_as(
+            "SELECT provider, count(*) FROM lease_slots
+             WHERE lease_id IS NOT NULL AND lease_until > now()
+             GROUP BY provider ORDER BY provider",
+        )
+        .fetch_all(&mut coordinator)
+        .await
+        .unwrap();
+        let mut expected = vec![(first.clone(), 3), (second.clone(), 2)];
+        expected.sort();
+        assert_eq!(live, expected, "round {round}");
+    }
+
+    // a request id on the second provider's worker: a retry replays its lease, other
+    // parameters are a conflict, and its row stays on that worker (in its provider's shard)
+    replicas[0]
+        .put_key("b-2", &second, "default", &["m1"], 1)
+        .await;
+    let asked = json!({"provider": second, "model": "m1", "lease_seconds": 60,
+                       "request_id": "req-1"});
+    let first_answer = replicas[0].lease(asked.clone()).await;
+    let retried = replicas[1].lease(asked).await;
+    assert_eq!(retried["lease_id"], first_answer["lease_id"]);
+    assert_eq!(retried["fence"], first_answer["fence"]);
+    replicas[1]
+        .allocate(
+            json!({"provider": second, "model": "m1", "lease_seconds": 30,
+                         "request_id": "req-1"}),
+        )
+        .refused(StatusCode::CONFLICT, "request_id_conflict")
+        .await;
+    let remembered: Vec<String> =
+        sqlx::query_scalar("SELECT provider FROM lease_requests WHERE request_id = 'req-1'")
+            .fetch_all(&mut coordinator)
+            .await
+            .unwrap();
+    assert_eq!(remembered, std::slice::from_ref(&second));
+
+    // every grant is in the trail on its provider's worker, each with its own fence
+    let trail: Vec<(String, String, i64)> = sqlx::query_as(
+        "SELECT provider, event, count(DISTINCT fence) FROM lease_events GROUP BY 1, 2 ORDER BY 1",
+    )
+    .fetch_all(&mut coordinator)
+    .await
+    .unwrap();
+    let mut expected = vec![
+        (first.clone(), "granted".to_owned(), 3),
+        (second.clone(), "granted".to_owned(), 3),
+    ];
+    expected.sort();
+    assert_eq!(trail, expected);
+    let _ = coordinator.close().await;
+    db.close().await;
 }
 
 /// A started cluster whose coordinator holds a migrated credpool database: the cluster (its nodes

@@ -245,6 +245,7 @@ pub async fn distribute(db: &Db, shard_count: Option<u32>) -> Result<Distributio
         }
     }
     done.per_call_plans = super::schema::plan_per_call(&mut tx).await?;
+    super::schema::route_by_provider(&mut tx).await?;
     // The coordinator keeps its copy of a reference table as a shard (`tenant_slots_102040`), and
     // a function of the table's row type now takes the shard's: drop those and apply the SQL
     // files again, which define them on the table's type.

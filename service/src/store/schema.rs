@@ -155,6 +155,7 @@ pub async fn apply_sql_files(conn: &mut PgConnection) -> Result<Vec<&'static str
     }
     if !applied.is_empty() && is_distributed(&mut tx).await? {
         plan_per_call(&mut tx).await?;
+        route_by_provider(&mut tx).await?;
     }
     tx.commit().await?;
     if !applied.is_empty() {
@@ -211,6 +212,26 @@ pub async fn plan_per_call(conn: &mut PgConnection) -> Result<i64, sqlx::Error> 
         .await?;
     }
     Ok(i64::try_from(functions.len()).unwrap_or(i64::MAX))
+}
+
+/// Redefines `credpool_on_provider(row_provider, provider)`, the predicate the lease path's
+/// statements put on every table they read by key, as `row_provider = provider`: on Citus that
+/// equality is what routes a statement to the provider's worker. The SQL files define it as
+/// `true` (on plain PostgreSQL the rows are reached by key, and a provider predicate only
+/// misleads the planner), so this runs after every application of them on a distributed
+/// database, and in `credpool citus distribute`.
+///
+/// # Errors
+/// When the store fails.
+pub async fn route_by_provider(conn: &mut PgConnection) -> Result<(), sqlx::Error> {
+    sqlx::raw_sql(
+        "CREATE OR REPLACE FUNCTION credpool_on_provider(p_row_provider text, p_provider text)
+         RETURNS boolean
+         LANGUAGE sql IMMUTABLE PARALLEL SAFE AS $$ SELECT p_row_provider = p_provider $$",
+    )
+    .execute(conn)
+    .await?;
+    Ok(())
 }
 
 /// Whether the database has every migration of this binary applied, each with the checksum of
