@@ -43,6 +43,39 @@ LANGUAGE sql IMMUTABLE PARALLEL SAFE AS $$
     SELECT true
 $$;
 
+-- PASSES: the providers that statements about the rows of several providers run for, one
+-- statement per pass, each naming its pass's provider through credpool_on_provider. On plain
+-- PostgreSQL one pass, NULL, which is every provider at once (credpool_on_provider is true there:
+-- a group of leases of several providers costs what one provider's costs, and the statement count
+-- of a call is what it was); on Citus, where credpool_on_provider is an equality, each provider
+-- named, once, ascending (the lock order), each pass's statements routed to its provider's worker.
+-- `p_providers`: distinct, ascending. (PL/pgSQL, whose test is a simple expression: on plain
+-- PostgreSQL it runs no query.)
+CREATE OR REPLACE FUNCTION credpool_provider_passes(p_providers text[])
+RETURNS text[]
+LANGUAGE plpgsql STABLE AS $$
+BEGIN
+    IF credpool_on_provider('', ' ') THEN
+        RETURN ARRAY[NULL::text];
+    END IF;
+    RETURN p_providers;
+END;
+$$;
+
+-- PASSES (credpool_provider_passes) of a call's jsonb array of objects with a "provider"
+-- (releases, renewals).
+CREATE OR REPLACE FUNCTION credpool_call_passes(p_items jsonb)
+RETURNS text[]
+LANGUAGE plpgsql STABLE AS $$
+BEGIN
+    IF credpool_on_provider('', ' ') THEN
+        RETURN ARRAY[NULL::text];
+    END IF;
+    RETURN ARRAY(SELECT DISTINCT e ->> 'provider' FROM jsonb_array_elements(p_items) AS e
+                 WHERE e ->> 'provider' IS NOT NULL ORDER BY 1);
+END;
+$$;
+
 -- The row helpers below take their rows as `anyelement` (a second row type as `anycompatible`),
 -- not as `credentials`, `lease_slots`, ...: on Citus a statement runs on a shard, whose rows are
 -- of the shard's own type (`credentials_102008`), which a function of `credentials` would not
@@ -255,6 +288,7 @@ BEGIN
         FROM (SELECT s.tenant
               FROM credentials c
               JOIN lease_slots s ON s.key_id = c.key_id
+                  AND credpool_on_provider(s.provider, p_provider)
               WHERE c.provider = p_provider AND c.pool = p_pool AND s.lease_until > p_now
                 AND (s.tenant = p_tenant OR s.tenant = ANY (v_waiting))
               UNION ALL
@@ -290,22 +324,50 @@ BEGIN
 END;
 $$;
 
+-- FAIR SHARE: whether a waiter's row is gone: its wait ended (`p_until`) or its process
+-- (last seen at `p_seen_at`, NULL: never or no more) stopped saying it is alive, a minute before
+-- `p_now`.
+CREATE OR REPLACE FUNCTION credpool_waiter_gone(p_until timestamptz, p_seen_at timestamptz,
+    p_now timestamptz)
+RETURNS boolean
+LANGUAGE sql IMMUTABLE PARALLEL SAFE AS $$
+    SELECT p_until < p_now - interval '1 minute'
+           OR coalesce(p_seen_at < p_now - interval '1 minute', true)
+$$;
+
 -- FAIR SHARE: a process with waiting requests says it is alive (every second while it has any),
--- and deletes the rows of waiters whose process stopped saying so a minute ago or whose wait
--- ended a minute ago (a row a claim is writing is skipped, never waited for).
-CREATE OR REPLACE FUNCTION credpool_waiters_seen(p_instance text)
+-- and deletes the rows of waiters that are gone (credpool_waiter_gone; a row a claim is writing
+-- is skipped, never waited for): read first, then deleted provider by provider, each row read
+-- again under its lock (on Citus each provider's rows are on its worker, and a statement that
+-- locks rows names one provider).
+DROP FUNCTION IF EXISTS credpool_waiters_seen(text);
+CREATE FUNCTION credpool_waiters_seen(p_instance text)
 RETURNS void
-LANGUAGE sql
+LANGUAGE plpgsql
 AS $$
+DECLARE
+    v_gone record;
+BEGIN
     INSERT INTO pool_waiter_processes (instance, seen_at) VALUES (p_instance, now())
     ON CONFLICT (instance) DO UPDATE SET seen_at = EXCLUDED.seen_at;
-    DELETE FROM pool_waiters
-    WHERE waiter IN (SELECT w.waiter FROM pool_waiters w
-                     LEFT JOIN pool_waiter_processes p ON p.instance = w.instance
-                     WHERE w.until < now() - interval '1 minute'
-                        OR coalesce(p.seen_at < now() - interval '1 minute', true)
-                     FOR UPDATE OF w SKIP LOCKED);
+    FOR v_gone IN
+        SELECT w.provider, array_agg(w.waiter) AS waiters
+        FROM pool_waiters w
+        LEFT JOIN pool_waiter_processes p ON p.instance = w.instance
+        WHERE credpool_waiter_gone(w.until, p.seen_at, now())
+        GROUP BY w.provider
+        ORDER BY w.provider
+    LOOP
+        DELETE FROM pool_waiters
+        WHERE provider = v_gone.provider
+          AND waiter IN (SELECT w.waiter FROM pool_waiters w
+                         LEFT JOIN pool_waiter_processes p ON p.instance = w.instance
+                         WHERE w.provider = v_gone.provider AND w.waiter = ANY (v_gone.waiters)
+                           AND credpool_waiter_gone(w.until, p.seen_at, now())
+                         FOR UPDATE OF w SKIP LOCKED);
+    END LOOP;
     DELETE FROM pool_waiter_processes WHERE seen_at < now() - interval '1 minute';
+END;
 $$;
 
 -- Whether credential `c`'s slot `s` may take a claim for (provider, pool, model) made at `p_at`
@@ -467,7 +529,7 @@ BEGIN
         RETURN;
     END IF;
     IF v_affine THEN
-        v_claims := credpool_claim_affinity(v_claims, v_now);
+        v_claims := credpool_claim_affinity(v_claims, v_providers, v_now);
         -- (a bound credential with windows makes its claim a windowed one)
         v_windowed := v_windowed OR EXISTS (SELECT 1 FROM unnest(v_claims) AS c WHERE c.windowed);
     END IF;
@@ -528,13 +590,13 @@ BEGIN
         PERFORM credpool_claim_remember(v_claims, v_grants);
     END IF;
     IF v_affine AND cardinality(v_grants) > 0 THEN
-        PERFORM credpool_claim_bind(v_claims, v_grants);
+        PERFORM credpool_claim_bind(v_claims, v_grants, v_providers);
     END IF;
     IF v_gated THEN
         v_claims := credpool_claim_tenant_held(v_claims, v_grants, v_now);
     END IF;
     IF v_waiting THEN
-        PERFORM credpool_claim_wait(v_claims, v_grants, v_now);
+        PERFORM credpool_claim_wait(v_claims, v_grants, v_providers, v_now);
     END IF;
     IF cardinality(v_grants) < cardinality(v_claims) THEN
         FOREACH v_provider IN ARRAY v_providers LOOP
@@ -656,30 +718,40 @@ $$;
 -- every candidate's credential row): that credential alone, in the claim of its pool; nothing in
 -- the sequence's other pools ('bound' answers that the caller waits for it). A bound credential
 -- with windows makes the claim a windowed one. Bindings are per tenant.
-CREATE OR REPLACE FUNCTION credpool_claim_affinity(p_claims credpool_claim[], p_now timestamptz)
+DROP FUNCTION IF EXISTS credpool_claim_affinity(credpool_claim[], timestamptz);
+CREATE OR REPLACE FUNCTION credpool_claim_affinity(p_claims credpool_claim[], p_providers text[],
+    p_now timestamptz)
 RETURNS credpool_claim[]
 LANGUAGE plpgsql
 AS $$
 DECLARE
     v_claims credpool_claim[] := p_claims;
+    v_provider text;
     r record;
 BEGIN
+    -- (one statement per pass, credpool_provider_passes: on Citus each reads its provider's
+    -- bindings and credentials on its worker)
+    FOREACH v_provider IN ARRAY credpool_provider_passes(p_providers) LOOP
     FOR r IN
         SELECT o.n, b.key_id AS bound, x.cred, coalesce(x.confined, false) AS confined
         FROM unnest(p_claims) AS o
         JOIN LATERAL (
             SELECT b.key_id FROM affinity_bindings b
-            WHERE b.tenant = o.tenant AND b.provider = o.provider AND b.pool = o.affinity_pools[1]
+            WHERE credpool_on_provider(b.provider, v_provider)
+              AND b.tenant = o.tenant AND b.provider = o.provider AND b.pool = o.affinity_pools[1]
               AND b.affinity_key = o.affinity_key AND b.expires_at > p_now
             LIMIT 1
         ) AS b ON true
         LEFT JOIN LATERAL (
-            SELECT c AS cred,
+            SELECT ROW(c.*)::credentials AS cred,
                    o.affinity_mode = 'strict' AND c.pool = ANY (o.affinity_pools)
                    AND credpool_may_serve(c, o.provider, c.pool, o.model, p_now) AS confined
-            FROM credentials c WHERE c.key_id = b.key_id LIMIT 1
+            FROM credentials c
+            WHERE c.key_id = b.key_id AND credpool_on_provider(c.provider, v_provider)
+            LIMIT 1
         ) AS x ON true
-        WHERE o.affinity_key IS NOT NULL AND o.request IS NULL
+        WHERE credpool_on_provider(o.provider, v_provider)
+          AND o.affinity_key IS NOT NULL AND o.request IS NULL
     LOOP
         v_claims[r.n].bound := r.bound;
         v_claims[r.n].bound_only := r.confined;
@@ -689,6 +761,7 @@ BEGIN
             ELSE '{}' END;
         v_claims[r.n].windowed := v_claims[r.n].windowed
                                   OR coalesce((r.cred).rate_limits <> '[]'::jsonb, false);
+    END LOOP;
     END LOOP;
     RETURN v_claims;
 END;
@@ -1098,21 +1171,25 @@ BEGIN
 END;
 $$;
 
--- BIND: the affinity bindings of the call's grants (not its replays), in one statement, the last
--- grant of each affinity key in claim order: a hit refreshes last_hit_at and expires_at (the TTL
--- counts from the last hit), 'new' and 'moved' bind the credential that served. Never waited for:
--- first the affinity keys' advisory locks, tried, in a statement of their own, so that the write's
--- snapshot, taken after them, sees every binding the lock's last holder wrote (a row the write
--- does not see can only be inserted by a holder of the lock, so its INSERT never meets another
+-- BIND: the affinity bindings of the call's grants (not its replays), the last grant of each
+-- affinity key in claim order: a hit refreshes last_hit_at and expires_at (the TTL counts from
+-- the last hit), 'new' and 'moved' bind the credential that served. Never waited for: first the
+-- affinity keys' advisory locks, tried, in a statement of their own, so that the later
+-- statements' snapshots, taken after them, see every binding the lock's last holder wrote (a row
+-- they do not see can only be inserted by a holder of the lock, so the INSERT never meets another
 -- transaction's row in progress); then each existing row locked with SKIP LOCKED (a row another
 -- transaction holds: a delete cascading, the maintenance pass, is left as it is: a binding is a
--- hint), and only rows it locked or that do not exist are written.
-CREATE OR REPLACE FUNCTION credpool_claim_bind(p_claims credpool_claim[], p_grants credpool_grant[])
+-- hint); then one statement writes the rows it locked and those that did not exist.
+DROP FUNCTION IF EXISTS credpool_claim_bind(credpool_claim[], credpool_grant[]);
+CREATE OR REPLACE FUNCTION credpool_claim_bind(p_claims credpool_claim[], p_grants credpool_grant[],
+    p_providers text[])
 RETURNS void
 LANGUAGE plpgsql
 AS $$
 DECLARE
     v_bind integer[];
+    v_write integer[] := '{}';
+    v_provider text;
 BEGIN
     SELECT coalesce(array_agg(d.n), '{}') INTO v_bind
     FROM (SELECT DISTINCT ON (o.tenant, o.provider, o.affinity_pools[1], o.affinity_key)
@@ -1126,35 +1203,38 @@ BEGIN
     IF v_bind = '{}' THEN
         RETURN;
     END IF;
-    WITH wanted AS (
-        SELECT o.tenant, o.provider, o.affinity_pools[1] AS pool, o.affinity_key,
-               (g.s).key_id, (g.s).granted_at AS at, o.affinity_ttl_seconds AS ttl
-        FROM unnest(p_grants) AS g
-        JOIN unnest(p_claims) AS o ON o.n = g.n
-        WHERE o.n = ANY (v_bind)
-    ),
-    found AS (
-        SELECT w.*, e.found, l.locked
-        FROM wanted w
-        LEFT JOIN LATERAL (
-            SELECT true AS found FROM affinity_bindings b
-            WHERE b.tenant = w.tenant AND b.provider = w.provider AND b.pool = w.pool
-              AND b.affinity_key = w.affinity_key
-            LIMIT 1
-        ) AS e ON true
-        LEFT JOIN LATERAL (
-            SELECT true AS locked FROM affinity_bindings b
-            WHERE b.tenant = w.tenant AND b.provider = w.provider AND b.pool = w.pool
-              AND b.affinity_key = w.affinity_key
-            FOR UPDATE SKIP LOCKED
-        ) AS l ON e.found
-    )
+    -- the bindings it may write: those that do not exist and those it locked (one statement per
+    -- pass, credpool_provider_passes; the lock and the write are two statements: Citus refuses an
+    -- INSERT fed by a locking query)
+    FOREACH v_provider IN ARRAY credpool_provider_passes(p_providers) LOOP
+        v_write := v_write || ARRAY(
+            SELECT o.n
+            FROM unnest(p_claims) AS o
+            LEFT JOIN LATERAL (
+                SELECT true AS found FROM affinity_bindings b
+                WHERE credpool_on_provider(b.provider, v_provider)
+                  AND b.tenant = o.tenant AND b.provider = o.provider
+                  AND b.pool = o.affinity_pools[1] AND b.affinity_key = o.affinity_key
+                LIMIT 1
+            ) AS e ON true
+            LEFT JOIN LATERAL (
+                SELECT true AS locked FROM affinity_bindings b
+                WHERE credpool_on_provider(b.provider, v_provider)
+                  AND b.tenant = o.tenant AND b.provider = o.provider
+                  AND b.pool = o.affinity_pools[1] AND b.affinity_key = o.affinity_key
+                FOR UPDATE SKIP LOCKED
+            ) AS l ON e.found
+            WHERE o.n = ANY (v_bind) AND credpool_on_provider(o.provider, v_provider)
+              AND (e.found IS NULL OR l.locked));
+    END LOOP;
     INSERT INTO affinity_bindings AS b
         (tenant, provider, pool, affinity_key, key_id, bound_at, last_hit_at, expires_at)
-    SELECT f.tenant, f.provider, f.pool, f.affinity_key, f.key_id, f.at, f.at,
-           f.at + make_interval(secs => f.ttl)
-    FROM found f
-    WHERE f.found IS NULL OR f.locked
+    SELECT o.tenant, o.provider, o.affinity_pools[1], o.affinity_key, (g.s).key_id,
+           (g.s).granted_at, (g.s).granted_at,
+           (g.s).granted_at + make_interval(secs => o.affinity_ttl_seconds)
+    FROM unnest(p_grants) AS g
+    JOIN unnest(p_claims) AS o ON o.n = g.n
+    WHERE o.n = ANY (v_write)
     ON CONFLICT ON CONSTRAINT affinity_bindings_pkey DO UPDATE
     SET key_id = EXCLUDED.key_id,
         -- a hit keeps when the conversation was bound; a move or an expired binding starts anew
@@ -1216,17 +1296,25 @@ $$;
 -- never yielded to), nor for a strict affinity claim (it waits for one credential: other tenants'
 -- claims must not yield every other slot of the pool to it). Only the request's own claims write
 -- its row, one after the other, so the write never waits.
+DROP FUNCTION IF EXISTS credpool_claim_wait(credpool_claim[], credpool_grant[], timestamptz);
 CREATE OR REPLACE FUNCTION credpool_claim_wait(p_claims credpool_claim[], p_grants credpool_grant[],
-    p_now timestamptz)
+    p_providers text[], p_now timestamptz)
 RETURNS void
 LANGUAGE plpgsql
 AS $$
+DECLARE
+    v_provider text;
 BEGIN
-    DELETE FROM pool_waiters w
-    WHERE w.waiter IN (SELECT (o.waiting ->> 'waiter')::uuid
-                       FROM unnest(p_claims) AS o
-                       WHERE o.since IS NOT NULL
-                         AND o.n IN (SELECT g.n FROM unnest(p_grants) AS g));
+    -- (one statement per pass, credpool_provider_passes)
+    FOREACH v_provider IN ARRAY credpool_provider_passes(p_providers) LOOP
+        DELETE FROM pool_waiters w
+        WHERE credpool_on_provider(w.provider, v_provider)
+          AND w.waiter IN (SELECT (o.waiting ->> 'waiter')::uuid
+                           FROM unnest(p_claims) AS o
+                           WHERE o.since IS NOT NULL AND credpool_on_provider(o.provider, v_provider)
+                             AND o.n IN (SELECT g.n FROM unnest(p_grants) AS g));
+    END LOOP;
+    -- (the key named: on Citus it is (waiter, provider), under the same name)
     INSERT INTO pool_waiters AS w (waiter, instance, tenant, provider, pools, model, since, until,
                                    tokens, shares)
     SELECT (o.waiting ->> 'waiter')::uuid, o.waiting ->> 'instance', o.tenant, o.provider,
@@ -1237,7 +1325,7 @@ BEGIN
     WHERE o.since IS NOT NULL AND o.tenant IS NOT NULL
       AND o.n NOT IN (SELECT g.n FROM unnest(p_grants) AS g)
       AND o.request IS DISTINCT FROM 'conflict' AND o.request IS DISTINCT FROM 'in_flight'
-    ON CONFLICT (waiter) DO UPDATE SET shares = EXCLUDED.shares
+    ON CONFLICT ON CONSTRAINT pool_waiters_pkey DO UPDATE SET shares = EXCLUDED.shares
     WHERE w.shares IS DISTINCT FROM EXCLUDED.shares;
 END;
 $$;

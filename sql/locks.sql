@@ -154,11 +154,15 @@ $$;
 
 -- GATES: a change of what a claim decides on (see CLAIM) moves the credential's configuration
 -- version, and writes it into every slot row of the credential in the same transaction. Health
--- written from outcome reports (credpool_release_health, which sets credpool.health_write for its
--- own run) does not: it holds a slot row and then the credential row, and writing the other slot
--- rows after the credential row would break the lock order; the claim reads health from its
--- snapshot by design. Every other writer of credentials locks the slot rows first
--- (credpool_lock_credentials), so the slot update below never waits.
+-- written from outcome reports (credpool_release_health) does not: it holds a slot row and then
+-- the credential row, and writing the other slot rows after the credential row would break the
+-- lock order; the claim reads health from its snapshot by design. Such a write is told apart by
+-- its row: it always moves health_decayed_at (credpool_health_apply decays the counts to the
+-- report's clock), which nothing else writes; a change of status or cooldown that leaves
+-- health_decayed_at as it was is an operator's (or the cleanup pass's). (The row, not a session
+-- setting: on Citus the trigger fires on the worker, in a session of its own.) Every other
+-- writer of credentials locks the slot rows first (credpool_lock_credentials), so the slot
+-- update below never waits.
 CREATE OR REPLACE FUNCTION credentials_config_changed() RETURNS trigger
 LANGUAGE plpgsql AS $$
 BEGIN
@@ -184,7 +188,7 @@ CREATE TRIGGER credentials_config_version
           (NEW.provider, NEW.pool, NEW.models, NEW.model_aliases, NEW.max_concurrent_uses,
            NEW.draining, NEW.rate_limits, NEW.secret, NEW.secret_ciphertext, NEW.token_expires_at)
           OR ((OLD.status, OLD.cooldown_until) IS DISTINCT FROM (NEW.status, NEW.cooldown_until)
-              AND current_setting('credpool.health_write', true) IS DISTINCT FROM 'on'))
+              AND OLD.health_decayed_at IS NOT DISTINCT FROM NEW.health_decayed_at))
     EXECUTE FUNCTION credentials_config_changed();
 
 DROP TRIGGER IF EXISTS credentials_config_to_slots ON credentials;

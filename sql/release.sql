@@ -134,11 +134,12 @@ END;
 $$;
 
 -- USAGE: the tokens a call really used replace its reservation in the token windows of its
--- credential `p_key_id` and of its tenant `p_tenant` (a lease granted at `p_granted_at`;
--- `p_delta` = usage - reservation). The caller holds the lease_windows row's lock and the
--- tenant_windows row's.
+-- credential `p_key_id` (of provider `p_provider`) and of its tenant `p_tenant` (a lease granted
+-- at `p_granted_at`; `p_delta` = usage - reservation). The caller holds the lease_windows row's
+-- lock and the tenant_windows row's.
 DROP FUNCTION IF EXISTS credpool_charge_usage(text, timestamptz, bigint);
-CREATE OR REPLACE FUNCTION credpool_charge_usage(p_key_id text, p_tenant text,
+DROP FUNCTION IF EXISTS credpool_charge_usage(text, text, timestamptz, bigint);
+CREATE OR REPLACE FUNCTION credpool_charge_usage(p_provider text, p_key_id text, p_tenant text,
     p_granted_at timestamptz, p_delta bigint)
 RETURNS void
 LANGUAGE plpgsql AS $$
@@ -146,7 +147,8 @@ BEGIN
     UPDATE lease_windows w
     SET (bucket_ids, bucket_charged) =
         (SELECT x.bucket_ids, x.bucket_charged FROM credpool_window_adjust(w, p_granted_at, p_delta) x)
-    WHERE w.key_id = p_key_id AND p_delta <> 0 AND 'tokens' = ANY (w.window_kinds);
+    WHERE credpool_on_provider(w.provider, p_provider) AND w.key_id = p_key_id AND p_delta <> 0
+      AND 'tokens' = ANY (w.window_kinds);
     UPDATE tenant_windows tw
     SET (bucket_ids, bucket_charged) =
         (SELECT x.bucket_ids, x.bucket_charged
@@ -233,9 +235,11 @@ DECLARE
     v_late boolean;
     v_counted boolean;
     v_hooked boolean;
+    v_passes text[] := credpool_call_passes(p_releases);
+    v_provider text;
 BEGIN
     -- (the phases are called in expressions, not statements: each costs a function call only)
-    v_parsed := credpool_release_parse(p_releases);
+    v_parsed := credpool_release_parse(p_releases, v_passes);
     v_releases := v_parsed.releases;
     v_usage := v_parsed.usage;
     v_rejects := v_parsed.rejects;
@@ -245,16 +249,16 @@ BEGIN
     IF v_rejects THEN
         -- (the credentials' rows before every other row: their slot rows come first, in one
         -- order with the slot rows of the group's other leases)
-        v_reject_keys := credpool_release_rejects(v_releases);
+        v_reject_keys := credpool_release_rejects(v_releases, v_passes);
         IF v_reject_keys <> '{}' THEN
             PERFORM credpool_lock_credentials(v_reject_keys, false,
                 ARRAY(SELECT r.lease_id FROM unnest(v_releases) AS r));
         END IF;
     END IF;
-    v_slots := credpool_release_lock(v_releases, v_usage);
+    v_slots := credpool_release_lock(v_releases, v_usage, v_parsed.usage_tenants, v_passes);
     v_hooked := credpool_test_hook('release.locked');
     v_now := clock_timestamp();
-    v_verdicts := credpool_release_verdicts(v_releases, v_slots, v_usage, v_now);
+    v_verdicts := credpool_release_verdicts(v_releases, v_slots, v_usage, v_now, v_passes);
     v_releases := v_verdicts.releases;
     v_late := v_verdicts.late;
     v_counted := v_verdicts.counted;
@@ -263,11 +267,14 @@ BEGIN
         v_counted := EXISTS (SELECT 1 FROM unnest(v_releases) AS r WHERE r.counted);
     END IF;
     IF v_counted THEN
-        v_releases := credpool_release_health(v_releases, v_reject_keys, p_policy);
+        v_releases := credpool_release_health(v_releases, v_reject_keys, p_policy, v_passes);
     END IF;
     IF v_reject_keys <> '{}' THEN
-        v_hooked := credpool_release_tokens(v_releases, v_reject_keys, v_now);
+        v_hooked := credpool_release_tokens(v_releases, v_reject_keys, v_now, v_passes);
     END IF;
+    -- (one query per pass: on Citus each reads its provider's waiters on its worker; the caller
+    -- orders the rows)
+    FOREACH v_provider IN ARRAY v_passes LOOP
     RETURN QUERY
     SELECT r.n, r.verdict, CASE WHEN r.verdict IN ('released', 'expired') OR r.counted
                                 THEN r.key_id END,
@@ -279,22 +286,31 @@ BEGIN
            (r.health).cooldowns_in_a_row, (r.health).last_success_at, (r.health).recovered_at,
            r.verdict = 'released'
            AND EXISTS (SELECT 1 FROM pool_waiters w
-                       WHERE w.provider = r.provider AND r.pool = ANY (w.pools) AND w.until > v_now)
+                       WHERE credpool_on_provider(w.provider, v_provider)
+                         AND w.provider = r.provider AND r.pool = ANY (w.pools) AND w.until > v_now)
     FROM unnest(v_releases) AS r
+    WHERE credpool_on_provider(r.provider, v_provider)
     ORDER BY r.n;
+    END LOOP;
 END;
 $$;
 
--- PARSE: the releases of a call as the service sent them, each with its place and its key's
--- tenant (NULL: no live key; read by this statement, so no replica honours a key once its revoke
--- has committed); whether any reports a usage, and whether any reports `auth_expired`. With a
--- usage, the tenants of the leases it names take their advisory locks in shared mode here, first
--- of every lock (no change of one of them adds or removes its tenant_windows row, or seeds a new
--- window from the trail, while this call charges its usage).
-CREATE OR REPLACE FUNCTION credpool_release_parse(p_releases jsonb,
-    OUT releases credpool_release[], OUT usage boolean, OUT rejects boolean)
+-- PARSE: the releases of a call as the service sent them, each with its key's tenant (NULL: no
+-- live key; read by this statement, so no replica honours a key once its revoke has committed);
+-- whether any reports a usage, and whether any reports `auth_expired`. With a usage, the tenants
+-- of the leases it names (`usage_tenants`; read per pass, `p_passes`) take their
+-- advisory locks in shared mode here, first of every lock (no change of one of them adds or
+-- removes its tenant_windows row, or seeds a new window from the trail, while this call charges
+-- its usage). (The locks are taken in a statement of their own: on Citus the reads run on the
+-- workers, and an advisory lock taken there would not be the coordinator's.)
+DROP FUNCTION IF EXISTS credpool_release_parse(jsonb);
+CREATE OR REPLACE FUNCTION credpool_release_parse(p_releases jsonb, p_passes text[],
+    OUT releases credpool_release[], OUT usage boolean, OUT rejects boolean,
+    OUT usage_tenants text[])
 LANGUAGE plpgsql
 AS $$
+DECLARE
+    v_provider text;
 BEGIN
     SELECT array_agg(ROW(x.lease_id, x.key_id, x.provider, x.pool, x.fence, x.outcome,
                          x.usage_tokens, x.key_hash, x.retry_after_seconds,
@@ -306,18 +322,25 @@ BEGIN
     INTO releases, usage, rejects
     FROM jsonb_populate_recordset(NULL::credpool_release, p_releases) WITH ORDINALITY AS x
     LEFT JOIN LATERAL credpool_key_tenant(x.key_hash) AS k (tenant) ON true;
+    usage_tenants := '{}';
     IF usage THEN
+        FOREACH v_provider IN ARRAY p_passes LOOP
+            usage_tenants := usage_tenants || ARRAY(
+                SELECT coalesce(s.tenant, g.tenant)
+                FROM unnest(releases) AS r
+                LEFT JOIN lease_slots s ON credpool_on_provider(s.provider, v_provider)
+                    AND s.key_id = r.key_id AND s.lease_id = r.lease_id
+                LEFT JOIN LATERAL (
+                    SELECT g.tenant FROM lease_events g
+                    WHERE s.lease_id IS NULL AND credpool_on_provider(g.provider, v_provider)
+                      AND g.lease_id = r.lease_id AND g.event = 'granted'
+                    LIMIT 1
+                ) AS g ON true
+                WHERE credpool_on_provider(r.provider, v_provider) AND r.usage_tokens IS NOT NULL
+                  AND coalesce(s.tenant, g.tenant) IS NOT NULL);
+        END LOOP;
         PERFORM pg_advisory_xact_lock_shared(hashtextextended('credpool.tenant:' || t.tenant, 0))
-        FROM (SELECT DISTINCT coalesce(s.tenant, g.tenant) AS tenant
-              FROM unnest(releases) AS r
-              LEFT JOIN lease_slots s ON s.key_id = r.key_id AND s.lease_id = r.lease_id
-              LEFT JOIN LATERAL (
-                  SELECT g.tenant FROM lease_events g
-                  WHERE s.lease_id IS NULL AND g.lease_id = r.lease_id AND g.event = 'granted'
-                  LIMIT 1
-              ) AS g ON true
-              WHERE r.usage_tokens IS NOT NULL AND coalesce(s.tenant, g.tenant) IS NOT NULL
-              ORDER BY 1) AS t;
+        FROM (SELECT DISTINCT u AS tenant FROM unnest(usage_tenants) AS u ORDER BY 1) AS t;
     END IF;
 END;
 $$;
@@ -327,63 +350,87 @@ $$;
 -- once it left it, its `granted` row; and the key presented is of the lease's tenant; read from
 -- this snapshot: a lease's credential and tenant never change). A report naming any other
 -- credential locks nothing of it.
-CREATE OR REPLACE FUNCTION credpool_release_rejects(p_releases credpool_release[])
+DROP FUNCTION IF EXISTS credpool_release_rejects(credpool_release[]);
+CREATE OR REPLACE FUNCTION credpool_release_rejects(p_releases credpool_release[],
+    p_passes text[])
 RETURNS text[]
-LANGUAGE sql STABLE
+LANGUAGE plpgsql STABLE
 AS $$
-    SELECT coalesce(array_agg(DISTINCT r.key_id ORDER BY r.key_id), '{}')
-    FROM unnest(p_releases) AS r
-    JOIN oauth_credentials o ON o.key_id = r.key_id
-    LEFT JOIN lease_slots s ON s.key_id = r.key_id AND s.lease_id = r.lease_id
-    LEFT JOIN LATERAL (
-        SELECT g.key_id, coalesce(g.tenant, 'default') AS tenant FROM lease_events g
-        WHERE s.lease_id IS NULL AND g.lease_id = r.lease_id AND g.event = 'granted'
-        LIMIT 1
-    ) AS g ON true
-    WHERE r.outcome = 'auth_expired' AND r.tenant IS NOT NULL
-      AND coalesce(s.key_id, g.key_id) = r.key_id AND coalesce(s.tenant, g.tenant) = r.tenant
+DECLARE
+    v_keys text[] := '{}';
+    v_provider text;
+BEGIN
+    FOREACH v_provider IN ARRAY p_passes LOOP
+        v_keys := v_keys || ARRAY(
+            SELECT r.key_id
+            FROM unnest(p_releases) AS r
+            JOIN oauth_credentials o
+                ON credpool_on_provider(o.provider, v_provider) AND o.key_id = r.key_id
+            LEFT JOIN lease_slots s ON credpool_on_provider(s.provider, v_provider)
+                AND s.key_id = r.key_id AND s.lease_id = r.lease_id
+            LEFT JOIN LATERAL (
+                SELECT g.key_id, coalesce(g.tenant, 'default') AS tenant FROM lease_events g
+                WHERE s.lease_id IS NULL AND credpool_on_provider(g.provider, v_provider)
+                  AND g.lease_id = r.lease_id AND g.event = 'granted'
+                LIMIT 1
+            ) AS g ON true
+            WHERE credpool_on_provider(r.provider, v_provider)
+              AND r.outcome = 'auth_expired' AND r.tenant IS NOT NULL
+              AND coalesce(s.key_id, g.key_id) = r.key_id
+              AND coalesce(s.tenant, g.tenant) = r.tenant);
+    END LOOP;
+    RETURN ARRAY(SELECT DISTINCT k FROM unnest(v_keys) AS k ORDER BY 1);
+END;
 $$;
 
--- LOCK: the slot rows of the named leases, ascending (provider, key_id, slot), in one statement: returned
+-- LOCK: the slot rows of the named leases, ascending (provider, key_id, slot), in one statement
+-- per pass (`p_passes`, credpool_provider_passes; on Citus a release that names another provider
+-- than its lease's finds no slot row: its provider's worker is asked): returned
 -- as locked (their newest versions); their tenant slot rows right after (lock order 4: END
 -- clears them), only when a lease has one; with a usage, the lease_windows rows of the
--- credentials named with one, then the tenant_windows rows of those leases' tenants (whose
--- advisory locks PARSE took).
-CREATE OR REPLACE FUNCTION credpool_release_lock(p_releases credpool_release[], p_usage boolean)
+-- credentials named with one, then the tenant_windows rows of those leases' tenants
+-- (`p_usage_tenants`, whose advisory locks PARSE took).
+DROP FUNCTION IF EXISTS credpool_release_lock(credpool_release[], boolean);
+DROP FUNCTION IF EXISTS credpool_release_lock(credpool_release[], boolean, text[]);
+CREATE OR REPLACE FUNCTION credpool_release_lock(p_releases credpool_release[], p_usage boolean,
+    p_usage_tenants text[], p_passes text[])
 RETURNS lease_slots[]
 LANGUAGE plpgsql
 AS $$
 DECLARE
-    v_slots lease_slots[];
-    v_tenant_rows boolean;
+    v_slots lease_slots[] := '{}';
+    v_found lease_slots[];
+    v_capped boolean;
+    v_tenant_rows boolean := false;
+    v_provider text;
 BEGIN
-    SELECT coalesce(array_agg(l.s), '{}'), coalesce(bool_or((l.s).tenant_slot IS NOT NULL), false)
-    INTO v_slots, v_tenant_rows
-    FROM (SELECT s FROM lease_slots s
-          WHERE (s.key_id, s.lease_id) IN (SELECT r.key_id, r.lease_id FROM unnest(p_releases) AS r)
-          ORDER BY s.provider, s.key_id, s.slot
-          FOR UPDATE) AS l;
+    FOREACH v_provider IN ARRAY p_passes LOOP
+        SELECT coalesce(array_agg(l.s), '{}'), coalesce(bool_or((l.s).tenant_slot IS NOT NULL), false)
+        INTO v_found, v_capped
+        FROM (SELECT ROW(s.*)::lease_slots AS s FROM lease_slots s
+              WHERE credpool_on_provider(s.provider, v_provider)
+                AND (s.key_id, s.lease_id) IN (SELECT r.key_id, r.lease_id FROM unnest(p_releases) AS r
+                                               WHERE credpool_on_provider(r.provider, v_provider))
+              ORDER BY s.provider, s.key_id, s.slot
+              FOR UPDATE) AS l;
+        v_slots := v_slots || v_found;
+        v_tenant_rows := v_tenant_rows OR v_capped;
+    END LOOP;
     IF v_tenant_rows THEN
         v_tenant_rows := credpool_lock_tenant_slots(v_slots);
     END IF;
     IF p_usage THEN
-        PERFORM 1 FROM lease_windows w
-        WHERE w.key_id IN (SELECT r.key_id FROM unnest(p_releases) AS r
-                           WHERE r.usage_tokens IS NOT NULL)
-        ORDER BY w.provider, w.key_id
-        FOR UPDATE;
+        FOREACH v_provider IN ARRAY p_passes LOOP
+            PERFORM 1 FROM lease_windows w
+            WHERE credpool_on_provider(w.provider, v_provider)
+              AND w.key_id IN (SELECT r.key_id FROM unnest(p_releases) AS r
+                               WHERE r.usage_tokens IS NOT NULL
+                                 AND credpool_on_provider(r.provider, v_provider))
+            ORDER BY w.provider, w.key_id
+            FOR UPDATE;
+        END LOOP;
         PERFORM 1 FROM tenant_windows tw
-        WHERE tw.tenant_id IN (SELECT coalesce(x.tenant, g.tenant)
-                               FROM unnest(p_releases) AS r
-                               LEFT JOIN unnest(v_slots) AS x
-                                   ON x.key_id = r.key_id AND x.lease_id = r.lease_id
-                               LEFT JOIN LATERAL (
-                                   SELECT g.tenant FROM lease_events g
-                                   WHERE x.lease_id IS NULL AND g.lease_id = r.lease_id
-                                     AND g.event = 'granted'
-                                   LIMIT 1
-                               ) AS g ON true
-                               WHERE r.usage_tokens IS NOT NULL)
+        WHERE tw.tenant_id = ANY (p_usage_tenants)
         ORDER BY tw.tenant_id
         FOR UPDATE;
     END IF;
@@ -397,27 +444,39 @@ $$;
 -- lease that ends, in one call of END: released now (with its outcome and usage), or found
 -- expired in its slot (at its own lease_until). Says whether a late report or a usage is left
 -- for LATE, and whether an outcome counts for HEALTH.
+DROP FUNCTION IF EXISTS credpool_release_verdicts(credpool_release[], lease_slots[], boolean,
+    timestamptz);
 CREATE OR REPLACE FUNCTION credpool_release_verdicts(p_releases credpool_release[],
-    p_slots lease_slots[], p_usage boolean, p_now timestamptz,
+    p_slots lease_slots[], p_usage boolean, p_now timestamptz, p_passes text[],
     OUT releases credpool_release[], OUT late boolean, OUT counted boolean)
 LANGUAGE plpgsql
 AS $$
 DECLARE
-    v_providers text[];
+    v_providers text[] := '{}';
     v_provider text;
+    v_part credpool_release[];
+    v_late boolean;
+    v_counted boolean;
+    v_ending text[];
 BEGIN
-    SELECT array_agg(ROW(j.lease_id, j.key_id, j.provider, j.pool, j.fence, j.outcome,
+    releases := '{}';
+    late := false;
+    counted := false;
+    -- (one statement per pass: on Citus the trail and the slot rows of a lease no longer in its
+    -- slot are read on its provider's worker)
+    FOREACH v_provider IN ARRAY p_passes LOOP
+    SELECT coalesce(array_agg(ROW(j.lease_id, j.key_id, j.provider, j.pool, j.fence, j.outcome,
                          j.usage_tokens, j.key_hash, j.retry_after_seconds, j.may_disable, j.n,
                          j.tenant, j.s, j.decided, NULL, NULL,
                          j.decided = 'released' AND j.outcome IS NOT NULL, NULL)::credpool_release
-                     ORDER BY j.n),
+                     ORDER BY j.n), '{}'),
            coalesce(bool_or(j.decided IN ('expired', 'not_found')
                             AND (j.outcome IS NOT NULL OR j.usage_tokens IS NOT NULL)
                             OR j.decided = 'released' AND j.usage_tokens IS NOT NULL), false),
            coalesce(bool_or(j.decided = 'released' AND j.outcome IS NOT NULL), false),
            coalesce(array_agg(DISTINCT (j.s).provider ORDER BY (j.s).provider)
                         FILTER (WHERE j.decided IN ('released', 'expired')), '{}')
-    INTO releases, late, counted, v_providers
+    INTO v_part, v_late, v_counted, v_ending
     FROM (
         SELECT b.*,
                CASE WHEN NOT b.authorized THEN 'unauthorized'
@@ -436,9 +495,11 @@ BEGIN
         LEFT JOIN LATERAL (
             SELECT coalesce(g.tenant, 'default') AS tenant,
                    EXISTS (SELECT 1 FROM lease_slots o
-                           WHERE o.key_id = g.key_id AND o.lease_id = g.lease_id) AS elsewhere
+                           WHERE credpool_on_provider(o.provider, v_provider)
+                             AND o.key_id = g.key_id AND o.lease_id = g.lease_id) AS elsewhere
             FROM lease_events g
-            WHERE x.lease_id IS NULL AND g.lease_id = r.lease_id AND g.event = 'granted'
+            WHERE x.lease_id IS NULL AND credpool_on_provider(g.provider, v_provider)
+              AND g.lease_id = r.lease_id AND g.event = 'granted'
             LIMIT 1
         ) AS g ON true
         CROSS JOIN LATERAL (
@@ -450,8 +511,18 @@ BEGIN
                    coalesce(x.provider = r.provider AND x.pool = r.pool
                             AND (r.fence IS NULL OR x.fence = r.fence), false) AS matches
         ) AS a
+        WHERE credpool_on_provider(r.provider, v_provider)
         ) AS b
     ) AS j;
+    releases := releases || v_part;
+    late := late OR v_late;
+    counted := counted OR v_counted;
+    v_providers := v_providers || v_ending;
+    END LOOP;
+    IF cardinality(p_passes) > 1 THEN
+        -- (the later phases find release n at place n)
+        releases := ARRAY(SELECT r FROM unnest(releases) AS r ORDER BY r.n);
+    END IF;
     -- (one call per provider of the leases that end, ascending: almost always one)
     FOREACH v_provider IN ARRAY v_providers LOOP
         PERFORM credpool_end_leases(
@@ -502,40 +573,45 @@ BEGIN
         IF r.verdict = 'released' AND r.usage_tokens IS NOT NULL THEN
             v_releases[r.n].usage_at := (r.slot).granted_at;
             v_releases[r.n].usage_delta := r.usage_tokens - coalesce((r.slot).reserved_tokens, 0);
-            PERFORM credpool_charge_usage(r.key_id, (r.slot).tenant, (r.slot).granted_at,
+            PERFORM credpool_charge_usage(r.provider, r.key_id, (r.slot).tenant, (r.slot).granted_at,
                                           r.usage_tokens - coalesce((r.slot).reserved_tokens, 0));
         ELSIF r.verdict IN ('expired', 'not_found')
               AND (r.outcome IS NOT NULL OR r.usage_tokens IS NOT NULL) THEN
             -- once per lease: under the lease's advisory lock, so the check below sees the
             -- row of any earlier holder (a retry in another group), committed
             PERFORM pg_advisory_xact_lock(hashtextextended('credpool.lease:' || r.lease_id, 0));
-            INSERT INTO lease_events
-                (event, lease_id, key_id, provider, pool, slot, holder, outcome, lease_until, at,
-                 tokens, tenant)
-            SELECT 'outcome_after_expiry', g.lease_id, g.key_id, g.provider, g.pool, g.slot,
-                   g.holder, r.outcome,
-                   (SELECT max(e.lease_until) FROM lease_events e WHERE e.lease_id = r.lease_id),
-                   p_now, r.usage_tokens, g.tenant
-            FROM lease_events g
-            WHERE g.lease_id = r.lease_id AND g.event = 'granted'
-              AND g.key_id = r.key_id AND g.provider = r.provider AND g.pool = r.pool
-              AND (r.fence IS NULL OR g.fence IS NULL OR g.fence = r.fence)
-              AND NOT EXISTS (SELECT 1 FROM lease_events d
-                              WHERE d.lease_id = r.lease_id
-                                AND d.event IN ('released', 'outcome_after_expiry'))
-            LIMIT 1
-            RETURNING (SELECT g2.at FROM lease_events g2
-                       WHERE g2.lease_id = r.lease_id AND g2.event = 'granted' LIMIT 1) AS granted_at,
-                      (SELECT g2.tokens FROM lease_events g2
-                       WHERE g2.lease_id = r.lease_id AND g2.event = 'granted' LIMIT 1) AS reserved,
-                      tenant
-            INTO v_late;
+            -- (the lease's `granted` row and what its trail says since, read first and written
+            -- after in a statement of its own: on Citus each is routed to the lease's provider's
+            -- worker, which an INSERT fed by a query with subqueries of the trail is not)
+            SELECT g.*, t.last_until, t.reported INTO v_late
+            FROM (SELECT max(e.lease_until) AS last_until,
+                         bool_or(e.event IN ('released', 'outcome_after_expiry')) AS reported
+                  FROM lease_events e
+                  WHERE credpool_on_provider(e.provider, r.provider) AND e.lease_id = r.lease_id) AS t
+            CROSS JOIN LATERAL (
+                SELECT g.lease_id, g.key_id, g.provider, g.pool, g.slot, g.holder, g.tenant,
+                       g.at AS granted_at, g.tokens AS reserved
+                FROM lease_events g
+                WHERE credpool_on_provider(g.provider, r.provider)
+                  AND g.lease_id = r.lease_id AND g.event = 'granted'
+                  AND g.key_id = r.key_id AND g.provider = r.provider AND g.pool = r.pool
+                  AND (r.fence IS NULL OR g.fence IS NULL OR g.fence = r.fence)
+                LIMIT 1
+            ) AS g
+            WHERE NOT coalesce(t.reported, false);
             IF FOUND THEN
+                INSERT INTO lease_events
+                    (event, lease_id, key_id, provider, pool, slot, holder, outcome, lease_until,
+                     at, tokens, tenant)
+                VALUES ('outcome_after_expiry', v_late.lease_id, v_late.key_id, v_late.provider,
+                        v_late.pool, v_late.slot, v_late.holder, r.outcome, v_late.last_until,
+                        p_now, r.usage_tokens, v_late.tenant);
                 v_releases[r.n].counted := r.outcome IS NOT NULL;
                 IF r.usage_tokens IS NOT NULL THEN
                     v_releases[r.n].usage_at := v_late.granted_at;
                     v_releases[r.n].usage_delta := r.usage_tokens - coalesce(v_late.reserved, 0);
-                    PERFORM credpool_charge_usage(r.key_id, v_late.tenant, v_late.granted_at,
+                    PERFORM credpool_charge_usage(r.provider, r.key_id, v_late.tenant,
+                                                  v_late.granted_at,
                                                   r.usage_tokens - coalesce(v_late.reserved, 0));
                 END IF;
             END IF;
@@ -553,12 +629,12 @@ $$;
 -- is not OAuth is the provider refusing the key: `auth_error`), the rows written, and a
 -- `status_changed` row for each transition, naming the reporter's tenant. Each release carries
 -- its credential's health after its report.
+DROP FUNCTION IF EXISTS credpool_release_health(credpool_release[], text[], jsonb);
 CREATE OR REPLACE FUNCTION credpool_release_health(p_releases credpool_release[],
-    p_reject_keys text[], p_policy jsonb)
+    p_reject_keys text[], p_policy jsonb, p_passes text[])
 RETURNS credpool_release[]
 LANGUAGE plpgsql
 -- (health written from reports moves no configuration version: GATES, sql/locks.sql)
-SET credpool.health_write = 'on'
 AS $$
 DECLARE
     v_releases credpool_release[] := p_releases;
@@ -569,6 +645,7 @@ DECLARE
     v_now timestamptz;
     v_events jsonb := '[]';
     v_key record;
+    v_provider text;
     r credpool_release;
     a record;
 BEGIN
@@ -576,24 +653,29 @@ BEGIN
         FOR v_key IN SELECT DISTINCT x.provider, x.key_id FROM unnest(p_releases) AS x
                      WHERE x.counted ORDER BY x.provider, x.key_id LOOP
             IF v_key.key_id = ANY (p_reject_keys) THEN
-                v_rows := v_rows || ARRAY(SELECT c FROM credentials c
+                v_rows := v_rows || ARRAY(SELECT ROW(c.*)::credentials FROM credentials c
                                           WHERE c.provider = v_key.provider
                                             AND c.key_id = v_key.key_id
                                           FOR UPDATE);
             ELSE
-                v_rows := v_rows || ARRAY(SELECT c FROM credentials c
+                v_rows := v_rows || ARRAY(SELECT ROW(c.*)::credentials FROM credentials c
                                           WHERE c.provider = v_key.provider
                                             AND c.key_id = v_key.key_id
                                           FOR NO KEY UPDATE);
             END IF;
         END LOOP;
     ELSE
-        v_rows := ARRAY(SELECT c FROM credentials c
-                        WHERE (c.provider, c.key_id) IN (SELECT x.provider, x.key_id
-                                                         FROM unnest(p_releases) AS x
-                                                         WHERE x.counted)
-                        ORDER BY c.provider, c.key_id
-                        FOR NO KEY UPDATE);
+        FOREACH v_provider IN ARRAY p_passes LOOP
+            v_rows := v_rows || ARRAY(SELECT ROW(c.*)::credentials FROM credentials c
+                                      WHERE credpool_on_provider(c.provider, v_provider)
+                                        AND (c.provider, c.key_id) IN (
+                                                SELECT x.provider, x.key_id
+                                                FROM unnest(p_releases) AS x
+                                                WHERE x.counted
+                                                  AND credpool_on_provider(x.provider, v_provider))
+                                      ORDER BY c.provider, c.key_id
+                                      FOR NO KEY UPDATE);
+        END LOOP;
     END IF;
     v_now := clock_timestamp();
     -- (both in ascending (provider, key_id): the rows are walked once, alongside the reports; a
@@ -640,14 +722,17 @@ BEGIN
     IF v_current.key_id IS NOT NULL THEN
         v_written := v_written || v_current;
     END IF;
-    UPDATE credentials c
-    SET status = n.status, status_reason = n.status_reason, cooldown_until = n.cooldown_until,
-        health_successes = n.health_successes, health_failures = n.health_failures,
-        health_rate_limits = n.health_rate_limits, health_decayed_at = n.health_decayed_at,
-        recent_failures = n.recent_failures, cooldowns_in_a_row = n.cooldowns_in_a_row,
-        last_success_at = n.last_success_at, recovered_at = n.recovered_at
-    FROM unnest(v_written) AS n
-    WHERE c.key_id = n.key_id;
+    FOREACH v_provider IN ARRAY p_passes LOOP
+        UPDATE credentials c
+        SET status = n.status, status_reason = n.status_reason, cooldown_until = n.cooldown_until,
+            health_successes = n.health_successes, health_failures = n.health_failures,
+            health_rate_limits = n.health_rate_limits, health_decayed_at = n.health_decayed_at,
+            recent_failures = n.recent_failures, cooldowns_in_a_row = n.cooldowns_in_a_row,
+            last_success_at = n.last_success_at, recovered_at = n.recovered_at
+        FROM unnest(v_written) AS n
+        WHERE credpool_on_provider(c.provider, v_provider)
+          AND credpool_on_provider(n.provider, v_provider) AND c.key_id = n.key_id;
+    END LOOP;
     IF v_events <> '[]' THEN
         INSERT INTO credential_events
             (key_id, event, old_status, new_status, reason, cooldown_until, lease_id, at, actor,
@@ -670,38 +755,49 @@ $$;
 -- arrive (the refresh is taken per generation, service/src/oauth.rs). A report on a lease of an
 -- older generation says nothing about the current token.
 DROP FUNCTION IF EXISTS credpool_release_tokens(credpool_release[], text[], timestamptz);
-CREATE FUNCTION credpool_release_tokens(p_releases credpool_release[],
-    p_reject_keys text[], p_now timestamptz)
+CREATE OR REPLACE FUNCTION credpool_release_tokens(p_releases credpool_release[],
+    p_reject_keys text[], p_now timestamptz, p_passes text[])
 RETURNS boolean
 LANGUAGE plpgsql
 AS $$
+DECLARE
+    v_provider text;
+    v_rejected jsonb := '[]';
 BEGIN
-    WITH rejected AS (
-        SELECT DISTINCT ON (r.key_id) r.key_id, r.lease_id, o.generation
-        FROM unnest(p_releases) AS r
-        JOIN oauth_credentials o ON o.key_id = r.key_id
-        CROSS JOIN LATERAL (
-            SELECT coalesce((r.slot).granted_at,
-                            (SELECT g.at FROM lease_events g
-                             WHERE g.lease_id = r.lease_id AND g.event = 'granted' LIMIT 1)) AS granted_at
-        ) AS g
-        WHERE r.counted AND r.outcome = 'auth_expired' AND r.key_id = ANY (p_reject_keys)
-          AND g.granted_at >= o.generation_at
-        ORDER BY r.key_id, g.granted_at
-    ),
-    expired AS (
-        UPDATE credentials c
-        SET token_expires_at = p_now
-        FROM rejected r
-        WHERE c.key_id = r.key_id AND c.token_expires_at > p_now
-        RETURNING c.key_id
-    )
+    -- (one statement per pass, the events written after: on Citus the credentials are written on
+    -- their workers, and the events' table is the coordinator's)
+    FOREACH v_provider IN ARRAY p_passes LOOP
+        WITH expired AS (
+            UPDATE credentials c
+            SET token_expires_at = p_now
+            FROM (
+                SELECT DISTINCT ON (r.key_id) r.key_id, r.lease_id, o.generation
+                FROM unnest(p_releases) AS r
+                JOIN oauth_credentials o
+                    ON credpool_on_provider(o.provider, v_provider) AND o.key_id = r.key_id
+                CROSS JOIN LATERAL (
+                    SELECT coalesce((r.slot).granted_at,
+                                    (SELECT g.at FROM lease_events g
+                                     WHERE credpool_on_provider(g.provider, v_provider)
+                                       AND g.lease_id = r.lease_id AND g.event = 'granted'
+                                     LIMIT 1)) AS granted_at
+                ) AS g
+                WHERE credpool_on_provider(r.provider, v_provider)
+                  AND r.counted AND r.outcome = 'auth_expired' AND r.key_id = ANY (p_reject_keys)
+                  AND g.granted_at >= o.generation_at
+                ORDER BY r.key_id, g.granted_at
+            ) AS r
+            WHERE credpool_on_provider(c.provider, v_provider)
+              AND c.key_id = r.key_id AND c.token_expires_at > p_now
+            RETURNING c.key_id, r.lease_id, r.generation
+        )
+        SELECT v_rejected || coalesce(jsonb_agg(to_jsonb(e)), '[]') INTO v_rejected FROM expired AS e;
+    END LOOP;
     INSERT INTO credential_events (key_id, event, reason, lease_id, actor, details, at)
-    SELECT r.key_id, 'token_rejected',
+    SELECT e.key_id, 'token_rejected',
            'auth_expired reported: the provider rejected the access token; refresh due now',
-           r.lease_id, 'executor', jsonb_build_object('generation', r.generation), p_now
-    FROM rejected r
-    JOIN expired e ON e.key_id = r.key_id;
+           e.lease_id, 'executor', jsonb_build_object('generation', e.generation), p_now
+    FROM jsonb_to_recordset(v_rejected) AS e (key_id text, lease_id uuid, generation bigint);
     RETURN FOUND;
 END;
 $$;

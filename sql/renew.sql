@@ -6,27 +6,27 @@
 -- transaction; every statement here must be safe to run again. Lock order and clocks:
 -- docs/design.md ("Lock order", "Clocks").
 
--- The end a renewal gives the lease of slot row `s` (and of its tenant slot row `t`, or NULL),
--- which asked for `p_wanted`. Keeps the invariant a lowered limit or cap rests on (FIT, FIT
--- TENANT): every surplus lease ends no later than every lease within the limit. So a surplus
--- lease is renewed at most to the earliest end among the rows within the limit (of its
--- credential; of its tenant), and a lease within a lowered limit (or cap) never ends earlier
--- than it did: a short renewal of it would otherwise reopen its row while a surplus lease still
--- counts. Read from the caller's snapshot: the ends within the limit only move later (this rule),
--- and a row leaves that set only by FIT, which needs this lease's row, or by END, which then
--- closes it while a surplus lease is held.
-CREATE OR REPLACE FUNCTION credpool_renewal_end(s lease_slots, t tenant_slots, p_wanted timestamptz)
+-- The end a renewal gives a lease that asked for `p_wanted`. Keeps the invariant a lowered limit
+-- or cap rests on (FIT, FIT TENANT): every surplus lease ends no later than every lease within
+-- the limit. So a surplus lease is renewed at most to `p_limit_floor`, the earliest end among the
+-- rows within the limit of its credential (NULL: its slot row is not surplus), and to
+-- `p_tenant_floor`, the same among its tenant's rows (NULL: its tenant slot row, if any, is not
+-- surplus); and a lease within a lowered limit or cap (`p_within_lowered`: its slot row, or its
+-- tenant slot row, is over_limit and not surplus) never ends earlier than it did
+-- (`p_lease_until`): a short renewal of it would otherwise reopen its row while a surplus lease
+-- still counts. The caller reads the floors in its statement's snapshot: the ends within the limit
+-- only move later (this rule), and a row leaves that set only by FIT, which needs this lease's
+-- row, or by END, which then closes it while a surplus lease is held. (Of plain values, not of
+-- rows: on Citus the caller's statement runs on a shard, whose rows are of the shard's type.)
+DROP FUNCTION IF EXISTS credpool_renewal_end(lease_slots, tenant_slots, timestamptz);
+CREATE OR REPLACE FUNCTION credpool_renewal_end(p_lease_until timestamptz,
+    p_within_lowered boolean, p_wanted timestamptz, p_limit_floor timestamptz,
+    p_tenant_floor timestamptz)
 RETURNS timestamptz
-LANGUAGE sql STABLE AS $$
-    SELECT CASE WHEN (s.over_limit AND NOT s.surplus) OR (t.over_limit AND NOT t.surplus)
-                THEN greatest(s.lease_until, x.capped) ELSE x.capped END
-    FROM (SELECT least(
-              p_wanted,
-              (SELECT min(o.lease_until) FROM lease_slots o
-               WHERE s.surplus AND o.key_id = s.key_id AND NOT o.surplus AND o.lease_id IS NOT NULL),
-              (SELECT min(o.lease_until) FROM tenant_slots o
-               WHERE t.surplus AND o.tenant_id = t.tenant_id AND NOT o.surplus
-                 AND o.lease_id IS NOT NULL)) AS capped) AS x
+LANGUAGE sql IMMUTABLE PARALLEL SAFE AS $$
+    SELECT CASE WHEN p_within_lowered
+                THEN greatest(p_lease_until, least(p_wanted, p_limit_floor, p_tenant_floor))
+                ELSE least(p_wanted, p_limit_floor, p_tenant_floor) END
 $$;
 
 -- RENEW, for one lease or a group: p_renewals jsonb is an array of {"lease_id", "key_id",
@@ -49,8 +49,11 @@ $$;
 -- began wrote a token this lease does not hold.)
 -- A lease of a capped tenant moves its tenant slot row's lease_until in step (the row frees when
 -- the lease does; see CLAIM, "Tenants").
--- Locks: the named leases' slot rows, ascending (provider, key_id, slot), in one statement; then their
--- tenant slot rows, ascending (tenant_id, slot) (credpool_lock_tenant_slots).
+-- Locks: the named leases' slot rows, ascending (provider, key_id, slot), in one statement per
+-- pass (credpool_provider_passes: one on plain PostgreSQL, one per provider on Citus); then their
+-- tenant slot rows, ascending (tenant_id, slot) (credpool_lock_tenant_slots), only when a lease
+-- has one. On Citus a renewal that names another provider than its lease's finds no lease: its
+-- provider's worker is asked.
 DROP FUNCTION IF EXISTS credpool_renew(jsonb);
 CREATE FUNCTION credpool_renew(p_renewals jsonb)
 RETURNS TABLE (renewal integer, lease_until timestamptz, authorized boolean)
@@ -61,78 +64,126 @@ SET plan_cache_mode = force_generic_plan
 AS $$
 #variable_conflict use_column
 DECLARE
+    v_passes text[] := credpool_call_passes(p_renewals);
+    v_provider text;
+    v_slots lease_slots[] := '{}';
+    v_found lease_slots[];
+    v_renewed lease_slots[] := '{}';
+    v_tenant_rows boolean := false;
+    v_capped boolean;
+    v_authorized boolean[];
     v_now timestamptz;
 BEGIN
-    PERFORM 1
-    FROM lease_slots s
-    WHERE s.key_id = ANY (ARRAY(SELECT e ->> 'key_id' FROM jsonb_array_elements(p_renewals) AS e))
-      AND s.lease_id = ANY (ARRAY(SELECT (e ->> 'lease_id')::uuid FROM jsonb_array_elements(p_renewals) AS e))
-    ORDER BY s.provider, s.key_id, s.slot
-    FOR UPDATE;
-    PERFORM credpool_lock_tenant_slots(ARRAY(
-        SELECT s FROM lease_slots s
-        WHERE s.key_id = ANY (ARRAY(SELECT e ->> 'key_id' FROM jsonb_array_elements(p_renewals) AS e))
-          AND s.lease_id = ANY (ARRAY(SELECT (e ->> 'lease_id')::uuid
-                                      FROM jsonb_array_elements(p_renewals) AS e))));
+    FOREACH v_provider IN ARRAY v_passes LOOP
+        SELECT coalesce(array_agg(l.s), '{}'), coalesce(bool_or((l.s).tenant_slot IS NOT NULL), false)
+        INTO v_found, v_capped
+        FROM (SELECT ROW(s.*)::lease_slots AS s
+              FROM lease_slots s
+              WHERE credpool_on_provider(s.provider, v_provider)
+                AND s.key_id = ANY (ARRAY(SELECT e ->> 'key_id' FROM jsonb_array_elements(p_renewals) AS e
+                                          WHERE credpool_on_provider(e ->> 'provider', v_provider)))
+                AND s.lease_id = ANY (ARRAY(SELECT (e ->> 'lease_id')::uuid
+                                            FROM jsonb_array_elements(p_renewals) AS e
+                                            WHERE credpool_on_provider(e ->> 'provider', v_provider)))
+              ORDER BY s.provider, s.key_id, s.slot
+              FOR UPDATE) AS l;
+        v_slots := v_slots || v_found;
+        v_tenant_rows := v_tenant_rows OR v_capped;
+    END LOOP;
+    IF v_tenant_rows THEN
+        v_tenant_rows := credpool_lock_tenant_slots(v_slots);
+    END IF;
     v_now := clock_timestamp();
+    -- each renewal's key must be live (absent: the configured internal key, tenant `default`)
+    -- and of the lease's tenant: a key of another tenant renews nothing, as an unknown key (read
+    -- in a statement of its own, on the coordinator: on Citus a statement routed to a worker
+    -- cannot read the keys)
+    SELECT array_agg(k.tenant IS NOT NULL AND coalesce(x.tenant, k.tenant) = k.tenant ORDER BY w.n)
+    INTO v_authorized
+    FROM ROWS FROM (jsonb_to_recordset(p_renewals) AS (lease_id uuid, key_id text, key_hash text))
+         WITH ORDINALITY AS w (lease_id, key_id, key_hash, n)
+    LEFT JOIN LATERAL credpool_key_tenant(w.key_hash) AS k (tenant) ON true
+    LEFT JOIN unnest(v_slots) AS x ON x.key_id = w.key_id AND x.lease_id = w.lease_id;
 
-    RETURN QUERY
-    WITH wanted AS (
-        SELECT w.*, a.authorized
-        FROM ROWS FROM (jsonb_to_recordset(p_renewals) AS (
-                 lease_id uuid, key_id text, provider text, pool text, fence bigint, lease_seconds integer,
-                 key_hash text))
-             WITH ORDINALITY AS w (lease_id, key_id, provider, pool, fence, lease_seconds, key_hash, n)
-        -- the key must be live (absent: the configured internal key, tenant `default`) and of the
-        -- lease's tenant: a key of another tenant renews nothing, as an unknown key
-        LEFT JOIN LATERAL credpool_key_tenant(w.key_hash) AS k (tenant) ON true
-        LEFT JOIN lease_slots s ON s.key_id = w.key_id AND s.lease_id = w.lease_id
-        CROSS JOIN LATERAL (
-            SELECT k.tenant IS NOT NULL AND coalesce(s.tenant, k.tenant) = k.tenant AS authorized
-        ) AS a
-    ),
-    renewed AS (
-        UPDATE lease_slots s
-        SET lease_until = (
-                SELECT credpool_renewal_end(s, t, least(
-                           v_now + make_interval(secs => w.lease_seconds),
-                           -- OAuth: never past the expiry of the token the lease holds (and never
-                           -- shorter than the lease already is, for the token's sake)
-                           coalesce((SELECT greatest(s.lease_until,
-                                                     CASE WHEN s.granted_at >= o.generation_at
-                                                          THEN c.token_expires_at
-                                                          ELSE s.lease_until END)
-                                     FROM oauth_credentials o
-                                     JOIN credentials c ON c.key_id = o.key_id
-                                     WHERE o.key_id = s.key_id), 'infinity')))
-                FROM (SELECT) AS one
+    FOREACH v_provider IN ARRAY v_passes LOOP
+        WITH renewed AS (
+            UPDATE lease_slots ls
+            SET lease_until = n.lease_until
+            -- (the new ends are computed in the subquery: Citus refuses a stable function of a
+            -- column in the SET of an UPDATE of a distributed table)
+            FROM (
+                SELECT DISTINCT ON (x.lease_id) x.key_id, x.slot, x.lease_id,
+                       credpool_renewal_end(
+                           x.lease_until,
+                           coalesce((x.over_limit AND NOT x.surplus)
+                                    OR (t.over_limit AND NOT t.surplus), false),
+                           least(v_now + make_interval(secs => w.lease_seconds),
+                                 -- OAuth: never past the expiry of the token the lease holds
+                                 -- (and never shorter than the lease already is, for the
+                                 -- token's sake)
+                                 coalesce((SELECT greatest(x.lease_until,
+                                                           CASE WHEN x.granted_at >= o.generation_at
+                                                                THEN c.token_expires_at
+                                                                ELSE x.lease_until END)
+                                           FROM oauth_credentials o
+                                           JOIN credentials c ON c.key_id = o.key_id
+                                               AND credpool_on_provider(c.provider, v_provider)
+                                           WHERE o.key_id = x.key_id
+                                             AND credpool_on_provider(o.provider, v_provider)),
+                                          'infinity')),
+                           (SELECT min(o.lease_until) FROM lease_slots o
+                            WHERE x.surplus AND credpool_on_provider(o.provider, v_provider)
+                              AND o.key_id = x.key_id AND NOT o.surplus AND o.lease_id IS NOT NULL),
+                           (SELECT min(o.lease_until) FROM tenant_slots o
+                            WHERE t.surplus AND o.tenant_id = t.tenant_id AND NOT o.surplus
+                              AND o.lease_id IS NOT NULL)) AS lease_until
+                FROM ROWS FROM (jsonb_to_recordset(p_renewals) AS (
+                         lease_id uuid, key_id text, provider text, pool text, fence bigint,
+                         lease_seconds integer))
+                     WITH ORDINALITY AS w (lease_id, key_id, provider, pool, fence, lease_seconds, n)
+                JOIN unnest(v_slots) AS x ON x.key_id = w.key_id AND x.lease_id = w.lease_id
                 LEFT JOIN tenant_slots t
-                    ON t.tenant_id = s.tenant AND t.slot = s.tenant_slot AND t.lease_id = s.lease_id)
-        FROM (SELECT DISTINCT ON (wanted.lease_id) * FROM wanted WHERE wanted.authorized
-              ORDER BY wanted.lease_id, wanted.n) AS w
-        WHERE s.lease_id = w.lease_id AND s.key_id = w.key_id AND s.provider = w.provider
-          AND s.pool = w.pool AND (w.fence IS NULL OR s.fence = w.fence)
-          AND s.lease_until > v_now
-        RETURNING s.key_id, s.slot, s.lease_id, s.provider, s.pool, s.holder, s.lease_until, s.fence,
-                  s.tenant, s.tenant_slot
-    ),
-    tenant_renewed AS (
+                    ON t.tenant_id = x.tenant AND t.slot = x.tenant_slot AND t.lease_id = x.lease_id
+                WHERE credpool_on_provider(x.provider, v_provider) AND v_authorized[w.n::integer]
+                  AND x.provider = w.provider AND x.pool = w.pool
+                  AND (w.fence IS NULL OR x.fence = w.fence) AND x.lease_until > v_now
+                ORDER BY x.lease_id, w.n
+            ) AS n
+            WHERE credpool_on_provider(ls.provider, v_provider)
+              AND ls.key_id = n.key_id AND ls.slot = n.slot AND ls.lease_id = n.lease_id
+            RETURNING ROW(ls.*)::lease_slots AS s
+        )
+        SELECT v_renewed || coalesce(array_agg(r.s), '{}') INTO v_renewed FROM renewed AS r;
+    END LOOP;
+    IF v_tenant_rows THEN
+        -- a lease of a capped tenant moves its tenant slot row's end in step
         UPDATE tenant_slots t
         SET lease_until = r.lease_until
-        FROM renewed r
-        WHERE t.tenant_id = r.tenant AND t.slot = r.tenant_slot AND t.lease_id = r.lease_id
-    ),
-    trail AS (
+        FROM unnest(v_renewed) AS r
+        WHERE t.tenant_id = r.tenant AND t.slot = r.tenant_slot AND t.lease_id = r.lease_id;
+    END IF;
+
+    RETURN QUERY
+    WITH trail AS (
+        -- (the rows by their fields, each read where it is used: Citus, which sends this
+        -- statement's trail rows to the workers, does not take `unnest` of a table's rows once
+        -- the table has a dropped column, and sends a CTE that two parts read to every worker)
         INSERT INTO lease_events
             (event, lease_id, key_id, provider, pool, slot, holder, lease_until, at, tenant)
-        SELECT 'renewed', lease_id, key_id, provider, pool, slot, holder, lease_until, v_now, tenant
-        FROM renewed
+        SELECT 'renewed', (v_renewed[i]).lease_id, (v_renewed[i]).key_id,
+               (v_renewed[i]).provider, (v_renewed[i]).pool, (v_renewed[i]).slot,
+               (v_renewed[i]).holder, (v_renewed[i]).lease_until, v_now, (v_renewed[i]).tenant
+        FROM generate_subscripts(v_renewed, 1) AS i
     )
-    SELECT w.n::integer, r.lease_until, w.authorized
-    FROM wanted w
-    LEFT JOIN renewed r
-        ON r.lease_id = w.lease_id AND r.key_id = w.key_id AND r.provider = w.provider
-       AND r.pool = w.pool AND (w.fence IS NULL OR r.fence = w.fence)
+    SELECT w.n::integer,
+           (SELECT (v_renewed[i]).lease_until FROM generate_subscripts(v_renewed, 1) AS i
+            WHERE (v_renewed[i]).lease_id = w.lease_id AND (v_renewed[i]).key_id = w.key_id
+              AND (v_renewed[i]).provider = w.provider AND (v_renewed[i]).pool = w.pool
+              AND (w.fence IS NULL OR (v_renewed[i]).fence = w.fence)),
+           v_authorized[w.n::integer]
+    FROM ROWS FROM (jsonb_to_recordset(p_renewals) AS (
+             lease_id uuid, key_id text, provider text, pool text, fence bigint))
+         WITH ORDINALITY AS w (lease_id, key_id, provider, pool, fence, n)
     ORDER BY w.n;
 END;
 $$;

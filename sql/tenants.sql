@@ -12,7 +12,8 @@
 -- internal key, whose tenant is `default`. Read by the statement that decides, so a call that
 -- starts after a revoke committed is refused on every replica. A set-returning SQL function, so
 -- that it inlines where it is joined (`LEFT JOIN LATERAL credpool_key_tenant(...) ON true`): one
--- probe of tenant_keys' unique key_hash index.
+-- probe of tenant_keys' unique key_hash index. (On Citus, which refuses it inlined, it is made a
+-- PL/pgSQL function with the same query: store::schema::look_up_keys_apart.)
 CREATE OR REPLACE FUNCTION credpool_key_tenant(p_key_hash text)
 RETURNS SETOF text
 LANGUAGE sql STABLE PARALLEL SAFE AS $$

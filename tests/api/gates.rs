@@ -523,3 +523,44 @@ async fn a_short_renewal_within_a_lowered_limit_never_ends_it_before_the_surplus
     assert!(until(&renewed) > now, "renewed into the past: {renewed}");
     audit_passes(BIN, &app.database).await;
 }
+
+#[tokio::test]
+async fn a_reported_rest_never_waits_for_the_credentials_other_slot_rows() {
+    // A release that rests its credential holds its lease's slot row and then the credential row.
+    // Were the rest to move the configuration version (as an operator's change of status does),
+    // it would write the credential's other slot rows after its row, against the lock order: here
+    // it would wait for the slot row another transaction holds, and a release of that lease would
+    // then deadlock with it. The rest moves no version; the operator's disable does.
+    let app = TestApp::with_credential("k", 2).await;
+    let resting = app.lease(gpt4o_for(600)).await;
+    let other = app.lease(gpt4o_for(600)).await;
+    let version = "SELECT config_version FROM credentials WHERE key_id = 'k'";
+    let before: i64 = app.scalar(version).await;
+    let mut holder = connect(&app).await;
+    holder.execute("BEGIN").await.unwrap();
+    sqlx::query("SELECT 1 FROM lease_slots WHERE lease_id = $1::uuid FOR UPDATE")
+        .bind(other["lease_id"].as_str().unwrap())
+        .execute(&mut holder)
+        .await
+        .unwrap();
+    let mut report = release_body(&resting, "rate_limited");
+    report["retry_after_seconds"] = json!(120);
+    let releasing = {
+        let remote = app.remote();
+        tokio::spawn(async move { remote.release(report).await })
+    };
+    let answer = tokio::time::timeout(Duration::from_secs(30), releasing)
+        .await
+        .expect("the release waited for the other lease's slot row")
+        .unwrap();
+    assert_eq!(json_body(answer, StatusCode::OK).await["released"], true);
+    holder.execute("COMMIT").await.unwrap();
+    assert_eq!(app.credential("k").await["status"], "rate_limited");
+    assert_eq!(app.scalar::<i64>(version).await, before);
+    let status = app
+        .patch_key("k", json!({"state": "disable"}))
+        .await
+        .status();
+    assert_eq!(status, StatusCode::OK);
+    assert!(app.scalar::<i64>(version).await > before);
+}

@@ -12,7 +12,8 @@ use std::time::Instant;
 use cluster::{CitusCluster, connect};
 use credpool::store::citus::{DISTRIBUTED, REFERENCE};
 use credpool_test_support::{
-    Answer, AppOptions, INTERNAL_KEY, Remote, Service, allocate_at_once, serve,
+    Answer, AppOptions, INTERNAL_KEY, Remote, Service, allocate_at_once, group_release, json_body,
+    policy, release_body, renew_body, serve,
 };
 use reqwest::{Method, StatusCode};
 use serde_json::{Value, json};
@@ -424,6 +425,339 @@ async fn claims_for_providers_on_two_workers_are_granted_exactly_to_their_limits
     assert_eq!(trail, expected);
     let _ = coordinator.close().await;
     db.close().await;
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn leases_on_two_workers_are_renewed_and_released_with_their_outcomes_counted() {
+    let Some((mut cluster, url, db, mut coordinator)) = migrated_cluster().await else {
+        return;
+    };
+    let (first, second) = providers_on_different_workers(&mut coordinator).await;
+    distribute(&url);
+    let (one, _stop_one) = serve(db.clone(), &AppOptions::default()).await;
+    let (two, _stop_two) = serve(db.clone(), &AppOptions::default()).await;
+    let replicas = [Remote::at(one), Remote::at(two)];
+    replicas[0]
+        .put_key("a-1", &first, "default", &["m1"], 2)
+        .await;
+    replicas[0]
+        .put_key("b-1", &second, "default", &["m1"], 2)
+        .await;
+    let body = |provider: &str| json!({"provider": provider, "model": "m1", "lease_seconds": 60});
+
+    // a lease on each worker, renewed through the other replica: it ends later; a renewal
+    // with another fence finds no lease
+    let a = replicas[0].lease(body(&first)).await;
+    let b = replicas[0].lease(body(&second)).await;
+    for lease in [&a, &b] {
+        replicas[1].renew(renew_body(lease, 600)).ok_json().await;
+        assert!(
+            ends_after(&mut coordinator, lease, 300).await,
+            "not renewed: {lease}"
+        );
+        let mut fenced = renew_body(lease, 900);
+        fenced["fence"] = json!(lease["fence"].as_i64().unwrap() + 1_000);
+        replicas[1]
+            .renew(fenced)
+            .refused(StatusCode::GONE, "lease_lost")
+            .await;
+    }
+
+    // a group of both providers' leases, renewed and then released in one call each (one
+    // statement per provider: each runs on its worker)
+    let a2 = replicas[1].lease(body(&first)).await;
+    let b2 = replicas[1].lease(body(&second)).await;
+    let renewals = json!([
+        {"lease_id": a2["lease_id"], "key_id": "a-1", "provider": first, "pool": "default",
+         "fence": a2["fence"], "lease_seconds": 700, "key_hash": null},
+        {"lease_id": b2["lease_id"], "key_id": "b-1", "provider": second, "pool": "default",
+         "fence": b2["fence"], "lease_seconds": 700, "key_hash": null},
+    ]);
+    let renewed: Vec<Option<String>> =
+        sqlx::query_scalar("SELECT lease_until::text FROM credpool_renew($1) ORDER BY renewal")
+            .bind(&renewals)
+            .fetch_all(&mut coordinator)
+            .await
+            .unwrap();
+    assert!(renewed.iter().all(Option::is_some), "{renewed:?}");
+    for lease in [&a2, &b2] {
+        assert!(ends_after(&mut coordinator, lease, 600).await, "{lease}");
+    }
+    let verdicts: Vec<String> =
+        sqlx::query_scalar("SELECT verdict FROM credpool_release($1, $2) ORDER BY release")
+            .bind(json!([
+                group_release(&a2, "success"),
+                group_release(&b2, "success")
+            ]))
+            .bind(policy())
+            .fetch_all(&mut coordinator)
+            .await
+            .unwrap();
+    assert_eq!(verdicts, ["released", "released"]);
+
+    // releases through the service: a success, then the same release again (nothing left to
+    // release), and a rate limit that rests the second provider's credential without moving
+    // its configuration version (claims in flight on it stay valid)
+    let version = |key: &'static str| {
+        sqlx::query_scalar::<_, i64>("SELECT config_version FROM credentials WHERE key_id = $1")
+            .bind(key)
+    };
+    let before = version("b-1").fetch_one(&mut coordinator).await.unwrap();
+    replicas[1].release_ok(&a, "success").await;
+    let again = replicas[0]
+        .release(release_body(&a, "success"))
+        .ok_json()
+        .await;
+    assert_eq!(
+        (&again["released"], &again["reason"]),
+        (&json!(false), &json!("not_found"))
+    );
+    // a lease that expired in its slot: its release finds it expired, and its report counts
+    // once however often it is sent (on the lease's provider's worker)
+    let late = replicas[0].lease(body(&first)).await;
+    sqlx::query(
+        "UPDATE lease_slots
+         SET granted_at = now() - interval '2 seconds', lease_until = now() - interval '1 second'
+         WHERE lease_id = $1::uuid",
+    )
+    .bind(late["lease_id"].as_str().unwrap())
+    .execute(&mut coordinator)
+    .await
+    .unwrap();
+    let mut reasons = Vec::new();
+    for replica in &replicas {
+        let answer = replica
+            .release(release_body(&late, "failure"))
+            .ok_json()
+            .await;
+        reasons.push(answer["reason"].clone());
+    }
+    assert_eq!(reasons, [json!("expired"), json!("not_found")]);
+    let reported: Vec<(String, String)> = sqlx::query_as(
+        "SELECT provider, event FROM lease_events
+         WHERE lease_id = $1::uuid AND event IN ('expired', 'outcome_after_expiry') ORDER BY event",
+    )
+    .bind(late["lease_id"].as_str().unwrap())
+    .fetch_all(&mut coordinator)
+    .await
+    .unwrap();
+    assert_eq!(
+        reported,
+        [
+            (first.clone(), "expired".to_owned()),
+            (first.clone(), "outcome_after_expiry".to_owned())
+        ]
+    );
+    let mut limited = release_body(&b, "rate_limited");
+    limited["retry_after_seconds"] = json!(120);
+    let answer = replicas[0].release(limited).ok_json().await;
+    assert_eq!(answer["released"], true, "{answer}");
+    let (status, after): (String, i64) =
+        sqlx::query_as("SELECT status, config_version FROM credentials WHERE key_id = 'b-1'")
+            .fetch_one(&mut coordinator)
+            .await
+            .unwrap();
+    assert_eq!((status.as_str(), after), ("rate_limited", before));
+    let changed: i64 = sqlx::query_scalar(
+        "SELECT count(*) FROM credential_events WHERE key_id = 'b-1' AND event = 'status_changed'",
+    )
+    .fetch_one(&mut coordinator)
+    .await
+    .unwrap();
+    assert_eq!(changed, 1);
+
+    // every slot of the first provider is free again; the second's credential rests
+    let mut held = Vec::new();
+    for _ in 0..2 {
+        held.push(replicas[0].lease(body(&first)).await);
+    }
+    let refused = replicas[1].allocate(body(&second)).await;
+    assert_ne!(refused.status(), StatusCode::OK);
+
+    // the trail on each provider's worker: two grants, two renewals, two releases each
+    let trail: Vec<(String, String, i64)> = sqlx::query_as(
+        "SELECT provider, event, count(*) FROM lease_events
+         WHERE event IN ('renewed', 'released') GROUP BY 1, 2 ORDER BY 1, 2",
+    )
+    .fetch_all(&mut coordinator)
+    .await
+    .unwrap();
+    let mut expected = vec![
+        (first.clone(), "released".to_owned(), 2),
+        (first.clone(), "renewed".to_owned(), 2),
+        (second.clone(), "released".to_owned(), 2),
+        (second.clone(), "renewed".to_owned(), 2),
+    ];
+    expected.sort();
+    assert_eq!(trail, expected);
+
+    // the second provider's worker stopped: the first provider's leases are still released,
+    // renewed and granted; a claim for the second answers 503
+    replicas[0]
+        .put_key("b-2", &second, "default", &["m1"], 1)
+        .await;
+    let home: i32 = sqlx::query_scalar(
+        "SELECT nodeport FROM citus_shards
+         WHERE table_name = 'credentials'::regclass
+           AND shardid = get_shard_id_for_distribution_column('credentials', $1)",
+    )
+    .bind(&second)
+    .fetch_one(&mut coordinator)
+    .await
+    .unwrap();
+    let _ = coordinator.close().await;
+    cluster.stop_worker(worker_of(&cluster, home)).await;
+    replicas[0].release_ok(&held[0], "success").await;
+    replicas[1].renew(renew_body(&held[1], 600)).ok_json().await;
+    replicas[1].lease(body(&first)).await;
+    replicas[0]
+        .allocate(body(&second))
+        .refused(StatusCode::SERVICE_UNAVAILABLE, "store_unavailable")
+        .await;
+    db.close().await;
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn conversations_keep_their_credential_on_each_providers_worker() {
+    let Some((_cluster, url, db, mut coordinator)) = migrated_cluster().await else {
+        return;
+    };
+    let (first, second) = providers_on_different_workers(&mut coordinator).await;
+    distribute(&url);
+    let (one, _stop_one) = serve(db.clone(), &AppOptions::default()).await;
+    let (two, _stop_two) = serve(db.clone(), &AppOptions::default()).await;
+    let replicas = [Remote::at(one), Remote::at(two)];
+    for provider in [&first, &second] {
+        for key in 0..3 {
+            replicas[0]
+                .put_key(
+                    &format!("{provider}-{key}"),
+                    provider,
+                    "default",
+                    &["m1"],
+                    2,
+                )
+                .await;
+        }
+    }
+    let call = |provider: &str, conversation: &str| {
+        json!({"provider": provider, "model": "m1", "lease_seconds": 60,
+               "affinity_key": conversation})
+    };
+    // each conversation's first call binds the credential that served it; every later call,
+    // through either replica, is served by it again (a hit), its binding on its provider's worker
+    for provider in [&first, &second] {
+        for c in 0..3 {
+            let conversation = format!("conversation-{c}");
+            let mut served = Vec::new();
+            for i in 0..4 {
+                let replica = &replicas[i % 2];
+                let lease = replica.lease(call(provider, &conversation)).await;
+                replica.release_ok(&lease, "success").await;
+                served.push((
+                    lease["key_id"].as_str().unwrap().to_owned(),
+                    lease["affinity"].as_str().unwrap_or("absent").to_owned(),
+                ));
+            }
+            let bound = &served[0].0;
+            assert_eq!(served[0].1, "new", "{served:?}");
+            assert!(
+                served[1..].iter().all(|(k, a)| k == bound && a == "hit"),
+                "{provider} {conversation}: {served:?}"
+            );
+            let row: (String, String) = sqlx::query_as(
+                "SELECT provider, key_id FROM affinity_bindings
+                 WHERE tenant = 'default' AND provider = $1 AND affinity_key = $2",
+            )
+            .bind(provider)
+            .bind(&conversation)
+            .fetch_one(&mut coordinator)
+            .await
+            .unwrap();
+            assert_eq!(row, (provider.clone(), bound.clone()));
+        }
+    }
+    let _ = coordinator.close().await;
+    db.close().await;
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn a_waiting_claim_takes_the_slot_a_release_frees_on_its_providers_worker() {
+    let Some((_cluster, url, db, mut coordinator)) = migrated_cluster().await else {
+        return;
+    };
+    let (first, second) = providers_on_different_workers(&mut coordinator).await;
+    distribute(&url);
+    let (one, _stop_one) = serve(db.clone(), &AppOptions::default()).await;
+    let (two, _stop_two) = serve(db.clone(), &AppOptions::default()).await;
+    let replicas = [Remote::at(one), Remote::at(two)];
+    for provider in [&first, &second] {
+        replicas[0]
+            .put_key(&format!("{provider}-only"), provider, "default", &["m1"], 1)
+            .await;
+    }
+    for provider in [&first, &second] {
+        let held = replicas[0]
+            .lease(json!({"provider": provider, "model": "m1", "lease_seconds": 60}))
+            .await;
+        // a claim that waits, on the other replica: its waiter row is on its provider's worker
+        let waiting = {
+            let body = json!({"provider": provider, "model": "m1", "lease_seconds": 60,
+                              "wait_ms": 30_000, "holder": "waiter"});
+            tokio::spawn(async move { Remote::at(two).allocate(body).await })
+        };
+        assert!(
+            waiters_become(&mut coordinator, provider, 1).await,
+            "no waiter row"
+        );
+        // the release frees the slot, and the waiter takes it
+        replicas[0].release_ok(&held, "success").await;
+        let lease = json_body(waiting.await.unwrap(), StatusCode::OK).await;
+        assert_eq!(lease["key_id"], format!("{provider}-only"));
+        let holder: String =
+            sqlx::query_scalar("SELECT holder FROM lease_slots WHERE lease_id = $1::uuid")
+                .bind(lease["lease_id"].as_str().unwrap())
+                .fetch_one(&mut coordinator)
+                .await
+                .unwrap();
+        assert_eq!(holder, "waiter");
+        // its wait over, its row is gone
+        assert!(
+            waiters_become(&mut coordinator, provider, 0).await,
+            "the waiter row stayed"
+        );
+    }
+    let _ = coordinator.close().await;
+    db.close().await;
+}
+
+/// Whether `provider`'s waiter rows come to number `count` within about ten seconds.
+async fn waiters_become(coordinator: &mut PgConnection, provider: &str, count: i64) -> bool {
+    for _ in 0..100 {
+        let rows: i64 = sqlx::query_scalar("SELECT count(*) FROM pool_waiters WHERE provider = $1")
+            .bind(provider)
+            .fetch_one(&mut *coordinator)
+            .await
+            .unwrap();
+        if rows == count {
+            return true;
+        }
+        tokio::time::sleep(std::time::Duration::from_millis(100)).await;
+    }
+    false
+}
+
+/// Whether `lease`'s slot row holds it until more than `seconds` from now.
+async fn ends_after(coordinator: &mut PgConnection, lease: &Value, seconds: i64) -> bool {
+    sqlx::query_scalar(
+        "SELECT coalesce(bool_and(lease_until > now() + make_interval(secs => $2)), false)
+         FROM lease_slots WHERE lease_id = $1::uuid",
+    )
+    .bind(lease["lease_id"].as_str().unwrap())
+    .bind(seconds as f64)
+    .fetch_one(coordinator)
+    .await
+    .unwrap()
 }
 
 /// A started cluster whose coordinator holds a migrated credpool database: the cluster (its nodes

@@ -233,11 +233,11 @@ impl Operation for Arc<Claim> {
             // left its row there); its caller is gone, and its own goodbye may have run before
             // this claim committed: without this, the row would outlive the caller until the end
             // of its wait, and other tenants would yield to nobody.
-            let waiter = self.waiting.as_ref()?.waiter;
+            let (waiter, provider) = (self.waiting.as_ref()?.waiter, self.provider.clone());
             return Some(Box::pin(async move {
                 let forgotten = async {
                     let mut work = db.work().await?;
-                    leases::forget_waiter(&mut *work, waiter).await?;
+                    leases::forget_waiter(&mut *work, waiter, &provider).await?;
                     work.done().await
                 };
                 if let Err(error) = forgotten.await {

@@ -480,8 +480,11 @@ impl Allocator {
             mode: a.mode,
         });
         let waiting = (!request.wait.is_zero()).then(|| {
-            self.waits
-                .waiting_request(request.pools.clone(), request.wait)
+            self.waits.waiting_request(
+                request.provider.clone(),
+                request.pools.clone(),
+                request.wait,
+            )
         });
         let key = Keys {
             request: request_key.as_ref(),

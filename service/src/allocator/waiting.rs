@@ -284,11 +284,12 @@ impl Waits {
         }
     }
 
-    /// A request that may wait `wait` for a slot in `pools` (its pool sequence): what its claims
-    /// record of it (see [`WaitingRequest`]). Starts the task that says this process is alive
-    /// the first time.
+    /// A request that may wait `wait` for a slot of `provider` in `pools` (its pool sequence):
+    /// what its claims record of it (see [`WaitingRequest`]). Starts the task that says this
+    /// process is alive the first time.
     pub fn waiting_request(
         self: &Arc<Self>,
+        provider: ProviderName,
         pools: Vec<PoolName>,
         wait: Duration,
     ) -> WaitingRequest {
@@ -318,6 +319,7 @@ impl Waits {
         WaitingRequest {
             waits: self.clone(),
             waiter: uuid::Uuid::new_v4(),
+            provider,
             pools,
             arrived: tokio::time::Instant::now(),
             wait,
@@ -498,6 +500,8 @@ pub struct WaitingRequest {
     waits: Arc<Waits>,
     /// The request's id for its row.
     waiter: uuid::Uuid,
+    /// The provider it waits for (its row's).
+    provider: ProviderName,
     /// Its pool sequence.
     pools: Vec<PoolName>,
     /// When it arrived, on this process's monotonic clock (it counts durations; the database
@@ -541,11 +545,11 @@ impl Drop for WaitingRequest {
         // (a row that cannot be deleted is ignored once its wait is over, and deleted a minute
         // later by any process that says it is alive)
         if let Ok(runtime) = tokio::runtime::Handle::try_current() {
-            let waiter = self.waiter;
+            let (waiter, provider) = (self.waiter, self.provider.clone());
             runtime.spawn(async move {
                 let deleted = async {
                     let mut work = db.work().await?;
-                    crate::store::leases::forget_waiter(&mut *work, waiter).await?;
+                    crate::store::leases::forget_waiter(&mut *work, waiter, &provider).await?;
                     work.done().await
                 };
                 if let Err(error) = deleted.await {

@@ -82,7 +82,7 @@ pub struct Distribution {
     /// credpool's SQL functions this run sent to every node.
     pub functions: i64,
     /// credpool's SQL functions this run made plan each call for its values
-    /// ([`super::schema::plan_per_call`]).
+    /// ([`super::schema::adapt_to_citus`]).
     pub per_call_plans: i64,
 }
 
@@ -244,8 +244,7 @@ pub async fn distribute(db: &Db, shard_count: Option<u32>) -> Result<Distributio
             done.reference.push(table.to_owned());
         }
     }
-    done.per_call_plans = super::schema::plan_per_call(&mut tx).await?;
-    super::schema::route_by_provider(&mut tx).await?;
+    done.per_call_plans = super::schema::adapt_to_citus(&mut tx).await?;
     // The coordinator keeps its copy of a reference table as a shard (`tenant_slots_102040`), and
     // a function of the table's row type now takes the shard's: drop those and apply the SQL
     // files again, which define them on the table's type.

@@ -408,15 +408,21 @@ impl ClaimOutcome {
 }
 
 /// Deletes waiting request `waiter`'s `pool_waiters` row (docs/design.md "Fair share"): its wait
-/// ended without a lease, or its caller left while a claim of it was in flight. Nothing when
-/// there is none.
+/// for a slot of `provider` ended without a lease, or its caller left while a claim of it was in
+/// flight. Nothing when there is none. (The provider named: on Citus the row is on the
+/// provider's worker alone.)
 pub async fn forget_waiter(
     executor: impl PgExecutor<'_>,
     waiter: uuid::Uuid,
+    provider: &ProviderName,
 ) -> Result<(), sqlx::Error> {
-    sqlx::query!("DELETE FROM pool_waiters WHERE waiter = $1", waiter)
-        .execute(executor)
-        .await?;
+    sqlx::query!(
+        "DELETE FROM pool_waiters WHERE waiter = $1 AND provider = $2",
+        waiter,
+        provider.as_str()
+    )
+    .execute(executor)
+    .await?;
     Ok(())
 }
 

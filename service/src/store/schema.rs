@@ -154,8 +154,7 @@ pub async fn apply_sql_files(conn: &mut PgConnection) -> Result<Vec<&'static str
         applied.push(*name);
     }
     if !applied.is_empty() && is_distributed(&mut tx).await? {
-        plan_per_call(&mut tx).await?;
-        route_by_provider(&mut tx).await?;
+        adapt_to_citus(&mut tx).await?;
     }
     tx.commit().await?;
     if !applied.is_empty() {
@@ -185,17 +184,28 @@ pub async fn is_distributed(conn: &mut PgConnection) -> Result<bool, sqlx::Error
     .await
 }
 
+/// Adapts credpool's SQL functions to a distributed database: run by `credpool citus distribute`
+/// and by [`apply_sql_files`] after every application of the SQL files there (which define them
+/// for plain PostgreSQL). Each statement is planned per call (`plan_per_call`), the lease path's
+/// statements are routed by provider (`route_by_provider`), and tenant keys are looked up by a
+/// function of its own (`look_up_keys_apart`). Returns how many functions now plan per call.
+///
+/// # Errors
+/// When the store fails.
+pub async fn adapt_to_citus(conn: &mut PgConnection) -> Result<i64, sqlx::Error> {
+    let planned = plan_per_call(&mut *conn).await?;
+    route_by_provider(&mut *conn).await?;
+    look_up_keys_apart(conn).await?;
+    Ok(planned)
+}
+
 /// Takes `plan_cache_mode` off every credpool SQL function that sets it (the claim's, the
 /// release's, END's: on plain PostgreSQL they keep one generic plan per statement, so that a pool
 /// just loaded gets index probes whatever its statistics), so that on Citus each statement is
 /// planned for the values of its call: Citus routes a statement to a worker by the provider's
 /// value, which a generic plan does not have, and refuses to plan a generic one that joins
-/// ("could not create distributed plan", measured). Returns how many functions it changed; run by
-/// `credpool citus distribute` and by [`apply_sql_files`] after the SQL files are applied again on a distributed database.
-///
-/// # Errors
-/// When the store fails.
-pub async fn plan_per_call(conn: &mut PgConnection) -> Result<i64, sqlx::Error> {
+/// ("could not create distributed plan", measured). Returns how many functions it changed.
+async fn plan_per_call(conn: &mut PgConnection) -> Result<i64, sqlx::Error> {
     let functions: Vec<String> = sqlx::query_scalar(
         "SELECT p.oid::regprocedure::text
          FROM pg_proc p
@@ -218,16 +228,43 @@ pub async fn plan_per_call(conn: &mut PgConnection) -> Result<i64, sqlx::Error> 
 /// statements put on every table they read by key, as `row_provider = provider`: on Citus that
 /// equality is what routes a statement to the provider's worker. The SQL files define it as
 /// `true` (on plain PostgreSQL the rows are reached by key, and a provider predicate only
-/// misleads the planner), so this runs after every application of them on a distributed
-/// database, and in `credpool citus distribute`.
-///
-/// # Errors
-/// When the store fails.
-pub async fn route_by_provider(conn: &mut PgConnection) -> Result<(), sqlx::Error> {
+/// misleads the planner).
+async fn route_by_provider(conn: &mut PgConnection) -> Result<(), sqlx::Error> {
     sqlx::raw_sql(
         "CREATE OR REPLACE FUNCTION credpool_on_provider(p_row_provider text, p_provider text)
          RETURNS boolean
          LANGUAGE sql IMMUTABLE PARALLEL SAFE AS $$ SELECT p_row_provider = p_provider $$",
+    )
+    .execute(conn)
+    .await?;
+    Ok(())
+}
+
+/// Makes `credpool_key_tenant(key_hash)` (the tenant of a live key, the rule of tenant keys) a
+/// PL/pgSQL function with the same query. The SQL files define it in SQL, which PostgreSQL
+/// inlines into the statements that call it (one index probe within the statement); but Citus
+/// plans a statement by the tables it names before the function is inlined, and refuses it once
+/// the inlined function names `tenant_keys`, a reference table ("parameterized queries for SQL
+/// functions referencing distributed tables are not supported", measured on the renewal's and
+/// the release's reads of their keys). As PL/pgSQL it runs its query on its own. Done only while
+/// it is still SQL (the SQL files were applied again), so it is taken from its current text.
+async fn look_up_keys_apart(conn: &mut PgConnection) -> Result<(), sqlx::Error> {
+    sqlx::raw_sql(
+        "DO $$
+         DECLARE
+             v_query text;
+         BEGIN
+             SELECT p.prosrc INTO v_query FROM pg_proc p
+             WHERE p.oid = 'credpool_key_tenant(text)'::regprocedure
+               AND p.prolang = (SELECT l.oid FROM pg_language l WHERE l.lanname = 'sql');
+             IF FOUND THEN
+                 EXECUTE format(
+                     'CREATE OR REPLACE FUNCTION credpool_key_tenant(p_key_hash text)
+                      RETURNS SETOF text LANGUAGE plpgsql STABLE PARALLEL SAFE AS %L',
+                     'BEGIN RETURN QUERY ' || v_query || '; END');
+             END IF;
+         END
+         $$",
     )
     .execute(conn)
     .await?;
