@@ -46,8 +46,8 @@ $$;
 -- PASSES: the providers that statements about the rows of several providers run for, one
 -- statement per pass, each naming its pass's provider through credpool_on_provider. On plain
 -- PostgreSQL one pass, NULL, which is every provider at once (credpool_on_provider is true there:
--- a group of leases of several providers costs what one provider's costs, and the statement count
--- of a call is what it was); on Citus, where credpool_on_provider is an equality, each provider
+-- a group of leases of several providers costs what one provider's costs, and a plain claim,
+-- release or renewal runs the statements it ran before); on Citus, where credpool_on_provider is an equality, each provider
 -- named, once, ascending (the lock order), each pass's statements routed to its provider's worker.
 -- `p_providers`: distinct, ascending. (PL/pgSQL, whose test is a simple expression: on plain
 -- PostgreSQL it runs no query.)

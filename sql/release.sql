@@ -201,7 +201,7 @@ $$;
 -- for an `auth_expired` report on the caller's own lease of an OAuth credential, the operator
 -- locks and every slot row, tenant slot row and lease_windows row of that credential
 -- (credpool_lock_credentials without its credential row); the named leases' slot rows, ascending
--- (provider, key_id, slot), in one statement; their tenant slot rows (credpool_lock_tenant_slots); the
+-- (provider, key_id, slot), in one statement per pass; their tenant slot rows (credpool_lock_tenant_slots); the
 -- lease_windows rows of the credentials named with a usage, then those leases' tenants'
 -- tenant_windows rows; late reports' lease advisory locks, ascending lease_id; the credential
 -- rows of counted outcomes, ascending (provider, key_id). Decision clock: clock_timestamp() after the slot

@@ -37,7 +37,8 @@ $$;
 -- `authorized`: false when its key_hash names no live key, or a key of another tenant than the
 -- lease's (credpool_key_tenant; lease_slots.tenant): nothing renewed. Never resurrects an expired
 -- lease, even if its slot is still free: expiry is judged after the slot row's lock is taken, on
--- clock_timestamp().
+-- clock_timestamp(). A lease named more than once in one call is renewed by the first renewal
+-- that names it by all of its values (as RELEASE's VERDICTS decide).
 -- Over a lowered limit or cap, the new end keeps the invariant FIT and FIT TENANT rest on (every
 -- surplus lease ends no later than every lease within the limit): credpool_renewal_end.
 -- An OAuth credential's lease is renewed at most to the expiry of the access token it holds:

@@ -262,3 +262,29 @@ async fn a_release_group_answers_each_release_as_if_it_were_alone() {
         "{expired_events:?}"
     );
 }
+
+#[tokio::test]
+async fn a_lease_named_twice_in_one_renewal_call_is_renewed_by_the_entry_that_names_it_rightly() {
+    // A group of renewals (as the service's group commit sends them) that names one lease first
+    // with a stale fence, then with its own: the stale entry renews nothing, the right one does,
+    // as a release group decides (the first request that names the lease by all of its values).
+    let app = TestApp::with_credential("key-a", 1).await;
+    let lease = app.lease(gpt4o_for(60)).await;
+    let fence = lease["fence"].as_i64().unwrap();
+    let entry = |fence: i64| {
+        json!({"lease_id": lease["lease_id"], "key_id": "key-a", "provider": "openai",
+               "pool": "default", "fence": fence, "lease_seconds": 600})
+    };
+    let renewed: Vec<(i32, Option<time::OffsetDateTime>)> =
+        sqlx::query_as("SELECT renewal, lease_until FROM credpool_renew($1) ORDER BY renewal")
+            .bind(json!([entry(fence - 1), entry(fence)]))
+            .fetch_all(&app.db)
+            .await
+            .unwrap();
+    assert_eq!(renewed.len(), 2);
+    assert_eq!(renewed[0].1, None, "the stale fence renewed: {renewed:?}");
+    let until = renewed[1]
+        .1
+        .expect("the lease named rightly was not renewed");
+    assert!(until > time::OffsetDateTime::now_utc() + Duration::from_secs(300));
+}

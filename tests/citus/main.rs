@@ -316,15 +316,19 @@ async fn an_operator_manages_credentials_of_two_workers_through_the_api() {
 
 #[tokio::test(flavor = "multi_thread")]
 async fn claims_for_providers_on_two_workers_are_granted_exactly_to_their_limits_and_replayed() {
-    let Some((_cluster, url, db, mut coordinator)) = migrated_cluster().await else {
+    let Some(Served {
+        cluster: _cluster,
+        db,
+        mut coordinator,
+        first,
+        second,
+        replicas,
+        addrs: _addrs,
+        _stops,
+    }) = served().await
+    else {
         return;
     };
-    let (first, second) = providers_on_different_workers(&mut coordinator).await;
-    distribute(&url);
-    // two replicas of the service on the coordinator, as executors' claims spread over them
-    let (one, _stop_one) = serve(db.clone(), &AppOptions::default()).await;
-    let (two, _stop_two) = serve(db.clone(), &AppOptions::default()).await;
-    let replicas = [Remote::at(one), Remote::at(two)];
     replicas[0]
         .put_key("a-1", &first, "default", &["m1"], 2)
         .await;
@@ -429,14 +433,19 @@ async fn claims_for_providers_on_two_workers_are_granted_exactly_to_their_limits
 
 #[tokio::test(flavor = "multi_thread")]
 async fn leases_on_two_workers_are_renewed_and_released_with_their_outcomes_counted() {
-    let Some((mut cluster, url, db, mut coordinator)) = migrated_cluster().await else {
+    let Some(Served {
+        mut cluster,
+        db,
+        mut coordinator,
+        first,
+        second,
+        replicas,
+        addrs: _addrs,
+        _stops,
+    }) = served().await
+    else {
         return;
     };
-    let (first, second) = providers_on_different_workers(&mut coordinator).await;
-    distribute(&url);
-    let (one, _stop_one) = serve(db.clone(), &AppOptions::default()).await;
-    let (two, _stop_two) = serve(db.clone(), &AppOptions::default()).await;
-    let replicas = [Remote::at(one), Remote::at(two)];
     replicas[0]
         .put_key("a-1", &first, "default", &["m1"], 2)
         .await;
@@ -619,14 +628,19 @@ async fn leases_on_two_workers_are_renewed_and_released_with_their_outcomes_coun
 
 #[tokio::test(flavor = "multi_thread")]
 async fn conversations_keep_their_credential_on_each_providers_worker() {
-    let Some((_cluster, url, db, mut coordinator)) = migrated_cluster().await else {
+    let Some(Served {
+        cluster: _cluster,
+        db,
+        mut coordinator,
+        first,
+        second,
+        replicas,
+        addrs: _addrs,
+        _stops,
+    }) = served().await
+    else {
         return;
     };
-    let (first, second) = providers_on_different_workers(&mut coordinator).await;
-    distribute(&url);
-    let (one, _stop_one) = serve(db.clone(), &AppOptions::default()).await;
-    let (two, _stop_two) = serve(db.clone(), &AppOptions::default()).await;
-    let replicas = [Remote::at(one), Remote::at(two)];
     for provider in [&first, &second] {
         for key in 0..3 {
             replicas[0]
@@ -683,14 +697,19 @@ async fn conversations_keep_their_credential_on_each_providers_worker() {
 
 #[tokio::test(flavor = "multi_thread")]
 async fn a_waiting_claim_takes_the_slot_a_release_frees_on_its_providers_worker() {
-    let Some((_cluster, url, db, mut coordinator)) = migrated_cluster().await else {
+    let Some(Served {
+        cluster: _cluster,
+        db,
+        mut coordinator,
+        first,
+        second,
+        replicas,
+        addrs,
+        _stops,
+    }) = served().await
+    else {
         return;
     };
-    let (first, second) = providers_on_different_workers(&mut coordinator).await;
-    distribute(&url);
-    let (one, _stop_one) = serve(db.clone(), &AppOptions::default()).await;
-    let (two, _stop_two) = serve(db.clone(), &AppOptions::default()).await;
-    let replicas = [Remote::at(one), Remote::at(two)];
     for provider in [&first, &second] {
         replicas[0]
             .put_key(&format!("{provider}-only"), provider, "default", &["m1"], 1)
@@ -704,7 +723,7 @@ async fn a_waiting_claim_takes_the_slot_a_release_frees_on_its_providers_worker(
         let waiting = {
             let body = json!({"provider": provider, "model": "m1", "lease_seconds": 60,
                               "wait_ms": 30_000, "holder": "waiter"});
-            tokio::spawn(async move { Remote::at(two).allocate(body).await })
+            tokio::spawn(async move { Remote::at(addrs[1]).allocate(body).await })
         };
         assert!(
             waiters_become(&mut coordinator, provider, 1).await,
@@ -758,6 +777,39 @@ async fn ends_after(coordinator: &mut PgConnection, lease: &Value, seconds: i64)
     .fetch_one(coordinator)
     .await
     .unwrap()
+}
+
+/// A credpool database on a started cluster, distributed by provider: two providers whose rows
+/// are on different workers, and two replicas of the service on the coordinator, as executors'
+/// calls spread over them (they stop when this drops).
+struct Served {
+    cluster: CitusCluster,
+    db: PgPool,
+    coordinator: PgConnection,
+    first: String,
+    second: String,
+    replicas: [Remote; 2],
+    addrs: [std::net::SocketAddr; 2],
+    _stops: [tokio::sync::oneshot::Sender<()>; 2],
+}
+
+/// [`Served`]; `None` where the suite is skipped (the `skipped:` line is printed).
+async fn served() -> Option<Served> {
+    let (cluster, url, db, mut coordinator) = migrated_cluster().await?;
+    let (first, second) = providers_on_different_workers(&mut coordinator).await;
+    distribute(&url);
+    let (one, stop_one) = serve(db.clone(), &AppOptions::default()).await;
+    let (two, stop_two) = serve(db.clone(), &AppOptions::default()).await;
+    Some(Served {
+        cluster,
+        db,
+        coordinator,
+        first,
+        second,
+        replicas: [Remote::at(one), Remote::at(two)],
+        addrs: [one, two],
+        _stops: [stop_one, stop_two],
+    })
 }
 
 /// A started cluster whose coordinator holds a migrated credpool database: the cluster (its nodes
