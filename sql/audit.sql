@@ -6,7 +6,7 @@
 -- tenant_events).
 --
 -- Repeatable: the one current definition of each object below. credpool applies this file after
--- the versioned migrations whenever its content changes (src/store/schema.rs), in one transaction;
+-- the versioned migrations whenever its content changes (service/src/store/schema.rs), in one transaction;
 -- every statement here must be safe to run again.
 
 -- The trails are append-only: rows are inserted, and later removed only by retention; never edited.
@@ -103,6 +103,10 @@ $$;
 -- one (rows are dated when the change took effect); a credential deleted without such a row has
 -- none, and its grants are not judged.
 --
+-- The trail rows come from `p_trail` and the credentials' current limits from `p_credentials`:
+-- lease_events and credentials themselves, or their copies on a Citus coordinator
+-- (credpool_audit_sources), with the columns the proof reads.
+--
 -- Chunks compose exactly: a lease is live at p_until when it has no release before it and its
 -- lease_until is later (the leases the next chunk must count), and a lease not live at a moment is
 -- never live again, since the service refuses to renew or release a lease whose lease_until has
@@ -111,105 +115,113 @@ $$;
 -- into the same order (a look-up per grant cost 7 us, half the proof): no join of the trail with
 -- itself, and index credential_events_configuration_idx (tenant_events_tenant_at_idx) read once
 -- per subject.
+DROP FUNCTION IF EXISTS credpool_scope_lease_check(text, timestamptz, timestamptz,
+    audit_live_lease[], timestamptz);
 CREATE OR REPLACE FUNCTION credpool_scope_lease_check(p_scope text, p_from timestamptz,
-    p_until timestamptz, p_live audit_live_lease[], p_judge_from timestamptz)
+    p_until timestamptz, p_live audit_live_lease[], p_judge_from timestamptz,
+    p_trail regclass DEFAULT 'lease_events', p_credentials regclass DEFAULT 'credentials')
 RETURNS TABLE (lease_id uuid, subject text, granted_at timestamptz, lease_until timestamptz,
                released_at timestamptz, held bigint, allowed integer)
-LANGUAGE sql STABLE AS $$
-    WITH lives AS (
-        SELECT e.lease_id,
-               min(e.subject) FILTER (WHERE e.event = 'granted') AS subject,
-               min(e.at) FILTER (WHERE e.event = 'granted') AS granted_at,
-               min(e.at) FILTER (WHERE e.event IN ('released', 'force_released')) AS released_at,
-               max(e.lease_until) FILTER (WHERE e.event IN ('granted', 'renewed')) AS lease_until
-        FROM (SELECT le.lease_id, le.event, le.at, le.lease_until,
-                     CASE p_scope WHEN 'credential' THEN le.key_id ELSE le.tenant END AS subject
-              FROM lease_events le
-              WHERE le.at >= p_from AND le.at < p_until
-              UNION ALL
-              SELECT l.lease_id, 'granted', l.granted_at, l.lease_until, l.subject
-              FROM unnest(p_live) l) e
-        GROUP BY e.lease_id
-        -- a lease ended before p_from whose late rows (a report after expiry) are in the range
-        HAVING min(e.subject) FILTER (WHERE e.event = 'granted') IS NOT NULL
-    ),
-    -- each subject's configuration rows: its current limit (at -infinity: in force where no row
-    -- is), the latest row at or before the first grant judged, and every later one before
-    -- p_until, with what they allowed (NULL: no cap, or a credential deleted)
-    configs AS (
-        SELECT s.subject, c.at, c.event_id, c.allowed
-        FROM (SELECT DISTINCT l.subject FROM lives l) s
-        CROSS JOIN LATERAL (
-            SELECT '-infinity'::timestamptz AS at, 0::bigint AS event_id,
-                   CASE p_scope
-                       -- before its oldest configuration row kept (retention purges older
-                       -- ones): what that row changed, else its current limit
-                       WHEN 'credential' THEN coalesce(
-                           (SELECT (ce.details -> 'old' ->> 'max_concurrent_uses')::integer
-                            FROM credential_events ce
-                            WHERE ce.key_id = s.subject AND ce.event IN ('created', 'updated')
-                            ORDER BY ce.at, ce.event_id
-                            LIMIT 1),
-                           (SELECT c.max_concurrent_uses FROM credentials c
-                            WHERE c.key_id = s.subject))
-                       ELSE (SELECT t.max_concurrent_leases FROM tenants t
-                             WHERE t.tenant_id = s.subject) END AS allowed
+LANGUAGE plpgsql STABLE AS $$
+BEGIN
+    RETURN QUERY EXECUTE format($q$
+        WITH lives AS (
+            SELECT e.lease_id,
+                   min(e.subject) FILTER (WHERE e.event = 'granted') AS subject,
+                   min(e.at) FILTER (WHERE e.event = 'granted') AS granted_at,
+                   min(e.at) FILTER (WHERE e.event IN ('released', 'force_released')) AS released_at,
+                   max(e.lease_until) FILTER (WHERE e.event IN ('granted', 'renewed')) AS lease_until
+            FROM (SELECT le.lease_id, le.event, le.at, le.lease_until,
+                         CASE $1 WHEN 'credential' THEN le.key_id ELSE le.tenant END AS subject
+                  FROM %1$s le
+                  WHERE le.at >= $2 AND le.at < $3
+                  UNION ALL
+                  SELECT l.lease_id, 'granted', l.granted_at, l.lease_until, l.subject
+                  FROM unnest($4) l) e
+            GROUP BY e.lease_id
+            -- a lease ended before the range whose late rows (a report after expiry) are in it
+            HAVING min(e.subject) FILTER (WHERE e.event = 'granted') IS NOT NULL
+        ),
+        -- each subject's configuration rows: its current limit (at -infinity: in force where no row
+        -- is), the latest row at or before the first grant judged, and every later one before
+        -- the range's end, with what they allowed (NULL: no cap, or a credential deleted)
+        configs AS (
+            SELECT s.subject, c.at, c.event_id, c.allowed
+            FROM (SELECT DISTINCT l.subject FROM lives l) s
+            CROSS JOIN LATERAL (
+                SELECT '-infinity'::timestamptz AS at, 0::bigint AS event_id,
+                       CASE $1
+                           -- before its oldest configuration row kept (retention purges older
+                           -- ones): what that row changed, else its current limit
+                           WHEN 'credential' THEN coalesce(
+                               (SELECT (ce.details -> 'old' ->> 'max_concurrent_uses')::integer
+                                FROM credential_events ce
+                                WHERE ce.key_id = s.subject AND ce.event IN ('created', 'updated')
+                                ORDER BY ce.at, ce.event_id
+                                LIMIT 1),
+                               (SELECT c.max_concurrent_uses FROM %2$s c
+                                WHERE c.key_id = s.subject))
+                           ELSE (SELECT t.max_concurrent_leases FROM tenants t
+                                 WHERE t.tenant_id = s.subject) END AS allowed
+                UNION ALL
+                (SELECT ce.at, ce.event_id, (ce.details -> 'new' ->> 'max_concurrent_uses')::integer
+                 FROM credential_events ce
+                 WHERE $1 = 'credential' AND ce.key_id = s.subject
+                   AND ce.event IN ('created', 'updated') AND ce.at <= greatest($2, $5)
+                 ORDER BY ce.at DESC, ce.event_id DESC
+                 LIMIT 1)
+                UNION ALL
+                SELECT ce.at, ce.event_id, (ce.details -> 'new' ->> 'max_concurrent_uses')::integer
+                FROM credential_events ce
+                WHERE $1 = 'credential' AND ce.key_id = s.subject
+                  AND ce.event IN ('created', 'updated')
+                  AND ce.at > greatest($2, $5) AND ce.at < $3
+                UNION ALL
+                (SELECT te.at, te.event_id, te.max_concurrent_leases
+                 FROM tenant_events te
+                 WHERE $1 = 'tenant' AND te.tenant_id = s.subject
+                   AND te.event IN ('created', 'updated') AND te.at <= greatest($2, $5)
+                 ORDER BY te.at DESC, te.event_id DESC
+                 LIMIT 1)
+                UNION ALL
+                SELECT te.at, te.event_id, te.max_concurrent_leases
+                FROM tenant_events te
+                WHERE $1 = 'tenant' AND te.tenant_id = s.subject
+                  AND te.event IN ('created', 'updated')
+                  AND te.at > greatest($2, $5) AND te.at < $3) c
+        ),
+        edges AS (
+            SELECT l.lease_id, l.subject, l.granted_at AS at, 1 AS delta, l.lease_until,
+                   l.released_at, NULL::bigint AS setting
+            FROM lives l
             UNION ALL
-            (SELECT ce.at, ce.event_id, (ce.details -> 'new' ->> 'max_concurrent_uses')::integer
-             FROM credential_events ce
-             WHERE p_scope = 'credential' AND ce.key_id = s.subject
-               AND ce.event IN ('created', 'updated') AND ce.at <= greatest(p_from, p_judge_from)
-             ORDER BY ce.at DESC, ce.event_id DESC
-             LIMIT 1)
+            SELECT NULL, l.subject, coalesce(l.released_at, l.lease_until), -1, NULL, NULL, NULL
+            FROM lives l
             UNION ALL
-            SELECT ce.at, ce.event_id, (ce.details -> 'new' ->> 'max_concurrent_uses')::integer
-            FROM credential_events ce
-            WHERE p_scope = 'credential' AND ce.key_id = s.subject
-              AND ce.event IN ('created', 'updated')
-              AND ce.at > greatest(p_from, p_judge_from) AND ce.at < p_until
-            UNION ALL
-            (SELECT te.at, te.event_id, te.max_concurrent_leases
-             FROM tenant_events te
-             WHERE p_scope = 'tenant' AND te.tenant_id = s.subject
-               AND te.event IN ('created', 'updated') AND te.at <= greatest(p_from, p_judge_from)
-             ORDER BY te.at DESC, te.event_id DESC
-             LIMIT 1)
-            UNION ALL
-            SELECT te.at, te.event_id, te.max_concurrent_leases
-            FROM tenant_events te
-            WHERE p_scope = 'tenant' AND te.tenant_id = s.subject
-              AND te.event IN ('created', 'updated')
-              AND te.at > greatest(p_from, p_judge_from) AND te.at < p_until) c
-    ),
-    edges AS (
-        SELECT l.lease_id, l.subject, l.granted_at AS at, 1 AS delta, l.lease_until,
-               l.released_at, NULL::bigint AS setting
-        FROM lives l
-        UNION ALL
-        SELECT NULL, l.subject, coalesce(l.released_at, l.lease_until), -1, NULL, NULL, NULL
-        FROM lives l
-        UNION ALL
-        -- a configuration sorts after the ends and before the grants of its instant; `setting`
-        -- grows with the rows' order, so a running max is the latest row's: its rank in the high
-        -- bits, what it allowed + 1 (0: no cap) in the low 32
-        SELECT NULL, c.subject, c.at, 0, NULL, NULL,
-               (row_number() OVER (PARTITION BY c.subject ORDER BY c.at, c.event_id)) * 4294967296
-               + coalesce(c.allowed + 1, 0)
-        FROM configs c
-    ),
-    running AS (
-        SELECT e.*,
-               sum(e.delta) OVER w AS held,
-               max(e.setting) OVER w AS latest
-        FROM edges e
-        WINDOW w AS (PARTITION BY e.subject ORDER BY e.at, e.delta ROWS UNBOUNDED PRECEDING)
-    )
-    SELECT r.lease_id, r.subject, r.at, r.lease_until, r.released_at,
-           CASE WHEN r.at >= greatest(p_from, p_judge_from) THEN r.held END,
-           CASE WHEN r.at >= greatest(p_from, p_judge_from)
-                THEN nullif(r.latest % 4294967296, 0)::integer - 1 END
-    FROM running r
-    WHERE r.delta = 1
+            -- a configuration sorts after the ends and before the grants of its instant; `setting`
+            -- grows with the rows' order, so a running max is the latest row's: its rank in the high
+            -- bits, what it allowed + 1 (0: no cap) in the low 32
+            SELECT NULL, c.subject, c.at, 0, NULL, NULL,
+                   (row_number() OVER (PARTITION BY c.subject ORDER BY c.at, c.event_id)) * 4294967296
+                   + coalesce(c.allowed + 1, 0)
+            FROM configs c
+        ),
+        running AS (
+            SELECT e.*,
+                   sum(e.delta) OVER w AS held,
+                   max(e.setting) OVER w AS latest
+            FROM edges e
+            WINDOW w AS (PARTITION BY e.subject ORDER BY e.at, e.delta ROWS UNBOUNDED PRECEDING)
+        )
+        SELECT r.lease_id, r.subject, r.at, r.lease_until, r.released_at,
+               CASE WHEN r.at >= greatest($2, $5) THEN r.held END,
+               CASE WHEN r.at >= greatest($2, $5)
+                    THEN nullif(r.latest %% 4294967296, 0)::integer - 1 END
+        FROM running r
+        WHERE r.delta = 1
+    $q$, p_trail, p_credentials)
+    USING p_scope, p_from, p_until, p_live, p_judge_from;
+END;
 $$;
 
 -- The oversell proof, from the trail alone: for every credential with leases granted in
@@ -218,22 +230,32 @@ $$;
 -- credpool_scope_lease_check, scope 'credential'). The leases live at p_since are read from the
 -- day before it (a lease renewed for longer than a day is missed); the checkpoints of
 -- credpool_audit_advance carry them instead.
+-- (VOLATILE, as the other one-shot proofs: on Citus credpool_audit_sources copies the range's
+-- rows to the coordinator first.)
 CREATE OR REPLACE FUNCTION credpool_oversell_check(p_since timestamptz, p_until timestamptz)
 RETURNS TABLE (
     key_id text, max_concurrent_uses integer, leases bigint, peak bigint, grants_over_limit bigint,
     first_violation_at timestamptz)
-LANGUAGE sql STABLE AS $$
-    SELECT j.subject,
-           (SELECT c.max_concurrent_uses FROM credentials c WHERE c.key_id = j.subject),
-           count(*),
-           max(j.held),
-           count(*) FILTER (WHERE j.held > j.allowed),
-           min(j.granted_at) FILTER (WHERE j.held > j.allowed)
-    FROM credpool_scope_lease_check('credential', p_since - interval '1 day', p_until, '{}',
-                                    p_since) j
-    WHERE j.held IS NOT NULL
-    GROUP BY j.subject
-    ORDER BY j.subject
+LANGUAGE plpgsql AS $$
+DECLARE
+    v_sources record;
+BEGIN
+    SELECT * INTO v_sources FROM credpool_audit_sources(p_since - interval '1 day', p_until);
+    RETURN QUERY EXECUTE format($q$
+        SELECT j.subject,
+               (SELECT c.max_concurrent_uses FROM %2$s c WHERE c.key_id = j.subject),
+               count(*),
+               max(j.held),
+               count(*) FILTER (WHERE j.held > j.allowed),
+               min(j.granted_at) FILTER (WHERE j.held > j.allowed)
+        FROM credpool_scope_lease_check('credential', $1 - interval '1 day', $2, '{}', $1,
+                                        %1$L, %2$L) j
+        WHERE j.held IS NOT NULL
+        GROUP BY j.subject
+        ORDER BY j.subject
+    $q$, v_sources.trail, v_sources.credentials)
+    USING p_since, p_until;
+END;
 $$;
 
 -- Utilization per credential and hour, for every credential that exists now: lease-seconds held
@@ -271,12 +293,15 @@ $$;
 
 -- The rate windows credential `p_key_id` had in force at `p_at`, from the trail: what its latest
 -- `created` / `updated` row at or before `p_at` set; else what the first such row after `p_at`
--- replaced (its `old`); else its current rate_limits (no change recorded since). A configuration
--- row without `rate_limits` (written before rate windows existed) means no windows: `[]`, never
--- the windows set later. Rows are dated when the change took effect (the operator's transaction
+-- replaced (its `old`); else `p_now`, its rate_limits now (no change recorded since; passed in:
+-- on Citus the credentials are on the workers, and this is asked per grant on the coordinator). A
+-- configuration row without `rate_limits` (written before rate windows existed) means no
+-- windows: `[]`, never the windows set later. Rows are dated when the change took effect (the operator's transaction
 -- writes them after its locks, at clock_timestamp()), so a grant is judged by the windows it was
 -- admitted under. Index credential_events_configuration_idx serves both look-ups.
-CREATE OR REPLACE FUNCTION credpool_rate_limits_at(p_key_id text, p_at timestamptz) RETURNS jsonb
+DROP FUNCTION IF EXISTS credpool_rate_limits_at(text, timestamptz);
+CREATE OR REPLACE FUNCTION credpool_rate_limits_at(p_key_id text, p_at timestamptz, p_now jsonb)
+RETURNS jsonb
 LANGUAGE sql STABLE AS $$
     SELECT coalesce(
         (SELECT coalesce(ce.details -> 'new' -> 'rate_limits', '[]')
@@ -289,8 +314,47 @@ LANGUAGE sql STABLE AS $$
          WHERE ce.key_id = p_key_id AND ce.event IN ('created', 'updated') AND ce.at > p_at
          ORDER BY ce.at, ce.event_id
          LIMIT 1),
-        (SELECT c.rate_limits FROM credentials c WHERE c.key_id = p_key_id),
+        p_now,
         '[]')
+$$;
+
+-- The rate windows (kind, seconds) a window proof of scope `p_scope` ('credential' or 'tenant')
+-- over [p_since, p_until) looks at: every (kind, S) of the scope's current configurations and of
+-- its configuration rows before p_until (for credentials, also the `old` of rows from p_since on:
+-- credpool_rate_limits_at may answer with it). `p_credentials`: the credentials, or their copy
+-- (credpool_scope_lease_check says why).
+CREATE OR REPLACE FUNCTION credpool_audit_windows(p_scope text, p_since timestamptz,
+    p_until timestamptz, p_credentials regclass DEFAULT 'credentials')
+RETURNS TABLE (kind text, seconds integer)
+LANGUAGE plpgsql STABLE AS $$
+BEGIN
+    RETURN QUERY EXECUTE format($q$
+        SELECT DISTINCT CASE WHEN l ? 'requests' THEN 'requests' ELSE 'tokens' END,
+               (l ->> 'seconds')::integer
+        FROM (SELECT c.rate_limits AS limits FROM %s c
+              WHERE $1 = 'credential'
+              UNION ALL
+              SELECT ce.details -> 'new' -> 'rate_limits' FROM credential_events ce
+              WHERE $1 = 'credential'
+                AND ce.event IN ('created', 'updated') AND ce.at < $3
+                AND jsonb_typeof(ce.details -> 'new' -> 'rate_limits') = 'array'
+              UNION ALL
+              SELECT ce.details -> 'old' -> 'rate_limits' FROM credential_events ce
+              WHERE $1 = 'credential'
+                AND ce.event = 'updated' AND ce.at >= $2
+                AND jsonb_typeof(ce.details -> 'old' -> 'rate_limits') = 'array'
+              UNION ALL
+              SELECT t.rate_limits FROM tenants t
+              WHERE $1 = 'tenant'
+              UNION ALL
+              SELECT te.rate_limits FROM tenant_events te
+              WHERE $1 = 'tenant'
+                AND te.event IN ('created', 'updated') AND te.at < $3
+                AND jsonb_typeof(te.rate_limits) = 'array') AS configs,
+             jsonb_array_elements(configs.limits) AS l
+    $q$, p_credentials)
+    USING p_scope, p_since, p_until;
+END;
 $$;
 
 -- The window proof, from the trail alone, for either scope of rate windows: `p_scope`
@@ -327,61 +391,50 @@ $$;
 -- reported difference usage - reservation from its report until its grant is S old), no join of
 -- the trail with itself. At equal times the edges that end sort first, then the grants (all
 -- grants at one moment count each other), then the reports (a report at the very moment of a
--- grant was not known to it). The windows looked at are every (kind, S) of the scope's current
--- configurations and of its configuration rows before p_until (for credentials, also the `old`
--- of rows from p_since on: credpool_rate_limits_at may answer with it).
-CREATE OR REPLACE FUNCTION credpool_scope_window_check(p_scope text, p_since timestamptz, p_until timestamptz)
+-- grant was not known to it). The windows looked at: credpool_audit_windows. The trail rows come
+-- from `p_trail`, the credentials' current windows from `p_credentials` (see
+-- credpool_scope_lease_check); without them, from credpool_audit_sources over the range (VOLATILE
+-- for that: on Citus it copies the range's rows first).
+DROP FUNCTION IF EXISTS credpool_scope_window_check(text, timestamptz, timestamptz);
+CREATE OR REPLACE FUNCTION credpool_scope_window_check(p_scope text, p_since timestamptz,
+    p_until timestamptz, p_trail regclass DEFAULT NULL, p_credentials regclass DEFAULT NULL)
 RETURNS TABLE (scope_id text, kind text, seconds integer, window_count bigint, grants bigint,
                peak bigint, grants_over_window bigint, first_violation_at timestamptz)
-LANGUAGE plpgsql STABLE AS $$
+LANGUAGE plpgsql AS $$
 DECLARE
-    -- the lease_events column naming whose windows judge a grant, and the function that gives
-    -- that one's windows in force at a moment: identifiers from this list only, never the caller's
+    -- the lease_events column naming whose windows judge a grant, and the windows that one had in
+    -- force at a grant (r.scope_id, r.at): identifiers from this list only, never the caller's
     v_column text;
     v_windows_at text;
     v_spec record;
 BEGIN
+    IF p_trail IS NULL THEN
+        SELECT src.trail, src.credentials INTO p_trail, p_credentials
+        FROM credpool_audit_sources(p_since, p_until) src;
+    END IF;
     CASE p_scope
         WHEN 'credential' THEN
             v_column := 'key_id';
-            v_windows_at := 'credpool_rate_limits_at';
+            -- (the credentials' current windows passed in: on Citus they are on the workers)
+            v_windows_at := format(
+                'credpool_rate_limits_at(r.scope_id, r.at,
+                                         (SELECT c.rate_limits FROM %s c WHERE c.key_id = r.scope_id))',
+                p_credentials);
         WHEN 'tenant' THEN
             v_column := 'tenant';
-            v_windows_at := 'credpool_tenant_rate_limits_at';
+            v_windows_at := 'credpool_tenant_rate_limits_at(r.scope_id, r.at)';
         ELSE
             RAISE EXCEPTION 'unknown window scope: %', p_scope
                 USING ERRCODE = 'invalid_parameter_value';
     END CASE;
     FOR v_spec IN
-        SELECT DISTINCT CASE WHEN l ? 'requests' THEN 'requests' ELSE 'tokens' END AS kind,
-               (l ->> 'seconds')::integer AS seconds
-        FROM (SELECT c.rate_limits AS limits FROM credentials c
-              WHERE p_scope = 'credential'
-              UNION ALL
-              SELECT ce.details -> 'new' -> 'rate_limits' FROM credential_events ce
-              WHERE p_scope = 'credential'
-                AND ce.event IN ('created', 'updated') AND ce.at < p_until
-                AND jsonb_typeof(ce.details -> 'new' -> 'rate_limits') = 'array'
-              UNION ALL
-              SELECT ce.details -> 'old' -> 'rate_limits' FROM credential_events ce
-              WHERE p_scope = 'credential'
-                AND ce.event = 'updated' AND ce.at >= p_since
-                AND jsonb_typeof(ce.details -> 'old' -> 'rate_limits') = 'array'
-              UNION ALL
-              SELECT t.rate_limits FROM tenants t
-              WHERE p_scope = 'tenant'
-              UNION ALL
-              SELECT te.rate_limits FROM tenant_events te
-              WHERE p_scope = 'tenant'
-                AND te.event IN ('created', 'updated') AND te.at < p_until
-                AND jsonb_typeof(te.rate_limits) = 'array') AS configs,
-             jsonb_array_elements(configs.limits) AS l
+        SELECT w.kind, w.seconds FROM credpool_audit_windows(p_scope, p_since, p_until, p_credentials) w
     LOOP
         RETURN QUERY EXECUTE format($q$
             WITH grants AS (
                 SELECT g.%6$I AS scope_id, g.lease_id, g.at,
                        CASE %1$L WHEN 'requests' THEN 1 ELSE coalesce(g.tokens, 0) END AS charge
-                FROM lease_events g
+                FROM %8$s g
                 WHERE g.event = 'granted' AND g.%6$I IS NOT NULL
                   AND g.at >= %3$L::timestamptz - %5$L::interval AND g.at < %4$L::timestamptz
             ),
@@ -390,7 +443,7 @@ BEGIN
                 SELECT g.scope_id, g.at AS granted_at, u.at AS reported_at, u.tokens - g.charge AS delta
                 FROM grants g
                 CROSS JOIN LATERAL (
-                    SELECT e.at, e.tokens FROM lease_events e
+                    SELECT e.at, e.tokens FROM %8$s e
                     WHERE e.lease_id = g.lease_id AND e.tokens IS NOT NULL
                       AND e.event IN ('released', 'outcome_after_expiry')
                       -- only a report within the grant's window and the range counts (the
@@ -424,7 +477,7 @@ BEGIN
             judged AS MATERIALIZED (
                 SELECT r.scope_id, r.at, r.charged,
                        (SELECT (l ->> %1$L)::bigint
-                        FROM jsonb_array_elements(%7$I(r.scope_id, r.at)) AS l
+                        FROM jsonb_array_elements(%7$s) AS l
                         WHERE l ? %1$L AND (l ->> 'seconds')::integer = %2$s
                         LIMIT 1) AS window_count
                 FROM running r
@@ -439,7 +492,7 @@ BEGIN
             GROUP BY j.scope_id
             ORDER BY j.scope_id
         $q$, v_spec.kind, v_spec.seconds, p_since, p_until, make_interval(secs => v_spec.seconds),
-             v_column, v_windows_at);
+             v_column, v_windows_at, p_trail);
     END LOOP;
 END;
 $$;
@@ -450,7 +503,7 @@ $$;
 CREATE OR REPLACE FUNCTION credpool_window_check(p_since timestamptz, p_until timestamptz)
 RETURNS TABLE (key_id text, kind text, seconds integer, window_count bigint, grants bigint,
                peak bigint, grants_over_window bigint, first_violation_at timestamptz)
-LANGUAGE sql STABLE AS $$
+LANGUAGE sql AS $$
     SELECT * FROM credpool_scope_window_check('credential', p_since, p_until)
 $$;
 
@@ -468,17 +521,24 @@ CREATE TRIGGER tenant_events_append_only
 CREATE OR REPLACE FUNCTION credpool_tenant_cap_check(p_since timestamptz, p_until timestamptz)
 RETURNS TABLE (tenant_id text, max_concurrent_leases integer, leases bigint, peak bigint,
                grants_over_cap bigint, first_violation_at timestamptz)
-LANGUAGE sql STABLE AS $$
+LANGUAGE plpgsql AS $$
+DECLARE
+    v_sources record;
+BEGIN
+    SELECT * INTO v_sources FROM credpool_audit_sources(p_since - interval '1 day', p_until);
+    RETURN QUERY
     SELECT j.subject,
            (SELECT t.max_concurrent_leases FROM tenants t WHERE t.tenant_id = j.subject),
            count(*),
            max(j.held),
            count(*) FILTER (WHERE j.held > j.allowed),
            min(j.granted_at) FILTER (WHERE j.held > j.allowed)
-    FROM credpool_scope_lease_check('tenant', p_since - interval '1 day', p_until, '{}', p_since) j
+    FROM credpool_scope_lease_check('tenant', p_since - interval '1 day', p_until, '{}', p_since,
+                                    v_sources.trail, v_sources.credentials) j
     WHERE j.held IS NOT NULL
     GROUP BY j.subject
-    ORDER BY j.subject
+    ORDER BY j.subject;
+END;
 $$;
 
 -- The rate windows tenant `p_tenant` had in force at `p_at`, from the trail: what its latest
@@ -509,7 +569,7 @@ $$;
 CREATE OR REPLACE FUNCTION credpool_tenant_window_check(p_since timestamptz, p_until timestamptz)
 RETURNS TABLE (tenant_id text, kind text, seconds integer, window_count bigint, grants bigint,
                peak bigint, grants_over_window bigint, first_violation_at timestamptz)
-LANGUAGE sql STABLE AS $$
+LANGUAGE sql AS $$
     SELECT * FROM credpool_scope_window_check('tenant', p_since, p_until)
 $$;
 
@@ -546,25 +606,32 @@ $$;
 -- one instant are never split (they may hold more than p_rows). Index lease_events_at_idx.
 CREATE OR REPLACE FUNCTION credpool_audit_chunk_end(p_from timestamptz, p_to timestamptz,
     p_rows integer, OUT chunk_end timestamptz, OUT rows_read bigint)
-LANGUAGE sql STABLE AS $$
-    WITH firsts AS (
-        SELECT e.at FROM lease_events e
-        WHERE e.at >= p_from AND e.at < p_to
-        ORDER BY e.at
-        LIMIT p_rows + 1
-    ),
-    cut AS (
-        SELECT count(*) AS n, max(f.at) AS last FROM firsts f
-    )
-    SELECT CASE WHEN cut.n <= p_rows THEN p_to
-                WHEN cut.last > p_from THEN cut.last
-                -- more than p_rows rows at p_from itself: the chunk is that instant
-                ELSE coalesce((SELECT min(e.at) FROM lease_events e
-                               WHERE e.at > p_from AND e.at < p_to), p_to) END,
-           CASE WHEN cut.n <= p_rows THEN cut.n
-                WHEN cut.last > p_from THEN (SELECT count(*) FROM firsts f WHERE f.at < cut.last)
-                ELSE (SELECT count(*) FROM lease_events e WHERE e.at = p_from) END
-    FROM cut
+-- PL/pgSQL, one plain read of the trail per statement: Citus plans none of them inside an
+-- SQL-language function with parameters, and each runs over every worker there
+LANGUAGE plpgsql STABLE AS $$
+DECLARE
+    v_firsts bigint;
+    v_last timestamptz;
+BEGIN
+    SELECT count(*), max(f.at) INTO v_firsts, v_last
+    FROM (SELECT e.at FROM lease_events e
+          WHERE e.at >= p_from AND e.at < p_to
+          ORDER BY e.at
+          LIMIT p_rows + 1) f;
+    IF v_firsts <= p_rows THEN
+        chunk_end := p_to;
+        rows_read := v_firsts;
+    ELSIF v_last > p_from THEN
+        chunk_end := v_last;
+        SELECT count(*) INTO rows_read FROM lease_events e
+        WHERE e.at >= p_from AND e.at < v_last;
+    ELSE
+        -- more than p_rows rows at p_from itself: the chunk is that instant
+        SELECT coalesce(min(e.at), p_to) INTO chunk_end FROM lease_events e
+        WHERE e.at > p_from AND e.at < p_to;
+        SELECT count(*) INTO rows_read FROM lease_events e WHERE e.at = p_from;
+    END IF;
+END;
 $$;
 
 -- Opens run `p_run` over [p_since, p_until) (p_until NULL: it follows the trail, as the
@@ -602,14 +669,56 @@ BEGIN
 END;
 $$;
 
+-- Where the proofs over [p_from, p_to) (a chunk's, or a one-shot proof's) read the trail and the
+-- credentials' current limits and windows: lease_events and credentials themselves on plain
+-- PostgreSQL. On Citus
+-- (lease_events distributed) a proof's statement cannot join the workers' rows with the
+-- coordinator's (credential_events, the checkpoints) nor regroup them by tenant, so the chunk's
+-- rows are copied to the coordinator first, in temporary tables dropped at commit: the trail rows
+-- from p_from less the longest window any proof of the range looks back, and every credential's
+-- limit and windows (one read of each worker apiece); the proofs then judge the copies there,
+-- by the same rules.
+CREATE OR REPLACE FUNCTION credpool_audit_sources(p_from timestamptz, p_to timestamptz,
+    OUT trail regclass, OUT credentials regclass)
+LANGUAGE plpgsql AS $$
+DECLARE
+    v_lookback integer;
+BEGIN
+    IF NOT credpool_is_distributed('lease_events') THEN
+        trail := 'lease_events';
+        credentials := 'credentials';
+        RETURN;
+    END IF;
+    DROP TABLE IF EXISTS pg_temp.credpool_audit_trail, pg_temp.credpool_audit_credentials;
+    CREATE TEMPORARY TABLE credpool_audit_credentials ON COMMIT DROP AS
+        SELECT c.key_id, c.max_concurrent_uses, c.rate_limits FROM credentials c;
+    CREATE INDEX ON pg_temp.credpool_audit_credentials (key_id);
+    SELECT coalesce(max(w.seconds), 0) INTO v_lookback
+    FROM (SELECT cw.seconds FROM credpool_audit_windows('credential', p_from, p_to,
+                                                        'pg_temp.credpool_audit_credentials') cw
+          UNION ALL
+          SELECT tw.seconds FROM credpool_audit_windows('tenant', p_from, p_to) tw) w;
+    CREATE TEMPORARY TABLE credpool_audit_trail ON COMMIT DROP AS
+        SELECT e.* FROM lease_events e
+        WHERE e.at >= p_from - make_interval(secs => v_lookback) AND e.at < p_to;
+    CREATE INDEX ON pg_temp.credpool_audit_trail (at);
+    CREATE INDEX ON pg_temp.credpool_audit_trail (lease_id, at);
+    ANALYZE pg_temp.credpool_audit_trail, pg_temp.credpool_audit_credentials;
+    trail := 'pg_temp.credpool_audit_trail';
+    credentials := 'pg_temp.credpool_audit_credentials';
+END;
+$$;
+
 -- One chunk of proof `p_proof` of run p_run: judges the grants in [proven_until, p_to) by the
 -- proof's rule (the concurrency proofs, `oversell` and `tenant_cap`, with the leases live at
 -- proven_until: credpool_scope_lease_check; the window proofs, `windows` and `tenant_windows`,
 -- with each window's lookback read by time: credpool_scope_window_check), adds what it found to
 -- the subjects' lines and the checkpoint, keeps the leases live at p_to, and moves the checkpoint
--- to p_to. `p_rows`: the trail rows of the chunk (for progress).
+-- to p_to. `p_rows`: the trail rows of the chunk (for progress). `p_trail`, `p_credentials`: where
+-- the chunk's rows are read (credpool_audit_sources).
+DROP FUNCTION IF EXISTS credpool_audit_prove(text, text, timestamptz, bigint);
 CREATE OR REPLACE FUNCTION credpool_audit_prove(p_run text, p_proof text, p_to timestamptz,
-    p_rows bigint) RETURNS void
+    p_rows bigint, p_trail regclass, p_credentials regclass) RETURNS void
 LANGUAGE sql
 -- a chunk's leases and edges in memory (its rows are bounded): no sort spills to disk
 SET work_mem = '64MB'
@@ -621,7 +730,8 @@ AS $$
         SELECT j.*
         FROM checkpoint c,
              credpool_scope_lease_check(CASE c.proof WHEN 'oversell' THEN 'credential' ELSE 'tenant' END,
-                                        c.proven_until, p_to, c.live_leases, c.since) j
+                                        c.proven_until, p_to, c.live_leases, c.since,
+                                        p_trail, p_credentials) j
         WHERE c.proof IN ('oversell', 'tenant_cap')
     ),
     found AS MATERIALIZED (
@@ -637,7 +747,7 @@ AS $$
                w.grants_over_window, w.first_violation_at
         FROM checkpoint c,
              credpool_scope_window_check(CASE c.proof WHEN 'windows' THEN 'credential' ELSE 'tenant' END,
-                                         c.proven_until, p_to) w
+                                         c.proven_until, p_to, p_trail, p_credentials) w
         WHERE c.proof IN ('windows', 'tenant_windows')
     ),
     merged AS (
@@ -688,6 +798,7 @@ DECLARE
     v_from timestamptz;
     v_to timestamptz;
     v_rows bigint;
+    v_sources record;
 BEGIN
     IF current_setting('transaction_isolation') <> 'read committed' THEN
         RAISE EXCEPTION 'credpool_audit_advance needs READ COMMITTED'
@@ -718,8 +829,10 @@ BEGIN
             v_target := v_checkpoint.target;
             SELECT e.chunk_end, e.rows_read INTO v_to, v_rows
             FROM credpool_audit_chunk_end(v_from, v_target, p_rows) e;
+            SELECT * INTO v_sources FROM credpool_audit_sources(v_from, v_to);
         END IF;
-        PERFORM credpool_audit_prove(p_run, v_checkpoint.proof, v_to, v_rows);
+        PERFORM credpool_audit_prove(p_run, v_checkpoint.proof, v_to, v_rows, v_sources.trail,
+                                     v_sources.credentials);
         rows_read := greatest(rows_read, v_rows);
         more := more OR v_to < v_target;
     END LOOP;

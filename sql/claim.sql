@@ -43,6 +43,15 @@ LANGUAGE sql IMMUTABLE PARALLEL SAFE AS $$
     SELECT true
 $$;
 
+-- ROUTING of a tenant's rows (tenant_slots, tenant_windows), as credpool_on_provider routes a
+-- provider's: true on plain PostgreSQL (inlined away); on Citus, where those tables are
+-- distributed by tenant, `p_row_tenant = p_tenant` (store::schema::route_by_provider).
+CREATE OR REPLACE FUNCTION credpool_on_tenant(p_row_tenant text, p_tenant text)
+RETURNS boolean
+LANGUAGE sql IMMUTABLE PARALLEL SAFE AS $$
+    SELECT true
+$$;
+
 -- PASSES: the providers that statements about the rows of several providers run for, one
 -- statement per pass, each naming its pass's provider through credpool_on_provider. On plain
 -- PostgreSQL one pass, NULL, which is every provider at once (credpool_on_provider is true there:
@@ -59,6 +68,50 @@ BEGIN
         RETURN ARRAY[NULL::text];
     END IF;
     RETURN p_providers;
+END;
+$$;
+
+-- PASSES of tenants: the tenants statements about several tenants' rows run for, each naming
+-- its pass's tenant through credpool_on_tenant (on plain PostgreSQL one pass, NULL: every tenant
+-- at once). `p_tenants`: distinct, ascending (the lock order).
+CREATE OR REPLACE FUNCTION credpool_tenant_passes(p_tenants text[])
+RETURNS text[]
+LANGUAGE plpgsql STABLE AS $$
+BEGIN
+    IF credpool_on_tenant('', ' ') THEN
+        RETURN ARRAY[NULL::text];
+    END IF;
+    RETURN p_tenants;
+END;
+$$;
+
+-- PASSES of tenants (credpool_tenant_passes) of claims `p_claims` (those numbered in `p_open`,
+-- and of provider `p_provider`, when given). On plain PostgreSQL it reads nothing.
+CREATE OR REPLACE FUNCTION credpool_claim_tenant_passes(p_claims credpool_claim[],
+    p_open integer[], p_provider text)
+RETURNS text[]
+LANGUAGE plpgsql STABLE AS $$
+BEGIN
+    IF credpool_on_tenant('', ' ') THEN
+        RETURN ARRAY[NULL::text];
+    END IF;
+    RETURN ARRAY(SELECT DISTINCT o.tenant FROM unnest(p_claims) AS o
+                 WHERE o.tenant IS NOT NULL AND (p_open IS NULL OR o.n = ANY (p_open))
+                   AND (p_provider IS NULL OR o.provider = p_provider)
+                 ORDER BY 1);
+END;
+$$;
+
+-- PASSES of tenants (credpool_tenant_passes) of the leases of slot rows `p_slots` that hold a
+-- tenant slot row (capped tenants' leases). On plain PostgreSQL it reads nothing.
+CREATE OR REPLACE FUNCTION credpool_slot_tenant_passes(p_slots lease_slots[])
+RETURNS text[]
+LANGUAGE plpgsql STABLE AS $$
+BEGIN
+    IF credpool_on_tenant('', ' ') THEN
+        RETURN ARRAY[NULL::text];
+    END IF;
+    RETURN ARRAY(SELECT DISTINCT r.tenant_id FROM credpool_tenant_rows_of(p_slots) AS r ORDER BY 1);
 END;
 $$;
 
@@ -254,8 +307,9 @@ $$;
 -- before this one (one entry per claim): counted as in flight, since the call's claims do not
 -- see each other's grants (without it, every claim of a tenant one below its share would go
 -- ahead in one call).
--- Costs one probe of pool_waiters; when another tenant waits, one read of the pool's live slot
--- rows (lease_slots has no index on the tenant: it would cost the hot updates of every grant).
+-- Costs one probe of pool_waiters; when another tenant waits, one read of the waiting tenants'
+-- rows (per tenant on Citus) and one of the pool's live slot rows (lease_slots has no index on
+-- the tenant: it would cost the hot updates of every grant).
 DROP FUNCTION IF EXISTS credpool_fair_share_ahead(text, text, text, text, timestamptz, timestamptz);
 CREATE OR REPLACE FUNCTION credpool_fair_share_ahead(p_provider text, p_pool text, p_model text,
     p_tenant text, p_since timestamptz, p_pending text[], p_now timestamptz)
@@ -267,6 +321,8 @@ DECLARE
     v_since timestamptz[];
     v_tokens bigint[];
     v_ahead text;
+    v_tenant text;
+    v_roomy text[] := '{}';
 BEGIN
     SELECT array_agg(w.tenant ORDER BY w.tenant), array_agg(w.since ORDER BY w.tenant),
            array_agg(w.tokens ORDER BY w.tenant)
@@ -283,6 +339,24 @@ BEGIN
     IF v_waiting IS NULL THEN
         RETURN NULL;
     END IF;
+    -- the waiting tenants that can take a slot now, read apart from the pool's slot rows, per
+    -- pass of tenants (on Citus a tenant's rows are on its own worker)
+    FOREACH v_tenant IN ARRAY credpool_tenant_passes(v_waiting) LOOP
+        SELECT v_roomy || coalesce(array_agg(x.tenant), '{}') INTO v_roomy
+        FROM unnest(v_waiting, v_tokens) AS x (tenant, tokens)
+        JOIN tenants t ON t.tenant_id = x.tenant
+        WHERE credpool_on_tenant(x.tenant, v_tenant)
+          AND (t.max_concurrent_leases IS NULL
+               OR EXISTS (SELECT 1 FROM tenant_slots ts
+                          WHERE credpool_on_tenant(ts.tenant_id, v_tenant)
+                            AND ts.tenant_id = t.tenant_id
+                            AND credpool_tenant_slot_open(ts, p_now)))
+          AND NOT EXISTS (SELECT 1 FROM tenant_windows tw
+                          WHERE credpool_on_tenant(tw.tenant_id, v_tenant)
+                            AND tw.tenant_id = t.tenant_id
+                            AND NOT credpool_window_room(credpool_tenant_window(tw), p_now,
+                                                         x.tokens));
+    END LOOP;
     WITH counted AS (
         SELECT l.tenant, count(*) AS in_flight
         FROM (SELECT s.tenant
@@ -297,15 +371,8 @@ BEGIN
     ),
     shares AS (
         SELECT x.tenant, x.since, (coalesce(n.in_flight, 0) + 1)::numeric / t.weight AS share,
-               (t.max_concurrent_leases IS NULL
-                OR EXISTS (SELECT 1 FROM tenant_slots ts
-                           WHERE ts.tenant_id = t.tenant_id
-                             AND credpool_tenant_slot_open(ts, p_now)))
-               AND NOT EXISTS (SELECT 1 FROM tenant_windows tw
-                               WHERE tw.tenant_id = t.tenant_id
-                                 AND NOT credpool_window_room(credpool_tenant_window(tw), p_now,
-                                                              x.tokens)) AS has_room
-        FROM unnest(v_waiting, v_since, v_tokens) AS x (tenant, since, tokens)
+               x.tenant = ANY (v_roomy) AS has_room
+        FROM unnest(v_waiting, v_since) AS x (tenant, since)
         JOIN tenants t ON t.tenant_id = x.tenant
         LEFT JOIN counted n ON n.tenant = x.tenant
     ),
@@ -672,7 +739,10 @@ BEGIN
     JOIN versions v ON v.provider = x.provider AND v.pool = x.pool
     LEFT JOIN LATERAL (
         SELECT t.tenant_id, t.max_concurrent_leases IS NOT NULL AS capped,
-               EXISTS (SELECT 1 FROM tenant_windows w WHERE w.tenant_id = t.tenant_id) AS windowed,
+               -- (a tenant has its tenant_windows row exactly while its rate_limits has
+               -- windows: FIT TENANT keeps them so, in the transaction that sets them; the
+               -- tenants row is the one every node of a Citus cluster has)
+               jsonb_array_length(t.rate_limits) > 0 AS windowed,
                s.admitted,
                s.admitted AND pg_try_advisory_xact_lock_shared(
                    hashtextextended('credpool.tenant:' || t.tenant_id, 0)) AS steady
@@ -870,8 +940,9 @@ BEGIN
     WITH open AS (
         SELECT o.*,
                EXISTS (SELECT 1 FROM tenants t
-                       WHERE t.tenant_id = o.tenant AND t.max_concurrent_leases IS NOT NULL)
-               OR EXISTS (SELECT 1 FROM tenant_windows w WHERE w.tenant_id = o.tenant) AS gated
+                       WHERE t.tenant_id = o.tenant
+                         AND (t.max_concurrent_leases IS NOT NULL
+                              OR jsonb_array_length(t.rate_limits) > 0)) AS gated
         FROM unnest(p_claims) AS o
         WHERE o.n = ANY (p_open) AND o.provider = p_provider
     ),
@@ -910,17 +981,20 @@ BEGIN
 END;
 $$;
 
--- PICK, for the claims whose tenant has a cap or windows or whose candidates have windows: ONE
--- statement. First what each claim's tenant needs, read now (after the call took the tenant's
--- lock, so no change of the tenant can have overtaken this snapshot): with a cap, a free row of
--- its tenant_slots (credpool_tenant_slot_open: no live lease, not surplus), searched from a random
--- row below the cap (the claims of one tenant in one call rarely meet on a row), locked FOR UPDATE
+-- PICK, for the claims whose tenant has a cap or windows or whose candidates have windows: two
+-- statements. First, TENANCY, what each claim's tenant needs, read now (after the call took the
+-- tenant's lock, so no change of the tenant can have overtaken this snapshot), in a statement of
+-- its own per pass of tenants (credpool_tenant_passes: one on plain PostgreSQL; on Citus a
+-- tenant's rows are on its own worker, and a statement locks rows of one worker): with a cap, a
+-- free row of its tenant_slots (credpool_tenant_slot_open: no live lease, not surplus), searched
+-- from a random row below the cap (the claims of one tenant in one call rarely meet on a row), locked FOR UPDATE
 -- SKIP LOCKED (a row a concurrent claim filled after the snapshot fails the re-check of the
 -- locked row: `tenants::a_claim_paused_before_the_tenant_lock...`); with windows, its
 -- tenant_windows row, locked FOR UPDATE SKIP LOCKED only when every window has room
 -- (credpool_window_room on the locked row). A claim of a capped or windowed tenant picks only
--- with them. Then its first eligible slot (credpool_slot_eligible), in one of two shapes: a claim
--- none of whose candidates has windows locks only slot rows, and passes over a slot whose
+-- with them. Then, in the second statement, its first eligible slot (credpool_slot_eligible),
+-- in one of two shapes: a claim none of whose candidates has windows locks only slot rows, and
+-- passes over a slot whose
 -- `windowed` gate says its credential has windows now; a claim with a windowed candidate locks
 -- that credential's lease_windows row with the slot row, and only when every window has room for
 -- it. Of the claims that picked one credential, one tenant slot row or one windowed tenant, the
@@ -930,45 +1004,76 @@ CREATE OR REPLACE FUNCTION credpool_claim_pick(p_claims credpool_claim[], p_open
     p_provider text, p_now timestamptz, OUT picks credpool_pick[], OUT lost integer[])
 LANGUAGE plpgsql
 AS $$
+DECLARE
+    v_tenant text;
+    -- TENANCY, one entry per claim: its number, whether its tenant is capped, the tenant slot
+    -- row it locked, whether its tenant has windows, and whether it locked their row
+    v_n integer[] := '{}';
+    v_capped boolean[] := '{}';
+    v_slot integer[] := '{}';
+    v_windowed boolean[] := '{}';
+    v_held boolean[] := '{}';
 BEGIN
+    -- TENANCY: the tenants' rows, in a statement of their own per pass (on Citus a tenant's rows
+    -- are on its own worker, and one statement locks rows of one worker only)
+    FOREACH v_tenant IN ARRAY credpool_claim_tenant_passes(p_claims, p_open, p_provider) LOOP
+        SELECT v_n || coalesce(array_agg((q.o).n ORDER BY (q.o).n), '{}'),
+               v_capped || coalesce(array_agg(q.capped ORDER BY (q.o).n), '{}'),
+               v_slot || coalesce(array_agg(q.tenant_slot ORDER BY (q.o).n), '{}'),
+               v_windowed || coalesce(array_agg(q.tenant_windowed ORDER BY (q.o).n), '{}'),
+               v_held || coalesce(array_agg(q.tenant_window_held ORDER BY (q.o).n), '{}')
+        INTO v_n, v_capped, v_slot, v_windowed, v_held
+        FROM (
+            SELECT o, tn.capped, coalesce(ts_after.slot, ts_before.slot) AS tenant_slot,
+                   coalesce(twx.windowed, false) AS tenant_windowed,
+                   twl.tenant_id IS NOT NULL AS tenant_window_held
+            FROM unnest(p_claims) AS o
+            CROSS JOIN LATERAL (
+                SELECT t.max_concurrent_leases IS NOT NULL AS capped,
+                       floor(random() * coalesce(t.max_concurrent_leases, 0))::integer AS start
+                FROM tenants t WHERE t.tenant_id = o.tenant LIMIT 1
+            ) AS tn
+            LEFT JOIN LATERAL (
+                SELECT t.slot FROM tenant_slots t
+                WHERE tn.capped AND (SELECT credpool_test_hook('claim.before_tenant_lock'))
+                  AND t.tenant_id = o.tenant AND credpool_on_tenant(t.tenant_id, v_tenant)
+                  AND t.slot >= tn.start
+                  AND credpool_tenant_slot_open(t, p_now)
+                ORDER BY t.slot LIMIT 1
+                FOR UPDATE SKIP LOCKED
+            ) AS ts_after ON true
+            LEFT JOIN LATERAL (
+                SELECT t.slot FROM tenant_slots t
+                WHERE tn.capped AND ts_after.slot IS NULL
+                  AND t.tenant_id = o.tenant AND credpool_on_tenant(t.tenant_id, v_tenant)
+                  AND t.slot < tn.start
+                  AND credpool_tenant_slot_open(t, p_now)
+                ORDER BY t.slot LIMIT 1
+                FOR UPDATE SKIP LOCKED
+            ) AS ts_before ON true
+            LEFT JOIN LATERAL (
+                SELECT true AS windowed FROM tenant_windows tw
+                WHERE tw.tenant_id = o.tenant AND credpool_on_tenant(tw.tenant_id, v_tenant)
+                LIMIT 1
+            ) AS twx ON true
+            LEFT JOIN LATERAL (
+                SELECT tw.tenant_id FROM tenant_windows tw
+                WHERE twx.windowed AND tw.tenant_id = o.tenant
+                  AND credpool_on_tenant(tw.tenant_id, v_tenant)
+                  AND (SELECT credpool_test_hook('claim.before_tenant_window_lock'))
+                  AND credpool_window_room(credpool_tenant_window(tw), p_now, o.tokens)
+                LIMIT 1
+                FOR UPDATE SKIP LOCKED
+            ) AS twl ON true
+            WHERE o.n = ANY (p_open) AND o.provider = p_provider
+              AND credpool_on_tenant(o.tenant, v_tenant)
+        ) AS q;
+    END LOOP;
     WITH tenancy AS (
-        SELECT o, tn.capped, coalesce(ts_after.slot, ts_before.slot) AS tenant_slot,
-               coalesce(twx.windowed, false) AS tenant_windowed,
-               twl.tenant_id IS NOT NULL AS tenant_window_held
-        FROM unnest(p_claims) AS o
-        CROSS JOIN LATERAL (
-            SELECT t.max_concurrent_leases IS NOT NULL AS capped,
-                   floor(random() * coalesce(t.max_concurrent_leases, 0))::integer AS start
-            FROM tenants t WHERE t.tenant_id = o.tenant LIMIT 1
-        ) AS tn
-        LEFT JOIN LATERAL (
-            SELECT t.slot FROM tenant_slots t
-            WHERE tn.capped AND (SELECT credpool_test_hook('claim.before_tenant_lock'))
-              AND t.tenant_id = o.tenant AND t.slot >= tn.start
-              AND credpool_tenant_slot_open(t, p_now)
-            ORDER BY t.slot LIMIT 1
-            FOR UPDATE SKIP LOCKED
-        ) AS ts_after ON true
-        LEFT JOIN LATERAL (
-            SELECT t.slot FROM tenant_slots t
-            WHERE tn.capped AND ts_after.slot IS NULL
-              AND t.tenant_id = o.tenant AND t.slot < tn.start
-              AND credpool_tenant_slot_open(t, p_now)
-            ORDER BY t.slot LIMIT 1
-            FOR UPDATE SKIP LOCKED
-        ) AS ts_before ON true
-        LEFT JOIN LATERAL (
-            SELECT true AS windowed FROM tenant_windows tw WHERE tw.tenant_id = o.tenant LIMIT 1
-        ) AS twx ON true
-        LEFT JOIN LATERAL (
-            SELECT tw.tenant_id FROM tenant_windows tw
-            WHERE twx.windowed AND tw.tenant_id = o.tenant
-              AND (SELECT credpool_test_hook('claim.before_tenant_window_lock'))
-              AND credpool_window_room(credpool_tenant_window(tw), p_now, o.tokens)
-            LIMIT 1
-            FOR UPDATE SKIP LOCKED
-        ) AS twl ON true
-        WHERE o.n = ANY (p_open) AND o.provider = p_provider
+        SELECT o, q.capped, q.tenant_slot, q.tenant_windowed, q.tenant_window_held
+        FROM unnest(v_n, v_capped, v_slot, v_windowed, v_held)
+             AS q (n, capped, tenant_slot, tenant_windowed, tenant_window_held)
+        JOIN unnest(p_claims) AS o ON o.n = q.n
     ),
     picked AS (
         SELECT ROW((q.o).n, x.s, x.status, x.cooldown_until, x.at, x.secret_ciphertext,
@@ -1051,9 +1156,9 @@ $$;
 -- in ONE statement (the `granted` trail rows are written by ANSWERS, for every grant of the call
 -- at once: Citus refuses an INSERT fed by a modifying CTE); then, each in a statement of its own
 -- run only when a pick needs it: the expired leases the slots still carried end in the trail (at
--- their own lease_until), the tenant slot rows take their leases,
--- the credentials' and tenants' windows are charged, a probe lease of a credential back from a
--- cooldown is recorded. Returns the grants.
+-- their own lease_until), the credentials' windows are charged, the tenant slot rows take their
+-- leases and the tenants' windows are charged (per tenant on Citus), a probe lease of a
+-- credential back from a cooldown is recorded. Returns the grants.
 DROP FUNCTION IF EXISTS credpool_claim_grant(credpool_claim[], credpool_pick[]);
 CREATE OR REPLACE FUNCTION credpool_claim_grant(p_claims credpool_claim[], p_picks credpool_pick[],
     p_provider text)
@@ -1068,6 +1173,8 @@ DECLARE
     v_tenant_windows boolean;
     v_probes boolean;
     v_fences bigint[] := '{}';
+    v_tenant text;
+    v_tenanted integer[];
 BEGIN
     -- one fence per pick, each drawn in an expression of its own (no statement): Citus evaluates
     -- a nextval() of a statement it routes to a worker once, for all the statement's rows
@@ -1100,21 +1207,16 @@ BEGIN
            coalesce(bool_or((g.s).lease_id IS NOT NULL), false),
            coalesce(bool_or(g.tenant_slot IS NOT NULL), false),
            coalesce(bool_or(g.windowed), false), coalesce(bool_or(g.tenant_windowed), false),
-           coalesce(bool_or(g.status <> 'available'), false)
-    INTO v_grants, v_pruned, v_tenant_rows, v_windows, v_tenant_windows, v_probes
+           coalesce(bool_or(g.status <> 'available'), false),
+           coalesce(array_agg(g.n) FILTER (WHERE g.tenant_slot IS NOT NULL OR g.tenant_windowed),
+                    '{}')
+    INTO v_grants, v_pruned, v_tenant_rows, v_windows, v_tenant_windows, v_probes, v_tenanted
     FROM granted g;
     IF v_pruned THEN
         v_pruned := 0 < credpool_record_lease_ends(
             ARRAY(SELECT p.s FROM unnest(p_picks) AS p WHERE (p.s).lease_id IS NOT NULL),
             ARRAY(SELECT 'expired' FROM unnest(p_picks) AS p WHERE (p.s).lease_id IS NOT NULL),
             ARRAY(SELECT (p.s).lease_until FROM unnest(p_picks) AS p WHERE (p.s).lease_id IS NOT NULL));
-    END IF;
-    IF v_tenant_rows THEN
-        -- a capped tenant's lease takes the tenant slot row PICK locked, with the same end
-        UPDATE tenant_slots t
-        SET lease_id = (g.s).lease_id, key_id = (g.s).key_id, lease_until = (g.s).lease_until
-        FROM unnest(v_grants) AS g
-        WHERE t.tenant_id = (g.s).tenant AND t.slot = (g.s).tenant_slot;
     END IF;
     IF v_windows THEN
         UPDATE lease_windows lw
@@ -1127,15 +1229,31 @@ BEGIN
           AND lw.key_id = (p.s).key_id
           AND cardinality(lw.window_kinds) > 0;
     END IF;
-    IF v_tenant_windows THEN
-        UPDATE tenant_windows tw
-        SET (bucket_ids, bucket_charged) =
-            (SELECT x.bucket_ids, x.bucket_charged
-             FROM credpool_window_charge(credpool_tenant_window(tw), p.at,
-                                         (g.s).reserved_tokens) AS x)
-        FROM unnest(p_picks) AS p
-        JOIN unnest(v_grants) AS g ON g.n = p.n
-        WHERE p.tenant_windowed AND tw.tenant_id = (g.s).tenant;
+    -- the granted claims' tenants' rows, which PICK locked, per pass of those tenants (on Citus
+    -- each tenant's rows are on its worker): a capped tenant's lease takes its tenant slot row,
+    -- with the same end; a windowed tenant's windows are charged
+    -- (a grant of no capped or windowed tenant, the hot path, calls nothing)
+    IF v_tenant_rows OR v_tenant_windows THEN
+        FOREACH v_tenant IN ARRAY credpool_claim_tenant_passes(p_claims, v_tenanted, NULL) LOOP
+            IF v_tenant_rows THEN
+                UPDATE tenant_slots t
+                SET lease_id = (g.s).lease_id, key_id = (g.s).key_id, lease_until = (g.s).lease_until
+                FROM unnest(v_grants) AS g
+                WHERE credpool_on_tenant(t.tenant_id, v_tenant)
+                  AND t.tenant_id = (g.s).tenant AND t.slot = (g.s).tenant_slot;
+            END IF;
+            IF v_tenant_windows THEN
+                UPDATE tenant_windows tw
+                SET (bucket_ids, bucket_charged) =
+                    (SELECT x.bucket_ids, x.bucket_charged
+                     FROM credpool_window_charge(credpool_tenant_window(tw), p.at,
+                                                 (g.s).reserved_tokens) AS x)
+                FROM unnest(p_picks) AS p
+                JOIN unnest(v_grants) AS g ON g.n = p.n
+                WHERE p.tenant_windowed AND credpool_on_tenant(tw.tenant_id, v_tenant)
+                  AND tw.tenant_id = (g.s).tenant;
+            END IF;
+        END LOOP;
     END IF;
     IF v_probes THEN
         INSERT INTO credential_events
@@ -1255,34 +1373,39 @@ LANGUAGE plpgsql
 AS $$
 DECLARE
     v_claims credpool_claim[] := p_claims;
+    v_tenant text;
     r record;
 BEGIN
-    FOR r IN
-        SELECT o.n, coalesce(tl.full, false) AS cap_full, tl.frees_at AS cap_frees,
-               coalesce(tw.full, false) AS window_full, tw.frees_at AS window_frees
-        FROM unnest(p_claims) AS o
-        -- (a tenant has slot rows while it has a cap, and a tenant_windows row while it has windows)
-        LEFT JOIN LATERAL (
-            SELECT NOT coalesce(bool_or(credpool_tenant_slot_open(t, p_now)), false) AS full,
-                   min(t.lease_until) FILTER (WHERE t.lease_until > p_now AND NOT t.surplus) AS frees_at
-            FROM tenant_slots t
-            WHERE t.tenant_id = o.tenant
-            HAVING count(*) > 0
-        ) AS tl ON true
-        LEFT JOIN LATERAL (
-            SELECT NOT credpool_window_room(credpool_tenant_window(tw), p_now, o.tokens) AS full,
-                   nullif(credpool_window_frees_at(credpool_tenant_window(tw), p_now, o.tokens),
-                          'infinity') AS frees_at
-            FROM tenant_windows tw
-            WHERE tw.tenant_id = o.tenant
-        ) AS tw ON true
-        WHERE o.request IS NULL AND NOT o.n = ANY (ARRAY(SELECT g.n FROM unnest(p_grants) AS g))
-          AND (tl.full OR tw.full)
-    LOOP
-        v_claims[r.n].cap_full := r.cap_full;
-        v_claims[r.n].cap_frees := r.cap_frees;
-        v_claims[r.n].window_full := r.window_full;
-        v_claims[r.n].window_frees := r.window_frees;
+    -- per pass of tenants (on Citus each tenant's rows are on its worker)
+    FOREACH v_tenant IN ARRAY credpool_claim_tenant_passes(p_claims, NULL, NULL) LOOP
+        FOR r IN
+            SELECT o.n, coalesce(tl.full, false) AS cap_full, tl.frees_at AS cap_frees,
+                   coalesce(tw.full, false) AS window_full, tw.frees_at AS window_frees
+            FROM unnest(p_claims) AS o
+            -- (a tenant has slot rows while it has a cap, and a tenant_windows row while it has windows)
+            LEFT JOIN LATERAL (
+                SELECT NOT coalesce(bool_or(credpool_tenant_slot_open(t, p_now)), false) AS full,
+                       min(t.lease_until) FILTER (WHERE t.lease_until > p_now AND NOT t.surplus) AS frees_at
+                FROM tenant_slots t
+                WHERE t.tenant_id = o.tenant AND credpool_on_tenant(t.tenant_id, v_tenant)
+                HAVING count(*) > 0
+            ) AS tl ON true
+            LEFT JOIN LATERAL (
+                SELECT NOT credpool_window_room(credpool_tenant_window(tw), p_now, o.tokens) AS full,
+                       nullif(credpool_window_frees_at(credpool_tenant_window(tw), p_now, o.tokens),
+                              'infinity') AS frees_at
+                FROM tenant_windows tw
+                WHERE tw.tenant_id = o.tenant AND credpool_on_tenant(tw.tenant_id, v_tenant)
+            ) AS tw ON true
+            WHERE o.request IS NULL AND credpool_on_tenant(o.tenant, v_tenant)
+              AND NOT o.n = ANY (ARRAY(SELECT g.n FROM unnest(p_grants) AS g))
+              AND (tl.full OR tw.full)
+        LOOP
+            v_claims[r.n].cap_full := r.cap_full;
+            v_claims[r.n].cap_frees := r.cap_frees;
+            v_claims[r.n].window_full := r.window_full;
+            v_claims[r.n].window_frees := r.window_frees;
+        END LOOP;
     END LOOP;
     RETURN v_claims;
 END;

@@ -28,28 +28,47 @@ LANGUAGE sql IMMUTABLE PARALLEL SAFE AS $$
     SELECT hashtextextended('credpool.operator:' || (abs(hashtext(p_key_id)) % 64)::text, 0)
 $$;
 
+-- The keys (tenant_id, slot, lease_id) of the tenant_slots rows that hold the leases of slot
+-- rows `p_slots` (a capped tenant's lease names its row on its slot row). The slot rows are read
+-- field by field: Citus sends the statements that use this to a tenant's worker, and takes no
+-- `unnest` of a table's rows there once the table has a dropped column.
+CREATE OR REPLACE FUNCTION credpool_tenant_rows_of(p_slots lease_slots[])
+RETURNS TABLE (tenant_id text, slot integer, lease_id uuid)
+LANGUAGE sql IMMUTABLE AS $$
+    SELECT (p_slots[i]).tenant, (p_slots[i]).tenant_slot, (p_slots[i]).lease_id
+    FROM generate_subscripts(p_slots, 1) AS i
+    WHERE (p_slots[i]).lease_id IS NOT NULL AND (p_slots[i]).tenant_slot IS NOT NULL
+$$;
+
 -- Locks the tenant_slots rows that hold the leases of slot rows `p_slots` (as the caller read
 -- them, under their locks: each names its row, `tenant_slot`), ascending (tenant_id, slot), in one
--- statement: lock order 4, right after the slot rows. Leases of uncapped tenants (`default`
--- among them) have no such row. Returns
--- whether it locked any. PL/pgSQL with the settings of END, so that its plan is made once per
--- session and probes tenant_slots by its primary key whoever calls first (an SQL function that
--- locks rows cannot be inlined, and would be planned again at every call).
+-- statement per pass of tenants (credpool_slot_tenant_passes: one on plain PostgreSQL): lock
+-- order 4, right after the slot rows. Leases of uncapped tenants (`default` among them) have no
+-- such row (credpool_tenant_rows_of). Returns whether it locked any. PL/pgSQL with the settings
+-- of END, so that its plan is made once per session and probes tenant_slots by its primary key
+-- whoever calls first (an SQL function that locks rows cannot be inlined, and would be planned
+-- again at every call).
 CREATE OR REPLACE FUNCTION credpool_lock_tenant_slots(p_slots lease_slots[]) RETURNS boolean
 LANGUAGE plpgsql
 SET enable_seqscan = off SET enable_bitmapscan = off SET enable_hashjoin = off
 SET enable_mergejoin = off SET enable_material = off SET jit = off
 SET plan_cache_mode = force_generic_plan
 AS $$
+DECLARE
+    v_tenant text;
+    v_locked boolean := false;
 BEGIN
-    PERFORM 1
-    FROM tenant_slots t
-    WHERE (t.tenant_id, t.slot, t.lease_id) IN (
-              SELECT x.tenant, x.tenant_slot, x.lease_id FROM unnest(p_slots) AS x
-              WHERE x.lease_id IS NOT NULL AND x.tenant_slot IS NOT NULL)
-    ORDER BY t.tenant_id, t.slot
-    FOR UPDATE;
-    RETURN FOUND;
+    FOREACH v_tenant IN ARRAY credpool_slot_tenant_passes(p_slots) LOOP
+        PERFORM 1
+        FROM tenant_slots t
+        WHERE credpool_on_tenant(t.tenant_id, v_tenant)
+          AND (t.tenant_id, t.slot, t.lease_id) IN (
+                  SELECT * FROM credpool_tenant_rows_of(p_slots))
+        ORDER BY t.tenant_id, t.slot
+        FOR UPDATE;
+        v_locked := v_locked OR FOUND;
+    END LOOP;
+    RETURN v_locked;
 END;
 $$;
 
@@ -71,8 +90,9 @@ $$;
 --     those locked the locks are given back (the block is a subtransaction: its row locks end
 --     with it) and taken again, so that no slot row is ever locked after a credential row or out
 --     of order; with them, in the same statement and order, the slot rows of leases
---     `p_lease_ids` of other credentials (RELEASE: its group's other leases, so that none of
---     their rows is locked after a rejected credential's rows that sort after it);
+--     `p_lease_ids` of other credentials, held on credentials `p_lease_keys` (RELEASE: its
+--     group's other leases, so that none of their rows is locked after a rejected credential's
+--     rows that sort after it);
 --   * the tenant_slots rows of their leases, their lease_windows rows, then (unless
 --     p_credential_rows is false) the credential rows, FOR UPDATE, each kind in one statement
 --     per provider, providers ascending.
@@ -81,8 +101,10 @@ $$;
 -- Returns how many of the credentials exist.
 DROP FUNCTION IF EXISTS credpool_lock_credentials(text[]);
 DROP FUNCTION IF EXISTS credpool_lock_credentials(text[], boolean);
+DROP FUNCTION IF EXISTS credpool_lock_credentials(text[], boolean, uuid[]);
 CREATE OR REPLACE FUNCTION credpool_lock_credentials(p_key_ids text[],
-    p_credential_rows boolean DEFAULT true, p_lease_ids uuid[] DEFAULT '{}')
+    p_credential_rows boolean DEFAULT true, p_lease_ids uuid[] DEFAULT '{}',
+    p_lease_keys text[] DEFAULT '{}')
 RETURNS integer
 LANGUAGE plpgsql AS $$
 DECLARE
@@ -91,6 +113,9 @@ DECLARE
     v_locked text[];
     v_present text[];
     v_tenant_slots lease_slots[] := '{}';
+    -- every credential whose slot rows are locked: the rows are found by key (the slot rows have
+    -- no index on lease_id; a search by lease alone would read the whole table)
+    v_keys text[] := p_key_ids || p_lease_keys;
 BEGIN
     PERFORM pg_advisory_xact_lock(b.bucket)
     FROM (SELECT DISTINCT credpool_operator_lock(k) AS bucket FROM unnest(p_key_ids) AS k) AS b
@@ -99,7 +124,7 @@ BEGIN
         SELECT c.provider FROM credentials c WHERE c.key_id = ANY (p_key_ids)
         UNION
         SELECT s.provider FROM lease_slots s
-        WHERE cardinality(p_lease_ids) > 0 AND s.lease_id = ANY (p_lease_ids)
+        WHERE s.key_id = ANY (p_lease_keys) AND s.lease_id = ANY (p_lease_ids)
         ORDER BY 1);
     FOREACH v_provider IN ARRAY v_providers LOOP
         LOOP
@@ -107,14 +132,14 @@ BEGIN
                 SELECT coalesce(array_agg(format('%s/%s', l.key_id, l.slot) ORDER BY l.key_id, l.slot), '{}')
                 INTO v_locked
                 FROM (SELECT s.key_id, s.slot FROM lease_slots s
-                      WHERE s.provider = v_provider
+                      WHERE s.provider = v_provider AND s.key_id = ANY (v_keys)
                         AND (s.key_id = ANY (p_key_ids) OR s.lease_id = ANY (p_lease_ids))
                       ORDER BY s.key_id, s.slot
                       FOR UPDATE) AS l;
                 SELECT coalesce(array_agg(format('%s/%s', s.key_id, s.slot) ORDER BY s.key_id, s.slot), '{}')
                 INTO v_present
                 FROM lease_slots s
-                WHERE s.provider = v_provider
+                WHERE s.provider = v_provider AND s.key_id = ANY (v_keys)
                   AND (s.key_id = ANY (p_key_ids) OR s.lease_id = ANY (p_lease_ids));
                 IF v_locked <> v_present THEN
                     RAISE EXCEPTION 'slot rows changed while they were locked' USING ERRCODE = 'CPL01';

@@ -224,21 +224,30 @@ BEGIN
 END;
 $$;
 
+-- Whether table `p_table` is distributed by Citus (`credpool citus distribute`); false on plain
+-- PostgreSQL. (Read with EXECUTE: without Citus, the catalog table is not there to be named.)
+CREATE OR REPLACE FUNCTION credpool_is_distributed(p_table regclass)
+RETURNS boolean
+LANGUAGE plpgsql STABLE AS $$
+DECLARE
+    v_distributed boolean := false;
+BEGIN
+    IF to_regclass('pg_catalog.pg_dist_partition') IS NOT NULL THEN
+        EXECUTE 'SELECT EXISTS (SELECT 1 FROM pg_catalog.pg_dist_partition
+                                WHERE logicalrelid = $1)'
+        INTO v_distributed USING p_table;
+    END IF;
+    RETURN v_distributed;
+END;
+$$;
+
 -- Not on Citus (pool_versions distributed: `credpool citus distribute`): a pool's version row is
 -- on a worker, whose notifications never reach the coordinator's listeners, and PostgreSQL
 -- refuses to prepare (commit on two nodes) a transaction that notified.
 DROP TRIGGER IF EXISTS pool_versions_changed ON pool_versions;
 DO $$
-DECLARE
-    v_distributed boolean := false;
 BEGIN
-    -- (read with EXECUTE: without Citus, the catalog table is not there to be named)
-    IF to_regclass('pg_catalog.pg_dist_partition') IS NOT NULL THEN
-        EXECUTE 'SELECT EXISTS (SELECT 1 FROM pg_catalog.pg_dist_partition
-                                WHERE logicalrelid = ''pool_versions''::regclass)'
-        INTO v_distributed;
-    END IF;
-    IF NOT v_distributed THEN
+    IF NOT credpool_is_distributed('pool_versions') THEN
         CREATE TRIGGER pool_versions_changed
             AFTER INSERT OR UPDATE ON pool_versions
             FOR EACH ROW

@@ -70,6 +70,8 @@ DECLARE
     v_ended integer[];
     v_leases uuid[];
     v_tenant_rows boolean;
+    v_ended_slots lease_slots[];
+    v_tenant text;
     v_written integer;
 BEGIN
     WITH cleared AS (
@@ -101,20 +103,24 @@ BEGIN
     -- claim has replaced holds another lease now); leases of uncapped tenants, `default` among
     -- them, have no row: nothing more to do
     IF v_tenant_rows THEN
-        v_tenant_rows := credpool_lock_tenant_slots(ARRAY(SELECT p_slots[i]
-                                                          FROM unnest(v_ended) AS i));
+        v_ended_slots := ARRAY(SELECT p_slots[i] FROM unnest(v_ended) AS i);
+        v_tenant_rows := credpool_lock_tenant_slots(v_ended_slots);
     END IF;
     IF v_tenant_rows THEN
-        UPDATE tenant_slots t
-        SET lease_id = NULL, key_id = NULL, lease_until = NULL,
-            surplus = t.surplus
-                      OR (t.over_limit
-                          AND EXISTS (SELECT 1 FROM tenant_slots o
-                                      WHERE o.tenant_id = t.tenant_id AND o.surplus
-                                        AND o.lease_id IS NOT NULL AND o.slot <> t.slot))
-        FROM unnest(v_ended) AS i
-        WHERE t.tenant_id = (p_slots[i]).tenant AND t.slot = (p_slots[i]).tenant_slot
-          AND t.lease_id = (p_slots[i]).lease_id;
+        FOREACH v_tenant IN ARRAY credpool_slot_tenant_passes(v_ended_slots) LOOP
+            UPDATE tenant_slots t
+            SET lease_id = NULL, key_id = NULL, lease_until = NULL,
+                surplus = t.surplus
+                          OR (t.over_limit
+                              AND EXISTS (SELECT 1 FROM tenant_slots o
+                                          WHERE credpool_on_tenant(o.tenant_id, v_tenant)
+                                            AND o.tenant_id = t.tenant_id AND o.surplus
+                                            AND o.lease_id IS NOT NULL AND o.slot <> t.slot))
+            FROM unnest(v_ended) AS i
+            WHERE credpool_on_tenant(t.tenant_id, v_tenant)
+              AND t.tenant_id = (p_slots[i]).tenant AND t.slot = (p_slots[i]).tenant_slot
+              AND t.lease_id = (p_slots[i]).lease_id;
+        END LOOP;
     END IF;
     IF cardinality(v_ended) = cardinality(p_slots) THEN
         v_written := credpool_record_lease_ends(p_slots, p_events, p_at, p_outcomes, p_reasons,
@@ -252,7 +258,8 @@ BEGIN
         v_reject_keys := credpool_release_rejects(v_releases, v_passes);
         IF v_reject_keys <> '{}' THEN
             PERFORM credpool_lock_credentials(v_reject_keys, false,
-                ARRAY(SELECT r.lease_id FROM unnest(v_releases) AS r));
+                ARRAY(SELECT r.lease_id FROM unnest(v_releases) AS r),
+                ARRAY(SELECT r.key_id FROM unnest(v_releases) AS r));
         END IF;
     END IF;
     v_slots := credpool_release_lock(v_releases, v_usage, v_parsed.usage_tenants, v_passes);
@@ -339,8 +346,11 @@ BEGIN
                 WHERE credpool_on_provider(r.provider, v_provider) AND r.usage_tokens IS NOT NULL
                   AND coalesce(s.tenant, g.tenant) IS NOT NULL);
         END LOOP;
-        PERFORM pg_advisory_xact_lock_shared(hashtextextended('credpool.tenant:' || t.tenant, 0))
-        FROM (SELECT DISTINCT u AS tenant FROM unnest(usage_tenants) AS u ORDER BY 1) AS t;
+        -- (the locks ascending; the tenants kept distinct and ascending, as passes)
+        SELECT coalesce(array_agg(t.tenant ORDER BY t.tenant), '{}') INTO usage_tenants
+        FROM (SELECT DISTINCT u AS tenant FROM unnest(usage_tenants) AS u ORDER BY 1) AS t
+        CROSS JOIN LATERAL pg_advisory_xact_lock_shared(
+            hashtextextended('credpool.tenant:' || t.tenant, 0)) AS l;
     END IF;
 END;
 $$;
@@ -403,6 +413,7 @@ DECLARE
     v_capped boolean;
     v_tenant_rows boolean := false;
     v_provider text;
+    v_tenant text;
 BEGIN
     FOREACH v_provider IN ARRAY p_passes LOOP
         SELECT coalesce(array_agg(l.s), '{}'), coalesce(bool_or((l.s).tenant_slot IS NOT NULL), false)
@@ -429,10 +440,12 @@ BEGIN
             ORDER BY w.provider, w.key_id
             FOR UPDATE;
         END LOOP;
-        PERFORM 1 FROM tenant_windows tw
-        WHERE tw.tenant_id = ANY (p_usage_tenants)
-        ORDER BY tw.tenant_id
-        FOR UPDATE;
+        FOREACH v_tenant IN ARRAY credpool_tenant_passes(p_usage_tenants) LOOP
+            PERFORM 1 FROM tenant_windows tw
+            WHERE credpool_on_tenant(tw.tenant_id, v_tenant) AND tw.tenant_id = ANY (p_usage_tenants)
+            ORDER BY tw.tenant_id
+            FOR UPDATE;
+        END LOOP;
     END IF;
     RETURN v_slots;
 END;
@@ -808,7 +821,7 @@ $$;
 -- "max_report_rest_seconds"}, seconds). `p_outcome` as the release applies it (`auth_expired` on a
 -- credential that is not OAuth arrives as `auth_error`); `p_probe`: the lease was the probe of a
 -- recovering credential; `p_may_disable`: the reporter may take the credential out of traffic
--- until an operator acts. The state machine of service/src/allocator/health.rs, rule for rule (a
+-- until an operator acts. The state machine of service/src/domain/health.rs, rule for rule (a
 -- test holds the two equal on random reports): `next` is `c` with its health columns changed,
 -- `changed` whether the status or the cooldown's end changed (a transition for the trail), and
 -- `clamped_from` the retry_after a report asked for when it was longer than the longest rest a

@@ -53,8 +53,9 @@ $$;
 -- Locks: the named leases' slot rows, ascending (provider, key_id, slot), in one statement per
 -- pass (credpool_provider_passes: one on plain PostgreSQL, one per provider on Citus); then their
 -- tenant slot rows, ascending (tenant_id, slot) (credpool_lock_tenant_slots), only when a lease
--- has one. On Citus a renewal that names another provider than its lease's finds no lease: its
--- provider's worker is asked.
+-- has one, then read in a statement of their own. Every statement of a capped tenant's rows runs
+-- per pass of tenants (credpool_slot_tenant_passes: one on plain PostgreSQL). On Citus a renewal
+-- that names another provider than its lease's finds no lease: its provider's worker is asked.
 DROP FUNCTION IF EXISTS credpool_renew(jsonb);
 CREATE FUNCTION credpool_renew(p_renewals jsonb)
 RETURNS TABLE (renewal integer, lease_until timestamptz, authorized boolean)
@@ -74,6 +75,10 @@ DECLARE
     v_capped boolean;
     v_authorized boolean[];
     v_now timestamptz;
+    v_tenant text;
+    v_tenant_leases uuid[] := '{}';
+    v_tenant_within boolean[] := '{}';
+    v_tenant_floors timestamptz[] := '{}';
 BEGIN
     FOREACH v_provider IN ARRAY v_passes LOOP
         SELECT coalesce(array_agg(l.s), '{}'), coalesce(bool_or((l.s).tenant_slot IS NOT NULL), false)
@@ -93,6 +98,25 @@ BEGIN
     END LOOP;
     IF v_tenant_rows THEN
         v_tenant_rows := credpool_lock_tenant_slots(v_slots);
+    END IF;
+    IF v_tenant_rows THEN
+        -- the tenant slot rows, read apart from the slot rows' UPDATE (on Citus a tenant's rows
+        -- are on the tenant's worker): whether each is within a lowered cap, and a surplus
+        -- row's floor (the earliest end of its tenant's leases within the cap)
+        FOREACH v_tenant IN ARRAY credpool_slot_tenant_passes(v_slots) LOOP
+            SELECT v_tenant_leases || coalesce(array_agg(t.lease_id), '{}'),
+                   v_tenant_within || coalesce(array_agg(t.over_limit AND NOT t.surplus), '{}'),
+                   v_tenant_floors || coalesce(array_agg(
+                       (SELECT min(o.lease_until) FROM tenant_slots o
+                        WHERE t.surplus AND credpool_on_tenant(o.tenant_id, v_tenant)
+                          AND o.tenant_id = t.tenant_id AND NOT o.surplus
+                          AND o.lease_id IS NOT NULL)), '{}')
+            INTO v_tenant_leases, v_tenant_within, v_tenant_floors
+            FROM tenant_slots t
+            WHERE credpool_on_tenant(t.tenant_id, v_tenant)
+              AND (t.tenant_id, t.slot, t.lease_id) IN (
+                      SELECT * FROM credpool_tenant_rows_of(v_slots));
+        END LOOP;
     END IF;
     v_now := clock_timestamp();
     -- each renewal's key must be live (absent: the configured internal key, tenant `default`)
@@ -116,8 +140,7 @@ BEGIN
                 SELECT DISTINCT ON (x.lease_id) x.key_id, x.slot, x.lease_id,
                        credpool_renewal_end(
                            x.lease_until,
-                           coalesce((x.over_limit AND NOT x.surplus)
-                                    OR (t.over_limit AND NOT t.surplus), false),
+                           coalesce((x.over_limit AND NOT x.surplus) OR t.within, false),
                            least(v_now + make_interval(secs => w.lease_seconds),
                                  -- OAuth: never past the expiry of the token the lease holds
                                  -- (and never shorter than the lease already is, for the
@@ -135,16 +158,14 @@ BEGIN
                            (SELECT min(o.lease_until) FROM lease_slots o
                             WHERE x.surplus AND credpool_on_provider(o.provider, v_provider)
                               AND o.key_id = x.key_id AND NOT o.surplus AND o.lease_id IS NOT NULL),
-                           (SELECT min(o.lease_until) FROM tenant_slots o
-                            WHERE t.surplus AND o.tenant_id = t.tenant_id AND NOT o.surplus
-                              AND o.lease_id IS NOT NULL)) AS lease_until
+                           t.floor) AS lease_until
                 FROM ROWS FROM (jsonb_to_recordset(p_renewals) AS (
                          lease_id uuid, key_id text, provider text, pool text, fence bigint,
                          lease_seconds integer))
                      WITH ORDINALITY AS w (lease_id, key_id, provider, pool, fence, lease_seconds, n)
                 JOIN unnest(v_slots) AS x ON x.key_id = w.key_id AND x.lease_id = w.lease_id
-                LEFT JOIN tenant_slots t
-                    ON t.tenant_id = x.tenant AND t.slot = x.tenant_slot AND t.lease_id = x.lease_id
+                LEFT JOIN unnest(v_tenant_leases, v_tenant_within, v_tenant_floors)
+                    AS t (lease_id, within, floor) ON t.lease_id = x.lease_id
                 WHERE credpool_on_provider(x.provider, v_provider) AND v_authorized[w.n::integer]
                   AND x.provider = w.provider AND x.pool = w.pool
                   AND (w.fence IS NULL OR x.fence = w.fence) AND x.lease_until > v_now
@@ -158,10 +179,14 @@ BEGIN
     END LOOP;
     IF v_tenant_rows THEN
         -- a lease of a capped tenant moves its tenant slot row's end in step
-        UPDATE tenant_slots t
-        SET lease_until = r.lease_until
-        FROM unnest(v_renewed) AS r
-        WHERE t.tenant_id = r.tenant AND t.slot = r.tenant_slot AND t.lease_id = r.lease_id;
+        FOREACH v_tenant IN ARRAY credpool_slot_tenant_passes(v_renewed) LOOP
+            UPDATE tenant_slots t
+            SET lease_until = (v_renewed[i]).lease_until
+            FROM generate_subscripts(v_renewed, 1) AS i
+            WHERE credpool_on_tenant(t.tenant_id, v_tenant)
+              AND t.tenant_id = (v_renewed[i]).tenant AND t.slot = (v_renewed[i]).tenant_slot
+              AND t.lease_id = (v_renewed[i]).lease_id;
+        END LOOP;
     END IF;
 
     RETURN QUERY

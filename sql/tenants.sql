@@ -141,6 +141,11 @@ DECLARE
     v_rate_limits jsonb;
     v_now timestamptz;
     v_live integer;
+    v_provider text;
+    v_keys text[];
+    v_leases uuid[];
+    v_ends timestamptz[];
+    v_providers text[];
 BEGIN
     PERFORM pg_advisory_xact_lock(hashtextextended('credpool.tenant:' || p_tenant_id, 0));
     SELECT max_concurrent_leases, rate_limits INTO v_cap, v_rate_limits
@@ -149,24 +154,38 @@ BEGIN
         RETURN;
     END IF;
     IF v_cap IS NOT NULL AND NOT EXISTS (SELECT 1 FROM tenant_slots WHERE tenant_id = p_tenant_id) THEN
-        PERFORM 1 FROM lease_slots s
-        WHERE s.tenant = p_tenant_id AND s.lease_id IS NOT NULL
-        ORDER BY s.provider, s.key_id, s.slot
-        FOR UPDATE;
-        -- (each adopted lease names its row on its slot row, as a grant's does)
-        WITH adopted AS (
-            INSERT INTO tenant_slots (tenant_id, slot, lease_id, key_id, lease_until)
-            SELECT p_tenant_id, (row_number() OVER (ORDER BY s.key_id, s.slot) - 1)::integer,
-                   s.lease_id, s.key_id, s.lease_until
-            FROM lease_slots s
+        -- provider by provider (PASSES; no lease of the tenant can be granted meanwhile: its
+        -- claims hold the advisory lock this fit holds exclusively)
+        FOREACH v_provider IN ARRAY credpool_provider_passes(ARRAY(
+            SELECT DISTINCT s.provider FROM lease_slots s
+            WHERE s.tenant = p_tenant_id AND s.lease_id IS NOT NULL ORDER BY 1))
+        LOOP
+            PERFORM 1 FROM lease_slots s
             WHERE s.tenant = p_tenant_id AND s.lease_id IS NOT NULL
-              AND s.lease_until > clock_timestamp()
-            RETURNING slot, lease_id, key_id
-        )
-        UPDATE lease_slots s
-        SET tenant_slot = a.slot
-        FROM adopted a
-        WHERE s.key_id = a.key_id AND s.lease_id = a.lease_id;
+              AND credpool_on_provider(s.provider, v_provider)
+            ORDER BY s.provider, s.key_id, s.slot
+            FOR UPDATE;
+        END LOOP;
+        -- each adopted lease gets a row, and names it on its slot row, as a grant's does (the
+        -- rows as columns: Citus sends no table's row type to a worker whole)
+        SELECT coalesce(array_agg(s.key_id ORDER BY s.key_id, s.slot), '{}'),
+               coalesce(array_agg(s.lease_id ORDER BY s.key_id, s.slot), '{}'),
+               coalesce(array_agg(s.lease_until ORDER BY s.key_id, s.slot), '{}'),
+               coalesce(array_agg(DISTINCT s.provider), '{}')
+        INTO v_keys, v_leases, v_ends, v_providers
+        FROM lease_slots s
+        WHERE s.tenant = p_tenant_id AND s.lease_id IS NOT NULL
+          AND s.lease_until > clock_timestamp();
+        INSERT INTO tenant_slots (tenant_id, slot, lease_id, key_id, lease_until)
+        SELECT p_tenant_id, (a.n - 1)::integer, a.lease_id, a.key_id, a.lease_until
+        FROM unnest(v_keys, v_leases, v_ends) WITH ORDINALITY AS a (key_id, lease_id, lease_until, n);
+        FOREACH v_provider IN ARRAY credpool_provider_passes(v_providers) LOOP
+            UPDATE lease_slots s
+            SET tenant_slot = (a.n - 1)::integer
+            FROM unnest(v_keys, v_leases) WITH ORDINALITY AS a (key_id, lease_id, n)
+            WHERE s.key_id = a.key_id AND s.lease_id = a.lease_id
+              AND credpool_on_provider(s.provider, v_provider);
+        END LOOP;
     END IF;
     PERFORM 1 FROM tenant_slots t WHERE t.tenant_id = p_tenant_id ORDER BY t.slot FOR UPDATE;
     -- its windows, after its slot rows (the lock order): the row is taken by claims (with SKIP
@@ -203,15 +222,20 @@ $$;
 
 -- A tenant's leases in flight now (live: lease_until after the clock) and its cap, for the admin
 -- list: every lease of the tenant, capped or not, read from the slot rows (a tenant's usage is a
--- read, not a decision: the claim decides on tenant_slots).
+-- read, not a decision: the claim decides on tenant_slots). The counts are grouped subqueries,
+-- not correlated ones: Citus takes no correlated subquery of a distributed table under a reference
+-- table's rows, and a list of every tenant reads the slot rows once.
 CREATE OR REPLACE VIEW tenant_usage AS
 SELECT t.tenant_id, t.max_concurrent_leases, t.weight, t.rate_limits,
-       (SELECT count(*) FROM lease_slots s
-        WHERE s.tenant = t.tenant_id AND s.lease_id IS NOT NULL AND s.lease_until > now()) AS in_flight,
-       (SELECT count(*) FROM tenant_keys k WHERE k.tenant_id = t.tenant_id AND k.revoked_at IS NULL)
-           AS live_keys,
+       coalesce(f.in_flight, 0) AS in_flight, coalesce(k.live_keys, 0) AS live_keys,
        t.created_at, t.updated_at
-FROM tenants t;
+FROM tenants t
+LEFT JOIN (SELECT s.tenant, count(*) AS in_flight FROM lease_slots s
+           WHERE s.lease_id IS NOT NULL AND s.lease_until > now()
+           GROUP BY s.tenant) AS f ON f.tenant = t.tenant_id
+LEFT JOIN (SELECT k.tenant_id, count(*) AS live_keys FROM tenant_keys k
+           WHERE k.revoked_at IS NULL
+           GROUP BY k.tenant_id) AS k ON k.tenant_id = t.tenant_id;
 
 -- REFIT TENANTS, in the cleanup pass: fits up to p_batch tenants over a lowered cap that are
 -- back under it (their rows within the cap reopen on their own as their leases end, see FIT
@@ -228,12 +252,17 @@ DECLARE
     r record;
 BEGIN
     FOR r IN
+        -- (grouped by tenant, not correlated: on Citus the tenant rows are distributed by
+        -- tenant, and no correlated subquery of them is taken under the tenants' rows)
         SELECT n.tenant_id
         FROM tenants n
-        WHERE EXISTS (SELECT 1 FROM tenant_slots t WHERE t.tenant_id = n.tenant_id AND t.over_limit)
-          AND (SELECT count(*) FROM tenant_slots t
-               WHERE t.tenant_id = n.tenant_id AND t.lease_id IS NOT NULL
-                 AND t.lease_until > statement_timestamp()) <= coalesce(n.max_concurrent_leases, 2147483647)
+        JOIN (SELECT t.tenant_id,
+                     count(*) FILTER (WHERE t.lease_id IS NOT NULL
+                                        AND t.lease_until > statement_timestamp()) AS live
+              FROM tenant_slots t
+              GROUP BY t.tenant_id
+              HAVING bool_or(t.over_limit)) AS t ON t.tenant_id = n.tenant_id
+        WHERE t.live <= coalesce(n.max_concurrent_leases, 2147483647)
         ORDER BY n.tenant_id LIMIT p_batch
     LOOP
         IF pg_try_advisory_xact_lock(hashtextextended('credpool.tenant:' || r.tenant_id, 0)) THEN
@@ -250,11 +279,20 @@ $$;
 -- capped tenants name their tenant slot rows (lease_slots.tenant_slot); tenants given windows
 -- before windows were enforced get their tenant_windows rows, seeded from the trail like a window
 -- set now (credpool_fit_tenant, under the tenant's advisory lock).
-UPDATE lease_slots s
-SET tenant_slot = t.slot
-FROM tenant_slots t
-WHERE t.tenant_id = s.tenant AND t.lease_id = s.lease_id AND s.tenant_slot IS DISTINCT FROM t.slot;
-SELECT credpool_fit_tenant(t.tenant_id)
-FROM tenants t
-WHERE t.rate_limits <> '[]'::jsonb
-  AND NOT EXISTS (SELECT 1 FROM tenant_windows w WHERE w.tenant_id = t.tenant_id);
+-- (Not on a distributed database: it is distributed after its migrations, this one among them;
+-- and its joins of slot rows to tenant rows span workers there.)
+DO $$
+BEGIN
+    IF credpool_is_distributed('lease_slots') THEN
+        RETURN;
+    END IF;
+    UPDATE lease_slots s
+    SET tenant_slot = t.slot
+    FROM tenant_slots t
+    WHERE t.tenant_id = s.tenant AND t.lease_id = s.lease_id AND s.tenant_slot IS DISTINCT FROM t.slot;
+    PERFORM credpool_fit_tenant(t.tenant_id)
+    FROM tenants t
+    WHERE t.rate_limits <> '[]'::jsonb
+      AND NOT EXISTS (SELECT 1 FROM tenant_windows w WHERE w.tenant_id = t.tenant_id);
+END
+$$;

@@ -1,6 +1,6 @@
 -- Rate windows: the arithmetic of a credential's windows (table lease_windows) and a tenant's
 -- (table tenant_windows, the same columns), pure functions of a window row and a time. The claim
--- (sql/claim.sql) decides with them; service/src/allocator/windows.rs is the same rule in Rust
+-- (sql/claim.sql) decides with them; service/src/domain/windows.rs is the same rule in Rust
 -- for ranking and Retry-After estimates, and a test holds the two equal.
 --
 -- Repeatable: the one current definition of each object below. credpool applies this file after

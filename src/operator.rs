@@ -718,7 +718,7 @@ async fn report(
 ) -> anyhow::Result<ExitCode> {
     let mut work = db.pool.work().await?;
     let checkpoints = audit::checkpoints(&mut *work, run).await?;
-    let found = audit::findings(&mut *work, run).await?;
+    let found = audit::findings(&mut work, run).await?;
     let continuous = match run {
         Run::Continuous => checkpoints.clone(),
         Run::Range { .. } => audit::checkpoints(&mut *work, &Run::Continuous).await?,

@@ -10,11 +10,10 @@ use reqwest::Url;
 use reqwest::header::{HeaderValue, RETRY_AFTER};
 use serde::Serialize;
 use time::OffsetDateTime;
-use tokio::runtime::Handle;
 use tokio::time::Instant;
 
+use crate::api::{AffinityMode, LeaseRequest, LeaseState, Outcome, Released};
 use crate::error::{self, Error, TransportError};
-use crate::lease::{AffinityMode, LeaseGuard, LeaseRequest, LeaseState, Outcome, Released};
 use crate::wire;
 
 /// The header that carries the internal key on every executor route.
@@ -273,27 +272,13 @@ impl Client {
         }
     }
 
-    /// Leases a credential (`POST /api/internal/allocate-key`) and returns a guard that renews
-    /// it in the background until [`LeaseGuard::finish`] (or drop) releases it.
-    ///
-    /// One random `request_id` (UUID v4) is made per call and sent with every attempt, so a
-    /// retry after a lost answer gets the same lease back instead of taking a second slot.
-    /// - A 503 or a transport error is retried under the [`RetryPolicy`].
-    /// - A 429 without [`LeaseRequest::wait`] returns [`Error::PoolExhausted`] at once. With a
-    ///   wait, each request sends `wait_ms` = the time left of the wait (the server holds it
-    ///   until a slot frees, up to its own cap), and a 429 is asked again while time is left. A
-    ///   429 that came back at once (the server did not hold it) is asked again after a backoff
-    ///   pause of at most `Retry-After`. When the wait is used up: [`Error::PoolExhausted`].
-    /// - Every other error returns at once, as its [`Error`] variant.
-    ///
-    /// # Errors
-    /// Any [`Error`]; [`Error::InvalidConfig`] when called outside a tokio runtime (the guard
-    /// needs one to renew).
-    #[tracing::instrument(skip_all, fields(provider = %request.provider, model = %request.model))]
-    pub async fn lease(&self, request: LeaseRequest) -> Result<LeaseGuard, Error> {
-        let runtime = Handle::try_current().map_err(|_| Error::InvalidConfig {
-            message: "lease() must run inside a tokio runtime".into(),
-        })?;
+    /// The allocate loop of [`Client::lease`] (see there: one `request_id` for every attempt,
+    /// retries, waiting): the grant, and the instant its run of attempts started (the lease
+    /// started no earlier, so its renewal clock counts from there).
+    pub(crate) async fn allocate(
+        &self,
+        request: &LeaseRequest,
+    ) -> Result<(wire::Granted, Instant), Error> {
         let request_id = uuid::Uuid::new_v4().hyphenated().to_string();
         let wait_until = request
             .wait
@@ -309,19 +294,13 @@ impl Client {
             let run_started = Instant::now();
             let result = self
                 .with_retries("allocate", None, || {
-                    self.allocate_once(&request, &request_id, wait_until)
+                    self.allocate_once(request, &request_id, wait_until)
                 })
                 .await;
             let retry_after = match result {
                 Ok(granted) => {
                     tracing::debug!(key_id = %granted.key_id, pool = %granted.pool, fence = granted.fence, "leased");
-                    return Ok(LeaseGuard::start(
-                        self.clone(),
-                        granted,
-                        &request,
-                        run_started,
-                        runtime,
-                    ));
+                    return Ok((granted, run_started));
                 }
                 Err(Error::PoolExhausted { retry_after }) => retry_after,
                 Err(error) => return Err(error),

@@ -23,12 +23,14 @@
 //! ```
 //!
 //! # Layout
+//! From the top down (each module uses only those below it):
+//! - `lease`: [`Client::lease`], [`LeaseGuard`] and its background renewal task.
 //! - `client`: [`Client`], [`ClientBuilder`], [`RetryPolicy`]; the allocate, renew and release
 //!   calls and their retries (capped exponential backoff with jitter, from `backon`).
-//! - `lease`: [`LeaseRequest`], [`LeaseGuard`] and its background renewal task, [`Credential`],
-//!   [`Outcome`], [`Released`].
 //! - `error`: [`Error`], one variant per API error code, and how an answer becomes one.
 //! - `wire`: the JSON bodies, and parsing that names a bad field without quoting its value.
+//! - `api`: what the API takes and answers: [`LeaseRequest`], [`Credential`], [`Outcome`],
+//!   [`Released`], and the state a guard shares with the client's calls.
 //!
 //! # TLS
 //! This crate is built without TLS (`reqwest` with `default-features = false`): the only TLS
@@ -40,16 +42,18 @@
 //! Neither the internal key nor credential material appears in any `Debug` or `Display` output
 //! of this crate, nor in its logs (`tracing`, at debug and warn level).
 
+mod api;
 mod client;
 mod error;
 mod lease;
 mod wire;
 
-pub use client::{Client, ClientBuilder, RetryPolicy};
-pub use error::{Error, TransportError, TransportKind};
-pub use lease::{
-    AffinityMode, AffinityResult, Credential, DEFAULT_LEASE_SECONDS, LeaseGuard, LeaseRequest,
+pub use api::{
+    AffinityMode, AffinityResult, Credential, DEFAULT_LEASE_SECONDS, LeaseRequest,
     MAX_RETRY_AFTER_SECONDS, NotReleased, Outcome, Released,
 };
+pub use client::{Client, ClientBuilder, RetryPolicy};
+pub use error::{Error, TransportError, TransportKind};
+pub use lease::LeaseGuard;
 pub use time::OffsetDateTime;
 pub use tokio_util::sync::CancellationToken;

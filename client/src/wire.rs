@@ -11,7 +11,7 @@ use serde_json::{Map, Value};
 use time::OffsetDateTime;
 use time::format_description::well_known::Rfc3339;
 
-use crate::lease::{NotReleased, Released};
+use crate::api::{NotReleased, Released};
 
 /// `POST /api/internal/allocate-key` body.
 #[derive(Debug, Serialize)]

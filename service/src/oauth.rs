@@ -30,7 +30,7 @@ use time::OffsetDateTime;
 pub use crate::domain::oauth::{
     DEFAULT_REFRESH_BEFORE_SECONDS, MAX_REFRESH_BEFORE_SECONDS, OAuthInput, OAuthSpec,
 };
-use crate::domain::{InvalidValue, KeyId, Secret};
+use crate::domain::{InvalidValue, KeyId, ProviderName, Secret};
 use crate::secrets::Keyring;
 use crate::store::Db;
 use crate::store::oauth::{self as store, Failure, RefreshTaken};
@@ -340,8 +340,14 @@ pub enum RefreshError {
     Failed(String),
 }
 
-/// A refresh's marker kept alive while the refresh runs: a task that extends it every third of
-/// `claim_for` ([`store::keep_refresh`]) until it is dropped or the marker is no longer this
+/// How often a refresh's marker of `claim_for` is extended while the refresh runs: a third of
+/// its life, so that a beat whose statement waits a while still lands before the marker lapses.
+fn beat(claim_for: Duration) -> Duration {
+    claim_for / 3
+}
+
+/// A refresh's marker kept alive while the refresh runs: a task that extends it every
+/// [`beat`] ([`store::keep_refresh`]) until it is dropped or the marker is no longer this
 /// writer's.
 struct MarkerKept(tokio::task::JoinHandle<()>);
 
@@ -349,14 +355,17 @@ impl MarkerKept {
     fn start(
         db: Db,
         key_id: KeyId,
+        provider: ProviderName,
         generation: i64,
         holder: uuid::Uuid,
         claim_for: Duration,
     ) -> Self {
         Self(tokio::spawn(async move {
             loop {
-                tokio::time::sleep(claim_for / 3).await;
-                match store::keep_refresh(&db, &key_id, generation, holder, claim_for).await {
+                tokio::time::sleep(beat(claim_for)).await;
+                match store::keep_refresh(&db, &key_id, &provider, generation, holder, claim_for)
+                    .await
+                {
                     Ok(true) => {}
                     Ok(false) => return,
                     // (the next beat tries again; a marker that lapses meanwhile is taken over,
@@ -529,8 +538,8 @@ impl Refresher {
     /// after the other. Returns how many new access tokens this pass wrote. Errors: the store's.
     pub async fn run_once(&self) -> Result<usize, sqlx::Error> {
         let mut written = 0;
-        for (key_id, generation) in store::due(&self.db).await? {
-            if self.refresh(&key_id, generation).await? {
+        for (key_id, provider, generation) in store::due(&self.db).await? {
+            if self.refresh(&key_id, &provider, generation).await? {
                 written += 1;
             }
         }
@@ -540,24 +549,56 @@ impl Refresher {
     /// Refreshes `key_id`'s token of `generation` if this process takes its refresh. Returns
     /// whether it wrote a new access token.
     #[tracing::instrument(skip(self), fields(generation))]
-    async fn refresh(&self, key_id: &KeyId, generation: i64) -> Result<bool, sqlx::Error> {
+    async fn refresh(
+        &self,
+        key_id: &KeyId,
+        provider: &ProviderName,
+        generation: i64,
+    ) -> Result<bool, sqlx::Error> {
+        let claim_for = self.settings.claim_for;
+        let mut sent = tokio::time::Instant::now();
         let Some(taken) = store::take_refresh(
             &self.db,
             key_id,
+            provider,
             generation,
             self.holder,
-            self.settings.claim_for,
+            claim_for,
         )
         .await?
         else {
             return Ok(false);
         };
+        // The marker is dated at its statement's start, which came after `sent`: it holds at
+        // least until `sent + claim_for`. A take (or keep) that waited for the row's lock comes
+        // back with less of that left, or none: another writer may be taking the generation
+        // over already. So the marker is kept again, from a statement sent now, until one comes
+        // back within a beat (`MarkerKept`'s first beat comes one beat later, and the call runs
+        // under the two thirds left: `serve` makes `claim_for` at least three call timeouts);
+        // one that cannot keep it calls nothing.
+        while sent.elapsed() >= beat(claim_for) {
+            sent = tokio::time::Instant::now();
+            if !store::keep_refresh(
+                &self.db,
+                key_id,
+                provider,
+                taken.generation,
+                self.holder,
+                claim_for,
+            )
+            .await?
+            {
+                tracing::debug!("the refresh's marker lapsed while its take waited; given up");
+                return Ok(false);
+            }
+        }
         let _kept = MarkerKept::start(
             self.db.clone(),
             key_id.clone(),
+            provider.clone(),
             taken.generation,
             self.holder,
-            self.settings.claim_for,
+            claim_for,
         );
         let grant = match self.keyring.open_oauth(key_id, &taken.sealed_grant) {
             Ok(grant) => grant,

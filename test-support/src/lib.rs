@@ -30,6 +30,7 @@ pub mod database;
 pub mod fleet;
 pub mod hooks;
 pub mod metrics;
+pub mod oauth_mock;
 pub mod process;
 pub mod race;
 pub mod requests;

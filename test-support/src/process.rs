@@ -261,7 +261,15 @@ pub async fn audit_fails(bin: &str, database: &TestDatabase, findings: &[&str]) 
 /// `BIN audit verify --json` on the database at `database_url` (`bin`: the suite's
 /// `CARGO_BIN_EXE_credpool`): what it did; its report is [`Ran::report`].
 pub async fn audit_verify_json(bin: &str, database_url: &str) -> Ran {
-    run(credpool_command(bin, database_url).args(["audit", "verify", "--json"])).await
+    audit_verify_json_with(bin, database_url, &[]).await
+}
+
+/// [`audit_verify_json`] with more flags (`--full`, `--chunk-rows N`, ...).
+pub async fn audit_verify_json_with(bin: &str, database_url: &str, flags: &[&str]) -> Ran {
+    run(credpool_command(bin, database_url)
+        .args(["audit", "verify", "--json"])
+        .args(flags))
+    .await
 }
 
 /// A TCP port on 127.0.0.1 that nothing listens on right now (the system chose it), for a

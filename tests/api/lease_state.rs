@@ -870,6 +870,116 @@ async fn the_claim_release_and_renewal_read_only_their_rows_whatever_the_statist
 }
 
 #[tokio::test]
+async fn an_operators_change_reads_only_its_credentials_slot_rows() {
+    // 2,500 credentials of limit 4 (10,000 slot rows), never analyzed, then analyzed. An
+    // operator's raise and lower of one credential's limit (its locks, then FIT), a forced release
+    // of its leases, and the locks a release with a rejected report takes (the credential, with
+    // the group's other leases found by their credential and lease) must read that credential's
+    // rows, not the table's. The lock statement once matched the leases by lease id alone, which
+    // no index serves: every operator change read every slot row, dead ones included, and a
+    // credential's limit raised and lowered a few hundred times made each change take seconds
+    // (one ran into the statement timeout under the API fuzzer).
+    let app = TestApp::spawn().await;
+    for table in ["credentials", "lease_slots"] {
+        app.db
+            .execute(sqlx::AssertSqlSafe(format!(
+                "ALTER TABLE {table} SET (autovacuum_enabled = false)"
+            )))
+            .await
+            .unwrap();
+    }
+    app.run_sql(
+        "INSERT INTO credentials (key_id, provider, pool, models, max_concurrent_uses, secret_ciphertext)
+         SELECT 'big-' || g, 'openai', 'big', '{gpt-4o}', 4, '\\x00'::bytea
+         FROM generate_series(0, 2499) g",
+    )
+    .await;
+    app.run_sql("SELECT credpool_fit_slots('big-' || g) FROM generate_series(0, 2499) g")
+        .await;
+    for phase in ["never-analyzed", "analyzed"] {
+        if phase == "analyzed" {
+            app.db
+                .execute("ANALYZE credentials, lease_slots")
+                .await
+                .unwrap();
+        }
+        let key = if phase == "analyzed" {
+            "big-17"
+        } else {
+            "big-7"
+        };
+        // a connection each: see the claims' plan test
+        let mut conn = connect(&app).await;
+        conn.execute("BEGIN").await.unwrap();
+        let mut leases = Vec::new();
+        for i in 0..3 {
+            let lease: uuid::Uuid = sqlx::query_scalar("SELECT lease_id FROM credpool_claim($1)")
+                .bind(claim_body(&[key], "big", Some(&format!("op-{phase}-{i}"))))
+                .fetch_one(&mut conn)
+                .await
+                .unwrap_or_else(|e| panic!("{phase}: claim {i}: {e}"));
+            leases.push(lease);
+        }
+        // raised, then lowered under the three leases (FIT's over-limit branch), as PATCH does
+        for limit in [8, 1] {
+            sqlx::query("SELECT credpool_lock_credentials(ARRAY[$1])")
+                .bind(key)
+                .execute(&mut conn)
+                .await
+                .unwrap();
+            sqlx::query("UPDATE credentials SET max_concurrent_uses = $2 WHERE key_id = $1")
+                .bind(key)
+                .bind(limit)
+                .execute(&mut conn)
+                .await
+                .unwrap();
+            sqlx::query("SELECT credpool_fit_slots($1)")
+                .bind(key)
+                .execute(&mut conn)
+                .await
+                .unwrap();
+        }
+        let over: i64 =
+            sqlx::query_scalar("SELECT count(*) FROM lease_slots WHERE key_id = $1 AND over_limit")
+                .bind(key)
+                .fetch_one(&mut conn)
+                .await
+                .unwrap();
+        assert_eq!(
+            over, 3,
+            "{phase}: the lowered limit did not reach the slot rows"
+        );
+        // a release's locks: a rejected credential, the group's other lease on `key`
+        sqlx::query("SELECT credpool_lock_credentials(ARRAY['big-2000'], false, $1, $2)")
+            .bind(&leases[..1])
+            .bind([key])
+            .execute(&mut conn)
+            .await
+            .unwrap();
+        let ended: Vec<uuid::Uuid> = sqlx::query_scalar(
+            "SELECT lease_id FROM credpool_force_release($1, NULL, 'plan', 'operator')",
+        )
+        .bind(key)
+        .fetch_all(&mut conn)
+        .await
+        .unwrap();
+        assert_eq!(ended.len(), 3, "{phase}: forced release ended {ended:?}");
+        for (table, seq_scans, rows) in reads(&mut conn).await {
+            if table != "lease_slots" && table != "credentials" {
+                continue;
+            }
+            assert_eq!(seq_scans, 0, "{phase}: a sequential scan of {table}");
+            // a few statements over the credential's at most 8 slot rows and its own row
+            assert!(
+                rows < 300,
+                "{phase}: {rows} rows of {table} read for one credential's change"
+            );
+        }
+        conn.execute("ROLLBACK").await.unwrap();
+    }
+}
+
+#[tokio::test]
 async fn a_database_migrated_by_the_previous_release_upgrades_cleanly() {
     // The schema as the previous release left it (migrations up to the executor protocol, whose
     // functions it defined), with live state in it: leases, a request_id, a credential over a

@@ -1,168 +1,26 @@
-//! OAuth credentials, against a mock token endpoint of the test's own on 127.0.0.1
-//! that counts calls, rotates the refresh token on every success (answering `invalid_grant` to
-//! a refresh token already used, as providers that rotate do), and can answer slowly, with 503
-//! or with `invalid_grant`. Times are kept short with `refresh_before_seconds`; a test "moves the
+//! OAuth credentials, against a mock token endpoint on 127.0.0.1 (`oauth_mock`: it counts calls,
+//! rotates the refresh token on every success, answers `invalid_grant` to a refresh token already
+//! used, and can answer slowly, with 503 or with `invalid_grant`). Times are kept short with `refresh_before_seconds`; a test "moves the
 //! clock" by raising `refresh_before_seconds` in the database (the token is then due at once).
 
-use std::collections::HashMap;
-use std::net::SocketAddr;
-use std::sync::atomic::{AtomicUsize, Ordering};
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
+use std::sync::atomic::Ordering;
 use std::time::Duration;
 
-use axum::extract::{Form, State};
-use axum::response::IntoResponse;
 use reqwest::{Method, StatusCode};
 use serde_json::{Value, json};
 use time::OffsetDateTime;
 use time::format_description::well_known::Rfc3339;
 
 use credpool::oauth::{OAuthSettings, Refresher};
+use credpool_test_support::oauth_mock::{ANSWERS, Mock, Mode, fast_refresher, mock_endpoint};
 use credpool_test_support::*;
 
 use crate::BIN;
 
-/// How the mock token endpoint answers.
-#[derive(Clone, Copy, Debug, PartialEq)]
-enum Mode {
-    /// A new access token and a rotated refresh token, after `delay`.
-    Ok { delay: Duration },
-    /// 503.
-    Unavailable,
-    /// 400 `{"error": "invalid_grant"}`.
-    InvalidGrant,
-    /// A token with an `expires_in` no timestamp can hold (10^15 s).
-    Unrepresentable,
-}
-
-/// The mock answers at once.
-const ANSWERS: Mode = Mode::Ok {
-    delay: Duration::ZERO,
-};
-
-struct Mock {
-    mode: Mutex<Mode>,
-    /// Every call, answered or not.
-    calls: AtomicUsize,
-    /// Successful refreshes (access token `at-<n>`, refresh token `rtok-<n>`).
-    issued: AtomicUsize,
-    /// Calls that presented a refresh token other than the current one (a rotated-away token:
-    /// two writers refreshed one generation).
-    stale: AtomicUsize,
-    /// The refresh token the next call must present.
-    current: Mutex<String>,
-    /// The form bodies received, in order.
-    forms: Mutex<Vec<HashMap<String, String>>>,
-    /// `expires_in` of the n-th answer: n times this, seconds (each new token lives longer than
-    /// the one before, so a test can make one generation due and not the next).
-    expires_in: u64,
-}
-
-impl Mode {
-    /// A new access token and a rotated refresh token, after `ms` milliseconds.
-    fn slow(ms: u64) -> Self {
-        Mode::Ok {
-            delay: Duration::from_millis(ms),
-        }
-    }
-}
-
-impl Mock {
-    fn calls(&self) -> usize {
-        self.calls.load(Ordering::SeqCst)
-    }
-
-    fn set(&self, mode: Mode) {
-        *self.mode.lock().unwrap() = mode;
-    }
-}
-
-async fn token(
-    State(mock): State<Arc<Mock>>,
-    Form(form): Form<HashMap<String, String>>,
-) -> axum::response::Response {
-    mock.calls.fetch_add(1, Ordering::SeqCst);
-    mock.forms.lock().unwrap().push(form.clone());
-    let mode = *mock.mode.lock().unwrap();
-    match mode {
-        Mode::Unavailable => {
-            return (axum::http::StatusCode::SERVICE_UNAVAILABLE, "down").into_response();
-        }
-        Mode::InvalidGrant => {
-            return (
-                axum::http::StatusCode::BAD_REQUEST,
-                axum::Json(json!({"error": "invalid_grant", "error_description": "expired"})),
-            )
-                .into_response();
-        }
-        Mode::Unrepresentable => {
-            return axum::Json(json!({"access_token": "at-forever", "token_type": "Bearer",
-                                     "expires_in": 1_000_000_000_000_000_u64}))
-            .into_response();
-        }
-        Mode::Ok { delay } => tokio::time::sleep(delay).await,
-    }
-    let presented = form.get("refresh_token").cloned().unwrap_or_default();
-    let n = {
-        let mut current = mock.current.lock().unwrap();
-        if form.get("grant_type").map(String::as_str) != Some("refresh_token")
-            || presented != *current
-        {
-            mock.stale.fetch_add(1, Ordering::SeqCst);
-            return (
-                axum::http::StatusCode::BAD_REQUEST,
-                axum::Json(json!({"error": "invalid_grant"})),
-            )
-                .into_response();
-        }
-        let n = mock.issued.fetch_add(1, Ordering::SeqCst) + 1;
-        *current = format!("rtok-{n}");
-        n
-    };
-    axum::Json(json!({
-        "access_token": format!("at-{n}"),
-        "token_type": "Bearer",
-        "expires_in": mock.expires_in * n as u64,
-        "refresh_token": format!("rtok-{n}"),
-    }))
-    .into_response()
-}
-
-/// Serves a mock token endpoint on 127.0.0.1:0; returns it and its URL.
-async fn mock_endpoint(mode: Mode, expires_in: u64) -> (Arc<Mock>, String) {
-    let mock = Arc::new(Mock {
-        mode: Mutex::new(mode),
-        calls: AtomicUsize::new(0),
-        issued: AtomicUsize::new(0),
-        stale: AtomicUsize::new(0),
-        current: Mutex::new("rtok-0".to_owned()),
-        forms: Mutex::new(Vec::new()),
-        expires_in,
-    });
-    let router = axum::Router::new()
-        .route("/token", axum::routing::post(token))
-        .with_state(mock.clone());
-    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-    let addr: SocketAddr = listener.local_addr().unwrap();
-    tokio::spawn(async move { axum::serve(listener, router).await });
-    (mock, format!("http://{addr}/token"))
-}
-
-/// Refresher settings for tests: a check every 50 ms, a quick backoff.
-fn fast() -> OAuthSettings {
-    OAuthSettings {
-        check_every: Duration::from_millis(50),
-        call_timeout: Duration::from_secs(5),
-        claim_for: Duration::from_secs(10),
-        backoff_first: Duration::from_millis(100),
-        backoff_max: Duration::from_millis(400),
-        ..OAuthSettings::default()
-    }
-}
-
 async fn app() -> TestApp {
     let mut options = AppOptions::default();
-    options.settings.oauth = fast();
+    options.settings.oauth = fast_refresher();
     TestApp::spawn_with(options).await
 }
 
@@ -369,7 +227,7 @@ async fn replicas_and_concurrent_refreshers_make_one_token_call_per_generation()
     store_oauth(&app, &url, 3600, 0).await;
     // three more service processes' worth of refreshers (apps on the same database) ...
     let mut options = AppOptions::default();
-    options.settings.oauth = fast();
+    options.settings.oauth = fast_refresher();
     let mut replicas = Vec::new();
     for _ in 0..3 {
         replicas.push(serve(app.database.pool(4).await, &options).await);
@@ -430,7 +288,7 @@ async fn refreshers(app: &TestApp, n: usize) -> Vec<Arc<Refresher>> {
         refreshers.push(Arc::new(Refresher::new(
             app.database.pool(2).await.into(),
             keyring(),
-            fast(),
+            fast_refresher(),
         )));
     }
     refreshers
@@ -1014,6 +872,38 @@ async fn a_refreshed_token_whose_first_write_fails_is_written_by_a_retry_and_nev
     assert_eq!(app.credential("k").await["status"], "available");
 }
 
+/// An app whose refreshers' markers last 2 s (calls 1 s), with OAuth credential `k` stored (not
+/// due) against a mock endpoint that rotates refresh tokens; the refresher settings.
+async fn short_marker_app() -> (TestApp, Arc<Mock>, OAuthSettings) {
+    let short = OAuthSettings {
+        claim_for: Duration::from_secs(2),
+        call_timeout: Duration::from_secs(1),
+        ..fast_refresher()
+    };
+    let mut options = AppOptions::default();
+    options.settings.oauth = short.clone();
+    let app = TestApp::spawn_with(options).await;
+    let (mock, url) = mock_endpoint(ANSWERS, 3600).await;
+    store_oauth(&app, &url, 3600, 0).await;
+    (app, mock, short)
+}
+
+/// Another process's refresher (`settings`), pass after pass every 50 ms for `run_for`.
+async fn refresher_passes(
+    app: &TestApp,
+    settings: OAuthSettings,
+    run_for: Duration,
+) -> tokio::task::JoinHandle<()> {
+    let other = Refresher::new(app.database.pool(2).await.into(), keyring(), settings);
+    tokio::spawn(async move {
+        let end = tokio::time::Instant::now() + run_for;
+        while tokio::time::Instant::now() < end {
+            other.run_once().await.unwrap();
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+    })
+}
+
 #[tokio::test]
 async fn a_refresh_whose_write_waits_longer_than_its_marker_is_never_overtaken() {
     // The refresher's marker holds other writers off for `claim_for` (2 s here). The test holds
@@ -1022,43 +912,19 @@ async fn a_refresh_whose_write_waits_longer_than_its_marker_is_never_overtaken()
     // endpoint with the refresh token the first call had already rotated away (`invalid_grant`
     // from a provider that rotates), and the credential was disabled. Now a writer keeps its
     // marker for as long as it may still write.
-    let short = OAuthSettings {
-        claim_for: Duration::from_secs(2),
-        call_timeout: Duration::from_secs(1),
-        ..fast()
-    };
-    let mut options = AppOptions::default();
-    options.settings.oauth = short.clone();
-    let app = TestApp::spawn_with(options).await;
-    let (mock, url) = mock_endpoint(ANSWERS, 3600).await;
-    store_oauth(&app, &url, 3600, 0).await;
-    let mut holder = connect(&app).await;
-    sqlx::Executor::execute(&mut holder, "BEGIN").await.unwrap();
-    sqlx::query("SELECT 1 FROM lease_slots WHERE key_id = 'k' FOR UPDATE")
-        .execute(&mut holder)
-        .await
-        .unwrap();
+    let (app, mock, short) = short_marker_app().await;
+    let mut holder = transaction_holding(
+        &app,
+        &["SELECT 1 FROM lease_slots WHERE key_id = 'k' FOR UPDATE"],
+    )
+    .await;
     set_refresh_before(&app, 86_400).await;
     until("the first token call", || async {
         mock.issued.load(Ordering::SeqCst) == 1
     })
     .await;
     // another process's refresher, pass after pass, for twice the marker's life
-    let other = Arc::new(Refresher::new(
-        app.database.pool(2).await.into(),
-        keyring(),
-        short,
-    ));
-    let passes = {
-        let other = other.clone();
-        tokio::spawn(async move {
-            let end = tokio::time::Instant::now() + Duration::from_secs(4);
-            while tokio::time::Instant::now() < end {
-                other.run_once().await.unwrap();
-                tokio::time::sleep(Duration::from_millis(50)).await;
-            }
-        })
-    };
+    let passes = refresher_passes(&app, short, Duration::from_secs(4)).await;
     // (its own write, if it had taken the generation over, would wait for the slot rows too)
     tokio::time::sleep(Duration::from_secs(4)).await;
     assert_eq!(
@@ -1072,14 +938,95 @@ async fn a_refresh_whose_write_waits_longer_than_its_marker_is_never_overtaken()
         .await
         .unwrap();
     passes.await.unwrap();
-    until("the refreshed token's write", || async {
-        generation(&app).await == 2
+    refreshed(&app, &mock, 2, "at-1").await;
+}
+
+/// Backends of `app`'s database waiting for a row lock in a refresher's take
+/// (`store::take_refresh`).
+async fn takes_waiting(app: &TestApp) -> i64 {
+    app.scalar(
+        "SELECT count(*) FROM pg_stat_activity
+         WHERE datname = current_database() AND wait_event_type = 'Lock'
+           AND query LIKE '%UPDATE oauth_credentials o%'",
+    )
+    .await
+}
+
+/// Makes `k` due while the test holds its `oauth_credentials` row, so that the service's
+/// refresher's take waits for the row; `held` after that take started waiting, another process's
+/// refresher (`settings`) starts its passes, whose take waits behind it; then the row is let go.
+/// Returns once the other refresher's passes are over (3 s).
+async fn take_held_for(app: &TestApp, settings: OAuthSettings, held: Duration) {
+    let mut holder = transaction_holding(
+        app,
+        &["SELECT 1 FROM oauth_credentials WHERE key_id = 'k' FOR UPDATE"],
+    )
+    .await;
+    // due now (the row held stays as it is: the token's end is the credential's)
+    app.run_sql("UPDATE credentials SET token_expires_at = now() WHERE key_id = 'k'")
+        .await;
+    until(
+        "the service's refresher's take waiting for the row",
+        || async { takes_waiting(app).await == 1 },
+    )
+    .await;
+    tokio::time::sleep(held).await;
+    let passes = refresher_passes(app, settings, Duration::from_secs(3)).await;
+    until("the other refresher's take waiting too", || async {
+        takes_waiting(app).await == 2
     })
     .await;
-    assert_eq!(mock.calls(), 1, "one token call for the generation");
-    let detail = app.credential("k").await;
-    assert_eq!(detail["status"], "available", "{detail}");
-    assert_eq!(leased_token(&app).await, "at-1");
+    sqlx::Executor::execute(&mut holder, "COMMIT")
+        .await
+        .unwrap();
+    passes.await.unwrap();
+}
+
+/// After a refresh of `k`'s generation 1: no call presented a rotated-away refresh token, and
+/// generation 2 was written by one token call ([`refreshed`]). Waits for the new token or the
+/// credential's disabling first, so that a second writer's call is named as such.
+async fn refreshed_once_by_one_writer(app: &TestApp, mock: &Mock) {
+    until(
+        "the refresh's end: a new token written or the credential disabled",
+        || async {
+            let detail = app.credential("k").await;
+            detail["oauth"]["generation"] == 2 || detail["status"] != "available"
+        },
+    )
+    .await;
+    assert_eq!(
+        mock.stale.load(Ordering::SeqCst),
+        0,
+        "a refresher called the endpoint with the rotated refresh token"
+    );
+    refreshed(app, mock, 2, "at-1").await;
+}
+
+#[tokio::test]
+async fn a_refresh_whose_take_waited_past_its_marker_calls_nothing_and_one_refresh_follows() {
+    // A take dates its marker at its statement's start (Citus takes no volatile function in an
+    // UPDATE of a distributed table). The test holds the credential's oauth_credentials row, so
+    // the refresher's take waits for it longer than the marker's life (2 s): the marker it writes
+    // has lapsed already when the take comes back. Before, that refresher called the endpoint
+    // anyway while another process's refresher, whose take waited behind it, took the generation
+    // over and called it too, with the refresh token the first call had rotated away
+    // (`invalid_grant` from a provider that rotates: the credential disabled). Now a take that
+    // came back late keeps its marker before the call, and gives the refresh up when it cannot.
+    let (app, mock, short) = short_marker_app().await;
+    take_held_for(&app, short, Duration::from_millis(2_500)).await;
+    refreshed_once_by_one_writer(&app, &mock).await;
+}
+
+#[tokio::test]
+async fn a_refresh_whose_take_waited_keeps_its_marker_through_a_slow_call() {
+    // The take waits 1.2 s of its marker's 2 s, and the endpoint takes 0.9 s to answer: called at
+    // once, the marker would lapse during the call and another process's refresher take the
+    // generation over and call with the refresh token being rotated. The late take keeps its
+    // marker first (from a statement sent then), so the call runs under a live marker.
+    let (app, mock, short) = short_marker_app().await;
+    mock.set(Mode::slow(900));
+    take_held_for(&app, short, Duration::from_millis(1_200)).await;
+    refreshed_once_by_one_writer(&app, &mock).await;
 }
 
 #[tokio::test]

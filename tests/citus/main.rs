@@ -10,10 +10,11 @@ use std::process::Command;
 use std::time::Instant;
 
 use cluster::{CitusCluster, connect};
-use credpool::store::citus::{DISTRIBUTED, REFERENCE};
+use credpool::store::citus::{BY_TENANT, DISTRIBUTED, REFERENCE};
+use credpool_test_support::oauth_mock::{ANSWERS, Mode, fast_refresher, mock_endpoint};
 use credpool_test_support::{
-    Answer, AppOptions, INTERNAL_KEY, Remote, Service, allocate_at_once, group_release, json_body,
-    policy, release_body, renew_body, serve,
+    Answer, AppOptions, INTERNAL_KEY, Remote, Service, allocate_at_once, audit_verify_json_with,
+    group_release, json_body, policy, release_body, renew_body, serve,
 };
 use reqwest::{Method, StatusCode};
 use serde_json::{Value, json};
@@ -34,7 +35,7 @@ async fn a_credpool_database_distributes_by_provider_once_and_keeps_its_rows() {
     let report = distribute(&url);
     assert_eq!(
         report["distributed"].as_array().unwrap().len(),
-        DISTRIBUTED.len()
+        DISTRIBUTED.len() + BY_TENANT.len()
     );
     assert_eq!(
         report["reference"].as_array().unwrap().len(),
@@ -60,6 +61,23 @@ async fn a_credpool_database_distributes_by_provider_once_and_keeps_its_rows() {
             "{table} is not distributed with credentials: {colocated:?}"
         );
     }
+    // the tenants' slot and window rows distributed by tenant, co-located with each other
+    let by_tenant: Vec<(String, String, String)> = sqlx::query_as(
+        "SELECT p.logicalrelid::regclass::text, p.partmethod::text,
+                column_to_column_name(p.logicalrelid, p.partkey)
+         FROM pg_dist_partition p
+         WHERE p.colocationid = (SELECT colocationid FROM pg_dist_partition
+                                 WHERE logicalrelid = 'tenant_slots'::regclass)
+         ORDER BY 1",
+    )
+    .fetch_all(&mut coordinator)
+    .await
+    .unwrap();
+    let expected: Vec<(String, String, String)> = BY_TENANT
+        .iter()
+        .map(|t| (t.to_string(), "h".to_owned(), "tenant_id".to_owned()))
+        .collect();
+    assert_eq!(by_tenant, expected);
     for table in REFERENCE {
         let replicated: Option<String> = sqlx::query_scalar(
             "SELECT repmodel::text FROM pg_dist_partition WHERE logicalrelid = $1::regclass",
@@ -294,7 +312,7 @@ async fn an_operator_manages_credentials_of_two_workers_through_the_api() {
             .unwrap();
     assert_eq!(departed, 1);
 
-    // the cleanup pass's steps run on the cluster (all but the audit proof's advance)
+    // the cleanup pass's steps run on the cluster
     for step in [
         "credpool_reap_expired_leases(1000)",
         "credpool_refit_over_limit(100)",
@@ -305,6 +323,7 @@ async fn an_operator_manages_credentials_of_two_workers_through_the_api() {
         "credpool_compact_pool_versions()",
         "credpool_purge_affinity(NULL, 10000)",
         "credpool_make_trail_days(7)",
+        "credpool_audit_advance('continuous', 1000)",
     ] {
         sqlx::query(sqlx::AssertSqlSafe(format!("SELECT {step}")))
             .execute(&mut coordinator)
@@ -340,9 +359,13 @@ async fn claims_for_providers_on_two_workers_are_granted_exactly_to_their_limits
         .await;
 
     // six claims for each provider at once, over both replicas: each provider grants exactly
-    // its three slots (no oversell, no underuse), the others answer 429 with a Retry-After
+    // its slots (three and two: no oversell, no underuse), the others answer 429 with a
+    // Retry-After; a second race while they are held grants nothing; then they are released,
+    // and the next round races again
     let body = |provider: &str| json!({"provider": provider, "model": "m1", "lease_seconds": 60});
-    for round in 0..3 {
+    const ROUNDS: usize = 6;
+    let mut held = Vec::new();
+    for round in 0..ROUNDS * 2 {
         let bodies = (0..12)
             .map(|i| body(if i % 2 == 0 { &first } else { &second }))
             .collect();
@@ -351,13 +374,16 @@ async fn claims_for_providers_on_two_workers_are_granted_exactly_to_their_limits
             std::collections::BTreeMap::new();
         for answer in &answers {
             match answer.status {
-                StatusCode::OK => granted
-                    .entry(answer.body["provider"].as_str().unwrap().to_owned())
-                    .or_default()
-                    .push((
-                        answer.body["key_id"].as_str().unwrap().to_owned(),
-                        answer.body["fence"].as_i64().unwrap(),
-                    )),
+                StatusCode::OK => {
+                    granted
+                        .entry(answer.body["provider"].as_str().unwrap().to_owned())
+                        .or_default()
+                        .push((
+                            answer.body["key_id"].as_str().unwrap().to_owned(),
+                            answer.body["fence"].as_i64().unwrap(),
+                        ));
+                    held.push(answer.body.clone());
+                }
                 StatusCode::TOO_MANY_REQUESTS => {
                     assert!(answer.retry_after.is_some(), "{}", answer.text);
                 }
@@ -366,7 +392,7 @@ async fn claims_for_providers_on_two_workers_are_granted_exactly_to_their_limits
         }
         let on_first = granted.get(&first).cloned().unwrap_or_default();
         let on_second = granted.get(&second).cloned().unwrap_or_default();
-        if round == 0 {
+        if round % 2 == 0 {
             assert_eq!(on_first.len(), 3, "round {round}: {answers:?}");
             assert_eq!(on_second.len(), 2, "round {round}: {answers:?}");
             let per_key = |key: &str| on_first.iter().filter(|(k, _)| k == key).count();
@@ -387,6 +413,11 @@ async fn claims_for_providers_on_two_workers_are_granted_exactly_to_their_limits
         let mut expected = vec![(first.clone(), 3), (second.clone(), 2)];
         expected.sort();
         assert_eq!(live, expected, "round {round}");
+        if round % 2 == 1 {
+            for (n, lease) in held.drain(..).enumerate() {
+                replicas[n % 2].release_ok(&lease, "success").await;
+            }
+        }
     }
 
     // a request id on the second provider's worker: a retry replays its lease, other
@@ -415,15 +446,17 @@ async fn claims_for_providers_on_two_workers_are_granted_exactly_to_their_limits
     assert_eq!(remembered, std::slice::from_ref(&second));
 
     // every grant is in the trail on its provider's worker, each with its own fence
-    let trail: Vec<(String, String, i64)> = sqlx::query_as(
-        "SELECT provider, event, count(DISTINCT fence) FROM lease_events GROUP BY 1, 2 ORDER BY 1",
+    let trail: Vec<(String, i64, i64)> = sqlx::query_as(
+        "SELECT provider, count(*), count(DISTINCT fence) FROM lease_events
+         WHERE event = 'granted' GROUP BY 1 ORDER BY 1",
     )
     .fetch_all(&mut coordinator)
     .await
     .unwrap();
+    let (on_first, on_second) = (ROUNDS as i64 * 3, ROUNDS as i64 * 2 + 1);
     let mut expected = vec![
-        (first.clone(), "granted".to_owned(), 3),
-        (second.clone(), "granted".to_owned(), 3),
+        (first.clone(), on_first, on_first),
+        (second.clone(), on_second, on_second),
     ];
     expected.sort();
     assert_eq!(trail, expected);
@@ -750,6 +783,825 @@ async fn a_waiting_claim_takes_the_slot_a_release_frees_on_its_providers_worker(
     db.close().await;
 }
 
+#[tokio::test(flavor = "multi_thread")]
+async fn rate_windows_and_token_usage_hold_exactly_on_each_providers_worker() {
+    let Some(mut s) = served().await else {
+        return;
+    };
+    let providers = s.providers();
+    for provider in &providers {
+        // a requests window of 3 a minute, and a token window of 1,000 a minute, with slots to
+        // spare: the windows are what holds the claims back
+        for (pool, rate_limits) in [
+            ("requests", json!([{"requests": 3, "seconds": 60}])),
+            ("tokens", json!([{"tokens": 1000, "seconds": 60}])),
+        ] {
+            let key = format!("{provider}-{pool}");
+            let response = s.replicas[0]
+                .put_key_raw(
+                    &key,
+                    json!({"provider": provider, "pool": pool, "models": ["m1"],
+                           "max_concurrent_uses": 100, "rate_limits": rate_limits,
+                           "secret": {"api_key": format!("sk-{key}")}}),
+                )
+                .await;
+            assert!(response.status().is_success(), "PUT {key}");
+        }
+    }
+    let claim = |provider: &str, pool: &str, tokens: u64| {
+        json!({"provider": provider, "model": "m1", "pool": pool, "lease_seconds": 60,
+               "tokens": tokens})
+    };
+
+    // twelve claims at once over both replicas: each provider grants exactly its window's three,
+    // the others answer 429; released, the window still counts them
+    let bodies = (0..12)
+        .map(|i| claim(&providers[i % 2], "requests", 0))
+        .collect();
+    let granted = granted_per_provider(&s.replicas, bodies, "pool_exhausted").await;
+    assert_eq!(
+        granted
+            .iter()
+            .map(|(p, l)| (p, l.len()))
+            .collect::<Vec<_>>(),
+        [(&providers[0], 3), (&providers[1], 3)]
+    );
+    for lease in granted.values().flatten() {
+        s.replicas[1].release_ok(lease, "success").await;
+    }
+    for provider in &providers {
+        s.replicas[0]
+            .allocate(claim(provider, "requests", 0))
+            .refused(StatusCode::TOO_MANY_REQUESTS, "pool_exhausted")
+            .await;
+    }
+
+    // a token estimate of 600, released with a usage of 100: the window holds 900 more, so
+    // nine claims of 100 of each provider's ten are granted
+    for provider in &providers {
+        let lease = s.replicas[0].lease(claim(provider, "tokens", 600)).await;
+        let mut body = release_body(&lease, "success");
+        body["usage"] = json!({"tokens": 100});
+        assert_eq!(
+            s.replicas[1].release(body).ok_json().await["released"],
+            true
+        );
+    }
+    let bodies = (0..20)
+        .map(|i| claim(&providers[i % 2], "tokens", 100))
+        .collect();
+    let granted = granted_per_provider(&s.replicas, bodies, "pool_exhausted").await;
+    assert_eq!(
+        granted
+            .iter()
+            .map(|(p, l)| (p, l.len()))
+            .collect::<Vec<_>>(),
+        [(&providers[0], 9), (&providers[1], 9)]
+    );
+
+    // each provider's window rows say the same, on its worker: 3 requests; 100 + 900 tokens
+    let used: Vec<(String, String, i64)> = sqlx::query_as(
+        "SELECT provider, pool, (SELECT sum(c) FROM unnest(bucket_charged) AS c)::int8
+         FROM lease_windows JOIN credentials USING (key_id, provider) ORDER BY 1, 2",
+    )
+    .fetch_all(&mut s.coordinator)
+    .await
+    .unwrap();
+    let mut expected = Vec::new();
+    for provider in &providers {
+        expected.push((provider.clone(), "requests".to_owned(), 3));
+        expected.push((provider.clone(), "tokens".to_owned(), 1000));
+    }
+    assert_eq!(used, expected);
+    let _ = s.coordinator.close().await;
+    s.db.close().await;
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn a_tenant_capped_with_leases_on_both_workers_adopts_them_and_is_held_to_its_cap() {
+    let Some(mut s) = served().await else {
+        return;
+    };
+    let providers = s.providers();
+    s.put_keys("0", 3).await;
+    let key = s.replicas[0].tenant_key("batch", json!({})).await;
+    let claim = |provider: &str| json!({"provider": provider, "model": "m1", "lease_seconds": 60});
+    let mut held = Vec::new();
+    for provider in &providers {
+        held.push(
+            json_body(
+                s.replicas[0].allocate_as(&key, claim(provider)).await,
+                StatusCode::OK,
+            )
+            .await,
+        );
+    }
+    // capped at 1 with a lease on each worker: both are adopted (one row each, over the cap),
+    // and the tenant's next claim, for either provider, answers 429 tenant_limit
+    s.replicas[1]
+        .put_tenant("batch", json!({"max_concurrent_leases": 1}))
+        .await;
+    assert_eq!(s.replicas[0].tenant_line("batch").await["in_flight"], 2);
+    let rows: Vec<(bool, bool)> = sqlx::query_as(
+        "SELECT over_limit, lease_id IS NOT NULL FROM tenant_slots
+         WHERE tenant_id = 'batch' ORDER BY slot",
+    )
+    .fetch_all(&mut s.coordinator)
+    .await
+    .unwrap();
+    assert_eq!(rows, [(true, true), (true, true)]);
+    for provider in &providers {
+        s.replicas[0]
+            .allocate_as(&key, claim(provider))
+            .refused(StatusCode::TOO_MANY_REQUESTS, "tenant_limit")
+            .await;
+    }
+    // renewed over the lowered cap: the surplus lease (the one that ends first) is held to the
+    // end of the lease within the cap, which is renewed as asked; each tenant slot row moves in
+    // step with its lease
+    let surplus: String = sqlx::query_scalar(
+        "SELECT replace(lease_id::text, '-', '') FROM tenant_slots
+         WHERE tenant_id = 'batch' AND surplus",
+    )
+    .fetch_one(&mut s.coordinator)
+    .await
+    .unwrap();
+    let (short, within) = if held[0]["lease_id"] == surplus.as_str() {
+        (&held[0], &held[1])
+    } else {
+        (&held[1], &held[0])
+    };
+    s.replicas[1]
+        .renew_as(&key, renew_body(short, 600))
+        .ok_json()
+        .await;
+    assert!(!ends_after(&mut s.coordinator, short, 120).await, "{short}");
+    s.replicas[0]
+        .renew_as(&key, renew_body(within, 600))
+        .ok_json()
+        .await;
+    assert!(
+        ends_after(&mut s.coordinator, within, 300).await,
+        "{within}"
+    );
+    let mut ends = Vec::new();
+    for table in ["tenant_slots WHERE tenant_id", "lease_slots WHERE tenant"] {
+        let rows: Vec<(String, String)> = sqlx::query_as(sqlx::AssertSqlSafe(format!(
+            "SELECT lease_id::text, lease_until::text FROM {table} = 'batch'
+             AND lease_id IS NOT NULL ORDER BY 1"
+        )))
+        .fetch_all(&mut s.coordinator)
+        .await
+        .unwrap();
+        ends.push(rows);
+    }
+    assert_eq!(ends[0].len(), 2);
+    assert_eq!(
+        ends[0], ends[1],
+        "tenant slot rows out of step with their leases"
+    );
+    // one released: still at its cap; both released: a claim is granted, and one more is not
+    s.replicas[1].release_as_ok(&key, &held[0]).await;
+    s.replicas[0]
+        .allocate_as(&key, claim(&providers[1]))
+        .refused(StatusCode::TOO_MANY_REQUESTS, "tenant_limit")
+        .await;
+    s.replicas[1].release_as_ok(&key, &held[1]).await;
+    let last = json_body(
+        s.replicas[0].allocate_as(&key, claim(&providers[1])).await,
+        StatusCode::OK,
+    )
+    .await;
+    s.replicas[1]
+        .allocate_as(&key, claim(&providers[0]))
+        .refused(StatusCode::TOO_MANY_REQUESTS, "tenant_limit")
+        .await;
+    // a key revoked through one replica is refused at once by the other
+    let (key_id, other_key) = s.replicas[0].mint_key("batch").await;
+    let revoked = s.replicas[0]
+        .admin(
+            Method::DELETE,
+            &format!("/api/admin/tenants/batch/keys/{key_id}"),
+            None,
+        )
+        .await;
+    assert_eq!(json_body(revoked, StatusCode::OK).await["revoked"], true);
+    s.replicas[1]
+        .allocate_as(&other_key, claim(&providers[0]))
+        .refused(StatusCode::UNAUTHORIZED, "unauthorized")
+        .await;
+    // with a lease in flight the tenant cannot be deleted; released, it can, and its rows go
+    let refused = s.replicas[0]
+        .admin(Method::DELETE, "/api/admin/tenants/batch", None)
+        .await;
+    assert_eq!(refused.status(), StatusCode::CONFLICT);
+    s.replicas[1].release_as_ok(&key, &last).await;
+    let deleted = s.replicas[0]
+        .admin(Method::DELETE, "/api/admin/tenants/batch", None)
+        .await;
+    assert!(deleted.status().is_success(), "{}", deleted.status());
+    let rows: i64 =
+        sqlx::query_scalar("SELECT count(*) FROM tenant_slots WHERE tenant_id = 'batch'")
+            .fetch_one(&mut s.coordinator)
+            .await
+            .unwrap();
+    assert_eq!(rows, 0);
+    let _ = s.coordinator.close().await;
+    s.db.close().await;
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn a_tenants_cap_holds_exactly_over_providers_on_two_workers() {
+    let Some(mut s) = served().await else {
+        return;
+    };
+    let providers = s.providers();
+    s.put_keys("0", 3).await;
+    s.put_keys("1", 3).await;
+    // a cap of 3 over both providers' 12 slots; another tenant without a cap
+    let batch = s.replicas[0].capped_tenant("batch", 3).await;
+    let web = s.replicas[1].tenant_key("web", json!({})).await;
+    let claim = |provider: &str| json!({"provider": provider, "model": "m1", "lease_seconds": 60});
+    // as many rounds as the claims' race (each is about a second here)
+    for round in 0..6 {
+        // twelve claims of the capped tenant at once, six for each provider, over both
+        // replicas: exactly three granted in all, the rest 429 tenant_limit
+        let bodies = (0..12).map(|i| claim(&providers[i % 2])).collect();
+        let mut granted = tenant_race(&s.replicas, &batch, bodies).await;
+        assert_eq!(granted.len(), 3, "round {round}: {granted:?}");
+        // the uncapped tenant is served on both workers meanwhile
+        let mut served = Vec::new();
+        for provider in &providers {
+            served.push(
+                json_body(
+                    s.replicas[round % 2]
+                        .allocate_as(&web, claim(provider))
+                        .await,
+                    StatusCode::OK,
+                )
+                .await,
+            );
+        }
+        // the tenant's slot rows hold its three leases, never more
+        let live: i64 = sqlx::query_scalar(
+            "SELECT count(*) FROM tenant_slots
+             WHERE tenant_id = 'batch' AND lease_id IS NOT NULL AND lease_until > now()",
+        )
+        .fetch_one(&mut s.coordinator)
+        .await
+        .unwrap();
+        assert_eq!(live, 3, "round {round}");
+        // one released: the tenant's next claim is granted, for whichever provider
+        let freed = granted.pop().unwrap();
+        s.replicas[1].release_as_ok(&batch, &freed).await;
+        let other = if freed["provider"] == providers[0] {
+            &providers[1]
+        } else {
+            &providers[0]
+        };
+        let again = json_body(
+            s.replicas[0].allocate_as(&batch, claim(other)).await,
+            StatusCode::OK,
+        )
+        .await;
+        granted.push(again);
+        for lease in &granted {
+            s.replicas[round % 2].release_as_ok(&batch, lease).await;
+        }
+        for lease in &served {
+            s.replicas[0].release_as_ok(&web, lease).await;
+        }
+    }
+    let _ = s.coordinator.close().await;
+    s.db.close().await;
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn a_tenants_token_window_holds_over_providers_on_two_workers() {
+    let Some(mut s) = served().await else {
+        return;
+    };
+    let providers = s.providers();
+    s.put_keys("0", 16).await;
+    // 1,000 tokens an hour over both providers' 32 slots
+    let key = s.replicas[0]
+        .tenant_key(
+            "team",
+            json!({"rate_limits": [{"tokens": 1000, "seconds": 3600}]}),
+        )
+        .await;
+    let claim = |provider: &str| json!({"provider": provider, "model": "m1", "lease_seconds": 60, "tokens": 100});
+    let bodies = |count: usize| (0..count).map(|i| claim(&providers[i % 2])).collect();
+    // twenty claims of 100 tokens at once, ten for each provider, over both replicas: exactly
+    // ten granted in all, the rest 429 tenant_limit
+    let granted = tenant_race(&s.replicas, &key, bodies(20)).await;
+    assert_eq!(granted.len(), 10, "{granted:?}");
+    // five released with a usage of 20 give 400 tokens back: four more of eight are granted
+    for (i, lease) in granted.iter().take(5).enumerate() {
+        let mut release = release_body(lease, "success");
+        release["usage"] = json!({"tokens": 20});
+        let released = s.replicas[i % 2].release_as(&key, release).ok_json().await;
+        assert_eq!(released["released"], true, "{released}");
+    }
+    let again = tenant_race(&s.replicas, &key, bodies(8)).await.len();
+    assert_eq!(again, 4);
+    // the tenant's window row, on the tenant's worker, holds the 1,000 tokens charged
+    let charged: i64 = sqlx::query_scalar(
+        "SELECT (SELECT sum(c) FROM unnest(bucket_charged) AS c)::int8 FROM tenant_windows
+         WHERE tenant_id = 'team'",
+    )
+    .fetch_one(&mut s.coordinator)
+    .await
+    .unwrap();
+    assert_eq!(charged, 1000);
+    let _ = s.coordinator.close().await;
+    s.db.close().await;
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn a_waiting_claim_yields_to_a_tenant_below_its_share_on_each_providers_worker() {
+    let Some(mut s) = served().await else {
+        return;
+    };
+    let providers = s.providers();
+    let behind = s.replicas[0].tenant_key("behind", json!({})).await;
+    let claim = |provider: &str, wait_ms: u64| json!({"provider": provider, "model": "m1", "lease_seconds": 60, "wait_ms": wait_ms});
+    // tenant `behind` waits for each provider's pool (its waiter row on the provider's
+    // worker); a waiting claim of another tenant (400 ms) yields the free slot to it while its
+    // process is alive, and answers 429 at the end of its wait; one that does not wait is served;
+    // nobody yields to it once its process has not said it is alive for 30 s
+    s.put_keys("only", 1).await;
+    for provider in &providers {
+        waits_for(&mut s.coordinator, "behind", provider, 0).await;
+        let yielded = s.replicas[1].allocate(claim(provider, 400)).await;
+        assert_eq!(yielded.status(), StatusCode::TOO_MANY_REQUESTS);
+        assert_eq!(slot_leases(&mut s.coordinator, provider).await, 0);
+        let at_once = s.replicas[0].lease(claim(provider, 0)).await;
+        s.replicas[0].release_ok(&at_once, "success").await;
+
+        waits_for(&mut s.coordinator, "behind", provider, 30).await;
+        let lease = s.replicas[1].lease(claim(provider, 400)).await;
+        assert_eq!(lease["tenant"], "default");
+        s.replicas[1].release_ok(&lease, "success").await;
+    }
+    // a request window of one an hour, used: `behind` cannot take a slot, so nobody yields to
+    // it, alive or not (its window row is on the tenant's worker, not the provider's)
+    s.replicas[0]
+        .put_tenant(
+            "behind",
+            json!({"rate_limits": [{"requests": 1, "seconds": 3600}]}),
+        )
+        .await;
+    let used = json_body(
+        s.replicas[0]
+            .allocate_as(&behind, claim(&providers[0], 0))
+            .await,
+        StatusCode::OK,
+    )
+    .await;
+    s.replicas[0].release_as_ok(&behind, &used).await;
+    for provider in &providers {
+        waits_for(&mut s.coordinator, "behind", provider, 0).await;
+        let lease = s.replicas[1].lease(claim(provider, 400)).await;
+        assert_eq!(lease["tenant"], "default");
+        s.replicas[1].release_ok(&lease, "success").await;
+    }
+    let _ = s.coordinator.close().await;
+    s.db.close().await;
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn audit_verify_judges_every_grant_of_both_workers_and_finds_each_rules_breach() {
+    let Some(mut s) = served().await else {
+        return;
+    };
+    let providers = s.providers();
+    let keys = providers.clone().map(|provider| format!("{provider}-0"));
+    for (provider, key) in providers.iter().zip(&keys) {
+        let response = s.replicas[0]
+            .put_key_raw(
+                key,
+                json!({"provider": provider, "pool": "default", "models": ["m1"],
+                       "max_concurrent_uses": 2, "rate_limits": [{"requests": 5, "seconds": 3600}],
+                       "secret": {"api_key": format!("sk-{key}")}}),
+            )
+            .await;
+        assert!(response.status().is_success(), "PUT {key}");
+    }
+    let batch = s.replicas[0]
+        .tenant_key(
+            "batch",
+            json!({"max_concurrent_leases": 3,
+                   "rate_limits": [{"requests": 4, "seconds": 3600}]}),
+        )
+        .await;
+    let claim = |provider: &str| json!({"provider": provider, "model": "m1", "lease_seconds": 60});
+
+    // real traffic over both workers: the capped tenant holds three leases at once (two on the
+    // first provider's credential, one on the second's) beside a lease of the internal key's
+    // tenant; then the internal key takes both slots of each credential
+    let mut held = Vec::new();
+    for provider in [&providers[0], &providers[0], &providers[1]] {
+        held.push((
+            batch.clone(),
+            json_body(
+                s.replicas[0].allocate_as(&batch, claim(provider)).await,
+                StatusCode::OK,
+            )
+            .await,
+        ));
+    }
+    held.push((
+        INTERNAL_KEY.to_owned(),
+        s.replicas[1].lease(claim(&providers[1])).await,
+    ));
+    for (key, lease) in held.drain(..) {
+        s.replicas[1].release_as_ok(&key, &lease).await;
+    }
+    for provider in [&providers[0], &providers[0], &providers[1], &providers[1]] {
+        held.push((
+            INTERNAL_KEY.to_owned(),
+            s.replicas[0].lease(claim(provider)).await,
+        ));
+    }
+    for (key, lease) in held.drain(..) {
+        s.replicas[0].release_as_ok(&key, &lease).await;
+    }
+    let granted: i64 =
+        sqlx::query_scalar("SELECT count(*) FROM lease_events WHERE event = 'granted'")
+            .fetch_one(&mut s.coordinator)
+            .await
+            .unwrap();
+    assert_eq!(granted, 8);
+
+    // the proofs over the whole trail, three trail rows a chunk (the leases live at a chunk's end
+    // carried into the next): every grant judged, each credential's and the tenant's counted
+    // over both workers, nothing broken
+    let report = verify(&s.cluster.coordinator_url(), true).await;
+    assert_eq!(report["grants_over_limit"], 0, "{report:#}");
+    assert_eq!(report["grants_over_window"], 0, "{report:#}");
+    assert_eq!(report["grants_over_cap"], 0, "{report:#}");
+    assert_eq!(report["grants_over_tenant_window"], 0, "{report:#}");
+    assert!(report["chunks"].as_u64().unwrap() > 3, "{report:#}");
+    for key in &keys {
+        let line = line_of(&report["credentials"], "key_id", key);
+        assert_eq!(
+            (line["leases"].as_i64(), line["peak"].as_i64()),
+            (Some(4), Some(2)),
+            "{key}"
+        );
+        let window = line_of(&report["windows"], "key_id", key);
+        assert_eq!(
+            (window["grants"].as_i64(), window["peak"].as_i64()),
+            (Some(4), Some(4))
+        );
+    }
+    let line = line_of(&report["tenants"], "tenant_id", "batch");
+    assert_eq!(
+        (line["leases"].as_i64(), line["peak"].as_i64()),
+        (Some(3), Some(3))
+    );
+    let window = line_of(&report["tenant_windows"], "tenant_id", "batch");
+    assert_eq!(
+        (window["grants"].as_i64(), window["peak"].as_i64()),
+        (Some(3), Some(3))
+    );
+
+    // grants written straight into the trail (on the credentials' workers), as a bug in the
+    // claim would have: two hours ago three leases at once on the first credential (limit 2);
+    // 90 minutes ago two on each credential for the capped tenant (4 over its cap of 3, each
+    // credential within its limit); from 70 minutes ago six of the tenant's one after the other
+    // on the second credential (8 in its hour: 3 over its window of 5; 10 in the tenant's: 6 over
+    // its window of 4)
+    let plant = |key: &str, provider: &str, tenant: Option<&str>, minutes_ago: f64| {
+        format!(
+            "('granted', gen_random_uuid(), '{key}', '{provider}', 'default', 0, {}, \
+             now() - interval '{} seconds' + interval '10 minutes', \
+             now() - interval '{} seconds')",
+            tenant.map_or("NULL".to_owned(), |t| format!("'{t}'")),
+            minutes_ago * 60.0,
+            minutes_ago * 60.0
+        )
+    };
+    let mut rows = Vec::new();
+    for _ in 0..3 {
+        rows.push(plant(&keys[0], &providers[0], None, 120.0));
+    }
+    for (key, provider) in keys.iter().zip(&providers) {
+        for _ in 0..2 {
+            rows.push(plant(key, provider, Some("batch"), 90.0));
+        }
+    }
+    for n in 0..6 {
+        // (each ended before the next: one lease at a time)
+        rows.push(
+            plant(
+                &keys[1],
+                &providers[1],
+                Some("batch"),
+                70.0 - f64::from(n) / 3.0,
+            )
+            .replace("interval '10 minutes'", "interval '10 seconds'"),
+        );
+    }
+    sqlx::query(sqlx::AssertSqlSafe(format!(
+        "INSERT INTO lease_events (event, lease_id, key_id, provider, pool, slot, tenant,
+                                   lease_until, at)
+         VALUES {}",
+        rows.join(", ")
+    )))
+    .execute(&mut s.coordinator)
+    .await
+    .unwrap();
+    let report = verify(&s.cluster.coordinator_url(), false).await;
+    assert_eq!(report["grants_over_limit"], 1, "{report:#}");
+    assert_eq!(report["grants_over_cap"], 1, "{report:#}");
+    assert_eq!(report["grants_over_window"], 3, "{report:#}");
+    assert_eq!(report["grants_over_tenant_window"], 6, "{report:#}");
+    let over = |lines: &Value, field: &str, id: &str, count: &str| {
+        line_of(lines, field, id)[count].as_i64().unwrap()
+    };
+    assert_eq!(
+        over(
+            &report["credentials"],
+            "key_id",
+            &keys[0],
+            "grants_over_limit"
+        ),
+        1
+    );
+    assert_eq!(
+        over(
+            &report["credentials"],
+            "key_id",
+            &keys[1],
+            "grants_over_limit"
+        ),
+        0
+    );
+    assert_eq!(
+        over(&report["windows"], "key_id", &keys[1], "grants_over_window"),
+        3
+    );
+    assert_eq!(
+        over(&report["tenants"], "tenant_id", "batch", "grants_over_cap"),
+        1
+    );
+    let _ = s.coordinator.close().await;
+    s.db.close().await;
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn oauth_tokens_on_both_workers_are_refreshed_once_per_generation_and_leased() {
+    let mut options = AppOptions::default();
+    options.settings.oauth = fast_refresher();
+    let Some(mut s) = served_with(&options).await else {
+        return;
+    };
+    let providers = s.providers();
+    // one token endpoint per credential (each rotates its own refresh token); the second one
+    // down at first
+    let (first_endpoint, first_url) = mock_endpoint(ANSWERS, 3600).await;
+    let (second_endpoint, second_url) = mock_endpoint(Mode::Unavailable, 3600).await;
+    for (provider, url) in providers.iter().zip([&first_url, &second_url]) {
+        let key = format!("{provider}-oauth");
+        // a token that expires in 60 s, refreshed from 59 s before: due at once
+        let expires_at = (time::OffsetDateTime::now_utc() + time::Duration::seconds(60))
+            .format(&time::format_description::well_known::Rfc3339)
+            .unwrap();
+        let response = s.replicas[0]
+            .put_key_raw(
+                &key,
+                json!({"provider": provider, "pool": "default", "models": ["m1"],
+                       "max_concurrent_uses": 2,
+                       "secret": {"access_token": "at-0", "refresh_token": "rtok-0",
+                                  "expires_at": expires_at},
+                       "oauth": {"token_url": url, "client_id": "client-1",
+                                 "client_secret": "cs-1", "refresh_before_seconds": 59}}),
+            )
+            .await;
+        assert_eq!(response.status(), StatusCode::CREATED, "PUT {key}");
+    }
+    let generation = |provider: &str| {
+        format!("SELECT generation FROM oauth_credentials WHERE provider = '{provider}'")
+    };
+    let token_of = async |s: &Served, provider: &str| {
+        let lease = s.replicas[1]
+            .lease(json!({"provider": provider, "model": "m1", "lease_seconds": 5}))
+            .await;
+        s.replicas[1].release_ok(&lease, "success").await;
+        lease["credential"]["access_token"]
+            .as_str()
+            .unwrap()
+            .to_owned()
+    };
+
+    // the first credential's token, on its worker, refreshed by one of the two replicas' refreshers
+    // (its refresh marker, the new token and generation written there), and leased from then on
+    assert!(
+        waits_until(&mut s.coordinator, &generation(&providers[0]), 2).await,
+        "the first credential was never refreshed"
+    );
+    assert_eq!(token_of(&s, &providers[0]).await, "at-1");
+    // the second's endpoint answers 503: each failure recorded with a backoff (on the second
+    // worker), and the valid token still leased
+    let failures = format!(
+        "SELECT count(*) FROM credential_events
+         WHERE key_id = '{}-oauth' AND event = 'token_refresh_failed'",
+        providers[1]
+    );
+    assert!(
+        waits_until(&mut s.coordinator, &failures, 2).await,
+        "no failed refresh recorded"
+    );
+    assert_eq!(token_of(&s, &providers[1]).await, "at-0");
+    // back: refreshed once, then leased
+    second_endpoint.set(ANSWERS);
+    assert!(
+        waits_until(&mut s.coordinator, &generation(&providers[1]), 2).await,
+        "the second credential was never refreshed after its endpoint came back"
+    );
+    assert_eq!(token_of(&s, &providers[1]).await, "at-1");
+    // one token call per generation: nothing refreshed twice, no rotated-away token presented
+    tokio::time::sleep(std::time::Duration::from_millis(500)).await;
+    assert_eq!(first_endpoint.calls(), 1);
+    for endpoint in [&first_endpoint, &second_endpoint] {
+        assert_eq!(endpoint.issued.load(std::sync::atomic::Ordering::SeqCst), 1);
+        assert_eq!(endpoint.stale.load(std::sync::atomic::Ordering::SeqCst), 0);
+    }
+    // the provider rejected the first credential's token (a lease released `auth_expired`):
+    // refreshed at once, though not due, and the next lease carries the new token
+    let lease = s.replicas[0]
+        .lease(json!({"provider": providers[0], "model": "m1", "lease_seconds": 5}))
+        .await;
+    assert_eq!(lease["credential"]["access_token"], "at-1");
+    s.replicas[1].release_ok(&lease, "auth_expired").await;
+    assert!(
+        waits_until(&mut s.coordinator, &generation(&providers[0]), 3).await,
+        "an auth_expired report never refreshed the token"
+    );
+    assert_eq!(token_of(&s, &providers[0]).await, "at-2");
+    assert_eq!(first_endpoint.calls(), 2);
+    // the first grant revoked at its provider: due again, the refresh answers invalid_grant,
+    // and the credential is disabled on its worker (its claims refused from then on)
+    first_endpoint.set(Mode::InvalidGrant);
+    sqlx::query("UPDATE oauth_credentials SET refresh_before_seconds = 86400 WHERE provider = $1")
+        .bind(&providers[0])
+        .execute(&mut s.coordinator)
+        .await
+        .unwrap();
+    let disabled = format!(
+        "SELECT count(*) FROM credentials WHERE provider = '{}' AND status = 'disabled'",
+        providers[0]
+    );
+    assert!(
+        waits_until(&mut s.coordinator, &disabled, 1).await,
+        "invalid_grant never disabled the credential"
+    );
+    // (409 no_usable_credentials once the replica's pool view has the new status, 429
+    // pool_exhausted until then: no pool-change notification reaches it on Citus)
+    let refused = s.replicas[0]
+        .allocate(json!({"provider": providers[0], "model": "m1", "lease_seconds": 5}))
+        .await;
+    let status = refused.status();
+    let code = json_body(refused, status).await["error"]["code"].clone();
+    assert!(
+        matches!(
+            (status, code.as_str()),
+            (StatusCode::CONFLICT, Some("no_usable_credentials"))
+                | (StatusCode::TOO_MANY_REQUESTS, Some("pool_exhausted"))
+        ),
+        "{status} {code}"
+    );
+    let _ = s.coordinator.close().await;
+    s.db.close().await;
+}
+
+/// Polls `query` (one integer) on the coordinator every 50 ms until it is at least `at_least`:
+/// whether it got there within 30 s.
+async fn waits_until(coordinator: &mut PgConnection, query: &str, at_least: i64) -> bool {
+    for _ in 0..600 {
+        let value: Option<i64> = sqlx::query_scalar(sqlx::AssertSqlSafe(query))
+            .fetch_optional(&mut *coordinator)
+            .await
+            .unwrap();
+        if value.is_some_and(|v| v >= at_least) {
+            return true;
+        }
+        tokio::time::sleep(std::time::Duration::from_millis(50)).await;
+    }
+    false
+}
+
+/// `credpool audit verify --full --json` on `url`, three trail rows a chunk: its report, once it
+/// has exited as `passes` says (failing: some grant broke a rule).
+async fn verify(url: &str, passes: bool) -> Value {
+    let flags = ["--full", "--chunk-rows", "3"];
+    let ran = audit_verify_json_with(env!("CARGO_BIN_EXE_credpool"), url, &flags).await;
+    assert_eq!(
+        ran.success,
+        passes,
+        "credpool audit verify: {}",
+        ran.printed()
+    );
+    ran.report()
+}
+
+/// The line of `lines` (a report's array) whose `field` is `id`.
+fn line_of<'a>(lines: &'a Value, field: &str, id: &str) -> &'a Value {
+    lines
+        .as_array()
+        .and_then(|lines| lines.iter().find(|l| l[field] == id))
+        .unwrap_or_else(|| panic!("no line of {id} in {lines:#}"))
+}
+
+/// Makes `tenant` the one tenant waiting for `provider`'s default pool (model m1): its waiter
+/// row, of a process last seen `seen_seconds_ago` seconds ago.
+async fn waits_for(
+    coordinator: &mut PgConnection,
+    tenant: &str,
+    provider: &str,
+    seen_seconds_ago: i64,
+) {
+    sqlx::raw_sql(sqlx::AssertSqlSafe(format!(
+        "DELETE FROM pool_waiters;
+         INSERT INTO pool_waiter_processes (instance, seen_at)
+         VALUES ('elsewhere', now() - interval '{seen_seconds_ago} seconds')
+         ON CONFLICT (instance) DO UPDATE SET seen_at = EXCLUDED.seen_at;
+         INSERT INTO pool_waiters (waiter, instance, tenant, provider, pools, model, since, until)
+         VALUES (gen_random_uuid(), 'elsewhere', '{tenant}', '{provider}', '{{default}}', 'm1',
+                 now() - interval '1 second', now() + interval '1 minute');"
+    )))
+    .execute(coordinator)
+    .await
+    .unwrap();
+}
+
+/// `provider`'s live leases, counted on its slot rows.
+async fn slot_leases(coordinator: &mut PgConnection, provider: &str) -> i64 {
+    sqlx::query_scalar(
+        "SELECT count(*) FROM lease_slots
+         WHERE provider = $1 AND lease_id IS NOT NULL AND lease_until > now()",
+    )
+    .bind(provider)
+    .fetch_one(coordinator)
+    .await
+    .unwrap()
+}
+
+/// Allocates every body of `bodies` at once with tenant key `key`, spread over `replicas`: the
+/// leases granted; every other answer must be 429 `tenant_limit`. A claim that answered 429 for
+/// another reason (on a loaded machine, its tenant's rows held by the others' transactions past
+/// the service's patience for busy rows) is sent again, alone, once: it must then be granted or
+/// answer `tenant_limit`, so the count of leases is still exact.
+async fn tenant_race(replicas: &[Remote], key: &str, bodies: Vec<Value>) -> Vec<Value> {
+    let mut granted = Vec::new();
+    let answers = allocate_at_once(replicas, key, bodies.clone()).await;
+    for (answer, body) in answers.into_iter().zip(bodies) {
+        let answer = match answer.status {
+            StatusCode::TOO_MANY_REQUESTS if answer.body["error"]["code"] != "tenant_limit" => {
+                let again = replicas[0].allocate_as(key, body).await;
+                (
+                    again.status(),
+                    again.json::<Value>().await.unwrap_or_default(),
+                )
+            }
+            status => (status, answer.body),
+        };
+        match answer {
+            (StatusCode::OK, lease) => granted.push(lease),
+            (StatusCode::TOO_MANY_REQUESTS, refused) => {
+                assert_eq!(refused["error"]["code"], "tenant_limit", "{refused}")
+            }
+            (other, body) => panic!("{other}: {body}"),
+        }
+    }
+    granted
+}
+
+/// Allocates every body of `bodies` at once, spread over `replicas`: the leases granted, by
+/// provider (ascending). Any refusal but a 429 with error code `refused` panics.
+async fn granted_per_provider(
+    replicas: &[Remote],
+    bodies: Vec<Value>,
+    refused: &str,
+) -> std::collections::BTreeMap<String, Vec<Value>> {
+    let mut granted = std::collections::BTreeMap::<String, Vec<Value>>::new();
+    for answer in allocate_at_once(replicas, INTERNAL_KEY, bodies).await {
+        match answer.status {
+            StatusCode::OK => granted
+                .entry(answer.body["provider"].as_str().unwrap().to_owned())
+                .or_default()
+                .push(answer.body),
+            StatusCode::TOO_MANY_REQUESTS => {
+                assert_eq!(answer.body["error"]["code"], refused, "{}", answer.text)
+            }
+            other => panic!("{other}: {}", answer.text),
+        }
+    }
+    granted
+}
+
 /// Whether `provider`'s waiter rows come to number `count` within about ten seconds.
 async fn waiters_become(coordinator: &mut PgConnection, provider: &str, count: i64) -> bool {
     for _ in 0..100 {
@@ -793,13 +1645,41 @@ struct Served {
     _stops: [tokio::sync::oneshot::Sender<()>; 2],
 }
 
+impl Served {
+    /// The two providers: the first's rows on one worker, the second's on the other.
+    fn providers(&self) -> [String; 2] {
+        [self.first.clone(), self.second.clone()]
+    }
+
+    /// Puts a credential `{provider}-{suffix}` of `limit` slots (pool `default`, model `m1`) for
+    /// each of the two providers.
+    async fn put_keys(&self, suffix: &str, limit: u32) {
+        for provider in self.providers() {
+            self.replicas[0]
+                .put_key(
+                    &format!("{provider}-{suffix}"),
+                    &provider,
+                    "default",
+                    &["m1"],
+                    limit,
+                )
+                .await;
+        }
+    }
+}
+
 /// [`Served`]; `None` where the suite is skipped (the `skipped:` line is printed).
 async fn served() -> Option<Served> {
+    served_with(&AppOptions::default()).await
+}
+
+/// [`served`], the replicas run with `options`.
+async fn served_with(options: &AppOptions) -> Option<Served> {
     let (cluster, url, db, mut coordinator) = migrated_cluster().await?;
     let (first, second) = providers_on_different_workers(&mut coordinator).await;
     distribute(&url);
-    let (one, stop_one) = serve(db.clone(), &AppOptions::default()).await;
-    let (two, stop_two) = serve(db.clone(), &AppOptions::default()).await;
+    let (one, stop_one) = serve(db.clone(), options).await;
+    let (two, stop_two) = serve(db.clone(), options).await;
     Some(Served {
         cluster,
         db,

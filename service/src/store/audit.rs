@@ -420,26 +420,50 @@ pub struct Findings {
 
 /// What `run` has found so far (SQL table `audit_checkpoint_subjects`), with each credential's
 /// limit and each tenant's cap as they are now.
-pub async fn findings(executor: impl PgExecutor<'_>, run: &Run) -> Result<Findings, sqlx::Error> {
+pub async fn findings(conn: &mut sqlx::PgConnection, run: &Run) -> Result<Findings, sqlx::Error> {
     let rows = sqlx::query!(
         r#"
         SELECT s.proof AS "proof!", s.subject AS "subject!", s.kind AS "kind!",
                s.seconds AS "seconds!", s.window_count, s.grants AS "grants!", s.peak AS "peak!",
-               s.violations AS "violations!", s.first_violation_at,
-               CASE s.proof
-                   WHEN 'oversell' THEN (SELECT c.max_concurrent_uses FROM credentials c
-                                         WHERE c.key_id = s.subject)
-                   WHEN 'tenant_cap' THEN (SELECT t.max_concurrent_leases FROM tenants t
-                                           WHERE t.tenant_id = s.subject)
-               END AS limit_now
+               s.violations AS "violations!", s.first_violation_at
         FROM audit_checkpoint_subjects s
         WHERE s.run = $1
         ORDER BY s.proof, s.subject, s.kind, s.seconds
         "#,
         run.name(),
     )
-    .fetch_all(executor)
+    .fetch_all(&mut *conn)
     .await?;
+    // the limits now, read apart: on Citus the subjects' rows stay on the coordinator and the
+    // credentials are on the workers, which one statement cannot join
+    let subjects = |proof: &str| -> Vec<String> {
+        rows.iter()
+            .filter(|r| r.proof == proof)
+            .map(|r| r.subject.clone())
+            .collect()
+    };
+    let limits: std::collections::HashMap<(bool, String), Option<i32>> = sqlx::query!(
+        r#"
+        SELECT true AS "credential!", c.key_id AS "subject!", c.max_concurrent_uses AS "limit_now"
+        FROM credentials c WHERE c.key_id = ANY ($1)
+        UNION ALL
+        SELECT false, t.tenant_id, t.max_concurrent_leases
+        FROM tenants t WHERE t.tenant_id = ANY ($2)
+        "#,
+        &subjects("oversell"),
+        &subjects("tenant_cap"),
+    )
+    .fetch_all(&mut *conn)
+    .await?
+    .into_iter()
+    .map(|l| ((l.credential, l.subject), l.limit_now))
+    .collect();
+    let limit_now = |credential: bool, subject: &str| {
+        limits
+            .get(&(credential, subject.to_owned()))
+            .copied()
+            .flatten()
+    };
     let mut found = Findings::default();
     for r in rows {
         let window = |subject| WindowRow {
@@ -454,8 +478,8 @@ pub async fn findings(executor: impl PgExecutor<'_>, run: &Run) -> Result<Findin
         };
         match r.proof.as_str() {
             "oversell" => found.credentials.push(OversellRow {
+                max_concurrent_uses: limit_now(true, &r.subject),
                 key_id: r.subject.clone(),
-                max_concurrent_uses: r.limit_now,
                 leases: r.grants,
                 peak: r.peak,
                 grants_over_limit: r.violations,
@@ -465,8 +489,8 @@ pub async fn findings(executor: impl PgExecutor<'_>, run: &Run) -> Result<Findin
                 .windows
                 .push(window(WindowSubject::KeyId(r.subject.clone()))),
             "tenant_cap" => found.tenants.push(TenantCapRow {
+                max_concurrent_leases: limit_now(false, &r.subject),
                 tenant_id: r.subject.clone(),
-                max_concurrent_leases: r.limit_now,
                 leases: r.grants,
                 peak: r.peak,
                 grants_over_cap: r.violations,

@@ -1,8 +1,9 @@
 //! Distributing a credpool database on a Citus coordinator (`credpool citus distribute`): the
 //! plan of docs/src/citus.md ("The distribution") carried out on a migrated database, empty or
-//! not. Every lease row is distributed by its provider and co-located with its credential, the
-//! tenant rows are reference tables (a copy on every node: a tenant's cap spans providers), and
-//! the operator's bookkeeping stays on the coordinator.
+//! not. Every lease row is distributed by its provider and co-located with its credential, a
+//! tenant's slot and window rows by the tenant, the other tenant rows are reference tables (a copy
+//! on every node: read on every claim, written by operators), and the operator's bookkeeping stays
+//! on the coordinator.
 //!
 //! Idempotent: a table Citus already knows is left as it is, so a second run (or a run after a
 //! partial one) does only what is missing. Refuses, changing nothing, where the database has no
@@ -28,14 +29,19 @@ pub const DISTRIBUTED: [&str; 10] = [
 ];
 
 /// The reference tables (a copy on every node), `tenants` first (the others point to it).
-pub const REFERENCE: [&str; 6] = [
+pub const REFERENCE: [&str; 4] = [
     "tenants",
     "tenant_keys",
-    "tenant_slots",
-    "tenant_windows",
     "tenant_events",
     "pool_waiter_processes",
 ];
+
+/// The tables distributed by `tenant_id`, co-located with each other (not with the credentials):
+/// a tenant's cap and windows span providers, and a claim locks its tenant's rows on the
+/// tenant's worker. Reference rows would do, but Citus serializes every row lock on a reference
+/// table cluster-wide, and concurrent capped claims of providers on two workers deadlocked
+/// (docs/src/citus.md, "Tenant slots cannot stay reference rows").
+pub const BY_TENANT: [&str; 2] = ["tenant_slots", "tenant_windows"];
 
 /// The keys Citus needs the distribution column in, as credpool writes them on plain PostgreSQL
 /// (`table`, `constraint`, `columns` with `provider`): each is replaced under its own name, so
@@ -244,9 +250,26 @@ pub async fn distribute(db: &Db, shard_count: Option<u32>) -> Result<Distributio
             done.reference.push(table.to_owned());
         }
     }
+    for table in BY_TENANT {
+        if !placed.iter().any(|p| p == table) {
+            let colocate = if table == BY_TENANT[0] {
+                "none"
+            } else {
+                BY_TENANT[0]
+            };
+            run(
+                &mut tx,
+                format!(
+                    "SELECT create_distributed_table('{table}', 'tenant_id', colocate_with := '{colocate}')"
+                ),
+            )
+            .await?;
+            done.distributed.push(table.to_owned());
+        }
+    }
     done.per_call_plans = super::schema::adapt_to_citus(&mut tx).await?;
-    // The coordinator keeps its copy of a reference table as a shard (`tenant_slots_102040`), and
-    // a function of the table's row type now takes the shard's: drop those and apply the SQL
+    // The coordinator keeps its copy of a reference table as a shard (`tenants_102040`), and a
+    // function of the table's row type then takes the shard's: drop those and apply the SQL
     // files again, which define them on the table's type.
     let stale: Vec<String> = sqlx::query_scalar(
         "SELECT DISTINCT p.oid::regprocedure::text

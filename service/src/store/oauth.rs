@@ -29,6 +29,9 @@ const DUE_PER_PASS: i64 = 32;
 /// A refresh this process took: the generation it replaces and what the call needs.
 #[derive(Debug)]
 pub struct RefreshTaken {
+    /// The credential's provider (every statement of the refresh names it: on Citus it runs on
+    /// the provider's worker).
+    pub provider: ProviderName,
     /// The generation of the access token being replaced.
     pub generation: i64,
     /// When the refresh was taken (database clock): the new token's lifetime counts from here,
@@ -66,12 +69,12 @@ pub enum Failure {
 
 /// The OAuth credentials whose access token is within its `refresh_before_seconds` of expiring
 /// (database clock), not disabled, not in backoff and not being refreshed, soonest first, with
-/// the generation each was seen at (at most 32).
-pub async fn due(db: &Db) -> Result<Vec<(KeyId, i64)>, sqlx::Error> {
+/// its provider and the generation each was seen at (at most 32).
+pub async fn due(db: &Db) -> Result<Vec<(KeyId, ProviderName, i64)>, sqlx::Error> {
     let mut work = db.work().await?;
     let rows = sqlx::query!(
         r#"
-        SELECT o.key_id, o.generation
+        SELECT o.key_id, o.provider, o.generation
         FROM oauth_credentials o
         JOIN credentials c ON c.key_id = o.key_id AND c.provider = o.provider
         WHERE c.status <> 'disabled'
@@ -88,15 +91,30 @@ pub async fn due(db: &Db) -> Result<Vec<(KeyId, i64)>, sqlx::Error> {
     work.done().await?;
     Ok(rows
         .into_iter()
-        .filter_map(|r| KeyId::parse(r.key_id).ok().map(|k| (k, r.generation)))
+        .filter_map(|r| {
+            let provider = ProviderName::parse(r.provider).ok()?;
+            KeyId::parse(r.key_id)
+                .ok()
+                .map(|k| (k, provider, r.generation))
+        })
         .collect())
 }
 
-/// Takes the refresh of `key_id`'s token of `generation` for `holder`, for `claim_for`: `None`
-/// when the generation moved, another writer's marker is live, or the credential is in backoff.
+/// Takes the refresh of `key_id`'s (of `provider`) token of `generation` for `holder`, for
+/// `claim_for`: `None` when the generation moved, another writer's marker is live, or the
+/// credential is in backoff.
+///
+/// The refresh's statements date what they write at their own start (`statement_timestamp()`,
+/// after the locks of the statements before them): Citus takes no volatile function such as
+/// `clock_timestamp()` in an `UPDATE` of a distributed table. A marker's end compared at the
+/// statement's start is compared earlier than after its row lock, which only ever finds a live
+/// marker live. The marker written ends `claim_for` after that start, so a take that waited for
+/// the row's lock returns a marker with less left, or lapsed already: the caller measures the
+/// take from when it sent it, and keeps the marker ([`keep_refresh`]) before it relies on it.
 pub async fn take_refresh(
     db: &Db,
     key_id: &KeyId,
+    provider: &ProviderName,
     generation: i64,
     holder: Uuid,
     claim_for: Duration,
@@ -106,24 +124,28 @@ pub async fn take_refresh(
         r#"
         UPDATE oauth_credentials o
         SET refreshing_holder = $3,
-            refreshing_until = clock_timestamp() + make_interval(secs => $4)
-        WHERE o.key_id = $1 AND o.generation = $2
-          AND (o.refreshing_until IS NULL OR o.refreshing_until <= clock_timestamp())
-          AND o.next_attempt_at <= clock_timestamp()
-        RETURNING o.generation, clock_timestamp() AS "started_at!", o.token_url, o.client_id,
-                  o.scope, o.refresh_ciphertext, o.failed_attempts
+            refreshing_until = statement_timestamp() + make_interval(secs => $4)
+        WHERE o.provider = $5 AND o.key_id = $1 AND o.generation = $2
+          AND (o.refreshing_until IS NULL OR o.refreshing_until <= statement_timestamp())
+          AND o.next_attempt_at <= statement_timestamp()
+        RETURNING o.generation, o.refreshing_until AS "refreshing_until!", o.token_url,
+                  o.client_id, o.scope, o.refresh_ciphertext, o.failed_attempts
         "#,
         key_id.as_str(),
         generation,
         holder,
         claim_for.as_secs_f64(),
+        provider.as_str(),
     )
     .fetch_optional(&mut *work)
     .await?;
     work.done().await?;
     Ok(taken.map(|r| RefreshTaken {
+        provider: provider.clone(),
         generation: r.generation,
-        started_at: r.started_at,
+        // the statement's start, from the marker's end (Citus takes no function but an
+        // immutable one in RETURNING)
+        started_at: r.refreshing_until - claim_for,
         token_url: r.token_url,
         client_id: r.client_id,
         scope: r.scope,
@@ -139,6 +161,7 @@ pub async fn take_refresh(
 pub async fn keep_refresh(
     db: &Db,
     key_id: &KeyId,
+    provider: &ProviderName,
     generation: i64,
     holder: Uuid,
     claim_for: Duration,
@@ -147,14 +170,15 @@ pub async fn keep_refresh(
     let kept = sqlx::query!(
         r#"
         UPDATE oauth_credentials
-        SET refreshing_until = clock_timestamp() + make_interval(secs => $4)
-        WHERE key_id = $1 AND generation = $2 AND refreshing_holder = $3
-          AND refreshing_until > clock_timestamp()
+        SET refreshing_until = statement_timestamp() + make_interval(secs => $4)
+        WHERE provider = $5 AND key_id = $1 AND generation = $2 AND refreshing_holder = $3
+          AND refreshing_until > statement_timestamp()
         "#,
         key_id.as_str(),
         generation,
         holder,
         claim_for.as_secs_f64(),
+        provider.as_str(),
     )
     .execute(&mut *work)
     .await?
@@ -173,8 +197,10 @@ async fn still_ours(
 ) -> Result<bool, sqlx::Error> {
     credentials::lock_credential(conn, key_id).await?;
     let row = sqlx::query!(
-        "SELECT generation, refreshing_holder FROM oauth_credentials WHERE key_id = $1 FOR UPDATE",
+        "SELECT generation, refreshing_holder FROM oauth_credentials
+         WHERE provider = $2 AND key_id = $1 FOR UPDATE",
         key_id.as_str(),
+        taken.provider.as_str(),
     )
     .fetch_optional(&mut *conn)
     .await?;
@@ -212,11 +238,12 @@ pub async fn write_token(
         r#"
         UPDATE credentials
         SET secret = NULL, secret_ciphertext = $2, token_expires_at = $3, updated_at = now()
-        WHERE key_id = $1
+        WHERE provider = $4 AND key_id = $1
         "#,
         key_id.as_str(),
         sealed_secret,
         expires_at,
+        taken.provider.as_str(),
     )
     .execute(&mut *tx)
     .await?;
@@ -224,13 +251,14 @@ pub async fn write_token(
         r#"
         UPDATE oauth_credentials
         SET refresh_ciphertext = $2, generation = generation + 1,
-            generation_at = clock_timestamp(), refreshing_holder = NULL,
+            generation_at = statement_timestamp(), refreshing_holder = NULL,
             refreshing_until = NULL, failed_attempts = 0, next_attempt_at = '-infinity',
-            last_error = NULL, refreshed_at = clock_timestamp()
-        WHERE key_id = $1
+            last_error = NULL, refreshed_at = statement_timestamp()
+        WHERE provider = $3 AND key_id = $1
         "#,
         key_id.as_str(),
         sealed_grant,
+        taken.provider.as_str(),
     )
     .execute(&mut *tx)
     .await?;
@@ -268,8 +296,9 @@ pub async fn write_failure(
             return Ok(());
         }
         let old_status = sqlx::query_scalar!(
-            "SELECT status FROM credentials WHERE key_id = $1",
-            key_id.as_str()
+            "SELECT status FROM credentials WHERE provider = $2 AND key_id = $1",
+            key_id.as_str(),
+            taken.provider.as_str()
         )
         .fetch_one(&mut *tx)
         .await?;
@@ -277,10 +306,11 @@ pub async fn write_failure(
             r#"
             UPDATE credentials
             SET status = 'disabled', status_reason = $2, cooldown_until = NULL, updated_at = now()
-            WHERE key_id = $1
+            WHERE provider = $3 AND key_id = $1
             "#,
             key_id.as_str(),
             error,
+            taken.provider.as_str(),
         )
         .execute(&mut *tx)
         .await?;
@@ -295,20 +325,28 @@ pub async fn write_failure(
         )
         .await?;
     }
+    // the next attempt, read first: Citus takes no function but an immutable one in a CASE of
+    // an UPDATE (NULL: no retry, the attempt time stays)
+    let next_attempt_at = sqlx::query_scalar!(
+        "SELECT statement_timestamp() + make_interval(secs => $1::float8)",
+        retry_after,
+    )
+    .fetch_one(&mut *tx)
+    .await?;
     let recorded = sqlx::query!(
         r#"
         UPDATE oauth_credentials
         SET refreshing_holder = NULL, refreshing_until = NULL,
             failed_attempts = failed_attempts + 1, last_error = $4,
-            next_attempt_at = CASE WHEN $5::float8 IS NULL THEN next_attempt_at
-                                   ELSE clock_timestamp() + make_interval(secs => $5) END
-        WHERE key_id = $1 AND generation = $2 AND refreshing_holder = $3
+            next_attempt_at = coalesce($5, next_attempt_at)
+        WHERE provider = $6 AND key_id = $1 AND generation = $2 AND refreshing_holder = $3
         "#,
         key_id.as_str(),
         taken.generation,
         holder,
         error,
-        retry_after,
+        next_attempt_at,
+        taken.provider.as_str(),
     )
     .execute(&mut *tx)
     .await?

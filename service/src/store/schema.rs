@@ -228,12 +228,20 @@ async fn plan_per_call(conn: &mut PgConnection) -> Result<i64, sqlx::Error> {
 /// statements put on every table they read by key, as `row_provider = provider`: on Citus that
 /// equality is what routes a statement to the provider's worker. The SQL files define it as
 /// `true` (on plain PostgreSQL the rows are reached by key, and a provider predicate only
-/// misleads the planner).
+/// misleads the planner). Likewise `credpool_on_tenant(row_tenant, tenant)`, for the tenant
+/// rows distributed by tenant (`tenant_slots`, `tenant_windows`).
 async fn route_by_provider(conn: &mut PgConnection) -> Result<(), sqlx::Error> {
     sqlx::raw_sql(
         "CREATE OR REPLACE FUNCTION credpool_on_provider(p_row_provider text, p_provider text)
          RETURNS boolean
          LANGUAGE sql IMMUTABLE PARALLEL SAFE AS $$ SELECT p_row_provider = p_provider $$",
+    )
+    .execute(&mut *conn)
+    .await?;
+    sqlx::raw_sql(
+        "CREATE OR REPLACE FUNCTION credpool_on_tenant(p_row_tenant text, p_tenant text)
+         RETURNS boolean
+         LANGUAGE sql IMMUTABLE PARALLEL SAFE AS $$ SELECT p_row_tenant = p_tenant $$",
     )
     .execute(conn)
     .await?;

@@ -116,12 +116,14 @@ pub async fn upsert(
     let created = sqlx::query_scalar!(
         r#"
         INSERT INTO tenants AS t (tenant_id, max_concurrent_leases, weight, rate_limits, pools,
-                                  reports_may_disable)
-        VALUES ($1, $2, $3, $4, $5, $6)
+                                  reports_may_disable, updated_at)
+        VALUES ($1, $2, $3, $4, $5, $6, clock_timestamp())
         ON CONFLICT ON CONSTRAINT tenants_pkey DO UPDATE
         SET max_concurrent_leases = EXCLUDED.max_concurrent_leases, weight = EXCLUDED.weight,
             rate_limits = EXCLUDED.rate_limits, pools = EXCLUDED.pools,
-            reports_may_disable = EXCLUDED.reports_may_disable, updated_at = clock_timestamp()
+            reports_may_disable = EXCLUDED.reports_may_disable,
+            -- the time the VALUES read: Citus takes no volatile function in DO UPDATE SET
+            updated_at = EXCLUDED.updated_at
         RETURNING (xmax = 0) AS "created!"
         "#,
         spec.tenant_id.as_str(),
@@ -291,6 +293,13 @@ pub async fn delete(
         return Ok(Err(DeleteRefused::Default));
     }
     let mut tx = db.begin().await?;
+    // On Citus the leases in flight are read from every worker, over several connections per
+    // worker, and the tenant's row then deleted with its rows on the workers (a foreign key to a
+    // reference table), which Citus does only over one connection per worker in a transaction
+    // that has used no other: read sequentially. (On plain PostgreSQL a setting nothing reads.)
+    sqlx::query("SET LOCAL citus.multi_shard_modify_mode TO 'sequential'")
+        .execute(&mut *tx)
+        .await?;
     lock_tenant(&mut *tx, tenant).await?;
     let found = sqlx::query_scalar!(
         r#"SELECT EXISTS (SELECT 1 FROM tenants WHERE tenant_id = $1 FOR UPDATE) AS "found!""#,
@@ -374,7 +383,8 @@ pub async fn revoke_key(
     let mut tx = db.begin().await?;
     let revoked = sqlx::query!(
         r#"
-        UPDATE tenant_keys SET revoked_at = clock_timestamp()
+        -- (the statement's start: Citus takes no volatile function in an UPDATE of its tables)
+        UPDATE tenant_keys SET revoked_at = statement_timestamp()
         WHERE key_id = $1 AND tenant_id = $2 AND revoked_at IS NULL
         "#,
         key_id,

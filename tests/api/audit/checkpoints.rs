@@ -218,7 +218,7 @@ async fn the_next_incremental_run_reads_only_the_new_rows_and_finds_an_oversell_
     let before = trail_tuples_read(&mut tx).await;
     let proven = advance_all(&mut tx, &Run::Continuous, 200_000).await;
     let read = trail_tuples_read(&mut tx).await - before;
-    let found = audit::findings(&mut *tx, &Run::Continuous).await.unwrap();
+    let found = audit::findings(&mut tx, &Run::Continuous).await.unwrap();
     tx.commit().await.unwrap();
     assert_eq!(proven, 1_005, "the new rows");
     // the chunk's end is found on the index, and each concurrency proof reads the new rows
