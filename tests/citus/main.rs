@@ -873,8 +873,7 @@ async fn rate_windows_and_token_usage_hold_exactly_on_each_providers_worker() {
         expected.push((provider.clone(), "tokens".to_owned(), 1000));
     }
     assert_eq!(used, expected);
-    let _ = s.coordinator.close().await;
-    s.db.close().await;
+    s.close().await;
 }
 
 #[tokio::test(flavor = "multi_thread")]
@@ -1006,8 +1005,7 @@ async fn a_tenant_capped_with_leases_on_both_workers_adopts_them_and_is_held_to_
             .await
             .unwrap();
     assert_eq!(rows, 0);
-    let _ = s.coordinator.close().await;
-    s.db.close().await;
+    s.close().await;
 }
 
 #[tokio::test(flavor = "multi_thread")]
@@ -1072,8 +1070,7 @@ async fn a_tenants_cap_holds_exactly_over_providers_on_two_workers() {
             s.replicas[0].release_as_ok(&web, lease).await;
         }
     }
-    let _ = s.coordinator.close().await;
-    s.db.close().await;
+    s.close().await;
 }
 
 #[tokio::test(flavor = "multi_thread")]
@@ -1114,8 +1111,7 @@ async fn a_tenants_token_window_holds_over_providers_on_two_workers() {
     .await
     .unwrap();
     assert_eq!(charged, 1000);
-    let _ = s.coordinator.close().await;
-    s.db.close().await;
+    s.close().await;
 }
 
 #[tokio::test(flavor = "multi_thread")]
@@ -1166,8 +1162,7 @@ async fn a_waiting_claim_yields_to_a_tenant_below_its_share_on_each_providers_wo
         assert_eq!(lease["tenant"], "default");
         s.replicas[1].release_ok(&lease, "success").await;
     }
-    let _ = s.coordinator.close().await;
-    s.db.close().await;
+    s.close().await;
 }
 
 #[tokio::test(flavor = "multi_thread")]
@@ -1347,8 +1342,7 @@ async fn audit_verify_judges_every_grant_of_both_workers_and_finds_each_rules_br
         over(&report["tenants"], "tenant_id", "batch", "grants_over_cap"),
         1
     );
-    let _ = s.coordinator.close().await;
-    s.db.close().await;
+    s.close().await;
 }
 
 #[tokio::test(flavor = "multi_thread")]
@@ -1473,8 +1467,7 @@ async fn oauth_tokens_on_both_workers_are_refreshed_once_per_generation_and_leas
         ),
         "{status} {code}"
     );
-    let _ = s.coordinator.close().await;
-    s.db.close().await;
+    s.close().await;
 }
 
 /// Polls `query` (one integer) on the coordinator every 50 ms until it is at least `at_least`:
@@ -1646,6 +1639,15 @@ struct Served {
 }
 
 impl Served {
+    /// Closes the test's coordinator connection and pool (the replicas stop when this drops).
+    async fn close(self) {
+        let Served {
+            db, coordinator, ..
+        } = self;
+        let _ = coordinator.close().await;
+        db.close().await;
+    }
+
     /// The two providers: the first's rows on one worker, the second's on the other.
     fn providers(&self) -> [String; 2] {
         [self.first.clone(), self.second.clone()]
