@@ -114,6 +114,11 @@ impl TestApp {
     /// at the test hooks `points` (comma-separated) while they are closed ([`Hook`]): for a
     /// window inside a transaction the service itself runs.
     pub async fn spawn_with_hooks(points: &str) -> Self {
+        Self::spawn_with_hooks_and(points, AppOptions::default()).await
+    }
+
+    /// [`TestApp::spawn_with_hooks`] with `options`.
+    pub async fn spawn_with_hooks_and(points: &str, options: AppOptions) -> Self {
         let database = TestDatabase::create().await;
         sqlx::query(sqlx::AssertSqlSafe(format!(
             "ALTER DATABASE \"{}\" SET credpool.test_hooks = '{points}'",
@@ -122,7 +127,7 @@ impl TestApp {
         .execute(&database.pool(1).await)
         .await
         .unwrap();
-        Self::spawn_on(database, AppOptions::default()).await
+        Self::spawn_on(database, options).await
     }
 }
 

@@ -1,10 +1,16 @@
-//! The incremental read of a pool (what changed since a read, by that read's snapshot xmin),
-//! against a real PostgreSQL: a change whose transaction was still open when a read ran is not
-//! in that read, and the next read of the changes since it has it, departures included.
+//! What a process's candidate view of a pool knows, against a real PostgreSQL. The incremental
+//! read of a pool (what changed since a read, by that read's snapshot xmin): a change whose
+//! transaction was still open when a read ran is not in that read, and the next read of the
+//! changes since it has it, departures included. And a view that may count a lease already
+//! ended answers no 429 before it reads the pool whole.
+
+use std::time::Duration;
 
 use credpool::domain::{PoolName, ProviderName};
 use credpool::store::candidates::load_pool;
 use credpool_test_support::*;
+use reqwest::StatusCode;
+use serde_json::json;
 use sqlx::Connection;
 
 #[tokio::test]
@@ -100,4 +106,92 @@ async fn deletes_in_one_pool_never_wait_for_each_others_departures() {
         ["key-a", "key-b"],
         "the old departure is dropped once"
     );
+}
+
+/// A release whose answer was lost is made again and answered "not released" (here the caller's
+/// request timed out while the release waited in the database, which committed it after; in a
+/// failover, the connection went before the answer came). The process's view still counts that
+/// lease, and a 429 answered from it would say "every slot is busy" with the slot free: the view
+/// is in doubt and the pool is read whole before any 429. (With `--claim-attempts 0` a 429 comes
+/// from the view alone; at the default of 1 the same happens whenever the free credential is not
+/// in the claim's batch: CI saw it in the planned switchover of tests/reliability/failover.rs,
+/// 16 credentials of 4 slots and 52 executors.)
+#[tokio::test]
+async fn a_release_made_again_after_its_answer_was_lost_leaves_no_429_with_the_slot_free() {
+    let mut options = AppOptions::default();
+    options.settings.claims.attempts = 0;
+    options.settings.request_timeout = Duration::from_secs(2);
+    let app = TestApp::spawn_with_hooks_and("release.locked", options).await;
+    app.put_gpt4o_key("key-a", "default", 1).await;
+    let gpt4o = json!({"provider": "openai", "model": "gpt-4o"});
+    let lease = app.lease(gpt4o.clone()).await;
+
+    // the release waits in the database past the request timeout: 503, and it commits later
+    let hook = Hook::close(&app, "release.locked").await;
+    let response = app.release(release_body(&lease, "success")).await;
+    assert_error(
+        response,
+        StatusCode::SERVICE_UNAVAILABLE,
+        "store_unavailable",
+    )
+    .await;
+    // the pool read whole while the release still holds the slot (a 409 is answered only after
+    // one): the view counts the lease, rightly so far
+    let response = app
+        .allocate(json!({"provider": "openai", "model": "gpt-4o-mini"}))
+        .await;
+    assert_error(response, StatusCode::CONFLICT, "model_not_supported").await;
+    hook.open().await;
+    while app.in_flight("key-a").await > 0 {
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+
+    // made again: the lease is gone
+    let body = json_body(
+        app.release(release_body(&lease, "success")).await,
+        StatusCode::OK,
+    )
+    .await;
+    assert_eq!(body["released"], false, "{body}");
+    // the slot is free, and the next allocation gets it
+    let response = app.allocate(gpt4o).await;
+    let body = json_body(response, StatusCode::OK).await;
+    assert_eq!(body["key_id"], "key-a", "{body}");
+}
+
+/// A read of what changed in a pool brings only the credentials whose configuration or health
+/// moved: the occupancy of the others is as old as the last whole read. A release through
+/// another replica is not told to this one; a 429 is only answered from occupancy read whole in
+/// the last second, and a read of changes since does not make it younger.
+#[tokio::test]
+async fn a_read_of_changes_does_not_make_old_occupancy_young_enough_for_a_429() {
+    let mut options = AppOptions::default();
+    options.settings.claims.attempts = 0;
+    // no periodic whole read during the test
+    options.settings.view_refresh = Duration::from_secs(600);
+    let app = TestApp::spawn_with(options).await;
+    let (other, _stop) = app.replica(4).await;
+    let replica = Remote::new(&app.client, &format!("http://{other}"));
+    app.put_gpt4o_key("key-a", "default", 1).await;
+    app.put_key("key-c", "openai", "default", &["gpt-4o-mini"], 1)
+        .await;
+    let gpt4o = json!({"provider": "openai", "model": "gpt-4o"});
+    // the pool read whole here, then key-a's lease released through the other replica
+    let lease = app.lease(gpt4o.clone()).await;
+    replica.release_ok(&lease, "success").await;
+    tokio::time::sleep(Duration::from_millis(1_100)).await;
+
+    // the pool's version moves (a credential joins), and a grant on key-c brings this replica
+    // the changes: key-c and key-o, not key-a
+    app.put_key("key-o", "openai", "default", &["o1"], 1).await;
+    let mini = app
+        .lease(json!({"provider": "openai", "model": "gpt-4o-mini"}))
+        .await;
+    assert_eq!(mini["key_id"], "key-c");
+    // (the read of the changes runs in the background after a grant)
+    tokio::time::sleep(Duration::from_millis(300)).await;
+
+    // key-a is free, and the next allocation gets it
+    let body = json_body(app.allocate(gpt4o).await, StatusCode::OK).await;
+    assert_eq!(body["key_id"], "key-a", "{body}");
 }

@@ -19,11 +19,13 @@ const MAX_BATCH: usize = 1024;
 /// a request does even while other replicas keep changing the pool under it.
 const MAX_CLAIMS_PER_POOL: usize = 16;
 
-/// The oldest view a 429 may be answered from without reading the pool again. A view misses
-/// what it was not told: leases that ran out (an executor that could not renew during an outage
-/// reports its release as "not released"), renewals, other replicas' releases. Answering "every
-/// slot is busy" from such a view would be a 429 while slots are free; reading the pool first
-/// costs at most one read of a busy pool per second and process (concurrent callers share it).
+/// The oldest view a 429 may be answered from without reading the pool again, counted from its
+/// latest whole read (a read of changes refreshes only the credentials that changed). A view
+/// misses what it was not told: leases that ran out, renewals, other replicas' releases, a
+/// release of this process whose answer was lost. Answering "every slot is busy" from such a view
+/// would be a 429 while slots are free; reading the pool first costs at most one read of a busy
+/// pool per second and process (concurrent callers share it). A view known to count a lease that
+/// had ended (a release answered "not released") is read first whatever its age.
 const MAX_VIEW_AGE_FOR_429: Duration = Duration::from_secs(1);
 
 /// One request's attempt at one pool: what it has tried and learnt so far, and the rule for what
@@ -32,9 +34,13 @@ const MAX_VIEW_AGE_FOR_429: Duration = Duration::from_secs(1);
 pub(super) struct PoolAttempt {
     /// Candidates a claim was made on without a grant: full, for the rest of this attempt.
     pub(super) tried: HashSet<KeyId>,
-    /// Whether the view was read from the database during this attempt (a 404 or 409 is only
-    /// answered from a fresh view).
+    /// Whether the view was read from the database during this attempt, whole or its changes (a
+    /// 404 or 409 is only answered from a fresh view).
     fresh: bool,
+    /// Whether the whole pool was read during this attempt: its occupancy confirmed, so a 429 may
+    /// be answered from it whatever happened before (a read of changes brings only the
+    /// credentials whose configuration or health moved).
+    counted: bool,
     /// Claims made while the view showed no free candidate (bounded by `ClaimSettings::attempts`).
     attempts: usize,
     /// Candidates the next ranking takes: the configured batch, doubled after each miss up to
@@ -55,10 +61,11 @@ pub(super) enum Step {
     /// Read the pool from the database and judge again: the verdict is a 404 or 409, and the view
     /// it came from may be stale.
     Reload,
-    /// Read the pool unless the view has been read since, and judge again: the answer would be a
-    /// 429, and the view may be behind: it is older than [`MAX_VIEW_AGE_FOR_429`], or it
-    /// expected a lease to have ended by now (a renewal moved that end, or the lease ran out;
-    /// neither reaches the view), so its "full" and its Retry-After may both be wrong.
+    /// Read the whole pool unless the view has been read whole since, and judge again: the answer
+    /// would be a 429, and the view may be behind: its occupancy is older than
+    /// [`MAX_VIEW_AGE_FOR_429`] or in doubt, or it expected a lease to have ended by now (a
+    /// renewal moved that end, or the lease ran out; neither reaches the view), so its "full"
+    /// and its Retry-After may both be wrong.
     CatchUp,
     /// Answer with this verdict (after [`PoolAttempt::date_database_frees`], which dates it when a claim said
     /// when a candidate frees).
@@ -76,6 +83,7 @@ impl PoolAttempt {
         Self {
             tried: HashSet::new(),
             fresh: false,
+            counted: false,
             attempts: 0,
             batch_size: claims.batch.max(1),
             claims: 0,
@@ -84,16 +92,18 @@ impl PoolAttempt {
         }
     }
 
-    /// The next step for `verdict`, judged from a view read from the database `age` ago (just
-    /// now, by this ranking, when `loaded`).
+    /// The next step for `verdict`, judged from a view whose occupancy was read whole from the
+    /// database `age` ago (just now, by this ranking, when `loaded`; `None` when its counts are
+    /// in doubt: [`super::candidates::PoolView::counted_at`]).
     pub(super) fn decide(
         &mut self,
         verdict: PoolVerdict,
         loaded: bool,
-        age: Duration,
+        age: Option<Duration>,
         settings: &ClaimSettings,
     ) -> Step {
         self.fresh |= loaded;
+        self.counted |= loaded;
         if verdict.conclusive_without_claim() {
             // never answer 404/409 from a stale view
             return if self.fresh {
@@ -132,11 +142,11 @@ impl PoolAttempt {
                 || (!free_seen && self.attempts >= settings.attempts)
                 || self.claims > MAX_CLAIMS_PER_POOL)
         {
-            // A 429 only from a view the database confirmed: read during this attempt, or recently
-            // and not known to be behind. (A claim's word on its batch does not vouch for the rest
-            // of the view.)
+            // A 429 only from a view the database confirmed: read whole during this attempt, or
+            // recently and not known to be behind or in doubt. (A claim's word on its batch does
+            // not vouch for the rest of the view.)
             let behind = frees_at.is_some_and(|(at, now)| at <= now);
-            if !self.fresh && (behind || age > MAX_VIEW_AGE_FOR_429) {
+            if !self.counted && (behind || age.is_none_or(|age| age > MAX_VIEW_AGE_FOR_429)) {
                 return Step::CatchUp;
             }
             return Step::Answer(PoolVerdict::Try {
@@ -152,8 +162,15 @@ impl PoolAttempt {
         Step::Claim { batch, free_seen }
     }
 
-    /// The view was read from the database.
+    /// The whole pool was read from the database.
     pub(super) fn reloaded(&mut self) {
+        self.fresh = true;
+        self.counted = true;
+    }
+
+    /// What changed in the pool since the view's read was read from the database: its
+    /// membership is fresh, the occupancy of the credentials that did not change is not.
+    pub(super) fn changes_read(&mut self) {
         self.fresh = true;
     }
 
@@ -196,7 +213,7 @@ mod tests {
     }
 
     /// The age of a view just read.
-    const YOUNG: std::time::Duration = std::time::Duration::ZERO;
+    const YOUNG: Option<std::time::Duration> = Some(std::time::Duration::ZERO);
 
     fn keys(ids: &[&str]) -> Vec<KeyId> {
         ids.iter().map(|id| KeyId::parse(*id).unwrap()).collect()
@@ -385,7 +402,7 @@ mod tests {
     fn a_429_from_a_view_older_than_a_second_reads_the_pool_once_before_answering() {
         let settings = settings(1);
         let later = Some((now() + Duration::seconds(20), now()));
-        let old = MAX_VIEW_AGE_FOR_429 + std::time::Duration::from_millis(1);
+        let old = Some(MAX_VIEW_AGE_FOR_429 + std::time::Duration::from_millis(1));
         let mut attempt = PoolAttempt::new(&settings, None);
         let (batch, _) =
             claimed(attempt.decide(try_verdict(&["key-a"], false, later), false, old, &settings));
@@ -406,17 +423,60 @@ mod tests {
         let (batch, _) = claimed(attempt.decide(
             try_verdict(&["key-a"], false, later),
             false,
-            MAX_VIEW_AGE_FOR_429,
+            Some(MAX_VIEW_AGE_FOR_429),
             &settings,
         ));
         attempt.missed(&batch, None, None);
         let step = attempt.decide(
             try_verdict(&["key-b"], false, later),
             false,
-            MAX_VIEW_AGE_FOR_429,
+            Some(MAX_VIEW_AGE_FOR_429),
             &settings,
         );
         assert_answers_try(&step);
+    }
+
+    #[test]
+    fn a_429_from_a_view_whose_counts_are_in_doubt_reads_the_pool_whole_first_whatever_its_age() {
+        let settings = settings(0);
+        let later = Some((now() + Duration::seconds(20), now()));
+        let mut attempt = PoolAttempt::new(&settings, None);
+        let step = attempt.decide(
+            try_verdict(&["key-a"], false, later),
+            false,
+            None,
+            &settings,
+        );
+        assert!(matches!(step, Step::CatchUp), "{step:?}");
+        // a read of the changes only brings the credentials that changed: still no 429 from it
+        attempt.changes_read();
+        let step = attempt.decide(
+            try_verdict(&["key-a"], false, later),
+            false,
+            None,
+            &settings,
+        );
+        assert!(matches!(step, Step::CatchUp), "{step:?}");
+        attempt.reloaded();
+        let step = attempt.decide(
+            try_verdict(&["key-a"], false, later),
+            false,
+            None,
+            &settings,
+        );
+        assert_answers_try(&step);
+    }
+
+    #[test]
+    fn a_read_of_changes_makes_a_404_answerable() {
+        let settings = settings(1);
+        let mut attempt = PoolAttempt::new(&settings, None);
+        attempt.changes_read();
+        let step = attempt.decide_young(PoolVerdict::NotFound, &settings);
+        assert!(
+            matches!(step, Step::Answer(PoolVerdict::NotFound)),
+            "{step:?}"
+        );
     }
 
     #[test]

@@ -20,7 +20,7 @@ use crate::domain::health::{Health, HealthPolicy, UsableFrom};
 use crate::domain::{KeyId, ModelName, PoolName, ProviderName};
 use crate::store::Db;
 use crate::store::candidates::{self, CredentialFacts, PoolSnapshot};
-use crate::store::leases::GrantedLease;
+use crate::store::leases::{GrantedLease, NotReleased};
 
 /// One credential in a view, with the health part of its score precomputed.
 #[derive(Debug, Clone)]
@@ -136,7 +136,16 @@ pub struct PoolView {
     /// compares no strings per candidate.
     by_model: HashMap<String, Vec<usize>>,
     db_now: OffsetDateTime,
+    /// When the latest read of the pool (whole, or of its changes) was sent.
     loaded: Instant,
+    /// When the latest whole read was sent: the occupancy of a credential no read of changes
+    /// brought (they bring only credentials whose configuration or health moved) is as old as it.
+    counted: Instant,
+    /// When this process last learnt that the view may count a lease that had already ended: a
+    /// release answered that its lease was gone (an earlier attempt of it released it and its
+    /// answer was lost, another replica or an operator released it, or it ran out). Counts are
+    /// in doubt until a whole read sent after that moment.
+    doubted: Option<Instant>,
     xmin: i64,
 }
 
@@ -156,6 +165,8 @@ impl PoolView {
             by_model: HashMap::new(),
             db_now: snapshot.db_now,
             loaded: snapshot.read_at,
+            counted: snapshot.read_at,
+            doubted: None,
             xmin: snapshot.xmin,
         };
         view.entries = snapshot
@@ -169,7 +180,8 @@ impl PoolView {
 
     /// Brings the view up to `changes` (a read of what changed in the pool since this view's
     /// xmin): the credentials that left are dropped, the changed ones replaced or added (health
-    /// scored under `scoring` and `health`); the rest keep what the view knew of them. Cost:
+    /// scored under `scoring` and `health`); the rest keep what the view knew of them, so
+    /// [`PoolView::counted_at`] stays the whole read's. Cost:
     /// O(changes) for the changed entries, and an in-memory pass over the pool for its indexes.
     pub fn apply(&mut self, changes: PoolSnapshot, scoring: &ScoringPolicy, health: &HealthPolicy) {
         self.version = changes.version;
@@ -241,9 +253,12 @@ impl PoolView {
         self.rows = self.entries.iter().map(RankRow::of).collect();
     }
 
-    /// When the read this view was built from was sent.
-    pub fn read_at(&self) -> Instant {
-        self.loaded
+    /// When the whole read this view's occupancy comes from was sent, with whether its counts are
+    /// in doubt (a release since told the view of a lease that had already ended, which it may
+    /// still count as taken: [`CandidateViews::note_release`]). A 429 is answered from the view
+    /// only while it is young and not in doubt (`allocator::attempt`).
+    pub fn counted_at(&self) -> (Instant, bool) {
+        (self.counted, self.doubted.is_some())
     }
 
     /// An estimate of the database clock: its reading at load plus the time elapsed here since the
@@ -444,17 +459,17 @@ impl CandidateViews {
         .await
     }
 
-    /// Reads the whole pool again unless the view has been replaced by a read sent after
-    /// `read_at` (the [`PoolView::read_at`] of the view the caller judged stale): callers that saw
-    /// the same stale view share one read.
+    /// Reads the whole pool again unless the view has been replaced by a whole read sent after
+    /// `counted` (the [`PoolView::counted_at`] of the view the caller judged stale) whose counts
+    /// are not in doubt: callers that saw the same stale view share one read.
     pub async fn reload_unless_newer(
         &self,
         provider: &ProviderName,
         pool: &PoolName,
-        read_at: Instant,
+        counted: Instant,
     ) -> Result<(), sqlx::Error> {
         self.load(provider, pool, false, |view| {
-            view.is_none_or(|v| v.loaded <= read_at)
+            view.is_none_or(|v| v.counted <= counted || v.doubted.is_some())
         })
         .await
     }
@@ -497,7 +512,14 @@ impl CandidateViews {
         };
         let mut guard = slot.view.write().unwrap_or_else(|p| p.into_inner());
         let view = match read {
-            Ok(whole) => guard.insert(whole),
+            Ok(mut whole) => {
+                // a doubt learnt after this read was sent may be about a lease it still saw
+                whole.doubted = guard
+                    .as_ref()
+                    .and_then(|old| old.doubted)
+                    .filter(|&at| at >= whole.counted);
+                guard.insert(whole)
+            }
             Err(changes) => match guard.as_mut() {
                 Some(view) => {
                     view.apply(changes, &self.scoring, &self.health);
@@ -623,24 +645,34 @@ impl CandidateViews {
         }
     }
 
-    /// This process released a lease on `key_id` (if `freed`), applied an outcome to its health,
-    /// and/or replaced the reservation of a lease granted at `usage.0` by its usage (`usage.1` =
-    /// usage - reservation).
+    /// This process made a release on `key_id`: `released` says whether it freed a slot; the
+    /// outcome it applied moved the credential's health to `health`, and/or its usage replaced
+    /// the reservation of a lease granted at `usage.0` (`usage.1` = usage - reservation).
+    ///
+    /// A release answered that its lease was already gone (`NotFound`, `Expired`) puts the view's
+    /// counts in doubt: the view may count that lease as taken (its grant was noted here, and
+    /// whatever ended it was not: an earlier attempt of the release whose answer was lost in an
+    /// outage, another replica, an operator, its lease_until). Enough such leases would answer
+    /// 429 with slots free; a view in doubt answers no 429 until the pool is read whole again.
     pub fn note_release(
         &self,
         provider: &ProviderName,
         pool: &PoolName,
         key_id: &KeyId,
-        freed: bool,
+        released: Result<(), NotReleased>,
         health: Option<Health>,
         usage: Option<(OffsetDateTime, i64)>,
     ) {
         let Some(slot) = self.existing(provider, pool) else {
             return;
         };
+        let freed = released.is_ok();
         let (scoring, decay) = (&self.scoring, &self.health);
         let mut guard = slot.view.write().unwrap_or_else(|p| p.into_inner());
         if let Some(view) = guard.as_mut() {
+            if matches!(released, Err(NotReleased::NotFound | NotReleased::Expired)) {
+                view.doubted = Some(Instant::now());
+            }
             view.change(key_id, |entry, now| {
                 if freed {
                     entry.facts.in_flight = (entry.facts.in_flight - 1).max(0);
@@ -735,8 +767,50 @@ mod tests {
         views.note_grant(&provider, &pool, &lease, 0);
         assert_eq!(free_slots(&views, &provider, &pool), 0);
         // ...and released: the credential is free, not counted busy until the next reload
-        views.note_release(&provider, &pool, &key_id, true, None, None);
+        views.note_release(&provider, &pool, &key_id, Ok(()), None, None);
         assert_eq!(free_slots(&views, &provider, &pool), 1);
+    }
+
+    #[tokio::test]
+    async fn a_release_of_a_lease_already_gone_puts_the_counts_in_doubt_until_a_whole_read() {
+        let (views, provider, pool, key_id) = views_with_one_credential();
+        let counted_at = || {
+            let slot = views.existing(&provider, &pool).unwrap();
+            let guard = slot.view.read().unwrap();
+            guard.as_ref().unwrap().counted_at()
+        };
+        let (read, in_doubt) = counted_at();
+        assert!(!in_doubt);
+        // a release that did not match its lease says nothing of what the view counts
+        views.note_release(
+            &provider,
+            &pool,
+            &key_id,
+            Err(NotReleased::Mismatch),
+            None,
+            None,
+        );
+        assert!(!counted_at().1);
+        for gone in [NotReleased::NotFound, NotReleased::Expired] {
+            views.note_release(&provider, &pool, &key_id, Err(gone), None, None);
+            assert!(counted_at().1, "{gone:?}");
+        }
+        // a read of changes brings only the credentials that changed: the counts stay as old
+        {
+            let slot = views.existing(&provider, &pool).unwrap();
+            let mut guard = slot.view.write().unwrap();
+            let view = guard.as_mut().unwrap();
+            let changes = PoolSnapshot {
+                version: Some(2),
+                db_now: now(),
+                read_at: Instant::now(),
+                xmin: 1,
+                credentials: Vec::new(),
+                departed: Vec::new(),
+            };
+            view.apply(changes, &views.scoring, &views.health);
+        }
+        assert_eq!(counted_at(), (read, true));
     }
 
     #[test]

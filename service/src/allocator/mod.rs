@@ -381,7 +381,7 @@ impl Allocator {
             &lease.provider,
             &lease.pool,
             &lease.key_id,
-            result.released.is_ok(),
+            result.released,
             result.health.clone().map(|(_, health)| health),
             result.usage,
         );
@@ -770,26 +770,26 @@ impl Allocator {
                     )
                 })
                 .await?;
-            let (batch, free_seen) =
-                match attempt.decide(view.verdict, loaded, view.read_at.elapsed(), &self.claims) {
-                    Step::Reload => {
-                        self.views.reload(provider, pool, None).await?;
-                        attempt.reloaded();
-                        continue;
-                    }
-                    Step::CatchUp => {
-                        self.views
-                            .reload_unless_newer(provider, pool, view.read_at)
-                            .await?;
-                        attempt.reloaded();
-                        continue;
-                    }
-                    Step::Answer(mut verdict) => {
-                        attempt.date_database_frees(&mut verdict, view.now);
-                        return Ok(Err(verdict));
-                    }
-                    Step::Claim { batch, free_seen } => (batch, free_seen),
-                };
+            let age = view.counted_age();
+            let (batch, free_seen) = match attempt.decide(view.verdict, loaded, age, &self.claims) {
+                Step::Reload => {
+                    self.views.reload(provider, pool, None).await?;
+                    attempt.reloaded();
+                    continue;
+                }
+                Step::CatchUp => {
+                    self.views
+                        .reload_unless_newer(provider, pool, view.counted)
+                        .await?;
+                    attempt.reloaded();
+                    continue;
+                }
+                Step::Answer(mut verdict) => {
+                    attempt.date_database_frees(&mut verdict, view.now);
+                    return Ok(Err(verdict));
+                }
+                Step::Claim { batch, free_seen } => (batch, free_seen),
+            };
             let claim = Arc::new(keys.claim(request, pool, batch, view.windowed));
             let answer = self.claim(&claim).await?;
             pass.claimed = true;
@@ -884,7 +884,7 @@ impl Allocator {
                 self.views
                     .reload(provider, pool, answer.pool_version)
                     .await?;
-                attempt.reloaded();
+                attempt.changes_read();
             }
         }
     }
@@ -930,11 +930,13 @@ impl Allocator {
 }
 
 /// What one round of a pool attempt takes from the pool's view, in one visit: the verdict on the
-/// pool, when the view was read, its estimate of the database clock, its version, and whether
-/// the batch to claim has rate windows.
+/// pool, when the view's occupancy was read and whether it is in doubt, its estimate of the
+/// database clock, its version, and whether the batch to claim has rate windows.
 struct Snapshot {
     verdict: PoolVerdict,
-    read_at: Instant,
+    /// [`PoolView::counted_at`].
+    counted: Instant,
+    in_doubt: bool,
     now: OffsetDateTime,
     version: Option<i64>,
     /// Whether the claim must take the shape that locks window rows (the slots' `windowed` gate
@@ -966,12 +968,19 @@ impl Snapshot {
             PoolVerdict::Try { batch, .. } => view.any_windowed(batch.iter().chain(hinted)),
             _ => false,
         };
+        let (counted, in_doubt) = view.counted_at();
         Self {
             verdict,
-            read_at: view.read_at(),
+            counted,
+            in_doubt,
             now: view.now(),
             version: view.version,
             windowed,
         }
+    }
+
+    /// How old the view's occupancy is; `None` while it is in doubt (no age makes it young).
+    fn counted_age(&self) -> Option<Duration> {
+        (!self.in_doubt).then(|| self.counted.elapsed())
     }
 }
