@@ -1479,6 +1479,13 @@ async fn check(
         .filter(|e| e.request["pool"] == "tight")
         .count();
     let rejected = exchanges.iter().filter(|e| e.status == Some(429)).count();
+    // a release answered "not released": an earlier attempt released it and its answer was lost
+    // (or a short lease ran out while its renewals failed); the service's view must not go on
+    // counting those leases (a 429 on the roomy pool, checked above)
+    let gone = exchanges
+        .iter()
+        .filter(|e| e.path.ends_with("/release-key") && e.body["released"] == false)
+        .count();
     let first_503 = unavailable
         .iter()
         .map(|e| e.answered)
@@ -1491,8 +1498,8 @@ async fn check(
         });
     format!(
         "{} requests, {answered} grants ({replays} replayed answers, {waited} on the waiting pool), \
-         {renewals} renewals, {rejected} 429s on the waiting pool; {} 503s ({allocate_503s} \
-         allocations), {first_503}; no grant answered for {:.2} s (the outage window); the new \
+         {renewals} renewals, {rejected} 429s on the waiting pool, {gone} releases answered not \
+         released; {} 503s ({allocate_503s} allocations), {first_503}; no grant answered for {:.2} s (the outage window); the new \
          primary was writable {:.2} s after the failover began and the service granted again \
          {:.2} s after that; fences {before_max} before, {after_min} and up after; new primary on \
          port {primary_port}",

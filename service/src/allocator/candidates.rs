@@ -6,8 +6,10 @@
 //! (any change to membership, models, limits, status or cooldowns bumps it, in the same
 //! transaction as the change), updated locally by this process's own grants and releases, and
 //! refreshed periodically as a safety net (occupancy and health figures changed by other
-//! replicas). A stale view can only cost a retry: every decision that matters is re-made by the
-//! claim statement against the database.
+//! replicas). A stale view can only cost a retry: every grant is decided by the claim statement
+//! against the database. The one answer a view gives without a claim that vouches for all of it
+//! is a 429, and only from occupancy read whole in the last second and not in doubt
+//! ([`PoolView::counted_at`]; the rule is the allocator's `attempt` module's).
 
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex, RwLock, Weak};
@@ -255,7 +257,7 @@ impl PoolView {
 
     /// When the whole read this view's occupancy comes from was sent, with whether its counts are
     /// in doubt (a release since told the view of a lease that had already ended, which it may
-    /// still count as taken: [`CandidateViews::note_release`]). A 429 is answered from the view
+    /// still count as taken: `CandidateViews::note_release`). A 429 is answered from the view
     /// only while it is young and not in doubt (`allocator::attempt`).
     pub fn counted_at(&self) -> (Instant, bool) {
         (self.counted, self.doubted.is_some())
