@@ -1,8 +1,9 @@
 //! What a process's candidate view of a pool knows, against a real PostgreSQL. The incremental
 //! read of a pool (what changed since a read, by that read's snapshot xmin): a change whose
 //! transaction was still open when a read ran is not in that read, and the next read of the
-//! changes since it has it, departures included. And a view that may count a lease already
-//! ended answers no 429 before it reads the pool whole.
+//! changes since it has it, departures included. And a view never answers 429 from counts it
+//! was not told were wrong: a lease whose release was answered "not released", occupancy older
+//! than a second behind a read of changes.
 
 use std::time::Duration;
 
@@ -110,12 +111,13 @@ async fn deletes_in_one_pool_never_wait_for_each_others_departures() {
 
 /// A release whose answer was lost is made again and answered "not released" (here the caller's
 /// request timed out while the release waited in the database, which committed it after; in a
-/// failover, the connection went before the answer came). The process's view still counts that
-/// lease, and a 429 answered from it would say "every slot is busy" with the slot free: the view
-/// is in doubt and the pool is read whole before any 429. (With `--claim-attempts 0` a 429 comes
-/// from the view alone; at the default of 1 the same happens whenever the free credential is not
-/// in the claim's batch: CI saw it in the planned switchover of tests/reliability/failover.rs,
-/// 16 credentials of 4 slots and 52 executors.)
+/// failover, the connection went before the answer came). The process's view counted that lease,
+/// and a 429 answered from it would say "every slot is busy" with the slot free: the answer
+/// frees the slot in the view too. (With `--claim-attempts 0` a 429 comes from the view alone;
+/// at the default of 1 the same happens whenever the free credential is not in the claim's batch:
+/// CI saw it in the planned switchover of tests/reliability/failover.rs, 16 credentials of 4
+/// slots and 52 executors.) Without the fix this fails unless over a second passes between the
+/// 409's read and the last allocate (the view is then read again before a 429).
 #[tokio::test]
 async fn a_release_made_again_after_its_answer_was_lost_leaves_no_429_with_the_slot_free() {
     let mut options = AppOptions::default();
@@ -162,7 +164,10 @@ async fn a_release_made_again_after_its_answer_was_lost_leaves_no_429_with_the_s
 /// A read of what changed in a pool brings only the credentials whose configuration or health
 /// moved: the occupancy of the others is as old as the last whole read. A release through
 /// another replica is not told to this one; a 429 is only answered from occupancy read whole in
-/// the last second, and a read of changes since does not make it younger.
+/// the last second, and a read of changes since does not make it younger. (Without the fix this
+/// fails unless the read of changes brings key-a too, which an open transaction elsewhere on the
+/// server can cause by holding the snapshot's xmin back, or has not finished 300 ms after the
+/// grant that started it.)
 #[tokio::test]
 async fn a_read_of_changes_does_not_make_old_occupancy_young_enough_for_a_429() {
     let mut options = AppOptions::default();
@@ -181,8 +186,8 @@ async fn a_read_of_changes_does_not_make_old_occupancy_young_enough_for_a_429() 
     replica.release_ok(&lease, "success").await;
     tokio::time::sleep(Duration::from_millis(1_100)).await;
 
-    // the pool's version moves (a credential joins), and a grant on key-c brings this replica
-    // the changes: key-c and key-o, not key-a
+    // the pool's version moves (a credential joins), and a grant on key-c has this replica read
+    // the changes: key-o, not key-a
     app.put_key("key-o", "openai", "default", &["o1"], 1).await;
     let mini = app
         .lease(json!({"provider": "openai", "model": "gpt-4o-mini"}))

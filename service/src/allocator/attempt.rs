@@ -21,11 +21,10 @@ const MAX_CLAIMS_PER_POOL: usize = 16;
 
 /// The oldest view a 429 may be answered from without reading the pool again, counted from its
 /// latest whole read (a read of changes refreshes only the credentials that changed). A view
-/// misses what it was not told: leases that ran out, renewals, other replicas' releases, a
-/// release of this process whose answer was lost. Answering "every slot is busy" from such a view
-/// would be a 429 while slots are free; reading the pool first costs at most one read of a busy
-/// pool per second and process (concurrent callers share it). A view known to count a lease that
-/// had ended (a release answered "not released") is read first whatever its age.
+/// misses what it was not told: leases that ran out, renewals, other replicas' releases.
+/// Answering "every slot is busy" from such a view would be a 429 while slots are free; reading
+/// the pool first costs at most one read of a busy pool per second and process (concurrent
+/// callers share it).
 const MAX_VIEW_AGE_FOR_429: Duration = Duration::from_secs(1);
 
 /// One request's attempt at one pool: what it has tried and learnt so far, and the rule for what
@@ -63,7 +62,7 @@ pub(super) enum Step {
     Reload,
     /// Read the whole pool unless the view has been read whole since, and judge again: the answer
     /// would be a 429, and the view may be behind: its occupancy is older than
-    /// [`MAX_VIEW_AGE_FOR_429`] or in doubt, or it expected a lease to have ended by now (a
+    /// [`MAX_VIEW_AGE_FOR_429`], or it expected a lease to have ended by now (a
     /// renewal moved that end, or the lease ran out; neither reaches the view), so its "full"
     /// and its Retry-After may both be wrong.
     CatchUp,
@@ -93,13 +92,12 @@ impl PoolAttempt {
     }
 
     /// The next step for `verdict`, judged from a view whose occupancy was read whole from the
-    /// database `age` ago (just now, by this ranking, when `loaded`; `None` when its counts are
-    /// in doubt: [`super::candidates::PoolView::counted_at`]).
+    /// database `age` ago (just now, by this ranking, when `loaded`).
     pub(super) fn decide(
         &mut self,
         verdict: PoolVerdict,
         loaded: bool,
-        age: Option<Duration>,
+        age: Duration,
         settings: &ClaimSettings,
     ) -> Step {
         self.fresh |= loaded;
@@ -143,10 +141,10 @@ impl PoolAttempt {
                 || self.claims > MAX_CLAIMS_PER_POOL)
         {
             // A 429 only from a view the database confirmed: read whole during this attempt, or
-            // recently and not known to be behind or in doubt. (A claim's word on its batch does
-            // not vouch for the rest of the view.)
+            // recently and not known to be behind. (A claim's word on its batch does not vouch
+            // for the rest of the view.)
             let behind = frees_at.is_some_and(|(at, now)| at <= now);
-            if !self.counted && (behind || age.is_none_or(|age| age > MAX_VIEW_AGE_FOR_429)) {
+            if !self.counted && (behind || age > MAX_VIEW_AGE_FOR_429) {
                 return Step::CatchUp;
             }
             return Step::Answer(PoolVerdict::Try {
@@ -168,8 +166,8 @@ impl PoolAttempt {
         self.counted = true;
     }
 
-    /// What changed in the pool since the view's read was read from the database: its
-    /// membership is fresh, the occupancy of the credentials that did not change is not.
+    /// The view was brought up to the pool's version (a read of what changed, if anything): its
+    /// membership is fresh, its occupancy not.
     pub(super) fn changes_read(&mut self) {
         self.fresh = true;
     }
@@ -213,7 +211,7 @@ mod tests {
     }
 
     /// The age of a view just read.
-    const YOUNG: Option<std::time::Duration> = Some(std::time::Duration::ZERO);
+    const YOUNG: std::time::Duration = std::time::Duration::ZERO;
 
     fn keys(ids: &[&str]) -> Vec<KeyId> {
         ids.iter().map(|id| KeyId::parse(*id).unwrap()).collect()
@@ -402,7 +400,7 @@ mod tests {
     fn a_429_from_a_view_older_than_a_second_reads_the_pool_once_before_answering() {
         let settings = settings(1);
         let later = Some((now() + Duration::seconds(20), now()));
-        let old = Some(MAX_VIEW_AGE_FOR_429 + std::time::Duration::from_millis(1));
+        let old = MAX_VIEW_AGE_FOR_429 + std::time::Duration::from_millis(1);
         let mut attempt = PoolAttempt::new(&settings, None);
         let (batch, _) =
             claimed(attempt.decide(try_verdict(&["key-a"], false, later), false, old, &settings));
@@ -423,47 +421,30 @@ mod tests {
         let (batch, _) = claimed(attempt.decide(
             try_verdict(&["key-a"], false, later),
             false,
-            Some(MAX_VIEW_AGE_FOR_429),
+            MAX_VIEW_AGE_FOR_429,
             &settings,
         ));
         attempt.missed(&batch, None, None);
         let step = attempt.decide(
             try_verdict(&["key-b"], false, later),
             false,
-            Some(MAX_VIEW_AGE_FOR_429),
+            MAX_VIEW_AGE_FOR_429,
             &settings,
         );
         assert_answers_try(&step);
     }
 
     #[test]
-    fn a_429_from_a_view_whose_counts_are_in_doubt_reads_the_pool_whole_first_whatever_its_age() {
+    fn a_read_of_changes_does_not_confirm_an_old_views_occupancy_for_a_429() {
         let settings = settings(0);
         let later = Some((now() + Duration::seconds(20), now()));
+        let old = MAX_VIEW_AGE_FOR_429 + std::time::Duration::from_millis(1);
         let mut attempt = PoolAttempt::new(&settings, None);
-        let step = attempt.decide(
-            try_verdict(&["key-a"], false, later),
-            false,
-            None,
-            &settings,
-        );
-        assert!(matches!(step, Step::CatchUp), "{step:?}");
-        // a read of the changes only brings the credentials that changed: still no 429 from it
         attempt.changes_read();
-        let step = attempt.decide(
-            try_verdict(&["key-a"], false, later),
-            false,
-            None,
-            &settings,
-        );
+        let step = attempt.decide(try_verdict(&["key-a"], false, later), false, old, &settings);
         assert!(matches!(step, Step::CatchUp), "{step:?}");
         attempt.reloaded();
-        let step = attempt.decide(
-            try_verdict(&["key-a"], false, later),
-            false,
-            None,
-            &settings,
-        );
+        let step = attempt.decide(try_verdict(&["key-a"], false, later), false, old, &settings);
         assert_answers_try(&step);
     }
 

@@ -7,9 +7,9 @@
 //! transaction as the change), updated locally by this process's own grants and releases, and
 //! refreshed periodically as a safety net (occupancy and health figures changed by other
 //! replicas). A stale view can only cost a retry: every grant is decided by the claim statement
-//! against the database. The one answer a view gives without a claim that vouches for all of it
-//! is a 429, and only from occupancy read whole in the last second and not in doubt
-//! ([`PoolView::counted_at`]; the rule is the allocator's `attempt` module's).
+//! against the database, a 404 or 409 is answered only after a read, and a 429 only from
+//! occupancy read whole in the last second ([`PoolView::counted_at`]; the rule is the
+//! allocator's `attempt` module's) or read during the request.
 
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex, RwLock, Weak};
@@ -143,11 +143,6 @@ pub struct PoolView {
     /// When the latest whole read was sent: the occupancy of a credential no read of changes
     /// brought (they bring only credentials whose configuration or health moved) is as old as it.
     counted: Instant,
-    /// When this process last learnt that the view may count a lease that had already ended: a
-    /// release answered that its lease was gone (an earlier attempt of it released it and its
-    /// answer was lost, another replica or an operator released it, or it ran out). Counts are
-    /// in doubt until a whole read sent after that moment.
-    doubted: Option<Instant>,
     xmin: i64,
 }
 
@@ -168,7 +163,6 @@ impl PoolView {
             db_now: snapshot.db_now,
             loaded: snapshot.read_at,
             counted: snapshot.read_at,
-            doubted: None,
             xmin: snapshot.xmin,
         };
         view.entries = snapshot
@@ -255,12 +249,11 @@ impl PoolView {
         self.rows = self.entries.iter().map(RankRow::of).collect();
     }
 
-    /// When the whole read this view's occupancy comes from was sent, with whether its counts are
-    /// in doubt (a release since told the view of a lease that had already ended, which it may
-    /// still count as taken: `CandidateViews::note_release`). A 429 is answered from the view
-    /// only while it is young and not in doubt (`allocator::attempt`).
-    pub fn counted_at(&self) -> (Instant, bool) {
-        (self.counted, self.doubted.is_some())
+    /// When the whole read this view's occupancy comes from was sent (a read of changes since
+    /// does not move it). A 429 is answered from the view only while this is recent
+    /// (`allocator::attempt`).
+    pub fn counted_at(&self) -> Instant {
+        self.counted
     }
 
     /// An estimate of the database clock: its reading at load plus the time elapsed here since the
@@ -462,8 +455,8 @@ impl CandidateViews {
     }
 
     /// Reads the whole pool again unless the view has been replaced by a whole read sent after
-    /// `counted` (the [`PoolView::counted_at`] of the view the caller judged stale) whose counts
-    /// are not in doubt: callers that saw the same stale view share one read.
+    /// `counted` (the [`PoolView::counted_at`] of the view the caller judged stale): callers that
+    /// saw the same stale view share one read.
     pub async fn reload_unless_newer(
         &self,
         provider: &ProviderName,
@@ -471,7 +464,7 @@ impl CandidateViews {
         counted: Instant,
     ) -> Result<(), sqlx::Error> {
         self.load(provider, pool, false, |view| {
-            view.is_none_or(|v| v.counted <= counted || v.doubted.is_some())
+            view.is_none_or(|v| v.counted <= counted)
         })
         .await
     }
@@ -514,14 +507,7 @@ impl CandidateViews {
         };
         let mut guard = slot.view.write().unwrap_or_else(|p| p.into_inner());
         let view = match read {
-            Ok(mut whole) => {
-                // a doubt learnt after this read was sent may be about a lease it still saw
-                whole.doubted = guard
-                    .as_ref()
-                    .and_then(|old| old.doubted)
-                    .filter(|&at| at >= whole.counted);
-                guard.insert(whole)
-            }
+            Ok(whole) => guard.insert(whole),
             Err(changes) => match guard.as_mut() {
                 Some(view) => {
                     view.apply(changes, &self.scoring, &self.health);
@@ -651,11 +637,12 @@ impl CandidateViews {
     /// outcome it applied moved the credential's health to `health`, and/or its usage replaced
     /// the reservation of a lease granted at `usage.0` (`usage.1` = usage - reservation).
     ///
-    /// A release answered that its lease was already gone (`NotFound`, `Expired`) puts the view's
-    /// counts in doubt: the view may count that lease as taken (its grant was noted here, and
-    /// whatever ended it was not: an earlier attempt of the release whose answer was lost in an
-    /// outage, another replica, an operator, its lease_until). Enough such leases would answer
-    /// 429 with slots free; a view in doubt answers no 429 until the pool is read whole again.
+    /// A release answered that its lease was already gone (`NotFound`, `Expired`) frees a slot in
+    /// the view too: the view may still count that lease (its grant was noted here, and whatever
+    /// ended it was not: an earlier attempt of the release whose answer was lost in an outage,
+    /// another replica, an operator, its lease_until), and enough such leases would answer 429
+    /// with slots free. When the view did not count it, this errs the safe way: a view that
+    /// thinks a slot free costs one claim.
     pub fn note_release(
         &self,
         provider: &ProviderName,
@@ -668,13 +655,13 @@ impl CandidateViews {
         let Some(slot) = self.existing(provider, pool) else {
             return;
         };
-        let freed = released.is_ok();
+        let freed = matches!(
+            released,
+            Ok(()) | Err(NotReleased::NotFound | NotReleased::Expired)
+        );
         let (scoring, decay) = (&self.scoring, &self.health);
         let mut guard = slot.view.write().unwrap_or_else(|p| p.into_inner());
         if let Some(view) = guard.as_mut() {
-            if matches!(released, Err(NotReleased::NotFound | NotReleased::Expired)) {
-                view.doubted = Some(Instant::now());
-            }
             view.change(key_id, |entry, now| {
                 if freed {
                     entry.facts.in_flight = (entry.facts.in_flight - 1).max(0);
@@ -737,6 +724,24 @@ mod tests {
         (views, provider, pool, key_id)
     }
 
+    /// A 600-second lease granted now on `key_id` of `pool`.
+    fn granted_lease(key_id: &KeyId, pool: &PoolName) -> GrantedLease {
+        GrantedLease {
+            key_id: key_id.clone(),
+            lease_id: LeaseId::generate(),
+            granted_at: now(),
+            lease_until: now() + time::Duration::seconds(600),
+            probe: false,
+            provider_model: "gpt-4o".into(),
+            sealed_secret: vec![],
+            pruned_expired: false,
+            pool: pool.clone(),
+            fence: 1,
+            tenant: "default".into(),
+            affinity: None,
+        }
+    }
+
     fn free_slots(views: &CandidateViews, provider: &ProviderName, pool: &PoolName) -> i64 {
         let slot = views.existing(provider, pool).unwrap();
         let guard = slot.view.read().unwrap();
@@ -752,20 +757,7 @@ mod tests {
         views.note_full(&provider, &pool, std::slice::from_ref(&key_id));
         assert_eq!(free_slots(&views, &provider, &pool), 0);
         // ...then that grant committed and was noted...
-        let lease = GrantedLease {
-            key_id: key_id.clone(),
-            lease_id: LeaseId::generate(),
-            granted_at: now(),
-            lease_until: now() + time::Duration::seconds(600),
-            probe: false,
-            provider_model: "gpt-4o".into(),
-            sealed_secret: vec![],
-            pruned_expired: false,
-            pool: pool.clone(),
-            fence: 1,
-            tenant: "default".into(),
-            affinity: None,
-        };
+        let lease = granted_lease(&key_id, &pool);
         views.note_grant(&provider, &pool, &lease, 0);
         assert_eq!(free_slots(&views, &provider, &pool), 0);
         // ...and released: the credential is free, not counted busy until the next reload
@@ -774,45 +766,50 @@ mod tests {
     }
 
     #[tokio::test]
-    async fn a_release_of_a_lease_already_gone_puts_the_counts_in_doubt_until_a_whole_read() {
+    async fn a_release_of_a_lease_already_gone_frees_its_slot_in_the_view() {
         let (views, provider, pool, key_id) = views_with_one_credential();
-        let counted_at = || {
-            let slot = views.existing(&provider, &pool).unwrap();
-            let guard = slot.view.read().unwrap();
-            guard.as_ref().unwrap().counted_at()
+        // (granted after the view's read: counted)
+        let lease = GrantedLease {
+            granted_at: now() + time::Duration::seconds(1),
+            ..granted_lease(&key_id, &pool)
         };
-        let (read, in_doubt) = counted_at();
-        assert!(!in_doubt);
-        // a release that did not match its lease says nothing of what the view counts
-        views.note_release(
-            &provider,
-            &pool,
-            &key_id,
-            Err(NotReleased::Mismatch),
-            None,
-            None,
-        );
-        assert!(!counted_at().1);
+        // a release that did not match its lease says nothing of it; one that found it gone
+        // (released by an earlier attempt whose answer was lost, or run out) frees its slot
         for gone in [NotReleased::NotFound, NotReleased::Expired] {
+            views.note_grant(&provider, &pool, &lease, 0);
+            assert_eq!(free_slots(&views, &provider, &pool), 0);
+            views.note_release(
+                &provider,
+                &pool,
+                &key_id,
+                Err(NotReleased::Mismatch),
+                None,
+                None,
+            );
+            assert_eq!(free_slots(&views, &provider, &pool), 0);
             views.note_release(&provider, &pool, &key_id, Err(gone), None, None);
-            assert!(counted_at().1, "{gone:?}");
+            assert_eq!(free_slots(&views, &provider, &pool), 1, "{gone:?}");
         }
-        // a read of changes brings only the credentials that changed: the counts stay as old
-        {
-            let slot = views.existing(&provider, &pool).unwrap();
-            let mut guard = slot.view.write().unwrap();
-            let view = guard.as_mut().unwrap();
-            let changes = PoolSnapshot {
-                version: Some(2),
-                db_now: now(),
-                read_at: Instant::now(),
-                xmin: 1,
-                credentials: Vec::new(),
-                departed: Vec::new(),
-            };
-            view.apply(changes, &views.scoring, &views.health);
-        }
-        assert_eq!(counted_at(), (read, true));
+    }
+
+    #[tokio::test]
+    async fn a_read_of_changes_leaves_the_occupancy_as_old_as_the_whole_read() {
+        let (views, provider, pool, _) = views_with_one_credential();
+        let slot = views.existing(&provider, &pool).unwrap();
+        let mut guard = slot.view.write().unwrap();
+        let view = guard.as_mut().unwrap();
+        let counted = view.counted_at();
+        let changes = PoolSnapshot {
+            version: Some(2),
+            db_now: now(),
+            read_at: Instant::now(),
+            xmin: 1,
+            credentials: Vec::new(),
+            departed: Vec::new(),
+        };
+        view.apply(changes, &views.scoring, &views.health);
+        assert_eq!(view.version, Some(2));
+        assert_eq!(view.counted_at(), counted);
     }
 
     #[test]

@@ -770,7 +770,7 @@ impl Allocator {
                     )
                 })
                 .await?;
-            let age = view.counted_age();
+            let age = view.counted.elapsed();
             let (batch, free_seen) = match attempt.decide(view.verdict, loaded, age, &self.claims) {
                 Step::Reload => {
                     self.views.reload(provider, pool, None).await?;
@@ -930,13 +930,12 @@ impl Allocator {
 }
 
 /// What one round of a pool attempt takes from the pool's view, in one visit: the verdict on the
-/// pool, when the view's occupancy was read and whether it is in doubt, its estimate of the
-/// database clock, its version, and whether the batch to claim has rate windows.
+/// pool, when the view's occupancy was read whole, its estimate of the database clock, its
+/// version, and whether the batch to claim has rate windows.
 struct Snapshot {
     verdict: PoolVerdict,
     /// [`PoolView::counted_at`].
     counted: Instant,
-    in_doubt: bool,
     now: OffsetDateTime,
     version: Option<i64>,
     /// Whether the claim must take the shape that locks window rows (the slots' `windowed` gate
@@ -968,19 +967,12 @@ impl Snapshot {
             PoolVerdict::Try { batch, .. } => view.any_windowed(batch.iter().chain(hinted)),
             _ => false,
         };
-        let (counted, in_doubt) = view.counted_at();
         Self {
             verdict,
-            counted,
-            in_doubt,
+            counted: view.counted_at(),
             now: view.now(),
             version: view.version,
             windowed,
         }
-    }
-
-    /// How old the view's occupancy is; `None` while it is in doubt (no age makes it young).
-    fn counted_age(&self) -> Option<Duration> {
-        (!self.in_doubt).then(|| self.counted.elapsed())
     }
 }
