@@ -709,19 +709,30 @@ mod tests {
             ProviderName::parse("openai").unwrap(),
             PoolName::default_pool(),
         );
-        let facts = CredentialFacts::idle("a", &["gpt-4o"], 1);
-        let key_id = facts.key_id.clone();
-        let snapshot = PoolSnapshot {
-            version: Some(1),
-            db_now: now(),
-            read_at: Instant::now(),
-            xmin: 0,
-            credentials: vec![facts],
-            departed: Vec::new(),
-        };
+        let snapshot = snapshot(&[("a", "gpt-4o", 1)], &[], 1);
         let view = PoolView::from_snapshot(snapshot, &views.scoring, &views.health);
         *views.slot(&provider, &pool).view.write().unwrap() = Some(view);
-        (views, provider, pool, key_id)
+        (views, provider, pool, KeyId::parse("a").unwrap())
+    }
+
+    /// A read of version and xmin `version` sent now: idle credentials as (key_id, the one model
+    /// it serves, limit), and those that left.
+    fn snapshot(
+        credentials: &[(&str, &str, i32)],
+        departed: &[&str],
+        version: i64,
+    ) -> PoolSnapshot {
+        PoolSnapshot {
+            version: Some(version),
+            db_now: now(),
+            read_at: Instant::now(),
+            xmin: version,
+            credentials: credentials
+                .iter()
+                .map(|&(key_id, model, limit)| CredentialFacts::idle(key_id, &[model], limit))
+                .collect(),
+            departed: departed.iter().map(|&k| KeyId::parse(k).unwrap()).collect(),
+        }
     }
 
     /// A 600-second lease granted now on `key_id` of `pool`.
@@ -799,34 +810,13 @@ mod tests {
         let mut guard = slot.view.write().unwrap();
         let view = guard.as_mut().unwrap();
         let counted = view.counted_at();
-        let changes = PoolSnapshot {
-            version: Some(2),
-            db_now: now(),
-            read_at: Instant::now(),
-            xmin: 1,
-            credentials: Vec::new(),
-            departed: Vec::new(),
-        };
-        view.apply(changes, &views.scoring, &views.health);
+        view.apply(snapshot(&[], &[], 2), &views.scoring, &views.health);
         assert_eq!(view.version, Some(2));
         assert_eq!(view.counted_at(), counted);
     }
 
     #[test]
     fn changes_bring_a_view_to_what_a_whole_read_would_show() {
-        // idle credentials as (key_id, the one model it serves, limit), and those that left
-        let snapshot =
-            |credentials: &[(&str, &str, i32)], departed: &[&str], version| PoolSnapshot {
-                version: Some(version),
-                db_now: now(),
-                read_at: Instant::now(),
-                xmin: version,
-                credentials: credentials
-                    .iter()
-                    .map(|&(key_id, model, limit)| CredentialFacts::idle(key_id, &[model], limit))
-                    .collect(),
-                departed: departed.iter().map(|&k| KeyId::parse(k).unwrap()).collect(),
-            };
         let (scoring, health) = (ScoringPolicy::default(), HealthPolicy::default());
         let from_snapshot = |snapshot| PoolView::from_snapshot(snapshot, &scoring, &health);
         let mut view = from_snapshot(snapshot(
