@@ -166,8 +166,7 @@ async fn a_release_made_again_after_its_answer_was_lost_leaves_no_429_with_the_s
 /// another replica is not told to this one; a 429 is only answered from occupancy read whole in
 /// the last second, and a read of changes since does not make it younger. (Without the fix this
 /// fails unless the read of changes brings key-a too, which an open transaction elsewhere on the
-/// server can cause by holding the snapshot's xmin back, or has not finished 300 ms after the
-/// grant that started it.)
+/// server can cause by holding the snapshot's xmin back.)
 #[tokio::test]
 async fn a_read_of_changes_does_not_make_old_occupancy_young_enough_for_a_429() {
     let mut options = AppOptions::default();
@@ -181,20 +180,21 @@ async fn a_read_of_changes_does_not_make_old_occupancy_young_enough_for_a_429() 
     app.put_key("key-c", "openai", "default", &["gpt-4o-mini"], 1)
         .await;
     let gpt4o = json!({"provider": "openai", "model": "gpt-4o"});
-    // the pool read whole here, then key-a's lease released through the other replica
+    let mini = json!({"provider": "openai", "model": "gpt-4o-mini"});
+    // the pool read whole here; then, through the other replica, key-a's lease released and
+    // key-c taken, neither told to this one
     let lease = app.lease(gpt4o.clone()).await;
     replica.release_ok(&lease, "success").await;
+    let taken = replica.lease(mini.clone()).await;
+    assert_eq!(taken["key_id"], "key-c");
     tokio::time::sleep(Duration::from_millis(1_100)).await;
 
-    // the pool's version moves (a credential joins), and a grant on key-c has this replica read
-    // the changes: key-o, not key-a
+    // the pool's version moves (a credential joins); a claim on key-c finds it full and the
+    // version newer, and this replica reads the changes (key-o, not key-a) before it answers:
+    // key-c is full, rightly
     app.put_key("key-o", "openai", "default", &["o1"], 1).await;
-    let mini = app
-        .lease(json!({"provider": "openai", "model": "gpt-4o-mini"}))
-        .await;
-    assert_eq!(mini["key_id"], "key-c");
-    // (the read of the changes runs in the background after a grant)
-    tokio::time::sleep(Duration::from_millis(300)).await;
+    let response = app.allocate(mini).await;
+    assert_error(response, StatusCode::TOO_MANY_REQUESTS, "pool_exhausted").await;
 
     // key-a is free, and the next allocation gets it
     let body = json_body(app.allocate(gpt4o).await, StatusCode::OK).await;

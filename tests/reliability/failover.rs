@@ -1499,10 +1499,10 @@ async fn check(
     format!(
         "{} requests, {answered} grants ({replays} replayed answers, {waited} on the waiting pool), \
          {renewals} renewals, {rejected} 429s on the waiting pool, {gone} releases answered not \
-         released; {} 503s ({allocate_503s} allocations), {first_503}; no grant answered for {:.2} s (the outage window); the new \
-         primary was writable {:.2} s after the failover began and the service granted again \
-         {:.2} s after that; fences {before_max} before, {after_min} and up after; new primary on \
-         port {primary_port}",
+         released; {} 503s ({allocate_503s} allocations), {first_503}; no grant answered for \
+         {:.2} s (the outage window); the new primary was writable {:.2} s after the failover \
+         began and the service granted again {:.2} s after that; fences {before_max} before, \
+         {after_min} and up after; new primary on port {primary_port}",
         exchanges.len(),
         unavailable.len(),
         outage.as_secs_f64(),
