@@ -308,7 +308,8 @@ impl Client {
             let now = Instant::now();
             let left =
                 wait_until.map_or(Duration::ZERO, |until| until.saturating_duration_since(now));
-            if left.as_millis() == 0 {
+            // under a millisecond left is still left: giving up then would end the wait early
+            if left.is_zero() {
                 return Err(Error::PoolExhausted { retry_after });
             }
             if now - run_started < HELD_AT_LEAST {

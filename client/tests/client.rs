@@ -294,11 +294,14 @@ async fn a_server_that_does_not_hold_the_request_is_not_hammered() {
         })
         .build()
         .expect("builds");
+    let started = Instant::now();
     let error = client
         .lease(request().wait(Duration::from_millis(700)))
         .await
         .expect_err("exhausted");
     assert!(matches!(error, Error::PoolExhausted { .. }));
+    // the 429 comes when the wait is used up, never before
+    assert!(started.elapsed() >= Duration::from_millis(700));
     let count = fake.count(Route::Allocate);
     assert!((2..=6).contains(&count), "{count} requests in 700 ms");
 }

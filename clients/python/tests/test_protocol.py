@@ -34,7 +34,10 @@ from credpool import (
 )
 from credpool._protocol import (
     MAX_RETRY_AFTER_SECONDS,
+    Allocation,
     Answer,
+    Config,
+    LeaseRequest,
     join_route,
     parse_granted,
     parse_rfc3339,
@@ -271,6 +274,20 @@ def test_with_wait_the_pool_exhausted_comes_when_the_wait_is_used_up() -> None:
     assert time.monotonic() - started >= 0.3
     # the fake answers at once, so the client paused between asks instead of spinning
     assert len(fake.bodies("allocate-key")) < 50
+
+
+def test_a_429_with_under_a_millisecond_of_the_wait_left_pauses_for_it_instead_of_raising() -> None:
+    config = Config("http://127.0.0.1:1", "key", 5.0, None, 0.5)
+    request = LeaseRequest("openai", "gpt-4o", "default", None, None, 0.3, None, {})
+    allocation = Allocation(config, request, 100.0)
+    busy = PoolExhausted("busy", retry_after=1.0)
+    # 0.4 ms before the wait ends: pause for the rest, then ask once more (without wait_ms)
+    pause = allocation.pause_after(busy, 100.2996)
+    assert pause is not None
+    assert 0.0 <= pause <= 0.0004 + 1e-9
+    assert "wait_ms" not in allocation.attempt(100.3).body
+    # at the wait's end: raise
+    assert allocation.pause_after(busy, 100.3) is None
 
 
 # -- renewal and loss ----------------------------------------------------------------------

@@ -737,7 +737,8 @@ class Allocation:
         if not isinstance(error, PoolExhausted):
             return self._retries.pause_after(error, now)
         left = 0.0 if self._wait_until is None else self._wait_until - now
-        if left < 0.001:
+        # under a millisecond left is still left: raising then would end the wait early
+        if left <= 0.0:
             return None
         pause = 0.0
         if now - self.run_started < HELD_AT_LEAST:
