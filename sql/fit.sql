@@ -49,6 +49,10 @@ DECLARE
     v_rate_limits jsonb;
     v_windowed boolean;
     v_expired lease_slots[];
+    v_last_kept record;
+    v_movers integer[];
+    v_targets integer[];
+    v_moves jsonb;
 BEGIN
     IF credpool_lock_credentials(ARRAY[p_key_id]) = 0 THEN
         RETURN;
@@ -79,16 +83,28 @@ BEGIN
     INTO v_live, v_was_over
     FROM lease_slots WHERE provider = v_provider AND key_id = p_key_id;
 
+    -- (Each step below is a statement over the credential's rows alone, with what it needs from
+    -- the others read first into plain values: a join of the rows to a subquery of themselves may
+    -- be planned, for a credential or table that has grown since its statistics, as a loop that
+    -- runs the subquery once per row, which took 4 s at a few thousand slots in a fuzz run.)
     IF v_live > v_limit THEN
         DELETE FROM lease_slots
         WHERE provider = v_provider AND key_id = p_key_id AND lease_id IS NULL;
+        -- every row holds a live lease now; the `limit` rows whose leases end last, ranked by
+        -- (lease_until DESC, slot), stay within the limit: the last of them is read, and a row
+        -- ranked after it is surplus
+        SELECT lease_until, slot INTO v_last_kept
+        FROM lease_slots WHERE provider = v_provider AND key_id = p_key_id
+        ORDER BY lease_until DESC, slot
+        OFFSET v_limit - 1 LIMIT 1;
         UPDATE lease_slots s
-        SET over_limit = true, surplus = r.rank > v_limit, draining = v_draining,
-            windowed = v_windowed, config_version = v_version
-        FROM (SELECT slot, row_number() OVER (ORDER BY lease_until DESC, slot) AS rank
-              FROM lease_slots WHERE provider = v_provider AND key_id = p_key_id) AS r
-        WHERE s.provider = v_provider AND s.key_id = p_key_id AND s.slot = r.slot
-          AND (NOT s.over_limit OR s.surplus IS DISTINCT FROM (r.rank > v_limit)
+        SET over_limit = true,
+            surplus = (s.lease_until, -s.slot) < (v_last_kept.lease_until, -v_last_kept.slot),
+            draining = v_draining, windowed = v_windowed, config_version = v_version
+        WHERE s.provider = v_provider AND s.key_id = p_key_id
+          AND (NOT s.over_limit
+               OR s.surplus IS DISTINCT FROM
+                  ((s.lease_until, -s.slot) < (v_last_kept.lease_until, -v_last_kept.slot))
                OR s.draining IS DISTINCT FROM v_draining OR s.windowed IS DISTINCT FROM v_windowed
                OR s.config_version IS DISTINCT FROM v_version);
         IF NOT v_was_over THEN
@@ -98,43 +114,30 @@ BEGIN
         RETURN;
     END IF;
 
-    -- Numbers below the limit that no live lease holds, lowest first, paired with the live leases
-    -- at or above the limit: the free rows there make way, the leases move in.
-    WITH movers AS (
-        SELECT slot, row_number() OVER (ORDER BY slot) AS n
-        FROM lease_slots
-        WHERE provider = v_provider AND key_id = p_key_id AND slot >= v_limit
-          AND lease_id IS NOT NULL
-    ),
-    targets AS (
-        SELECT g AS slot, row_number() OVER (ORDER BY g) AS n
-        FROM generate_series(0, v_limit - 1) AS g
-        WHERE NOT EXISTS (SELECT 1 FROM lease_slots s
-                          WHERE s.provider = v_provider AND s.key_id = p_key_id AND s.slot = g
-                            AND s.lease_id IS NOT NULL)
-    )
-    DELETE FROM lease_slots s
-    USING movers JOIN targets USING (n)
-    WHERE s.provider = v_provider AND s.key_id = p_key_id AND s.slot = targets.slot
-      AND s.lease_id IS NULL;
-
-    WITH movers AS (
-        SELECT slot, row_number() OVER (ORDER BY slot) AS n
-        FROM lease_slots
-        WHERE provider = v_provider AND key_id = p_key_id AND slot >= v_limit
-          AND lease_id IS NOT NULL
-    ),
-    targets AS (
-        SELECT g AS slot, row_number() OVER (ORDER BY g) AS n
-        FROM generate_series(0, v_limit - 1) AS g
-        WHERE NOT EXISTS (SELECT 1 FROM lease_slots s
-                          WHERE s.provider = v_provider AND s.key_id = p_key_id AND s.slot = g
-                            AND s.lease_id IS NOT NULL)
-    )
-    UPDATE lease_slots s
-    SET slot = targets.slot
-    FROM movers JOIN targets USING (n)
-    WHERE s.provider = v_provider AND s.key_id = p_key_id AND s.slot = movers.slot;
+    -- The live leases at or above the limit, lowest first, move into the numbers below it that no
+    -- live lease holds, lowest first (there are enough: in-flight <= limit). Every number up to
+    -- the last of those targets that no live lease holds is a target, so the free rows there make
+    -- way by a range; each mover finds its target by its own number in a map.
+    SELECT array_agg(slot ORDER BY slot) INTO v_movers
+    FROM lease_slots
+    WHERE provider = v_provider AND key_id = p_key_id AND slot >= v_limit AND lease_id IS NOT NULL;
+    IF v_movers IS NOT NULL THEN
+        SELECT array_agg(t.slot ORDER BY t.slot) INTO v_targets
+        FROM (SELECT g FROM generate_series(0, v_limit - 1) AS g
+              EXCEPT
+              SELECT slot FROM lease_slots
+              WHERE provider = v_provider AND key_id = p_key_id AND slot < v_limit
+                AND lease_id IS NOT NULL
+              ORDER BY 1 LIMIT cardinality(v_movers)) AS t (slot);
+        DELETE FROM lease_slots
+        WHERE provider = v_provider AND key_id = p_key_id
+          AND slot <= v_targets[cardinality(v_targets)] AND lease_id IS NULL;
+        SELECT jsonb_object_agg(f, t) INTO v_moves FROM unnest(v_movers, v_targets) AS x (f, t);
+        UPDATE lease_slots s
+        SET slot = (v_moves ->> s.slot::text)::integer
+        WHERE s.provider = v_provider AND s.key_id = p_key_id AND s.slot >= v_limit
+          AND s.lease_id IS NOT NULL;
+    END IF;
 
     DELETE FROM lease_slots WHERE provider = v_provider AND key_id = p_key_id AND slot >= v_limit;
     INSERT INTO lease_slots (key_id, slot, provider, draining, windowed, config_version)

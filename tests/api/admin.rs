@@ -291,3 +291,67 @@ async fn two_puts_creating_one_key_under_two_providers_store_the_first_and_refus
     assert_eq!(stored["provider"], "openai");
     assert_eq!(stored["max_concurrent_uses"], 2);
 }
+
+#[tokio::test]
+async fn a_credential_of_ten_thousand_slots_is_refitted_within_the_default_statement_timeout() {
+    // Under the service's default statement timeout (5 s, set here on the database as the service
+    // sets it on its connections), every change of a large credential's limit answers 200. A fuzz
+    // run found a 503: raising a credential of a few thousand slots further ran a subquery of the
+    // fit once per slot row, under a plan made while the table was small (4 s at ~3,000 rows).
+    // Small fits come first, and the database keeps the plans made for them (`plan_cache_mode`:
+    // what a connection did in that run once a statement had run five times on a small table);
+    // then the limit goes up to 10,000, down past held leases (they move to lower numbers), under
+    // them (the rest are surplus) and up again. The fit before this test answered 503 here.
+    let database = TestDatabase::create().await;
+    let admin = database.pool(1).await;
+    for setting in [
+        "statement_timeout = '5s'",
+        "plan_cache_mode = force_generic_plan",
+    ] {
+        sqlx::query(sqlx::AssertSqlSafe(format!(
+            "ALTER DATABASE \"{}\" SET {setting}",
+            database.name
+        )))
+        .execute(&admin)
+        .await
+        .unwrap();
+    }
+    let app = TestApp::spawn_on(database, AppOptions::default()).await;
+    app.put_gpt4o_key("big", "default", 1).await;
+    let set_limit = |limit: u32| {
+        let app = &app;
+        async move {
+            app.patch_key("big", json!({"max_concurrent_uses": limit}))
+                .ok_json()
+                .await;
+        }
+    };
+    for limit in [2, 1, 2, 1, 2, 1, 2, 1, 3_000, 6_000, 10_000] {
+        set_limit(limit).await;
+    }
+    let mut leases = Vec::new();
+    for _ in 0..20 {
+        leases.push(app.lease(gpt4o_for(600)).await);
+    }
+    // [slot rows, live leases, rows not surplus, highest slot]
+    let counts = || {
+        app.scalar::<Vec<i64>>(
+            "SELECT ARRAY[count(*), count(lease_id), count(*) FILTER (WHERE NOT surplus), max(slot)]
+             FROM lease_slots WHERE key_id = 'big'",
+        )
+    };
+    // the leases above 100 move below it
+    set_limit(100).await;
+    assert_eq!(counts().await, [100, 20, 100, 99]);
+    // 20 leases over a limit of 3: the 3 that end last are within it
+    set_limit(3).await;
+    let [rows, live, within, _] = counts().await[..] else {
+        unreachable!()
+    };
+    assert_eq!((rows, live, within), (20, 20, 3));
+    set_limit(10_000).await;
+    assert_eq!(counts().await, [10_000, 20, 10_000, 9_999]);
+    for lease in &leases {
+        app.release_ok(lease, "success").await;
+    }
+}
