@@ -36,6 +36,9 @@ pub struct Entry {
     /// apart from `facts.in_flight` so that a grant noted after it (the grant that took the last
     /// slot, committed later) does not count twice and outlive its release.
     pub claimed_full: bool,
+    /// The database clock of the read that brought `facts` (the whole read, or a later read of
+    /// changes): a grant made no later than this may be counted in them already.
+    pub read_at: OffsetDateTime,
 }
 
 /// `at` as Unix seconds.
@@ -223,6 +226,7 @@ impl PoolView {
             health_score: health_score(&facts.health, self.db_now, scoring, health),
             facts,
             claimed_full: false,
+            read_at: self.db_now,
         }
     }
 
@@ -598,14 +602,16 @@ impl CandidateViews {
         let Some(view) = guard.as_mut() else {
             return;
         };
-        // A view read after the grant's statement began may count the grant already (a reload
-        // that ran between the commit and this note): counting it again would show the slot
-        // taken after its release, until the next reload. Skipped when in doubt, which errs the
-        // safe way (a view that thinks a slot free costs one claim).
-        if lease.granted_at <= view.db_now {
-            return;
-        }
         view.change(&lease.key_id, |entry, _| {
+            // A read after the grant's statement began may count the grant already (a read that
+            // ran between the commit and this note): counting it again would show the slot taken
+            // after its release, until the next whole read. Skipped when in doubt, which errs the
+            // safe way (a view that thinks a slot free costs one claim). Judged by the read that
+            // brought this credential: a read of changes leaves the others as the whole read saw
+            // them, and a grant on one of them since was not counted.
+            if lease.granted_at <= entry.read_at {
+                return;
+            }
             let facts = &mut entry.facts;
             facts.in_flight += 1;
             facts.last_used_at = Some(lease.granted_at);
@@ -813,6 +819,43 @@ mod tests {
         view.apply(snapshot(&[], &[], 2), &views.scoring, &views.health);
         assert_eq!(view.version, Some(2));
         assert_eq!(view.counted_at(), counted);
+    }
+
+    #[tokio::test]
+    async fn a_grant_after_the_whole_read_is_counted_on_a_credential_a_read_of_changes_left_alone()
+    {
+        let (views, provider, pool, a) = views_with_one_credential();
+        let b = KeyId::parse("b").unwrap();
+        {
+            let slot = views.existing(&provider, &pool).unwrap();
+            let mut guard = slot.view.write().unwrap();
+            let view = guard.as_mut().unwrap();
+            // a read of changes two seconds after the whole read brings b only
+            let changes = PoolSnapshot {
+                db_now: now() + time::Duration::seconds(2),
+                ..snapshot(&[("b", "gpt-4o", 1)], &[], 2)
+            };
+            view.apply(changes, &views.scoring, &views.health);
+        }
+        let in_flight = |key_id: &KeyId| {
+            let slot = views.existing(&provider, &pool).unwrap();
+            let guard = slot.view.read().unwrap();
+            let view = guard.as_ref().unwrap();
+            view.entries[view.index[key_id]].facts.in_flight
+        };
+        // granted a second after the whole read, before the read of changes
+        let granted_at = now() + time::Duration::seconds(1);
+        for key_id in [&a, &b] {
+            let lease = GrantedLease {
+                granted_at,
+                ..granted_lease(key_id, &pool)
+            };
+            views.note_grant(&provider, &pool, &lease, 0);
+        }
+        // a was read before the grant: not counted there, so counted now
+        assert_eq!(in_flight(&a), 1);
+        // b was read after it: that read may count it already, so it is not counted again
+        assert_eq!(in_flight(&b), 0);
     }
 
     #[test]
