@@ -85,8 +85,8 @@ BEGIN
 
     -- (Each step below is a statement over the credential's rows alone, with what it needs from
     -- the others read first into plain values: a join of the rows to a subquery of themselves may
-    -- be planned, for a credential or table that has grown since its statistics, as a loop that
-    -- runs the subquery once per row, which took 4 s at a few thousand slots in a fuzz run.)
+    -- be planned, for a credential or table that has grown since its plan was made, as a loop
+    -- that runs the subquery once per row; docs/reliability.md, "Fuzzing".)
     IF v_live > v_limit THEN
         DELETE FROM lease_slots
         WHERE provider = v_provider AND key_id = p_key_id AND lease_id IS NULL;

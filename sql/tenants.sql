@@ -146,6 +146,8 @@ DECLARE
     v_leases uuid[];
     v_ends timestamptz[];
     v_providers text[];
+    v_last_kept record;
+    v_free integer[];
 BEGIN
     PERFORM pg_advisory_xact_lock(hashtextextended('credpool.tenant:' || p_tenant_id, 0));
     SELECT max_concurrent_leases, rate_limits INTO v_cap, v_rate_limits
@@ -200,23 +202,37 @@ BEGIN
     DELETE FROM tenant_slots
     WHERE tenant_id = p_tenant_id AND (lease_id IS NULL OR lease_until <= v_now);
     SELECT count(*)::integer INTO v_live FROM tenant_slots WHERE tenant_id = p_tenant_id;
+    -- (as in FIT: what a step needs from the other rows is read first, and each change is a
+    -- statement of the tenant's rows alone, which no plan can turn into a subquery per row)
     IF v_live > v_cap THEN
+        -- every row holds a live lease; the `cap` rows that end last, ranked by
+        -- (lease_until DESC, slot), stay within the cap: a row ranked after the last of them is
+        -- surplus (every row, with a cap of 0)
+        SELECT lease_until, slot INTO v_last_kept
+        FROM tenant_slots WHERE tenant_id = p_tenant_id
+        ORDER BY lease_until DESC, slot
+        OFFSET greatest(v_cap - 1, 0) LIMIT 1;
         UPDATE tenant_slots t
-        SET over_limit = true, surplus = r.rank > v_cap
-        FROM (SELECT slot, row_number() OVER (ORDER BY lease_until DESC, slot) AS rank
-              FROM tenant_slots WHERE tenant_id = p_tenant_id) AS r
-        WHERE t.tenant_id = p_tenant_id AND t.slot = r.slot
-          AND (NOT t.over_limit OR t.surplus IS DISTINCT FROM (r.rank > v_cap));
+        SET over_limit = true,
+            surplus = (v_cap = 0
+                       OR (t.lease_until, -t.slot) < (v_last_kept.lease_until, -v_last_kept.slot))
+        WHERE t.tenant_id = p_tenant_id
+          AND (NOT t.over_limit
+               OR t.surplus IS DISTINCT FROM
+                  (v_cap = 0
+                   OR (t.lease_until, -t.slot) < (v_last_kept.lease_until, -v_last_kept.slot)));
         RETURN;
     END IF;
     UPDATE tenant_slots SET over_limit = false, surplus = false
     WHERE tenant_id = p_tenant_id AND (over_limit OR surplus);
+    -- the lowest numbers no live lease holds, cap - live of them
+    SELECT coalesce(array_agg(f.slot), '{}') INTO v_free
+    FROM (SELECT g FROM generate_series(0, v_cap + v_live) AS g
+          EXCEPT
+          SELECT slot FROM tenant_slots WHERE tenant_id = p_tenant_id
+          ORDER BY 1 LIMIT v_cap - v_live) AS f (slot);
     INSERT INTO tenant_slots (tenant_id, slot)
-    SELECT p_tenant_id, g
-    FROM generate_series(0, v_cap + v_live) AS g
-    WHERE NOT EXISTS (SELECT 1 FROM tenant_slots t WHERE t.tenant_id = p_tenant_id AND t.slot = g)
-    ORDER BY g
-    LIMIT v_cap - v_live;
+    SELECT p_tenant_id, f.slot FROM unnest(v_free) AS f (slot);
 END;
 $$;
 

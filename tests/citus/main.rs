@@ -280,6 +280,69 @@ async fn an_operator_manages_credentials_of_two_workers_through_the_api() {
     .unwrap();
     assert_eq!((slots, draining, windowed), (2, 2, 2));
 
+    // lowered past held leases (those above the new limit move to the free numbers below it),
+    // then under them (the one that ends last stays within the limit, the other is surplus), then
+    // raised again: the fit's statements on the provider's worker
+    let ask = |seconds: u64| json!({"provider": first, "model": "m1", "lease_seconds": seconds});
+    let mut held = Vec::new();
+    for seconds in [600, 600, 300, 900] {
+        held.push(app.lease(ask(seconds)).await);
+    }
+    let slot_of = |lease: &Value| {
+        sqlx::query_scalar::<_, i32>(
+            "SELECT slot FROM lease_slots WHERE provider = $1 AND lease_id = $2::text::uuid",
+        )
+        .bind(first.clone())
+        .bind(lease["lease_id"].as_str().unwrap().to_owned())
+    };
+    let mut by_slot = Vec::new();
+    for lease in held {
+        by_slot.push((
+            slot_of(&lease).fetch_one(&mut coordinator).await.unwrap(),
+            lease,
+        ));
+    }
+    by_slot.sort_by_key(|(slot, _)| *slot);
+    let kept: Vec<Value> = by_slot.drain(2..).map(|(_, lease)| lease).collect();
+    for (_, lease) in &by_slot {
+        app.release_ok(lease, "success").await;
+    }
+    let rows = "SELECT count(*), count(lease_id), count(*) FILTER (WHERE NOT surplus)
+                FROM lease_slots WHERE provider = $1";
+    let counts = |limit: u32| {
+        let (app, first) = (&app, &first);
+        async move {
+            app.patch_key("a-1", json!({"max_concurrent_uses": limit}))
+                .ok_json()
+                .await;
+            sqlx::query_as::<_, (i64, i64, i64)>(rows).bind(first.clone())
+        }
+    };
+    let moved = counts(2).await.fetch_one(&mut coordinator).await.unwrap();
+    assert_eq!(moved, (2, 2, 2));
+    for lease in &kept {
+        assert!(slot_of(lease).fetch_one(&mut coordinator).await.unwrap() < 2);
+    }
+    let over = counts(1).await.fetch_one(&mut coordinator).await.unwrap();
+    assert_eq!(over, (2, 2, 1));
+    let within: bool = sqlx::query_scalar(
+        "SELECT NOT surplus FROM lease_slots WHERE provider = $1 AND lease_id IS NOT NULL
+         ORDER BY lease_until DESC LIMIT 1",
+    )
+    .bind(&first)
+    .fetch_one(&mut coordinator)
+    .await
+    .unwrap();
+    assert!(
+        within,
+        "the lease that ends last stays within the lowered limit"
+    );
+    let raised = counts(4).await.fetch_one(&mut coordinator).await.unwrap();
+    assert_eq!(raised, (4, 2, 4));
+    for lease in &kept {
+        app.release_ok(lease, "success").await;
+    }
+
     // read back: the list, one credential, the pools
     let listed = app.admin_get("/api/admin/keys").await;
     let keys: Vec<&str> = listed["keys"]

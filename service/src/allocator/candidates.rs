@@ -38,7 +38,7 @@ pub struct Entry {
     pub claimed_full: bool,
     /// The database clock of the read that brought `facts` (the whole read, or a later read of
     /// changes): a grant made no later than this may be counted in them already.
-    pub read_at: OffsetDateTime,
+    pub as_of: OffsetDateTime,
 }
 
 /// `at` as Unix seconds.
@@ -226,7 +226,7 @@ impl PoolView {
             health_score: health_score(&facts.health, self.db_now, scoring, health),
             facts,
             claimed_full: false,
-            read_at: self.db_now,
+            as_of: self.db_now,
         }
     }
 
@@ -609,7 +609,7 @@ impl CandidateViews {
             // safe way (a view that thinks a slot free costs one claim). Judged by the read that
             // brought this credential: a read of changes leaves the others as the whole read saw
             // them, and a grant on one of them since was not counted.
-            if lease.granted_at <= entry.read_at {
+            if lease.granted_at <= entry.as_of {
                 return;
             }
             let facts = &mut entry.facts;
