@@ -207,20 +207,22 @@ BEGIN
     IF v_live > v_cap THEN
         -- every row holds a live lease; the `cap` rows that end last, ranked by
         -- (lease_until DESC, slot), stay within the cap: a row ranked after the last of them is
-        -- surplus (every row, with a cap of 0)
-        SELECT lease_until, slot INTO v_last_kept
-        FROM tenant_slots WHERE tenant_id = p_tenant_id
-        ORDER BY lease_until DESC, slot
-        OFFSET greatest(v_cap - 1, 0) LIMIT 1;
+        -- surplus (with a cap of 0, after an end no lease has: every row)
+        IF v_cap = 0 THEN
+            SELECT 'infinity'::timestamptz AS lease_until, 0 AS slot INTO v_last_kept;
+        ELSE
+            SELECT lease_until, slot INTO v_last_kept
+            FROM tenant_slots WHERE tenant_id = p_tenant_id
+            ORDER BY lease_until DESC, slot
+            OFFSET v_cap - 1 LIMIT 1;
+        END IF;
         UPDATE tenant_slots t
         SET over_limit = true,
-            surplus = (v_cap = 0
-                       OR (t.lease_until, -t.slot) < (v_last_kept.lease_until, -v_last_kept.slot))
+            surplus = (t.lease_until, -t.slot) < (v_last_kept.lease_until, -v_last_kept.slot)
         WHERE t.tenant_id = p_tenant_id
           AND (NOT t.over_limit
                OR t.surplus IS DISTINCT FROM
-                  (v_cap = 0
-                   OR (t.lease_until, -t.slot) < (v_last_kept.lease_until, -v_last_kept.slot)));
+                  ((t.lease_until, -t.slot) < (v_last_kept.lease_until, -v_last_kept.slot)));
         RETURN;
     END IF;
     UPDATE tenant_slots SET over_limit = false, surplus = false

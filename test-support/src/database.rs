@@ -330,6 +330,18 @@ impl TestDatabase {
         url_for(&self.options, &self.name)
     }
 
+    /// `ALTER DATABASE ... SET {setting}` (`name = value`): a setting every connection made
+    /// afterwards starts with, the service's too.
+    pub async fn set(&self, setting: &str) {
+        sqlx::query(sqlx::AssertSqlSafe(format!(
+            "ALTER DATABASE \"{}\" SET {setting}",
+            self.name
+        )))
+        .execute(&self.pool(1).await)
+        .await
+        .unwrap_or_else(|e| panic!("SET {setting}: {e}"));
+    }
+
     /// A pool of at most `max_connections` on this database, for the test's own queries.
     pub async fn pool(&self, max_connections: u32) -> PgPool {
         sqlx::postgres::PgPoolOptions::new()

@@ -120,13 +120,9 @@ impl TestApp {
     /// [`TestApp::spawn_with_hooks`] with `options`.
     pub async fn spawn_with_hooks_and(points: &str, options: AppOptions) -> Self {
         let database = TestDatabase::create().await;
-        sqlx::query(sqlx::AssertSqlSafe(format!(
-            "ALTER DATABASE \"{}\" SET credpool.test_hooks = '{points}'",
-            database.name
-        )))
-        .execute(&database.pool(1).await)
-        .await
-        .unwrap();
+        database
+            .set(&format!("credpool.test_hooks = '{points}'"))
+            .await;
         Self::spawn_on(database, options).await
     }
 }

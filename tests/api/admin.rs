@@ -302,19 +302,8 @@ async fn a_credential_of_ten_thousand_slots_is_refitted_within_the_default_state
     // 10,000, down past held leases (they move to lower numbers), under them (the rest are
     // surplus) and up again. The fit before this test answered 503 here (three runs).
     let database = TestDatabase::create().await;
-    let admin = database.pool(1).await;
-    for setting in [
-        "statement_timeout = '5s'",
-        "plan_cache_mode = force_generic_plan",
-    ] {
-        sqlx::query(sqlx::AssertSqlSafe(format!(
-            "ALTER DATABASE \"{}\" SET {setting}",
-            database.name
-        )))
-        .execute(&admin)
-        .await
-        .unwrap();
-    }
+    database.set("statement_timeout = '5s'").await;
+    database.set("plan_cache_mode = force_generic_plan").await;
     let app = TestApp::spawn_on(database, AppOptions::default()).await;
     app.put_gpt4o_key("big", "default", 1).await;
     let set_limit = |limit: u32| {
